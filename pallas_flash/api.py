@@ -1,0 +1,213 @@
+"""The public entry point: validate, canonicalise, pick a backend. No kernels here."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import config as config_lib
+from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash.config import BlockSizes
+from pallas_flash.masks import MaskSpec
+from pallas_flash.reference import reference_attention
+
+BACKENDS = ("triton", "xla")
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+MAX_HEAD_DIM = 256
+
+
+def flash_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    return_residuals: bool = False,
+    backend: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """Exact softmax attention, FlashAttention-2 style, called like `jax.nn.dot_product_attention`.
+
+    Shapes (B batch, T queries, S keys, N query heads, K key/value heads, H head dim)::
+
+        query: (B, T, N, H)  or (T, N, H)
+        key:   (B, S, K, H)  or (S, K, H)
+        value: (B, S, K, H)  or (S, K, H)
+        out:   (B, T, N, H)  in query's dtype
+
+    N must be a multiple of K: query head n reads key/value head n // (N // K). For example with
+    N = 8 and K = 2 (GQA), heads 0-3 read kv head 0 and heads 4-7 read kv head 1; K = 1 is MQA.
+    T and S are any lengths >= 1 (T != S allowed); H is a multiple of 8 up to 256; dtypes are
+    float16, bfloat16 or float32 (all three arrays the same). Softmax and accumulation run in
+    float32.
+
+    Args:
+      query, key, value: the arrays above.
+      bias: not supported yet; raises NotImplementedError if given.
+      mask: not supported yet; raises NotImplementedError if given.
+      scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
+      is_causal: query i sees key j only when j <= i, top-left aligned as in jax.nn, also when
+        T != S. With T = 3, S = 5 ("x" = visible)::
+
+            key:    0 1 2 3 4
+            q 0:    x . . . .
+            q 1:    x x . . .
+            q 2:    x x x . .
+
+      return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of the
+        scaled logits of each query row. Gradients flow through both outputs.
+      backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
+        capability >= 8.0) or "xla" (plain jnp, materialises the logits). None picks "triton"
+        on such GPUs, or when `interpret=True`, and "xla" elsewhere.
+      block_sizes: tiles of the Triton kernels (`BlockSizes`); None picks by head dim and GPU.
+      interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
+        tests on CPU.
+
+    Returns:
+      out, or (out, lse) when return_residuals. A query row that sees no key outputs zeros,
+      has lse = -inf and receives zero gradient.
+    """
+    if bias is not None:
+        raise NotImplementedError("flash_attention: bias is not supported yet")
+    if mask is not None:
+        raise NotImplementedError("flash_attention: mask is not supported yet")
+    query, key, value, unbatched = _canonical_arrays(query, key, value)
+    _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
+    backend = _choose_backend(backend, interpret)
+
+    head_dim = query.shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1], is_causal=bool(is_causal))
+
+    if backend == "xla":
+        out, lse = reference_attention(query, key, value, spec=spec, scale=scale)
+    else:
+        interpret = bool(interpret)
+        if block_sizes is None:
+            block_sizes = config_lib.default_block_sizes(
+                head_dim, query.dtype, interpret=interpret
+            )
+        config = KernelConfig(
+            spec=spec, scale=scale, block_sizes=block_sizes, interpret=interpret
+        )
+        out, lse = flash_attention_kernels(query, key, value, config)
+
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residuals else out
+
+
+def _canonical_arrays(query, key, value):
+    """Checks ranks, shapes and dtypes; adds a batch axis to rank-3 inputs."""
+    arrays = {"query": query, "key": key, "value": value}
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    ranks = {name: x.ndim for name, x in arrays.items()}
+    if set(ranks.values()) - {3, 4} or len(set(ranks.values())) != 1:
+        raise ValueError(
+            "query, key and value must all have rank 4 [B, T|S, N|K, H] or all rank 3 "
+            f"[T|S, N|K, H]; got query.shape={query.shape}, key.shape={key.shape}, "
+            f"value.shape={value.shape}"
+        )
+    for name, x in arrays.items():
+        if not any(x.dtype == d for d in _FLOAT_DTYPES):
+            raise TypeError(
+                f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype; got query.dtype={query.dtype}, "
+            f"key.dtype={key.dtype}, value.dtype={value.dtype}"
+        )
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    b, t, n, h = query.shape
+    kb, s, kh, kd = key.shape
+    if key.shape != value.shape:
+        raise ValueError(
+            f"key.shape={key.shape} and value.shape={value.shape} must be equal"
+        )
+    if kb != b:
+        raise ValueError(f"batch sizes differ: query.shape={query.shape}, key.shape={key.shape}")
+    if kd != h:
+        raise ValueError(
+            f"head dims differ: query.shape={query.shape} has H={h}, key.shape={key.shape} "
+            f"has H={kd}"
+        )
+    if min(t, s, n, kh, b) < 1:
+        raise ValueError(
+            f"every dimension must be >= 1; got query.shape={query.shape}, key.shape={key.shape}"
+        )
+    if n % kh:
+        raise ValueError(
+            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
+            f"(key.shape={key.shape})"
+        )
+    if h % 8 or h > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
+            f"{MAX_HEAD_DIM}"
+        )
+    return query, key, value, unbatched
+
+
+def _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret):
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+            raise TypeError(f"scale={scale!r} must be a Python float or None")
+        if not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale={scale!r} must be a finite positive number")
+    for name, flag in (("is_causal", is_causal), ("return_residuals", return_residuals)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}={flag!r} must be a bool")
+    if interpret is not None and not isinstance(interpret, (bool, np.bool_)):
+        raise TypeError(f"interpret={interpret!r} must be a bool or None")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
+    if backend == "xla" and interpret:
+        raise ValueError("interpret=True runs the Pallas kernels: it needs backend='triton' or None")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(
+            f"block_sizes must be a pallas_flash.BlockSizes or None, got {type(block_sizes).__name__}"
+        )
+    if block_sizes is not None and backend == "xla":
+        raise ValueError("block_sizes configures the Triton kernels: it needs backend='triton'")
+
+
+def _choose_backend(backend, interpret):
+    if interpret:
+        return "triton"
+    cc = config_lib.gpu_compute_capability()
+    gpu_ok = cc is not None and cc >= (8, 0)
+    if backend is None:
+        return "triton" if gpu_ok else "xla"
+    if backend == "triton" and not gpu_ok:
+        raise ValueError(
+            "backend='triton' needs an NVIDIA GPU of compute capability >= 8.0 "
+            f"(found {cc or 'none'}); pass interpret=True to run the kernels in the Pallas "
+            "interpreter, or backend='xla'"
+        )
+    return backend
+
+
+def attention_reference(
+    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+    return_residuals=False,
+):
+    """`flash_attention` computed by plain jnp (materialised logits, f32 softmax).
+
+    Same arguments, semantics and validation as `flash_attention`; it is the "xla" backend.
+    """
+    return flash_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        return_residuals=return_residuals, backend="xla",
+    )

@@ -1,0 +1,102 @@
+"""Kernel tile configuration: `BlockSizes` and the defaults picked per head dim, dtype and GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+
+def _is_power_of_two(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BlockSizes:
+    """Tiles and launch parameters of the three Triton kernels.
+
+    Names follow jax's Pallas ops: `block_q_dkv` is the query tile of the dK/dV kernel, and so on.
+    Every tile is a power of two of at least 16 (the Triton lowering and the matrix units need it).
+
+    Attributes:
+      block_q, block_kv, num_warps, num_stages: forward kernel (grid over query tiles).
+      block_q_dkv, block_kv_dkv, num_warps_dkv, num_stages_dkv: dK/dV kernel (grid over KV tiles).
+      block_q_dq, block_kv_dq, num_warps_dq, num_stages_dq: dQ kernel (grid over query tiles).
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    block_q_dkv: int = 32
+    block_kv_dkv: int = 128
+    num_warps_dkv: int = 4
+    num_stages_dkv: int = 3
+    block_q_dq: int = 128
+    block_kv_dq: int = 32
+    num_warps_dq: int = 4
+    num_stages_dq: int = 3
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("block_"):
+                if not _is_power_of_two(value) or value < 16:
+                    raise ValueError(
+                        f"BlockSizes.{field.name}={value!r} must be a power of two >= 16"
+                    )
+            elif field.name.startswith("num_warps"):
+                if not _is_power_of_two(value):
+                    raise ValueError(f"BlockSizes.{field.name}={value!r} must be a power of two")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
+
+
+# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim. Measured on the H200: see
+# benchmarks/NOTES.md for the sweep that picked them.
+_HOPPER = {
+    32: BlockSizes(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    64: BlockSizes(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    128: BlockSizes(
+        block_q=128, block_kv=64, num_warps=8, num_stages=3,
+        block_q_dkv=64, block_kv_dkv=128, num_warps_dkv=8, num_stages_dkv=2,
+        block_q_dq=128, block_kv_dq=64, num_warps_dq=8, num_stages_dq=2,
+    ),
+    256: BlockSizes(
+        block_q=64, block_kv=32, num_warps=4, num_stages=2,
+        block_q_dkv=32, block_kv_dkv=64, num_warps_dkv=4, num_stages_dkv=1,
+        block_q_dq=64, block_kv_dq=32, num_warps_dq=4, num_stages_dq=1,
+    ),
+}
+
+# Small tiles keep the interpreter fast and exercise multi-tile loops at test sizes.
+_INTERPRET = BlockSizes(
+    block_q=32, block_kv=32, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
+)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The power of two >= head_dim (and >= 16) that the kernels' tiles use."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def default_block_sizes(head_dim: int, dtype, *, interpret: bool) -> BlockSizes:
+    """Tiles for a call: per padded head dim on GPUs, small ones in the interpreter."""
+    del dtype  # f32 uses the same tiles; it is rare enough not to tune separately.
+    if interpret:
+        return _INTERPRET
+    hp = padded_head_dim(head_dim)
+    return _HOPPER[min(max(hp, 32), 256)]
+
+
+def gpu_compute_capability() -> tuple[int, int] | None:
+    """(major, minor) of the first visible NVIDIA GPU, or None without one."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    cc = getattr(devices[0], "compute_capability", None) if devices else None
+    if cc is None:
+        return None
+    major, minor = str(cc).split(".")
+    return int(major), int(minor)

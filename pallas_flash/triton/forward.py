@@ -1,0 +1,129 @@
+"""FlashAttention-2 forward kernel (Dao 2023, Algorithm 1) and its pallas_call wrapper."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flash.config import BlockSizes, padded_head_dim
+from pallas_flash.masks import MaskSpec
+from pallas_flash.triton._common import (
+    LN2,
+    LOG2E,
+    MASK_VALUE,
+    CompilerParams,
+    dot,
+    fold,
+    load_rows,
+    store_rows,
+)
+
+
+def _forward_kernel(
+    q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec: MaskSpec, scale: float, head_dim: int,
+    block_q: int, block_kv: int,
+):
+    """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
+
+    q_ref, o_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref: [block_q].
+    """
+    q_start = pl.program_id(0) * block_q
+    q_rows = spec.q_len - q_start  # rows of this tile that exist; past them, loads read zero
+    ragged_q = spec.q_len % block_q != 0
+    ragged_kv = spec.kv_len % block_kv != 0
+    qk_scale = scale * LOG2E  # softmax in base 2: one exp2 per logit
+
+    q = load_rows(q_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
+    q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+
+    def body(j, carry, *, masked: bool):
+        acc, m_i, l_i = carry
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
+        k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
+        v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
+        # -- compute qk (log2 units) --
+        qk = dot(q, k, trans_b=True) * qk_scale
+        if masked:
+            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            visible = spec.visible(q_idx, kv_idx)
+            qk = jnp.where(visible, qk, MASK_VALUE)
+        # -- online softmax: m_i is the running max, l_i the running sum --
+        m_new = jnp.maximum(m_i, jnp.max(qk, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(qk - m_new[:, None])
+        if masked:
+            # A row with no visible key so far has m_new == MASK_VALUE and p == 1: zero it, so
+            # that l_i stays 0 and the row can be recognised at the end.
+            p = jnp.where(visible, p, 0.0)
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        # -- accumulate the unnormalised output; normalised once in the epilogue (FA2 change 1) --
+        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+        return acc, m_new, l_i
+
+    hp = q_ref.shape[-1]
+    carry = (
+        jnp.zeros((block_q, hp), jnp.float32),
+        jnp.full((block_q,), MASK_VALUE, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+    )
+    lo, full_lo, full_hi, hi = spec.kv_tile_range(q_start, block_q, block_kv)
+    carry = fold(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = fold(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    carry = fold(full_hi, hi, functools.partial(body, masked=True), carry)
+    acc, m_i, l_i = carry
+
+    # -- epilogue: rows that saw no key output 0 and have lse = -inf --
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    store_rows(o_ref, acc / l_safe[:, None], 0, block_q, q_rows, head_dim)
+    lse = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
+    plgpu.store(lse_ref, lse, mask=rows < q_rows)
+
+
+def tile_sizes(block_a: int, len_a: int, block_b: int, len_b: int) -> tuple[int, int]:
+    """Shrinks tiles to the padded problem (a 16-row query tile for T=1, not 128)."""
+
+    def fit(block, length):
+        return min(block, max(16, 1 << (length - 1).bit_length()))
+
+    return fit(block_a, len_a), fit(block_b, len_b)
+
+
+def flash_forward(
+    q, k, v, *, spec: MaskSpec, scale: float, block_sizes: BlockSizes, interpret: bool
+):
+    """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
+
+    q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0.
+    """
+    batch, q_len, num_heads, head_dim = q.shape
+    _, kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    hp = padded_head_dim(head_dim)
+    block_q, block_kv = tile_sizes(block_sizes.block_q, q_len, block_sizes.block_kv, kv_len)
+    kernel = functools.partial(
+        _forward_kernel, spec=spec, scale=scale, head_dim=head_dim,
+        block_q=block_q, block_kv=block_kv,
+    )
+    q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, i, n, 0))
+    kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(q_len, block_q), num_heads, batch),
+        in_specs=[q_spec, kv_spec, kv_spec],
+        out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, i))],
+        out_shape=[
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+        ],
+        compiler_params=CompilerParams(
+            num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
+        ),
+        interpret=interpret,
+        name="pallas_flash_forward",
+    )(q, k, v)

@@ -52,22 +52,26 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
 
 
-# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim. Measured on the H200: see
-# benchmarks/NOTES.md for the sweep that picked them.
+# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of the sweep in
+# benchmarks/sweep.py at seq 4096 on the H200 (benchmarks/NOTES.md, results/h200-sweep-*.jsonl).
 _HOPPER = {
-    32: BlockSizes(block_q=128, block_kv=64, num_warps=4, num_stages=3),
-    64: BlockSizes(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    64: BlockSizes(
+        block_q=64, block_kv=64, num_warps=4, num_stages=3,
+        block_q_dkv=32, block_kv_dkv=128, num_warps_dkv=4, num_stages_dkv=3,
+        block_q_dq=128, block_kv_dq=64, num_warps_dq=8, num_stages_dq=3,
+    ),
     128: BlockSizes(
-        block_q=128, block_kv=64, num_warps=8, num_stages=3,
-        block_q_dkv=64, block_kv_dkv=128, num_warps_dkv=8, num_stages_dkv=2,
-        block_q_dq=128, block_kv_dq=64, num_warps_dq=8, num_stages_dq=2,
+        block_q=128, block_kv=128, num_warps=8, num_stages=3,
+        block_q_dkv=64, block_kv_dkv=128, num_warps_dkv=8, num_stages_dkv=3,
+        block_q_dq=128, block_kv_dq=64, num_warps_dq=8, num_stages_dq=3,
     ),
     256: BlockSizes(
-        block_q=64, block_kv=32, num_warps=4, num_stages=2,
-        block_q_dkv=32, block_kv_dkv=64, num_warps_dkv=4, num_stages_dkv=1,
+        block_q=128, block_kv=64, num_warps=8, num_stages=2,
+        block_q_dkv=64, block_kv_dkv=64, num_warps_dkv=8, num_stages_dkv=2,
         block_q_dq=64, block_kv_dq=32, num_warps_dq=4, num_stages_dq=1,
     ),
 }
+_HOPPER[16] = _HOPPER[32] = _HOPPER[64]
 
 # Small tiles keep the interpreter fast and exercise multi-tile loops at test sizes.
 _INTERPRET = BlockSizes(
@@ -86,7 +90,7 @@ def default_block_sizes(head_dim: int, dtype, *, interpret: bool) -> BlockSizes:
     if interpret:
         return _INTERPRET
     hp = padded_head_dim(head_dim)
-    return _HOPPER[min(max(hp, 32), 256)]
+    return _HOPPER[hp]
 
 
 def gpu_compute_capability() -> tuple[int, int] | None:

@@ -1,0 +1,182 @@
+"""`python -m pallas_flash.bench`: TFLOP/s of pallas_flash beside cuDNN and XLA attention.
+
+On a GPU it runs the FlashAttention-2 paper's grid (bf16, 16k tokens per batch, hidden 2048, so
+N = 2048 / H; H in {64, 128}; seq 512 to 16k; causal and not; forward and forward+backward) for
+every implementation in one process on the same inputs, prints TFLOP/s and the ratio to cuDNN, and
+writes one JSON object per line. On a CPU it runs a small interpret-mode demo and says so.
+
+FLOPs follow the paper: forward 4 * B * N * T * S * H, halved when causal; forward+backward is
+3.5 x forward (the backward is 2.5 x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flash
+from pallas_flash import config as config_lib
+
+PASSES = ("fwd", "fwd+bwd")
+
+
+def attention_fn(impl: str, *, is_causal: bool, interpret: bool = False, block_sizes=None):
+    """q, k, v -> out for one implementation name."""
+    if impl == "pallas_flash":
+        return functools.partial(
+            pallas_flash.flash_attention, is_causal=is_causal, interpret=interpret,
+            backend="triton", block_sizes=block_sizes,
+        )
+    if impl in ("cudnn", "xla"):
+        return functools.partial(
+            jax.nn.dot_product_attention, is_causal=is_causal, implementation=impl
+        )
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def timed_fn(fn, pass_: str):
+    """A jitted function of (q, k, v, d_out) running the forward, or forward and backward."""
+    if pass_ == "fwd":
+        return jax.jit(lambda q, k, v, do: fn(q, k, v))
+
+    def fwd_bwd(q, k, v, do):
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp(do)
+
+    return jax.jit(fwd_bwd)
+
+
+def median_ms(f, args, *, calls: int = 10, repeats: int = 7) -> float:
+    """Median over `repeats` of the wall time of `calls` back-to-back calls, per call, in ms."""
+    jax.block_until_ready(f(*args))  # compile and warm up
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    return statistics.median(times)
+
+
+def attention_flops(b, t, s, n, h, causal: bool, pass_: str) -> float:
+    flops = 4.0 * b * n * t * s * h
+    if causal:
+        flops /= 2
+    return flops * (3.5 if pass_ == "fwd+bwd" else 1.0)
+
+
+def make_inputs(b, t, s, n, k, h, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    kk = jax.random.normal(keys[1], (b, s, k, h), dtype)
+    v = jax.random.normal(keys[2], (b, s, k, h), dtype)
+    do = jax.random.normal(keys[3], (b, t, n, h), dtype)
+    return q, kk, v, do
+
+
+def run_point(impl, b, t, s, n, k, h, dtype, causal, pass_, *, interpret=False, calls=10,
+              repeats=7, block_sizes=None):
+    """One measurement as a dict (ms and tflops are None, with an error, if the call failed)."""
+    row = dict(impl=impl, B=b, T=t, S=s, N=n, K=k, H=h, dtype=jnp.dtype(dtype).name,
+               causal=bool(causal), **{"pass": pass_})
+    try:
+        fn = attention_fn(impl, is_causal=causal, interpret=interpret, block_sizes=block_sizes)
+        args = make_inputs(b, t, s, n, k, h, dtype)
+        ms = median_ms(timed_fn(fn, pass_), args, calls=calls, repeats=repeats)
+        row.update(ms=round(ms, 4),
+                   tflops=round(attention_flops(b, t, s, n, h, causal, pass_) / ms / 1e9, 1))
+    except Exception as e:  # noqa: BLE001 -- a peer failing (OOM, unsupported) is data, not a crash
+        row.update(ms=None, tflops=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+    return row
+
+
+def paper_grid(head_dims, seqs, tokens=16384, hidden=2048):
+    for h in head_dims:
+        for causal in (False, True):
+            for seq in seqs:
+                yield dict(b=max(1, tokens // seq), t=seq, s=seq, n=hidden // h, k=hidden // h,
+                           h=h, causal=causal)
+
+
+def print_table(rows, impls, out=sys.stdout):
+    """TFLOP/s per implementation, and pallas_flash / cudnn, one line per grid point and pass."""
+    by_point = {}
+    for r in rows:
+        key = (r["H"], r["causal"], r["T"], r["pass"])
+        by_point.setdefault(key, {})[r["impl"]] = r["tflops"]
+    header = ["H", "causal", "seq", "pass", *impls]
+    if "cudnn" in impls and "pallas_flash" in impls:
+        header.append("pf/cudnn")
+    print("| " + " | ".join(header) + " |", file=out)
+    print("|" + "---|" * len(header), file=out)
+    for (h, causal, seq, pass_), vals in sorted(by_point.items()):
+        cells = [str(h), str(int(causal)), str(seq), pass_]
+        cells += ["-" if vals.get(i) is None else f"{vals[i]:.0f}" for i in impls]
+        if "pf/cudnn" in header:
+            pf, cu = vals.get("pallas_flash"), vals.get("cudnn")
+            cells.append("-" if not pf or not cu else f"{pf / cu:.2f}")
+        print("| " + " | ".join(cells) + " |", file=out)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqs", type=int, nargs="+",
+                        default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--impls", nargs="+", default=["pallas_flash", "cudnn", "xla"])
+    parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
+    parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    parser.add_argument("--out", default="bench.jsonl", help="JSONL file to append results to")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args(argv)
+
+    on_gpu = (config_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    if on_gpu:
+        grid = list(paper_grid(args.head_dims, args.seqs))
+        impls, interpret, dtype, calls = args.impls, False, jnp.bfloat16, 10
+        print(f"GPU: {jax.devices()[0].device_kind}; {len(grid)} points x {len(args.passes)} "
+              f"passes x {len(impls)} implementations", flush=True)
+    else:
+        # A CPU has no Triton: run the kernels in the Pallas interpreter on a toy problem, beside
+        # XLA, to show the pipeline works. These numbers say nothing about GPU speed.
+        print("No NVIDIA GPU of compute capability >= 8.0 found: running a small interpret-mode "
+              "demo on the CPU (times are not GPU performance).", flush=True)
+        grid = [dict(b=1, t=256, s=256, n=2, k=2, h=64, causal=c) for c in (False, True)]
+        impls, interpret, dtype, calls = ["pallas_flash", "xla"], True, jnp.float32, 1
+        args.repeats = min(args.repeats, 3)
+    if args.causal != "both":
+        grid = [p for p in grid if p["causal"] == (args.causal == "yes")]
+
+    rows = []
+    total = len(grid) * len(args.passes) * len(impls)
+    with open(args.out, "a") as f:
+        for p in grid:
+            for pass_ in args.passes:
+                for impl in impls:
+                    row = run_point(impl, p["b"], p["t"], p["s"], p["n"], p["k"], p["h"], dtype,
+                                    p["causal"], pass_, interpret=interpret, calls=calls,
+                                    repeats=args.repeats)
+                    rows.append(row)
+                    f.write(json.dumps(row) + "\n")
+                    f.flush()
+                    shown = "failed: " + row["error"] if row["tflops"] is None else (
+                        f"{row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s")
+                    print(f"[{len(rows)}/{total}] {impl:12s} H={p['h']} seq={p['t']} "
+                          f"causal={int(p['causal'])} {pass_:7s} {shown}", flush=True)
+    print()
+    print_table(rows, impls)
+    print(f"\nwrote {len(rows)} rows to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

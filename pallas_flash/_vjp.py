@@ -33,7 +33,12 @@ def flash_attention_kernels(q, k, v, config: KernelConfig):
 
 def _forward(q, k, v, config: KernelConfig):
     return flash_forward(
-        q, k, v, spec=config.spec, scale=config.scale, block_sizes=config.block_sizes,
+        q,
+        k,
+        v,
+        spec=config.spec,
+        scale=config.scale,
+        block_sizes=config.block_sizes,
         interpret=config.interpret,
     )
 
@@ -47,8 +52,17 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     q, k, v, out, lse = residuals
     d_out, d_lse = cotangents
     return flash_backward(
-        q, k, v, out, lse, d_out, d_lse, spec=config.spec, scale=config.scale,
-        block_sizes=config.block_sizes, interpret=config.interpret,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        spec=config.spec,
+        scale=config.scale,
+        block_sizes=config.block_sizes,
+        interpret=config.interpret,
     )
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -91,12 +90,8 @@ def flash_attention(
     else:
         interpret = bool(interpret)
         if block_sizes is None:
-            block_sizes = config_lib.default_block_sizes(
-                head_dim, query.dtype, interpret=interpret
-            )
-        config = KernelConfig(
-            spec=spec, scale=scale, block_sizes=block_sizes, interpret=interpret
-        )
+            block_sizes = config_lib.default_block_sizes(head_dim, query.dtype, interpret=interpret)
+        config = KernelConfig(spec=spec, scale=scale, block_sizes=block_sizes, interpret=interpret)
         out, lse = flash_attention_kernels(query, key, value, config)
 
     if unbatched:
@@ -119,9 +114,7 @@ def _canonical_arrays(query, key, value):
         )
     for name, x in arrays.items():
         if not any(x.dtype == d for d in _FLOAT_DTYPES):
-            raise TypeError(
-                f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32"
-            )
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"query, key and value must share a dtype; got query.dtype={query.dtype}, "
@@ -133,9 +126,7 @@ def _canonical_arrays(query, key, value):
     b, t, n, h = query.shape
     kb, s, kh, kd = key.shape
     if key.shape != value.shape:
-        raise ValueError(
-            f"key.shape={key.shape} and value.shape={value.shape} must be equal"
-        )
+        raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must be equal")
     if kb != b:
         raise ValueError(f"batch sizes differ: query.shape={query.shape}, key.shape={key.shape}")
     if kd != h:
@@ -174,10 +165,13 @@ def _check_options(scale, is_causal, return_residuals, backend, block_sizes, int
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
     if backend == "xla" and interpret:
-        raise ValueError("interpret=True runs the Pallas kernels: it needs backend='triton' or None")
+        raise ValueError(
+            "interpret=True runs the Pallas kernels: it needs backend='triton' or None"
+        )
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(
-            f"block_sizes must be a pallas_flash.BlockSizes or None, got {type(block_sizes).__name__}"
+            "block_sizes must be a pallas_flash.BlockSizes or None, "
+            f"got {type(block_sizes).__name__}"
         )
     if block_sizes is not None and backend == "xla":
         raise ValueError("block_sizes configures the Triton kernels: it needs backend='triton'")
@@ -200,7 +194,14 @@ def _choose_backend(backend, interpret):
 
 
 def attention_reference(
-    query, key, value, bias=None, mask=None, *, scale=None, is_causal=False,
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    scale=None,
+    is_causal=False,
     return_residuals=False,
 ):
     """`flash_attention` computed by plain jnp (materialised logits, f32 softmax).
@@ -208,6 +209,13 @@ def attention_reference(
     Same arguments, semantics and validation as `flash_attention`; it is the "xla" backend.
     """
     return flash_attention(
-        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        return_residuals=return_residuals, backend="xla",
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        return_residuals=return_residuals,
+        backend="xla",
     )

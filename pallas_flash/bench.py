@@ -20,7 +20,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_flash
 from pallas_flash import config as config_lib
@@ -32,8 +31,11 @@ def attention_fn(impl: str, *, is_causal: bool, interpret: bool = False, block_s
     """q, k, v -> out for one implementation name."""
     if impl == "pallas_flash":
         return functools.partial(
-            pallas_flash.flash_attention, is_causal=is_causal, interpret=interpret,
-            backend="triton", block_sizes=block_sizes,
+            pallas_flash.flash_attention,
+            is_causal=is_causal,
+            interpret=interpret,
+            backend="triton",
+            block_sizes=block_sizes,
         )
     if impl in ("cudnn", "xla"):
         return functools.partial(
@@ -84,17 +86,44 @@ def make_inputs(b, t, s, n, k, h, dtype, seed=0):
     return q, kk, v, do
 
 
-def run_point(impl, b, t, s, n, k, h, dtype, causal, pass_, *, interpret=False, calls=10,
-              repeats=7, block_sizes=None):
+def run_point(
+    impl,
+    b,
+    t,
+    s,
+    n,
+    k,
+    h,
+    dtype,
+    causal,
+    pass_,
+    *,
+    interpret=False,
+    calls=10,
+    repeats=7,
+    block_sizes=None,
+):
     """One measurement as a dict (ms and tflops are None, with an error, if the call failed)."""
-    row = dict(impl=impl, B=b, T=t, S=s, N=n, K=k, H=h, dtype=jnp.dtype(dtype).name,
-               causal=bool(causal), **{"pass": pass_})
+    row = dict(
+        impl=impl,
+        B=b,
+        T=t,
+        S=s,
+        N=n,
+        K=k,
+        H=h,
+        dtype=jnp.dtype(dtype).name,
+        causal=bool(causal),
+        **{"pass": pass_},
+    )
     try:
         fn = attention_fn(impl, is_causal=causal, interpret=interpret, block_sizes=block_sizes)
         args = make_inputs(b, t, s, n, k, h, dtype)
         ms = median_ms(timed_fn(fn, pass_), args, calls=calls, repeats=repeats)
-        row.update(ms=round(ms, 4),
-                   tflops=round(attention_flops(b, t, s, n, h, causal, pass_) / ms / 1e9, 1))
+        row.update(
+            ms=round(ms, 4),
+            tflops=round(attention_flops(b, t, s, n, h, causal, pass_) / ms / 1e9, 1),
+        )
     except Exception as e:  # noqa: BLE001 -- a peer failing (OOM, unsupported) is data, not a crash
         row.update(ms=None, tflops=None, error=f"{type(e).__name__}: {str(e)[:200]}")
     return row
@@ -104,8 +133,15 @@ def paper_grid(head_dims, seqs, tokens=16384, hidden=2048):
     for h in head_dims:
         for causal in (False, True):
             for seq in seqs:
-                yield dict(b=max(1, tokens // seq), t=seq, s=seq, n=hidden // h, k=hidden // h,
-                           h=h, causal=causal)
+                yield dict(
+                    b=max(1, tokens // seq),
+                    t=seq,
+                    s=seq,
+                    n=hidden // h,
+                    k=hidden // h,
+                    h=h,
+                    causal=causal,
+                )
 
 
 def print_table(rows, impls, out=sys.stdout):
@@ -131,8 +167,7 @@ def print_table(rows, impls, out=sys.stdout):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seqs", type=int, nargs="+",
-                        default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--impls", nargs="+", default=["pallas_flash", "cudnn", "xla"])
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
@@ -144,13 +179,19 @@ def main(argv=None):
     if on_gpu:
         grid = list(paper_grid(args.head_dims, args.seqs))
         impls, interpret, dtype, calls = args.impls, False, jnp.bfloat16, 10
-        print(f"GPU: {jax.devices()[0].device_kind}; {len(grid)} points x {len(args.passes)} "
-              f"passes x {len(impls)} implementations", flush=True)
+        print(
+            f"GPU: {jax.devices()[0].device_kind}; {len(grid)} points x {len(args.passes)} "
+            f"passes x {len(impls)} implementations",
+            flush=True,
+        )
     else:
         # A CPU has no Triton: run the kernels in the Pallas interpreter on a toy problem, beside
         # XLA, to show the pipeline works. These numbers say nothing about GPU speed.
-        print("No NVIDIA GPU of compute capability >= 8.0 found: running a small interpret-mode "
-              "demo on the CPU (times are not GPU performance).", flush=True)
+        print(
+            "No NVIDIA GPU of compute capability >= 8.0 found: running a small interpret-mode "
+            "demo on the CPU (times are not GPU performance).",
+            flush=True,
+        )
         grid = [dict(b=1, t=256, s=256, n=2, k=2, h=64, causal=c) for c in (False, True)]
         impls, interpret, dtype, calls = ["pallas_flash", "xla"], True, jnp.float32, 1
         args.repeats = min(args.repeats, 3)
@@ -163,16 +204,34 @@ def main(argv=None):
         for p in grid:
             for pass_ in args.passes:
                 for impl in impls:
-                    row = run_point(impl, p["b"], p["t"], p["s"], p["n"], p["k"], p["h"], dtype,
-                                    p["causal"], pass_, interpret=interpret, calls=calls,
-                                    repeats=args.repeats)
+                    row = run_point(
+                        impl,
+                        p["b"],
+                        p["t"],
+                        p["s"],
+                        p["n"],
+                        p["k"],
+                        p["h"],
+                        dtype,
+                        p["causal"],
+                        pass_,
+                        interpret=interpret,
+                        calls=calls,
+                        repeats=args.repeats,
+                    )
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
-                    shown = "failed: " + row["error"] if row["tflops"] is None else (
-                        f"{row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s")
-                    print(f"[{len(rows)}/{total}] {impl:12s} H={p['h']} seq={p['t']} "
-                          f"causal={int(p['causal'])} {pass_:7s} {shown}", flush=True)
+                    shown = (
+                        "failed: " + row["error"]
+                        if row["tflops"] is None
+                        else (f"{row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s")
+                    )
+                    print(
+                        f"[{len(rows)}/{total}] {impl:12s} H={p['h']} seq={p['t']} "
+                        f"causal={int(p['causal'])} {pass_:7s} {shown}",
+                        flush=True,
+                    )
     print()
     print_table(rows, impls)
     print(f"\nwrote {len(rows)} rows to {args.out}")

@@ -19,9 +19,12 @@ def reference_attention(q, k, v, *, spec: MaskSpec, scale: float):
     group = num_heads // num_kv_heads
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-    logits = jnp.einsum(
-        "btkgh,bskh->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32
-    ) * scale
+    logits = (
+        jnp.einsum(
+            "btkgh,bskh->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32
+        )
+        * scale
+    )
     visible = spec.dense()[None, None, None]
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
@@ -32,7 +35,10 @@ def reference_attention(q, k, v, *, spec: MaskSpec, scale: float):
     row_sum_safe = jnp.where(empty, 1.0, row_sum)
     probs = unnormalised / row_sum_safe
     out = jnp.einsum(
-        "bkgts,bskh->btkgh", probs.astype(v.dtype), v, precision=precision,
+        "bkgts,bskh->btkgh",
+        probs.astype(v.dtype),
+        v,
+        precision=precision,
         preferred_element_type=jnp.float32,
     )
     lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum_safe))[..., 0]

@@ -1,4 +1,4 @@
-"""Pieces shared by the Triton kernels: constants, masked tile loads, and the quiet compiler params."""
+"""Shared by the Triton kernels: constants, masked tile loads and stores, quiet compiler params."""
 
 from __future__ import annotations
 
@@ -22,9 +22,7 @@ def dot(a, b, *, trans_b: bool = False):
     """a @ b (or a @ b.T) on the matrix units with f32 accumulation; f32 inputs stay f32 (IEEE)."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(
-        a, b, dims, precision=precision, preferred_element_type=jnp.float32
-    )
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def load_rows(ref, start, block: int, length, head_dim: int, *, ragged: bool, head=None):

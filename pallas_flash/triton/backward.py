@@ -25,12 +25,25 @@ from pallas_flash.triton._common import (
     load_vector,
     store_rows,
 )
-from pallas_flash.triton.forward import tile_sizes
+from pallas_flash.triton.forward import query_tile, tile_sizes
 
 
 def _dkv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, spec: MaskSpec,
-    scale: float, head_dim: int, group: int, block_q: int, block_kv: int,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dk_ref,
+    dv_ref,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    head_dim: int,
+    group: int,
+    block_q: int,
+    block_kv: int,
 ):
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
@@ -80,14 +93,25 @@ def _dkv_kernel(
 
 
 def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, spec: MaskSpec, scale: float,
-    head_dim: int, block_q: int, block_kv: int,
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    dq_ref,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    head_dim: int,
+    block_q: int,
+    block_kv: int,
 ):
     """dQ of one query tile of one head: loop over the KV tiles it sees.
 
     q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref: [block_q].
     """
-    q_start = pl.program_id(0) * block_q
+    q_start = query_tile(pl.program_id(0), spec.q_len, block_q) * block_q
     q_rows = spec.q_len - q_start
     ragged_q = spec.q_len % block_q != 0
     ragged_kv = spec.kv_len % block_kv != 0
@@ -119,7 +143,17 @@ def _dq_kernel(
 
 
 def flash_backward(
-    q, k, v, out, lse, d_out, d_lse, *, spec: MaskSpec, scale: float, block_sizes: BlockSizes,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    block_sizes: BlockSizes,
     interpret: bool,
 ):
     """(dq, dk, dv) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32)."""
@@ -138,8 +172,13 @@ def flash_backward(
     # -- dK, dV: grid over KV tiles, each summing over its group's query heads --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dkv, q_len, block_sizes.block_kv_dkv, kv_len)
     dkv_kernel = functools.partial(
-        _dkv_kernel, spec=spec, scale=scale, head_dim=head_dim, group=group,
-        block_q=block_q, block_kv=block_kv,
+        _dkv_kernel,
+        spec=spec,
+        scale=scale,
+        head_dim=head_dim,
+        group=group,
+        block_q=block_q,
+        block_kv=block_kv,
     )
     kv_tile = pl.BlockSpec((None, block_kv, None, hp), lambda j, h, b: (b, j, h, 0))
     q_group = pl.BlockSpec((None, q_len, group, hp), lambda j, h, b: (b, 0, h, 0))
@@ -162,9 +201,13 @@ def flash_backward(
     dq_kernel = functools.partial(
         _dq_kernel, spec=spec, scale=scale, head_dim=head_dim, block_q=block_q, block_kv=block_kv
     )
-    q_tile = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, i, n, 0))
+    q_tile = pl.BlockSpec(
+        (None, block_q, None, hp), lambda i, n, b: (b, query_tile(i, q_len, block_q), n, 0)
+    )
     kv_full = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
-    row_tile = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, i))
+    row_tile = pl.BlockSpec(
+        (None, None, block_q), lambda i, n, b: (b, n, query_tile(i, q_len, block_q))
+    )
     dq = pl.pallas_call(
         dq_kernel,
         grid=(pl.cdiv(q_len, block_q), num_heads, batch),

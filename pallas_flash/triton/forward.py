@@ -24,14 +24,23 @@ from pallas_flash.triton._common import (
 
 
 def _forward_kernel(
-    q_ref, k_ref, v_ref, o_ref, lse_ref, *, spec: MaskSpec, scale: float, head_dim: int,
-    block_q: int, block_kv: int,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    lse_ref,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    head_dim: int,
+    block_q: int,
+    block_kv: int,
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
     q_ref, o_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref: [block_q].
     """
-    q_start = pl.program_id(0) * block_q
+    q_start = query_tile(pl.program_id(0), spec.q_len, block_q) * block_q
     q_rows = spec.q_len - q_start  # rows of this tile that exist; past them, loads read zero
     ragged_q = spec.q_len % block_q != 0
     ragged_kv = spec.kv_len % block_kv != 0
@@ -85,6 +94,12 @@ def _forward_kernel(
     plgpu.store(lse_ref, lse, mask=rows < q_rows)
 
 
+def query_tile(program, q_len: int, block_q: int):
+    """The query tile of grid row `program`: last tile first. Under a causal mask the last tiles
+    see the most keys; starting them first keeps the final wave of the grid short."""
+    return pl.cdiv(q_len, block_q) - 1 - program
+
+
 def tile_sizes(block_a: int, len_a: int, block_b: int, len_b: int) -> tuple[int, int]:
     """Shrinks tiles to the padded problem (a 16-row query tile for T=1, not 128)."""
 
@@ -107,16 +122,27 @@ def flash_forward(
     hp = padded_head_dim(head_dim)
     block_q, block_kv = tile_sizes(block_sizes.block_q, q_len, block_sizes.block_kv, kv_len)
     kernel = functools.partial(
-        _forward_kernel, spec=spec, scale=scale, head_dim=head_dim,
-        block_q=block_q, block_kv=block_kv,
+        _forward_kernel,
+        spec=spec,
+        scale=scale,
+        head_dim=head_dim,
+        block_q=block_q,
+        block_kv=block_kv,
     )
-    q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, i, n, 0))
+    q_spec = pl.BlockSpec(
+        (None, block_q, None, hp), lambda i, n, b: (b, query_tile(i, q_len, block_q), n, 0)
+    )
     kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(q_len, block_q), num_heads, batch),
         in_specs=[q_spec, kv_spec, kv_spec],
-        out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, i))],
+        out_specs=[
+            q_spec,
+            pl.BlockSpec(
+                (None, None, block_q), lambda i, n, b: (b, n, query_tile(i, q_len, block_q))
+            ),
+        ],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),

@@ -1,5 +1,5 @@
-"""The one jax.custom_vjp of pallas_flash: forward saves (q, k, v, out, lse), backward calls the
-backend's backward with the cotangents of both outputs."""
+"""The one jax.custom_vjp of pallas_flash: forward saves (q, k, v, bias, mask arrays, out, lse),
+backward calls the kernels' backward with the cotangents of both outputs."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_flash.config import BlockSizes
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
 
@@ -20,50 +21,44 @@ class KernelConfig:
 
     spec: MaskSpec
     scale: float
+    soft_cap: float | None = None
     block_sizes: BlockSizes
     interpret: bool
 
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def flash_attention_kernels(q, k, v, config: KernelConfig):
-    """(out, lse) through the Triton kernels, differentiable in q, k, v (through out and lse)."""
-    out, lse = _forward(q, k, v, config)
-    return out, lse
-
-
-def _forward(q, k, v, config: KernelConfig):
-    return flash_forward(
-        q,
-        k,
-        v,
-        spec=config.spec,
-        scale=config.scale,
-        block_sizes=config.block_sizes,
-        interpret=config.interpret,
-    )
+    def kwargs(self):
+        return dict(
+            spec=self.spec,
+            scale=self.scale,
+            soft_cap=self.soft_cap,
+            block_sizes=self.block_sizes,
+            interpret=self.interpret,
+        )
 
 
-def _fwd_rule(q, k, v, config: KernelConfig):
-    out, lse = _forward(q, k, v, config)
-    return (out, lse), (q, k, v, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig):
+    """(out, lse) through the Triton kernels, differentiable in q, k, v and bias."""
+    return flash_forward(q, k, v, bias, arrays, **config.kwargs())
+
+
+def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
+    out, lse = flash_forward(q, k, v, bias, arrays, **config.kwargs())
+    return (out, lse), (q, k, v, bias, arrays, out, lse)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, bias, arrays, out, lse = residuals
     d_out, d_lse = cotangents
-    return flash_backward(
-        q,
-        k,
-        v,
-        out,
-        lse,
-        d_out,
-        d_lse,
-        spec=config.spec,
-        scale=config.scale,
-        block_sizes=config.block_sizes,
-        interpret=config.interpret,
+    dq, dk, dv, dbias = flash_backward(
+        q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs()
     )
+    if bias is not None:
+        # The kernel writes dS per (batch, head, query, key); a broadcast bias sums over the
+        # dimensions it was broadcast along.
+        axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and dbias.shape[i] != 1)
+        dbias = jnp.sum(dbias, axis=axes, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
+    d_arrays = jax.tree.map(lambda _: None, arrays)
+    return dq, dk, dv, dbias, d_arrays
 
 
 flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import config as config_lib
+from pallas_flash import masks
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskSpec
@@ -27,6 +28,12 @@ def flash_attention(
     *,
     scale: float | None = None,
     is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: BlockSizes | None = None,
@@ -49,8 +56,11 @@ def flash_attention(
 
     Args:
       query, key, value: the arrays above.
-      bias: not supported yet; raises NotImplementedError if given.
-      mask: not supported yet; raises NotImplementedError if given.
+      bias: float array broadcastable to (B, N, T, S) (each dim full or 1; fewer dims are
+        left-padded with 1), added to the scaled logits. Differentiable: its gradient has the
+        bias's own shape, summed over broadcast dims.
+      mask: bool array broadcastable to (B, N, T, S), True = attend. Other dtypes raise
+        ValueError (pass `mask.astype(bool)`).
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
       is_causal: query i sees key j only when j <= i, top-left aligned as in jax.nn, also when
         T != S. With T = 3, S = 5 ("x" = visible)::
@@ -60,6 +70,15 @@ def flash_attention(
             q 1:    x x . . .
             q 2:    x x x . .
 
+      query_seq_lengths: int array (B,): rows at positions >= the length see no key (they
+        output 0 and get zero gradient).
+      key_value_seq_lengths: int array (B,): keys at positions >= the length are masked.
+      q_segment_ids: int array (B, T); kv_segment_ids: int array (B, S). A query sees a key only
+        when their ids are equal (packed documents). With only q_segment_ids and T == S, keys use
+        the same ids. Ids must be > -2**31 + 1 (the two smallest int32 values mark padding).
+      local_window_size: w or (left, right): query i sees keys j with i - left <= j <= i + right
+        (w means (w, w)); combines with is_causal.
+      logits_soft_cap: c > 0: logits <- c * tanh(logits / c), applied to scale * q.k + bias.
       return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of the
         scaled logits of each query row. Gradients flow through both outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
@@ -73,26 +92,60 @@ def flash_attention(
       out, or (out, lse) when return_residuals. A query row that sees no key outputs zeros,
       has lse = -inf and receives zero gradient.
     """
-    if bias is not None:
-        raise NotImplementedError("flash_attention: bias is not supported yet")
-    if mask is not None:
-        raise NotImplementedError("flash_attention: mask is not supported yet")
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
+    batch, q_len, num_heads, head_dim = query.shape
+    kv_len = key.shape[1]
+    window = _canonical_window(local_window_size)
+    soft_cap = _canonical_soft_cap(logits_soft_cap)
+    bias = _canonical_pair_operand("bias", bias, query.shape, kv_len, unbatched)
+    mask = _canonical_pair_operand("mask", mask, query.shape, kv_len, unbatched)
+    q_segment_ids, kv_segment_ids = _canonical_segment_ids(
+        q_segment_ids, kv_segment_ids, batch, q_len, kv_len, unbatched
+    )
+    for name, lengths in (
+        ("query_seq_lengths", query_seq_lengths),
+        ("key_value_seq_lengths", key_value_seq_lengths),
+    ):
+        _check_lengths(name, lengths, batch, unbatched)
     backend = _choose_backend(backend, interpret)
 
-    head_dim = query.shape[-1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    spec = MaskSpec(q_len=query.shape[1], kv_len=key.shape[1], is_causal=bool(is_causal))
+    arrays = masks.make_arrays(
+        batch,
+        q_len,
+        kv_len,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        mask=mask,
+    )
+    spec = MaskSpec(
+        q_len=q_len,
+        kv_len=kv_len,
+        is_causal=bool(is_causal),
+        window=window,
+        has_segments=arrays.q_segment_ids is not None,
+        mask_shape=None if mask is None else tuple(mask.shape),
+    )
 
     if backend == "xla":
-        out, lse = reference_attention(query, key, value, spec=spec, scale=scale)
+        out, lse = reference_attention(
+            query, key, value, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
+        )
     else:
         interpret = bool(interpret)
         if block_sizes is None:
             block_sizes = config_lib.default_block_sizes(head_dim, query.dtype, interpret=interpret)
-        config = KernelConfig(spec=spec, scale=scale, block_sizes=block_sizes, interpret=interpret)
-        out, lse = flash_attention_kernels(query, key, value, config)
+        config = KernelConfig(
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
+        out, lse = flash_attention_kernels(query, key, value, bias, arrays, config)
 
     if unbatched:
         out, lse = out[0], lse[0]
@@ -193,29 +246,105 @@ def _choose_backend(backend, interpret):
     return backend
 
 
-def attention_reference(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    *,
-    scale=None,
-    is_causal=False,
-    return_residuals=False,
-):
+def attention_reference(query, key, value, bias=None, mask=None, **kwargs):
     """`flash_attention` computed by plain jnp (materialised logits, f32 softmax).
 
-    Same arguments, semantics and validation as `flash_attention`; it is the "xla" backend.
+    Same arguments (except backend, block_sizes, interpret), semantics and validation as
+    `flash_attention`; it is the "xla" backend.
     """
-    return flash_attention(
-        query,
-        key,
-        value,
-        bias,
-        mask,
-        scale=scale,
-        is_causal=is_causal,
-        return_residuals=return_residuals,
-        backend="xla",
-    )
+    for name in ("backend", "block_sizes", "interpret"):
+        if name in kwargs:
+            raise TypeError(f"attention_reference() got an unexpected keyword argument {name!r}")
+    return flash_attention(query, key, value, bias, mask, backend="xla", **kwargs)
+
+
+def _is_int_array(x):
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def _canonical_window(window):
+    if window is None:
+        return None
+    if isinstance(window, (int, np.integer)) and not isinstance(window, bool):
+        window = (int(window), int(window))
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, (int, np.integer)) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(
+            f"local_window_size={window!r} must be an int or a (left, right) pair of ints"
+        )
+    if min(window) < 0:
+        raise ValueError(f"local_window_size={window!r} must be >= 0")
+    return int(window[0]), int(window[1])
+
+
+def _canonical_soft_cap(cap):
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float, np.floating, np.integer)):
+        raise TypeError(f"logits_soft_cap={cap!r} must be a Python float or None")
+    if not math.isfinite(cap) or cap <= 0:
+        raise ValueError(f"logits_soft_cap={cap!r} must be a finite positive number")
+    return float(cap)
+
+
+def _canonical_pair_operand(name, x, q_shape, kv_len, unbatched):
+    """bias/mask as 4-D [B|1, N|1, T|1, S|1]; checks dtype and broadcastability."""
+    if x is None:
+        return None
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if name == "mask" and x.dtype != jnp.bool_:
+        raise ValueError(
+            f"mask.dtype={x.dtype} must be bool (True = attend); pass mask.astype(bool)"
+        )
+    if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"bias.dtype={x.dtype} must be a floating dtype")
+    batch, q_len, num_heads, _ = q_shape
+    full = (batch, num_heads, q_len, kv_len)
+    rank = 3 if unbatched else 4
+    if x.ndim > rank:
+        raise ValueError(f"{name}.shape={x.shape} has more than {rank} dims")
+    x = jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
+    for have, want in zip(x.shape, full):
+        if have not in (1, want):
+            raise ValueError(
+                f"{name}.shape must be broadcastable to {full[4 - rank :]} (each dim full or 1), "
+                f"got {name}.shape={x.shape[4 - rank :]}"
+            )
+    return x
+
+
+def _canonical_segment_ids(q_ids, kv_ids, batch, q_len, kv_len, unbatched):
+    if q_ids is None and kv_ids is None:
+        return None, None
+    if q_ids is None:
+        raise ValueError("kv_segment_ids needs q_segment_ids")
+    if kv_ids is None:
+        if q_len != kv_len:
+            raise ValueError(f"kv_segment_ids is required when T={q_len} != S={kv_len}")
+        kv_ids = q_ids
+    out = []
+    for name, ids, length in (("q_segment_ids", q_ids, q_len), ("kv_segment_ids", kv_ids, kv_len)):
+        if not _is_int_array(ids):
+            got = getattr(ids, "dtype", type(ids).__name__)
+            raise TypeError(f"{name} must be an integer array, got {got}")
+        want = (length,) if unbatched else (batch, length)
+        if tuple(ids.shape) != want:
+            raise ValueError(f"{name}.shape={tuple(ids.shape)} must be {want}")
+        out.append(ids[None] if unbatched else ids)
+    return tuple(out)
+
+
+def _check_lengths(name, lengths, batch, unbatched):
+    if lengths is None:
+        return
+    if unbatched:
+        raise ValueError(f"{name} needs batched inputs (rank 4)")
+    if not _is_int_array(lengths):
+        got = getattr(lengths, "dtype", type(lengths).__name__)
+        raise TypeError(f"{name} must be an integer array, got {got}")
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name}.shape={tuple(lengths.shape)} must be ({batch},)")

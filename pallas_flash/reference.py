@@ -5,10 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.masks import MaskSpec
+from pallas_flash import masks
+from pallas_flash.masks import MaskArrays, MaskSpec
 
 
-def reference_attention(q, k, v, *, spec: MaskSpec, scale: float):
+def reference_attention(
+    q, k, v, bias, arrays: MaskArrays, *, spec: MaskSpec, scale: float, soft_cap=None
+):
     """(out [B, T, N, H], lse [B, N, T]) by materialising the [B, N, T, S] logits.
 
     Logits and softmax in f32, P cast to the value dtype for the second product (as the kernels
@@ -18,6 +21,12 @@ def reference_attention(q, k, v, *, spec: MaskSpec, scale: float):
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    def by_group(x):  # [Bx, N|1, T, S] -> [Bx, K|1, G|1, T, S], matching the logits below
+        if x.shape[1] == 1:
+            return x[:, :, None]
+        return x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:])
+
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     logits = (
         jnp.einsum(
@@ -25,7 +34,11 @@ def reference_attention(q, k, v, *, spec: MaskSpec, scale: float):
         )
         * scale
     )
-    visible = spec.dense()[None, None, None]
+    if bias is not None:
+        logits = logits + by_group(bias.astype(jnp.float32))
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    visible = by_group(masks.dense(spec, arrays))
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
@@ -43,4 +56,6 @@ def reference_attention(q, k, v, *, spec: MaskSpec, scale: float):
     )
     lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum_safe))[..., 0]
     out = out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
-    return out, lse.reshape(batch, num_heads, q_len)
+    return out, jnp.broadcast_to(lse, (batch, num_kv_heads, group, q_len)).reshape(
+        batch, num_heads, q_len
+    )

@@ -46,14 +46,14 @@ def load_rows(ref, start, block: int, length, head_dim: int, *, ragged: bool, he
     return plgpu.load(tile, mask=mask, other=0.0)
 
 
-def load_vector(ref, start, block: int, length, *, ragged: bool, head=None):
+def load_vector(ref, start, block: int, length, *, ragged: bool, head=None, other=0.0):
     """Entries [start, start + block) of a [length] ref (or of row `head` of a [heads, length]
-    ref), zero past `length`."""
+    ref), `other` past `length`."""
     tile = ref.at[pl.ds(start, block)] if head is None else ref.at[head, pl.ds(start, block)]
     if not ragged:
         return plgpu.load(tile)
     idx = start + lax.broadcasted_iota(jnp.int32, (block,), 0)
-    return plgpu.load(tile, mask=idx < length, other=0.0)
+    return plgpu.load(tile, mask=idx < length, other=other)
 
 
 def store_rows(ref, value, start, block: int, length: int, head_dim: int):
@@ -104,3 +104,74 @@ def _register_quiet_lowering():
 
 
 _register_quiet_lowering()
+
+
+def load_pair_tile(
+    ref, q_start, block_q: int, q_len, kv_start, block_kv: int, kv_len, *, head=None, other=0
+):
+    """The [block_q, block_kv] tile of a per-(query, key) ref ([Tb, Sb], or [heads, Tb, Sb] read at
+    `head`) for queries [q_start, +block_q) and keys [kv_start, +block_kv). A dim of size 1
+    broadcasts: it is read once ([1, block_kv] etc.). Entries past q_len/kv_len read `other`."""
+    rows_dim, cols_dim = ref.shape[-2], ref.shape[-1]
+    idx, mask = [], None
+    if rows_dim == 1:
+        idx.append(pl.ds(0, 1))
+    else:
+        idx.append(pl.ds(q_start, block_q))
+        mask = (q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)) < q_len
+    if cols_dim == 1:
+        idx.append(pl.ds(0, 1))
+    else:
+        idx.append(pl.ds(kv_start, block_kv))
+        cols = (kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)) < kv_len
+        mask = cols if mask is None else mask & cols
+    if head is not None:
+        idx.insert(0, head)
+    tile = ref.at[tuple(idx)]
+    if mask is None:
+        return plgpu.load(tile)
+    return plgpu.load(tile, mask=mask, other=other)
+
+
+def load_range(ranges_ref, batch, head, tile):
+    """(lo, full_lo, full_hi, hi) of one tile from a [Br, Nr, tiles, 4] int32 ref (Br, Nr of size
+    1 broadcast)."""
+    b = batch if ranges_ref.shape[0] > 1 else 0
+    n = head if ranges_ref.shape[1] > 1 else 0
+    return tuple(ranges_ref[b, n, tile, c] for c in range(4))
+
+
+def scores(qk, scale: float, bias, soft_cap):
+    """Logits in log2 units from the f32 tile q.k: scale, add the bias tile, soft-cap.
+
+    Returns (s2, dcap): dcap = 1 - tanh^2 is the soft cap's derivative (for the backward), or None.
+    Without bias and soft cap the scale and log2(e) fold into one multiply.
+    """
+    if bias is None and soft_cap is None:
+        return qk * (scale * LOG2E), None
+    s = qk * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    dcap = None
+    if soft_cap is not None:
+        t = jnp.tanh(s * (1.0 / soft_cap))
+        s = t * soft_cap
+        dcap = 1.0 - t * t
+    return s * LOG2E, dcap
+
+
+class Operands:
+    """Named view of a kernel's optional refs, in the order the wrappers pass them:
+    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?."""
+
+    def __init__(
+        self, refs, *, has_bias: bool, has_segments: bool, has_mask: bool, has_ranges: bool
+    ):
+        refs = list(refs)
+        take = lambda present: refs.pop(0) if present else None  # noqa: E731
+        self.bias = take(has_bias)
+        self.q_seg = take(has_segments)
+        self.kv_seg = take(has_segments)
+        self.mask = take(has_mask)
+        self.ranges = take(has_ranges)
+        assert not refs, "unexpected extra refs"

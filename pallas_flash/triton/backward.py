@@ -1,9 +1,11 @@
-"""FlashAttention-2 backward (Dao 2023, Algorithm 2): a dK/dV kernel and a dQ kernel.
+"""FlashAttention-2 backward (Dao 2023, Algorithm 2): dK/dV, dQ and (when used) dBias kernels.
 
 dK/dV runs over KV tiles and loops over the query tiles (and the query heads of its GQA group)
 that see them; dQ runs over query tiles and loops over KV tiles. Neither uses atomics, so the
 gradients are bitwise deterministic. P is recomputed from the saved lse; with an lse cotangent the
-softmax gradient is dS = P * (dP - delta + dlse), folded into delta = rowsum(dO * O) - dlse.
+softmax gradient is dS = P * (dP - delta + dlse), folded into delta = rowsum(dO * O) - dlse. The
+bias gradient is dS (through the soft cap), written by its own kernel so that XLA drops it when
+nobody asks for it.
 """
 
 from __future__ import annotations
@@ -13,19 +15,25 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash import masks
 from pallas_flash.config import BlockSizes, padded_head_dim
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     LOG2E,
     CompilerParams,
+    Operands,
     dot,
     fold,
+    load_pair_tile,
+    load_range,
     load_rows,
     load_vector,
+    scores,
     store_rows,
 )
-from pallas_flash.triton.forward import query_tile, tile_sizes
+from pallas_flash.triton.forward import mask_operands, pair_spec, query_tile, tile_sizes
 
 
 def _dkv_kernel(
@@ -35,29 +43,50 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
+    *refs,
     spec: MaskSpec,
     scale: float,
+    soft_cap,
     head_dim: int,
     group: int,
     block_q: int,
     block_kv: int,
+    has_bias: bool,
 ):
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
     q_ref, do_ref: [T, group, Hp]; lse_ref, delta_ref: [group, T]; k/v/dk/dv_ref: [block_kv, Hp].
     lse_ref holds lse * log2(e), with +inf for rows that see no key (so that P == 0 there).
+    Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
+    Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
+    transposing P and dS.
     """
-    kv_start = pl.program_id(0) * block_kv
+    *refs, dk_ref, dv_ref = refs
+    ops = Operands(
+        refs,
+        has_bias=has_bias,
+        has_segments=spec.has_segments,
+        has_mask=spec.mask_shape is not None,
+        has_ranges=spec.has_arrays,
+    )
+    kv_tile, kv_head, batch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kv_start = kv_tile * block_kv
     kv_rows = spec.kv_len - kv_start
     ragged_q = spec.q_len % block_q != 0
     ragged_kv = spec.kv_len % block_kv != 0
-    qk_scale = scale * LOG2E
     k = load_rows(k_ref, 0, block_kv, kv_rows, head_dim, ragged=ragged_kv)
     v = load_rows(v_ref, 0, block_kv, kv_rows, head_dim, ragged=ragged_kv)
     kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+    kv_seg = None
+    if ops.kv_seg is not None:
+        kv_seg = load_vector(
+            ops.kv_seg, 0, block_kv, kv_rows, ragged=ragged_kv, other=masks.PAD_KV_SEGMENT
+        )[:, None]
+
+    def pair_tile(ref, q_start, head):
+        head = head if ref.ndim == 3 else None
+        tile = load_pair_tile(ref, q_start, block_q, spec.q_len, 0, block_kv, kv_rows, head=head)
+        return tile.T
 
     def body(i, carry, *, head, masked: bool):
         dk, dv = carry
@@ -67,20 +96,35 @@ def _dkv_kernel(
         lse2 = load_vector(lse_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         delta = load_vector(delta_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         # -- recompute P^T [block_kv, block_q] --
-        p_t = jnp.exp2(dot(k, q, trans_b=True) * qk_scale - lse2[None, :])
+        bias = None if ops.bias is None else pair_tile(ops.bias, q_start, head)
+        s_t, dcap_t = scores(dot(k, q, trans_b=True), scale, bias, soft_cap)
+        p_t = jnp.exp2(s_t - lse2[None, :])
         if masked:
             q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
-            p_t = jnp.where(spec.visible(q_idx, kv_idx), p_t, 0.0)
+            q_seg = mask = None
+            if ops.q_seg is not None:
+                q_seg = load_vector(
+                    ops.q_seg, q_start, block_q, spec.q_len, ragged=True, other=masks.PAD_Q_SEGMENT
+                )[None, :]
+            if ops.mask is not None:
+                mask = pair_tile(ops.mask, q_start, head)
+            p_t = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p_t, 0.0)
         dv = dv + dot(p_t.astype(do.dtype), do)
-        # -- dS^T = P^T * (dP^T - delta) --
-        dp_t = dot(v, do, trans_b=True)
-        ds_t = p_t * (dp_t - delta[None, :])
+        # -- dS^T = P^T * (dP^T - delta), through the soft cap --
+        ds_t = p_t * (dot(v, do, trans_b=True) - delta[None, :])
+        if dcap_t is not None:
+            ds_t = ds_t * dcap_t
         dk = dk + dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
-    lo, full_lo, full_hi, hi = spec.q_tile_range(kv_start, block_q, block_kv)
+    static_range = spec.q_tile_range(kv_start, block_q, block_kv)
 
     def head_body(head, carry):
+        ranges = static_range
+        if ops.ranges is not None:
+            n = kv_head * group + head
+            ranges = masks.intersect(ranges, load_range(ops.ranges, batch, n, kv_tile))
+        lo, full_lo, full_hi, hi = ranges
         carry = fold(lo, full_lo, functools.partial(body, head=head, masked=True), carry)
         carry = fold(full_lo, full_hi, functools.partial(body, head=head, masked=False), carry)
         return fold(full_hi, hi, functools.partial(body, head=head, masked=True), carry)
@@ -99,53 +143,126 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
-    dq_ref,
-    *,
+    *refs,
     spec: MaskSpec,
     scale: float,
+    soft_cap,
     head_dim: int,
     block_q: int,
     block_kv: int,
+    has_bias: bool,
+    emit: str,
 ):
-    """dQ of one query tile of one head: loop over the KV tiles it sees.
+    """dQ (emit="dq") or dBias (emit="dbias") of one query tile of one head: loop over KV tiles.
 
-    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref: [block_q].
+    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref: [block_q];
+    dbias_ref: [block_q, S]. Optional operands as in the forward kernel.
     """
-    q_start = query_tile(pl.program_id(0), spec.q_len, block_q) * block_q
+    *refs, out_ref = refs
+    ops = Operands(
+        refs,
+        has_bias=has_bias,
+        has_segments=spec.has_segments,
+        has_mask=spec.mask_shape is not None,
+        has_ranges=spec.has_arrays,
+    )
+    tile = query_tile(pl.program_id(0), spec.q_len, block_q)
+    head, batch = pl.program_id(1), pl.program_id(2)
+    q_start = tile * block_q
     q_rows = spec.q_len - q_start
     ragged_q = spec.q_len % block_q != 0
     ragged_kv = spec.kv_len % block_kv != 0
-    qk_scale = scale * LOG2E
     q = load_rows(q_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     do = load_rows(do_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     lse2 = load_vector(lse_ref, 0, block_q, q_rows, ragged=ragged_q)
     delta = load_vector(delta_ref, 0, block_q, q_rows, ragged=ragged_q)
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    q_seg = None
+    if ops.q_seg is not None:
+        q_seg = load_vector(
+            ops.q_seg, 0, block_q, q_rows, ragged=ragged_q, other=masks.PAD_Q_SEGMENT
+        )[:, None]
 
-    def body(j, dq, *, masked: bool):
-        kv_start = pl.multiple_of(j * block_kv, block_kv)
+    def d_scores(kv_start, masked):
+        """dS [block_q, block_kv] of one KV tile (w.r.t. the logits before the soft cap)."""
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
-        p = jnp.exp2(dot(q, k, trans_b=True) * qk_scale - lse2[:, None])
+        bias = None
+        if ops.bias is not None:
+            bias = load_pair_tile(ops.bias, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+        s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
+        p = jnp.exp2(s - lse2[:, None])
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            p = jnp.where(spec.visible(q_idx, kv_idx), p, 0.0)
+            kv_seg = mask = None
+            if ops.kv_seg is not None:
+                kv_seg = load_vector(
+                    ops.kv_seg,
+                    kv_start,
+                    block_kv,
+                    spec.kv_len,
+                    ragged=True,
+                    other=masks.PAD_KV_SEGMENT,
+                )[None, :]
+            if ops.mask is not None:
+                mask = load_pair_tile(ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+            p = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p, 0.0)
         ds = p * (dot(do, v, trans_b=True) - delta[:, None])
-        return dq + dot(ds.astype(k.dtype), k)
+        if dcap is not None:
+            ds = ds * dcap
+        return ds, k
 
-    hp = q_ref.shape[-1]
-    dq = jnp.zeros((block_q, hp), jnp.float32)
-    lo, full_lo, full_hi, hi = spec.kv_tile_range(q_start, block_q, block_kv)
-    dq = fold(lo, full_lo, functools.partial(body, masked=True), dq)
-    dq = fold(full_lo, full_hi, functools.partial(body, masked=False), dq)
-    dq = fold(full_hi, hi, functools.partial(body, masked=True), dq)
-    store_rows(dq_ref, dq * scale, 0, block_q, q_rows, head_dim)
+    ranges = spec.kv_tile_range(q_start, block_q, block_kv)
+    if ops.ranges is not None:
+        ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
+    lo, full_lo, full_hi, hi = ranges
+
+    if emit == "dq":
+
+        def body(j, dq, *, masked: bool):
+            ds, k = d_scores(pl.multiple_of(j * block_kv, block_kv), masked)
+            return dq + dot(ds.astype(k.dtype), k)
+
+        hp = q_ref.shape[-1]
+        dq = jnp.zeros((block_q, hp), jnp.float32)
+        dq = fold(lo, full_lo, functools.partial(body, masked=True), dq)
+        dq = fold(full_lo, full_hi, functools.partial(body, masked=False), dq)
+        dq = fold(full_hi, hi, functools.partial(body, masked=True), dq)
+        store_rows(out_ref, dq * scale, 0, block_q, q_rows, head_dim)
+        return
+
+    # emit == "dbias": every tile of the [block_q, S] row block is written, zeros where skipped.
+    def store(j, ds):
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0) < q_rows
+        cols = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1) < spec.kv_len
+        plgpu.store(
+            out_ref.at[:, pl.ds(kv_start, block_kv)], ds.astype(out_ref.dtype), mask=rows & cols
+        )
+
+    def zero_body(j, carry):
+        store(j, jnp.zeros((block_q, block_kv), jnp.float32))
+        return carry
+
+    def ds_body(j, carry, *, masked: bool):
+        ds, _ = d_scores(pl.multiple_of(j * block_kv, block_kv), masked)
+        store(j, ds)
+        return carry
+
+    num_kv_tiles = pl.cdiv(spec.kv_len, block_kv)
+    fold(0, lo, zero_body, 0)
+    fold(lo, full_lo, functools.partial(ds_body, masked=True), 0)
+    fold(full_lo, full_hi, functools.partial(ds_body, masked=False), 0)
+    fold(full_hi, hi, functools.partial(ds_body, masked=True), 0)
+    fold(hi, num_kv_tiles, zero_body, 0)
 
 
 def flash_backward(
     q,
     k,
     v,
+    bias,
+    arrays: MaskArrays,
     out,
     lse,
     d_out,
@@ -153,14 +270,19 @@ def flash_backward(
     *,
     spec: MaskSpec,
     scale: float,
+    soft_cap,
     block_sizes: BlockSizes,
     interpret: bool,
 ):
-    """(dq, dk, dv) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32)."""
+    """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
+
+    dbias is None without a bias, else [B, N, T, S] (the caller sums it to the bias's shape).
+    """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     hp = padded_head_dim(head_dim)
+    has_bias = bias is not None
 
     # -- preprocess (XLA fuses it into one pass): delta, and lse in log2 units --
     delta = jnp.einsum(
@@ -175,18 +297,46 @@ def flash_backward(
         _dkv_kernel,
         spec=spec,
         scale=scale,
+        soft_cap=soft_cap,
         head_dim=head_dim,
         group=group,
         block_q=block_q,
         block_kv=block_kv,
+        has_bias=has_bias,
     )
     kv_tile = pl.BlockSpec((None, block_kv, None, hp), lambda j, h, b: (b, j, h, 0))
     q_group = pl.BlockSpec((None, q_len, group, hp), lambda j, h, b: (b, 0, h, 0))
     row_group = pl.BlockSpec((None, group, q_len), lambda j, h, b: (b, h, 0))
+
+    def group_pair_spec(shape):
+        bx, nx, tx, sx = shape
+        block = (None, group if nx > 1 else None, tx, block_kv if sx > 1 else 1)
+        return pl.BlockSpec(
+            block, lambda j, h, b: (b if bx > 1 else 0, h if nx > 1 else 0, 0, j if sx > 1 else 0)
+        )
+
+    operands = [q, k, v, d_out, lse2, delta]
+    in_specs = [q_group, kv_tile, kv_tile, q_group, row_group, row_group]
+    if has_bias:
+        operands.append(bias)
+        in_specs.append(group_pair_spec(bias.shape))
+    if spec.has_segments:
+        operands += [arrays.q_segment_ids, arrays.kv_segment_ids]
+        in_specs += [
+            pl.BlockSpec((None, q_len), lambda j, h, b: (b, 0)),
+            pl.BlockSpec((None, block_kv), lambda j, h, b: (b, j)),
+        ]
+    if spec.mask_shape is not None:
+        operands.append(arrays.mask)
+        in_specs.append(group_pair_spec(arrays.mask.shape))
+    ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="kv")
+    if ranges is not None:
+        operands.append(ranges)
+        in_specs.append(pl.BlockSpec(ranges.shape, lambda j, h, b: (0, 0, 0, 0)))
     dk, dv = pl.pallas_call(
         dkv_kernel,
         grid=(pl.cdiv(kv_len, block_kv), num_kv_heads, batch),
-        in_specs=[q_group, kv_tile, kv_tile, q_group, row_group, row_group],
+        in_specs=in_specs,
         out_specs=[kv_tile, kv_tile],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=CompilerParams(
@@ -194,30 +344,53 @@ def flash_backward(
         ),
         interpret=interpret,
         name="pallas_flash_backward_dkv",
-    )(q, k, v, d_out, lse2, delta)
+    )(*operands)
 
-    # -- dQ: grid over query tiles --
+    # -- dQ (and dBias): grid over query tiles --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dq, q_len, block_sizes.block_kv_dq, kv_len)
-    dq_kernel = functools.partial(
-        _dq_kernel, spec=spec, scale=scale, head_dim=head_dim, block_q=block_q, block_kv=block_kv
-    )
-    q_tile = pl.BlockSpec(
-        (None, block_q, None, hp), lambda i, n, b: (b, query_tile(i, q_len, block_q), n, 0)
-    )
+    q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
+    q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_full = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
-    row_tile = pl.BlockSpec(
-        (None, None, block_q), lambda i, n, b: (b, n, query_tile(i, q_len, block_q))
-    )
-    dq = pl.pallas_call(
-        dq_kernel,
-        grid=(pl.cdiv(q_len, block_q), num_heads, batch),
-        in_specs=[q_tile, kv_full, kv_full, q_tile, row_tile, row_tile],
-        out_specs=q_tile,
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        compiler_params=CompilerParams(
-            num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
-        ),
-        interpret=interpret,
-        name="pallas_flash_backward_dq",
-    )(q, k, v, d_out, lse2, delta)
-    return dq, dk, dv
+    row_tile = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
+    operands = [q, k, v, d_out, lse2, delta]
+    in_specs = [q_spec, kv_full, kv_full, q_spec, row_tile, row_tile]
+    if has_bias:
+        operands.append(bias)
+        in_specs.append(pair_spec(bias.shape, block_q, q_tile))
+    ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
+    extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
+
+    def dq_call(emit, out_spec, out_shape):
+        kernel = functools.partial(
+            _dq_kernel,
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
+            head_dim=head_dim,
+            block_q=block_q,
+            block_kv=block_kv,
+            has_bias=has_bias,
+            emit=emit,
+        )
+        return pl.pallas_call(
+            kernel,
+            grid=(pl.cdiv(q_len, block_q), num_heads, batch),
+            in_specs=in_specs + extra_specs,
+            out_specs=out_spec,
+            out_shape=out_shape,
+            compiler_params=CompilerParams(
+                num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
+            ),
+            interpret=interpret,
+            name=f"pallas_flash_backward_{emit}",
+        )(*operands, *extra)
+
+    dq = dq_call("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    dbias = None
+    if has_bias:
+        dbias = dq_call(
+            "dbias",
+            pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
+            jax.ShapeDtypeStruct((batch, num_heads, q_len, kv_len), bias.dtype),
+        )
+    return dq, dk, dv, dbias

@@ -9,16 +9,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash import masks
 from pallas_flash.config import BlockSizes, padded_head_dim
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     LN2,
-    LOG2E,
     MASK_VALUE,
     CompilerParams,
+    Operands,
     dot,
     fold,
+    load_pair_tile,
+    load_range,
     load_rows,
+    load_vector,
+    scores,
     store_rows,
 )
 
@@ -27,43 +32,73 @@ def _forward_kernel(
     q_ref,
     k_ref,
     v_ref,
-    o_ref,
-    lse_ref,
-    *,
+    *refs,
     spec: MaskSpec,
     scale: float,
+    soft_cap,
     head_dim: int,
     block_q: int,
     block_kv: int,
+    has_bias: bool,
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
-    q_ref, o_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref: [block_q].
+    q_ref, o_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref: [block_q]; optional operands
+    (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
     """
-    q_start = query_tile(pl.program_id(0), spec.q_len, block_q) * block_q
+    *refs, o_ref, lse_ref = refs
+    ops = Operands(
+        refs,
+        has_bias=has_bias,
+        has_segments=spec.has_segments,
+        has_mask=spec.mask_shape is not None,
+        has_ranges=spec.has_arrays,
+    )
+    tile = query_tile(pl.program_id(0), spec.q_len, block_q)
+    head, batch = pl.program_id(1), pl.program_id(2)
+    q_start = tile * block_q
     q_rows = spec.q_len - q_start  # rows of this tile that exist; past them, loads read zero
     ragged_q = spec.q_len % block_q != 0
     ragged_kv = spec.kv_len % block_kv != 0
-    qk_scale = scale * LOG2E  # softmax in base 2: one exp2 per logit
 
     q = load_rows(q_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    q_seg = None
+    if ops.q_seg is not None:
+        q_seg = load_vector(
+            ops.q_seg, 0, block_q, q_rows, ragged=ragged_q, other=masks.PAD_Q_SEGMENT
+        )[:, None]
 
     def body(j, carry, *, masked: bool):
         acc, m_i, l_i = carry
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
-        # -- compute qk (log2 units) --
-        qk = dot(q, k, trans_b=True) * qk_scale
+        # -- compute the logits (log2 units) --
+        bias = None
+        if ops.bias is not None:
+            bias = load_pair_tile(ops.bias, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+        s, _ = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            visible = spec.visible(q_idx, kv_idx)
-            qk = jnp.where(visible, qk, MASK_VALUE)
+            kv_seg = mask = None
+            if ops.kv_seg is not None:
+                kv_seg = load_vector(
+                    ops.kv_seg,
+                    kv_start,
+                    block_kv,
+                    spec.kv_len,
+                    ragged=True,
+                    other=masks.PAD_KV_SEGMENT,
+                )[None, :]
+            if ops.mask is not None:
+                mask = load_pair_tile(ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+            visible = masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask)
+            s = jnp.where(visible, s, MASK_VALUE)
         # -- online softmax: m_i is the running max, l_i the running sum --
-        m_new = jnp.maximum(m_i, jnp.max(qk, axis=1))
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(qk - m_new[:, None])
+        p = jnp.exp2(s - m_new[:, None])
         if masked:
             # A row with no visible key so far has m_new == MASK_VALUE and p == 1: zero it, so
             # that l_i stays 0 and the row can be recognised at the end.
@@ -79,7 +114,10 @@ def _forward_kernel(
         jnp.full((block_q,), MASK_VALUE, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
-    lo, full_lo, full_hi, hi = spec.kv_tile_range(q_start, block_q, block_kv)
+    ranges = spec.kv_tile_range(q_start, block_q, block_kv)
+    if ops.ranges is not None:
+        ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
+    lo, full_lo, full_hi, hi = ranges
     carry = fold(lo, full_lo, functools.partial(body, masked=True), carry)
     carry = fold(full_lo, full_hi, functools.partial(body, masked=False), carry)
     carry = fold(full_hi, hi, functools.partial(body, masked=True), carry)
@@ -109,39 +147,85 @@ def tile_sizes(block_a: int, len_a: int, block_b: int, len_b: int) -> tuple[int,
     return fit(block_a, len_a), fit(block_b, len_b)
 
 
+def pair_spec(shape, block_q: int, q_tile, *, group: int = 1):
+    """BlockSpec of a [Bx, Nx, Tx, Sx] per-(query, key) operand (bias, mask) for a grid over
+    (query tiles, heads, batch): broadcast dims (size 1) always read block 0."""
+    bx, nx, tx, sx = shape
+    block = (None, None, block_q if tx > 1 else 1, sx)
+    return pl.BlockSpec(
+        block,
+        lambda i, n, b: (b if bx > 1 else 0, n if nx > 1 else 0, q_tile(i) if tx > 1 else 0, 0),
+    )
+
+
+def mask_operands(spec: MaskSpec, arrays: MaskArrays, block_q: int, q_tile, ranges):
+    """(operands, in_specs) of the optional mask operands for a grid over (query tiles, heads,
+    batch), in Operands order (without bias)."""
+    operands, in_specs = [], []
+    if spec.has_segments:
+        operands += [arrays.q_segment_ids, arrays.kv_segment_ids]
+        in_specs += [
+            pl.BlockSpec((None, block_q), lambda i, n, b: (b, q_tile(i))),
+            pl.BlockSpec((None, spec.kv_len), lambda i, n, b: (b, 0)),
+        ]
+    if spec.mask_shape is not None:
+        operands.append(arrays.mask)
+        in_specs.append(pair_spec(arrays.mask.shape, block_q, q_tile))
+    if ranges is not None:
+        operands.append(ranges)
+        in_specs.append(pl.BlockSpec(ranges.shape, lambda i, n, b: (0, 0, 0, 0)))
+    return operands, in_specs
+
+
 def flash_forward(
-    q, k, v, *, spec: MaskSpec, scale: float, block_sizes: BlockSizes, interpret: bool
+    q,
+    k,
+    v,
+    bias,
+    arrays: MaskArrays,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    block_sizes: BlockSizes,
+    interpret: bool,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
 
-    q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0.
+    q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0; bias None or [Bb, Nb, Tb, Sb] (each dim
+    full or 1); arrays: the mask's arrays (masks.MaskArrays).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     hp = padded_head_dim(head_dim)
     block_q, block_kv = tile_sizes(block_sizes.block_q, q_len, block_sizes.block_kv, kv_len)
+    q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
     kernel = functools.partial(
         _forward_kernel,
         spec=spec,
         scale=scale,
+        soft_cap=soft_cap,
         head_dim=head_dim,
         block_q=block_q,
         block_kv=block_kv,
+        has_bias=bias is not None,
     )
-    q_spec = pl.BlockSpec(
-        (None, block_q, None, hp), lambda i, n, b: (b, query_tile(i, q_len, block_q), n, 0)
-    )
+    q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
+    operands, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    if bias is not None:
+        operands.append(bias)
+        in_specs.append(pair_spec(bias.shape, block_q, q_tile))
+    ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
+    extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(q_len, block_q), num_heads, batch),
-        in_specs=[q_spec, kv_spec, kv_spec],
+        in_specs=in_specs + extra_specs,
         out_specs=[
             q_spec,
-            pl.BlockSpec(
-                (None, None, block_q), lambda i, n, b: (b, n, query_tile(i, q_len, block_q))
-            ),
+            pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i))),
         ],
         out_shape=[
             jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -152,4 +236,4 @@ def flash_forward(
         ),
         interpret=interpret,
         name="pallas_flash_forward",
-    )(q, k, v)
+    )(*operands, *extra)

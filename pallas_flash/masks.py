@@ -13,7 +13,7 @@ A key is visible to a query when every part of the mask allows it:
 * `visible(...)`: the element-wise predicate, evaluated by the kernels on boundary tiles only and
   the reference on the whole [T, S] grid;
 * `MaskSpec.kv_tile_range` / `q_tile_range`: from geometry alone, which tiles a query tile (a
-  KV tile) visits and which of them are fully visible -- computed inside the kernels from program ids;
+  KV tile) visits and which of them are fully visible; computed in the kernels from program ids;
 * `tile_ranges(...)`: the same from the arrays, computed by XLA before the kernels, per batch entry
   (and head, for a per-head mask). The kernels intersect both.
 

@@ -144,12 +144,12 @@ def paper_grid(head_dims, seqs, tokens=16384, hidden=2048):
                 )
 
 
-def print_table(rows, impls, out=sys.stdout):
-    """TFLOP/s per implementation, and pallas_flash / cudnn, one line per grid point and pass."""
+def print_table(rows, impls, out=sys.stdout, metric="tflops"):
+    """TFLOP/s (or ms) per implementation, and pallas_flash / cudnn, per grid point and pass."""
     by_point = {}
     for r in rows:
         key = (r["H"], r["causal"], r["T"], r["pass"])
-        by_point.setdefault(key, {})[r["impl"]] = r["tflops"]
+        by_point.setdefault(key, {})[r["impl"]] = r[metric]
     header = ["H", "causal", "seq", "pass", *impls]
     if "cudnn" in impls and "pallas_flash" in impls:
         header.append("pf/cudnn")
@@ -157,11 +157,114 @@ def print_table(rows, impls, out=sys.stdout):
     print("|" + "---|" * len(header), file=out)
     for (h, causal, seq, pass_), vals in sorted(by_point.items()):
         cells = [str(h), str(int(causal)), str(seq), pass_]
-        cells += ["-" if vals.get(i) is None else f"{vals[i]:.0f}" for i in impls]
+        cells += [
+            "-" if vals.get(i) is None else f"{vals[i]:.{0 if metric == 'tflops' else 2}f}"
+            for i in impls
+        ]
         if "pf/cudnn" in header:
             pf, cu = vals.get("pallas_flash"), vals.get("cudnn")
             cells.append("-" if not pf or not cu else f"{pf / cu:.2f}")
         print("| " + " | ".join(cells) + " |", file=out)
+
+
+def mask_cases(seq=16384, heads=16, head_dim=128, docs=8):
+    """(case, impl, fn, shape) for the masked workloads, each beside its cuDNN counterpart.
+
+    fn(q, k, v) -> out; shape = (B, T, N, H). Packed documents: `docs` documents of seq/docs in
+    one row (segment ids, causal), against cuDNN dense causal over the row and on the documents as
+    a batch. Sliding windows of 1k and 4k (causal). Padded batches: lengths between half and all
+    of the row, with query_seq_lengths / key_value_seq_lengths.
+    """
+    row = (1, seq, heads, head_dim)
+    doc = seq // docs
+    seg = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), doc)[None]
+    pf = functools.partial(pallas_flash.flash_attention, backend="triton")
+    cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
+    yield "dense causal", "pallas_flash", functools.partial(pf, is_causal=True), row
+    yield "dense causal", "cudnn", functools.partial(cudnn, is_causal=True), row
+    yield (
+        f"packed {docs}x{doc}",
+        "pallas_flash",
+        functools.partial(pf, is_causal=True, q_segment_ids=seg),
+        row,
+    )
+    yield (
+        f"packed {docs}x{doc}",
+        "cudnn (docs as batch)",
+        functools.partial(cudnn, is_causal=True),
+        (docs, doc, heads, head_dim),
+    )
+    for window in (1024, 4096):
+        case = f"causal window {window}"
+        yield (
+            case,
+            "pallas_flash",
+            functools.partial(pf, is_causal=True, local_window_size=(window, 0)),
+            row,
+        )
+        yield (
+            case,
+            "cudnn",
+            functools.partial(cudnn, is_causal=True, local_window_size=(window, 0)),
+            row,
+        )
+    batch, length = 8, 2048
+    lengths = jnp.asarray([2048, 1024, 1536, 1100, 2000, 1800, 1300, 1700], jnp.int32)
+    padded = (batch, length, heads, head_dim)
+    for impl, fn in (("pallas_flash", pf), ("cudnn", cudnn)):
+        yield (
+            "padded 8x2048",
+            impl,
+            functools.partial(fn, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+            padded,
+        )
+
+
+def run_mask_suite(out_path, repeats):
+    rows = []
+    with open(out_path, "a") as f:
+        for case, impl, fn, (b, t, n, h) in mask_cases():
+            for pass_ in PASSES:
+                row = dict(
+                    suite="masks",
+                    case=case,
+                    impl=impl,
+                    B=b,
+                    T=t,
+                    S=t,
+                    N=n,
+                    K=n,
+                    H=h,
+                    dtype="bfloat16",
+                    **{"pass": pass_},
+                )
+                try:
+                    args = make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+                    row["ms"] = round(median_ms(timed_fn(fn, pass_), args, repeats=repeats), 4)
+                except Exception as e:  # noqa: BLE001
+                    row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                print(
+                    f"{case:22s} {impl:22s} {pass_:7s} {row['ms']} ms {row.get('error', '')}",
+                    flush=True,
+                )
+    dense = {
+        r["pass"]: r["ms"]
+        for r in rows
+        if r["case"] == "dense causal" and r["impl"] == "pallas_flash"
+    }
+    print(
+        "\n| case | impl | fwd ms | fwd+bwd ms | fwd / pallas_flash dense causal "
+        "| fwd+bwd / dense causal |"
+    )
+    print("|---|---|---|---|---|---|")
+    for case, impl in dict.fromkeys((r["case"], r["impl"]) for r in rows):
+        ms = {r["pass"]: r["ms"] for r in rows if r["case"] == case and r["impl"] == impl}
+        ratio = [f"{ms[p] / dense[p]:.2f}" if ms.get(p) and dense.get(p) else "-" for p in PASSES]
+        print(
+            f"| {case} | {impl} | {ms.get('fwd')} | {ms.get('fwd+bwd')} | {ratio[0]} | {ratio[1]} |"
+        )
 
 
 def main(argv=None):
@@ -173,9 +276,20 @@ def main(argv=None):
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--out", default="bench.jsonl", help="JSONL file to append results to")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--suite",
+        choices=["grid", "masks"],
+        default="grid",
+        help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only)",
+    )
     args = parser.parse_args(argv)
 
     on_gpu = (config_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    if args.suite == "masks":
+        if not on_gpu:
+            raise SystemExit("--suite masks needs an NVIDIA GPU (sm80+)")
+        run_mask_suite(args.out, args.repeats)
+        return
     if on_gpu:
         grid = list(paper_grid(args.head_dims, args.seqs))
         impls, interpret, dtype, calls = args.impls, False, jnp.bfloat16, 10
@@ -233,7 +347,7 @@ def main(argv=None):
                         flush=True,
                     )
     print()
-    print_table(rows, impls)
+    print_table(rows, impls, metric="tflops" if on_gpu else "ms")
     print(f"\nwrote {len(rows)} rows to {args.out}")
 
 

@@ -1,0 +1,317 @@
+"""Shared test helpers: a float64 numpy oracle (forward and analytic backward), the plain
+attention baseline run in the input dtype, random inputs, the FlashAttention-style tolerance rule,
+and the `gpu` marker / execution `mode` plumbing.
+
+Tolerance rule (FlashAttention's tests): the kernel's max abs error against the float64 oracle must
+be at most twice the error of a plain XLA attention computed in the input dtype, plus a small floor
+(FLOOR[dtype] times the largest magnitude of the output, or times 1 if that is smaller).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash
+from pallas_flash.config import gpu_compute_capability
+
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+
+# Added to 2 x (plain attention error). Small against the errors a wrong kernel makes (see
+# test_forward.py::test_wrong_scale_fails_the_tolerance_rule), large against rounding noise.
+FLOOR = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3, jnp.float16: 1e-3}
+
+
+# -- gpu marker and execution modes ---------------------------------------------------------------
+
+
+def has_gpu() -> bool:
+    cc = gpu_compute_capability()
+    return cc is not None and cc >= (8, 0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU of compute capability >= 8.0")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
+
+
+# "interpret": the Triton kernels in the Pallas interpreter on CPU; "gpu": compiled for the GPU.
+MODES = ["interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+@pytest.fixture(params=MODES)
+def mode(request) -> str:
+    return request.param
+
+
+def kernel_kwargs(mode: str) -> dict:
+    """Keyword arguments of `flash_attention` that run the Triton kernels in `mode`."""
+    return {"backend": "triton", "interpret": mode == "interpret"}
+
+
+@pytest.fixture
+def flash_kwargs(mode) -> dict:
+    """The call kwargs of the `mode` fixture's run: `flash_attention(q, k, v, **flash_kwargs)`."""
+    return kernel_kwargs(mode)
+
+
+# Block-size configurations used by the tests (None: the library's default for the mode).
+BLOCK_SIZES = {
+    "default": None,
+    "all16": pallas_flash.BlockSizes(
+        block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16
+    ),
+    "q32kv16": pallas_flash.BlockSizes(
+        block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
+    ),
+    "q16kv64": pallas_flash.BlockSizes(
+        block_q=16, block_kv=64, block_q_dkv=64, block_kv_dkv=16, block_q_dq=16, block_kv_dq=64
+    ),
+}
+
+
+# -- problems and random inputs -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Shapes and options of one attention call: q [B, T, N, H], k and v [B, S, K, H]."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    is_causal: bool
+    dtype: str = "f32"
+    blocks: str = "default"
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def floor(self) -> float:
+        return FLOOR[self.jnp_dtype]
+
+    @property
+    def block_sizes(self):
+        return BLOCK_SIZES[self.blocks]
+
+    def __str__(self):
+        mask = "causal" if self.is_causal else "full"
+        return (
+            f"B{self.batch}-T{self.q_len}-S{self.kv_len}-N{self.num_heads}-K{self.num_kv_heads}"
+            f"-H{self.head_dim}-{mask}-{self.dtype}-{self.blocks}"
+        )
+
+
+# Larger problems, compiled for the GPU only (the interpreter would take minutes).
+GPU_PROBLEMS = [
+    Problem(2, 1000, 1000, 8, 2, 128, True, "bf16"),
+    Problem(2, 1000, 1000, 8, 2, 128, False, "bf16"),
+    Problem(1, 1000, 1000, 4, 4, 256, True, "bf16"),
+    Problem(1, 1000, 777, 4, 1, 256, False, "f16"),
+    Problem(1, 777, 1000, 4, 2, 80, True, "f32"),
+    Problem(2, 1000, 1000, 16, 2, 64, True, "f16"),
+    Problem(1, 300, 300, 2, 2, 256, True, "f32"),
+]
+
+
+def random_array(rng, shape, dtype):
+    """Standard normal values rounded to `dtype`: (jax array, the same values as float64)."""
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+def random_inputs(p: Problem, seed: int = 0):
+    """q, k, v and cotangents d_out (input dtype), d_lse (float32) for `p`.
+
+    Returns (jax arrays, float64 copies) as two tuples (q, k, v, d_out, d_lse).
+    """
+    rng = np.random.default_rng(seed)
+    q_shape = (p.batch, p.q_len, p.num_heads, p.head_dim)
+    kv_shape = (p.batch, p.kv_len, p.num_kv_heads, p.head_dim)
+    lse_shape = (p.batch, p.num_heads, p.q_len)
+    pairs = [
+        random_array(rng, q_shape, p.jnp_dtype),
+        random_array(rng, kv_shape, p.jnp_dtype),
+        random_array(rng, kv_shape, p.jnp_dtype),
+        random_array(rng, q_shape, p.jnp_dtype),
+        random_array(rng, lse_shape, jnp.float32),
+    ]
+    return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+
+
+# -- float64 oracle -------------------------------------------------------------------------------
+
+
+def _expand_kv(x, num_heads):
+    """[B, S, K, H] -> [B, S, N, H]: query head n reads kv head n // (N // K)."""
+    return np.repeat(x, num_heads // x.shape[2], axis=2)
+
+
+def _visible(q_len, kv_len, is_causal):
+    visible = np.ones((q_len, kv_len), bool)
+    if is_causal:
+        visible &= np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+    return visible
+
+
+def _probs_f64(q, k, *, scale, is_causal):
+    """P [B, N, T, S] and lse [B, N, T]; rows that see no key have P = 0 and lse = -inf."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    k = _expand_kv(k, q.shape[2])
+    logits = np.einsum("btnh,bsnh->bnts", q, k, optimize=True) * scale
+    visible = _visible(q.shape[1], k.shape[1], is_causal)
+    logits = np.where(visible, logits, -np.inf)
+    row_max = logits.max(axis=-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+    unnormalised = np.where(visible, np.exp(logits - row_max), 0.0)
+    row_sum = unnormalised.sum(axis=-1, keepdims=True)
+    empty = row_sum == 0.0
+    probs = unnormalised / np.where(empty, 1.0, row_sum)
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, row_max + np.log(row_sum))[..., 0]
+    return probs, lse
+
+
+def attention_f64(q, k, v, *, scale, is_causal):
+    """Float64 attention: out [B, T, N, H], lse [B, N, T] (natural log)."""
+    probs, lse = _probs_f64(q, k, scale=scale, is_causal=is_causal)
+    v = _expand_kv(np.asarray(v, np.float64), probs.shape[1])
+    return np.einsum("bnts,bsnh->btnh", probs, v, optimize=True), lse
+
+
+def attention_grads_f64(q, k, v, d_out, d_lse, *, scale, is_causal):
+    """Float64 (dq, dk, dv) for cotangents d_out [B, T, N, H] and d_lse [B, N, T].
+
+    dP = dO V^T, dS = P * (dP - rowsum(dO * O) + dlse), dQ = scale dS K, dK = scale dS^T Q and
+    dV = P^T dO, the last two summed over the query heads of each kv head's group.
+    """
+    q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
+    num_kv_heads, num_heads = k.shape[2], q.shape[2]
+    probs, _ = _probs_f64(q, k, scale=scale, is_causal=is_causal)
+    k_n, v_n = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
+    out = np.einsum("bnts,bsnh->btnh", probs, v_n, optimize=True)
+    d_probs = np.einsum("btnh,bsnh->bnts", d_out, v_n, optimize=True)
+    delta = np.einsum("btnh,btnh->bnt", d_out, out, optimize=True)
+    d_logits = probs * (d_probs - delta[..., None] + d_lse[..., None])
+    dq = scale * np.einsum("bnts,bsnh->btnh", d_logits, k_n, optimize=True)
+    dk_n = scale * np.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True)
+    dv_n = np.einsum("bnts,btnh->bsnh", probs, d_out, optimize=True)
+
+    def group_sum(x):
+        b, s, n, h = x.shape
+        return x.reshape(b, s, num_kv_heads, n // num_kv_heads, h).sum(axis=3)
+
+    return dq, group_sum(dk_n), group_sum(dv_n)
+
+
+# -- plain attention in the input dtype (the baseline of the tolerance rule) ----------------------
+
+
+def attention_in_dtype(q, k, v, *, scale, is_causal):
+    """softmax(scale q k^T) v with every step in the input dtype: (out, lse as float32)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
+    visible = _visible(q.shape[1], k.shape[1], is_causal)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
+
+
+# -- running an attention function: outputs and gradients together -------------------------------
+
+
+def outputs_and_grads(attn, q, k, v, d_out, d_lse):
+    """(out, lse, dq, dk, dv) of `attn(q, k, v) -> (out, lse)` for the given cotangents."""
+    (out, lse), vjp = jax.vjp(attn, q, k, v)
+    return (out, lse, *vjp((d_out.astype(out.dtype), d_lse.astype(lse.dtype))))
+
+
+def flash_fn(p: Problem, mode: str, **overrides):
+    """q, k, v -> (out, lse) through `pallas_flash.flash_attention` for problem `p`."""
+    kwargs = dict(
+        is_causal=p.is_causal,
+        return_residuals=True,
+        block_sizes=p.block_sizes,
+        **kernel_kwargs(mode),
+    )
+    kwargs.update(overrides)
+    return functools.partial(pallas_flash.flash_attention, **kwargs)
+
+
+def plain_fn(p: Problem):
+    return functools.partial(attention_in_dtype, scale=p.scale, is_causal=p.is_causal)
+
+
+def oracle_outputs_and_grads(p: Problem, q, k, v, d_out, d_lse):
+    """(out, lse, dq, dk, dv) in float64 for problem `p` (arguments as float64 arrays)."""
+    out, lse = attention_f64(q, k, v, scale=p.scale, is_causal=p.is_causal)
+    grads = attention_grads_f64(q, k, v, d_out, d_lse, scale=p.scale, is_causal=p.is_causal)
+    return (out, lse, *grads)
+
+
+OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv")
+
+
+# -- the tolerance rule ---------------------------------------------------------------------------
+
+
+def max_abs_error(x, oracle) -> float:
+    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    assert x.shape == oracle.shape, (x.shape, oracle.shape)
+    finite = np.isfinite(oracle)
+    # Where the oracle is infinite (lse of an empty row) the result must match exactly.
+    assert np.array_equal(x[~finite], oracle[~finite])
+    return float(np.max(np.abs(x[finite] - oracle[finite]), initial=0.0))
+
+
+def tolerance_violations(results, baselines, oracles, *, floor, names=OUTPUT_NAMES):
+    """The messages of the outputs whose error exceeds 2 x the baseline error + floor, the floor
+    taken relative to the output's magnitude (at least 1)."""
+    violations = []
+    for name, result, baseline, oracle in zip(names, results, baselines, oracles, strict=True):
+        err = max_abs_error(result, oracle)
+        base_err = max_abs_error(baseline, oracle)
+        finite = oracle[np.isfinite(oracle)]
+        abs_floor = floor * max(1.0, float(np.max(np.abs(finite), initial=0.0)))
+        if not err <= 2 * base_err + abs_floor:
+            violations.append(
+                f"{name}: error {err:.3g} > 2 x plain-attention error {base_err:.3g} "
+                f"+ floor {abs_floor:.3g}"
+            )
+    return violations
+
+
+def assert_within_tolerance(results, baselines, oracles, *, floor, names=OUTPUT_NAMES):
+    violations = tolerance_violations(results, baselines, oracles, floor=floor, names=names)
+    assert not violations, "; ".join(violations)
+
+
+def assert_bitwise_equal(a, b):
+    """Equal pytrees of arrays, bit for bit (so -0.0 != 0.0 and NaN payloads count)."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert (x.dtype, x.shape) == (y.dtype, y.shape)
+        if x.tobytes() != y.tobytes():
+            np.testing.assert_array_equal(x, y)  # a readable diff where the values differ
+            raise AssertionError("arrays are equal as numbers but differ in their bits")

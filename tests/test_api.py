@@ -1,0 +1,254 @@
+"""The public API: validation (before anything is traced), defaults, backend choice, dtypes and
+shapes of the results."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import DTYPES, Problem, assert_bitwise_equal, has_gpu, random_inputs
+
+import pallas_flash
+from pallas_flash import api
+
+B, T, S, N, K, H = 2, 9, 11, 4, 2, 16
+
+
+def arrays(q_shape=(B, T, N, H), k_shape=(B, S, K, H), v_shape=None, dtypes=(jnp.float32,) * 3):
+    """Random numpy arrays of the given shapes and dtypes."""
+    rng = np.random.default_rng(0)
+    shapes = (q_shape, k_shape, k_shape if v_shape is None else v_shape)
+    return tuple(
+        rng.standard_normal(shape).astype(dtype)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    )
+
+
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Makes any attempt to run a backend fail the test: errors must come from validation."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a backend was called: validation did not stop the call")
+
+    monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
+    monkeypatch.setattr(api, "reference_attention", must_not_run)
+
+
+# (id, arrays() kwargs, flash_attention kwargs, exception, a regex the message must match)
+INVALID_CALLS = [
+    ("rank2", dict(q_shape=(T, N * H)), {}, ValueError, "rank 4.*query.shape=\\(9, 64\\)"),
+    ("rank5", dict(q_shape=(1, B, T, N, H)), {}, ValueError, "rank.*query.shape"),
+    ("mixed-rank", dict(k_shape=(S, K, H)), {}, ValueError, "rank.*key.shape=\\(11, 2, 16\\)"),
+    ("batch", dict(k_shape=(B + 1, S, K, H)), {}, ValueError, "batch.*key.shape=\\(3,"),
+    ("kv-length", dict(v_shape=(B, S + 1, K, H)), {}, ValueError, "value.shape=\\(2, 12,"),
+    ("kv-heads", dict(v_shape=(B, S, K + 1, H)), {}, ValueError, "value.shape=\\(2, 11, 3,"),
+    ("v-head-dim", dict(v_shape=(B, S, K, H + 8)), {}, ValueError, "value.shape"),
+    ("heads", dict(k_shape=(B, S, 3, H)), {}, ValueError, "num_heads=4.*num_kv_heads=3"),
+    ("head-dim", dict(k_shape=(B, S, K, H + 8)), {}, ValueError, "head dims differ.*H=24"),
+    (
+        "head-dim-264",
+        dict(q_shape=(B, T, N, 264), k_shape=(B, S, K, 264)),
+        {},
+        ValueError,
+        "head_dim=264.*multiple of 8.*256",
+    ),
+    (
+        "head-dim-20",
+        dict(q_shape=(B, T, N, 20), k_shape=(B, S, K, 20)),
+        {},
+        ValueError,
+        "head_dim=20.*multiple of 8",
+    ),
+    ("empty", dict(q_shape=(B, 0, N, H)), {}, ValueError, "dimension must be >= 1"),
+    (
+        "int-query",
+        dict(dtypes=(jnp.int32, jnp.float32, jnp.float32)),
+        {},
+        TypeError,
+        "query.dtype=int32",
+    ),
+    (
+        "bool-value",
+        dict(dtypes=(jnp.float32, jnp.float32, jnp.bool_)),
+        {},
+        TypeError,
+        "value.dtype=bool",
+    ),
+    (
+        "float64-key",
+        dict(dtypes=(jnp.float32, np.float64, jnp.float32)),
+        {},
+        TypeError,
+        "key.dtype=float64",
+    ),
+    (
+        "mixed-dtypes",
+        dict(dtypes=(jnp.float32, jnp.bfloat16, jnp.float32)),
+        {},
+        TypeError,
+        "share a dtype.*key.dtype=bfloat16",
+    ),
+    ("bias", {}, dict(bias=np.zeros((B, N, T, S), np.float32)), NotImplementedError, "bias"),
+    ("mask", {}, dict(mask=np.ones((B, N, T, S), bool)), NotImplementedError, "mask"),
+    ("backend", {}, dict(backend="cudnn"), ValueError, "backend='cudnn'"),
+    ("xla-interpret", {}, dict(backend="xla", interpret=True), ValueError, "interpret=True"),
+    (
+        "xla-block-sizes",
+        {},
+        dict(backend="xla", block_sizes=pallas_flash.BlockSizes()),
+        ValueError,
+        "block_sizes",
+    ),
+    (
+        "block-sizes-type",
+        {},
+        dict(block_sizes={"block_q": 16}, interpret=True),
+        TypeError,
+        "block_sizes must be a pallas_flash.BlockSizes",
+    ),
+    ("scale-negative", {}, dict(scale=-1.0), ValueError, "scale=-1.0"),
+    ("scale-nan", {}, dict(scale=math.nan), ValueError, "scale=nan"),
+    ("scale-str", {}, dict(scale="0.5"), TypeError, "scale='0.5'"),
+    ("scale-array", {}, dict(scale=jnp.float32(0.5)), TypeError, "scale=Array"),
+    ("is-causal", {}, dict(is_causal=1), TypeError, "is_causal=1"),
+    ("return-residuals", {}, dict(return_residuals="yes"), TypeError, "return_residuals='yes'"),
+    ("interpret", {}, dict(interpret=1), TypeError, "interpret=1"),
+]
+
+
+@pytest.mark.parametrize(
+    "array_kwargs, call_kwargs, error, message",
+    [case[1:] for case in INVALID_CALLS],
+    ids=[case[0] for case in INVALID_CALLS],
+)
+def test_invalid_call_raises_before_tracing(no_compute, array_kwargs, call_kwargs, error, message):
+    q, k, v = arrays(**array_kwargs)
+    with pytest.raises(error, match=message):
+        pallas_flash.flash_attention(q, k, v, **call_kwargs)
+
+
+def test_non_array_input_raises(no_compute):
+    q, k, v = arrays()
+    with pytest.raises(TypeError, match="key must be an array, got list"):
+        pallas_flash.flash_attention(q, k.tolist(), v)
+
+
+def test_validation_also_guards_attention_reference(no_compute):
+    q, k, v = arrays(k_shape=(B, S, 3, H), v_shape=(B, S, 3, H))
+    with pytest.raises(ValueError, match="num_heads=4.*num_kv_heads=3"):
+        pallas_flash.attention_reference(q, k, v)
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the error raised without a GPU")
+def test_triton_without_gpu_or_interpret_raises(no_compute):
+    with pytest.raises(ValueError, match="backend='triton'.*interpret=True"):
+        pallas_flash.flash_attention(*arrays(), backend="triton")
+
+
+# -- BlockSizes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("block_q", 48), ("block_kv", 8), ("block_q_dkv", 0), ("block_kv_dq", 24), ("block_q", 16.0)],
+)
+def test_block_sizes_tiles_must_be_powers_of_two_from_16(field, value):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}={value!r} must be a power of two"):
+        pallas_flash.BlockSizes(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "field, value, rule",
+    [
+        ("num_warps", 3, "power of two"),
+        ("num_stages", 0, "positive int"),
+        ("num_stages_dq", True, "positive int"),
+    ],
+)
+def test_block_sizes_launch_parameters(field, value, rule):
+    with pytest.raises(ValueError, match=f"BlockSizes.{field}={value!r} must be a {rule}"):
+        pallas_flash.BlockSizes(**{field: value})
+
+
+def test_block_sizes_accepts_valid_tiles():
+    sizes = pallas_flash.BlockSizes(block_q=16, block_kv=256, num_warps=8, num_stages=1)
+    assert (sizes.block_q, sizes.block_kv, sizes.num_warps) == (16, 256, 8)
+
+
+# -- semantics ------------------------------------------------------------------------------------
+
+
+def interpret_call(q, k, v, **kwargs):
+    fn = functools.partial(pallas_flash.flash_attention, interpret=True, **kwargs)
+    return jax.jit(fn)(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_default_scale_is_inverse_sqrt_head_dim(backend):
+    q, k, v = arrays()
+    kwargs = dict(interpret=True) if backend == "triton" else {}
+    run = functools.partial(pallas_flash.flash_attention, q, k, v, backend=backend, **kwargs)
+    default = run()
+    assert_bitwise_equal(default, run(scale=1.0 / math.sqrt(H)))
+    assert not np.allclose(default, run(scale=1.0))
+
+
+def test_attention_reference_is_the_xla_backend():
+    q, k, v = arrays()
+    for kwargs in (dict(is_causal=True, return_residuals=True), dict(scale=0.3)):
+        assert_bitwise_equal(
+            pallas_flash.attention_reference(q, k, v, **kwargs),
+            pallas_flash.flash_attention(q, k, v, backend="xla", **kwargs),
+        )
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the backend chosen without a GPU")
+def test_default_backend_on_cpu_is_xla(monkeypatch):
+    q, k, v = arrays()
+    expected = pallas_flash.attention_reference(q, k, v, is_causal=True)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("backend=None ran the Triton kernels on a CPU")
+
+    monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
+    assert_bitwise_equal(pallas_flash.flash_attention(q, k, v, is_causal=True), expected)
+
+
+def test_interpret_without_backend_runs_the_kernels(monkeypatch):
+    calls = []
+    kernels = api.flash_attention_kernels
+
+    def counting_kernels(*args):
+        calls.append(args[3])
+        return kernels(*args)
+
+    monkeypatch.setattr(api, "flash_attention_kernels", counting_kernels)
+    interpret_call(*arrays())
+    assert len(calls) == 1 and calls[0].interpret
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("backend", ["triton", "xla"])
+def test_result_dtypes_and_shapes(dtype, backend):
+    p = Problem(B, T, S, N, K, H, False, dtype)
+    (q, k, v, _, _), _ = random_inputs(p)
+    kwargs = dict(backend=backend, interpret=True) if backend == "triton" else dict(backend="xla")
+    run = jax.jit(functools.partial(pallas_flash.flash_attention, return_residuals=True, **kwargs))
+    out, lse = run(q, k, v)
+    assert (out.dtype, out.shape) == (DTYPES[dtype], (B, T, N, H))
+    assert (lse.dtype, lse.shape) == (jnp.float32, (B, N, T))
+    out3, lse3 = run(q[0], k[0], v[0])
+    assert (out3.dtype, out3.shape, lse3.shape) == (DTYPES[dtype], (T, N, H), (N, T))
+
+
+def test_return_residuals_false_returns_out_alone():
+    q, k, v = arrays()
+    out = interpret_call(q, k, v)
+    assert isinstance(out, jax.Array) and out.shape == q.shape
+    out_with_lse, _ = interpret_call(q, k, v, return_residuals=True)
+    assert_bitwise_equal(out, out_with_lse)

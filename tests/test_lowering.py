@@ -1,0 +1,197 @@
+"""Lowering of the forward and backward kernels through Triton for an abstract H200, on CPU.
+
+The interpreter does not apply Triton's rules (power-of-two arrays, 2-D dots, ...); lowering for
+an abstract GPU does, so it catches Triton-only errors without a GPU. The public API refuses
+backend="triton" without a GPU, so these tests call the custom_vjp directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import BLOCK_SIZES, Problem
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash.config import default_block_sizes
+from pallas_flash.masks import MaskSpec
+from pallas_flash.triton.forward import tile_sizes
+
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+DEPRECATION = "The Pallas Triton backend is deprecated"
+
+
+def lower_for_h200(fn, *args):
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+def kernel_config(p: Problem, block_sizes=None, scale=None) -> KernelConfig:
+    if block_sizes is None:
+        block_sizes = default_block_sizes(p.head_dim, p.jnp_dtype, interpret=False)
+    return KernelConfig(
+        spec=MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=p.is_causal),
+        scale=p.scale if scale is None else scale,
+        block_sizes=block_sizes,
+        interpret=False,
+    )
+
+
+def abstract_inputs(p: Problem):
+    """q, k, v, d_out, d_lse as ShapeDtypeStructs."""
+    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, p.head_dim), p.jnp_dtype)
+    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, p.head_dim), p.jnp_dtype)
+    lse = jax.ShapeDtypeStruct((p.batch, p.num_heads, p.q_len), jnp.float32)
+    return q, kv, kv, q, lse
+
+
+def forward_and_backward(config: KernelConfig):
+    def fn(q, k, v, d_out, d_lse):
+        (out, lse), vjp = jax.vjp(lambda *qkv: flash_attention_kernels(*qkv, config), q, k, v)
+        return out, lse, *vjp((d_out, d_lse))
+
+    return fn
+
+
+def triton_calls(lowered) -> dict[str, dict[str, int]]:
+    """{kernel name: {grid_x, grid_y, grid_z, num_warps, num_stages}} of the Triton custom calls."""
+    text = re.sub(r'ir = "[^"]*"', "ir = ...", lowered.as_text())  # the serialised Triton IR
+    calls = {}
+    for config in re.findall(r"mhlo\.backend_config = \{([^}]*)\}", text):
+        name = re.search(r'name = "(\w+)"', config).group(1)
+        ints = re.findall(r"(grid_[xyz]|num_warps|num_stages) = (\d+) : i32", config)
+        calls[name] = {key: int(value) for key, value in ints}
+    return calls
+
+
+def expected_calls(p: Problem, bs) -> dict[str, dict[str, int]]:
+    """The three kernels' grids and launch parameters for problem `p` and block sizes `bs`."""
+    fwd_q, _ = tile_sizes(bs.block_q, p.q_len, bs.block_kv, p.kv_len)
+    _, dkv_kv = tile_sizes(bs.block_q_dkv, p.q_len, bs.block_kv_dkv, p.kv_len)
+    dq_q, _ = tile_sizes(bs.block_q_dq, p.q_len, bs.block_kv_dq, p.kv_len)
+
+    def call(tiles, heads, warps, stages):
+        return dict(grid_x=tiles, grid_y=heads, grid_z=p.batch, num_warps=warps, num_stages=stages)
+
+    return {
+        "pallas_flash_forward": call(
+            pl.cdiv(p.q_len, fwd_q), p.num_heads, bs.num_warps, bs.num_stages
+        ),
+        "pallas_flash_backward_dkv": call(
+            pl.cdiv(p.kv_len, dkv_kv), p.num_kv_heads, bs.num_warps_dkv, bs.num_stages_dkv
+        ),
+        "pallas_flash_backward_dq": call(
+            pl.cdiv(p.q_len, dq_q), p.num_heads, bs.num_warps_dq, bs.num_stages_dq
+        ),
+    }
+
+
+# Default (GPU) block sizes for every padded head dim, causal and not, MHA / GQA / MQA, ragged
+# and tiny lengths, every dtype.
+PROBLEMS = [
+    Problem(2, 1000, 1000, 8, 2, 128, True, "bf16"),
+    Problem(1, 4096, 4096, 16, 16, 128, False, "bf16"),
+    Problem(1, 257, 100, 4, 4, 80, False, "bf16"),
+    Problem(1, 100, 257, 6, 2, 80, True, "f16"),
+    Problem(1, 512, 512, 4, 1, 64, True, "f16"),
+    Problem(2, 17, 1, 4, 2, 64, False, "f32"),
+    Problem(1, 300, 300, 2, 2, 256, True, "bf16"),
+    Problem(1, 100, 257, 6, 2, 256, False, "f32"),
+    Problem(1, 1, 17, 2, 1, 32, True, "bf16"),
+    Problem(1, 257, 257, 3, 1, 48, True, "f16"),
+    Problem(1, 100, 100, 2, 2, 8, False, "bf16"),
+]
+
+
+@pytest.mark.parametrize("p", PROBLEMS, ids=str)
+def test_lowers_forward_and_backward_with_default_block_sizes(p):
+    config = kernel_config(p)
+    lowered = lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+    assert triton_calls(lowered) == expected_calls(p, config.block_sizes)
+
+
+@pytest.mark.parametrize("blocks", sorted(set(BLOCK_SIZES) - {"default"}))
+def test_lowers_with_the_test_block_sizes(blocks):
+    """The block sizes the numeric tests use are valid on a GPU too."""
+    p = Problem(1, 257, 100, 4, 2, 80, True, "bf16", blocks)
+    config = kernel_config(p, p.block_sizes)
+    lowered = lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+    assert triton_calls(lowered) == expected_calls(p, p.block_sizes)
+
+
+def with_tile(block_sizes, field: str, value: int):
+    """A copy of `block_sizes` with `field` set to `value`, bypassing BlockSizes validation."""
+    bad = dataclasses.replace(block_sizes)
+    object.__setattr__(bad, field, value)
+    return bad
+
+
+@pytest.mark.parametrize("field", ["block_kv", "block_q_dkv", "block_kv_dq"])
+def test_lowering_rejects_a_tile_that_is_not_a_power_of_two(field):
+    """Why BlockSizes insists on powers of two: Triton refuses anything else."""
+    p = Problem(1, 1000, 1000, 4, 2, 64, True, "bf16")
+    config = kernel_config(p, with_tile(BLOCK_SIZES["q32kv16"], field, 48))
+    with pytest.raises(ValueError, match="power of 2.*48"):
+        lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+
+
+# -- the deprecation warning of the Pallas Triton backend -----------------------------------------
+
+
+def deprecation_warnings(lower):
+    """The Pallas Triton deprecation warnings that `lower()` emits, with every warning shown."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lower()
+    return [
+        w
+        for w in caught
+        if issubclass(w.category, DeprecationWarning) and DEPRECATION in str(w.message)
+    ]
+
+
+def lower_stock_kernel():
+    """A plain pallas_call with jax's own Triton compiler params."""
+
+    def add_one(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    def fn(x):
+        return pl.pallas_call(
+            add_one,
+            out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+            compiler_params=plgpu.CompilerParams(num_warps=4),
+        )(x)
+
+    return lower_for_h200(fn, jax.ShapeDtypeStruct((16, 16), jnp.float32))
+
+
+def test_our_kernels_lower_without_the_deprecation_warning():
+    p = Problem(1, 129, 77, 4, 2, 64, True, "bf16")
+    # A scale no other test uses, so that no cached lowering can hide a warning.
+    config = kernel_config(p, scale=0.1234567)
+    filters_before = list(warnings.filters)
+
+    def lower():
+        lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+
+    assert deprecation_warnings(lower) == []
+    assert warnings.filters == filters_before
+
+
+def test_other_pallas_triton_kernels_keep_the_deprecation_warning():
+    """The silencing is scoped to pallas_flash's kernels: jax's warning still reaches others."""
+    assert len(deprecation_warnings(lower_stock_kernel)) == 1
+    # Our kernels' lowering in between does not change that.
+    p = Problem(1, 33, 33, 2, 2, 32, False, "bf16")
+    config = kernel_config(p, scale=0.7654321)
+    lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+    assert len(deprecation_warnings(lower_stock_kernel)) == 1

@@ -93,8 +93,14 @@ INVALID_CALLS = [
         TypeError,
         "share a dtype.*key.dtype=bfloat16",
     ),
-    ("bias", {}, dict(bias=np.zeros((B, N, T, S), np.float32)), NotImplementedError, "bias"),
-    ("mask", {}, dict(mask=np.ones((B, N, T, S), bool)), NotImplementedError, "mask"),
+    ("bias-int", {}, dict(bias=np.ones((B, N, T, S), np.int32)), TypeError, "bias.dtype=int32"),
+    (
+        "mask-float",
+        {},
+        dict(mask=np.ones((B, N, T, S), np.float32)),
+        ValueError,
+        r"mask.dtype=float32.*mask.astype\(bool\)",
+    ),
     ("backend", {}, dict(backend="cudnn"), ValueError, "backend='cudnn'"),
     ("xla-interpret", {}, dict(backend="xla", interpret=True), ValueError, "interpret=True"),
     (
@@ -224,7 +230,7 @@ def test_interpret_without_backend_runs_the_kernels(monkeypatch):
     kernels = api.flash_attention_kernels
 
     def counting_kernels(*args):
-        calls.append(args[3])
+        calls.append(args[-1])  # the KernelConfig
         return kernels(*args)
 
     monkeypatch.setattr(api, "flash_attention_kernels", counting_kernels)

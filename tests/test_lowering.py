@@ -21,7 +21,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.config import default_block_sizes
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton.forward import tile_sizes
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -55,7 +55,9 @@ def abstract_inputs(p: Problem):
 
 def forward_and_backward(config: KernelConfig):
     def fn(q, k, v, d_out, d_lse):
-        (out, lse), vjp = jax.vjp(lambda *qkv: flash_attention_kernels(*qkv, config), q, k, v)
+        (out, lse), vjp = jax.vjp(
+            lambda *qkv: flash_attention_kernels(*qkv, None, MaskArrays(), config), q, k, v
+        )
         return out, lse, *vjp((d_out, d_lse))
 
     return fn

@@ -137,7 +137,13 @@ def flash_attention(
     else:
         interpret = bool(interpret)
         if block_sizes is None:
-            block_sizes = config_lib.default_block_sizes(head_dim, query.dtype, interpret=interpret)
+            block_sizes = config_lib.default_block_sizes(
+                head_dim,
+                query.dtype,
+                interpret=interpret,
+                has_bias=bias is not None,
+                has_mask=mask is not None,
+            )
         config = KernelConfig(
             spec=spec,
             scale=scale,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 
 def _is_power_of_two(n) -> bool:
@@ -111,13 +112,49 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def default_block_sizes(head_dim: int, dtype, *, interpret: bool) -> BlockSizes:
-    """Tiles for a call: per padded head dim on GPUs, small ones in the interpreter."""
-    del dtype  # f32 uses the same tiles; it is rare enough not to tune separately.
+# float32 tiles take twice the shared memory of bf16 ones: smaller tiles, two stages.
+_HOPPER_F32 = {
+    hp: BlockSizes(
+        block_q=64,
+        block_kv=64 if hp <= 128 else 32,
+        num_warps=4,
+        num_stages=2,
+        block_q_dkv=32,
+        block_kv_dkv=64 if hp <= 128 else 32,
+        num_warps_dkv=4,
+        num_stages_dkv=2,
+        block_q_dq=64,
+        block_kv_dq=32,
+        num_warps_dq=4,
+        num_stages_dq=2,
+    )
+    for hp in (16, 32, 64, 128, 256)
+}
+
+
+def default_block_sizes(
+    head_dim: int, dtype, *, interpret: bool, has_bias: bool = False, has_mask: bool = False
+) -> BlockSizes:
+    """Tiles for a call: per padded head dim and dtype on GPUs, small ones in the interpreter.
+
+    A bias or dense mask adds a [block_q, block_kv] tile to each pipeline stage; with it the
+    defaults keep at most two stages so that the kernels fit in the H200's 227 KiB of shared
+    memory (three stages of K, V and a bias tile at H=128 need 288 KiB).
+    """
     if interpret:
         return _INTERPRET
     hp = padded_head_dim(head_dim)
-    return _HOPPER[hp]
+    if jnp.dtype(dtype) == jnp.float32:
+        return _HOPPER_F32[hp]
+    bs = _HOPPER[hp]
+    if has_bias or has_mask:
+        bs = dataclasses.replace(
+            bs,
+            num_stages=min(bs.num_stages, 2),
+            num_stages_dkv=min(bs.num_stages_dkv, 2),
+            num_stages_dq=min(bs.num_stages_dq, 2),
+        )
+    return bs
 
 
 def gpu_compute_capability() -> tuple[int, int] | None:

@@ -43,6 +43,20 @@ def block_sizes(n: int) -> pallas_flash.BlockSizes:
     )
 
 
+# Small tiles, so that test sizes run several tiles; unequal query and key tiles too (the tile
+# ranges of windows and masks are computed per tile on each side).
+BLOCKS = {
+    "16": block_sizes(16),
+    "32": block_sizes(32),
+    "q32kv16": pallas_flash.BlockSizes(
+        block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
+    ),
+    "q16kv64": pallas_flash.BlockSizes(
+        block_q=16, block_kv=64, block_q_dkv=64, block_kv_dkv=16, block_q_dq=16, block_kv_dq=64
+    ),
+}
+
+
 def test_tests_import_this_worktree():
     """The package under test is the checkout these tests live in, not another install."""
     here = __file__.rsplit("/tests/", 1)[0]
@@ -65,7 +79,7 @@ class Case:
     num_kv_heads: int = 1
     head_dim: int = 32
     dtype: str = "f32"
-    block: int = 16
+    block: str = "16"
     is_causal: bool = False
     window: int | tuple[int, int] | None = None
     soft_cap: float | None = None
@@ -234,7 +248,7 @@ XLA = "xla"  # the plain jnp backend
 
 def call_kwargs(c: Case, which: str) -> dict:
     if which == KERNEL:
-        return dict(backend="triton", interpret=True, block_sizes=block_sizes(c.block))
+        return dict(backend="triton", interpret=True, block_sizes=BLOCKS[c.block])
     return dict(backend="xla")
 
 
@@ -355,21 +369,21 @@ def check_against_oracle(c: Case, seed: int = 0):
 
 SINGLE = [
     Case(bias="bnts", q_len=100, kv_len=37, num_heads=4, num_kv_heads=2),
-    Case(bias="n1s", q_len=33, kv_len=70, block=32),
+    Case(bias="n1s", q_len=33, kv_len=70, block="32"),
     Case(bias="ts", q_len=17, kv_len=100),
     Case(bias="s", batch=1, q_len=1, kv_len=100),
     Case(bias="b111", q_len=40, kv_len=23),
     Case(mask="bnts", q_len=100, kv_len=37, num_heads=4, num_kv_heads=2),
-    Case(mask="ts", q_len=37, kv_len=100),
+    Case(mask="ts", q_len=37, kv_len=100, block="q16kv64"),
     Case(mask="b11s", batch=2, q_len=1, kv_len=70),
     Case(q_lengths=True, q_len=100, kv_len=37),
     Case(kv_lengths=True, q_len=37, kv_len=100),
-    Case(segments="q", q_len=100, kv_len=100, num_segments=5, block=32),
-    Case(segments="qkv", q_len=70, kv_len=17),
+    Case(segments="q", q_len=100, kv_len=100, num_segments=5, block="32"),
+    Case(segments="qkv", q_len=70, kv_len=17, block="q32kv16"),
     Case(segments="qkv", q_len=17, kv_len=1),
     Case(window=7, q_len=100, kv_len=100),
-    Case(window=(9, 2), q_len=70, kv_len=33),
-    Case(window=(0, 12), q_len=33, kv_len=70),
+    Case(window=(9, 2), q_len=70, kv_len=33, block="q32kv16"),
+    Case(window=(0, 12), q_len=33, kv_len=70, block="q16kv64"),
     Case(soft_cap=2.0, q_len=70, kv_len=37),
 ]
 
@@ -386,8 +400,8 @@ COMBINED = [
     Case(is_causal=True, window=(5, 9), q_len=100, kv_len=37),
     Case(is_causal=True, window=3, q_len=37, kv_len=100, num_heads=4, num_kv_heads=1),
     # T != S with windows and segments
-    Case(window=(11, 4), segments="qkv", q_len=100, kv_len=37, num_segments=2),
-    Case(window=6, is_causal=True, segments="qkv", q_len=37, kv_len=100, block=32),
+    Case(window=(11, 4), segments="qkv", q_len=100, kv_len=37, num_segments=2, block="q16kv64"),
+    Case(window=6, is_causal=True, segments="qkv", q_len=37, kv_len=100, block="32"),
     # lengths with segments (packed and padded) and a bias
     Case(q_lengths=True, kv_lengths=True, segments="q", q_len=70, kv_len=70, bias="1n1s"),
     # soft cap on top of a bias (cap applied to scale q.k + bias) with a mask
@@ -411,7 +425,7 @@ COMBINED = [
         num_heads=4,
         num_kv_heads=2,
         head_dim=40,
-        block=32,
+        block="32",
         is_causal=True,
         window=(40, 3),
         soft_cap=3.0,
@@ -512,35 +526,77 @@ def empty_row_inputs(kind: str):
 )
 def test_rows_that_see_no_key(kind):
     """Empty rows output exactly 0 with lse = -inf, and gradients are exactly 0 for empty rows,
-    keys no query sees and masked bias entries, even with a nonzero lse cotangent there."""
+    keys no query sees and masked bias entries, even with a nonzero lse cotangent there; both
+    backends."""
     c, xs, x64 = empty_row_inputs(kind)
     vis = visibility(c, x64)
     empty = ~vis.any(axis=-1)  # [B, N, T]
     assert empty.any() and not empty.all(), "the case must have empty and non-empty rows"
     assert x64["d_lse"][empty].all(), "the lse cotangent is nonzero at the empty rows"
-    results = run(c, xs, KERNEL)
-    for name in ("out", "lse", "dq", "dk", "dv", "dbias"):
-        x = to64(results[name])
-        assert not np.isnan(x).any(), name
-        if name != "lse":
-            assert np.isfinite(x).all(), name
-    lse = to64(results["lse"])
-    assert np.all(lse[empty] == -np.inf)
-    assert np.isfinite(lse[~empty]).all()
     rows = np.transpose(empty, (0, 2, 1))  # [B, T, N]
-    assert np.all(to64(results["out"])[rows] == 0.0)
-    assert np.all(to64(results["dq"])[rows] == 0.0)
     group = c.num_heads // c.num_kv_heads
     seen = vis.any(axis=2).reshape(c.batch, c.num_kv_heads, group, c.kv_len).any(axis=2)
-    unseen = ~np.transpose(seen, (0, 2, 1))  # [B, S, K]
-    assert np.all(to64(results["dk"])[unseen] == 0.0)
-    assert np.all(to64(results["dv"])[unseen] == 0.0)
-    if c.bias == "bnts":
-        assert np.all(to64(results["dbias"])[~vis] == 0.0)
-    # And everything against the oracle (the oracle ignores the lse cotangent of empty rows;
-    # the baseline gets it zeroed there).
-    base_xs, _ = zero_empty_rows_dlse(c, xs, x64)
-    violations = tolerance_violations(c, results, run(c, base_xs, XLA), oracle(c, x64))
+    unseen = ~np.transpose(seen, (0, 2, 1))  # [B, S, K]: keys no query sees
+    results = {which: run(c, xs, which) for which in (KERNEL, XLA)}
+    for which, res in results.items():
+        res = {name: to64(x) for name, x in res.items()}
+        for name, x in res.items():
+            assert not np.isnan(x).any(), (which, name)
+            assert name == "lse" or np.isfinite(x).all(), (which, name)
+        assert np.all(res["lse"][empty] == -np.inf), which
+        assert np.isfinite(res["lse"][~empty]).all(), which
+        assert np.all(res["out"][rows] == 0.0), which
+        assert np.all(res["dq"][rows] == 0.0), which
+        assert np.all(res["dk"][unseen] == 0.0), which
+        assert np.all(res["dv"][unseen] == 0.0), which
+        if c.bias == "bnts":
+            assert np.all(res["dbias"][~vis] == 0.0), which
+    # And everything against the oracle, which ignores the lse cotangent of empty rows.
+    violations = tolerance_violations(c, results[KERNEL], results[XLA], oracle(c, x64))
+    assert not violations, "; ".join(violations)
+
+
+def test_grads_without_residuals():
+    """return_residuals=False: out alone, gradients from its cotangent (the oracle's d_lse = 0)."""
+    c = Case(
+        bias="1nts",
+        segments="qkv",
+        window=(6, 10),
+        is_causal=True,
+        q_len=50,
+        kv_len=40,
+        num_heads=4,
+        num_kv_heads=2,
+        block="q32kv16",
+    )
+    xs, x64 = make_inputs(c, 9)
+    x64["d_lse"] = np.zeros_like(x64["d_lse"])
+    names = ("mask", "q_lens", "kv_lens", "q_seg", "kv_seg")
+
+    def grads(which):
+        def f(q, k, v, bias, d_out, extra):
+            def attention(q, k, v, bias):
+                return pallas_flash.flash_attention(
+                    q,
+                    k,
+                    v,
+                    bias,
+                    is_causal=c.is_causal,
+                    local_window_size=c.window,
+                    q_segment_ids=extra["q_seg"],
+                    kv_segment_ids=extra["kv_seg"],
+                    **call_kwargs(c, which),
+                )
+
+            out, vjp = jax.vjp(attention, q, k, v, bias)
+            return dict(zip(("out", *GRAD_NAMES), (out, *vjp(d_out)), strict=True))
+
+        args = [xs[name] for name in ("q", "k", "v", "bias", "d_out")]
+        return jax.jit(f)(*args, {name: xs[name] for name in names})
+
+    want = oracle(c, x64)
+    del want["lse"]
+    violations = tolerance_violations(c, grads(KERNEL), grads(XLA), want)
     assert not violations, "; ".join(violations)
 
 
@@ -567,7 +623,7 @@ def random_cases(draw):
         num_heads=num_kv_heads * group,
         num_kv_heads=num_kv_heads,
         head_dim=draw(st.sampled_from([8, 16, 40])),
-        block=draw(st.sampled_from([16, 32])),
+        block=draw(st.sampled_from(sorted(BLOCKS))),
         is_causal=draw(st.booleans()),
         window=window,
         soft_cap=draw(st.one_of(st.none(), st.sampled_from([1.0, 4.0]))),
@@ -656,6 +712,9 @@ def test_attention_reference_matches_oracle(c):
         got = [x[None] for x in got[:5]] + [got[5]]
     want = oracle(c, x64)
     for name, x in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, strict=True):
+        if want[name] is None:
+            assert x is None, name
+            continue
         x, w = to64(x), want[name]
         finite = np.isfinite(w)
         assert np.array_equal(x[~finite], w[~finite]), name

@@ -1,4 +1,10 @@
-"""pallas_flash: FlashAttention-2 for JAX as Pallas GPU kernels."""
+"""pallas_flash: FlashAttention-2 for JAX as Pallas GPU kernels.
+
+Flax users import the wrappers explicitly (this package itself does not import Flax):
+`pallas_flash.linen` and `pallas_flash.nnx` each hold a drop-in `dot_product_attention` for the
+`attention_fn` of Flax's attention modules, and a subclass of the module
+(`MultiHeadDotProductAttention` / `MultiHeadAttention`).
+"""
 
 from pallas_flash.api import attention_reference, flash_attention
 from pallas_flash.config import BlockSizes

@@ -1,0 +1,283 @@
+"""What `pallas_flash.linen` and `pallas_flash.nnx` share: turning Flax's attention call into a
+`flash_attention` call.
+
+Flax hands an `attention_fn` arrays of shape `[batch..., length, heads, features]` (any number of
+batch dims, including none), masks that may be float and that broadcast to
+`[batch..., heads, q_length, kv_length]`, and dropout / weight-sowing requests that the kernels
+cannot serve. This module
+
+* flattens the batch dims into the one batch dim of the kernels (and back);
+* turns masks into the boolean masks of the kernels' mask path (nonzero = attend, as Flax's
+  `jnp.where(mask, ...)` reads them);
+* routes a call with active dropout, or one that must sow its attention weights, to Flax's own
+  attention (warning once per process and reason), so that dropout is never skipped;
+* binds the options of the pallas_flash modules (`is_causal`, segment ids, backend, ...) into
+  their `attention_fn`.
+
+It imports no Flax: each wrapper passes in the Flax function its fallback calls. Nothing here is
+public API; `FallbackWarning` is re-exported by both wrappers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash.api import flash_attention
+
+
+class FallbackWarning(UserWarning):
+    """A call ran Flax's own attention instead of the pallas_flash kernels.
+
+    Emitted once per process and reason: for attention dropout (the kernels have no dropout
+    yet) and for sowing the attention weights (the kernels never materialise them).
+    """
+
+
+# Reasons already warned about in this process (warning at every trace of a training step
+# would flood the log; one warning says what the user needs to know).
+_warned: set[str] = set()
+
+
+def _warn_once(reason: str, message: str) -> None:
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    # stacklevel: _warn_once <- attention <- the Flax module or the user's call.
+    warnings.warn(message, FallbackWarning, stacklevel=4)
+
+
+_FALLBACK_MESSAGES = {
+    "dropout": (
+        "pallas_flash: attention dropout (dropout_rate > 0, deterministic=False) has no kernel "
+        "yet; calls with active dropout run Flax's own dot_product_attention, which "
+        "materialises the [B, N, T, S] weights. Deterministic calls use the kernels. "
+        "(Warned once per process.)"
+    ),
+    "module": (
+        "pallas_flash: sowing the attention weights (sow_weights=True / module=...) needs the "
+        "materialised weights; such calls run Flax's own dot_product_attention. "
+        "(Warned once per process.)"
+    ),
+}
+
+
+def check_precision(precision) -> None:
+    """Accepts what the kernels honour: None, a `jax.lax.Precision`, its name, or a pair of them.
+
+    The kernels compute q.k and p.v with float32 accumulation, and float32 inputs at full
+    float32 precision (`Precision.HIGHEST`); any such request is met or exceeded, so it does
+    not change the computation. Explicit dot algorithms (`jax.lax.DotAlgorithmPreset`, ...)
+    ask for a specific algorithm, which the kernels do not offer.
+    """
+    if precision is None:
+        return
+    items = precision if isinstance(precision, (tuple, list)) else (precision,)
+    if isinstance(precision, (tuple, list)) and len(precision) != 2:
+        raise ValueError(f"precision={precision!r}: a tuple must have two entries")
+    for p in items:
+        if p is None or isinstance(p, jax.lax.Precision):
+            continue
+        if isinstance(p, str):
+            jax.lax.Precision(p)  # ValueError for a name that is not a precision
+            continue
+        raise NotImplementedError(
+            f"precision={precision!r} is not supported by pallas_flash: pass None, a "
+            "jax.lax.Precision or its name (the kernels accumulate in float32 and compute "
+            "float32 inputs at full precision, which meets any such request)"
+        )
+
+
+def check_dropout(dropout_rate, deterministic, dropout_rng) -> bool:
+    """Whether the call has active dropout; validates its arguments like Flax does."""
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate={dropout_rate!r} must be in the range [0, 1)")
+    active = dropout_rate > 0.0 and not deterministic
+    if active and dropout_rng is None:
+        raise ValueError("dropout_rng is required when dropout_rate > 0 and deterministic=False")
+    return active
+
+
+def bind_options(attention_fn, **options):
+    """`attention_fn` with the non-default `options` bound as keywords.
+
+    Options at their default (None or False) are left out, so that a user's attention_fn that
+    does not know them still works when they are not used. One that is used but not accepted
+    raises instead of being dropped.
+    """
+    options = {k: v for k, v in options.items() if v is not None and v is not False}
+    if not options:
+        return attention_fn
+    params = inspect.signature(attention_fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        missing = [k for k in options if k not in params]
+        if missing:
+            raise TypeError(
+                f"attention_fn={attention_fn!r} does not accept the keyword(s) {missing}, "
+                "which this module was given; use pallas_flash's dot_product_attention (or a "
+                "functools.partial of it)"
+            )
+    return functools.partial(attention_fn, **options)
+
+
+def _check_qkv(query, key, value):
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not hasattr(x, "shape") or x.ndim < 3:
+            raise ValueError(
+                f"{name} must be an array of shape [batch..., length, heads, features], got "
+                f"{getattr(x, 'shape', type(x).__name__)}"
+            )
+    if not (query.ndim == key.ndim == value.ndim):
+        raise ValueError(
+            f"query, key and value must have the same rank; got query.shape={query.shape}, "
+            f"key.shape={key.shape}, value.shape={value.shape}"
+        )
+    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
+        raise ValueError(
+            f"batch dims must match; got query.shape={query.shape}, key.shape={key.shape}, "
+            f"value.shape={value.shape}"
+        )
+
+
+def _flatten_pair_operand(name, x, batch_shape):
+    """A mask/bias broadcastable to [batch..., N, T, S] as [B|1, N|1, T|1, S|1] (B = prod)."""
+    if x is None:
+        return None
+    if not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    rank = len(batch_shape) + 3
+    if x.ndim > rank:
+        raise ValueError(
+            f"{name}.shape={x.shape} has more dims than [batch..., heads, q_length, kv_length] "
+            f"(rank {rank} for these inputs)"
+        )
+    x = jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape))
+    lead, tail = x.shape[: len(batch_shape)], x.shape[len(batch_shape) :]
+    if all(d == 1 for d in lead):
+        return jnp.reshape(x, (1, *tail))
+    if any(d not in (1, b) for d, b in zip(lead, batch_shape)):
+        raise ValueError(
+            f"{name}.shape={x.shape}: its batch dims must broadcast to {tuple(batch_shape)}"
+        )
+    # Mixed batch dims (some 1, some full) must be materialised to merge into one dim.
+    x = jnp.broadcast_to(x, (*batch_shape, *tail))
+    return jnp.reshape(x, (math.prod(batch_shape), *tail))
+
+
+def _flatten_segment_ids(name, ids, batch_shape, length):
+    if ids is None:
+        return None
+    want = (*batch_shape, length)
+    if tuple(getattr(ids, "shape", ())) != want:
+        raise ValueError(
+            f"{name}.shape={getattr(ids, 'shape', None)} must be [batch..., length] = {want}"
+        )
+    return jnp.reshape(ids, (math.prod(batch_shape), length))
+
+
+def _segment_pair(q_ids, kv_ids, q_len, kv_len):
+    """Both segment-id arrays or neither; kv ids default to the query ids when T == S."""
+    if q_ids is None and kv_ids is None:
+        return None, None
+    if q_ids is None:
+        raise ValueError("kv_segment_ids needs q_segment_ids")
+    if kv_ids is None:
+        if q_len != kv_len:
+            raise ValueError(f"kv_segment_ids is required when q_length={q_len} != {kv_len=}")
+        kv_ids = q_ids
+    return q_ids, kv_ids
+
+
+def attention(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    is_causal,
+    q_segment_ids,
+    kv_segment_ids,
+    backend,
+    interpret,
+    block_sizes,
+    fallback_reason,
+    flax_attention,
+):
+    """The shared body of both drop-in functions, after each has promoted the dtypes.
+
+    Args:
+      query, key, value: `[batch..., T|S, N|K, H]`, one dtype.
+      bias, mask: broadcastable to `[batch..., N, T, S]`; mask of any dtype, nonzero = attend.
+      is_causal, q_segment_ids, kv_segment_ids, backend, interpret, block_sizes: as in
+        `flash_attention` (segment ids with the batch dims: `[batch..., T]`, `[batch..., S]`).
+      fallback_reason: None, "dropout" or "module": why this call cannot use the kernels.
+      flax_attention: `f(query, key, value, bias, mask) -> out`, Flax's own attention with the
+        call's dropout/module arguments bound, taking a bool mask of rank `query.ndim`; called
+        only for a fallback.
+
+    Returns:
+      `[batch..., T, N, H]`. Query rows that see no key output zeros on both paths (Flax's own
+      attention would average all values there).
+    """
+    _check_qkv(query, key, value)
+    batch_shape = tuple(query.shape[:-3])
+    batch = math.prod(batch_shape)
+    q_len, kv_len = query.shape[-3], key.shape[-3]
+    mask4 = _flatten_pair_operand("mask", mask, batch_shape)
+    if mask4 is not None and mask4.dtype != jnp.bool_:
+        # Flax applies masks as jnp.where(mask, logits, big_neg): any nonzero value attends.
+        mask4 = mask4 != 0
+    q_ids = _flatten_segment_ids("q_segment_ids", q_segment_ids, batch_shape, q_len)
+    kv_ids = _flatten_segment_ids("kv_segment_ids", kv_segment_ids, batch_shape, kv_len)
+    q_ids, kv_ids = _segment_pair(q_ids, kv_ids, q_len, kv_len)
+
+    if fallback_reason is not None:
+        _warn_once(fallback_reason, _FALLBACK_MESSAGES[fallback_reason])
+        return _fallback(
+            flax_attention, query, key, value, bias, mask4, is_causal, q_ids, kv_ids, batch_shape
+        )
+
+    def flat(x):
+        return jnp.reshape(x, (batch, *x.shape[-3:]))
+
+    out = flash_attention(
+        flat(query),
+        flat(key),
+        flat(value),
+        _flatten_pair_operand("bias", bias, batch_shape),
+        mask4,
+        is_causal=is_causal,
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
+        backend=backend,
+        interpret=interpret,
+        block_sizes=block_sizes,
+    )
+    return jnp.reshape(out, query.shape[:-1] + value.shape[-1:])
+
+
+def _fallback(flax_attention, query, key, value, bias, mask4, is_causal, q_ids, kv_ids, shape):
+    """Flax's own attention with every mask argument folded into one dense bool mask."""
+    q_len, kv_len = query.shape[-3], key.shape[-3]
+    dense = mask4
+    if is_causal:  # top-left aligned, as in flash_attention
+        causal = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
+        dense = causal[None, None] if dense is None else dense & causal
+    if q_ids is not None:
+        same = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+        dense = same if dense is None else dense & same
+    if dense is None:
+        return flax_attention(query, key, value, bias, None)
+    # Back to Flax's rank: [B|1, ...] -> [batch..., ...] (or [1...] when it was broadcast).
+    lead = shape if dense.shape[0] != 1 else (1,) * len(shape)
+    dense = jnp.reshape(dense, (*lead, *dense.shape[1:]))
+    out = flax_attention(query, key, value, bias, dense)
+    # Rows that see no key: zeros, as the kernels give (Flax would average every value).
+    visible = jnp.swapaxes(jnp.any(dense, axis=-1), -1, -2)[..., None]  # [batch..., T, N|1, 1]
+    return jnp.where(visible, out, jnp.zeros((), out.dtype))

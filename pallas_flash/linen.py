@@ -1,0 +1,217 @@
+"""pallas_flash for flax.linen: a drop-in `attention_fn` and a `MultiHeadDotProductAttention`.
+
+Either pass the function to any linen attention module::
+
+    import functools
+    import flax.linen as nn
+    import pallas_flash.linen
+
+    layer = nn.MultiHeadDotProductAttention(
+        num_heads=8, attention_fn=pallas_flash.linen.dot_product_attention
+    )
+    # Options go in with functools.partial, e.g. the kernels in the interpreter on CPU:
+    attention_fn = functools.partial(
+        pallas_flash.linen.dot_product_attention, backend="triton", interpret=True
+    )
+
+or use the subclass, which adds `is_causal` (the kernels' causal fast path: no dense mask, tiles
+above the diagonal skipped), `backend`, `interpret`, `block_sizes` and segment ids at call time::
+
+    layer = pallas_flash.linen.MultiHeadDotProductAttention(num_heads=8, is_causal=True)
+    y = layer.apply(variables, x, q_segment_ids=document_ids)
+
+Importing this module imports Flax; `import pallas_flash` alone does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
+
+from pallas_flash import flax_common
+from pallas_flash.config import BlockSizes
+from pallas_flash.flax_common import FallbackWarning
+
+__all__ = ["FallbackWarning", "MultiHeadDotProductAttention", "dot_product_attention"]
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    force_fp32_for_softmax: bool = False,
+    einsum_dot_general=None,
+    qk_attn_weights_einsum=None,
+    attn_weights_value_einsum=None,
+    *,
+    is_causal: bool = False,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+):
+    """`flax.linen.dot_product_attention` computed by the pallas_flash kernels.
+
+    The parameters up to `attn_weights_value_einsum` are those of
+    `flax.linen.dot_product_attention`, by name and position: linen modules pass an
+    `attention_fn` only the keywords its signature names, so each is spelled out here.
+
+    Shapes: query `[batch..., T, N, H]`, key/value `[batch..., S, K, H]` (no batch dims, or
+    several, are fine), N a multiple of K (GQA: query head n reads kv head n // (N // K)); the
+    output is `[batch..., T, N, H]` in the promoted dtype.
+
+    Args:
+      query, key, value: as above. Promoted to one dtype (`dtype` if given) as Flax does; the
+        kernels take float16, bfloat16 or float32 and H a multiple of 8 up to 256.
+      bias: float, broadcastable to `[batch..., N, T, S]`, added to the scaled logits.
+      mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
+        as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
+        Active dropout (`dropout_rate > 0` and not `deterministic`) runs this call through
+        Flax's own attention, with its dropout, and warns once (`FallbackWarning`).
+      dtype: the computation dtype; None infers it from the inputs.
+      precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
+        at full precision. An explicit dot algorithm raises NotImplementedError.
+      module: sow the attention weights into this module's 'intermediates'. The kernels never
+        form the weights, so such a call runs Flax's own attention (and warns once).
+      force_fp32_for_softmax: accepted; the kernels' softmax is always float32.
+      einsum_dot_general, qk_attn_weights_einsum, attn_weights_value_einsum: custom einsums
+        (e.g. quantised ones) cannot run inside the kernels: anything but None raises
+        NotImplementedError.
+      is_causal: query i sees keys j <= i (top-left aligned); the kernels' causal fast path.
+      q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
+        the same id only (packed documents). kv ids default to the query ids when T == S.
+      backend, interpret, block_sizes: as in `pallas_flash.flash_attention`.
+
+    Returns:
+      `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
+      outputs the mean of all values there).
+    """
+    for name, fn in (
+        ("einsum_dot_general", einsum_dot_general),
+        ("qk_attn_weights_einsum", qk_attn_weights_einsum),
+        ("attn_weights_value_einsum", attn_weights_value_einsum),
+    ):
+        if fn is not None:
+            raise NotImplementedError(
+                f"{name}={fn!r}: custom einsums cannot run inside the pallas_flash kernels; "
+                "use flax.linen.dot_product_attention for this module"
+            )
+    flax_common.check_precision(precision)
+    dropout = flax_common.check_dropout(dropout_rate, deterministic, dropout_rng)
+    query, key, value = promote_dtype(query, key, value, dtype=dtype)
+
+    def flax_attention(q, k, v, b, m):
+        # flax.linen's attention wants equal head counts: repeat kv heads as GQA reads them.
+        if k.shape[-2] != q.shape[-2]:
+            group = q.shape[-2] // k.shape[-2]
+            k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
+        return nn.dot_product_attention(
+            q,
+            k,
+            v,
+            b,
+            m,
+            broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            precision=precision,
+            module=module,
+            force_fp32_for_softmax=force_fp32_for_softmax,
+        )
+
+    return flax_common.attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        is_causal=is_causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        backend=backend,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        fallback_reason="dropout" if dropout else ("module" if module is not None else None),
+        flax_attention=flax_attention,
+    )
+
+
+class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
+    """`flax.linen.MultiHeadDotProductAttention` running on pallas_flash.
+
+    Same parameters (names, shapes, initialisers) and call as Flax's module, so variables move
+    between the two unchanged. `attention_fn` defaults to `pallas_flash.linen.
+    dot_product_attention`.
+
+    Attributes (beyond Flax's):
+      is_causal: causal self-attention through the kernels' causal fast path, without a mask
+        array. Ignored in decode steps (`decode=True`), where the cache mask already limits
+        each query to the cached keys; a length-1 causal query would see only key 0.
+      backend, interpret, block_sizes: passed to the attention function (see
+        `pallas_flash.flash_attention`); None leaves the function's own choice.
+    """
+
+    attention_fn: Callable[..., Any] = dot_product_attention
+    is_causal: bool = False
+    backend: str | None = None
+    interpret: bool | None = None
+    block_sizes: BlockSizes | None = None
+
+    def __call__(
+        self,
+        inputs_q,
+        inputs_k=None,
+        inputs_v=None,
+        *,
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        **kwargs,
+    ):
+        """Flax's `__call__` plus segment ids.
+
+        Args:
+          inputs_q, inputs_k, inputs_v: as in Flax's module.
+          q_segment_ids: int `[batch..., q_length]`; kv_segment_ids: int
+            `[batch..., kv_length]` (defaults to q_segment_ids for self-attention): queries see
+            keys of their own segment only (packed documents).
+          **kwargs: Flax's keyword arguments: inputs_kv, mask, deterministic, dropout_rng,
+            sow_weights.
+
+        Returns:
+          `[batch..., length, out_features]`.
+        """
+        bound = flax_common.bind_options(
+            self.attention_fn,
+            is_causal=self.is_causal and not self.decode,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            backend=self.backend,
+            interpret=self.interpret,
+            block_sizes=self.block_sizes,
+        )
+        # Flax's __call__ reads self.attention_fn, and linen modules are frozen. `self` is the
+        # instance bound for this call (apply() clones the module), so swapping the field for the
+        # duration of the call is invisible elsewhere; the finally restores it even on errors.
+        original = self.attention_fn
+        object.__setattr__(self, "attention_fn", bound)
+        try:
+            return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
+        finally:
+            object.__setattr__(self, "attention_fn", original)

@@ -1,0 +1,221 @@
+"""pallas_flash for flax.nnx: a drop-in `attention_fn` and a `MultiHeadAttention`.
+
+Either pass the function to any nnx attention module::
+
+    import functools
+    from flax import nnx
+    import pallas_flash.nnx
+
+    layer = nnx.MultiHeadAttention(
+        num_heads=8, in_features=512, decode=False, rngs=nnx.Rngs(0),
+        attention_fn=pallas_flash.nnx.dot_product_attention,
+    )
+    # Options go in with functools.partial, e.g. the kernels in the interpreter on CPU:
+    attention_fn = functools.partial(
+        pallas_flash.nnx.dot_product_attention, backend="triton", interpret=True
+    )
+
+or use the subclass, which adds `is_causal` as a default, `backend`, `interpret`, `block_sizes`
+and segment ids at call time::
+
+    layer = pallas_flash.nnx.MultiHeadAttention(
+        num_heads=8, in_features=512, num_kv_heads=2, is_causal=True, decode=False,
+        rngs=nnx.Rngs(0),
+    )
+    y = layer(x, q_segment_ids=document_ids)
+
+Importing this module imports Flax; `import pallas_flash` alone does not.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+from flax.nnx.nn import dtypes
+
+from pallas_flash import flax_common
+from pallas_flash.config import BlockSizes
+from pallas_flash.flax_common import FallbackWarning
+
+__all__ = ["FallbackWarning", "MultiHeadAttention", "dot_product_attention"]
+
+
+def dot_product_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    broadcast_dropout: bool = True,
+    dropout_rng=None,
+    dropout_rate: float = 0.0,
+    deterministic: bool = False,
+    dtype=None,
+    precision=None,
+    module=None,
+    promote_dtype=dtypes.promote_dtype,
+    is_causal: bool = False,
+    *,
+    input_positions=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    backend: str | None = None,
+    interpret: bool | None = None,
+    block_sizes: BlockSizes | None = None,
+):
+    """`flax.nnx.dot_product_attention` computed by the pallas_flash kernels.
+
+    The parameters up to `is_causal` are those of `flax.nnx.dot_product_attention`, by name and
+    position; `flax.nnx.MultiHeadAttention` passes all of them but `bias` and `promote_dtype`.
+
+    Shapes: query `[batch..., T, N, H]`, key/value `[batch..., S, K, H]` (no batch dims, or
+    several, are fine), N a multiple of K (GQA: query head n reads kv head n // (N // K)); the
+    output is `[batch..., T, N, H]` in the promoted dtype.
+
+    Args:
+      query, key, value: as above, promoted to one dtype by `promote_dtype` (to `dtype` if
+        given); the kernels take float16, bfloat16 or float32 and H a multiple of 8 up to 256.
+      bias: float, broadcastable to `[batch..., N, T, S]`, added to the scaled logits.
+      mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
+        as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
+        Active dropout (`dropout_rate > 0` and not `deterministic`) runs this call through
+        Flax's own attention, with its dropout, and warns once (`FallbackWarning`).
+      dtype: the computation dtype; None infers it from the inputs.
+      precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
+        at full precision. An explicit dot algorithm raises NotImplementedError.
+      module: sow the attention weights into this module (`nnx.Intermediate`). The kernels never
+        form the weights, so such a call runs Flax's own attention (and warns once).
+      promote_dtype: Flax's dtype promotion hook, `f((query, key, value), dtype=...)`.
+      is_causal: query i sees keys j <= i (top-left aligned); the kernels' causal fast path.
+      input_positions: accepted because `nnx.MultiHeadAttention` forwards it when given; plain
+        attention has no use for positions (RoPE belongs in a wrapper that rotates query and key
+        before calling this function), so it does not change the result.
+      q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
+        the same id only (packed documents). kv ids default to the query ids when T == S.
+      backend, interpret, block_sizes: as in `pallas_flash.flash_attention`.
+
+    Returns:
+      `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
+      outputs the mean of all values there).
+    """
+    del input_positions  # see the docstring
+    flax_common.check_precision(precision)
+    dropout = flax_common.check_dropout(dropout_rate, deterministic, dropout_rng)
+    query, key, value = promote_dtype((query, key, value), dtype=dtype)
+
+    def flax_attention(q, k, v, b, m):
+        # Causality and segments arrive folded into m.
+        return nnx.dot_product_attention(
+            q,
+            k,
+            v,
+            b,
+            m,
+            broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            precision=precision,
+            module=module,
+            promote_dtype=promote_dtype,
+        )
+
+    return flax_common.attention(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        is_causal=is_causal,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        backend=backend,
+        interpret=interpret,
+        block_sizes=block_sizes,
+        fallback_reason="dropout" if dropout else ("module" if module is not None else None),
+        flax_attention=flax_attention,
+    )
+
+
+class MultiHeadAttention(nnx.MultiHeadAttention):
+    """`flax.nnx.MultiHeadAttention` running on pallas_flash.
+
+    Same constructor (plus the arguments below), parameters, cache and call as Flax's module,
+    so state moves between the two unchanged. `attention_fn` defaults to
+    `pallas_flash.nnx.dot_product_attention`. GQA/MQA: `num_kv_heads` (Flax's argument) makes
+    the key/value projections and the decode cache hold `num_kv_heads` heads, which the kernels
+    read without repeating them. Decoding: `init_cache(...)`, then one token per call with
+    `decode=True`, as in Flax.
+
+    Args:
+      *args, **kwargs: those of `flax.nnx.MultiHeadAttention` (num_heads, in_features, ...,
+        num_kv_heads, ..., rngs).
+      is_causal: the default of `__call__`'s `is_causal`: causal self-attention through the
+        kernels' causal fast path, without a mask array. Flax ignores it in decode steps, where
+        the cache mask already limits each query to the cached keys.
+      backend, interpret, block_sizes: passed to the attention function (see
+        `pallas_flash.flash_attention`); None leaves the function's own choice.
+      attention_fn: defaults to `pallas_flash.nnx.dot_product_attention`.
+    """
+
+    def __init__(
+        self,
+        *args,
+        is_causal: bool = False,
+        backend: str | None = None,
+        interpret: bool | None = None,
+        block_sizes: BlockSizes | None = None,
+        attention_fn=dot_product_attention,
+        **kwargs,
+    ):
+        super().__init__(*args, attention_fn=attention_fn, **kwargs)
+        self.is_causal = is_causal
+        self.backend = backend
+        self.interpret = interpret
+        self.block_sizes = block_sizes
+
+    def __call__(
+        self,
+        inputs_q,
+        inputs_k=None,
+        inputs_v=None,
+        *,
+        is_causal: bool | None = None,
+        q_segment_ids=None,
+        kv_segment_ids=None,
+        **kwargs,
+    ):
+        """Flax's `__call__` plus segment ids; `is_causal` defaults to the constructor's.
+
+        Args:
+          inputs_q, inputs_k, inputs_v: as in Flax's module.
+          is_causal: None uses the constructor's `is_causal`.
+          q_segment_ids: int `[batch..., q_length]`; kv_segment_ids: int
+            `[batch..., kv_length]` (defaults to q_segment_ids for self-attention): queries see
+            keys of their own segment only (packed documents).
+          **kwargs: Flax's keyword arguments: mask, deterministic, rngs, sow_weights, decode,
+            out_sharding, qkv_sharding, input_positions.
+
+        Returns:
+          `[batch..., length, out_features]`.
+        """
+        if is_causal is None:
+            is_causal = self.is_causal
+        bound = flax_common.bind_options(
+            self.attention_fn,
+            q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            backend=self.backend,
+            interpret=self.interpret,
+            block_sizes=self.block_sizes,
+        )
+        # Flax's __call__ reads self.attention_fn; bind this call's options by swapping it for
+        # the duration of the call (restored even on errors, so the module's static structure,
+        # which nnx.jit compares, is unchanged afterwards).
+        original = self.attention_fn
+        object.__setattr__(self, "attention_fn", bound)
+        try:
+            return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=is_causal, **kwargs)
+        finally:
+            object.__setattr__(self, "attention_fn", original)

@@ -1,0 +1,272 @@
+"""pallas_flash.nnx against Flax's own attention: drop-in function and module subclass.
+
+Everything runs the Triton kernels in the Pallas interpreter (CPU), in float32, and is compared
+with flax.nnx's default `dot_product_attention` on the same parameters. Each jitted call with
+the kernels costs seconds to compile, so each test compiles one function that returns outputs
+and gradients together.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import pallas_flash.nnx as pfn
+from pallas_flash import flax_common
+
+KERNELS = {"backend": "triton", "interpret": True}
+B, T, FEATURES, HEADS, KV_HEADS = 2, 40, 32, 4, 2  # T spans two 32-wide interpreter tiles
+TOL = 2e-5
+
+
+def assert_close(actual, expected, tol=TOL):
+    """Max abs difference over a pytree, relative to the largest magnitude (at least 1)."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape
+        scale = max(1.0, float(np.abs(e).max()))
+        np.testing.assert_array_less(np.abs(a - e).max(), tol * scale)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which fallback warnings this process has given, for this test only."""
+    monkeypatch.setattr(flax_common, "_warned", set())
+
+
+def inputs(seed=0, shape=(B, T, FEATURES)):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def same_params(ours, ref):
+    """`ours` with `ref`'s parameters (both modules have the same parameter structure)."""
+    nnx.update(ours, nnx.state(ref, nnx.Param))
+    return ours
+
+
+def out_and_grads(model, x, weights, **call_kwargs):
+    """Jitted (out, grads of sum(out * weights) w.r.t. the parameters): a random cotangent."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def run(params):
+        def loss(params):
+            out = nnx.merge(graphdef, params, rest)(x, **call_kwargs)
+            return jnp.sum(out * weights), out
+
+        (_, out), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return out, grads
+
+    return run(params)
+
+
+def flax_module(**kwargs):
+    kwargs = {"decode": False, "rngs": nnx.Rngs(0), **kwargs}
+    return nnx.MultiHeadAttention(HEADS, FEATURES, **kwargs)
+
+
+def segment_ids():
+    """Two packed documents in row 0, three in row 1."""
+    return jnp.array([[0] * 25 + [1] * 15, [0] * 10 + [1] * 20 + [2] * 10], jnp.int32)
+
+
+# -- the drop-in function in Flax's own module ----------------------------------------------------
+
+
+def test_dropin_function_in_flax_module():
+    """is_causal and a float padding mask, as Flax's module passes them, through the kernels."""
+    x = inputs()
+    ref = flax_module()
+    attention_fn = functools.partial(pfn.dot_product_attention, **KERNELS)
+    ours = same_params(flax_module(attention_fn=attention_fn, rngs=nnx.Rngs(5)), ref)
+    valid = (jnp.arange(T)[None] < jnp.array([T, 23])[:, None]).astype(jnp.float32)
+    mask = nnx.make_attention_mask(valid, valid)  # float32 [B, 1, T, T]
+    rows = valid[..., None]
+    # Padded query rows see no key: Flax averages all values there, pallas_flash outputs 0.
+    # Compare the rows that see keys; the cotangent is zero on the others.
+    weights = inputs(2) * rows
+    # input_positions (forwarded by the module when given) does not change plain attention.
+    out, grads = out_and_grads(
+        ours, x, weights, mask=mask, is_causal=True, input_positions=jnp.arange(T)
+    )
+    ref_out, ref_grads = out_and_grads(ref, x, weights, mask=mask, is_causal=True)
+    assert_close(out * rows, ref_out * rows)
+    assert_close(grads, ref_grads)
+    np.testing.assert_array_equal(out[1, 23:], 0.0)  # zero attention output, zero out bias
+
+
+# -- the module subclass --------------------------------------------------------------------------
+
+
+def test_module_gqa_causal_segments_matches_flax():
+    """num_kv_heads < num_heads, is_causal from the constructor, segment ids at call time."""
+    x = inputs()
+    ref = flax_module(num_kv_heads=KV_HEADS)
+    ours = pfn.MultiHeadAttention(
+        HEADS,
+        FEATURES,
+        num_kv_heads=KV_HEADS,
+        is_causal=True,
+        decode=False,
+        rngs=nnx.Rngs(5),
+        **KERNELS,
+    )
+    ours = same_params(ours, ref)
+    assert ours.key.kernel.shape == (FEATURES, KV_HEADS, FEATURES // HEADS)
+    ids = segment_ids()
+    mask = nnx.make_attention_mask(ids, ids, jnp.equal)
+    weights = inputs(2)
+    out, grads = out_and_grads(ours, x, weights, q_segment_ids=ids)
+    ref_out, ref_grads = out_and_grads(ref, x, weights, mask=mask, is_causal=True)
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
+
+
+def test_decode_with_cache_gqa():
+    """Decoding token by token with the (GQA) cache equals the full causal forward pass."""
+    steps = 12
+    x = inputs(shape=(B, steps, FEATURES))
+    ref = flax_module(num_kv_heads=KV_HEADS)
+    ours = pfn.MultiHeadAttention(
+        HEADS, FEATURES, num_kv_heads=KV_HEADS, is_causal=True, rngs=nnx.Rngs(5), **KERNELS
+    )
+    ours = same_params(ours, ref)
+    ours.init_cache((B, steps, FEATURES))
+    assert ours.cached_key.shape == (B, steps, KV_HEADS, FEATURES // HEADS)
+    step = nnx.jit(lambda model, token: model(token, decode=True))
+    outs = [step(ours, x[:, i : i + 1]) for i in range(steps)]
+    assert int(ours.cache_index[...]) == steps
+    assert_close(jnp.concatenate(outs, axis=1), ref(x, is_causal=True))
+
+
+def test_dropout_takes_flax_path_and_warns_once(fresh_warnings):
+    x = inputs()
+    ref = flax_module(dropout_rate=0.5)
+    ours = same_params(
+        pfn.MultiHeadAttention(
+            HEADS, FEATURES, dropout_rate=0.5, is_causal=True, decode=False, rngs=nnx.Rngs(5)
+        ),
+        ref,
+    )
+    with pytest.warns(pfn.FallbackWarning, match="dropout"):
+        dropped = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
+    # Once per process: a second call is silent (pytest turns warnings into errors).
+    dropped_again = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
+    kept = ref(x, deterministic=True, is_causal=True)
+    assert np.abs(np.asarray(dropped - kept)).max() > 1e-2
+    # Flax's dropout semantics exactly: same rng, same mask of dropped weights.
+    ref_dropped = ref(x, deterministic=False, is_causal=True, rngs=nnx.Rngs(dropout=7))
+    assert_close(dropped, ref_dropped)
+    assert_close(dropped_again, ref_dropped)
+
+
+def test_sow_weights_takes_flax_path(fresh_warnings):
+    x = inputs()
+    ours = pfn.MultiHeadAttention(HEADS, FEATURES, is_causal=True, decode=False, rngs=nnx.Rngs(0))
+    forward = nnx.capture(lambda model, x: model(x, sow_weights=True), nnx.Intermediate)
+    with pytest.warns(pfn.FallbackWarning, match="sow"):
+        out, intermediates = forward(ours, x)
+    (weights,) = intermediates["attention_weights"].get_value()
+    assert weights.shape == (B, HEADS, T, T)
+    np.testing.assert_allclose(np.triu(np.asarray(weights), k=1), 0.0)
+    assert_close(out, flax_module()(x, is_causal=True))
+
+
+# -- the function on its own ----------------------------------------------------------------------
+
+
+def test_function_gqa_against_repeated_kv():
+    """K = N / 2 kv heads, causal, with a per-head bool mask: equals Flax on repeated kv heads."""
+    keys = jax.random.split(jax.random.key(3), 5)
+    q = jax.random.normal(keys[0], (2, 24, 4, 16))
+    k = jax.random.normal(keys[1], (2, 24, 2, 16))
+    v = jax.random.normal(keys[2], (2, 24, 2, 16))
+    mask = jax.random.bernoulli(keys[3], 0.7, (2, 4, 24, 24)).at[..., 0].set(True)
+    ct = jax.random.normal(keys[4], q.shape)
+
+    def grads_of(fn):
+        def loss(q, k, v):
+            return jnp.sum(fn(q, k, v, mask=mask, is_causal=True) * ct)
+
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    def repeated_kv(q, k, v, **kwargs):  # query head n reads kv head n // 2
+        return nnx.dot_product_attention(
+            q, jnp.repeat(k, 2, axis=-2), jnp.repeat(v, 2, axis=-2), **kwargs
+        )
+
+    assert_close(
+        grads_of(functools.partial(pfn.dot_product_attention, **KERNELS)), grads_of(repeated_kv)
+    )
+
+
+def test_function_errors():
+    q = jnp.ones((1, 8, 2, 8))
+    xla = functools.partial(pfn.dot_product_attention, backend="xla")
+    with pytest.raises(NotImplementedError, match="precision"):
+        xla(q, q, q, precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32)
+    with pytest.raises(ValueError, match="dropout_rate"):
+        xla(q, q, q, dropout_rate=1.5, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="dropout_rng is required"):
+        xla(q, q, q, dropout_rate=0.1)
+    assert xla(q, q, q, precision="highest", dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    # A custom attention_fn that cannot take the module's options is refused, not ignored.
+    module = pfn.MultiHeadAttention(
+        2, 16, attention_fn=nnx.dot_product_attention, decode=False, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(TypeError, match="q_segment_ids"):
+        module(jnp.ones((1, 8, 16)), q_segment_ids=jnp.zeros((1, 8), jnp.int32))
+
+
+# -- training ------------------------------------------------------------------------------------
+
+
+class TinyLM(nnx.Module):
+    """Embedding, one pre-norm causal GQA attention block, logits."""
+
+    def __init__(self, vocab, pallas, rngs):
+        self.embed = nnx.Embed(vocab, FEATURES, rngs=rngs)
+        self.norm = nnx.LayerNorm(FEATURES, rngs=rngs)
+        cls, extra = (pfn.MultiHeadAttention, KERNELS) if pallas else (nnx.MultiHeadAttention, {})
+        self.attn = cls(HEADS, FEATURES, num_kv_heads=KV_HEADS, decode=False, rngs=rngs, **extra)
+        self.head = nnx.Linear(FEATURES, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        return self.head(x + self.attn(self.norm(x), is_causal=True))
+
+
+def test_training_step_matches_flax():
+    vocab, steps = 16, 4
+    tokens = jax.random.randint(jax.random.key(0), (B, T + 1), 0, vocab)
+    inputs_, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def train(pallas):
+        model = TinyLM(vocab, pallas, nnx.Rngs(1))  # same seed: same initial parameters
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer):
+            def loss_fn(model):
+                logits = model(inputs_)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            return loss
+
+        return [float(step(model, optimizer)) for _ in range(steps)]
+
+    ours, ref = train(True), train(False)
+    assert ref[-1] < ref[0]  # the model learns, so equal losses mean equal training
+    np.testing.assert_allclose(ours, ref, rtol=5e-5)

@@ -143,6 +143,9 @@ def flash_attention(
                 interpret=interpret,
                 has_bias=bias is not None,
                 has_mask=mask is not None,
+                is_causal=is_causal,
+                q_len=q_len,
+                kv_len=kv_len,
             )
         config = KernelConfig(
             spec=spec,

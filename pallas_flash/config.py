@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
+import os
+import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +28,11 @@ class BlockSizes:
       block_q, block_kv, num_warps, num_stages: forward kernel (grid over query tiles).
       block_q_dkv, block_kv_dkv, num_warps_dkv, num_stages_dkv: dK/dV kernel (grid over KV tiles).
       block_q_dq, block_kv_dq, num_warps_dq, num_stages_dq: dQ kernel (grid over query tiles).
+      kv_splits: forward only: split each query tile's KV loop over this many programs and
+        combine their partial results by logsumexp (FA2's parallelism over the sequence, for
+        grids too small to fill the GPU: few heads, short query blocks). 0 picks it from the
+        grid size and the GPU's core count. Default 1 (off) until the split path has been
+        measured on the H200.
     """
 
     block_q: int = 128
@@ -37,6 +47,7 @@ class BlockSizes:
     block_kv_dq: int = 32
     num_warps_dq: int = 4
     num_stages_dq: int = 3
+    kv_splits: int = 1
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -46,6 +57,9 @@ class BlockSizes:
                     raise ValueError(
                         f"BlockSizes.{field.name}={value!r} must be a power of two >= 16"
                     )
+            elif field.name == "kv_splits":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"BlockSizes.kv_splits={value!r} must be an int >= 0")
             elif field.name.startswith("num_warps"):
                 if not _is_power_of_two(value):
                     raise ValueError(f"BlockSizes.{field.name}={value!r} must be a power of two")
@@ -53,8 +67,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
 
 
-# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of the sweep in
-# benchmarks/sweep.py at seq 4096 on the H200 (benchmarks/NOTES.md, results/h200-sweep-*.jsonl).
+# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of
+# the tile sweep at seq 4096 on the H200 (benchmarks/NOTES.md, results/h200-sweep-*.jsonl).
 _HOPPER = {
     64: BlockSizes(
         block_q=64,
@@ -132,22 +146,103 @@ _HOPPER_F32 = {
 }
 
 
-def default_block_sizes(
-    head_dim: int, dtype, *, interpret: bool, has_bias: bool = False, has_mask: bool = False
-) -> BlockSizes:
-    """Tiles for a call: per padded head dim and dtype on GPUs, small ones in the interpreter.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShapeClass:
+    """What the best tiles depend on; the key of the autotune cache."""
+
+    dtype: str
+    head_dim: int  # padded to a power of two
+    is_causal: bool
+    masked: bool  # a bias or dense mask adds a tile per pipeline stage
+    seq: str  # "short" (<= 1k), "medium" (<= 4k) or "long"
+
+    @classmethod
+    def of(cls, head_dim, dtype, *, is_causal, q_len, kv_len, masked):
+        longest = max(q_len, kv_len)
+        seq = "short" if longest <= 1024 else "medium" if longest <= 4096 else "long"
+        return cls(
+            dtype=jnp.dtype(dtype).name,
+            head_dim=padded_head_dim(head_dim),
+            is_causal=bool(is_causal),
+            masked=bool(masked),
+            seq=seq,
+        )
+
+    def key(self) -> str:
+        return (
+            f"{self.dtype}/h{self.head_dim}/{'causal' if self.is_causal else 'full'}/"
+            f"{'masked' if self.masked else 'plain'}/{self.seq}"
+        )
+
+
+def tune_cache_path() -> pathlib.Path:
+    """Where `python -m pallas_flash.tune` writes: $PALLAS_FLASH_TUNE_CACHE, else
+    ~/.cache/pallas_flash/tune.json."""
+    env = os.environ.get("PALLAS_FLASH_TUNE_CACHE")
+    if env:
+        return pathlib.Path(env)
+    return pathlib.Path.home() / ".cache" / "pallas_flash" / "tune.json"
+
+
+@functools.cache
+def _load_tune_cache(path: str) -> dict:
+    """{gpu kind: {shape class key: BlockSizes}} from the cache file; {} if there is none.
+
+    A file that cannot be read warns once and is ignored: tiles then come from the heuristics.
+    """
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+        return {
+            kind: {key: BlockSizes(**fields) for key, fields in entries.items()}
+            for kind, entries in raw.items()
+        }
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        warnings.warn(f"pallas_flash: ignoring the autotune cache {path}: {e}", stacklevel=3)
+        return {}
+
+
+def tuned_block_sizes(device_kind: str | None, shape_class: ShapeClass) -> BlockSizes | None:
+    """The autotuned tiles for this GPU kind and shape class, if the cache has them."""
+    if device_kind is None:
+        return None
+    entries = _load_tune_cache(str(tune_cache_path())).get(device_kind, {})
+    return entries.get(shape_class.key())
+
+
+def save_tuned_block_sizes(device_kind: str, found: dict[ShapeClass, BlockSizes], path=None):
+    """Merges `found` into the autotune cache file (creating it) and reloads it."""
+    path = pathlib.Path(path or tune_cache_path())
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raw = {}
+    entries = raw.setdefault(device_kind, {})
+    for shape_class, bs in found.items():
+        entries[shape_class.key()] = dataclasses.asdict(bs)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
+    _load_tune_cache.cache_clear()
+
+
+def heuristic_block_sizes(head_dim: int, dtype, *, masked: bool = False) -> BlockSizes:
+    """Shipped defaults: per padded head dim and dtype, tuned on the H200 (sm90); used on every
+    GPU without an autotune cache entry.
 
     A bias or dense mask adds a [block_q, block_kv] tile to each pipeline stage; with it the
     defaults keep at most two stages so that the kernels fit in the H200's 227 KiB of shared
     memory (three stages of K, V and a bias tile at H=128 need 288 KiB).
     """
-    if interpret:
-        return _INTERPRET
     hp = padded_head_dim(head_dim)
     if jnp.dtype(dtype) == jnp.float32:
         return _HOPPER_F32[hp]
     bs = _HOPPER[hp]
-    if has_bias or has_mask:
+    if masked:
         bs = dataclasses.replace(
             bs,
             num_stages=min(bs.num_stages, 2),
@@ -155,6 +250,39 @@ def default_block_sizes(
             num_stages_dq=min(bs.num_stages_dq, 2),
         )
     return bs
+
+
+def default_block_sizes(
+    head_dim: int,
+    dtype,
+    *,
+    interpret: bool,
+    has_bias: bool = False,
+    has_mask: bool = False,
+    is_causal: bool = False,
+    q_len: int = 1,
+    kv_len: int = 1,
+    device_kind: str | None = None,
+) -> BlockSizes:
+    """Tiles for a call: small ones in the interpreter; on a GPU the autotune cache's entry for
+    (GPU kind, shape class) when there is one, else the shipped heuristics."""
+    if interpret:
+        return _INTERPRET
+    masked = has_bias or has_mask
+    shape_class = ShapeClass.of(
+        head_dim, dtype, is_causal=is_causal, q_len=q_len, kv_len=kv_len, masked=masked
+    )
+    tuned = tuned_block_sizes(device_kind or gpu_device_kind(), shape_class)
+    return tuned or heuristic_block_sizes(head_dim, dtype, masked=masked)
+
+
+def gpu_device_kind() -> str | None:
+    """device_kind of the first visible GPU ("NVIDIA H200"), or None without one."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return devices[0].device_kind if devices else None
 
 
 def gpu_compute_capability() -> tuple[int, int] | None:

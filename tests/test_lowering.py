@@ -22,7 +22,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.config import default_block_sizes
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.triton.forward import tile_sizes
+from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 DEPRECATION = "The Pallas Triton backend is deprecated"
@@ -76,16 +76,21 @@ def triton_calls(lowered) -> dict[str, dict[str, int]]:
 
 def expected_calls(p: Problem, bs) -> dict[str, dict[str, int]]:
     """The three kernels' grids and launch parameters for problem `p` and block sizes `bs`."""
-    fwd_q, _ = tile_sizes(bs.block_q, p.q_len, bs.block_kv, p.kv_len)
+    fwd_q, fwd_kv = tile_sizes(bs.block_q, p.q_len, bs.block_kv, p.kv_len)
     _, dkv_kv = tile_sizes(bs.block_q_dkv, p.q_len, bs.block_kv_dkv, p.kv_len)
     dq_q, _ = tile_sizes(bs.block_q_dq, p.q_len, bs.block_kv_dq, p.kv_len)
+    fwd_tiles = pl.cdiv(p.q_len, fwd_q)
+    # Small grids split the forward's KV loop over more programs (third grid axis).
+    splits = choose_kv_splits(
+        bs.kv_splits, fwd_tiles * p.num_heads * p.batch, pl.cdiv(p.kv_len, fwd_kv), False
+    )
 
-    def call(tiles, heads, warps, stages):
-        return dict(grid_x=tiles, grid_y=heads, grid_z=p.batch, num_warps=warps, num_stages=stages)
+    def call(tiles, heads, warps, stages, batch=p.batch):
+        return dict(grid_x=tiles, grid_y=heads, grid_z=batch, num_warps=warps, num_stages=stages)
 
     return {
         "pallas_flash_forward": call(
-            pl.cdiv(p.q_len, fwd_q), p.num_heads, bs.num_warps, bs.num_stages
+            fwd_tiles, p.num_heads, bs.num_warps, bs.num_stages, p.batch * splits
         ),
         "pallas_flash_backward_dkv": call(
             pl.cdiv(p.kv_len, dkv_kv), p.num_kv_heads, bs.num_warps_dkv, bs.num_stages_dkv

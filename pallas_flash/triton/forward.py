@@ -40,11 +40,14 @@ def _forward_kernel(
     block_q: int,
     block_kv: int,
     has_bias: bool,
+    kv_splits: int,
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
     q_ref, o_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref: [block_q]; optional operands
     (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
+    With kv_splits > 1 the third grid axis is batch * kv_splits and the program covers one
+    contiguous chunk of the KV tiles; o_ref and lse_ref then hold that chunk's partial result.
     """
     *refs, o_ref, lse_ref = refs
     ops = Operands(
@@ -55,7 +58,7 @@ def _forward_kernel(
         has_ranges=spec.has_arrays,
     )
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
-    head, batch = pl.program_id(1), pl.program_id(2)
+    head, batch = pl.program_id(1), pl.program_id(2) // kv_splits
     q_start = tile * block_q
     q_rows = spec.q_len - q_start  # rows of this tile that exist; past them, loads read zero
     ragged_q = spec.q_len % block_q != 0
@@ -117,6 +120,10 @@ def _forward_kernel(
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
+    if kv_splits > 1:
+        chunk = pl.cdiv(pl.cdiv(spec.kv_len, block_kv), kv_splits)
+        split = pl.program_id(2) % kv_splits
+        ranges = masks.intersect(ranges, (split * chunk,) * 2 + ((split + 1) * chunk,) * 2)
     lo, full_lo, full_hi, hi = ranges
     carry = fold(lo, full_lo, functools.partial(body, masked=True), carry)
     carry = fold(full_lo, full_hi, functools.partial(body, masked=False), carry)
@@ -211,6 +218,11 @@ def flash_forward(
         block_kv=block_kv,
         has_bias=bias is not None,
     )
+    num_q_tiles, num_kv_tiles = pl.cdiv(q_len, block_q), pl.cdiv(kv_len, block_kv)
+    splits = choose_kv_splits(
+        block_sizes.kv_splits, num_q_tiles * num_heads * batch, num_kv_tiles, interpret
+    )
+    kernel = functools.partial(kernel, kv_splits=splits)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     operands, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
@@ -219,17 +231,20 @@ def flash_forward(
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
-    return pl.pallas_call(
+    in_specs = [_per_batch(s, splits) for s in in_specs + extra_specs]
+    out, lse = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(q_len, block_q), num_heads, batch),
-        in_specs=in_specs + extra_specs,
+        grid=(num_q_tiles, num_heads, batch * splits),
+        in_specs=in_specs,
         out_specs=[
             q_spec,
             pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i))),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+            jax.ShapeDtypeStruct(
+                (batch * splits, *q.shape[1:]), q.dtype if splits == 1 else jnp.float32
+            ),
+            jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32),
         ],
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
@@ -237,3 +252,45 @@ def flash_forward(
         interpret=interpret,
         name="pallas_flash_forward",
     )(*operands, *extra)
+    if splits == 1:
+        return out, lse
+    return _combine_splits(out, lse, splits, q.dtype)
+
+
+def choose_kv_splits(requested: int, programs: int, num_kv_tiles: int, interpret: bool) -> int:
+    """How many programs share one query tile's KV loop: `requested`, or with 0 (auto) enough to
+    give the GPU about two programs per core -- only when the grid fills less than half of the
+    cores and each program keeps at least four KV tiles, so that the combine pays off."""
+    if requested:
+        return max(1, min(requested, num_kv_tiles))
+    if interpret:
+        return 1
+    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    if 2 * programs > cores or num_kv_tiles < 8:
+        return 1
+    return max(1, min(pl.cdiv(2 * cores, programs), num_kv_tiles // 4, 16))
+
+
+def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
+    """A BlockSpec of the (query tile, head, batch) grid, for the grid whose third axis is
+    batch * splits: every split of a batch entry reads the same blocks."""
+    if splits == 1:
+        return spec
+    index_map = spec.index_map
+    return pl.BlockSpec(spec.block_shape, lambda i, n, z: index_map(i, n, z // splits))
+
+
+def _combine_splits(out, lse, splits: int, dtype):
+    """The result over all KV chunks from per-chunk results: weights exp(lse_s - lse)."""
+    batch = out.shape[0] // splits
+    out = out.reshape(batch, splits, *out.shape[1:])  # [B, splits, T, N, H]
+    lse = lse.reshape(batch, splits, *lse.shape[1:])  # [B, splits, N, T]
+    total = jnp.max(lse, axis=1)
+    finite = jnp.isfinite(total)
+    safe_total = jnp.where(finite, total, 0.0)
+    weights = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_total[:, None]), 0.0)
+    l_sum = jnp.sum(weights, axis=1)  # >= 1 where any chunk saw a key
+    combined_lse = jnp.where(finite, safe_total + jnp.log(jnp.where(finite, l_sum, 1.0)), -jnp.inf)
+    weights = weights / jnp.where(finite, l_sum, 1.0)[:, None]
+    weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
+    return jnp.sum(weights * out, axis=1).astype(dtype), combined_lse

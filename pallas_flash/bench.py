@@ -41,6 +41,20 @@ def attention_fn(impl: str, *, is_causal: bool, interpret: bool = False, block_s
         return functools.partial(
             jax.nn.dot_product_attention, is_causal=is_causal, implementation=impl
         )
+    if impl == "jax_pallas":
+        # jax's own Pallas Triton attention (deprecated upstream, a peer here), called as the
+        # anchors call it: default tiles, segment ids None.
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import attention as jax_attention
+
+        def fn(q, k, v):
+            scale = 1.0 / q.shape[-1] ** 0.5
+            return jax_attention.mha(q, k, v, None, sm_scale=scale, causal=is_causal)
+
+        return fn
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -271,7 +285,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--impls", nargs="+", default=["pallas_flash", "cudnn", "xla"])
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        default=["pallas_flash", "cudnn", "xla"],
+        choices=["pallas_flash", "cudnn", "xla", "jax_pallas"],
+    )
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--out", default="bench.jsonl", help="JSONL file to append results to")

@@ -25,3 +25,17 @@ def test_train_gpt_losses_match_xla(tmp_path):
     xla = train_gpt.main(["--attention", "xla", *common])
     assert ours["final_loss"] == pytest.approx(xla["final_loss"], rel=1e-4)
     assert ours["final_loss"] < 5.5  # below ln(256) = 5.55: it learned something in 3 steps
+
+
+def test_flax_switch_matches_flax():
+    pytest.importorskip("flax")
+    example = load("flax_switch")
+    assert float(abs(example.flash_out - example.flax_out).max()) < 1e-4
+    assert example.flash_out.shape == example.x.shape
+
+
+def test_quickstart_runs(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["quickstart.py", "--interpret"])
+    example = load("quickstart")
+    assert float(abs(example.out - example.expected).max()) < 1e-4
+    assert "max |out - jax.nn|" in capsys.readouterr().out

@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
-from pallas_flash.config import default_block_sizes
+from pallas_flash.config import default_block_sizes, heuristic_block_sizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
 
@@ -202,3 +202,49 @@ def test_other_pallas_triton_kernels_keep_the_deprecation_warning():
     config = kernel_config(p, scale=0.7654321)
     lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
     assert len(deprecation_warnings(lower_stock_kernel)) == 1
+
+
+# Every mask operand lowered for the H200 (forward and backward, dBias included): tiles of the
+# pair operands, scalar loads of the tile ranges, tanh of the soft cap.
+MASKED = {
+    "window-causal": dict(window=(64, 0), is_causal=True),
+    "segments": dict(has_segments=True),
+    "mask": dict(mask_shape=(2, 1, 1000, 900)),
+    "bias-soft-cap": dict(bias=(1, 8, 1000, 900), soft_cap=5.0),
+    "broadcast-bias-segments-mask": dict(
+        bias=(2, 1, 1, 900), has_segments=True, mask_shape=(1, 8, 1, 900)
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(MASKED))
+def test_lowers_mask_operands(case):
+    kwargs = dict(MASKED[case])
+    bias_shape, soft_cap = kwargs.pop("bias", None), kwargs.pop("soft_cap", None)
+    spec = MaskSpec(q_len=1000, kv_len=900, **kwargs)
+    bs = heuristic_block_sizes(128, jnp.bfloat16, masked=True)
+    config = KernelConfig(spec=spec, scale=0.1, soft_cap=soft_cap, block_sizes=bs, interpret=False)
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((2, 1000, 8, 128), jnp.bfloat16), sds((2, 900, 2, 128), jnp.bfloat16)
+    bias = None if bias_shape is None else sds(bias_shape, jnp.bfloat16)
+    segments = spec.has_segments
+    arrays = MaskArrays(
+        sds((2, 1000), jnp.int32) if segments else None,
+        sds((2, 900), jnp.int32) if segments else None,
+        None if spec.mask_shape is None else sds(spec.mask_shape, jnp.int8),
+    )
+
+    def fn(q, k, v, bias, arrays):
+        out, vjp = jax.vjp(
+            lambda q, k, v, b: flash_attention_kernels(q, k, v, b, arrays, config), q, k, v, bias
+        )
+        return vjp(out)
+
+    lowered = lower_for_h200(fn, q, kv, kv, bias, arrays)
+    names = set(triton_calls(lowered))
+    assert {
+        "pallas_flash_forward",
+        "pallas_flash_backward_dkv",
+        "pallas_flash_backward_dq",
+    } <= names
+    assert ("pallas_flash_backward_dbias" in names) == (bias is not None)

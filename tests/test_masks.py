@@ -117,6 +117,19 @@ def rounded(rng, shape, dtype):
     return x, np.asarray(x.astype(jnp.float32), np.float64)
 
 
+def random_mask(rng, shape, cell: int = 16):
+    """A bool mask of `shape` made of cell x cell (query, key) squares, independently 40% hidden,
+    30% visible and 30% random: tiles the kernels skip, tiles they take as fully visible and
+    tiles they mask element-wise, different per batch entry and head."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    t, s = shape4[2:]
+    cells = (*shape4[:2], -(-t // cell), -(-s // cell))
+    kind = rng.choice(3, size=cells, p=[0.4, 0.3, 0.3])
+    kind = kind.repeat(cell, axis=2)[:, :, :t].repeat(cell, axis=3)[:, :, :, :s]
+    mask = np.where(kind == 2, rng.random(shape4) < 0.7, kind == 1)
+    return mask.reshape(shape)
+
+
 def make_inputs(c: Case, seed: int):
     """Batched inputs of case `c`: (arrays for the call, float64 copies for the oracle).
 
@@ -136,7 +149,7 @@ def make_inputs(c: Case, seed: int):
     }
     xs = {name: pair[0] for name, pair in pairs.items()}
     x64 = {name: pair[1] for name, pair in pairs.items()}
-    mask = None if c.mask is None else rng.random(c.dims(c.mask)) < 0.75
+    mask = None if c.mask is None else random_mask(rng, c.dims(c.mask))
     q_lens = None if not c.q_lengths else rng.integers(1, t + 1, size=b).astype(np.int32)
     kv_lens = None if not c.kv_lengths else rng.integers(1, s + 1, size=b).astype(np.int32)
     q_seg = kv_seg = None

@@ -33,7 +33,14 @@ from pallas_flash.triton._common import (
     scores,
     store_rows,
 )
-from pallas_flash.triton.forward import mask_operands, pair_spec, query_tile, tile_sizes
+from pallas_flash.triton.forward import (
+    mask_operands,
+    pair_spec,
+    query_tile,
+    tile_bias,
+    tile_sizes,
+    tile_visible,
+)
 
 
 def _dkv_kernel(
@@ -187,26 +194,12 @@ def _dq_kernel(
         """dS [block_q, block_kv] of one KV tile (w.r.t. the logits before the soft cap)."""
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
-        bias = None
-        if ops.bias is not None:
-            bias = load_pair_tile(ops.bias, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+        bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
         s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
         p = jnp.exp2(s - lse2[:, None])
         if masked:
-            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            kv_seg = mask = None
-            if ops.kv_seg is not None:
-                kv_seg = load_vector(
-                    ops.kv_seg,
-                    kv_start,
-                    block_kv,
-                    spec.kv_len,
-                    ragged=True,
-                    other=masks.PAD_KV_SEGMENT,
-                )[None, :]
-            if ops.mask is not None:
-                mask = load_pair_tile(ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
-            p = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p, 0.0)
+            visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
+            p = jnp.where(visible, p, 0.0)
         ds = p * (dot(do, v, trans_b=True) - delta[:, None])
         if dcap is not None:
             ds = ds * dcap
@@ -388,9 +381,12 @@ def flash_backward(
     dq = dq_call("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
     dbias = None
     if has_bias:
+        # A broadcast bias sums dS over the broadcast dims afterwards: keep the terms in f32.
+        full_shape = (batch, num_heads, q_len, kv_len)
+        dbias_dtype = bias.dtype if tuple(bias.shape) == full_shape else jnp.float32
         dbias = dq_call(
             "dbias",
             pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
-            jax.ShapeDtypeStruct((batch, num_heads, q_len, kv_len), bias.dtype),
+            jax.ShapeDtypeStruct((batch, num_heads, q_len, kv_len), dbias_dtype),
         )
     return dq, dk, dv, dbias

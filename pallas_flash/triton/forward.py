@@ -78,25 +78,10 @@ def _forward_kernel(
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         # -- compute the logits (log2 units) --
-        bias = None
-        if ops.bias is not None:
-            bias = load_pair_tile(ops.bias, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+        bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
         s, _ = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
         if masked:
-            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            kv_seg = mask = None
-            if ops.kv_seg is not None:
-                kv_seg = load_vector(
-                    ops.kv_seg,
-                    kv_start,
-                    block_kv,
-                    spec.kv_len,
-                    ragged=True,
-                    other=masks.PAD_KV_SEGMENT,
-                )[None, :]
-            if ops.mask is not None:
-                mask = load_pair_tile(ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
-            visible = masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask)
+            visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
             s = jnp.where(visible, s, MASK_VALUE)
         # -- online softmax: m_i is the running max, l_i the running sum --
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
@@ -137,6 +122,31 @@ def _forward_kernel(
     lse = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
     rows = jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     plgpu.store(lse_ref, lse, mask=rows < q_rows)
+
+
+def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, block_kv: int):
+    """The bias tile of a query tile (rows relative to the tile, q_rows of them real) and the keys
+    [kv_start, kv_start + block_kv), or None without a bias."""
+    if ops.bias is None:
+        return None
+    return load_pair_tile(ops.bias, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+
+
+def tile_visible(
+    ops: Operands, spec: MaskSpec, q_idx, q_seg, q_rows, kv_start, block_q: int, block_kv: int
+):
+    """Visibility [block_q, block_kv] of a partially visible tile of a query tile: geometry,
+    segment ids and dense mask. q_idx [block_q, 1] are absolute query positions, q_seg their
+    segment ids (or None)."""
+    kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    kv_seg = mask = None
+    if ops.kv_seg is not None:
+        kv_seg = load_vector(
+            ops.kv_seg, kv_start, block_kv, spec.kv_len, ragged=True, other=masks.PAD_KV_SEGMENT
+        )[None, :]
+    if ops.mask is not None:
+        mask = load_pair_tile(ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+    return masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask)
 
 
 def query_tile(program, q_len: int, block_q: int):

@@ -327,14 +327,9 @@ def _canonical_pair_operand(name, x, q_shape, kv_len, unbatched):
 
 
 def _canonical_segment_ids(q_ids, kv_ids, batch, q_len, kv_len, unbatched):
-    if q_ids is None and kv_ids is None:
-        return None, None
+    q_ids, kv_ids = masks.pair_segment_ids(q_ids, kv_ids, q_len, kv_len)
     if q_ids is None:
-        raise ValueError("kv_segment_ids needs q_segment_ids")
-    if kv_ids is None:
-        if q_len != kv_len:
-            raise ValueError(f"kv_segment_ids is required when T={q_len} != S={kv_len}")
-        kv_ids = q_ids
+        return None, None
     out = []
     for name, ids, length in (("q_segment_ids", q_ids, q_len), ("kv_segment_ids", kv_ids, kv_len)):
         if not _is_int_array(ids):

@@ -28,6 +28,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from pallas_flash import masks
 from pallas_flash.api import flash_attention
 
 
@@ -180,19 +181,6 @@ def _flatten_segment_ids(name, ids, batch_shape, length):
     return jnp.reshape(ids, (math.prod(batch_shape), length))
 
 
-def _segment_pair(q_ids, kv_ids, q_len, kv_len):
-    """Both segment-id arrays or neither; kv ids default to the query ids when T == S."""
-    if q_ids is None and kv_ids is None:
-        return None, None
-    if q_ids is None:
-        raise ValueError("kv_segment_ids needs q_segment_ids")
-    if kv_ids is None:
-        if q_len != kv_len:
-            raise ValueError(f"kv_segment_ids is required when q_length={q_len} != {kv_len=}")
-        kv_ids = q_ids
-    return q_ids, kv_ids
-
-
 def attention(
     query,
     key,
@@ -235,7 +223,7 @@ def attention(
         mask4 = mask4 != 0
     q_ids = _flatten_segment_ids("q_segment_ids", q_segment_ids, batch_shape, q_len)
     kv_ids = _flatten_segment_ids("kv_segment_ids", kv_segment_ids, batch_shape, kv_len)
-    q_ids, kv_ids = _segment_pair(q_ids, kv_ids, q_len, kv_len)
+    q_ids, kv_ids = masks.pair_segment_ids(q_ids, kv_ids, q_len, kv_len)
 
     if fallback_reason is not None:
         _warn_once(fallback_reason, _FALLBACK_MESSAGES[fallback_reason])

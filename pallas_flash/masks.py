@@ -173,6 +173,19 @@ class MaskArrays(NamedTuple):
     mask: jax.Array | None = None
 
 
+def pair_segment_ids(q_segment_ids, kv_segment_ids, q_len: int, kv_len: int):
+    """Both segment-id arrays or neither: with only query ids and T == S the keys use them too."""
+    if q_segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if q_segment_ids is None:
+        raise ValueError("kv_segment_ids needs q_segment_ids")
+    if kv_segment_ids is None:
+        if q_len != kv_len:
+            raise ValueError(f"kv_segment_ids is required when T={q_len} != S={kv_len}")
+        kv_segment_ids = q_segment_ids
+    return q_segment_ids, kv_segment_ids
+
+
 def make_arrays(
     batch,
     q_len,

@@ -79,12 +79,15 @@ def flash_attention(
       local_window_size: w or (left, right): query i sees keys j with i - left <= j <= i + right
         (w means (w, w)); combines with is_causal.
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c), applied to scale * q.k + bias.
-      return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of the
-        scaled logits of each query row. Gradients flow through both outputs.
+      return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of each
+        query row's logits (scaled, biased, soft-capped, masked). Gradients flow through both
+        outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
         capability >= 8.0) or "xla" (plain jnp, materialises the logits). None picks "triton"
         on such GPUs, or when `interpret=True`, and "xla" elsewhere.
-      block_sizes: tiles of the Triton kernels (`BlockSizes`); None picks by head dim and GPU.
+      block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
+        entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
+        defaults by head dim and dtype.
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
 

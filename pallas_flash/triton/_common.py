@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import jax.numpy as jnp
@@ -64,6 +65,15 @@ def store_rows(ref, value, start, block: int, length: int, head_dim: int):
     if head_dim != hp:
         mask = mask & (lax.broadcasted_iota(jnp.int32, (1, hp), 1) < head_dim)
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
+
+
+def visit_tiles(ranges, body, carry):
+    """Runs body(j, carry, masked=...) over the tiles of a range (lo, full_lo, full_hi, hi):
+    element-wise masking on the boundary tiles only, the fully visible ones in between."""
+    lo, full_lo, full_hi, hi = ranges
+    carry = fold(lo, full_lo, functools.partial(body, masked=True), carry)
+    carry = fold(full_lo, full_hi, functools.partial(body, masked=False), carry)
+    return fold(full_hi, hi, functools.partial(body, masked=True), carry)
 
 
 def fold(lo, hi, body, carry):
@@ -164,14 +174,12 @@ class Operands:
     """Named view of a kernel's optional refs, in the order the wrappers pass them:
     bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?."""
 
-    def __init__(
-        self, refs, *, has_bias: bool, has_segments: bool, has_mask: bool, has_ranges: bool
-    ):
+    def __init__(self, refs, spec, *, has_bias: bool):
         refs = list(refs)
         take = lambda present: refs.pop(0) if present else None  # noqa: E731
         self.bias = take(has_bias)
-        self.q_seg = take(has_segments)
-        self.kv_seg = take(has_segments)
-        self.mask = take(has_mask)
-        self.ranges = take(has_ranges)
+        self.q_seg = take(spec.has_segments)
+        self.kv_seg = take(spec.has_segments)
+        self.mask = take(spec.mask_shape is not None)
+        self.ranges = take(spec.has_arrays)
         assert not refs, "unexpected extra refs"

@@ -32,6 +32,7 @@ from pallas_flash.triton._common import (
     load_vector,
     scores,
     store_rows,
+    visit_tiles,
 )
 from pallas_flash.triton.forward import (
     mask_operands,
@@ -69,13 +70,7 @@ def _dkv_kernel(
     transposing P and dS.
     """
     *refs, dk_ref, dv_ref = refs
-    ops = Operands(
-        refs,
-        has_bias=has_bias,
-        has_segments=spec.has_segments,
-        has_mask=spec.mask_shape is not None,
-        has_ranges=spec.has_arrays,
-    )
+    ops = Operands(refs, spec, has_bias=has_bias)
     kv_tile, kv_head, batch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_start = kv_tile * block_kv
     kv_rows = spec.kv_len - kv_start
@@ -131,10 +126,7 @@ def _dkv_kernel(
         if ops.ranges is not None:
             n = kv_head * group + head
             ranges = masks.intersect(ranges, load_range(ops.ranges, batch, n, kv_tile))
-        lo, full_lo, full_hi, hi = ranges
-        carry = fold(lo, full_lo, functools.partial(body, head=head, masked=True), carry)
-        carry = fold(full_lo, full_hi, functools.partial(body, head=head, masked=False), carry)
-        return fold(full_hi, hi, functools.partial(body, head=head, masked=True), carry)
+        return visit_tiles(ranges, functools.partial(body, head=head), carry)
 
     hp = k_ref.shape[-1]
     zeros = jnp.zeros((block_kv, hp), jnp.float32)
@@ -166,13 +158,7 @@ def _dq_kernel(
     dbias_ref: [block_q, S]. Optional operands as in the forward kernel.
     """
     *refs, out_ref = refs
-    ops = Operands(
-        refs,
-        has_bias=has_bias,
-        has_segments=spec.has_segments,
-        has_mask=spec.mask_shape is not None,
-        has_ranges=spec.has_arrays,
-    )
+    ops = Operands(refs, spec, has_bias=has_bias)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2)
     q_start = tile * block_q
@@ -208,7 +194,6 @@ def _dq_kernel(
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
-    lo, full_lo, full_hi, hi = ranges
 
     if emit == "dq":
 
@@ -218,9 +203,7 @@ def _dq_kernel(
 
         hp = q_ref.shape[-1]
         dq = jnp.zeros((block_q, hp), jnp.float32)
-        dq = fold(lo, full_lo, functools.partial(body, masked=True), dq)
-        dq = fold(full_lo, full_hi, functools.partial(body, masked=False), dq)
-        dq = fold(full_hi, hi, functools.partial(body, masked=True), dq)
+        dq = visit_tiles(ranges, body, dq)
         store_rows(out_ref, dq * scale, 0, block_q, q_rows, head_dim)
         return
 
@@ -243,10 +226,9 @@ def _dq_kernel(
         return carry
 
     num_kv_tiles = pl.cdiv(spec.kv_len, block_kv)
+    lo, _, _, hi = ranges
     fold(0, lo, zero_body, 0)
-    fold(lo, full_lo, functools.partial(ds_body, masked=True), 0)
-    fold(full_lo, full_hi, functools.partial(ds_body, masked=False), 0)
-    fold(full_hi, hi, functools.partial(ds_body, masked=True), 0)
+    visit_tiles(ranges, ds_body, 0)
     fold(hi, num_kv_tiles, zero_body, 0)
 
 

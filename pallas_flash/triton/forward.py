@@ -18,13 +18,13 @@ from pallas_flash.triton._common import (
     CompilerParams,
     Operands,
     dot,
-    fold,
     load_pair_tile,
     load_range,
     load_rows,
     load_vector,
     scores,
     store_rows,
+    visit_tiles,
 )
 
 
@@ -50,13 +50,7 @@ def _forward_kernel(
     contiguous chunk of the KV tiles; o_ref and lse_ref then hold that chunk's partial result.
     """
     *refs, o_ref, lse_ref = refs
-    ops = Operands(
-        refs,
-        has_bias=has_bias,
-        has_segments=spec.has_segments,
-        has_mask=spec.mask_shape is not None,
-        has_ranges=spec.has_arrays,
-    )
+    ops = Operands(refs, spec, has_bias=has_bias)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2) // kv_splits
     q_start = tile * block_q
@@ -109,11 +103,7 @@ def _forward_kernel(
         chunk = pl.cdiv(pl.cdiv(spec.kv_len, block_kv), kv_splits)
         split = pl.program_id(2) % kv_splits
         ranges = masks.intersect(ranges, (split * chunk,) * 2 + ((split + 1) * chunk,) * 2)
-    lo, full_lo, full_hi, hi = ranges
-    carry = fold(lo, full_lo, functools.partial(body, masked=True), carry)
-    carry = fold(full_lo, full_hi, functools.partial(body, masked=False), carry)
-    carry = fold(full_hi, hi, functools.partial(body, masked=True), carry)
-    acc, m_i, l_i = carry
+    acc, m_i, l_i = visit_tiles(ranges, body, carry)
 
     # -- epilogue: rows that saw no key output 0 and have lse = -inf --
     empty = l_i == 0.0

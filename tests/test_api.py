@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 import math
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -258,3 +260,24 @@ def test_return_residuals_false_returns_out_alone():
     assert isinstance(out, jax.Array) and out.shape == q.shape
     out_with_lse, _ = interpret_call(q, k, v, return_residuals=True)
     assert_bitwise_equal(out, out_with_lse)
+
+
+def test_jit_traces_once_in_a_fresh_process():
+    # In a fresh process the first interpreted kernel used to import jax's Pallas fuser, which
+    # adds a config option to JAX's tracing context: every jit traced before it retraced once
+    # (a training step compiled twice). A subprocess, because the test process has imported it.
+    code = "\n".join(
+        [
+            "import jax, jax.numpy as jnp, pallas_flash",
+            "traces = []",
+            "@jax.jit",
+            "def f(q):",
+            "    traces.append(1)",
+            "    return pallas_flash.flash_attention(q, q, q, interpret=True)",
+            "q = jnp.ones((1, 16, 1, 16))",
+            "f(q).block_until_ready(); f(q).block_until_ready()",
+            "assert len(traces) == 1, f'traced {len(traces)} times'",
+        ]
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]

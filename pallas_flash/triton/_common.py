@@ -6,6 +6,11 @@ import dataclasses
 import functools
 import warnings
 
+# Pallas' interpreter imports jax's Pallas fuser lazily, on its first kernel, and that import
+# registers a config option that belongs to JAX's tracing context: a jit traced before the first
+# interpreted kernel (a training step's first call) would then retrace and compile once more.
+# Importing the fuser with the library keeps the tracing context the same from the start.
+import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -149,6 +149,9 @@ def flash_attention(
                 is_causal=is_causal,
                 q_len=q_len,
                 kv_len=kv_len,
+                narrow=config_lib.narrow_band(
+                    is_causal=spec.is_causal, window=window, has_segments=spec.has_segments
+                ),
             )
         config = KernelConfig(
             spec=spec,

@@ -30,9 +30,8 @@ class BlockSizes:
       block_q_dq, block_kv_dq, num_warps_dq, num_stages_dq: dQ kernel (grid over query tiles).
       kv_splits: forward only: split each query tile's KV loop over this many programs and
         combine their partial results by logsumexp (FA2's parallelism over the sequence, for
-        grids too small to fill the GPU: few heads, short query blocks). 0 picks it from the
-        grid size and the GPU's core count. Default 1 (off) until the split path has been
-        measured on the H200.
+        grids too small to fill the GPU: few heads, short query blocks). 0 (the default) picks
+        it from the grid size and the GPU's core count; 1 turns it off.
     """
 
     block_q: int = 128
@@ -47,7 +46,7 @@ class BlockSizes:
     block_kv_dq: int = 32
     num_warps_dq: int = 4
     num_stages_dq: int = 3
-    kv_splits: int = 1
+    kv_splits: int = 0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -115,6 +114,13 @@ _HOPPER = {
 }
 _HOPPER[16] = _HOPPER[32] = _HOPPER[64]
 
+# Forward tiles when each query sees a narrow band of keys (a local window of a few tiles, packed
+# documents): at H=128, 64 x 64 tiles waste less on the band's two ragged edges. On the H200, a 1k
+# causal window at 16k: 0.443 ms against 0.519 ms with the 128 x 128 tiles; 8 x 2k packed
+# documents: 0.457 against 0.488 (benchmarks/NOTES.md, v2).
+_HOPPER_NARROW_FORWARD = {128: dict(block_q=64, block_kv=64, num_warps=4, num_stages=3)}
+NARROW_BAND = 2048  # keys; a window at most this wide counts as narrow
+
 # Small tiles keep the interpreter fast and exercise multi-tile loops at test sizes.
 _INTERPRET = BlockSizes(
     block_q=32, block_kv=32, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
@@ -155,9 +161,10 @@ class ShapeClass:
     is_causal: bool
     masked: bool  # a bias or dense mask adds a tile per pipeline stage
     seq: str  # "short" (<= 1k), "medium" (<= 4k) or "long"
+    narrow: bool = False  # each query sees a narrow band of keys (windows, packed documents)
 
     @classmethod
-    def of(cls, head_dim, dtype, *, is_causal, q_len, kv_len, masked):
+    def of(cls, head_dim, dtype, *, is_causal, q_len, kv_len, masked, narrow=False):
         longest = max(q_len, kv_len)
         seq = "short" if longest <= 1024 else "medium" if longest <= 4096 else "long"
         return cls(
@@ -166,12 +173,13 @@ class ShapeClass:
             is_causal=bool(is_causal),
             masked=bool(masked),
             seq=seq,
+            narrow=bool(narrow),
         )
 
     def key(self) -> str:
         return (
             f"{self.dtype}/h{self.head_dim}/{'causal' if self.is_causal else 'full'}/"
-            f"{'masked' if self.masked else 'plain'}/{self.seq}"
+            f"{'masked' if self.masked else 'plain'}/{self.seq}{'/narrow' if self.narrow else ''}"
         )
 
 
@@ -204,12 +212,22 @@ def _load_tune_cache(path: str) -> dict:
         return {}
 
 
+# Autotuned entries shipped with the library (`python -m pallas_flash.tune` on the H200; same
+# format as the cache file). The user's cache file takes precedence.
+SHIPPED_TUNE_TABLE = pathlib.Path(__file__).with_name("tuned.json")
+
+
 def tuned_block_sizes(device_kind: str | None, shape_class: ShapeClass) -> BlockSizes | None:
-    """The autotuned tiles for this GPU kind and shape class, if the cache has them."""
+    """The autotuned tiles for this GPU kind and shape class: the user's cache entry, else the
+    shipped table's, else None."""
     if device_kind is None:
         return None
-    entries = _load_tune_cache(str(tune_cache_path())).get(device_kind, {})
-    return entries.get(shape_class.key())
+    key = shape_class.key()
+    for path in (tune_cache_path(), SHIPPED_TUNE_TABLE):
+        found = _load_tune_cache(str(path)).get(device_kind, {}).get(key)
+        if found is not None:
+            return found
+    return None
 
 
 def save_tuned_block_sizes(device_kind: str, found: dict[ShapeClass, BlockSizes], path=None):
@@ -230,18 +248,23 @@ def save_tuned_block_sizes(device_kind: str, found: dict[ShapeClass, BlockSizes]
     _load_tune_cache.cache_clear()
 
 
-def heuristic_block_sizes(head_dim: int, dtype, *, masked: bool = False) -> BlockSizes:
+def heuristic_block_sizes(
+    head_dim: int, dtype, *, masked: bool = False, narrow: bool = False
+) -> BlockSizes:
     """Shipped defaults: per padded head dim and dtype, tuned on the H200 (sm90); used on every
     GPU without an autotune cache entry.
 
     A bias or dense mask adds a [block_q, block_kv] tile to each pipeline stage; with it the
     defaults keep at most two stages so that the kernels fit in the H200's 227 KiB of shared
-    memory (three stages of K, V and a bias tile at H=128 need 288 KiB).
+    memory (three stages of K, V and a bias tile at H=128 need 288 KiB). `narrow`: each query
+    sees a narrow band of keys (see narrow_band); the forward then takes smaller tiles.
     """
     hp = padded_head_dim(head_dim)
     if jnp.dtype(dtype) == jnp.float32:
         return _HOPPER_F32[hp]
     bs = _HOPPER[hp]
+    if narrow and hp in _HOPPER_NARROW_FORWARD:
+        bs = dataclasses.replace(bs, **_HOPPER_NARROW_FORWARD[hp])
     if masked:
         bs = dataclasses.replace(
             bs,
@@ -262,18 +285,39 @@ def default_block_sizes(
     is_causal: bool = False,
     q_len: int = 1,
     kv_len: int = 1,
+    narrow: bool = False,
     device_kind: str | None = None,
 ) -> BlockSizes:
     """Tiles for a call: small ones in the interpreter; on a GPU the autotune cache's entry for
-    (GPU kind, shape class) when there is one, else the shipped heuristics."""
+    (GPU kind, shape class) when there is one, else the shipped heuristics. `narrow`: see
+    narrow_band."""
     if interpret:
         return _INTERPRET
     masked = has_bias or has_mask
     shape_class = ShapeClass.of(
-        head_dim, dtype, is_causal=is_causal, q_len=q_len, kv_len=kv_len, masked=masked
+        head_dim,
+        dtype,
+        is_causal=is_causal,
+        q_len=q_len,
+        kv_len=kv_len,
+        masked=masked,
+        narrow=narrow,
     )
     tuned = tuned_block_sizes(device_kind or gpu_device_kind(), shape_class)
-    return tuned or heuristic_block_sizes(head_dim, dtype, masked=masked)
+    return tuned or heuristic_block_sizes(head_dim, dtype, masked=masked, narrow=narrow)
+
+
+def narrow_band(*, is_causal: bool, window, has_segments: bool) -> bool:
+    """Whether each query sees only a narrow band of keys: a local window at most NARROW_BAND keys
+    wide (counting the causal cut), or packed documents (segment ids)."""
+    if has_segments:
+        return True
+    if window is None:
+        return False
+    left, right = window
+    if is_causal:
+        right = min(right, 0)
+    return left + right + 1 <= NARROW_BAND
 
 
 def gpu_device_kind() -> str | None:

@@ -93,3 +93,65 @@ def test_shape_class_buckets():
 def test_tune_refuses_to_run_without_a_gpu():
     with pytest.raises(SystemExit, match="needs an NVIDIA GPU"):
         tune.main(["--head-dims", "64"])
+
+
+def test_narrow_band():
+    def narrow(is_causal, window, has_segments=False):
+        return config.narrow_band(is_causal=is_causal, window=window, has_segments=has_segments)
+
+    assert narrow(True, (1024, 0)) and narrow(False, (1000, 1000))
+    assert narrow(True, (2047, 5000))  # the causal cut leaves 2048 keys
+    assert not narrow(False, (2047, 5000)) and not narrow(True, (4096, 0))
+    assert not narrow(True, None) and narrow(False, None, has_segments=True)
+
+
+def test_narrow_band_takes_small_forward_tiles(cache_path):
+    def tiles(narrow, dtype=jnp.bfloat16, head_dim=128):
+        bs = config.default_block_sizes(
+            head_dim, dtype, interpret=False, narrow=narrow, q_len=16384, kv_len=16384
+        )
+        return bs.block_q, bs.block_kv, bs.num_warps, bs.block_q_dkv, bs.block_kv_dkv
+
+    assert tiles(False) == (128, 128, 8, 64, 128)
+    assert tiles(True) == (64, 64, 4, 64, 128)  # the backward's tiles stay
+    assert tiles(True, jnp.float32) == tiles(False, jnp.float32)
+    key = ShapeClass.of(
+        128, jnp.bfloat16, is_causal=True, q_len=1, kv_len=1, masked=False, narrow=True
+    ).key()
+    assert key == "bfloat16/h128/causal/plain/short/narrow"
+
+
+def test_api_passes_narrow_band_to_the_tile_choice(monkeypatch):
+    import pallas_flash
+
+    seen, choose = [], config.default_block_sizes
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["narrow"])
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(config, "default_block_sizes", spy)
+    q = jnp.ones((1, 64, 1, 16))
+    seg = jnp.zeros((1, 64), jnp.int32)
+    for kwargs in (dict(is_causal=True), dict(local_window_size=(16, 0)), dict(q_segment_ids=seg)):
+        pallas_flash.flash_attention(q, q, q, backend="triton", interpret=True, **kwargs)
+    assert seen == [False, True, True]
+
+
+def test_shipped_h200_table_is_used_below_the_user_cache(cache_path):
+    shipped = json.loads(config.SHIPPED_TUNE_TABLE.read_text())["NVIDIA H200"]
+    assert shipped  # the table ships with entries, each a valid BlockSizes
+    key, fields = sorted(shipped.items())[0]
+    dtype, head, causal, masked, seq = key.split("/")[:5]
+    cls = ShapeClass(
+        dtype=dtype,
+        head_dim=int(head[1:]),
+        is_causal=causal == "causal",
+        masked=masked == "masked",
+        seq=seq,
+    )
+    assert config.tuned_block_sizes("NVIDIA H200", cls) == BlockSizes(**fields)
+    assert config.tuned_block_sizes(KIND, cls) is None  # other GPUs: heuristics
+    mine = BlockSizes(block_q=16)
+    config.save_tuned_block_sizes("NVIDIA H200", {cls: mine})
+    assert config.tuned_block_sizes("NVIDIA H200", cls) == mine

@@ -1,16 +1,54 @@
 #!/usr/bin/env bash
-# One device call: environment facts, the GPU-marked tests compiled on the GPU, the benchmark.
-# Knobs: RUN_TESTS=0/1, TEST_ARGS, BENCH_ARGS (grid flags), RUN_MASKS=0/1 (masked workloads).
+# One device call, made of stages run in the order given (default: tests masks grid):
+#   tests  the gpu-marked tests compiled on the GPU, in pytest processes side by side
+#   masks  python -m pallas_flash.bench --suite masks
+#   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
+#   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
+#   train  benchmarks/device_train.sh (issue 4's end-to-end table)
+#   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
+# Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee $OUT/env.txt
 python3 -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)" | tee -a $OUT/env.txt
-if [ "${RUN_TESTS:-1}" = 1 ]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_ARGS:-tests} 2>&1 | tee $OUT/gpu_tests.log | tail -n 30
-fi
-if [ "${RUN_MASKS:-1}" = 1 ]; then
-  timeout 150 python3 -m pallas_flash.bench --suite masks --out $OUT/masks.jsonl 2>&1 | tee $OUT/masks.log | tail -n 12
-fi
-if [ "${RUN_BENCH:-1}" = 1 ]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 -m pallas_flash.bench --out $OUT/bench.jsonl ${BENCH_ARGS:-} 2>&1 | tee $OUT/bench.log | grep -v "^\["
-fi
+for stage in ${@:-tests masks grid}; do
+  echo "== $stage $(date +%T)"
+  case $stage in
+    tests)
+      # The float64 numpy oracle, not the GPU, is the bottleneck: the groups (';'-separated pytest
+      # arguments, TEST_GROUPS) run side by side, sharing the GPU without preallocation.
+      export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      groups=${TEST_GROUPS:-"tests/test_forward.py;tests/test_backward.py;tests --ignore=tests/test_forward.py --ignore=tests/test_backward.py"}
+      IFS=';' read -ra group_list <<< "$groups"
+      i=0
+      for g in "${group_list[@]}"; do
+        i=$((i + 1))
+        timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
+          --tb=line $g > $OUT/gpu_tests_$i.log 2>&1 &
+      done
+      wait
+      unset XLA_PYTHON_CLIENT_PREALLOCATE
+      for f in $OUT/gpu_tests_*.log; do echo "-- $f"; tail -n 6 $f; done ;;
+    masks)
+      timeout ${MASKS_TIMEOUT:-150} python3 -m pallas_flash.bench --suite masks \
+        --out $OUT/masks.jsonl > $OUT/masks.log 2>&1
+      tail -n 12 $OUT/masks.log ;;
+    grid)
+      timeout ${BENCH_TIMEOUT:-300} python3 -m pallas_flash.bench --out $OUT/bench.jsonl \
+        ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
+      grep -v "^\[" $OUT/bench.log | tail -n 40 ;;
+    tiles|split)
+      exp=$([ $stage = tiles ] && echo tiles-masked || echo split-kv)
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py $exp --out $OUT/$exp.jsonl \
+        > $OUT/$exp.log 2>&1
+      grep -c '"ms"' $OUT/$exp.jsonl ;;
+    train)
+      bash benchmarks/device_train.sh ;;
+    tune)
+      timeout ${TUNE_TIMEOUT:-300} python3 -m pallas_flash.tune --cache $OUT/tune.json \
+        --log $OUT/tune.jsonl ${TUNE_ARGS:-} > $OUT/tune.log 2>&1
+      tail -n 3 $OUT/tune.log ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+echo "== done $(date +%T)"

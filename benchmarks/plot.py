@@ -10,63 +10,12 @@ come from another run: they are drawn dashed, for orientation only.
 from __future__ import annotations
 
 import argparse
-import glob
-import json
-import os
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
-
-def load_ours(paths):
-    rows = []
-    for path in paths:
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                if r.get("tflops") is not None and "suite" not in r:
-                    rows.append(
-                        dict(
-                            impl=r["impl"],
-                            seq=r["T"],
-                            H=r["H"],
-                            causal=bool(r["causal"]),
-                            pass_=r["pass"],
-                            tflops=r["tflops"],
-                            anchor=False,
-                        )
-                    )
-    return rows
-
-
-def load_anchors(directory, impls=("jaxref_triton", "tokamax_triton", "torch_flash")):
-    rows = []
-    for path in glob.glob(os.path.join(directory, "*.jsonl")):
-        with open(path) as f:
-            for line in f:
-                r = json.loads(line)
-                # The FA2-paper grid only (16k tokens per batch), not the extra workloads.
-                grid_point = r.get("B", 0) * r.get("S", 0) == 16384 and not r.get("window")
-                if (
-                    r.get("kind") == "attn"
-                    and r.get("impl") in impls
-                    and grid_point
-                    and r.get("tflops")
-                ):
-                    rows.append(
-                        dict(
-                            impl=r["impl"],
-                            seq=r["S"],
-                            H=r["D"],
-                            causal=bool(r["causal"]),
-                            pass_=r["pass_"].replace("fwdbwd", "fwd+bwd"),
-                            tflops=r["tflops"],
-                            anchor=True,
-                        )
-                    )
-    return rows
+from rows import load_anchors, load_ours  # noqa: E402
 
 
 def plot(rows, out):

@@ -1,0 +1,115 @@
+"""Device-side experiments behind benchmarks/NOTES.md (not part of the library's API).
+
+python benchmarks/experiments.py tiles-masked --out $OUT/tiles.jsonl
+    forward tiles for the narrow masked workloads (1k causal window and 8 x 2k packed
+    documents at 16k): time of each candidate against dense causal with the default tiles.
+python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
+    B=1, N=8 at 32k (the anchors' small-grid point) and short query blocks over long keys
+    (decode, chunked prefill) with kv_splits 1 (off) and 0 (auto), beside cuDNN.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+
+import pallas_flash
+from pallas_flash import bench, config
+
+# (block_q, block_kv, num_warps, num_stages) of the forward kernel.
+MASKED_FORWARD_TILES = [
+    (128, 128, 8, 3),
+    (128, 64, 8, 3),
+    (128, 64, 4, 3),
+    (64, 64, 4, 3),
+    (64, 128, 4, 3),
+    (64, 64, 4, 4),
+    (128, 128, 8, 4),
+]
+
+
+def _record(out, row):
+    print(json.dumps(row), flush=True)
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+
+
+def _time(fn, pass_, shape, repeats=7):
+    b, t, n, h = shape
+    args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+    return round(bench.median_ms(bench.timed_fn(fn, pass_), args, repeats=repeats), 4)
+
+
+def tiles_masked(out, seq=16384, heads=16, head_dim=128):
+    shape = (1, seq, heads, head_dim)
+    seg = jnp.repeat(jnp.arange(8, dtype=jnp.int32), seq // 8)[None]
+    cases = {
+        "dense causal": dict(is_causal=True),
+        "causal window 1024": dict(is_causal=True, local_window_size=(1024, 0)),
+        "packed 8x2048": dict(is_causal=True, q_segment_ids=seg),
+    }
+    default = config.heuristic_block_sizes(head_dim, jnp.bfloat16)
+    for case, kwargs in cases.items():
+        tiles = MASKED_FORWARD_TILES[:1] if case == "dense causal" else MASKED_FORWARD_TILES
+        for bq, bk, w, st in tiles:
+            bs = dataclasses.replace(default, block_q=bq, block_kv=bk, num_warps=w, num_stages=st)
+            fn = functools.partial(
+                pallas_flash.flash_attention, backend="triton", block_sizes=bs, **kwargs
+            )
+            for pass_ in ("fwd", "fwd+bwd") if (bq, bk, w, st) == (128, 128, 8, 3) else ("fwd",):
+                row = dict(exp="tiles-masked", case=case, tiles=[bq, bk, w, st], pass_=pass_)
+                try:
+                    row["ms"] = _time(fn, pass_, shape)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                _record(out, row)
+
+
+def split_kv(out):
+    points = [  # (B, T, S, N, H, causal)
+        (1, 32768, 32768, 8, 128, False),
+        (1, 32768, 32768, 8, 128, True),
+        (1, 128, 32768, 8, 128, False),
+        (1, 16, 32768, 32, 128, False),
+        (4, 256, 16384, 16, 128, False),
+        (2, 1024, 65536, 8, 64, False),
+    ]
+    for b, t, s, n, h, causal in points:
+        flops = bench.attention_flops(b, t, s, n, h, causal, "fwd")
+        for impl, splits in (("pallas_flash", 1), ("pallas_flash", 0), ("cudnn", None)):
+            passes = ("fwd", "fwd+bwd") if t >= 16384 and splits != 0 else ("fwd",)
+            for pass_ in passes:
+                row = dict(exp="split-kv", impl=impl, kv_splits=splits, B=b, T=t, S=s, N=n, H=h)
+                row.update(causal=causal, pass_=pass_)
+                bs = None
+                if impl == "pallas_flash":
+                    base = config.heuristic_block_sizes(h, jnp.bfloat16)
+                    bs = dataclasses.replace(base, kv_splits=splits)
+                fn = bench.attention_fn(impl, is_causal=causal, block_sizes=bs)
+                try:
+                    args = bench.make_inputs(b, t, s, n, n, h, jnp.bfloat16)
+                    ms = bench.median_ms(bench.timed_fn(fn, pass_), args)
+                    scale = 3.5 if pass_ == "fwd+bwd" else 1.0
+                    row.update(ms=round(ms, 4), tflops=round(flops * scale / ms / 1e9, 1))
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                _record(out, row)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("experiment", choices=["tiles-masked", "split-kv"])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    print("device:", jax.devices()[0].device_kind, flush=True)
+    with open(args.out, "a") as out:
+        {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
+
+
+if __name__ == "__main__":
+    main()

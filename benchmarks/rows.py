@@ -1,0 +1,59 @@
+"""Rows of the benchmark's JSONL and of the anchors' JSONL, in one shape: impl, seq, H, causal,
+pass_, tflops, anchor (True for the anchors' peers, measured in another run)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+PEERS = ("jaxref_triton", "tokamax_triton", "torch_flash")  # issue 5's Triton/CUDA peers
+
+
+def load_ours(paths):
+    rows = []
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                if r.get("tflops") is not None and "suite" not in r:
+                    rows.append(
+                        dict(
+                            impl=r["impl"],
+                            seq=r["T"],
+                            H=r["H"],
+                            causal=bool(r["causal"]),
+                            pass_=r["pass"],
+                            tflops=r["tflops"],
+                            anchor=False,
+                        )
+                    )
+    return rows
+
+
+def load_anchors(directory, impls=PEERS):
+    rows = []
+    for path in glob.glob(os.path.join(directory, "*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                # The FA2-paper grid only (16k tokens per batch), not the extra workloads.
+                grid_point = r.get("B", 0) * r.get("S", 0) == 16384 and not r.get("window")
+                if (
+                    r.get("kind") == "attn"
+                    and r.get("impl") in impls
+                    and grid_point
+                    and r.get("tflops")
+                ):
+                    rows.append(
+                        dict(
+                            impl=r["impl"],
+                            seq=r["S"],
+                            H=r["D"],
+                            causal=bool(r["causal"]),
+                            pass_=r["pass_"].replace("fwdbwd", "fwd+bwd"),
+                            tflops=r["tflops"],
+                            anchor=True,
+                        )
+                    )
+    return rows

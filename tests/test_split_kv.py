@@ -1,6 +1,6 @@
 """Split-KV forward (BlockSizes.kv_splits): the KV loop of each query tile shared by several
-programs and combined by logsumexp. Against the reference in interpret mode, and lowered for an
-abstract H200."""
+programs and combined by logsumexp. Against the reference in interpret mode (and compiled, on a
+GPU), and lowered for an abstract H200."""
 
 import dataclasses
 
@@ -37,7 +37,7 @@ def inputs(b, t, s, n, k, h, seed=0):
     ],
     ids=["full", "causal", "lengths", "window"],
 )
-def test_split_forward_matches_reference(splits, kwargs):
+def test_split_forward_matches_reference(splits, kwargs, mode):
     q, k, v = inputs(2, 33, 100, 4, 2, 32)
     kwargs = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x for key, x in kwargs.items()}
     bs = dataclasses.replace(TILES, kv_splits=splits)
@@ -45,7 +45,14 @@ def test_split_forward_matches_reference(splits, kwargs):
     @jax.jit
     def both(q, k, v):
         ours = pallas_flash.flash_attention(
-            q, k, v, return_residuals=True, interpret=True, block_sizes=bs, **kwargs
+            q,
+            k,
+            v,
+            return_residuals=True,
+            backend="triton",
+            interpret=mode == "interpret",
+            block_sizes=bs,
+            **kwargs,
         )
         ref = pallas_flash.attention_reference(q, k, v, return_residuals=True, **kwargs)
         return ours, ref

@@ -1,0 +1,165 @@
+"""Read the code the GPU would run, on a CPU: pallas_flash's kernels as Triton IR, TTGIR and PTX.
+
+    python benchmarks/triton_ir.py --head-dim 128 --seq 4096 --out /tmp/ttir \
+        [--causal] [--triton-python /path/to/venv-with-triton/bin/python]
+
+Step 1 (this process, jax): lowers forward and backward for an abstract H200 and writes each
+kernel's Triton IR (TTIR, as Pallas emits it) with its num_warps / num_stages.
+Step 2 (optional, a Python that has the `triton` package, e.g. `pip install triton==3.6.0` in a
+scratch venv; not a dependency of the project): runs Triton's TTIR passes (XLA runs the same ones on
+Pallas' module), compiles for sm_90a, runs ptxas -v, and prints per kernel the register count, spill
+bytes, shared memory and counts of the instructions that matter (wgmma, their waits, ex2, cp.async,
+TMA). The Triton in XLA is not the pip one: treat the output as a close reading, not the binary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.triton import lowering as triton_lowering
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_flash import config
+from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash.masks import MaskArrays, MaskSpec
+
+H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+
+COMPILE = textwrap.dedent(
+    """
+    import json, os, re, subprocess, sys, triton
+    from triton._C.libtriton import ir, passes
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    target = GPUTarget("cuda", 90, 32)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    for kernel in json.load(sys.stdin):
+        ctx = ir.context(); ir.load_dialects(ctx); CUDABackend(target).load_dialects(ctx)
+        mod = ir.parse_mlir_module(kernel["ttir"], ctx)
+        pm = ir.pass_manager(ctx)  # the TTIR stage: triton.compile skips it for an IR file
+        passes.common.add_inliner(pm); passes.ttir.add_rewrite_tensor_pointer(pm)
+        passes.common.add_canonicalizer(pm); passes.ttir.add_combine(pm)
+        passes.ttir.add_reorder_broadcast(pm); passes.common.add_cse(pm)
+        passes.common.add_symbol_dce(pm); passes.ttir.add_loop_unroll(pm)
+        pm.run(mod, "make_ttir")
+        base = kernel["ttir"][: -len(".ttir")]
+        open(base + ".opt.ttir", "w").write(str(mod))
+        k = triton.compile(base + ".opt.ttir", target=target, options=dict(
+            num_warps=kernel["num_warps"], num_stages=kernel["num_stages"]))
+        ptx = k.asm["ptx"]
+        open(base + ".ttgir", "w").write(k.asm["ttgir"])
+        open(base + ".ptx", "w").write(ptx)
+        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", base + ".ptx", "-o", base + ".cubin"],
+                              capture_output=True, text=True).stderr
+        regs = re.search(r"Used (\\d+) registers", info)
+        spills = re.search(r"(\\d+) bytes spill stores", info)
+        row = dict(kernel=kernel["name"], warps=kernel["num_warps"], stages=kernel["num_stages"],
+                   regs=int(regs.group(1)) if regs else None,
+                   spill_bytes=int(spills.group(1)) if spills else None,
+                   smem_kib=k.metadata.shared // 1024)
+        for key, pat in [("wgmma", "wgmma.mma_async"), ("wgmma_wait", "wgmma.wait_group"),
+                         ("mma_sync", "mma.sync"), ("ex2", "ex2.approx"),
+                         ("cp_async", "cp.async.cg"), ("tma", "cp.async.bulk.tensor"),
+                         ("ffma", "fma.rn.f32"), ("fmul", "mul.f32"), ("fadd", "add.f32")]:
+            row[key] = ptx.count(pat)
+        print(json.dumps(row), flush=True)
+    """
+)
+
+
+def capture_ttir(head_dim: int, seq: int, causal: bool, dtype, out: pathlib.Path, block_sizes):
+    """Writes <out>/<kernel>.ttir for the forward, dK/dV and dQ kernels; returns their launch
+    parameters [{name, ttir, num_warps, num_stages}]."""
+    heads = max(1, 2048 // head_dim)
+    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), dtype)
+    lse = jax.ShapeDtypeStruct((1, heads, seq), jnp.float32)
+    kernel_config = KernelConfig(
+        spec=MaskSpec(q_len=seq, kv_len=seq, is_causal=causal),
+        scale=head_dim**-0.5,
+        block_sizes=block_sizes,
+        interpret=False,
+    )
+
+    def fwd_bwd(q, k, v, d_out, d_lse):
+        (o, lse_), vjp = jax.vjp(
+            lambda *a: flash_attention_kernels(*a, None, MaskArrays(), kernel_config), q, k, v
+        )
+        return o, lse_, *vjp((d_out, d_lse))
+
+    modules = {}
+    stock = triton_lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = stock(*args, **kwargs)
+        asm = result.module.operation.get_asm()
+        modules[re.search(r"module @(\w+)", asm).group(1)] = asm
+        return result
+
+    triton_lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+        with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            lowered = jax.jit(fwd_bwd).trace(q, q, q, q, lse).lower(lowering_platforms=("cuda",))
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = stock
+    text = re.sub(r'ir = "[^"]*"', "ir = ...", lowered.as_text())
+    kernels = []
+    for backend_config in re.findall(r"mhlo\.backend_config = \{([^}]*)\}", text):
+        name = re.search(r'name = "(\w+)"', backend_config).group(1)
+        params = dict(re.findall(r"(num_warps|num_stages) = (\d+) : i32", backend_config))
+        path = out / f"{name}.ttir"
+        path.write_text(modules[name])
+        kernels.append(
+            dict(
+                name=name,
+                ttir=str(path),
+                num_warps=int(params["num_warps"]),
+                num_stages=int(params["num_stages"]),
+            )
+        )
+    return kernels
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--out", default="/tmp/pallas_flash_ttir")
+    parser.add_argument("--triton-python", help="a Python with the triton package, for step 2")
+    parser.add_argument(
+        "--block-sizes",
+        help="JSON of BlockSizes fields over the H200 defaults, e.g. '{\"block_kv\": 64}'",
+    )
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = jnp.dtype(args.dtype)
+    bs = config.heuristic_block_sizes(args.head_dim, dtype)
+    if args.block_sizes:
+        bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
+    print(bs, flush=True)
+    kernels = capture_ttir(args.head_dim, args.seq, args.causal, dtype, out, bs)
+    for k in kernels:
+        print(f"wrote {k['ttir']} (num_warps={k['num_warps']}, num_stages={k['num_stages']})")
+    if args.triton_python:
+        subprocess.run(
+            [args.triton_python, "-c", COMPILE], input=json.dumps(kernels), text=True, check=True
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

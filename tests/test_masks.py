@@ -689,6 +689,45 @@ XLA_CASES = [
 ]
 
 
+@pytest.mark.parametrize(
+    "bias_shape, kwargs",
+    [
+        ((1, 4, 40, 24), dict(is_causal=True)),
+        ((2, 1, 40, 24), dict(q_segment_ids=np.repeat(np.arange(4, dtype=np.int32), 10)[None])),
+        ((1, 1, 40, 24), dict(mask=np.tri(40, 24, dtype=bool)[None, None].repeat(4, axis=1))),
+    ],
+    ids=["heads", "batch-segments", "both-mask"],
+)
+def test_broadcast_bias_gradient_is_summed_in_the_kernel(bias_shape, kwargs, mode):
+    """A bias broadcast over batch or heads gets its gradient without any [B, N, T, S] array
+    (the kernel sums over the pairs that share the bias), and it matches the xla backend."""
+    b, t, s, n, k, h = 2, 40, 24, 4, 2, 16
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)
+    kk = jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, s, k, h)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(bias_shape), jnp.float32)
+    kwargs = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x for key, x in kwargs.items()}
+    if "q_segment_ids" in kwargs:
+        kwargs["q_segment_ids"] = jnp.repeat(kwargs["q_segment_ids"], b, axis=0)
+        kwargs["kv_segment_ids"] = kwargs["q_segment_ids"][:, :s]
+
+    def grad_bias(backend, **extra):
+        def loss(bias):
+            out = pallas_flash.flash_attention(q, kk, v, bias, backend=backend, **kwargs, **extra)
+            return jnp.sum(out * jnp.cos(out))
+
+        return jax.grad(loss)
+
+    tiles = BLOCKS["q32kv16"] if mode == "interpret" else None
+    ours = grad_bias("triton", interpret=mode == "interpret", block_sizes=tiles)
+    text = str(jax.make_jaxpr(ours)(bias))
+    assert f"[{b},{n},{t},{s}]" not in text.replace(" ", "")
+    np.testing.assert_allclose(
+        jax.jit(ours)(bias), jax.jit(grad_bias("xla"))(bias), atol=2e-5, rtol=2e-5
+    )
+
+
 @pytest.mark.parametrize("c", XLA_CASES, ids=str)
 def test_attention_reference_matches_oracle(c):
     """The xla backend (`attention_reference`) in float32 is close to the float64 oracle."""

@@ -31,10 +31,11 @@ def dot(a, b, *, trans_b: bool = False):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def load_rows(ref, start, block: int, length, head_dim: int, *, ragged: bool, head=None):
+def load_rows(ref, start, block: int, length, head_dim: int, *, ragged: bool, head=None, lead=()):
     """Rows [start, start + block) of a [length, Hp] ref (or of head `head` of a
     [length, heads, Hp] ref); rows past `length` and columns past `head_dim` read as zero.
-    `ragged=False` promises that the rows are in bounds, which saves the row mask."""
+    `ragged=False` promises that the rows are in bounds, which saves the row mask. `lead`:
+    indices of leading dims (a batch) to read at; one indexer, as the Triton lowering needs."""
     hp = ref.shape[-1]
     mask = None
     if head_dim != hp:
@@ -44,18 +45,19 @@ def load_rows(ref, start, block: int, length, head_dim: int, *, ragged: bool, he
         row_mask = rows < length
         mask = row_mask if mask is None else row_mask & mask
     if head is None:
-        tile = ref.at[pl.ds(start, block), :]
+        tile = ref.at[(*lead, pl.ds(start, block), slice(None))]
     else:
-        tile = ref.at[pl.ds(start, block), head, :]
+        tile = ref.at[(*lead, pl.ds(start, block), head, slice(None))]
     if mask is None:
         return plgpu.load(tile)
     return plgpu.load(tile, mask=mask, other=0.0)
 
 
-def load_vector(ref, start, block: int, length, *, ragged: bool, head=None, other=0.0):
+def load_vector(ref, start, block: int, length, *, ragged: bool, head=None, other=0.0, lead=()):
     """Entries [start, start + block) of a [length] ref (or of row `head` of a [heads, length]
-    ref), `other` past `length`."""
-    tile = ref.at[pl.ds(start, block)] if head is None else ref.at[head, pl.ds(start, block)]
+    ref), `other` past `length`; `lead` as in load_rows."""
+    heads = () if head is None else (head,)
+    tile = ref.at[(*lead, *heads, pl.ds(start, block))]
     if not ragged:
         return plgpu.load(tile)
     idx = start + lax.broadcasted_iota(jnp.int32, (block,), 0)
@@ -122,11 +124,22 @@ _register_quiet_lowering()
 
 
 def load_pair_tile(
-    ref, q_start, block_q: int, q_len, kv_start, block_kv: int, kv_len, *, head=None, other=0
+    ref,
+    q_start,
+    block_q: int,
+    q_len,
+    kv_start,
+    block_kv: int,
+    kv_len,
+    *,
+    head=None,
+    other=0,
+    lead=(),
 ):
     """The [block_q, block_kv] tile of a per-(query, key) ref ([Tb, Sb], or [heads, Tb, Sb] read at
     `head`) for queries [q_start, +block_q) and keys [kv_start, +block_kv). A dim of size 1
-    broadcasts: it is read once ([1, block_kv] etc.). Entries past q_len/kv_len read `other`."""
+    broadcasts: it is read once ([1, block_kv] etc.). Entries past q_len/kv_len read `other`.
+    `lead` as in load_rows."""
     rows_dim, cols_dim = ref.shape[-2], ref.shape[-1]
     idx, mask = [], None
     if rows_dim == 1:
@@ -142,7 +155,7 @@ def load_pair_tile(
         mask = cols if mask is None else mask & cols
     if head is not None:
         idx.insert(0, head)
-    tile = ref.at[tuple(idx)]
+    tile = ref.at[(*lead, *idx)]
     if mask is None:
         return plgpu.load(tile)
     return plgpu.load(tile, mask=mask, other=other)

@@ -232,6 +232,148 @@ def _dq_kernel(
     fold(hi, num_kv_tiles, zero_body, 0)
 
 
+def _dbias_sum_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    do_ref,
+    lse_ref,
+    delta_ref,
+    *refs,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    head_dim: int,
+    group: int,
+    block_q: int,
+    block_kv: int,
+    batches: int,
+    heads: int,
+):
+    """dBias of a bias broadcast over batch and/or heads, summed over them in registers: one
+    query tile of one (bias batch, bias head), looping over the KV tiles and, inside, over the
+    `batches` x `heads` (batch, head) pairs that share the bias. Nothing of shape [B, N, T, S] is
+    written, and the sum has a fixed order (no atomics).
+
+    q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
+    lse_ref, delta_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg [batches,
+    block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges; out
+    [block_q, S] (float32).
+    """
+    *refs, out_ref = refs
+    ops = Operands(refs, spec, has_bias=True)
+    tile = query_tile(pl.program_id(0), spec.q_len, block_q)
+    bias_head, bias_batch = pl.program_id(1), pl.program_id(2)
+    q_start = tile * block_q
+    q_rows = spec.q_len - q_start
+    ragged_q = spec.q_len % block_q != 0
+    ragged_kv = spec.kv_len % block_kv != 0
+    q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    members = batches * heads
+
+    def member(m):
+        """(local batch, local head) of the m-th (batch, head) pair sharing the bias."""
+        # lax.div/rem: jnp's floor division lowers to a comparison that Triton rejects.
+        return jax.lax.div(m, jnp.int32(heads)), jax.lax.rem(m, jnp.int32(heads))
+
+    zero = jnp.int32(0)  # traced indices: the interpreter rejects Python ints in these indexers
+
+    def d_scores(m, kv_start, masked):
+        bi, ni = member(m)
+        rows = dict(ragged=ragged_q, head=ni, lead=(bi,))
+        q = load_rows(q_ref, 0, block_q, q_rows, head_dim, **rows)
+        do = load_rows(do_ref, 0, block_q, q_rows, head_dim, **rows)
+        lse2 = load_vector(lse_ref, 0, block_q, q_rows, **rows)
+        delta = load_vector(delta_ref, 0, block_q, q_rows, **rows)
+        kv_head = jax.lax.div(ni, jnp.int32(group)) if k_ref.shape[2] > 1 else zero
+        keys = dict(ragged=masked and ragged_kv, head=kv_head, lead=(bi,))
+        k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
+        v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
+        bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
+        s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
+        p = jnp.exp2(s - lse2[:, None])
+        if masked:
+            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            q_seg = kv_seg = mask = None
+            if ops.q_seg is not None:
+                q_seg = load_vector(
+                    ops.q_seg,
+                    0,
+                    block_q,
+                    q_rows,
+                    ragged=ragged_q,
+                    other=masks.PAD_Q_SEGMENT,
+                    lead=(bi,),
+                )[:, None]
+                kv_seg = load_vector(
+                    ops.kv_seg,
+                    kv_start,
+                    block_kv,
+                    spec.kv_len,
+                    ragged=True,
+                    other=masks.PAD_KV_SEGMENT,
+                    lead=(bi,),
+                )[None, :]
+            if ops.mask is not None:
+                mb, mn = ops.mask.shape[0], ops.mask.shape[1]
+                mask = load_pair_tile(
+                    ops.mask,
+                    0,
+                    block_q,
+                    q_rows,
+                    kv_start,
+                    block_kv,
+                    spec.kv_len,
+                    lead=(bi if mb > 1 else zero, ni if mn > 1 else zero),
+                )
+            p = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p, 0.0)
+        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+        return ds if dcap is None else ds * dcap
+
+    ranges = spec.kv_tile_range(q_start, block_q, block_kv)
+    if ops.ranges is not None:
+        # The pairs' visible tiles differ (segment ids, lengths, a per-head mask): visit the union
+        # of their ranges and mask every tile element-wise.
+        def union(m, lo_hi):
+            bi, ni = member(m)
+            b = bi if batches > 1 else bias_batch
+            n = ni if heads > 1 else bias_head
+            lo, _, _, hi = masks.intersect(ranges, load_range(ops.ranges, b, n, tile))
+            return jnp.minimum(lo_hi[0], lo), jnp.maximum(lo_hi[1], hi)
+
+        big = jnp.int32(jnp.iinfo(jnp.int32).max)
+        lo, hi = jax.lax.fori_loop(0, members, union, (big, jnp.int32(0)))
+        lo = jnp.minimum(lo, hi)
+        ranges = (lo, hi, hi, hi)
+
+    def store(j, ds):
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
+        rows = jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0) < q_rows
+        cols = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1) < spec.kv_len
+        plgpu.store(
+            out_ref.at[:, pl.ds(kv_start, block_kv)], ds.astype(out_ref.dtype), mask=rows & cols
+        )
+
+    zeros = jnp.zeros((block_q, block_kv), jnp.float32)
+
+    def zero_body(j, carry):
+        store(j, zeros)
+        return carry
+
+    def tile_body(j, carry, *, masked: bool):
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
+        total = jax.lax.fori_loop(
+            0, members, lambda m, acc: acc + d_scores(m, kv_start, masked), zeros
+        )
+        store(j, total)
+        return carry
+
+    lo, _, _, hi = ranges
+    fold(0, lo, zero_body, 0)
+    visit_tiles(ranges, tile_body, 0)
+    fold(hi, pl.cdiv(spec.kv_len, block_kv), zero_body, 0)
+
+
 def flash_backward(
     q,
     k,
@@ -251,7 +393,9 @@ def flash_backward(
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
-    dbias is None without a bias, else [B, N, T, S] (the caller sums it to the bias's shape).
+    dbias is None without a bias, else [Bb, Nb, T, S] float32 or bias dtype: summed over the
+    batches and heads the bias is broadcast over (Bb, Nb of the bias), not over T or S (the
+    caller sums those).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -362,13 +506,134 @@ def flash_backward(
 
     dq = dq_call("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
     dbias = None
-    if has_bias:
-        # A broadcast bias sums dS over the broadcast dims afterwards: keep the terms in f32.
-        full_shape = (batch, num_heads, q_len, kv_len)
-        dbias_dtype = bias.dtype if tuple(bias.shape) == full_shape else jnp.float32
+    if has_bias and bias.shape[0] == batch and bias.shape[1] == num_heads:
+        # A query or key broadcast (Tb or Sb == 1) is summed by the caller: keep the terms in f32.
+        full = tuple(bias.shape) == (batch, num_heads, q_len, kv_len)
         dbias = dq_call(
             "dbias",
             pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
-            jax.ShapeDtypeStruct((batch, num_heads, q_len, kv_len), dbias_dtype),
+            jax.ShapeDtypeStruct(
+                (batch, num_heads, q_len, kv_len), bias.dtype if full else jnp.float32
+            ),
+        )
+    elif has_bias:
+        dbias = _summed_dbias(
+            q,
+            k,
+            v,
+            bias,
+            arrays,
+            d_out,
+            lse2,
+            delta,
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
+            block_q=block_q,
+            block_kv=block_kv,
+            block_sizes=block_sizes,
+            interpret=interpret,
         )
     return dq, dk, dv, dbias
+
+
+def _summed_dbias(
+    q,
+    k,
+    v,
+    bias,
+    arrays,
+    d_out,
+    lse2,
+    delta,
+    *,
+    spec,
+    scale,
+    soft_cap,
+    block_q,
+    block_kv,
+    block_sizes,
+    interpret,
+):
+    """dBias [Bb, Nb, T, S] (float32) of a bias broadcast over batch (Bb == 1) and/or heads
+    (Nb == 1), summed over them in the kernel (_dbias_sum_kernel)."""
+    batch, q_len, num_heads, head_dim = q.shape
+    _, kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    hp = padded_head_dim(head_dim)
+    bias_batch, bias_heads = bias.shape[0], bias.shape[1]
+    sum_b, sum_n = bias_batch == 1 < batch, bias_heads == 1 < num_heads
+    batches, heads = (batch if sum_b else 1), (num_heads if sum_n else 1)
+    kv_heads = num_kv_heads if sum_n else 1
+    q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
+
+    def b_idx(b):
+        return 0 if sum_b else b
+
+    q_spec = pl.BlockSpec(
+        (batches, block_q, heads, hp), lambda i, n, b: (b_idx(b), q_tile(i), 0 if sum_n else n, 0)
+    )
+    kv_spec = pl.BlockSpec(
+        (batches, kv_len, kv_heads, hp),
+        lambda i, n, b: (b_idx(b), 0, 0 if sum_n else n // group, 0),
+    )
+    row_spec = pl.BlockSpec(
+        (batches, heads, block_q), lambda i, n, b: (b_idx(b), 0 if sum_n else n, q_tile(i))
+    )
+    operands = [q, k, v, d_out, lse2, delta, bias]
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    in_specs.append(pair_spec(bias.shape, block_q, q_tile))
+    if spec.has_segments:
+        operands += [arrays.q_segment_ids, arrays.kv_segment_ids]
+        in_specs += [
+            pl.BlockSpec((batches, block_q), lambda i, n, b: (b_idx(b), q_tile(i))),
+            pl.BlockSpec((batches, kv_len), lambda i, n, b: (b_idx(b), 0)),
+        ]
+    if spec.mask_shape is not None:
+        mb, mn, mt, ms = arrays.mask.shape
+        block = (
+            batches if mb > 1 else 1,
+            heads if mn > 1 else 1,
+            block_q if mt > 1 else 1,
+            ms,
+        )
+        operands.append(arrays.mask)
+        in_specs.append(
+            pl.BlockSpec(
+                block,
+                lambda i, n, b: (
+                    b_idx(b) if mb > 1 else 0,
+                    (0 if sum_n else n) if mn > 1 else 0,
+                    q_tile(i) if mt > 1 else 0,
+                    0,
+                ),
+            )
+        )
+    ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
+    if ranges is not None:
+        operands.append(ranges)
+        in_specs.append(pl.BlockSpec(ranges.shape, lambda i, n, b: (0, 0, 0, 0)))
+    kernel = functools.partial(
+        _dbias_sum_kernel,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        head_dim=head_dim,
+        group=group,
+        block_q=block_q,
+        block_kv=block_kv,
+        batches=batches,
+        heads=heads,
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(q_len, block_q), bias_heads, bias_batch),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
+        out_shape=jax.ShapeDtypeStruct((bias_batch, bias_heads, q_len, kv_len), jnp.float32),
+        compiler_params=CompilerParams(
+            num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
+        ),
+        interpret=interpret,
+        name="pallas_flash_backward_dbias",
+    )(*operands)

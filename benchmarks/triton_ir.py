@@ -78,12 +78,17 @@ COMPILE = textwrap.dedent(
 )
 
 
-def capture_ttir(head_dim: int, seq: int, causal: bool, dtype, out: pathlib.Path, block_sizes):
-    """Writes <out>/<kernel>.ttir for the forward, dK/dV and dQ kernels; returns their launch
-    parameters [{name, ttir, num_warps, num_stages}]."""
+def capture_ttir(
+    head_dim: int, seq: int, causal: bool, dtype, out: pathlib.Path, block_sizes, bias_shape=None
+):
+    """Writes <out>/<kernel>.ttir for the forward, dK/dV and dQ kernels (and dBias with a bias
+    of `bias_shape`, batch 2); returns [{name, ttir, num_warps, num_stages}] per kernel."""
+
     heads = max(1, 2048 // head_dim)
-    q = jax.ShapeDtypeStruct((1, seq, heads, head_dim), dtype)
-    lse = jax.ShapeDtypeStruct((1, heads, seq), jnp.float32)
+    batch = 1 if bias_shape is None else 2
+    q = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), dtype)
+    lse = jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)
+    bias = None if bias_shape is None else jax.ShapeDtypeStruct(bias_shape, dtype)
     kernel_config = KernelConfig(
         spec=MaskSpec(q_len=seq, kv_len=seq, is_causal=causal),
         scale=head_dim**-0.5,
@@ -91,9 +96,13 @@ def capture_ttir(head_dim: int, seq: int, causal: bool, dtype, out: pathlib.Path
         interpret=False,
     )
 
-    def fwd_bwd(q, k, v, d_out, d_lse):
+    def fwd_bwd(q, k, v, bias, d_out, d_lse):
         (o, lse_), vjp = jax.vjp(
-            lambda *a: flash_attention_kernels(*a, None, MaskArrays(), kernel_config), q, k, v
+            lambda q, k, v, b: flash_attention_kernels(q, k, v, b, MaskArrays(), kernel_config),
+            q,
+            k,
+            v,
+            bias,
         )
         return o, lse_, *vjp((d_out, d_lse))
 
@@ -111,7 +120,9 @@ def capture_ttir(head_dim: int, seq: int, causal: bool, dtype, out: pathlib.Path
         mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
         with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            lowered = jax.jit(fwd_bwd).trace(q, q, q, q, lse).lower(lowering_platforms=("cuda",))
+            lowered = (
+                jax.jit(fwd_bwd).trace(q, q, q, bias, q, lse).lower(lowering_platforms=("cuda",))
+            )
     finally:
         triton_lowering.lower_jaxpr_to_triton_module = stock
     text = re.sub(r'ir = "[^"]*"', "ir = ...", lowered.as_text())
@@ -140,6 +151,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--out", default="/tmp/pallas_flash_ttir")
     parser.add_argument("--triton-python", help="a Python with the triton package, for step 2")
+    parser.add_argument("--bias-shape", help="e.g. 1,16,4096,4096: add a bias (batch 2)")
     parser.add_argument(
         "--block-sizes",
         help="JSON of BlockSizes fields over the H200 defaults, e.g. '{\"block_kv\": 64}'",
@@ -148,11 +160,12 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     dtype = jnp.dtype(args.dtype)
-    bs = config.heuristic_block_sizes(args.head_dim, dtype)
+    bias_shape = tuple(int(x) for x in args.bias_shape.split(",")) if args.bias_shape else None
+    bs = config.heuristic_block_sizes(args.head_dim, dtype, masked=bias_shape is not None)
     if args.block_sizes:
         bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
     print(bs, flush=True)
-    kernels = capture_ttir(args.head_dim, args.seq, args.causal, dtype, out, bs)
+    kernels = capture_ttir(args.head_dim, args.seq, args.causal, dtype, out, bs, bias_shape)
     for k in kernels:
         print(f"wrote {k['ttir']} (num_warps={k['num_warps']}, num_stages={k['num_stages']})")
     if args.triton_python:

@@ -278,7 +278,7 @@ def _dbias_sum_kernel(
 
     zero = jnp.int32(0)  # traced indices: the interpreter rejects Python ints in these indexers
 
-    def d_scores(m, kv_start, masked):
+    def d_scores(m, kv_start, bias, masked):
         bi, ni = member(m)
         rows = dict(ragged=ragged_q, head=ni, lead=(bi,))
         q = load_rows(q_ref, 0, block_q, q_rows, head_dim, **rows)
@@ -289,7 +289,6 @@ def _dbias_sum_kernel(
         keys = dict(ragged=masked and ragged_kv, head=kv_head, lead=(bi,))
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
-        bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
         s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
         p = jnp.exp2(s - lse2[:, None])
         if masked:
@@ -362,8 +361,9 @@ def _dbias_sum_kernel(
 
     def tile_body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
+        bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)  # shared by the pairs
         total = jax.lax.fori_loop(
-            0, members, lambda m, acc: acc + d_scores(m, kv_start, masked), zeros
+            0, members, lambda m, acc: acc + d_scores(m, kv_start, bias, masked), zeros
         )
         store(j, total)
         return carry

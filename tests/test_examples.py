@@ -27,6 +27,16 @@ def test_train_gpt_losses_match_xla(tmp_path):
     assert ours["final_loss"] < 5.5  # below ln(256) = 5.55: it learned something in 3 steps
 
 
+def test_train_gpt_remat_attention_gives_the_same_losses():
+    pytest.importorskip("flax")
+    train_gpt = load("train_gpt")
+    common = ["--attention", "xla", "--steps", "2", "--batch", "2", "--seq", "32"]
+    plain = train_gpt.main(common)
+    remat = train_gpt.main([*common, "--remat-attention"])
+    assert remat["remat_attention"] and not plain["remat_attention"]
+    assert remat["final_loss"] == pytest.approx(plain["final_loss"], rel=1e-5)
+
+
 def test_flax_switch_matches_flax():
     pytest.importorskip("flax")
     example = load("flax_switch")

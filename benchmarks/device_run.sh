@@ -6,6 +6,7 @@
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   train  benchmarks/device_train.sh (issue 4's end-to-end table)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
+#   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -48,6 +49,19 @@ for stage in ${@:-tests masks grid}; do
       timeout ${TUNE_TIMEOUT:-300} python3 -m pallas_flash.tune --cache $OUT/tune.json \
         --log $OUT/tune.jsonl ${TUNE_ARGS:-} > $OUT/tune.log 2>&1
       tail -n 3 $OUT/tune.log ;;
+    anchors)
+      # The anchors' peers side by side (issue 5). Needs carry: [".whl", ".anchors"]: tokamax and
+      # its pure-Python dependencies as wheels (.whl/), the anchors' scripts copied to .anchors/
+      # (both ignored by git; NOTES.md says how to rebuild them).
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
+      timeout ${ANCHORS_TIMEOUT:-300} python3 .anchors/bench_jax.py --hdims ${ANCHOR_HDIMS:-128} \
+        --impls tokamax_triton,tokamax_mosaic,jaxref_triton --budget_s 280 \
+        --out $OUT/anchors_jax.jsonl \
+        > $OUT/anchors_jax.log 2>&1
+      timeout ${ANCHORS_TIMEOUT:-300} python3 .anchors/bench_torch.py --out $OUT/anchors_torch.jsonl \
+        > $OUT/anchors_torch.log 2>&1
+      tail -n 5 $OUT/anchors_jax.log $OUT/anchors_torch.log ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

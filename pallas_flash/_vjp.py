@@ -7,7 +7,6 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -53,10 +52,8 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
         q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs()
     )
     if bias is not None:
-        # The kernel writes dS per (batch, head, query, key); a broadcast bias sums over the
-        # dimensions it was broadcast along.
-        axes = tuple(i for i, n in enumerate(bias.shape) if n == 1 and dbias.shape[i] != 1)
-        dbias = jnp.sum(dbias, axis=axes, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
+        # The kernels sum a broadcast bias's gradient over its broadcast dims in float32.
+        dbias = dbias.astype(bias.dtype)
     d_arrays = jax.tree.map(lambda _: None, arrays)
     return dq, dk, dv, dbias, d_arrays
 

@@ -214,6 +214,7 @@ MASKED = {
     "broadcast-bias-segments-mask": dict(
         bias=(2, 1, 1, 900), has_segments=True, mask_shape=(1, 8, 1, 900)
     ),
+    "key-broadcast-bias-window": dict(bias=(1, 8, 1000, 1), window=(100, 0), is_causal=True),
 }
 
 

@@ -695,12 +695,15 @@ XLA_CASES = [
         ((1, 4, 40, 24), dict(is_causal=True)),
         ((2, 1, 40, 24), dict(q_segment_ids=np.repeat(np.arange(4, dtype=np.int32), 10)[None])),
         ((1, 1, 40, 24), dict(mask=np.tri(40, 24, dtype=bool)[None, None].repeat(4, axis=1))),
+        ((2, 4, 1, 24), dict(is_causal=True)),
+        ((2, 1, 40, 1), dict(local_window_size=(5, 3))),
+        ((1, 1, 1, 24), dict(key_value_seq_lengths=np.array([24, 13], np.int32))),
     ],
-    ids=["heads", "batch-segments", "both-mask"],
+    ids=["batch", "heads-segments", "both-mask", "queries", "heads-keys", "all-lengths"],
 )
 def test_broadcast_bias_gradient_is_summed_in_the_kernel(bias_shape, kwargs, mode):
-    """A bias broadcast over batch or heads gets its gradient without any [B, N, T, S] array
-    (the kernel sums over the pairs that share the bias), and it matches the xla backend."""
+    """A broadcast bias gets its gradient without any [B, N, T, S] array (the kernel sums over
+    the broadcast dims), and it matches the xla backend."""
     b, t, s, n, k, h = 2, 40, 24, 4, 2, 16
     rng = np.random.default_rng(3)
     q = jnp.asarray(rng.standard_normal((b, t, n, h)), jnp.float32)

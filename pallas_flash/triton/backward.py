@@ -249,16 +249,20 @@ def _dbias_sum_kernel(
     block_kv: int,
     batches: int,
     heads: int,
+    sum_rows: bool,
+    sum_cols: bool,
 ):
-    """dBias of a bias broadcast over batch and/or heads, summed over them in registers: one
-    query tile of one (bias batch, bias head), looping over the KV tiles and, inside, over the
-    `batches` x `heads` (batch, head) pairs that share the bias. Nothing of shape [B, N, T, S] is
-    written, and the sum has a fixed order (no atomics).
+    """dBias of a broadcast bias, summed over its broadcast dims in registers: one query tile of
+    one (bias batch, bias head), looping over the KV tiles and, inside, over the `batches` x
+    `heads` (batch, head) pairs that share the bias. With sum_rows (bias broadcast over queries)
+    each KV tile's column sums are written, one row per query tile (the caller adds the query
+    tiles); with sum_cols (broadcast over keys) the row sums accumulate over the KV tiles and are
+    written once. Nothing of shape [B, N, T, S] is written; the sums have a fixed order.
 
     q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
     lse_ref, delta_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg [batches,
     block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges; out
-    [block_q, S] (float32).
+    [block_q|1, S|1] (float32).
     """
     *refs, out_ref = refs
     ops = Operands(refs, spec, has_bias=True)
@@ -345,33 +349,47 @@ def _dbias_sum_kernel(
         lo = jnp.minimum(lo, hi)
         ranges = (lo, hi, hi, hi)
 
-    def store(j, ds):
-        kv_start = pl.multiple_of(j * block_kv, block_kv)
-        rows = jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0) < q_rows
-        cols = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1) < spec.kv_len
-        plgpu.store(
-            out_ref.at[:, pl.ds(kv_start, block_kv)], ds.astype(out_ref.dtype), mask=rows & cols
-        )
+    # Rows past T and keys past S have dS == 0 (zero dO, masked P), so the sums need no masks.
+    out_rows = 1 if sum_rows else block_q
+    row_ok = jax.lax.broadcasted_iota(jnp.int32, (out_rows, 1), 0) < (1 if sum_rows else q_rows)
+
+    def store(kv_start, value, width):
+        cols = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) < spec.kv_len
+        tile = out_ref.at[:, pl.ds(kv_start, width)]
+        plgpu.store(tile, value.astype(out_ref.dtype), mask=row_ok & cols)
 
     zeros = jnp.zeros((block_q, block_kv), jnp.float32)
 
     def zero_body(j, carry):
-        store(j, zeros)
+        store(
+            pl.multiple_of(j * block_kv, block_kv),
+            jnp.zeros((out_rows, block_kv), jnp.float32),
+            block_kv,
+        )
         return carry
 
-    def tile_body(j, carry, *, masked: bool):
+    def tile_body(j, row_sums, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)  # shared by the pairs
         total = jax.lax.fori_loop(
             0, members, lambda m, acc: acc + d_scores(m, kv_start, bias, masked), zeros
         )
-        store(j, total)
-        return carry
+        if sum_rows:
+            total = jnp.sum(total, axis=0, keepdims=True)
+        if sum_cols:
+            return row_sums + jnp.sum(total, axis=1, keepdims=True)
+        store(kv_start, total, block_kv)
+        return row_sums
 
     lo, _, _, hi = ranges
-    fold(0, lo, zero_body, 0)
-    visit_tiles(ranges, tile_body, 0)
-    fold(hi, pl.cdiv(spec.kv_len, block_kv), zero_body, 0)
+    row_sums = jnp.zeros((out_rows, 1), jnp.float32)
+    if not sum_cols:
+        fold(0, lo, zero_body, 0)
+    row_sums = visit_tiles(ranges, tile_body, row_sums)
+    if sum_cols:
+        store(0, row_sums, 1)
+    else:
+        fold(hi, pl.cdiv(spec.kv_len, block_kv), zero_body, 0)
 
 
 def flash_backward(
@@ -393,9 +411,8 @@ def flash_backward(
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
-    dbias is None without a bias, else [Bb, Nb, T, S] float32 or bias dtype: summed over the
-    batches and heads the bias is broadcast over (Bb, Nb of the bias), not over T or S (the
-    caller sums those).
+    dbias is None without a bias, else the bias's shape: in its dtype for a full [B, N, T, S] bias,
+    float32 (summed over the broadcast dims in the kernel) otherwise.
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -506,15 +523,11 @@ def flash_backward(
 
     dq = dq_call("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
     dbias = None
-    if has_bias and bias.shape[0] == batch and bias.shape[1] == num_heads:
-        # A query or key broadcast (Tb or Sb == 1) is summed by the caller: keep the terms in f32.
-        full = tuple(bias.shape) == (batch, num_heads, q_len, kv_len)
+    if has_bias and tuple(bias.shape) == (batch, num_heads, q_len, kv_len):
         dbias = dq_call(
             "dbias",
             pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
-            jax.ShapeDtypeStruct(
-                (batch, num_heads, q_len, kv_len), bias.dtype if full else jnp.float32
-            ),
+            jax.ShapeDtypeStruct(bias.shape, bias.dtype),
         )
     elif has_bias:
         dbias = _summed_dbias(
@@ -555,14 +568,15 @@ def _summed_dbias(
     block_sizes,
     interpret,
 ):
-    """dBias [Bb, Nb, T, S] (float32) of a bias broadcast over batch (Bb == 1) and/or heads
-    (Nb == 1), summed over them in the kernel (_dbias_sum_kernel)."""
+    """dBias [Bb, Nb, Tb, Sb] (float32) of a broadcast bias, summed over the broadcast dims in the
+    kernel (_dbias_sum_kernel); over queries, the per-query-tile sums are added here."""
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     hp = padded_head_dim(head_dim)
     bias_batch, bias_heads = bias.shape[0], bias.shape[1]
     sum_b, sum_n = bias_batch == 1 < batch, bias_heads == 1 < num_heads
+    sum_rows, sum_cols = bias.shape[2] == 1 < q_len, bias.shape[3] == 1 < kv_len
     batches, heads = (batch if sum_b else 1), (num_heads if sum_n else 1)
     kv_heads = num_kv_heads if sum_n else 1
     q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
@@ -624,16 +638,25 @@ def _summed_dbias(
         block_kv=block_kv,
         batches=batches,
         heads=heads,
+        sum_rows=sum_rows,
+        sum_cols=sum_cols,
     )
-    return pl.pallas_call(
+    num_q_tiles = pl.cdiv(q_len, block_q)
+    out_rows, out_cols = (1 if sum_rows else block_q), (1 if sum_cols else kv_len)
+    dbias = pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(q_len, block_q), bias_heads, bias_batch),
+        grid=(num_q_tiles, bias_heads, bias_batch),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
-        out_shape=jax.ShapeDtypeStruct((bias_batch, bias_heads, q_len, kv_len), jnp.float32),
+        out_specs=pl.BlockSpec(
+            (None, None, out_rows, out_cols), lambda i, n, b: (b, n, q_tile(i), 0)
+        ),
+        out_shape=jax.ShapeDtypeStruct(
+            (bias_batch, bias_heads, num_q_tiles if sum_rows else q_len, out_cols), jnp.float32
+        ),
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
         ),
         interpret=interpret,
         name="pallas_flash_backward_dbias",
     )(*operands)
+    return jnp.sum(dbias, axis=2, keepdims=True) if sum_rows else dbias

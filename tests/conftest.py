@@ -173,54 +173,69 @@ def _visible(q_len, kv_len, is_causal):
     return visible
 
 
-def _probs_f64(q, k, *, scale, is_causal):
-    """P [B, N, T, S] and lse [B, N, T]; rows that see no key have P = 0 and lse = -inf."""
-    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
-    k = _expand_kv(k, q.shape[2])
-    logits = np.einsum("btnh,bsnh->bnts", q, k, optimize=True) * scale
-    visible = _visible(q.shape[1], k.shape[1], is_causal)
-    logits = np.where(visible, logits, -np.inf)
-    row_max = logits.max(axis=-1, keepdims=True)
+def attention_oracle_f64(
+    q, k, v, d_out=None, d_lse=None, *, scale, visible, bias=None, soft_cap=None
+):
+    """The float64 oracle of every test: out [B, T, N, H], lse [B, N, T] and, with cotangents
+    d_out [B, T, N, H] and d_lse [B, N, T], dq, dk, dv and dlogits [B, N, T, S] (the caller sums
+    it to a bias's shape). Rows that see no key: out 0, lse -inf, zero gradient.
+
+    logits = soft_cap(scale q.k + bias), softmax over the `visible` keys ([T, S] or broadcastable
+    to [B, N, T, S]). Backward: dP = dO V^T, dS = P (dP - rowsum(dO O) + dlse) (1 - tanh^2 under
+    the soft cap), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO, the last two summed over the
+    query heads of each kv head's group.
+    """
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    k_n, v_n = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
+    logits = scale * np.einsum("btnh,bsnh->bnts", q, k_n, optimize=True)
+    if bias is not None:
+        logits = logits + bias
+    d_cap = 1.0
+    if soft_cap is not None:
+        tanh = np.tanh(logits / soft_cap)
+        logits, d_cap = soft_cap * tanh, 1.0 - tanh * tanh
+    row_max = np.max(np.where(visible, logits, -np.inf), axis=-1, keepdims=True)
     row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     unnormalised = np.where(visible, np.exp(logits - row_max), 0.0)
     row_sum = unnormalised.sum(axis=-1, keepdims=True)
     empty = row_sum == 0.0
-    probs = unnormalised / np.where(empty, 1.0, row_sum)
+    row_sum = np.where(empty, 1.0, row_sum)
+    probs = unnormalised / row_sum
     with np.errstate(divide="ignore"):
         lse = np.where(empty, -np.inf, row_max + np.log(row_sum))[..., 0]
-    return probs, lse
-
-
-def attention_f64(q, k, v, *, scale, is_causal):
-    """Float64 attention: out [B, T, N, H], lse [B, N, T] (natural log)."""
-    probs, lse = _probs_f64(q, k, scale=scale, is_causal=is_causal)
-    v = _expand_kv(np.asarray(v, np.float64), probs.shape[1])
-    return np.einsum("bnts,bsnh->btnh", probs, v, optimize=True), lse
-
-
-def attention_grads_f64(q, k, v, d_out, d_lse, *, scale, is_causal):
-    """Float64 (dq, dk, dv) for cotangents d_out [B, T, N, H] and d_lse [B, N, T].
-
-    dP = dO V^T, dS = P * (dP - rowsum(dO * O) + dlse), dQ = scale dS K, dK = scale dS^T Q and
-    dV = P^T dO, the last two summed over the query heads of each kv head's group.
-    """
-    q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
-    num_kv_heads, num_heads = k.shape[2], q.shape[2]
-    probs, _ = _probs_f64(q, k, scale=scale, is_causal=is_causal)
-    k_n, v_n = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
     out = np.einsum("bnts,bsnh->btnh", probs, v_n, optimize=True)
+    result = {"out": out, "lse": lse}
+    if d_out is None:
+        return result
+    d_out, d_lse = np.asarray(d_out, np.float64), np.asarray(d_lse, np.float64)
     d_probs = np.einsum("btnh,bsnh->bnts", d_out, v_n, optimize=True)
     delta = np.einsum("btnh,btnh->bnt", d_out, out, optimize=True)
-    d_logits = probs * (d_probs - delta[..., None] + d_lse[..., None])
-    dq = scale * np.einsum("bnts,bsnh->btnh", d_logits, k_n, optimize=True)
-    dk_n = scale * np.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True)
-    dv_n = np.einsum("bnts,btnh->bsnh", probs, d_out, optimize=True)
+    d_logits = probs * (d_probs - delta[..., None] + d_lse[..., None]) * d_cap
 
     def group_sum(x):
         b, s, n, h = x.shape
         return x.reshape(b, s, num_kv_heads, n // num_kv_heads, h).sum(axis=3)
 
-    return dq, group_sum(dk_n), group_sum(dv_n)
+    result["dq"] = scale * np.einsum("bnts,bsnh->btnh", d_logits, k_n, optimize=True)
+    result["dk"] = group_sum(scale * np.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True))
+    result["dv"] = group_sum(np.einsum("bnts,btnh->bsnh", probs, d_out, optimize=True))
+    result["dlogits"] = d_logits
+    return result
+
+
+def attention_f64(q, k, v, *, scale, is_causal):
+    """Float64 attention: out [B, T, N, H], lse [B, N, T] (natural log)."""
+    visible = _visible(q.shape[1], k.shape[1], is_causal)
+    r = attention_oracle_f64(q, k, v, scale=scale, visible=visible)
+    return r["out"], r["lse"]
+
+
+def attention_grads_f64(q, k, v, d_out, d_lse, *, scale, is_causal):
+    """Float64 (dq, dk, dv) for cotangents d_out [B, T, N, H] and d_lse [B, N, T]."""
+    visible = _visible(q.shape[1], k.shape[1], is_causal)
+    r = attention_oracle_f64(q, k, v, d_out, d_lse, scale=scale, visible=visible)
+    return r["dq"], r["dk"], r["dv"]
 
 
 # -- plain attention in the input dtype (the baseline of the tolerance rule) ----------------------

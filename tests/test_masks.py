@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import attention_oracle_f64
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -206,51 +207,26 @@ def sum_to_shape(x, shape):
 
 
 def oracle(c: Case, x64, scale: float | None = None):
-    """Float64 out [B, T, N, H], lse [B, N, T] and the gradients dq, dk, dv, dbias for the
-    cotangents d_out and d_lse. Rows that see no key: out 0, lse -inf, zero gradient.
-
-    logits = soft_cap(scale q.k + bias), masked softmax. Backward: dP = dO V^T,
-    dS = P (dP - rowsum(dO O) + dlse) (1 - tanh^2 under the soft cap), dQ = scale dS K,
-    dK = scale dS^T Q, dV = P^T dO (dK, dV summed over each kv head's query heads), dbias = dS
-    summed over the bias's broadcast dims.
+    """The float64 oracle (conftest.attention_oracle_f64) of case `c`: out, lse and the gradients
+    dq, dk, dv, dbias (dS summed over the bias's broadcast dims) for the cotangents d_out, d_lse.
     """
     q, k, v, d_out, d_lse = (x64[name] for name in ("q", "k", "v", "d_out", "d_lse"))
-    n, kh = q.shape[2], k.shape[2]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    k_n, v_n = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)  # head n: n // G
-    logits = scale * np.einsum("btnh,bsnh->bnts", q, k_n)
-    if x64["bias"] is not None:
-        logits = logits + as4d(x64["bias"])
-    d_cap = 1.0
-    if c.soft_cap is not None:
-        tanh = np.tanh(logits / c.soft_cap)
-        logits, d_cap = c.soft_cap * tanh, 1.0 - tanh * tanh
-    vis = visibility(c, x64)
-    row_max = np.max(np.where(vis, logits, -np.inf), axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    unnormalised = np.where(vis, np.exp(logits - row_max), 0.0)
-    row_sum = unnormalised.sum(axis=-1, keepdims=True)
-    empty = row_sum == 0.0
-    row_sum = np.where(empty, 1.0, row_sum)
-    probs = unnormalised / row_sum
-    lse = np.where(empty, -np.inf, row_max + np.log(row_sum))[..., 0]
-    out = np.einsum("bnts,bsnh->btnh", probs, v_n)
-
-    d_probs = np.einsum("btnh,bsnh->bnts", d_out, v_n)
-    delta = np.einsum("btnh,btnh->bnt", d_out, out)
-    d_logits = probs * (d_probs - delta[..., None] + d_lse[..., None]) * d_cap
-
-    def group_sum(x):
-        b, s, _, h = x.shape
-        return x.reshape(b, s, kh, n // kh, h).sum(axis=3)
-
-    grads = {
-        "dq": scale * np.einsum("bnts,bsnh->btnh", d_logits, k_n),
-        "dk": group_sum(scale * np.einsum("bnts,btnh->bsnh", d_logits, q)),
-        "dv": group_sum(np.einsum("bnts,btnh->bsnh", probs, d_out)),
-        "dbias": None if x64["bias"] is None else sum_to_shape(d_logits, x64["bias"].shape),
-    }
-    return {"out": out, "lse": lse, **grads}
+    bias = None if x64["bias"] is None else as4d(x64["bias"])
+    r = attention_oracle_f64(
+        q,
+        k,
+        v,
+        d_out,
+        d_lse,
+        scale=scale,
+        visible=visibility(c, x64),
+        bias=bias,
+        soft_cap=c.soft_cap,
+    )
+    d_logits = r.pop("dlogits")
+    r["dbias"] = None if bias is None else sum_to_shape(d_logits, x64["bias"].shape)
+    return r
 
 
 # -- running flash_attention ----------------------------------------------------------------------

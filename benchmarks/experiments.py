@@ -80,24 +80,18 @@ def split_kv(out):
         (2, 1024, 65536, 8, 64, False),
     ]
     for b, t, s, n, h, causal in points:
-        flops = bench.attention_flops(b, t, s, n, h, causal, "fwd")
         for impl, splits in (("pallas_flash", 1), ("pallas_flash", 0), ("cudnn", None)):
+            bs = None
+            if impl == "pallas_flash":
+                bs = dataclasses.replace(
+                    config.heuristic_block_sizes(h, jnp.bfloat16), kv_splits=splits
+                )
             passes = ("fwd", "fwd+bwd") if t >= 16384 and splits != 0 else ("fwd",)
             for pass_ in passes:
-                row = dict(exp="split-kv", impl=impl, kv_splits=splits, B=b, T=t, S=s, N=n, H=h)
-                row.update(causal=causal, pass_=pass_)
-                bs = None
-                if impl == "pallas_flash":
-                    base = config.heuristic_block_sizes(h, jnp.bfloat16)
-                    bs = dataclasses.replace(base, kv_splits=splits)
-                fn = bench.attention_fn(impl, is_causal=causal, block_sizes=bs)
-                try:
-                    args = bench.make_inputs(b, t, s, n, n, h, jnp.bfloat16)
-                    ms = bench.median_ms(bench.timed_fn(fn, pass_), args)
-                    scale = 3.5 if pass_ == "fwd+bwd" else 1.0
-                    row.update(ms=round(ms, 4), tflops=round(flops * scale / ms / 1e9, 1))
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row = bench.run_point(
+                    impl, b, t, s, n, n, h, jnp.bfloat16, causal, pass_, block_sizes=bs
+                )
+                row.update(exp="split-kv", kv_splits=splits, pass_=pass_)
                 _record(out, row)
 
 

@@ -51,9 +51,6 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     dq, dk, dv, dbias = flash_backward(
         q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs()
     )
-    if bias is not None:
-        # The kernels sum a broadcast bias's gradient over its broadcast dims in float32.
-        dbias = dbias.astype(bias.dtype)
     d_arrays = jax.tree.map(lambda _: None, arrays)
     return dq, dk, dv, dbias, d_arrays
 

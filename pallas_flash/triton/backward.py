@@ -135,6 +135,17 @@ def _dkv_kernel(
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
 
 
+def tile_d_logits(q, k, v, do, lse2, delta, bias, visible, *, scale: float, soft_cap):
+    """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
+    from lse2 (log2 units), zero where `visible` (None: everywhere visible) is False."""
+    s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
+    p = jnp.exp2(s - lse2[:, None])
+    if visible is not None:
+        p = jnp.where(visible, p, 0.0)
+    ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+    return ds if dcap is None else ds * dcap
+
+
 def _dq_kernel(
     q_ref,
     k_ref,
@@ -150,14 +161,13 @@ def _dq_kernel(
     block_q: int,
     block_kv: int,
     has_bias: bool,
-    emit: str,
 ):
-    """dQ (emit="dq") or dBias (emit="dbias") of one query tile of one head: loop over KV tiles.
+    """dQ of one query tile of one head: loop over KV tiles.
 
-    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref: [block_q];
-    dbias_ref: [block_q, S]. Optional operands as in the forward kernel.
+    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref: [block_q].
+    Optional operands as in the forward kernel.
     """
-    *refs, out_ref = refs
+    *refs, dq_ref = refs
     ops = Operands(refs, spec, has_bias=has_bias)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2)
@@ -176,63 +186,26 @@ def _dq_kernel(
             ops.q_seg, 0, block_q, q_rows, ragged=ragged_q, other=masks.PAD_Q_SEGMENT
         )[:, None]
 
-    def d_scores(kv_start, masked):
-        """dS [block_q, block_kv] of one KV tile (w.r.t. the logits before the soft cap)."""
+    def body(j, dq, *, masked: bool):
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
-        s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
-        p = jnp.exp2(s - lse2[:, None])
+        visible = None
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
-            p = jnp.where(visible, p, 0.0)
-        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
-        if dcap is not None:
-            ds = ds * dcap
-        return ds, k
+        ds = tile_d_logits(q, k, v, do, lse2, delta, bias, visible, scale=scale, soft_cap=soft_cap)
+        return dq + dot(ds.astype(k.dtype), k)
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
-
-    if emit == "dq":
-
-        def body(j, dq, *, masked: bool):
-            ds, k = d_scores(pl.multiple_of(j * block_kv, block_kv), masked)
-            return dq + dot(ds.astype(k.dtype), k)
-
-        hp = q_ref.shape[-1]
-        dq = jnp.zeros((block_q, hp), jnp.float32)
-        dq = visit_tiles(ranges, body, dq)
-        store_rows(out_ref, dq * scale, 0, block_q, q_rows, head_dim)
-        return
-
-    # emit == "dbias": every tile of the [block_q, S] row block is written, zeros where skipped.
-    def store(j, ds):
-        kv_start = pl.multiple_of(j * block_kv, block_kv)
-        rows = jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0) < q_rows
-        cols = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1) < spec.kv_len
-        plgpu.store(
-            out_ref.at[:, pl.ds(kv_start, block_kv)], ds.astype(out_ref.dtype), mask=rows & cols
-        )
-
-    def zero_body(j, carry):
-        store(j, jnp.zeros((block_q, block_kv), jnp.float32))
-        return carry
-
-    def ds_body(j, carry, *, masked: bool):
-        ds, _ = d_scores(pl.multiple_of(j * block_kv, block_kv), masked)
-        store(j, ds)
-        return carry
-
-    num_kv_tiles = pl.cdiv(spec.kv_len, block_kv)
-    lo, _, _, hi = ranges
-    fold(0, lo, zero_body, 0)
-    visit_tiles(ranges, ds_body, 0)
-    fold(hi, num_kv_tiles, zero_body, 0)
+    hp = q_ref.shape[-1]
+    dq = visit_tiles(ranges, body, jnp.zeros((block_q, hp), jnp.float32))
+    store_rows(dq_ref, dq * scale, 0, block_q, q_rows, head_dim)
 
 
-def _dbias_sum_kernel(
+def _dbias_kernel(
     q_ref,
     k_ref,
     v_ref,
@@ -252,17 +225,18 @@ def _dbias_sum_kernel(
     sum_rows: bool,
     sum_cols: bool,
 ):
-    """dBias of a broadcast bias, summed over its broadcast dims in registers: one query tile of
-    one (bias batch, bias head), looping over the KV tiles and, inside, over the `batches` x
-    `heads` (batch, head) pairs that share the bias. With sum_rows (bias broadcast over queries)
-    each KV tile's column sums are written, one row per query tile (the caller adds the query
-    tiles); with sum_cols (broadcast over keys) the row sums accumulate over the KV tiles and are
-    written once. Nothing of shape [B, N, T, S] is written; the sums have a fixed order.
+    """dBias of one query tile of one (bias batch, bias head), summed over the bias's broadcast
+    dims in registers: the loop over KV tiles sums, inside, over the `batches` x `heads` (batch,
+    head) pairs that share the bias (one pair for a full bias). With sum_rows (bias broadcast over
+    queries) each KV tile's column sums are written, one row per query tile (the caller adds the
+    query tiles); with sum_cols (broadcast over keys) the row sums accumulate over the KV tiles and
+    are written once. Nothing of shape [B, N, T, S] is written for a broadcast bias; the sums have
+    a fixed order. Every output entry is written (zeros for tiles nobody sees).
 
     q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
     lse_ref, delta_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg [batches,
     block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges; out
-    [block_q|1, S|1] (float32).
+    [block_q|1, S|1].
     """
     *refs, out_ref = refs
     ops = Operands(refs, spec, has_bias=True)
@@ -274,67 +248,72 @@ def _dbias_sum_kernel(
     ragged_kv = spec.kv_len % block_kv != 0
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     members = batches * heads
+    zero = jnp.int32(0)  # traced indices: the interpreter rejects Python ints in these indexers
 
     def member(m):
         """(local batch, local head) of the m-th (batch, head) pair sharing the bias."""
         # lax.div/rem: jnp's floor division lowers to a comparison that Triton rejects.
         return jax.lax.div(m, jnp.int32(heads)), jax.lax.rem(m, jnp.int32(heads))
 
-    zero = jnp.int32(0)  # traced indices: the interpreter rejects Python ints in these indexers
-
-    def d_scores(m, kv_start, bias, masked):
+    def query_rows(m):
+        """q, dO, lse2, delta and segment ids of pair m's query tile."""
         bi, ni = member(m)
         rows = dict(ragged=ragged_q, head=ni, lead=(bi,))
-        q = load_rows(q_ref, 0, block_q, q_rows, head_dim, **rows)
-        do = load_rows(do_ref, 0, block_q, q_rows, head_dim, **rows)
-        lse2 = load_vector(lse_ref, 0, block_q, q_rows, **rows)
-        delta = load_vector(delta_ref, 0, block_q, q_rows, **rows)
+        q_seg = None
+        if ops.q_seg is not None:
+            q_seg = load_vector(
+                ops.q_seg,
+                0,
+                block_q,
+                q_rows,
+                ragged=ragged_q,
+                other=masks.PAD_Q_SEGMENT,
+                lead=(bi,),
+            )[:, None]
+        return (
+            load_rows(q_ref, 0, block_q, q_rows, head_dim, **rows),
+            load_rows(do_ref, 0, block_q, q_rows, head_dim, **rows),
+            load_vector(lse_ref, 0, block_q, q_rows, **rows),
+            load_vector(delta_ref, 0, block_q, q_rows, **rows),
+            q_seg,
+        )
+
+    # One pair (a bias broadcast over queries/keys only): its rows stay loaded across KV tiles.
+    hoisted = query_rows(zero) if members == 1 else None
+
+    def d_logits(m, kv_start, bias, masked):
+        bi, ni = member(m)
+        q, do, lse2, delta, q_seg = hoisted or query_rows(m)
         kv_head = jax.lax.div(ni, jnp.int32(group)) if k_ref.shape[2] > 1 else zero
         keys = dict(ragged=masked and ragged_kv, head=kv_head, lead=(bi,))
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
-        s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
-        p = jnp.exp2(s - lse2[:, None])
+        visible = None
         if masked:
-            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            q_seg = kv_seg = mask = None
-            if ops.q_seg is not None:
-                q_seg = load_vector(
-                    ops.q_seg,
-                    0,
-                    block_q,
-                    q_rows,
-                    ragged=ragged_q,
-                    other=masks.PAD_Q_SEGMENT,
-                    lead=(bi,),
-                )[:, None]
-                kv_seg = load_vector(
-                    ops.kv_seg,
-                    kv_start,
-                    block_kv,
-                    spec.kv_len,
-                    ragged=True,
-                    other=masks.PAD_KV_SEGMENT,
-                    lead=(bi,),
-                )[None, :]
+            mask_lead = ()
             if ops.mask is not None:
                 mb, mn = ops.mask.shape[0], ops.mask.shape[1]
-                mask = load_pair_tile(
-                    ops.mask,
-                    0,
-                    block_q,
-                    q_rows,
-                    kv_start,
-                    block_kv,
-                    spec.kv_len,
-                    lead=(bi if mb > 1 else zero, ni if mn > 1 else zero),
-                )
-            p = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p, 0.0)
-        ds = p * (dot(do, v, trans_b=True) - delta[:, None])
-        return ds if dcap is None else ds * dcap
+                mask_lead = (bi if mb > 1 else zero, ni if mn > 1 else zero)
+            visible = tile_visible(
+                ops,
+                spec,
+                q_idx,
+                q_seg,
+                q_rows,
+                kv_start,
+                block_q,
+                block_kv,
+                seg_lead=(bi,),
+                mask_lead=mask_lead,
+            )
+        return tile_d_logits(
+            q, k, v, do, lse2, delta, bias, visible, scale=scale, soft_cap=soft_cap
+        )
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
-    if ops.ranges is not None:
+    if ops.ranges is not None and members == 1:
+        ranges = masks.intersect(ranges, load_range(ops.ranges, bias_batch, bias_head, tile))
+    elif ops.ranges is not None:
         # The pairs' visible tiles differ (segment ids, lengths, a per-head mask): visit the union
         # of their ranges and mask every tile element-wise.
         def union(m, lo_hi):
@@ -358,22 +337,23 @@ def _dbias_sum_kernel(
         tile = out_ref.at[:, pl.ds(kv_start, width)]
         plgpu.store(tile, value.astype(out_ref.dtype), mask=row_ok & cols)
 
-    zeros = jnp.zeros((block_q, block_kv), jnp.float32)
-
     def zero_body(j, carry):
-        store(
-            pl.multiple_of(j * block_kv, block_kv),
-            jnp.zeros((out_rows, block_kv), jnp.float32),
-            block_kv,
-        )
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
+        store(kv_start, jnp.zeros((out_rows, block_kv), jnp.float32), block_kv)
         return carry
 
     def tile_body(j, row_sums, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)  # shared by the pairs
-        total = jax.lax.fori_loop(
-            0, members, lambda m, acc: acc + d_scores(m, kv_start, bias, masked), zeros
-        )
+        if members == 1:
+            total = d_logits(zero, kv_start, bias, masked)
+        else:
+            total = jax.lax.fori_loop(
+                0,
+                members,
+                lambda m, acc: acc + d_logits(m, kv_start, bias, masked),
+                jnp.zeros((block_q, block_kv), jnp.float32),
+            )
         if sum_rows:
             total = jnp.sum(total, axis=0, keepdims=True)
         if sum_cols:
@@ -411,8 +391,7 @@ def flash_backward(
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
-    dbias is None without a bias, else the bias's shape: in its dtype for a full [B, N, T, S] bias,
-    float32 (summed over the broadcast dims in the kernel) otherwise.
+    dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -482,7 +461,7 @@ def flash_backward(
         name="pallas_flash_backward_dkv",
     )(*operands)
 
-    # -- dQ (and dBias): grid over query tiles --
+    # -- dQ, and dBias in its own kernel (XLA drops it when nobody asks): grids over query tiles --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dq, q_len, block_sizes.block_kv_dq, kv_len)
     q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
@@ -496,8 +475,8 @@ def flash_backward(
     ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
 
-    def dq_call(emit, out_spec, out_shape):
-        kernel = functools.partial(
+    dq = pl.pallas_call(
+        functools.partial(
             _dq_kernel,
             spec=spec,
             scale=scale,
@@ -506,31 +485,20 @@ def flash_backward(
             block_q=block_q,
             block_kv=block_kv,
             has_bias=has_bias,
-            emit=emit,
-        )
-        return pl.pallas_call(
-            kernel,
-            grid=(pl.cdiv(q_len, block_q), num_heads, batch),
-            in_specs=in_specs + extra_specs,
-            out_specs=out_spec,
-            out_shape=out_shape,
-            compiler_params=CompilerParams(
-                num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
-            ),
-            interpret=interpret,
-            name=f"pallas_flash_backward_{emit}",
-        )(*operands, *extra)
-
-    dq = dq_call("dq", q_spec, jax.ShapeDtypeStruct(q.shape, q.dtype))
+        ),
+        grid=(pl.cdiv(q_len, block_q), num_heads, batch),
+        in_specs=in_specs + extra_specs,
+        out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+        compiler_params=CompilerParams(
+            num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
+        ),
+        interpret=interpret,
+        name="pallas_flash_backward_dq",
+    )(*operands, *extra)
     dbias = None
-    if has_bias and tuple(bias.shape) == (batch, num_heads, q_len, kv_len):
-        dbias = dq_call(
-            "dbias",
-            pl.BlockSpec((None, None, block_q, kv_len), lambda i, n, b: (b, n, q_tile(i), 0)),
-            jax.ShapeDtypeStruct(bias.shape, bias.dtype),
-        )
-    elif has_bias:
-        dbias = _summed_dbias(
+    if has_bias:
+        dbias = _dbias(
             q,
             k,
             v,
@@ -550,7 +518,7 @@ def flash_backward(
     return dq, dk, dv, dbias
 
 
-def _summed_dbias(
+def _dbias(
     q,
     k,
     v,
@@ -568,8 +536,8 @@ def _summed_dbias(
     block_sizes,
     interpret,
 ):
-    """dBias [Bb, Nb, Tb, Sb] (float32) of a broadcast bias, summed over the broadcast dims in the
-    kernel (_dbias_sum_kernel); over queries, the per-query-tile sums are added here."""
+    """dBias with the bias's shape [Bb, Nb, Tb, Sb], summed over its broadcast dims in the kernel
+    (_dbias_kernel); over queries, the per-query-tile sums are added here (in float32)."""
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -628,7 +596,7 @@ def _summed_dbias(
         operands.append(ranges)
         in_specs.append(pl.BlockSpec(ranges.shape, lambda i, n, b: (0, 0, 0, 0)))
     kernel = functools.partial(
-        _dbias_sum_kernel,
+        _dbias_kernel,
         spec=spec,
         scale=scale,
         soft_cap=soft_cap,
@@ -651,7 +619,8 @@ def _summed_dbias(
             (None, None, out_rows, out_cols), lambda i, n, b: (b, n, q_tile(i), 0)
         ),
         out_shape=jax.ShapeDtypeStruct(
-            (bias_batch, bias_heads, num_q_tiles if sum_rows else q_len, out_cols), jnp.float32
+            (bias_batch, bias_heads, num_q_tiles if sum_rows else q_len, out_cols),
+            jnp.float32 if sum_rows else bias.dtype,
         ),
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq
@@ -659,4 +628,6 @@ def _summed_dbias(
         interpret=interpret,
         name="pallas_flash_backward_dbias",
     )(*operands)
-    return jnp.sum(dbias, axis=2, keepdims=True) if sum_rows else dbias
+    if sum_rows:
+        dbias = jnp.sum(dbias, axis=2, keepdims=True).astype(bias.dtype)
+    return dbias

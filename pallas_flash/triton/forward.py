@@ -123,19 +123,38 @@ def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, blo
 
 
 def tile_visible(
-    ops: Operands, spec: MaskSpec, q_idx, q_seg, q_rows, kv_start, block_q: int, block_kv: int
+    ops: Operands,
+    spec: MaskSpec,
+    q_idx,
+    q_seg,
+    q_rows,
+    kv_start,
+    block_q: int,
+    block_kv: int,
+    *,
+    seg_lead=(),
+    mask_lead=(),
 ):
     """Visibility [block_q, block_kv] of a partially visible tile of a query tile: geometry,
     segment ids and dense mask. q_idx [block_q, 1] are absolute query positions, q_seg their
-    segment ids (or None)."""
+    segment ids (or None). seg_lead, mask_lead: leading indices of the kv segment-id and mask refs
+    when their blocks keep batch/head dims (see load_rows)."""
     kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
     kv_seg = mask = None
     if ops.kv_seg is not None:
         kv_seg = load_vector(
-            ops.kv_seg, kv_start, block_kv, spec.kv_len, ragged=True, other=masks.PAD_KV_SEGMENT
+            ops.kv_seg,
+            kv_start,
+            block_kv,
+            spec.kv_len,
+            ragged=True,
+            other=masks.PAD_KV_SEGMENT,
+            lead=seg_lead,
         )[None, :]
     if ops.mask is not None:
-        mask = load_pair_tile(ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len)
+        mask = load_pair_tile(
+            ops.mask, 0, block_q, q_rows, kv_start, block_kv, spec.kv_len, lead=mask_lead
+        )
     return masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask)
 
 

@@ -1,5 +1,8 @@
 """The one jax.custom_vjp of pallas_flash: forward saves (q, k, v, bias, mask arrays, out, lse),
-backward calls the kernels' backward with the cotangents of both outputs."""
+backward calls the kernels' backward with the cotangents of both outputs.
+
+The forward runs on Triton or, on Hopper for the calls it supports, on the Mosaic GPU kernel
+(`KernelConfig.forward`); both return the same (out, lse), so the Triton backward serves both."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import jax
 
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic.forward import flash_forward as mosaic_forward
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
 
@@ -23,8 +27,12 @@ class KernelConfig:
     soft_cap: float | None = None
     block_sizes: BlockSizes
     interpret: bool
+    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias, mask arrays, window or
+    # soft cap; the API checks `pallas_flash.mosaic.supports` before choosing it).
+    forward: str = "triton"
 
     def kwargs(self):
+        """Keyword arguments of the Triton kernels."""
         return dict(
             spec=self.spec,
             scale=self.scale,
@@ -36,12 +44,18 @@ class KernelConfig:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig):
-    """(out, lse) through the Triton kernels, differentiable in q, k, v and bias."""
+    """(out, lse) through the kernels, differentiable in q, k, v and bias."""
+    return _forward(q, k, v, bias, arrays, config)
+
+
+def _forward(q, k, v, bias, arrays, config: KernelConfig):
+    if config.forward == "mosaic":
+        return mosaic_forward(q, k, v, scale=config.scale, is_causal=config.spec.is_causal)
     return flash_forward(q, k, v, bias, arrays, **config.kwargs())
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
-    out, lse = flash_forward(q, k, v, bias, arrays, **config.kwargs())
+    out, lse = _forward(q, k, v, bias, arrays, config)
     return (out, lse), (q, k, v, bias, arrays, out, lse)
 
 

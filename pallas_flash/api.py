@@ -12,9 +12,11 @@ from pallas_flash import masks
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskSpec
+from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.reference import reference_attention
+from pallas_flash.triton.forward import choose_kv_splits
 
-BACKENDS = ("triton", "xla")
+BACKENDS = ("triton", "mosaic", "xla")
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
 
@@ -83,11 +85,17 @@ def flash_attention(
         query row's logits (scaled, biased, soft-capped, masked). Gradients flow through both
         outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
-        capability >= 8.0) or "xla" (plain jnp, materialises the logits). None picks "triton"
-        on such GPUs, or when `interpret=True`, and "xla" elsewhere.
+        capability >= 8.0), "mosaic" (the forward as a warp-specialised Pallas Mosaic GPU kernel,
+        Hopper only, the backward on Triton; raises NotImplementedError for a call it does not
+        support: bias, mask, segment ids, lengths, window, soft cap, float32, head dims other
+        than 64/128/256, T not a multiple of 128 or S of the key tile) or "xla" (plain jnp,
+        materialises the logits). None picks, on a GPU of compute capability >= 8.0: the
+        Mosaic forward on Hopper when it supports the call, its grid fills the GPU and
+        block_sizes is None, else "triton"; "triton" when `interpret=True`; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
-        defaults by head dim and dtype.
+        defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
+        with these tiles.
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
 
@@ -111,6 +119,7 @@ def flash_attention(
         ("key_value_seq_lengths", key_value_seq_lengths),
     ):
         _check_lengths(name, lengths, batch, unbatched)
+    user_block_sizes = block_sizes is not None
     backend = _choose_backend(backend, interpret)
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -159,6 +168,9 @@ def flash_attention(
             soft_cap=soft_cap,
             block_sizes=block_sizes,
             interpret=interpret,
+            forward=_choose_forward(
+                backend, query, key, bias, spec, soft_cap, user_block_sizes=user_block_sizes
+            ),
         )
         out, lse = flash_attention_kernels(query, key, value, bias, arrays, config)
 
@@ -232,9 +244,10 @@ def _check_options(scale, is_causal, return_residuals, backend, block_sizes, int
         raise TypeError(f"interpret={interpret!r} must be a bool or None")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
-    if backend == "xla" and interpret:
+    if backend in ("xla", "mosaic") and interpret:
         raise ValueError(
-            "interpret=True runs the Pallas kernels: it needs backend='triton' or None"
+            "interpret=True runs the Triton kernels in the Pallas interpreter: it needs "
+            f"backend='triton' or None, not {backend!r} (Mosaic GPU kernels cannot be interpreted)"
         )
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(
@@ -246,19 +259,84 @@ def _check_options(scale, is_causal, return_residuals, backend, block_sizes, int
 
 
 def _choose_backend(backend, interpret):
+    """ "xla", "triton", "mosaic" (asked for), or "auto" (None on a capable GPU: the forward is
+    chosen per call by `_choose_forward`)."""
     if interpret:
         return "triton"
     cc = config_lib.gpu_compute_capability()
     gpu_ok = cc is not None and cc >= (8, 0)
     if backend is None:
-        return "triton" if gpu_ok else "xla"
-    if backend == "triton" and not gpu_ok:
+        return "auto" if gpu_ok else "xla"
+    if backend in ("triton", "mosaic") and not gpu_ok:
         raise ValueError(
-            "backend='triton' needs an NVIDIA GPU of compute capability >= 8.0 "
+            f"backend={backend!r} needs an NVIDIA GPU of compute capability >= 8.0 "
             f"(found {cc or 'none'}); pass interpret=True to run the kernels in the Pallas "
             "interpreter, or backend='xla'"
         )
+    if backend == "mosaic" and cc != (9, 0):
+        raise ValueError(
+            f"backend='mosaic' needs a Hopper GPU (compute capability 9.0, found {cc}): its "
+            "kernel uses sm_90a's wgmma and TMA; use backend='triton' or None"
+        )
     return backend
+
+
+def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None:
+    """Why the Mosaic GPU forward cannot run this call, or None when it can."""
+    unsupported = [
+        name
+        for name, present in (
+            ("bias", bias is not None),
+            ("mask", spec.mask_shape is not None),
+            ("segment ids or sequence lengths", spec.has_segments),
+            ("local_window_size", spec.window is not None),
+            ("logits_soft_cap", soft_cap is not None),
+        )
+        if present
+    ]
+    if unsupported:
+        return " and ".join(unsupported)
+    return mosaic_forward.supports(query.shape, key.shape, query.dtype, is_causal=spec.is_causal)
+
+
+def _mosaic_fills_gpu(query, key) -> bool:
+    """Whether the Mosaic forward's grid (one CTA per 128 query rows and head) fills the GPU;
+    when it does not, Triton's split-KV forward spreads the key loop over more programs."""
+    batch, q_len, num_heads, head_dim = query.shape
+    tiles = mosaic_forward.default_tiles(head_dim)
+    ctas = batch * num_heads * (q_len // tiles.cta_rows)
+    return choose_kv_splits(0, ctas, key.shape[1] // tiles.block_kv, interpret=False) == 1
+
+
+def _choose_forward(backend, query, key, bias, spec, soft_cap, *, user_block_sizes) -> str:
+    """The forward kernel of a Pallas call: "mosaic" or "triton"."""
+    if backend == "triton":
+        return "triton"
+    gap = mosaic_forward_gap(query, key, bias, spec, soft_cap)
+    if backend == "mosaic":
+        if gap is not None:
+            raise NotImplementedError(
+                f"backend='mosaic' does not support this call ({gap}); backend='triton' or None "
+                "runs it"
+            )
+        return "mosaic"
+    hopper = config_lib.gpu_compute_capability() == (9, 0)
+    if (
+        gap is None
+        and hopper
+        and not user_block_sizes
+        and key.shape[1] >= _MOSAIC_MIN_KV_LEN.get(query.shape[-1], 0)
+        and _mosaic_fills_gpu(query, key)
+    ):
+        return "mosaic"
+    return "triton"
+
+
+# Below these key lengths the Triton forward is faster on the H200 (its per-program setup is
+# lighter than the Mosaic kernel's barriers and TMA prologue): H=64 at 512 keys, Triton 286-304
+# / 178-180 TFLOP/s against 276-288 / 162-168 (non-causal / causal, two runs;
+# benchmarks/results/h200-mosaic-tiles.jsonl).
+_MOSAIC_MIN_KV_LEN = {64: 1024}
 
 
 def attention_reference(query, key, value, bias=None, mask=None, **kwargs):

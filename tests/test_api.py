@@ -281,3 +281,106 @@ def test_jit_traces_once_in_a_fresh_process():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# -- the forward kernel: Mosaic GPU on Hopper where it applies, else Triton ----------------------
+
+HOPPER_SHAPES = dict(q_shape=(2, 1024, 8, 128), k_shape=(2, 1024, 2, 128))
+
+
+@pytest.fixture
+def chosen_forward(monkeypatch):
+    """Pretends the GPU has compute capability `cc` (default Hopper) and records, instead of
+    running anything, which forward each flash_attention call picks: call(cc=...) -> list."""
+    chosen = []
+
+    def record(q, k, v, bias, arrays, config):
+        chosen.append(config.forward)
+        b, t, n, _ = q.shape
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
+
+    monkeypatch.setattr(api, "flash_attention_kernels", record)
+    monkeypatch.setattr(api, "reference_attention", None)
+
+    def call(*qkv, cc=(9, 0), **kwargs):
+        monkeypatch.setattr(api.config_lib, "gpu_compute_capability", lambda: cc)
+        pallas_flash.flash_attention(*qkv, **kwargs)
+        return chosen.pop()
+
+    return call
+
+
+def hopper_arrays(q_shape=HOPPER_SHAPES["q_shape"], k_shape=HOPPER_SHAPES["k_shape"], dtype=None):
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    return tuple(jnp.asarray(x, dtype) for x in arrays(q_shape, k_shape))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("backend", [None, "mosaic"])
+def test_plain_calls_on_hopper_take_the_mosaic_forward(chosen_forward, is_causal, backend):
+    assert chosen_forward(*hopper_arrays(), is_causal=is_causal, backend=backend) == "mosaic"
+
+
+# (id, flash_attention kwargs or arrays, what the Mosaic forward lacks)
+MOSAIC_GAPS = [
+    ("bias", dict(bias=jnp.zeros((1, 8, 1024, 1024))), "bias"),
+    ("mask", dict(mask=jnp.ones((1, 1, 1024, 1024), bool)), "mask"),
+    ("segments", dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)), "segment ids"),
+    ("lengths", dict(key_value_seq_lengths=jnp.array([5, 9])), "sequence lengths"),
+    ("window", dict(local_window_size=256), "local_window_size"),
+    ("soft-cap", dict(logits_soft_cap=30.0), "logits_soft_cap"),
+    ("float32", dict(dtype=jnp.float32), "dtype float32"),
+    ("q-len", dict(q_shape=(2, 1000, 8, 128)), "q_len=1000"),
+    ("head-dim", dict(q_shape=(2, 1024, 8, 96), k_shape=(2, 1024, 2, 96)), "head_dim=96"),
+]
+
+
+def gap_call(call_kwargs):
+    kwargs = dict(call_kwargs)
+    shape_kwargs = {
+        name: kwargs.pop(name) for name in ("q_shape", "k_shape", "dtype") if name in kwargs
+    }
+    return hopper_arrays(**shape_kwargs), kwargs
+
+
+@pytest.mark.parametrize(
+    "call_kwargs, lacks", [c[1:] for c in MOSAIC_GAPS], ids=[c[0] for c in MOSAIC_GAPS]
+)
+def test_auto_forward_falls_back_to_triton(chosen_forward, call_kwargs, lacks):
+    qkv, kwargs = gap_call(call_kwargs)
+    assert chosen_forward(*qkv, **kwargs) == "triton"
+
+
+@pytest.mark.parametrize(
+    "call_kwargs, lacks", [c[1:] for c in MOSAIC_GAPS], ids=[c[0] for c in MOSAIC_GAPS]
+)
+def test_mosaic_backend_names_what_it_does_not_support(chosen_forward, call_kwargs, lacks):
+    qkv, kwargs = gap_call(call_kwargs)
+    with pytest.raises(NotImplementedError, match=f"backend='mosaic' does not support.*{lacks}"):
+        chosen_forward(*qkv, backend="mosaic", **kwargs)
+
+
+def test_auto_forward_keeps_triton_when_it_should(chosen_forward):
+    # Not Hopper: Ampere runs Triton, Blackwell too (the kernel is sm_90a code).
+    for cc in ((8, 0), (10, 0)):
+        assert chosen_forward(*hopper_arrays(), cc=cc) == "triton"
+    # The user's Triton tiles: they configure the forward too, so they are not ignored.
+    assert chosen_forward(*hopper_arrays(), block_sizes=pallas_flash.BlockSizes()) == "triton"
+    # A grid of 4 CTAs over a 32k key loop: Triton's split-KV forward fills the GPU instead.
+    qkv = hopper_arrays((1, 128, 4, 128), (1, 32768, 4, 128))
+    assert chosen_forward(*qkv) == "triton"
+    assert chosen_forward(*qkv, backend="mosaic") == "mosaic"  # asked for: honoured
+    assert chosen_forward(*hopper_arrays(), backend="triton") == "triton"
+    # H=64 with 512 keys: Triton's forward measured faster; from 1024 keys the Mosaic one.
+    for kv_len, expected in ((512, "triton"), (1024, "mosaic")):
+        qkv = hopper_arrays((4, 1024, 8, 64), (4, kv_len, 8, 64))
+        assert chosen_forward(*qkv) == expected
+
+
+def test_mosaic_backend_needs_hopper(chosen_forward):
+    with pytest.raises(ValueError, match="backend='mosaic' needs a Hopper GPU.*found \\(8, 0\\)"):
+        chosen_forward(*hopper_arrays(), backend="mosaic", cc=(8, 0))
+    with pytest.raises(ValueError, match="backend='mosaic' needs an NVIDIA GPU.*found none"):
+        chosen_forward(*hopper_arrays(), backend="mosaic", cc=None)
+    with pytest.raises(ValueError, match="Mosaic GPU kernels cannot be interpreted"):
+        chosen_forward(*hopper_arrays(), backend="mosaic", interpret=True)

@@ -68,7 +68,10 @@ def triton_calls(lowered) -> dict[str, dict[str, int]]:
     text = re.sub(r'ir = "[^"]*"', "ir = ...", lowered.as_text())  # the serialised Triton IR
     calls = {}
     for config in re.findall(r"mhlo\.backend_config = \{([^}]*)\}", text):
-        name = re.search(r'name = "(\w+)"', config).group(1)
+        name = re.search(r'name = "(\w+)"', config)
+        if name is None:  # not a Triton call (the Mosaic GPU forward's config has no name)
+            continue
+        name = name.group(1)
         ints = re.findall(r"(grid_[xyz]|num_warps|num_stages) = (\d+) : i32", config)
         calls[name] = {key: int(value) for key, value in ints}
     return calls

@@ -1,10 +1,12 @@
 """TFLOP/s against sequence length per implementation, one panel per (head dim, causal, pass).
 
-    python benchmarks/plot.py benchmarks/results/h200.jsonl [--anchors DIR] --out plot.png
+    python benchmarks/plot.py benchmarks/results/h200.jsonl \
+        --anchors benchmarks/results/anchors-h200 --out benchmarks/results/h200.png
 
 Reads the benchmark's JSONL (impl, T, H, causal, pass, tflops) and, with --anchors, the peers
-measured in ../shared/anchors (their rows: kind "attn", impl, S, D, causal, pass_, tflops), which
-come from another run: they are drawn dashed, for orientation only.
+measured by the anchors' scripts (their rows: kind "attn", impl, S, D, causal, pass_, tflops;
+benchmarks/results/anchors-h200 from a device call right after the grid's, or
+../shared/anchors): another process, so they are drawn dashed.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def plot(rows, out):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("results", nargs="+")
-    parser.add_argument("--anchors", help="directory of the anchors' JSONL (another run)")
+    parser.add_argument("--anchors", help="directory of the anchors' JSONL")
     parser.add_argument("--out", default="benchmarks/results/h200.png")
     args = parser.parse_args()
     rows = load_ours(args.results)

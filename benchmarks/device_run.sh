@@ -4,6 +4,7 @@
 #   masks  python -m pallas_flash.bench --suite masks
 #   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
+#   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
 #   train  benchmarks/device_train.sh (issue 4's end-to-end table)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
@@ -43,6 +44,10 @@ for stage in ${@:-tests masks grid}; do
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py $exp --out $OUT/$exp.jsonl \
         > $OUT/$exp.log 2>&1
       grep -c '"ms"' $OUT/$exp.jsonl ;;
+    mosaic)
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py mosaic-tiles \
+        --out $OUT/mosaic-tiles.jsonl ${MOSAIC_ARGS:-} > $OUT/mosaic-tiles.log 2>&1
+      grep -c '"ms"' $OUT/mosaic-tiles.jsonl ;;
     train)
       bash benchmarks/device_train.sh ;;
     tune)

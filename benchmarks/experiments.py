@@ -6,6 +6,9 @@ python benchmarks/experiments.py tiles-masked --out $OUT/tiles.jsonl
 python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
     B=1, N=8 at 32k (the anchors' small-grid point) and short query blocks over long keys
     (decode, chunked prefill) with kv_splits 1 (off) and 0 (auto), beside cuDNN.
+python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-dims 64 --seqs 512]
+    the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
+    (forward only, FA2-paper shapes).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash import bench, config
+from pallas_flash import bench, config, mosaic
 
 # (block_q, block_kv, num_warps, num_stages) of the forward kernel.
 MASKED_FORWARD_TILES = [
@@ -95,14 +98,60 @@ def split_kv(out):
                 _record(out, row)
 
 
+# (block_q, block_kv, num_stages) of the Mosaic forward, per head dim.
+MOSAIC_TILES = {
+    64: [(64, 128, 2), (128, 128, 2), (128, 64, 2), (64, 64, 2), (64, 128, 3)],
+    128: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (64, 64, 4), (128, 64, 2)],
+    256: [(64, 64, 2), (64, 64, 3)],
+}
+
+
+def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
+    for h in head_dims:
+        n = 2048 // h
+        for t in seqs:
+            b = 16384 // t
+            args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+            q, k = args[0], args[1]
+            for causal in (False, True):
+                fns = {
+                    impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd")
+                    for impl in ("pallas_flash_triton", "cudnn")
+                }
+                for bq, bkv, stages in MOSAIC_TILES[h]:
+                    tiles = mosaic.ForwardTiles(block_q=bq, block_kv=bkv, num_stages=stages)
+                    if mosaic.supports(q.shape, k.shape, q.dtype, is_causal=causal, tiles=tiles):
+                        continue
+                    forward = functools.partial(
+                        mosaic.flash_forward, scale=h**-0.5, is_causal=causal, tiles=tiles
+                    )
+                    fns[f"mosaic_{bq}x{bkv}s{stages}"] = jax.jit(
+                        lambda q, k, v, do, forward=forward: forward(q, k, v)[0]
+                    )
+                flops = bench.attention_flops(b, t, t, n, h, causal, "fwd")
+                for impl, fn in fns.items():
+                    row = dict(exp="mosaic-tiles", impl=impl, B=b, T=t, N=n, H=h, causal=causal)
+                    try:
+                        row["ms"] = round(bench.median_ms(fn, args), 4)
+                        row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    _record(out, row)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("experiment", choices=["tiles-masked", "split-kv"])
+    parser.add_argument("experiment", choices=["tiles-masked", "split-kv", "mosaic-tiles"])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 16384])
     args = parser.parse_args()
     print("device:", jax.devices()[0].device_kind, flush=True)
     with open(args.out, "a") as out:
-        {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
+        if args.experiment == "mosaic-tiles":
+            mosaic_tiles(out, args.head_dims, args.seqs)
+        else:
+            {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,19 @@ class KernelConfig:
     # soft cap; the API checks `pallas_flash.mosaic.supports` before choosing it).
     forward: str = "triton"
 
+    def __post_init__(self):
+        # The Mosaic forward takes only q, k, v, scale and is_causal: anything else would be
+        # silently dropped, so it is refused here whoever builds the config.
+        if self.forward not in ("triton", "mosaic"):
+            raise ValueError(f"KernelConfig.forward={self.forward!r} must be 'triton' or 'mosaic'")
+        if self.forward == "mosaic" and (
+            self.spec.has_arrays or self.spec.window is not None or self.soft_cap is not None
+        ):
+            raise ValueError(
+                "KernelConfig.forward='mosaic' supports no mask arrays, window or soft cap; "
+                f"got {self.spec} and soft_cap={self.soft_cap}"
+            )
+
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
         return dict(
@@ -50,6 +63,8 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 
 def _forward(q, k, v, bias, arrays, config: KernelConfig):
     if config.forward == "mosaic":
+        if bias is not None:
+            raise ValueError("KernelConfig.forward='mosaic' supports no bias")
         return mosaic_forward(q, k, v, scale=config.scale, is_causal=config.spec.is_causal)
     return flash_forward(q, k, v, bias, arrays, **config.kwargs())
 

@@ -90,12 +90,15 @@ def flash_attention(
         support: bias, mask, segment ids, lengths, window, soft cap, float32, head dims other
         than 64/128/256, T not a multiple of 128 or S of the key tile) or "xla" (plain jnp,
         materialises the logits). None picks, on a GPU of compute capability >= 8.0: the
-        Mosaic forward on Hopper when it supports the call, its grid fills the GPU and
-        block_sizes is None, else "triton"; "triton" when `interpret=True`; "xla" elsewhere.
+        Mosaic forward on Hopper when it supports the call, its grid fills the GPU,
+        block_sizes is None and (H=64) there are at least 1024 keys, else "triton"; "triton"
+        when `interpret=True`; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
-        with these tiles.
+        with these tiles; with backend="mosaic" they configure the backward only, and the
+        forward fields (block_q, block_kv, num_warps, num_stages, kv_splits) must keep their
+        defaults (NotImplementedError otherwise).
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
 
@@ -119,7 +122,7 @@ def flash_attention(
         ("key_value_seq_lengths", key_value_seq_lengths),
     ):
         _check_lengths(name, lengths, batch, unbatched)
-    user_block_sizes = block_sizes is not None
+    user_block_sizes = block_sizes  # None unless the caller chose tiles
     backend = _choose_backend(backend, interpret)
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
@@ -308,12 +311,28 @@ def _mosaic_fills_gpu(query, key) -> bool:
     return choose_kv_splits(0, ctas, key.shape[1] // tiles.block_kv, interpret=False) == 1
 
 
+def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:
+    """The Triton forward's fields of `block_sizes` that differ from their defaults: the Mosaic
+    forward has its own tiles, so these would be ignored."""
+    default = BlockSizes()
+    changed = [
+        f"{name}={getattr(block_sizes, name)}"
+        for name in ("block_q", "block_kv", "num_warps", "num_stages", "kv_splits")
+        if getattr(block_sizes, name) != getattr(default, name)
+    ]
+    if changed:
+        return f"block_sizes sets the Triton forward's {', '.join(changed)}"
+    return None
+
+
 def _choose_forward(backend, query, key, bias, spec, soft_cap, *, user_block_sizes) -> str:
     """The forward kernel of a Pallas call: "mosaic" or "triton"."""
     if backend == "triton":
         return "triton"
     gap = mosaic_forward_gap(query, key, bias, spec, soft_cap)
     if backend == "mosaic":
+        if gap is None and user_block_sizes is not None:
+            gap = _forward_block_sizes_gap(user_block_sizes)
         if gap is not None:
             raise NotImplementedError(
                 f"backend='mosaic' does not support this call ({gap}); backend='triton' or None "
@@ -324,7 +343,7 @@ def _choose_forward(backend, query, key, bias, spec, soft_cap, *, user_block_siz
     if (
         gap is None
         and hopper
-        and not user_block_sizes
+        and user_block_sizes is None
         and key.shape[1] >= _MOSAIC_MIN_KV_LEN.get(query.shape[-1], 0)
         and _mosaic_fills_gpu(query, key)
     ):

@@ -326,11 +326,13 @@ MOSAIC_GAPS = [
     ("bias", dict(bias=jnp.zeros((1, 8, 1024, 1024))), "bias"),
     ("mask", dict(mask=jnp.ones((1, 1, 1024, 1024), bool)), "mask"),
     ("segments", dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)), "segment ids"),
-    ("lengths", dict(key_value_seq_lengths=jnp.array([5, 9])), "sequence lengths"),
+    ("kv-lengths", dict(key_value_seq_lengths=jnp.array([5, 9])), "sequence lengths"),
+    ("q-lengths", dict(query_seq_lengths=jnp.array([5, 9])), "sequence lengths"),
     ("window", dict(local_window_size=256), "local_window_size"),
     ("soft-cap", dict(logits_soft_cap=30.0), "logits_soft_cap"),
     ("float32", dict(dtype=jnp.float32), "dtype float32"),
     ("q-len", dict(q_shape=(2, 1000, 8, 128)), "q_len=1000"),
+    ("kv-len", dict(k_shape=(2, 1000, 2, 128)), "kv_len=1000"),
     ("head-dim", dict(q_shape=(2, 1024, 8, 96), k_shape=(2, 1024, 2, 96)), "head_dim=96"),
 ]
 
@@ -375,6 +377,30 @@ def test_auto_forward_keeps_triton_when_it_should(chosen_forward):
     for kv_len, expected in ((512, "triton"), (1024, "mosaic")):
         qkv = hopper_arrays((4, 1024, 8, 64), (4, kv_len, 8, 64))
         assert chosen_forward(*qkv) == expected
+
+
+def test_unbatched_inputs_take_the_mosaic_forward(chosen_forward):
+    assert chosen_forward(*hopper_arrays((2048, 16, 128), (2048, 4, 128)), is_causal=True) == (
+        "mosaic"
+    )
+
+
+def test_causal_on_miscompiling_cuda_stays_on_triton(chosen_forward, monkeypatch):
+    monkeypatch.setattr(api.mosaic_forward, "cuda_runtime_version", lambda: 12085)
+    assert chosen_forward(*hopper_arrays(), is_causal=True) == "triton"
+    assert chosen_forward(*hopper_arrays(), is_causal=False) == "mosaic"
+    with pytest.raises(NotImplementedError, match="is_causal=True on CUDA runtime 12085"):
+        chosen_forward(*hopper_arrays(), is_causal=True, backend="mosaic")
+
+
+def test_mosaic_backend_takes_block_sizes_for_the_backward_only(chosen_forward):
+    backward_tiles = pallas_flash.BlockSizes(block_q_dkv=64, num_warps_dq=8)
+    assert chosen_forward(*hopper_arrays(), backend="mosaic", block_sizes=backward_tiles) == (
+        "mosaic"
+    )
+    forward_tiles = pallas_flash.BlockSizes(block_q=64, kv_splits=2)
+    with pytest.raises(NotImplementedError, match="Triton forward's block_q=64, kv_splits=2"):
+        chosen_forward(*hopper_arrays(), backend="mosaic", block_sizes=forward_tiles)
 
 
 def test_mosaic_backend_needs_hopper(chosen_forward):

@@ -8,6 +8,7 @@ the GPU code generation (LLVM, ptxas) happens only when XLA compiles for a real 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -20,6 +21,8 @@ from conftest import (
     assert_bitwise_equal,
     assert_within_tolerance,
     attention_f64,
+    attention_grads_f64,
+    attention_in_dtype,
     oracle_outputs_and_grads,
     outputs_and_grads,
     plain_fn,
@@ -29,8 +32,11 @@ from test_lowering import lower_for_h200, triton_calls
 
 import pallas_flash
 from pallas_flash import config as config_lib
+from pallas_flash._vjp import KernelConfig
 from pallas_flash.config import gpu_compute_capability
+from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import ForwardTiles, default_tiles, flash_forward, supports
+from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.forward import SMEM_BYTES, _kv_tile_counts
 
 
@@ -95,20 +101,33 @@ def test_lowers_with_other_tiles(tiles):
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
 
 
+@pytest.mark.parametrize("block_q, block_kv", [(64, 128), (64, 64), (128, 64), (128, 128)])
 @pytest.mark.parametrize("q_len, kv_len", [(256, 256), (256, 512), (512, 256), (1024, 128)])
-def test_causal_tile_counts_match_the_mask(q_len, kv_len):
+def test_causal_tile_counts_match_the_mask(q_len, kv_len, block_q, block_kv):
     """Per consumer row block: `visible` tiles are exactly those holding a key some row sees,
-    and the first `unmasked` of them are seen whole by every row (no mask needed)."""
-    block_q, block_kv = 64, 128
+    and the first `unmasked` of them are seen whole by every row (no mask needed). Per CTA: the
+    producer's count is the last consumer's, at least every other consumer's (the drain steps
+    and the schedule-barrier pairing rely on it), and at least 1 (no consumer is idle)."""
     visible_keys = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+
+    def counts(q_start, rows):
+        return tuple(
+            int(x)
+            for x in _kv_tile_counts(
+                jnp.int32(q_start), rows, kv_len=kv_len, block_kv=block_kv, is_causal=True
+            )
+        )
+
     for q_start in range(0, q_len, block_q):
         rows = visible_keys[q_start : q_start + block_q].reshape(block_q, -1, block_kv)
         seen, whole = rows.any(axis=(0, 2)), rows.all(axis=(0, 2))
-        visible, unmasked = _kv_tile_counts(
-            jnp.int32(q_start), block_q, kv_len=kv_len, block_kv=block_kv, is_causal=True
-        )
-        assert int(visible) == seen.sum() and seen[: int(visible)].all()
-        assert int(unmasked) == whole.sum() and whole[: int(unmasked)].all()
+        visible, unmasked = counts(q_start, block_q)
+        assert visible == seen.sum() and seen[:visible].all()
+        assert unmasked == whole.sum() and whole[:unmasked].all()
+    for cta_start in range(0, q_len, 2 * block_q):
+        cta_tiles, _ = counts(cta_start, 2 * block_q)
+        first, last = counts(cta_start, block_q)[0], counts(cta_start + block_q, block_q)[0]
+        assert cta_tiles == last >= first >= 1
 
 
 # -- supports / validation ------------------------------------------------------------------------
@@ -143,6 +162,39 @@ def test_supports_rejects_with_reason(q_shape, k_shape, dtype, reason):
     for is_causal in (False, True):
         got = supports(q_shape, k_shape, dtype, is_causal=is_causal)
         assert got is not None and reason in got, got
+
+
+def test_supports_rejects_tiles_over_the_register_budget():
+    wide = ForwardTiles(block_q=128, block_kv=128)
+    got = supports((1, 256, 2, 128), (1, 256, 2, 128), BF16, is_causal=False, tiles=wide)
+    assert got is not None and "256 registers per thread" in got
+    for head_dim, tiles in ((64, wide), (128, ForwardTiles(block_q=128, block_kv=64))):
+        shapes = ((1, 256, 2, head_dim), (1, 256, 2, head_dim))
+        assert supports(*shapes, BF16, is_causal=False, tiles=tiles) is None
+
+
+def test_supports_refuses_causal_on_miscompiling_cuda(monkeypatch):
+    shapes = ((1, 256, 2, 128), (1, 256, 2, 128), BF16)
+    for version, refused in ((12080, True), (12090, True), (12091, False), (13000, False)):
+        monkeypatch.setattr(mosaic_forward_module, "cuda_runtime_version", lambda v=version: v)
+        got = supports(*shapes, is_causal=True)
+        assert (got is not None and f"CUDA runtime {version}" in got) == refused, got
+        assert supports(*shapes, is_causal=False) is None
+
+
+def test_kernel_config_refuses_what_the_mosaic_forward_would_drop():
+    spec = MaskSpec(q_len=256, kv_len=256, is_causal=True)
+    common = dict(scale=0.1, block_sizes=pallas_flash.BlockSizes(), interpret=False)
+    KernelConfig(spec=spec, forward="mosaic", **common)
+    for bad in (
+        dict(spec=dataclasses.replace(spec, window=(8, 0))),
+        dict(spec=dataclasses.replace(spec, has_segments=True)),
+        dict(spec=spec, soft_cap=30.0),
+    ):
+        with pytest.raises(ValueError, match="forward='mosaic' supports no"):
+            KernelConfig(forward="mosaic", **{**common, **bad})
+    with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
+        KernelConfig(spec=spec, forward="cuda", **common)
 
 
 def test_supports_rejects_tiles_over_shared_memory():
@@ -198,6 +250,9 @@ GPU_PROBLEMS = [
     Problem(2, 512, 256, 4, 2, 128, True, "bf16"),
     Problem(2, 512, 256, 4, 2, 256, True, "f16"),
     Problem(2, 1024, 1024, 4, 1, 128, True, "bf16"),
+    # One KV tile: the producer's ring fill stops at the tile count.
+    Problem(2, 128, 128, 4, 2, 64, True, "bf16"),
+    Problem(2, 128, 64, 4, 2, 256, True, "bf16"),
 ]
 
 
@@ -296,6 +351,25 @@ def test_default_call_on_hopper_matches_oracle(p):
     results = run(q, k, v, d_out, d_lse)
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+@pytest.mark.gpu
+def test_default_call_with_a_large_scale_matches_oracle():
+    """scale=2 (qk_scale ~ 2.9: masked logits times it leave float32's range, exp2 gives 0)
+    reaches both the Mosaic forward and the Triton backward."""
+    needs_hopper()
+    p, scale = Problem(2, 256, 512, 4, 2, 128, True, "bf16"), 2.0
+    (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
+    run = jax.jit(functools.partial(outputs_and_grads, public_fn(p, scale=scale)))
+    results = run(q, k, v, d_out, d_lse)
+    plain = functools.partial(attention_in_dtype, scale=scale, is_causal=True)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(q, k, v, d_out, d_lse)
+    oracles = (
+        *attention_f64(q64, k64, v64, scale=scale, is_causal=True),
+        *attention_grads_f64(q64, k64, v64, d_out64, d_lse64, scale=scale, is_causal=True),
+    )
+    assert all(bool(jnp.isfinite(x).all()) for x in results)
+    assert_within_tolerance(results, baselines, oracles, floor=p.floor)
 
 
 @pytest.mark.gpu

@@ -83,15 +83,29 @@ def default_tiles(head_dim: int) -> ForwardTiles:
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
 
 
+# Per consumer thread, the f32 accumulator [block_q, H] and logits [block_q, block_kv] take
+# block_q * (H + block_kv) / 128 registers; beyond this the 232-register budget spills.
+MAX_TILE_REGISTERS = 192
+# CUDA runtimes whose ptxas miscompiles the causal mask of this kernel's shape (jax's own
+# Hopper attention refuses causal on them too: jax/experimental/pallas/ops/gpu/attention_mgpu.py).
+_CAUSAL_MISCOMPILING_CUDA = range(12080, 12091)
+
+
+def cuda_runtime_version() -> int | None:
+    """The CUDA runtime version as an int (12080 = 12.8.0), or None without CUDA."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return None
+    return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
+
+
 def supports(
     q_shape, k_shape, dtype, *, is_causal: bool, tiles: ForwardTiles | None = None
 ) -> str | None:
-    """None if the kernel runs on these shapes, else why not (the caller falls back to Triton).
-
-    is_causal is accepted for a uniform backend interface; both settings have the same shape
-    rules here (top-left causal needs no extra alignment).
-    """
-    del is_causal
+    """None if the kernel runs on these shapes, else why not (the caller falls back to Triton)."""
+    if is_causal and (version := cuda_runtime_version()) in _CAUSAL_MISCOMPILING_CUDA:
+        return f"is_causal=True on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles it)"
     if len(q_shape) != 4 or len(k_shape) != 4:
         return f"q {tuple(q_shape)} and k {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
     batch, q_len, num_heads, head_dim = q_shape
@@ -111,6 +125,12 @@ def supports(
         return f"{kv_len=} not a positive multiple of block_kv={tiles.block_kv}"
     if tiles.block_kv > 256:
         return f"block_kv={tiles.block_kv} exceeds the wgmma N limit of 256"
+    registers = tiles.block_q * (head_dim + tiles.block_kv) // 128
+    if registers > MAX_TILE_REGISTERS:
+        return (
+            f"{tiles} needs {registers} registers per thread for the accumulator and logits at "
+            f"{head_dim=}, over {MAX_TILE_REGISTERS} (it would spill)"
+        )
     smem = tiles.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
     if smem > SMEM_BYTES:
         return f"{tiles} needs {smem} bytes of shared memory at {head_dim=}, over {SMEM_BYTES}"

@@ -262,6 +262,15 @@ def outputs_and_grads(attn, q, k, v, d_out, d_lse):
     return (out, lse, *vjp((d_out.astype(out.dtype), d_lse.astype(lse.dtype))))
 
 
+def vmapped_outputs_and_grads(attn, args, num_slices: int):
+    """`outputs_and_grads` under jax.vmap over `num_slices` slices of the batch of `args`
+    (q, k, v, d_out, d_lse), with the results put back as one batch (to compare with the
+    oracle of the whole batch)."""
+    split = [x.reshape(num_slices, -1, *x.shape[1:]) for x in args]
+    mapped = jax.jit(jax.vmap(functools.partial(outputs_and_grads, attn)))(*split)
+    return [x.reshape(-1, *x.shape[2:]) for x in mapped]
+
+
 def flash_fn(p: Problem, mode: str, **overrides):
     """q, k, v -> (out, lse) through `pallas_flash.flash_attention` for problem `p`."""
     kwargs = dict(

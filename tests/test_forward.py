@@ -23,6 +23,7 @@ from conftest import (
     plain_fn,
     random_inputs,
     tolerance_violations,
+    vmapped_outputs_and_grads,
 )
 
 import pallas_flash
@@ -125,14 +126,9 @@ def test_vmap_over_a_leading_axis(mode):
     # The oracle sees the slices as one batch of num_slices * B.
     p = dataclasses.replace(SMALL, batch=num_slices * SMALL.batch)
     args, f64 = random_inputs(p)
-
-    def run(attn):
-        split = [x.reshape(num_slices, -1, *x.shape[1:]) for x in args]
-        mapped = jax.jit(jax.vmap(functools.partial(outputs_and_grads, attn)))(*split)
-        return [x.reshape(-1, *x.shape[2:]) for x in mapped]
-
-    oracles = oracle_outputs_and_grads(p, *f64)
-    assert_within_tolerance(run(flash_fn(p, mode)), run(plain_fn(p)), oracles, floor=p.floor)
+    attns = (flash_fn(p, mode), plain_fn(p))
+    results, baselines = (vmapped_outputs_and_grads(attn, args, num_slices) for attn in attns)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 
 
 NUM_LAYERS = 3

@@ -27,6 +27,7 @@ from conftest import (
     outputs_and_grads,
     plain_fn,
     random_inputs,
+    vmapped_outputs_and_grads,
 )
 from test_lowering import lower_for_h200, triton_calls
 
@@ -380,14 +381,10 @@ def test_vmap_over_a_leading_axis():
     num_slices = 3
     p = Problem(num_slices * 2, 256, 256, 4, 2, 128, True, "bf16")
     args, f64 = random_inputs(p)
-
-    def run(attn):
-        split = [x.reshape(num_slices, -1, *x.shape[1:]) for x in args]
-        mapped = jax.jit(jax.vmap(functools.partial(outputs_and_grads, attn)))(*split)
-        return [x.reshape(-1, *x.shape[2:]) for x in mapped]
-
-    oracles = oracle_outputs_and_grads(p, *f64)
-    assert_within_tolerance(run(public_fn(p)), run(plain_fn(p)), oracles, floor=p.floor)
+    results, baselines = (
+        vmapped_outputs_and_grads(attn, args, num_slices) for attn in (public_fn(p), plain_fn(p))
+    )
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 
 
 def test_vmap_lowers_to_one_mosaic_call(monkeypatch):

@@ -29,16 +29,18 @@ from conftest import (
     random_inputs,
     vmapped_outputs_and_grads,
 )
+from mosaic_interpret import interpret_mosaic
 from test_lowering import lower_for_h200, triton_calls
 
 import pallas_flash
 from pallas_flash import config as config_lib
 from pallas_flash._vjp import KernelConfig
 from pallas_flash.config import gpu_compute_capability
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import ForwardTiles, default_tiles, flash_forward, supports
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.forward import SMEM_BYTES, _kv_tile_counts
+from pallas_flash.triton import backward as triton_backward
 
 
 def abstract_qkv(p: Problem):
@@ -233,6 +235,62 @@ def test_flash_forward_raises_before_tracing():
         flash_forward(q, k, k, scale=-0.1, is_causal=False)
     with pytest.raises(ValueError, match="must share shape and q's dtype"):
         flash_forward(q, k, k.astype(jnp.float16), scale=0.1, is_causal=False)
+
+
+# -- numerics in the Mosaic GPU interpreter (CPU) --------------------------------------------------
+
+# Small problems through every code path: head dims, causal and not, MHA / GQA / MQA, T < S and
+# T > S, one KV tile, drain steps (H=256: 64-key tiles), other tiles (128-row consumers, 4 stages).
+INTERPRET_PROBLEMS = [
+    (Problem(1, 256, 256, 2, 1, 64, True, "bf16"), None),
+    (Problem(1, 256, 256, 2, 2, 64, False, "f16"), None),
+    (Problem(1, 128, 512, 2, 1, 128, True, "bf16"), None),
+    (Problem(1, 512, 256, 2, 2, 128, True, "bf16"), None),
+    (Problem(1, 128, 128, 2, 1, 128, False, "bf16"), None),
+    (Problem(1, 256, 128, 2, 1, 256, True, "f16"), None),
+    (Problem(1, 128, 64, 1, 1, 256, True, "bf16"), None),
+    (Problem(1, 512, 512, 2, 1, 64, True, "bf16"), ForwardTiles(block_q=128, block_kv=128)),
+    (Problem(1, 512, 1024, 1, 1, 64, False, "bf16"), ForwardTiles(block_q=128, block_kv=128)),
+    (Problem(1, 256, 512, 2, 1, 128, True, "bf16"), ForwardTiles(block_kv=64, num_stages=4)),
+]
+
+
+@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+def test_matches_oracle_interpreted(p, tiles):
+    """The kernel's logic (tiles, masks, online softmax, barrier protocol, with the race detector
+    on) against the float64 oracle; registers, layouts and ptxas are the GPU tests' part."""
+    (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
+    with interpret_mosaic():
+        out, lse = jax.jit(forward_fn(p, tiles))(q, k, v)
+        out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    baseline = jax.jit(plain_fn(p))(q, k, v)
+    oracle = attention_f64(q64, k64, v64, scale=p.scale, is_causal=p.is_causal)
+    assert_within_tolerance((out, lse), baseline, oracle, floor=p.floor, names=("out", "lse"))
+
+
+def test_mosaic_forward_feeds_the_triton_backward_interpreted():
+    """The Triton backward (Pallas interpreter) on the Mosaic forward's out and lse (Mosaic
+    interpreter): out, lse, dq, dk, dv against the float64 oracle. (One interpreter at a time:
+    the Mosaic one takes over every pallas_call in its scope, so the two run apart.)"""
+    p = Problem(2, 256, 512, 4, 2, 64, True, "bf16")
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        out, lse = jax.jit(forward_fn(p))(q, k, v)
+        out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
+    spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True)
+    grads = jax.jit(
+        functools.partial(
+            triton_backward.flash_backward,
+            spec=spec,
+            scale=p.scale,
+            soft_cap=None,
+            block_sizes=pallas_flash.BlockSizes(),
+            interpret=True,
+        )
+    )(q, k, v, None, MaskArrays(), out, lse, d_out, d_lse)[:3]
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    oracles = oracle_outputs_and_grads(p, *f64)
+    assert_within_tolerance((out, lse, *grads), baselines, oracles, floor=p.floor)
 
 
 # -- numerics on a Hopper GPU ---------------------------------------------------------------------

@@ -1,0 +1,131 @@
+"""Run the Pallas Mosaic GPU kernels on a CPU: jax's Mosaic GPU interpreter, with three shims.
+
+jax 0.11.2 ships an interpreter for Pallas GPU kernels (`force_gpu_interpret_mode`): it runs each
+warpgroup as a thread over simulated GMEM/SMEM, barriers and TMA copies, with a happens-before
+race detector. It lacks what attention kernels need most, so `interpret_mosaic()` patches, for
+its duration only:
+
+- wgmma: `pl.run_scoped` / `pl.run_state` over WGMMA accumulators and `plgpu.wgmma` become plain
+  float32 values and `jnp.dot`s that read A and B from SMEM at their place in program order
+  (race-checked). Faithful for our kernels, which wait for every wgmma before the next barrier
+  arrive; wgmma's layouts and asynchrony are not simulated.
+- TMA write checks against the issuing thread's generic-proxy clock: the shimmed wgmma reads
+  are generic-proxy reads, where the hardware's are async-proxy ones; the barrier
+  happens-before relations are kept.
+- Barrier deallocation with phases unobserved by some thread is allowed (the interpreter's rule,
+  not the hardware's): a producer does not wait for the free phases of the last ring slots.
+
+What this checks: the kernels' tiling, masking, online softmax, barrier protocol (a wrong
+arrival count or a missing wait deadlocks or races here too) and outputs against the float64
+oracle. What it cannot: register and shared-memory budgets, wgmma layouts, ptxas -- those need
+the GPU (tests marked gpu) or the lowering tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core
+from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, shared_memory
+from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+    get_races,
+    reset_gpu_interpret_mode_state,
+)
+from jax._src.pallas.mosaic_gpu.interpret.params import (
+    InterpretGPUParams,
+    force_gpu_interpret_mode,
+)
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+class _Accumulator:
+    """A WGMMA accumulator as a value: `acc[...]` reads it, `_wgmma` adds to it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __getitem__(self, index):
+        return self.value
+
+
+def _wgmma(acc, a, b, **kwargs):
+    if not _is_value(a):  # A from SMEM; from registers it is a value already
+        a = a[...]
+    acc.value = acc.value + jnp.dot(a, b[...], preferred_element_type=jnp.float32)
+
+
+def _is_value(x) -> bool:
+    """An array value, as opposed to an SMEM ref (its aval wraps an inner aval) or a view of one
+    (a transformed ref)."""
+    return not hasattr(x, "transforms") and not hasattr(getattr(x, "aval", None), "inner_aval")
+
+
+def _patches():
+    real_run_scoped = pl.run_scoped
+
+    def run_scoped(body, *types, **kwargs):
+        if (
+            types
+            and not kwargs
+            and all(isinstance(t, mosaic_gpu_core.WGMMAAccumulatorRef) for t in types)
+        ):
+            return body(*[_Accumulator(jnp.zeros(t.shape, t.dtype)) for t in types])
+        return real_run_scoped(body, *types, **kwargs)
+
+    def run_state(body):
+        def run(init):
+            is_acc = lambda x: isinstance(x, mosaic_gpu_core.WGMMAAccumulatorRef)  # noqa: E731
+            leaves, tree = jax.tree.flatten(init, is_leaf=is_acc)
+            accs = [_Accumulator(leaf._init) for leaf in leaves]
+            body(jax.tree.unflatten(tree, accs))
+            return jax.tree.unflatten(tree, [acc.value for acc in accs])
+
+        return run
+
+    def post_read(self, tma_thread_id, memory):
+        if memory.detect_races:
+            self.clock.inc(tma_thread_id)
+            gpu_callbacks.get_races().check_write(
+                self.thread,
+                self.clock.generic_clock.copy(),
+                self.dst_allocation_key,
+                self.dst_access,
+                source_info=self.source_info,
+            )
+
+    def deallocate(self):
+        with self.cv:
+            self.ref_count -= 1
+            if self.ref_count == 0 and self.arrivals_count != 0:
+                raise ValueError(f"Barrier deallocated with {self.arrivals_count} arrivals pending")
+
+    return [
+        (pl, "run_scoped", run_scoped),
+        (pl, "run_state", run_state),
+        (plgpu, "wgmma", _wgmma),
+        (gpu_callbacks.AsyncCopyGmemToSmemTask, "post_read", post_read),
+        (shared_memory.Barrier, "deallocate", deallocate),
+    ]
+
+
+@contextlib.contextmanager
+def interpret_mosaic(*, warpgroups: int = 3):
+    """Within the block, Mosaic GPU kernels run in the (patched) interpreter with the race
+    detector on; on exit, asserts that no race was found."""
+    saved = []
+    try:
+        for owner, name, replacement in _patches():
+            saved.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, replacement)
+        reset_gpu_interpret_mode_state()
+        params = InterpretGPUParams(detect_races=True, num_cores_or_threads=warpgroups)
+        with force_gpu_interpret_mode(params):
+            yield
+        assert not get_races().races_found, "the race detector found a data race"
+    finally:
+        for owner, name, original in reversed(saved):
+            setattr(owner, name, original)
+        reset_gpu_interpret_mode_state()

@@ -15,6 +15,10 @@ its duration only:
 - Barrier deallocation with phases unobserved by some thread is allowed (the interpreter's rule,
   not the hardware's): a producer does not wait for the free phases of the last ring slots.
 
+A barrier wait that sees no arrival for `deadlock_s` seconds raises (the interpreter would
+wait forever): a protocol bug, such as a consumer skipping the steps it drains, fails the test
+instead of hanging it.
+
 What this checks: the kernels' tiling, masking, online softmax, barrier protocol (a wrong
 arrival count or a missing wait deadlocks or races here too) and outputs against the float64
 oracle. What it cannot: register and shared-memory budgets, wgmma layouts, ptxas -- those need
@@ -24,6 +28,7 @@ the GPU (tests marked gpu) or the lowering tests.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +68,32 @@ def _is_value(x) -> bool:
     return not hasattr(x, "transforms") and not hasattr(getattr(x, "aval", None), "inner_aval")
 
 
-def _patches():
+class _DeadlineCondition(threading.Condition):
+    """A barrier's condition variable whose unbounded waits give up after `deadline_s` seconds
+    without a notification (the interpreter then fails the kernel and wakes every waiter)."""
+
+    def __init__(self, deadline_s: float):
+        super().__init__()
+        self.deadline_s = deadline_s
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            return super().wait(timeout)
+        if not super().wait(self.deadline_s):
+            raise RuntimeError(
+                f"a barrier wait saw no arrival for {self.deadline_s} s: deadlock "
+                "(a thread waits for a phase that no thread will complete)"
+            )
+        return True
+
+
+def _patches(deadlock_s: float):
     real_run_scoped = pl.run_scoped
+    real_barrier_init = shared_memory.Barrier.__init__
+
+    def barrier_init(self, *args, **kwargs):
+        real_barrier_init(self, *args, **kwargs)
+        self.cv = _DeadlineCondition(deadlock_s)
 
     def run_scoped(body, *types, **kwargs):
         if (
@@ -108,16 +137,18 @@ def _patches():
         (plgpu, "wgmma", _wgmma),
         (gpu_callbacks.AsyncCopyGmemToSmemTask, "post_read", post_read),
         (shared_memory.Barrier, "deallocate", deallocate),
+        (shared_memory.Barrier, "__init__", barrier_init),
     ]
 
 
 @contextlib.contextmanager
-def interpret_mosaic(*, warpgroups: int = 3):
+def interpret_mosaic(*, warpgroups: int = 3, deadlock_s: float = 30.0):
     """Within the block, Mosaic GPU kernels run in the (patched) interpreter with the race
-    detector on; on exit, asserts that no race was found."""
+    detector on; on exit, asserts that no race was found. A barrier wait without an arrival
+    for `deadlock_s` seconds raises."""
     saved = []
     try:
-        for owner, name, replacement in _patches():
+        for owner, name, replacement in _patches(deadlock_s):
             saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, replacement)
         reset_gpu_interpret_mode_state()

@@ -27,21 +27,19 @@ class KernelConfig:
     soft_cap: float | None = None
     block_sizes: BlockSizes
     interpret: bool
-    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias, mask arrays, window or
-    # soft cap; the API checks `pallas_flash.mosaic.supports` before choosing it).
+    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or mask arrays; the API
+    # checks `pallas_flash.mosaic.supports` before choosing it).
     forward: str = "triton"
 
     def __post_init__(self):
-        # The Mosaic forward takes only q, k, v, scale and is_causal: anything else would be
-        # silently dropped, so it is refused here whoever builds the config.
+        # The Mosaic forward takes q, k, v, scale, is_causal, window and soft cap: mask arrays
+        # would be silently dropped, so they are refused here whoever builds the config.
         if self.forward not in ("triton", "mosaic"):
             raise ValueError(f"KernelConfig.forward={self.forward!r} must be 'triton' or 'mosaic'")
-        if self.forward == "mosaic" and (
-            self.spec.has_arrays or self.spec.window is not None or self.soft_cap is not None
-        ):
+        if self.forward == "mosaic" and self.spec.has_arrays:
             raise ValueError(
-                "KernelConfig.forward='mosaic' supports no mask arrays, window or soft cap; "
-                f"got {self.spec} and soft_cap={self.soft_cap}"
+                f"KernelConfig.forward='mosaic' supports no mask arrays (segment ids, sequence "
+                f"lengths, dense mask); got {self.spec}"
             )
 
     def kwargs(self):
@@ -65,7 +63,15 @@ def _forward(q, k, v, bias, arrays, config: KernelConfig):
     if config.forward == "mosaic":
         if bias is not None:
             raise ValueError("KernelConfig.forward='mosaic' supports no bias")
-        return mosaic_forward(q, k, v, scale=config.scale, is_causal=config.spec.is_causal)
+        return mosaic_forward(
+            q,
+            k,
+            v,
+            scale=config.scale,
+            is_causal=config.spec.is_causal,
+            window=config.spec.window,
+            soft_cap=config.soft_cap,
+        )
     return flash_forward(q, k, v, bias, arrays, **config.kwargs())
 
 

@@ -292,14 +292,28 @@ def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None
             ("bias", bias is not None),
             ("mask", spec.mask_shape is not None),
             ("segment ids or sequence lengths", spec.has_segments),
-            ("local_window_size", spec.window is not None),
-            ("logits_soft_cap", soft_cap is not None),
+            # The kernel takes these; calls use it for them once they pass on a GPU.
+            (
+                "local_window_size",
+                spec.window is not None and not mosaic_forward.VERIFIED_ON_GPU["window"],
+            ),
+            (
+                "logits_soft_cap",
+                soft_cap is not None and not mosaic_forward.VERIFIED_ON_GPU["soft_cap"],
+            ),
         )
         if present
     ]
     if unsupported:
         return " and ".join(unsupported)
-    return mosaic_forward.supports(query.shape, key.shape, query.dtype, is_causal=spec.is_causal)
+    return mosaic_forward.supports(
+        query.shape,
+        key.shape,
+        query.dtype,
+        is_causal=spec.is_causal,
+        window=spec.window,
+        soft_cap=soft_cap,
+    )
 
 
 def _mosaic_fills_gpu(query, key) -> bool:

@@ -23,6 +23,7 @@ from conftest import (
     attention_f64,
     attention_grads_f64,
     attention_in_dtype,
+    attention_oracle_f64,
     oracle_outputs_and_grads,
     outputs_and_grads,
     plain_fn,
@@ -39,7 +40,13 @@ from pallas_flash.config import gpu_compute_capability
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import ForwardTiles, default_tiles, flash_forward, supports
 from pallas_flash.mosaic import forward as mosaic_forward_module
-from pallas_flash.mosaic.forward import SMEM_BYTES, _kv_tile_counts
+from pallas_flash.mosaic.forward import (
+    NUM_CONSUMERS,
+    SMEM_BYTES,
+    consumer_tile_range,
+    cta_tile_range,
+    mask_sides,
+)
 from pallas_flash.triton import backward as triton_backward
 
 
@@ -53,8 +60,11 @@ def abstract_lse(p: Problem):
     return jax.ShapeDtypeStruct((p.batch, p.num_heads, p.q_len), jnp.float32)
 
 
-def forward_fn(p: Problem, tiles: ForwardTiles | None = None):
-    return functools.partial(flash_forward, scale=p.scale, is_causal=p.is_causal, tiles=tiles)
+def forward_fn(p: Problem, tiles: ForwardTiles | None = None, **options):
+    """flash_forward for `p`; options: window, soft_cap."""
+    return functools.partial(
+        flash_forward, scale=p.scale, is_causal=p.is_causal, tiles=tiles, **options
+    )
 
 
 # -- lowering for an abstract H200 (CPU) ----------------------------------------------------------
@@ -104,33 +114,125 @@ def test_lowers_with_other_tiles(tiles):
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
 
 
+# Windows (left, right) for lowering and numerics: narrow ones that leave whole row blocks
+# empty when T > S, one tile wide, asymmetric, wider than S, and left-only with causal.
+WINDOW_LOWERING_CASES = [
+    (Problem(1, 256, 512, 4, 2, 128, False, "bf16"), (64, 32)),
+    (Problem(1, 256, 512, 4, 2, 128, True, "bf16"), (100, 0)),
+    (Problem(1, 512, 256, 4, 2, 64, False, "f16"), (0, 0)),
+    (Problem(1, 512, 256, 4, 2, 64, True, "bf16"), (10, 3)),
+    (Problem(1, 1024, 128, 2, 1, 128, True, "bf16"), (1, 0)),
+    (Problem(1, 256, 256, 2, 2, 256, False, "bf16"), (1000, 1000)),
+    (Problem(1, 256, 256, 2, 1, 256, True, "f16"), (127, 5)),
+]
+
+
+@pytest.mark.parametrize("p, window", WINDOW_LOWERING_CASES, ids=str)
+def test_lowers_with_a_window(p, window):
+    lowered = lower_for_h200(forward_fn(p, window=window), *abstract_qkv(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    out, lse = lowered.out_info
+    assert out.shape == (p.batch, p.q_len, p.num_heads, p.head_dim)
+    assert lse.shape == (p.batch, p.num_heads, p.q_len)
+
+
+@pytest.mark.parametrize(
+    "p, window",
+    [
+        (Problem(1, 256, 512, 4, 2, 128, False, "bf16"), None),
+        (Problem(1, 256, 256, 4, 2, 64, True, "f16"), None),
+        (Problem(1, 512, 256, 4, 2, 256, True, "bf16"), (64, 0)),
+        (Problem(1, 256, 512, 4, 2, 128, False, "bf16"), (32, 96)),
+    ],
+    ids=str,
+)
+def test_lowers_with_a_soft_cap(p, window):
+    lowered = lower_for_h200(forward_fn(p, window=window, soft_cap=30.0), *abstract_qkv(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+
+
+RANGE_SHAPES = [(256, 256), (256, 512), (512, 256), (1024, 128), (128, 1024), (384, 640)]
+RANGE_WINDOWS = [
+    None,
+    (0, 0),
+    (1, 0),
+    (0, 1),
+    (5, 3),
+    (63, 64),
+    (64, 63),
+    (100, 30),
+    (127, 0),
+    (300, 1000),
+    (512, 0),
+    (10**6, 10**6),
+]
+
+
 @pytest.mark.parametrize("block_q, block_kv", [(64, 128), (64, 64), (128, 64), (128, 128)])
-@pytest.mark.parametrize("q_len, kv_len", [(256, 256), (256, 512), (512, 256), (1024, 128)])
-def test_causal_tile_counts_match_the_mask(q_len, kv_len, block_q, block_kv):
-    """Per consumer row block: `visible` tiles are exactly those holding a key some row sees,
-    and the first `unmasked` of them are seen whole by every row (no mask needed). Per CTA: the
-    producer's count is the last consumer's, at least every other consumer's (the drain steps
-    and the schedule-barrier pairing rely on it), and at least 1 (no consumer is idle)."""
-    visible_keys = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
-
-    def counts(q_start, rows):
-        return tuple(
-            int(x)
-            for x in _kv_tile_counts(
-                jnp.int32(q_start), rows, kv_len=kv_len, block_kv=block_kv, is_causal=True
+@pytest.mark.parametrize("q_len, kv_len", RANGE_SHAPES)
+def test_tile_ranges_match_the_mask(q_len, kv_len, block_q, block_kv):
+    """Against a brute-force visibility matrix, causal and not, over windows. Per consumer row
+    block: [lo, hi) is exactly the tiles holding a key some row sees (or empty), tiles in
+    [full_lo, full_hi) are seen whole by every row (no mask needed). Per CTA, what the drain
+    scheme needs: every consumer range lies inside the CTA's range (a consumer drains the CTA
+    steps around its own, and never waits for a tile the producer does not load), and the
+    consumer ranges cover it (no tile is loaded that nobody reads)."""
+    if q_len % (NUM_CONSUMERS * block_q) or kv_len % block_kv:
+        pytest.skip("shape not a multiple of the tiles")
+    tiles = ForwardTiles(block_q=block_q, block_kv=block_kv)
+    for is_causal in (False, True):
+        for window in RANGE_WINDOWS:
+            spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window)
+            visible = np.broadcast_to(
+                spec.geometry(np.arange(q_len)[:, None], np.arange(kv_len)[None, :]),
+                (q_len, kv_len),
             )
-        )
+            for cta_start in range(0, q_len, tiles.cta_rows):
+                first, end = cta_tile_range(spec, cta_start, tiles)
+                # An empty range may lie past the last tile: nothing is loaded then.
+                assert first == end or 0 <= first < end <= kv_len // block_kv
+                covered = set()
+                for wg in range(NUM_CONSUMERS):
+                    q_start = cta_start + wg * block_q
+                    lo, full_lo, full_hi, hi = consumer_tile_range(
+                        spec, q_start, (first, end), tiles
+                    )
+                    rows = visible[q_start : q_start + block_q].reshape(block_q, -1, block_kv)
+                    seen, whole = rows.any(axis=(0, 2)), rows.all(axis=(0, 2))
+                    case = (is_causal, window, q_start, (lo, full_lo, full_hi, hi), (first, end))
+                    assert first <= lo <= full_lo <= full_hi <= hi <= end, case
+                    assert set(range(lo, hi)) == set(np.flatnonzero(seen)), case
+                    assert whole[full_lo:full_hi].all(), case
+                    # The loops that `_consume` does not emit without a left / right side.
+                    mask_left, mask_right = mask_sides(spec)
+                    assert mask_left or first == lo == full_lo, case
+                    assert mask_right or full_hi == hi == end, case
+                    covered |= set(range(lo, hi))
+                assert covered == set(range(first, end)), (is_causal, window, cta_start)
 
-    for q_start in range(0, q_len, block_q):
-        rows = visible_keys[q_start : q_start + block_q].reshape(block_q, -1, block_kv)
-        seen, whole = rows.any(axis=(0, 2)), rows.all(axis=(0, 2))
-        visible, unmasked = counts(q_start, block_q)
-        assert visible == seen.sum() and seen[:visible].all()
-        assert unmasked == whole.sum() and whole[:unmasked].all()
-    for cta_start in range(0, q_len, 2 * block_q):
-        cta_tiles, _ = counts(cta_start, 2 * block_q)
-        first, last = counts(cta_start, block_q)[0], counts(cta_start + block_q, block_q)[0]
-        assert cta_tiles == last >= first >= 1
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("window", [None, (0, 0), (100, 30), (127, 0), (512, 0)])
+def test_tile_ranges_traced_match_python(is_causal, window):
+    """The kernel computes the ranges on traced int32 program ids: same values as on ints."""
+    tiles = ForwardTiles(block_q=64, block_kv=128)
+    spec = MaskSpec(q_len=1024, kv_len=512, is_causal=is_causal, window=window)
+
+    def ranges(cta_start):
+        cta = cta_tile_range(spec, cta_start, tiles)
+        consumers = [
+            consumer_tile_range(spec, cta_start + wg * tiles.block_q, cta, tiles)
+            for wg in range(NUM_CONSUMERS)
+        ]
+        return cta, consumers
+
+    traced = jax.jit(lambda s: jax.tree.map(jnp.asarray, ranges(s)))
+    for cta_start in range(0, spec.q_len, tiles.cta_rows):
+        got = jax.tree.map(int, traced(jnp.int32(cta_start)))
+        want = ranges(cta_start)
+        assert got[0] == tuple(want[0]) and [tuple(c) for c in got[1]] == [
+            tuple(c) for c in want[1]
+        ], (cta_start, got, want)
 
 
 # -- supports / validation ------------------------------------------------------------------------
@@ -189,15 +291,47 @@ def test_kernel_config_refuses_what_the_mosaic_forward_would_drop():
     spec = MaskSpec(q_len=256, kv_len=256, is_causal=True)
     common = dict(scale=0.1, block_sizes=pallas_flash.BlockSizes(), interpret=False)
     KernelConfig(spec=spec, forward="mosaic", **common)
+    KernelConfig(spec=dataclasses.replace(spec, window=(8, 0)), forward="mosaic", **common)
+    KernelConfig(spec=spec, soft_cap=30.0, forward="mosaic", **common)
     for bad in (
-        dict(spec=dataclasses.replace(spec, window=(8, 0))),
         dict(spec=dataclasses.replace(spec, has_segments=True)),
-        dict(spec=spec, soft_cap=30.0),
+        dict(spec=dataclasses.replace(spec, mask_shape=(1, 1, 256, 256))),
     ):
-        with pytest.raises(ValueError, match="forward='mosaic' supports no"):
+        with pytest.raises(ValueError, match="forward='mosaic' supports no mask arrays"):
             KernelConfig(forward="mosaic", **{**common, **bad})
     with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
         KernelConfig(spec=spec, forward="cuda", **common)
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        (dict(window=(-1, 0)), "window=(-1, 0) must be a (left, right) pair of ints >= 0"),
+        (dict(window=(1, 2, 3)), "must be a (left, right) pair"),
+        (dict(window=(1.0, 2)), "must be a (left, right) pair"),
+        (dict(soft_cap=0.0), "soft_cap=0.0 must be a finite positive number"),
+        (dict(soft_cap=float("inf")), "must be a finite positive number"),
+        (dict(soft_cap=True), "must be a finite positive number"),
+    ],
+)
+def test_supports_rejects_bad_options(options, reason):
+    got = supports((1, 256, 2, 128), (1, 256, 2, 128), BF16, is_causal=False, **options)
+    assert got is not None and reason in got, got
+
+
+def test_supports_accepts_windows_and_soft_caps():
+    shapes = ((1, 256, 2, 128), (1, 512, 2, 128), BF16)
+    for is_causal in (False, True):
+        for options in (dict(window=(0, 0)), dict(window=[64, 10**6]), dict(soft_cap=5)):
+            assert supports(*shapes, is_causal=is_causal, **options) is None
+
+
+def test_supports_refuses_windows_on_miscompiling_cuda(monkeypatch):
+    monkeypatch.setattr(mosaic_forward_module, "cuda_runtime_version", lambda: 12085)
+    shapes = ((1, 256, 2, 128), (1, 256, 2, 128), BF16)
+    got = supports(*shapes, is_causal=False, window=(8, 8))
+    assert got is not None and "window=(8, 8) on CUDA runtime 12085" in got
+    assert supports(*shapes, is_causal=False, soft_cap=5.0) is None
 
 
 def test_supports_rejects_tiles_over_shared_memory():
@@ -364,6 +498,113 @@ def test_deterministic():
     assert_bitwise_equal(fn(q, k, v), fn(q, k, v))
 
 
+def visibility(p: Problem, window) -> np.ndarray:
+    """[T, S] boolean: key j visible to query i (MaskSpec.geometry)."""
+    spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=p.is_causal, window=window)
+    keys = spec.geometry(np.arange(p.q_len)[:, None], np.arange(p.kv_len)[None, :])
+    return np.broadcast_to(keys, (p.q_len, p.kv_len))
+
+
+def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None):
+    """Plain attention with every step in the input dtype over a [T, S] visibility and an
+    optional soft cap: the tolerance baseline. Rows that see no key: out 0, lse -inf."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    shift = jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None].astype(logits.dtype)
+    probs = jnp.where(visible, jnp.exp(logits - shift), 0.0).astype(q.dtype)
+    return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
+
+
+# (problem, flash_forward options, scale or None for 1/sqrt(H)). Windows: T > S with rows and
+# whole CTAs that see no key, one-key windows, windows wider than S, left-only with causal;
+# soft caps at scale 1 (logits of std sqrt(H), so that the cap bites), alone and with windows.
+MASKED_GPU_CASES = [
+    (Problem(2, 256, 512, 4, 2, 128, False, "bf16"), dict(window=(64, 32)), None),
+    (Problem(2, 512, 512, 4, 2, 64, True, "bf16"), dict(window=(100, 0)), None),
+    (Problem(2, 512, 256, 4, 2, 128, True, "f16"), dict(window=(10, 3)), None),
+    (Problem(2, 1024, 128, 4, 1, 64, False, "bf16"), dict(window=(1, 0)), None),
+    (Problem(2, 512, 256, 4, 2, 256, False, "bf16"), dict(window=(0, 0)), None),
+    (Problem(1, 256, 256, 4, 2, 128, False, "bf16"), dict(window=(1000, 1000)), None),
+    (Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"), dict(window=(300, 0)), None),
+    (Problem(2, 256, 512, 4, 2, 128, False, "bf16"), dict(soft_cap=5.0), 1.0),
+    (Problem(2, 512, 512, 4, 2, 64, True, "f16"), dict(soft_cap=30.0), 1.0),
+    (Problem(2, 256, 256, 4, 2, 256, False, "bf16"), dict(soft_cap=20.0), None),
+    (Problem(2, 512, 256, 4, 2, 256, True, "bf16"), dict(window=(64, 0), soft_cap=10.0), 1.0),
+    (Problem(2, 512, 1024, 4, 2, 128, False, "bf16"), dict(window=(200, 300), soft_cap=20.0), 1.0),
+]
+
+
+def check_masked(p: Problem, options: dict, scale, tiles=None):
+    scale = p.scale if scale is None else scale
+    window, soft_cap = options.get("window"), options.get("soft_cap")
+    (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
+    run = functools.partial(
+        flash_forward, scale=scale, is_causal=p.is_causal, tiles=tiles, **options
+    )
+    out, lse = jax.jit(run)(q, k, v)
+    visible = visibility(p, window)
+    oracle = attention_oracle_f64(q64, k64, v64, scale=scale, visible=visible, soft_cap=soft_cap)
+    baseline = jax.jit(
+        functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=soft_cap)
+    )(q, k, v)
+    out32, lse32 = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert not np.isnan(out32).any() and not np.isnan(lse32).any()
+    empty = ~visible.any(axis=1)  # [T]: rows that see no key
+    assert (out32[:, empty] == 0).all(), "rows that see no key must output exactly 0"
+    assert np.isneginf(lse32[:, :, empty]).all() and np.isfinite(lse32[:, :, ~empty]).all()
+    assert_within_tolerance(
+        (out, lse), baseline, (oracle["out"], oracle["lse"]), floor=p.floor, names=("out", "lse")
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p, options, scale", MASKED_GPU_CASES, ids=str)
+def test_masked_matches_oracle(p, options, scale):
+    needs_hopper()
+    check_masked(p, options, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p, options, tiles",
+    [
+        (
+            Problem(2, 512, 512, 4, 2, 128, True, "bf16"),
+            dict(window=(70, 0)),
+            ForwardTiles(block_q=128, block_kv=64),
+        ),
+        (
+            Problem(1, 512, 256, 4, 1, 64, False, "bf16"),
+            dict(window=(30, 90), soft_cap=10.0),
+            ForwardTiles(block_kv=64, num_stages=4),
+        ),
+        (
+            Problem(2, 1024, 512, 4, 2, 64, True, "f16"),
+            dict(window=(5, 0)),
+            ForwardTiles(block_q=128, block_kv=128, num_stages=3),
+        ),
+    ],
+    ids=str,
+)
+def test_masked_matches_oracle_with_other_tiles(p, options, tiles):
+    needs_hopper()
+    check_masked(p, options, None, tiles)
+
+
+@pytest.mark.gpu
+def test_masked_deterministic():
+    needs_hopper()
+    p = Problem(2, 512, 256, 4, 2, 128, True, "bf16")
+    (q, k, v, _, _), _ = random_inputs(p)
+    fn = jax.jit(forward_fn(p, window=(40, 0), soft_cap=15.0))
+    assert_bitwise_equal(fn(q, k, v), fn(q, k, v))
+
+
 # -- through the public API: the Mosaic forward, the Triton backward ------------------------------
 
 
@@ -453,3 +694,56 @@ def test_vmap_lowers_to_one_mosaic_call(monkeypatch):
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
     out, lse = lowered.out_info
     assert out.shape == (3, 2, 256, 4, 64) and lse.shape == (3, 2, 4, 256)
+
+
+@pytest.mark.parametrize("option", ["window", "soft_cap"])
+def test_unverified_options_stay_on_triton_until_verified(monkeypatch, option):
+    """Until VERIFIED_ON_GPU says so, backend=None keeps windows and soft caps on the Triton
+    forward; once it does, the call lowers to the Mosaic forward and the Triton backward."""
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
+    kwargs = {"window": dict(local_window_size=(256, 0)), "soft_cap": dict(logits_soft_cap=30.0)}
+    q, k, v = abstract_qkv(p)
+
+    def lowered_calls():
+        fn = functools.partial(outputs_and_grads, public_fn(p, **kwargs[option]))
+        return custom_call_targets(lower_for_h200(fn, q, k, v, q, abstract_lse(p)).as_text())
+
+    assert mosaic_forward_module.VERIFIED_ON_GPU[option] is False
+    assert "mosaic_gpu_v2" not in lowered_calls()
+    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, option, True)
+    assert lowered_calls().count("mosaic_gpu_v2") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p, kwargs",
+    [
+        (Problem(2, 512, 256, 8, 2, 128, True, "bf16"), dict(local_window_size=(40, 0))),
+        (Problem(2, 256, 512, 8, 2, 64, False, "f16"), dict(local_window_size=(64, 100))),
+        (Problem(2, 512, 512, 8, 2, 128, True, "bf16"), dict(logits_soft_cap=5.0)),
+    ],
+    ids=str,
+)
+def test_masked_call_through_the_api_matches_oracle(monkeypatch, p, kwargs):
+    """backend='mosaic' with the options marked verified: out, lse and the Triton backward's
+    gradients from the Mosaic forward's residuals, against the float64 oracle."""
+    needs_hopper()
+    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "window", True)
+    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "soft_cap", True)
+    (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
+    window, soft_cap = kwargs.get("local_window_size"), kwargs.get("logits_soft_cap")
+    visible = visibility(p, window)
+    empty = ~visible.any(axis=1)
+    d_lse = jnp.where(empty[None, None], 0.0, d_lse)  # no gradient through an lse of -inf
+    d_lse64 = np.where(empty[None, None], 0.0, d_lse64)
+    run = jax.jit(functools.partial(outputs_and_grads, public_fn(p, backend="mosaic", **kwargs)))
+    assert "mosaic_gpu_v2" in custom_call_targets(run.lower(q, k, v, d_out, d_lse).as_text())
+    results = run(q, k, v, d_out, d_lse)
+    plain = functools.partial(masked_in_dtype, scale=p.scale, visible=visible, soft_cap=soft_cap)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(q, k, v, d_out, d_lse)
+    r = attention_oracle_f64(
+        q64, k64, v64, d_out64, d_lse64, scale=p.scale, visible=visible, soft_cap=soft_cap
+    )
+    oracles = tuple(r[name] for name in ("out", "lse", "dq", "dk", "dv"))
+    assert_within_tolerance(results, baselines, oracles, floor=p.floor)

@@ -22,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash.masks import MaskSpec
 from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
 
 HEAD_DIMS = (64, 128, 256)
@@ -83,6 +84,12 @@ def default_tiles(head_dim: int) -> ForwardTiles:
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
 
 
+# Options whose kernel paths have passed the numerical tests on a Hopper GPU. `pallas_flash.api`
+# sends calls with an option to this kernel only once it is verified here; until then they run
+# on the Triton forward (flash_forward itself takes them either way).
+VERIFIED_ON_GPU = {"window": False, "soft_cap": False}
+
+
 # Per consumer thread, the f32 accumulator [block_q, H] and logits [block_q, block_kv] take
 # block_q * (H + block_kv) / 128 registers; beyond this the 232-register budget spills.
 MAX_TILE_REGISTERS = 192
@@ -101,11 +108,36 @@ def cuda_runtime_version() -> int | None:
 
 
 def supports(
-    q_shape, k_shape, dtype, *, is_causal: bool, tiles: ForwardTiles | None = None
+    q_shape,
+    k_shape,
+    dtype,
+    *,
+    is_causal: bool,
+    window: tuple[int, int] | None = None,
+    soft_cap: float | None = None,
+    tiles: ForwardTiles | None = None,
 ) -> str | None:
-    """None if the kernel runs on these shapes, else why not (the caller falls back to Triton)."""
-    if is_causal and (version := cuda_runtime_version()) in _CAUSAL_MISCOMPILING_CUDA:
-        return f"is_causal=True on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles it)"
+    """None if the kernel runs on these shapes and options, else why not (the caller falls back
+    to Triton). `window` and `soft_cap` as in `flash_forward`."""
+    if window is not None and (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+    ):
+        return f"{window=} must be a (left, right) pair of ints >= 0"
+    if soft_cap is not None and not (
+        isinstance(soft_cap, (int, float))
+        and not isinstance(soft_cap, bool)
+        and 0 < soft_cap < float("inf")
+    ):
+        return f"{soft_cap=} must be a finite positive number"
+    # A window's element-wise mask is the causal mask's comparison at other offsets: refused on
+    # the same runtimes until it is shown to compile correctly there.
+    if (is_causal or window is not None) and (
+        version := cuda_runtime_version()
+    ) in _CAUSAL_MISCOMPILING_CUDA:
+        what = "is_causal=True" if is_causal else f"{window=}"
+        return f"{what} on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles its mask)"
     if len(q_shape) != 4 or len(k_shape) != 4:
         return f"q {tuple(q_shape)} and k {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
     batch, q_len, num_heads, head_dim = q_shape
@@ -144,6 +176,8 @@ def flash_forward(
     *,
     scale: float,
     is_causal: bool,
+    window: tuple[int, int] | None = None,
+    soft_cap: float | None = None,
     tiles: ForwardTiles | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
@@ -152,7 +186,8 @@ def flash_forward(
       q: [B, T, N, H] queries, bfloat16 or float16.
       k, v: [B, S, K, H] keys and values, the dtype of q; N % K == 0 and query head n reads kv
         head n // (N // K) (e.g. N=8, K=2: heads 0-3 read kv head 0, heads 4-7 kv head 1).
-      scale: positive multiplier of q.k (the kernel takes the row max before scaling).
+      scale: positive multiplier of q.k (without a soft cap the kernel takes the row max before
+        scaling).
       is_causal: query i sees keys j <= i, top-left aligned as in jax.nn.dot_product_attention,
         also when T != S::
 
@@ -162,17 +197,30 @@ def flash_forward(
           q2         x x x . . .
           q3         x x x x . .
 
-        Every row sees key 0, so no row is empty.
+      window: (left, right) ints >= 0, or None: query i sees keys j with
+        i - left <= j <= i + right (and j <= i when causal). KV tiles outside a row block's
+        window are neither loaded nor multiplied.
+      soft_cap: c > 0 or None: logits <- c * tanh(logits / c), applied to scale * q.k before
+        masking.
       tiles: ForwardTiles; None picks `default_tiles(H)`.
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
-      log-sum-exp of scale * q.k over the visible keys.
+      log-sum-exp of the (soft-capped) logits over the visible keys. A row that sees no key
+      (a window past the last key, possible when T > S) has out 0 and lse -inf.
 
     Raises:
-      ValueError: shapes, dtypes or tiles the kernel does not support (see `supports`).
+      ValueError: shapes, dtypes, options or tiles the kernel does not support (see `supports`).
     """
-    if reason := supports(q.shape, k.shape, q.dtype, is_causal=is_causal, tiles=tiles):
+    if reason := supports(
+        q.shape,
+        k.shape,
+        q.dtype,
+        is_causal=is_causal,
+        window=window,
+        soft_cap=soft_cap,
+        tiles=tiles,
+    ):
         raise ValueError(reason)
     if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(
@@ -181,17 +229,20 @@ def flash_forward(
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
     tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
-    return _forward_call(q, k, v, scale=float(scale), is_causal=is_causal, tiles=tiles)
+    window = None if window is None else (int(window[0]), int(window[1]))
+    soft_cap = None if soft_cap is None else float(soft_cap)
+    spec = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], is_causal=is_causal, window=window)
+    return _forward_call(q, k, v, spec=spec, scale=float(scale), soft_cap=soft_cap, tiles=tiles)
 
 
-def _forward_call(q, k, v, *, scale: float, is_causal: bool, tiles: ForwardTiles):
+def _forward_call(q, k, v, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles):
     batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+    num_kv_heads = k.shape[2]
     kernel = functools.partial(
         _forward_kernel,
-        qk_scale=scale * LOG2E,
-        is_causal=is_causal,
-        kv_len=kv_len,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
         group=num_heads // num_kv_heads,
         num_q_tiles=q_len // tiles.cta_rows,
         tiles=tiles,
@@ -236,19 +287,38 @@ def _forward_call(q, k, v, *, scale: float, is_causal: bool, tiles: ForwardTiles
     )(q, k, v)
 
 
-def _kv_tile_counts(q_start, rows: int, *, kv_len: int, block_kv: int, is_causal: bool):
-    """(visible, unmasked): the KV tiles that query rows [q_start, q_start + rows) see at all,
-    and how many leading ones they see whole. Tiles past `visible` lie above the causal
-    diagonal and are never loaded; tiles in [unmasked, visible) straddle it and need the mask."""
-    num_tiles = kv_len // block_kv
-    if not is_causal:
-        return num_tiles, num_tiles
-    block = jnp.int32(block_kv)
-    last_key = jnp.minimum(q_start + rows, jnp.int32(kv_len))  # one past the last visible key
-    visible = lax.div(last_key + block - 1, block)
-    # Tile j is whole for every row iff its last key (j + 1) * block_kv - 1 <= q_start.
-    unmasked = jnp.minimum(lax.div(q_start + 1, block), jnp.int32(num_tiles))
-    return visible, unmasked
+def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):
+    """(lo, hi): the KV tiles a CTA's producer streams, in order, for query rows
+    [cta_q_start, cta_q_start + cta_rows): the union of its consumers' ranges (every tile in
+    it is read by some consumer). Python ints or traced int32 scalars."""
+    lo, _, _, hi = spec.kv_tile_range(cta_q_start, tiles.cta_rows, tiles.block_kv)
+    return lo, hi
+
+
+def consumer_tile_range(spec: MaskSpec, q_start, cta_range, tiles: ForwardTiles):
+    """(lo, full_lo, full_hi, hi) of `MaskSpec.kv_tile_range` for a consumer's block_q rows
+    from q_start, clamped into the CTA's range (lo, hi): the drain scheme of `_consume` walks
+    [cta lo, lo) and [hi, cta hi). A consumer that sees keys has its range inside the CTA's
+    already; one that sees none may get an empty range past the CTA's (lo = hi beyond the
+    CTA's hi), which unclamped would drain steps that the producer never loads."""
+    first, end = cta_range
+    return tuple(
+        _clip(x, first, end) for x in spec.kv_tile_range(q_start, tiles.block_q, tiles.block_kv)
+    )
+
+
+def mask_sides(spec: MaskSpec) -> tuple[bool, bool]:
+    """(left, right): whether the window's left side (the right side, or causality) hides any
+    key. Row i >= 0 sees keys j >= i - left, all of them once left >= T - 1; keys j <= i + right,
+    all j < S once right >= S - 1. Without a left side every consumer range starts at the CTA's
+    first tile and is whole from there; without a right side it ends whole at the CTA's last."""
+    return spec.left < spec.q_len - 1, spec.right < spec.kv_len - 1
+
+
+def _clip(x, lo, hi):
+    if all(isinstance(v, int) for v in (x, lo, hi)):
+        return min(max(x, lo), hi)
+    return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
 def _forward_kernel(
@@ -268,9 +338,9 @@ def _forward_kernel(
     k_free,
     v_free,
     schedule,
-    qk_scale: float,
-    is_causal: bool,
-    kv_len: int,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
     group: int,
     num_q_tiles: int,
     tiles: ForwardTiles,
@@ -284,17 +354,14 @@ def _forward_kernel(
     """
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     q_tile = lax.axis_index("q_tile")
-    if is_causal:
+    if spec.is_causal:
         # A causal CTA's work grows with its query tile: launch the longest (last) tiles first
         # so that the short ones fill in at the end of the last wave.
         q_tile = num_q_tiles - 1 - q_tile
     cta_q_start = q_tile * tiles.cta_rows
-    # The last consumer's rows end the CTA's rows, so it sees the most tiles: the producer's count.
-    cta_tiles, _ = _kv_tile_counts(
-        cta_q_start, tiles.cta_rows, kv_len=kv_len, block_kv=tiles.block_kv, is_causal=is_causal
-    )
+    cta_lo, cta_hi = cta_tile_range(spec, cta_q_start, tiles)
     wg = lax.axis_index("wg")
-    ring = _Ring(k_smem, v_smem, k_ready, v_ready, k_free, v_free, tiles.num_stages)
+    ring = _Ring(k_smem, v_smem, k_ready, v_ready, k_free, v_free, tiles.num_stages, cta_lo)
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -312,10 +379,10 @@ def _forward_kernel(
             batch=batch,
             head=head,
             q_start=cta_q_start + wg * tiles.block_q,
-            cta_tiles=cta_tiles,
-            qk_scale=qk_scale,
-            is_causal=is_causal,
-            kv_len=kv_len,
+            cta_range=(cta_lo, cta_hi),
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
             tiles=tiles,
         )
 
@@ -323,13 +390,14 @@ def _forward_kernel(
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
-        _produce(k_ref, v_ref, ring, batch=batch, kv_head=kv_head, cta_tiles=cta_tiles, tiles=tiles)
+        _produce(k_ref, v_ref, ring, batch=batch, kv_head=kv_head, cta_hi=cta_hi, tiles=tiles)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
-    """The K/V shared-memory ring: tile j lives in slot j % num_stages. *_ready complete when
-    TMA has landed a tile, *_free when both consumers are done reading it."""
+    """The K/V shared-memory ring: the CTA's n-th tile (tile first_tile + n) lives in slot
+    n % num_stages. *_ready complete when TMA has landed a tile, *_free when both consumers are
+    done reading it."""
 
     k_smem: object
     v_smem: object
@@ -338,35 +406,38 @@ class _Ring:
     k_free: object
     v_free: object
     num_stages: int
+    first_tile: object  # the CTA's first KV tile (an int32 scalar or a Python int)
 
-    def slot(self, step):
-        return lax.rem(step, jnp.int32(self.num_stages))
+    def slot(self, tile):
+        return lax.rem(jnp.asarray(tile - self.first_tile, jnp.int32), jnp.int32(self.num_stages))
 
 
-def _produce(k_ref, v_ref, ring: _Ring, *, batch, kv_head, cta_tiles, tiles: ForwardTiles):
-    """Producer warpgroup: TMA every KV tile the CTA sees into the ring, in order."""
+def _produce(k_ref, v_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: ForwardTiles):
+    """Producer warpgroup: TMA every KV tile in [first_tile, cta_hi) into the ring, in order."""
 
-    def copy(gmem_ref, smem, ready, step, slot):
-        rows = (batch, pl.ds(step * tiles.block_kv, tiles.block_kv), kv_head)
+    def copy(gmem_ref, smem, ready, tile, slot):
+        rows = (batch, pl.ds(tile * tiles.block_kv, tiles.block_kv), kv_head)
         plgpu.copy_gmem_to_smem(gmem_ref.at[rows], smem.at[slot], ready.at[slot])
 
+    first = ring.first_tile
     # Fill the empty ring; a CTA may see fewer tiles than there are slots (short S, causal
-    # CTAs near the top): copies nobody waits for would still be in flight at exit.
-    for step in range(min(tiles.num_stages, k_ref.shape[1] // tiles.block_kv)):
+    # CTAs near the top, narrow windows), or none: copies nobody waits for would still be in
+    # flight at exit.
+    for n in range(min(tiles.num_stages, k_ref.shape[1] // tiles.block_kv)):
 
-        @pl.when(step < cta_tiles)
+        @pl.when(first + n < cta_hi)
         def _fill():
-            copy(k_ref, ring.k_smem, ring.k_ready, step, step)  # noqa: B023 (called at once)
-            copy(v_ref, ring.v_smem, ring.v_ready, step, step)  # noqa: B023
+            copy(k_ref, ring.k_smem, ring.k_ready, first + n, n)  # noqa: B023 (called at once)
+            copy(v_ref, ring.v_smem, ring.v_ready, first + n, n)  # noqa: B023
 
-    @pl.loop(tiles.num_stages, cta_tiles)
-    def _refill(step):
-        slot = ring.slot(step)
+    @pl.loop(first + tiles.num_stages, cta_hi)
+    def _refill(tile):
+        slot = ring.slot(tile)
         # K and V are freed separately: Q.K^T of a tile is done long before its P.V.
         plgpu.barrier_wait(ring.k_free.at[slot])
-        copy(k_ref, ring.k_smem, ring.k_ready, step, slot)
+        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
         plgpu.barrier_wait(ring.v_free.at[slot])
-        copy(v_ref, ring.v_smem, ring.v_ready, step, slot)
+        copy(v_ref, ring.v_smem, ring.v_ready, tile, slot)
 
 
 def _schedule_sync(schedule):
@@ -378,6 +449,26 @@ def _schedule_sync(schedule):
 def _rows(x, shape):
     """Broadcast a per-row vector [rows] (WGMMA row layout) over the columns of `shape`."""
     return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _loop(lo, hi, body, carry):
+    """fori_loop over [lo, hi), elided when the bounds are Python ints and the range is empty."""
+    if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+        return carry
+    return lax.fori_loop(lo, hi, body, carry)
+
+
+def _capped_logits(qk, *, scale: float, soft_cap: float):
+    """soft_cap * tanh(scale * qk / soft_cap) in log2 units (times log2(e)).
+
+    tanh(x) = 1 - 2 / (exp(2x) + 1) on exp2 and a reciprocal: the hardware tanh that
+    approx_math would pick has a relative error near 2^-11, which the cap multiplies into an
+    absolute logit error of soft_cap * 2^-11 (0.015 at soft_cap = 30); this form's error is
+    near float32 rounding. exp2 overflowing to inf gives tanh = 1, underflowing to 0 gives -1.
+    """
+    cap2 = soft_cap * LOG2E
+    e = jnp.exp2(qk * (2.0 * LOG2E * scale / soft_cap))
+    return cap2 - (2.0 * cap2) / (e + 1.0)
 
 
 def _consume(
@@ -394,30 +485,48 @@ def _consume(
     batch,
     head,
     q_start,
-    cta_tiles,
-    qk_scale: float,
-    is_causal: bool,
-    kv_len: int,
+    cta_range,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
     tiles: ForwardTiles,
 ):
-    """Consumer warpgroup: block_q query rows through every visible KV tile (FA2 Algorithm 1).
+    """Consumer warpgroup: block_q query rows through the CTA's KV tiles (FA2 Algorithm 1).
 
-    Ping-pong: each KV step has two schedule syncs, one after issuing Q.K^T and one split
+    Ping-pong: each CTA step has two schedule syncs, one after issuing Q.K^T and one split
     around the end of the softmax. Consumer 1 syncs once before its first step and consumer 0
     once after its last, so consumer 1 runs half a step behind: its Q.K^T and P.V are issued
     while consumer 0 computes its softmax, and the other way round (FA3, section 3.1).
+
+    Ranges: the consumer walks every CTA step of cta_range; it computes the tiles of
+    its own range (lo, full_lo, full_hi, hi), masking element-wise those outside
+    [full_lo, full_hi), and "drains" the CTA steps before lo and from hi on (see drain_step).
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     q_rows = (batch, pl.ds(q_start, block_q), head)
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem, q_ready)
-    num_tiles, num_unmasked = _kv_tile_counts(
-        q_start, block_q, kv_len=kv_len, block_kv=block_kv, is_causal=is_causal
-    )
+    lo, full_lo, full_hi, hi = consumer_tile_range(spec, q_start, cta_range, tiles)
+    qk_scale = scale * LOG2E
+    mask_left, mask_right = mask_sides(spec)
 
-    def kv_step(step, carry, *, masked: bool):
+    def visible_in(tile):
+        q_pos = q_start + plgpu.broadcasted_iota(
+            jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
+        )
+        kv_pos = tile * block_kv + plgpu.broadcasted_iota(
+            jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
+        )
+        conditions = []
+        if mask_right:
+            conditions.append(kv_pos <= q_pos + spec.right)
+        if mask_left:
+            conditions.append(kv_pos >= q_pos - spec.left)
+        return functools.reduce(lambda a, b: a & b, conditions) if conditions else None
+
+    def kv_step(tile, carry, *, masked: bool):
         acc, m_i, l_i = carry
-        slot = ring.slot(step)
+        slot = ring.slot(tile)
         plgpu.barrier_wait(ring.k_ready.at[slot])
 
         # -- compute qk --
@@ -428,22 +537,28 @@ def _consume(
 
         qk = pl.run_scoped(qk_into, plgpu.ACC((block_q, block_kv), jnp.float32))
         plgpu.barrier_arrive(ring.k_free.at[slot])
-        if masked:
-            q_idx = plgpu.broadcasted_iota(
-                jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
-            )
-            kv_idx = plgpu.broadcasted_iota(
-                jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
-            )
-            visible = q_start + q_idx >= step * block_kv + kv_idx
-            qk = jnp.where(visible, qk, MASK_VALUE)
+        visible = visible_in(tile) if masked else None
 
-        # -- online softmax in base 2; log2(e) * scale is folded into qk_scale --
-        # Scaling the row max instead of every logit is exact for qk_scale > 0, and leaves one
-        # fused multiply-add per logit.
-        m_new = jnp.maximum(m_i, jnp.max(qk, axis=1) * qk_scale)
+        # -- online softmax in base 2; log2(e) is folded into the scale --
+        if soft_cap is None:
+            # Scaling the row max instead of every logit is exact for qk_scale > 0, and leaves
+            # one fused multiply-add per logit.
+            if visible is not None:
+                qk = jnp.where(visible, qk, MASK_VALUE)
+            m_new = jnp.maximum(m_i, jnp.max(qk, axis=1) * qk_scale)
+            p = jnp.exp2(qk * qk_scale - _rows(m_new, qk.shape))
+        else:
+            # tanh is not monotone in a way that commutes with a scaled max: cap every logit.
+            s = _capped_logits(qk, scale=scale, soft_cap=soft_cap)
+            if visible is not None:
+                s = jnp.where(visible, s, MASK_VALUE)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+            p = jnp.exp2(s - _rows(m_new, s.shape))
+        if visible is not None:
+            # A row that has seen no key yet keeps m_new at MASK_VALUE (or MASK_VALUE times
+            # qk_scale), where a masked logit would give p = 1: zero it, so l_i stays 0.
+            p = jnp.where(visible, p, 0.0)
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(qk * qk_scale - _rows(m_new, qk.shape))
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * _rows(alpha, acc.shape)
         p_in = p.astype(dtype)  # wgmma takes A from registers in the input dtype
@@ -459,39 +574,51 @@ def _consume(
         plgpu.barrier_arrive(ring.v_free.at[slot])
         return acc, m_new, l_i
 
-    def drain_step(step, _):
-        # A consumer that sees fewer tiles than the CTA (consumer 0 on the causal diagonal)
-        # still releases the slots of the rest, whose free barriers count both consumers, and
-        # keeps its two schedule syncs per step so that the ping-pong stays paired.
-        slot = ring.slot(step)
+    def drain_step(tile, carry):
+        # A CTA step outside this consumer's range: the other consumer computes it. This one
+        # mirrors kv_step's barrier traffic without the matmuls: it releases the slots (their
+        # free barriers count both consumers), keeps its two schedule syncs so that the
+        # ping-pong stays paired, and waits for both ready barriers, because Mosaic GPU tracks
+        # each barrier's phase per thread and flips it on every wait: a skipped wait would
+        # leave this consumer a phase behind on its next real step.
+        slot = ring.slot(tile)
+        plgpu.barrier_wait(ring.k_ready.at[slot])
         plgpu.barrier_arrive(ring.k_free.at[slot])
+        _schedule_sync(schedule)
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        plgpu.barrier_wait(schedule)
         plgpu.barrier_arrive(ring.v_free.at[slot])
-        _schedule_sync(schedule)
-        _schedule_sync(schedule)
+        return carry
 
     acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    # m_i starts at MASK_VALUE, finite: every row sees key 0 in tile 0, so m_i is a real
-    # logit after the first step and alpha = exp2(MASK_VALUE - m) = 0 scales the empty start.
+    # m_i starts at MASK_VALUE, finite: once a row sees a key alpha = exp2(MASK_VALUE - m) = 0
+    # scales the empty start away; masked probabilities are zeroed, so l_i counts only keys.
     m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
     l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
     carry = (acc, m_i, l_i)
+    masked_step = functools.partial(kv_step, masked=True)
     plgpu.barrier_wait(q_ready)
     pl.when(wg == 1)(functools.partial(_schedule_sync, schedule))
-    carry = lax.fori_loop(0, num_unmasked, functools.partial(kv_step, masked=False), carry)
-    if is_causal:
-        carry = lax.fori_loop(
-            num_unmasked, num_tiles, functools.partial(kv_step, masked=True), carry
-        )
-        lax.fori_loop(num_tiles, cta_tiles, drain_step, None)
+    # Without a left (right) side the loops before full_lo (after full_hi) are empty: not emitted.
+    if mask_left:
+        _loop(cta_range[0], lo, drain_step, None)
+        carry = _loop(lo, full_lo, masked_step, carry)
+    carry = _loop(full_lo, full_hi, functools.partial(kv_step, masked=False), carry)
+    if mask_right:
+        carry = _loop(full_hi, hi, masked_step, carry)
+        _loop(hi, cta_range[1], drain_step, None)
     pl.when(wg == 0)(functools.partial(_schedule_sync, schedule))
     acc, m_i, l_i = carry
 
-    # -- epilogue: out = acc / l, lse back to natural log --
-    # One reciprocal per row instead of a divide per element; l_i >= 1 (the row max term).
-    out = acc * _rows(1.0 / l_i, acc.shape)
+    # -- epilogue: out = acc / l, lse back to natural log; rows that saw no key: 0 and -inf --
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    # One reciprocal per row instead of a divide per element.
+    out = acc * _rows(1.0 / l_safe, acc.shape)
     q_smem[...] = out.astype(dtype)  # Q is dead: its last reader, the final Q.K^T, is done
-    lse_smem[...] = m_i * LN2 + jnp.log(l_i)
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])

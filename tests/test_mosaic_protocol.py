@@ -9,7 +9,8 @@ phase after `num_arrivals` arrivals (a ready barrier: when its copy lands), and 
 waits by parity, keeping its own phase bit per barrier and flipping it on each wait. It reports
 deadlocks, waits whose parity aliases (the barrier ran two phases ahead of the waiter), slots
 overwritten while a consumer reads them, consumers reading the wrong tile, and copies still in
-flight or unobserved at exit.
+flight or unobserved at exit. A second model replays the consumer's float32 arithmetic in numpy
+against the float64 oracle (masks, rows without keys, soft cap).
 
 The op sequences below mirror `_produce`, `_consume.kv_step` and `_consume.drain_step`; keep them
 in step with the kernel.
@@ -21,6 +22,7 @@ import random
 
 import numpy as np
 import pytest
+from conftest import attention_oracle_f64
 
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic.forward import (
@@ -28,7 +30,11 @@ from pallas_flash.mosaic.forward import (
     ForwardTiles,
     consumer_tile_range,
     cta_tile_range,
+    mask_sides,
 )
+from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
+
+f32 = np.float32
 
 READY = {"k": "k_ready", "v": "v_ready"}
 FREE = {"k": "k_free", "v": "v_free"}
@@ -273,3 +279,99 @@ def test_the_model_catches_a_broken_drain(broken, match):
             assert np.any([s in str(e) for s in match.split("|")]), e
             failures += 1
     assert failures > 0
+
+
+# -- the consumer's arithmetic ---------------------------------------------------------------------
+
+
+ARITHMETIC_CASES = [
+    # (T, S, causal, window, soft cap, scale): rows without keys, scales whose qk_scale takes
+    # MASK_VALUE past float32's range, soft caps that bite.
+    (512, 256, True, (10, 3), None, 0.09),
+    (1024, 128, False, (1, 0), None, 0.125),
+    (512, 256, False, (0, 0), None, 2.0),
+    (512, 256, False, (1000, 1000), None, 3.0),
+    (256, 512, False, (64, 32), 5.0, 1.0),
+    (512, 256, True, (64, 0), 10.0, 1.0),
+    (512, 512, True, None, 30.0, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", ARITHMETIC_CASES, ids=str)
+def test_consumer_arithmetic_matches_oracle(case):
+    """The kernel's float32 arithmetic (MASK_VALUE start, zeroed masked probabilities, exp2
+    soft cap, guarded epilogue) replayed in numpy: no NaN, rows without keys give exactly 0
+    and -inf, the rest is within float32 rounding of the float64 oracle."""
+    q_len, kv_len, is_causal, window, soft_cap, scale = case
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((n, 64)).astype(f32) for n in (q_len, kv_len, kv_len))
+    spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window)
+    keys = spec.geometry(np.arange(q_len)[:, None], np.arange(kv_len)[None, :])
+    visible = np.broadcast_to(keys, (q_len, kv_len))
+    with np.errstate(invalid="raise"):
+        out, lse = consumer_arithmetic(q, k, v, spec, scale, soft_cap, ForwardTiles(block_kv=64))
+    oracle = attention_oracle_f64(
+        *(x[None, :, None] for x in (q, k, v)), scale=scale, visible=visible, soft_cap=soft_cap
+    )
+    want_out, want_lse = oracle["out"][0, :, 0], oracle["lse"][0, 0]
+    empty = ~visible.any(axis=1)
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
+    assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+    np.testing.assert_allclose(out, want_out, atol=1e-4)
+    np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=1e-4, rtol=1e-5)
+
+
+def consumer_arithmetic(q, k, v, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles):
+    """`_consume` in float32 numpy for one head, q [T, H], k and v [S, H]: the CTA and consumer
+    ranges, the element-wise masks, the online softmax and the epilogue."""
+    q_len, head_dim = q.shape
+    block_q, block_kv = tiles.block_q, tiles.block_kv
+    qk_scale = f32(scale * LOG2E)
+    out, lse = np.zeros((q_len, head_dim), f32), np.zeros(q_len, f32)
+    mask_left, mask_right = mask_sides(spec)
+    for cta_start in range(0, q_len, tiles.cta_rows):
+        cta_range = cta_tile_range(spec, cta_start, tiles)
+        for wg in range(NUM_CONSUMERS):
+            q_start = cta_start + wg * block_q
+            lo, full_lo, full_hi, hi = consumer_tile_range(spec, q_start, cta_range, tiles)
+            acc = np.zeros((block_q, head_dim), f32)
+            m_i, l_i = np.full(block_q, MASK_VALUE, f32), np.zeros(block_q, f32)
+            for tile in range(lo, hi):
+                keys = slice(tile * block_kv, (tile + 1) * block_kv)
+                qk = q[q_start : q_start + block_q] @ k[keys].T
+                visible = None
+                if not full_lo <= tile < full_hi:
+                    q_pos = q_start + np.arange(block_q)[:, None]
+                    kv_pos = tile * block_kv + np.arange(block_kv)[None, :]
+                    visible = np.ones((block_q, block_kv), bool)
+                    if mask_right:
+                        visible &= kv_pos <= q_pos + spec.right
+                    if mask_left:
+                        visible &= kv_pos >= q_pos - spec.left
+                with np.errstate(over="ignore"):  # MASK_VALUE * qk_scale may round to -inf
+                    if soft_cap is None:
+                        if visible is not None:
+                            qk = np.where(visible, qk, f32(MASK_VALUE))
+                        m_new = np.maximum(m_i, qk.max(axis=1) * qk_scale)
+                        p = np.exp2(qk * qk_scale - m_new[:, None])
+                    else:
+                        cap2 = f32(soft_cap * LOG2E)
+                        e = np.exp2(qk * f32(2.0 * LOG2E * scale / soft_cap))
+                        s = cap2 - f32(2.0 * cap2) / (e + f32(1.0))
+                        if visible is not None:
+                            s = np.where(visible, s, f32(MASK_VALUE))
+                        m_new = np.maximum(m_i, s.max(axis=1))
+                        p = np.exp2(s - m_new[:, None])
+                if visible is not None:
+                    p = np.where(visible, p, f32(0.0))
+                alpha = np.exp2(m_i - m_new)
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * alpha[:, None] + p @ v[keys]
+                m_i = m_new
+            empty = l_i == 0.0
+            l_safe = np.where(empty, f32(1.0), l_i)
+            out[q_start : q_start + block_q] = acc * (f32(1.0) / l_safe)[:, None]
+            with np.errstate(divide="ignore"):
+                row_lse = np.where(empty, -np.inf, m_i * f32(LN2) + np.log(l_safe))
+            lse[q_start : q_start + block_q] = row_lse
+    return out, lse

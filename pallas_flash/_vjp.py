@@ -27,19 +27,19 @@ class KernelConfig:
     soft_cap: float | None = None
     block_sizes: BlockSizes
     interpret: bool
-    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or mask arrays; the API
+    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask; the API
     # checks `pallas_flash.mosaic.supports` before choosing it).
     forward: str = "triton"
 
     def __post_init__(self):
-        # The Mosaic forward takes q, k, v, scale, is_causal, window and soft cap: mask arrays
-        # would be silently dropped, so they are refused here whoever builds the config.
+        # The Mosaic forward takes q, k, v, scale, is_causal, window, soft cap and segment ids
+        # (sequence lengths folded in): a dense mask would be silently dropped, so it is
+        # refused here whoever builds the config.
         if self.forward not in ("triton", "mosaic"):
             raise ValueError(f"KernelConfig.forward={self.forward!r} must be 'triton' or 'mosaic'")
-        if self.forward == "mosaic" and self.spec.has_arrays:
+        if self.forward == "mosaic" and self.spec.mask_shape is not None:
             raise ValueError(
-                f"KernelConfig.forward='mosaic' supports no mask arrays (segment ids, sequence "
-                f"lengths, dense mask); got {self.spec}"
+                f"KernelConfig.forward='mosaic' supports no dense mask; got {self.spec}"
             )
 
     def kwargs(self):
@@ -71,6 +71,9 @@ def _forward(q, k, v, bias, arrays, config: KernelConfig):
             is_causal=config.spec.is_causal,
             window=config.spec.window,
             soft_cap=config.soft_cap,
+            segment_ids=(
+                (arrays.q_segment_ids, arrays.kv_segment_ids) if config.spec.has_segments else None
+            ),
         )
     return flash_forward(q, k, v, bias, arrays, **config.kwargs())
 

@@ -291,8 +291,11 @@ def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None
         for name, present in (
             ("bias", bias is not None),
             ("mask", spec.mask_shape is not None),
-            ("segment ids or sequence lengths", spec.has_segments),
             # The kernel takes these; calls use it for them once they pass on a GPU.
+            (
+                "segment ids or sequence lengths",
+                spec.has_segments and not mosaic_forward.VERIFIED_ON_GPU["segments"],
+            ),
             (
                 "local_window_size",
                 spec.window is not None and not mosaic_forward.VERIFIED_ON_GPU["window"],
@@ -313,6 +316,7 @@ def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None
         is_causal=spec.is_causal,
         window=spec.window,
         soft_cap=soft_cap,
+        segments=spec.has_segments,
     )
 
 

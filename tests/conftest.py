@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import pallas_flash
+from pallas_flash import masks
 from pallas_flash.config import gpu_compute_capability
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -156,6 +157,55 @@ def random_inputs(p: Problem, seed: int = 0):
         random_array(rng, lse_shape, jnp.float32),
     ]
     return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+
+
+# -- segment ids ----------------------------------------------------------------------------------
+
+SEGMENT_KINDS = ("one-document", "packed", "lengths", "packed-lengths", "unsorted", "gap")
+
+
+def segment_arrays(kind: str, batch: int, q_len: int, kv_len: int, seed: int = 0):
+    """MaskArrays with segment ids [B, T] and [B, S], lengths folded in (`masks.make_arrays`).
+
+    kind: "one-document" (all ids 0: the geometry alone); "packed" (sorted ids 0-3, the same
+    for queries and keys when T == S); "lengths" (query and key lengths: padding rows that see
+    no key, the last batch entry with no key at all); "packed-lengths" (both); "unsorted"
+    (random ids 0-2: many masked tiles); "gap" (query rows of ids 0 then 2, keys of ids 0, 1,
+    2: the consumers of a CTA may visit tiles far apart, leaving a gap both drain).
+    """
+    rng = np.random.default_rng(seed)
+    kwargs = {}
+    if kind in ("packed", "packed-lengths"):
+        q_ids = np.sort(rng.integers(0, 4, size=(batch, q_len)), axis=1)
+        kv_ids = q_ids if q_len == kv_len else np.sort(rng.integers(0, 4, size=(batch, kv_len)))
+        kwargs.update(q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    elif kind == "unsorted":
+        kwargs.update(
+            q_segment_ids=rng.integers(0, 3, size=(batch, q_len)),
+            kv_segment_ids=rng.integers(0, 3, size=(batch, kv_len)),
+        )
+    elif kind == "gap":
+        q_ids = np.where(np.arange(q_len) % 128 < 64, 0, 2)
+        kv_ids = np.where(np.arange(kv_len) < kv_len // 8, 0, 1)
+        kv_ids = np.where(np.arange(kv_len) >= kv_len - kv_len // 8, 2, kv_ids)
+        kwargs.update(
+            q_segment_ids=np.broadcast_to(q_ids, (batch, q_len)),
+            kv_segment_ids=np.broadcast_to(kv_ids, (batch, kv_len)),
+        )
+    elif kind not in ("one-document", "lengths"):
+        raise ValueError(f"{kind=} is not one of {SEGMENT_KINDS}")
+    if kind in ("lengths", "packed-lengths"):
+        kwargs.update(
+            query_seq_lengths=np.concatenate(
+                [rng.integers(1, q_len + 1, size=batch - 1), [q_len // 3]]
+            ),
+            key_value_seq_lengths=np.concatenate(
+                [rng.integers(1, kv_len + 1, size=batch - 1), [0]]
+            ),
+        )
+    if not kwargs:
+        kwargs["q_segment_ids"] = np.zeros((batch, q_len), np.int32)
+    return masks.make_arrays(batch, q_len, kv_len, **kwargs)
 
 
 # -- float64 oracle -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from conftest import (
     outputs_and_grads,
     plain_fn,
     random_inputs,
+    segment_arrays,
     vmapped_outputs_and_grads,
 )
 from mosaic_interpret import interpret_mosaic
@@ -35,6 +36,7 @@ from test_lowering import lower_for_h200, triton_calls
 
 import pallas_flash
 from pallas_flash import config as config_lib
+from pallas_flash import masks
 from pallas_flash._vjp import KernelConfig
 from pallas_flash.config import gpu_compute_capability
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -46,6 +48,7 @@ from pallas_flash.mosaic.forward import (
     consumer_tile_range,
     cta_tile_range,
     mask_sides,
+    segment_tile_plan,
 )
 from pallas_flash.triton import backward as triton_backward
 
@@ -64,6 +67,32 @@ def forward_fn(p: Problem, tiles: ForwardTiles | None = None, **options):
     """flash_forward for `p`; options: window, soft_cap."""
     return functools.partial(
         flash_forward, scale=p.scale, is_causal=p.is_causal, tiles=tiles, **options
+    )
+
+
+def segments_forward_fn(p: Problem, tiles: ForwardTiles | None = None, *, scale=None, **options):
+    """flash_forward for `p` as f(q, k, v, q_segment_ids, kv_segment_ids)."""
+    scale = p.scale if scale is None else scale
+
+    def run(q, k, v, q_ids, kv_ids):
+        return flash_forward(
+            q,
+            k,
+            v,
+            scale=scale,
+            is_causal=p.is_causal,
+            segment_ids=(q_ids, kv_ids),
+            tiles=tiles,
+            **options,
+        )
+
+    return run
+
+
+def abstract_ids(p: Problem):
+    return (
+        jax.ShapeDtypeStruct((p.batch, p.q_len), jnp.int32),
+        jax.ShapeDtypeStruct((p.batch, p.kv_len), jnp.int32),
     )
 
 
@@ -235,6 +264,97 @@ def test_tile_ranges_traced_match_python(is_causal, window):
         ], (cta_start, got, want)
 
 
+# Segment ids (lengths folded in): causal and not, with windows and soft caps, T == S, T < S,
+# T > S, every head dim, other tiles.
+SEGMENT_LOWERING_CASES = [
+    (Problem(2, 256, 256, 4, 2, 128, False, "bf16"), {}, None),
+    (Problem(2, 256, 256, 4, 2, 64, True, "f16"), {}, None),
+    (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), dict(window=(64, 0)), None),
+    (Problem(1, 512, 256, 4, 1, 256, False, "bf16"), dict(window=(30, 90)), None),
+    (Problem(2, 512, 256, 4, 2, 128, True, "bf16"), dict(soft_cap=20.0), None),
+    (Problem(1, 512, 512, 2, 1, 64, True, "bf16"), {}, ForwardTiles(block_q=128, block_kv=128)),
+    (Problem(1, 512, 512, 2, 1, 128, False, "f16"), {}, ForwardTiles(block_kv=64, num_stages=4)),
+]
+
+
+@pytest.mark.parametrize("p, options, tiles", SEGMENT_LOWERING_CASES, ids=str)
+def test_lowers_with_segment_ids(p, options, tiles):
+    """One Mosaic GPU call; the tile plan is computed by XLA around it (no other custom call)."""
+    fn = segments_forward_fn(p, tiles, **options)
+    lowered = lower_for_h200(fn, *abstract_qkv(p), *abstract_ids(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    out, lse = lowered.out_info
+    assert out.shape == (p.batch, p.q_len, p.num_heads, p.head_dim)
+    assert lse.shape == (p.batch, p.num_heads, p.q_len)
+
+
+SEGMENT_RANGE_WINDOWS = [None, (0, 0), (5, 3), (100, 30), (127, 0), (10**6, 10**6)]
+
+
+@pytest.mark.parametrize("kind", ["one-document", "packed", "packed-lengths", "unsorted", "gap"])
+@pytest.mark.parametrize("block_q, block_kv", [(64, 128), (64, 64), (128, 64)])
+@pytest.mark.parametrize("q_len, kv_len", [(256, 256), (256, 512), (512, 256), (384, 640)])
+def test_segment_tile_plan_matches_the_mask(q_len, kv_len, block_q, block_kv, kind):
+    """`segment_tile_plan` against the brute-force visibility (`masks.dense`), per batch entry,
+    CTA and consumer, causal and not, over windows: the invariants its docstring lists. With
+    one document the consumer ranges are the geometry's exactly."""
+    if q_len % (NUM_CONSUMERS * block_q) or kv_len % block_kv:
+        pytest.skip("shape not a multiple of the tiles")
+    tiles = ForwardTiles(block_q=block_q, block_kv=block_kv)
+    num_kv_tiles = kv_len // block_kv
+    arrays = segment_arrays(kind, 2, q_len, kv_len, seed=q_len + kv_len + block_q)
+    for is_causal in (False, True):
+        for window in SEGMENT_RANGE_WINDOWS:
+            spec = MaskSpec(
+                q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window, has_segments=True
+            )
+            plan = np.asarray(segment_tile_plan(spec, arrays, tiles))
+            assert plan.shape == (2, q_len // tiles.cta_rows, NUM_CONSUMERS + 1, 4)
+            visible = np.asarray(masks.dense(spec, arrays))[:, 0]
+            for b, cta in np.ndindex(plan.shape[:2]):
+                first, first_again, end, end_again = plan[b, cta, NUM_CONSUMERS]
+                assert first == first_again and end == end_again
+                assert 0 <= first <= end <= num_kv_tiles
+                visits = []
+                for wg in range(NUM_CONSUMERS):
+                    q_start = cta * tiles.cta_rows + wg * block_q
+                    lo, full_lo, full_hi, hi = (int(x) for x in plan[b, cta, wg])
+                    rows = visible[b, q_start : q_start + block_q].reshape(block_q, -1, block_kv)
+                    seen, whole = rows.any(axis=(0, 2)), rows.all(axis=(0, 2))
+                    case = (is_causal, window, b, q_start, (lo, full_lo, full_hi, hi))
+                    assert first <= lo <= full_lo <= full_hi <= hi <= end, case
+                    assert set(np.flatnonzero(seen)) <= set(range(lo, hi)), case
+                    assert whole[full_lo:full_hi].all(), case
+                    if lo < hi:
+                        visits.append((lo, hi))
+                    if kind == "one-document" and seen.any():
+                        geometry = spec.kv_tile_range(q_start, block_q, block_kv)
+                        assert (lo, full_lo, full_hi, hi) == tuple(geometry), case
+                hull = (min(v[0] for v in visits), max(v[1] for v in visits)) if visits else (0, 0)
+                assert (first, end) == hull, (is_causal, window, b, cta)
+
+
+def test_segment_plans_include_the_hard_cases():
+    """Among the plans of the range test: CTAs with no tile, consumers with no tile in a CTA
+    with tiles, and CTAs whose consumers leave a gap in their hull (both drain it)."""
+    tiles = ForwardTiles(block_q=64, block_kv=64)
+    found = set()
+    for kind in ("packed-lengths", "gap"):
+        spec = MaskSpec(q_len=256, kv_len=512, has_segments=True)
+        plan = np.asarray(segment_tile_plan(spec, segment_arrays(kind, 2, 256, 512), tiles))
+        for b, cta in np.ndindex(plan.shape[:2]):
+            first, _, _, end = plan[b, cta, NUM_CONSUMERS]
+            ranges = [(lo, hi) for lo, _, _, hi in plan[b, cta, :NUM_CONSUMERS]]
+            if first == end:
+                found.add("empty cta")
+            if first < end and any(lo == hi for lo, hi in ranges):
+                found.add("idle consumer")
+            covered = set().union(*(range(lo, hi) for lo, hi in ranges))
+            if first < end and covered != set(range(first, end)):
+                found.add("gap")
+    assert found == {"empty cta", "idle consumer", "gap"}, found
+
+
 # -- supports / validation ------------------------------------------------------------------------
 
 BF16 = jnp.bfloat16
@@ -293,11 +413,12 @@ def test_kernel_config_refuses_what_the_mosaic_forward_would_drop():
     KernelConfig(spec=spec, forward="mosaic", **common)
     KernelConfig(spec=dataclasses.replace(spec, window=(8, 0)), forward="mosaic", **common)
     KernelConfig(spec=spec, soft_cap=30.0, forward="mosaic", **common)
+    KernelConfig(spec=dataclasses.replace(spec, has_segments=True), forward="mosaic", **common)
     for bad in (
-        dict(spec=dataclasses.replace(spec, has_segments=True)),
         dict(spec=dataclasses.replace(spec, mask_shape=(1, 1, 256, 256))),
+        dict(spec=dataclasses.replace(spec, has_segments=True, mask_shape=(1, 1, 256, 256))),
     ):
-        with pytest.raises(ValueError, match="forward='mosaic' supports no mask arrays"):
+        with pytest.raises(ValueError, match="forward='mosaic' supports no dense mask"):
             KernelConfig(forward="mosaic", **{**common, **bad})
     with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
         KernelConfig(spec=spec, forward="cuda", **common)
@@ -343,7 +464,25 @@ def test_supports_rejects_tiles_over_shared_memory():
 
 def test_default_tiles_fit_shared_memory():
     for head_dim in (64, 128, 256):
-        assert default_tiles(head_dim).smem_bytes(head_dim, 2) <= SMEM_BYTES
+        for segments in (False, True):
+            tiles = default_tiles(head_dim)
+            assert tiles.smem_bytes(head_dim, 2, segments=segments) <= SMEM_BYTES
+
+
+def test_supports_counts_the_segment_id_buffers(monkeypatch):
+    """Segment ids add the consumers' query ids and a ring of KV ids (int32) to shared memory;
+    `supports` checks the total (here against a budget that fits the tiles without ids)."""
+    tiles = ForwardTiles(block_q=64, block_kv=128, num_stages=3)
+    extra = tiles.smem_bytes(64, 2, segments=True) - tiles.smem_bytes(64, 2)
+    assert extra == (2 * 64 + 3 * 128) * 4
+    shapes = ((2, 256, 4, 64), (2, 512, 2, 64), BF16)
+    for is_causal in (False, True):
+        assert supports(*shapes, is_causal=is_causal, segments=True) is None
+        assert supports(*shapes, is_causal=is_causal, window=(8, 0), segments=True) is None
+    monkeypatch.setattr(mosaic_forward_module, "SMEM_BYTES", tiles.smem_bytes(64, 2))
+    assert supports(*shapes, is_causal=False, tiles=tiles) is None
+    got = supports(*shapes, is_causal=False, tiles=tiles, segments=True)
+    assert got is not None and "shared memory" in got, got
 
 
 @pytest.mark.parametrize(
@@ -425,6 +564,30 @@ def test_mosaic_forward_feeds_the_triton_backward_interpreted():
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     oracles = oracle_outputs_and_grads(p, *f64)
     assert_within_tolerance((out, lse, *grads), baselines, oracles, floor=p.floor)
+
+
+@pytest.mark.parametrize(
+    "segment_ids, match",
+    [
+        ((jnp.zeros((1, 128), jnp.int32),), "must be a (q_segment_ids, kv_segment_ids) pair"),
+        (
+            (jnp.zeros((1, 128), jnp.int32), jnp.zeros((1, 256), jnp.int32)),
+            "kv_segment_ids (1, 256) int32 must be int32 of shape (1, 128)",
+        ),
+        (
+            (jnp.zeros((1, 128), jnp.int16), jnp.zeros((1, 128), jnp.int32)),
+            "q_segment_ids (1, 128) int16 must be int32",
+        ),
+        (
+            (jnp.zeros((2, 128), jnp.int32), jnp.zeros((1, 128), jnp.int32)),
+            "q_segment_ids (2, 128) int32 must be int32 of shape (1, 128)",
+        ),
+    ],
+)
+def test_flash_forward_checks_segment_ids(segment_ids, match):
+    q = jnp.zeros((1, 128, 2, 128), BF16)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        flash_forward(q, q, q, scale=0.1, is_causal=False, segment_ids=segment_ids)
 
 
 # -- numerics on a Hopper GPU ---------------------------------------------------------------------
@@ -605,6 +768,129 @@ def test_masked_deterministic():
     assert_bitwise_equal(fn(q, k, v), fn(q, k, v))
 
 
+# (problem, segment kind, flash_forward options, scale or None for 1/sqrt(H)): packed documents,
+# padding rows and a batch entry without keys (rows that see no key), unsorted ids, a gap that
+# both consumers drain; with causal, windows and a soft cap; T == S, T < S, T > S.
+SEGMENT_GPU_CASES = [
+    (Problem(2, 256, 256, 4, 2, 128, False, "bf16"), "packed", {}, None),
+    (Problem(2, 512, 512, 4, 2, 64, True, "bf16"), "packed-lengths", {}, None),
+    (Problem(2, 256, 512, 4, 2, 128, True, "f16"), "lengths", {}, None),
+    (Problem(2, 512, 256, 4, 2, 256, False, "bf16"), "unsorted", {}, None),
+    (Problem(2, 256, 512, 4, 1, 128, False, "bf16"), "gap", {}, None),
+    (Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"), "one-document", {}, None),
+    (Problem(2, 512, 512, 4, 2, 128, True, "bf16"), "packed", dict(window=(100, 0)), None),
+    (
+        Problem(2, 512, 256, 4, 2, 128, False, "bf16"),
+        "packed-lengths",
+        dict(window=(30, 60), soft_cap=10.0),
+        1.0,
+    ),
+]
+
+
+def check_segments(p: Problem, kind: str, options: dict, scale, tiles=None):
+    scale = p.scale if scale is None else scale
+    window, soft_cap = options.get("window"), options.get("soft_cap")
+    arrays = segment_arrays(kind, p.batch, p.q_len, p.kv_len)
+    spec = MaskSpec(
+        q_len=p.q_len, kv_len=p.kv_len, is_causal=p.is_causal, window=window, has_segments=True
+    )
+    visible = np.asarray(masks.dense(spec, arrays))  # [B, 1, T, S]
+    (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
+    run = jax.jit(segments_forward_fn(p, tiles, scale=scale, **options))
+    out, lse = run(q, k, v, arrays.q_segment_ids, arrays.kv_segment_ids)
+    oracle = attention_oracle_f64(q64, k64, v64, scale=scale, visible=visible, soft_cap=soft_cap)
+    baseline = jax.jit(
+        functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=soft_cap)
+    )(q, k, v)
+    out32, lse32 = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert not np.isnan(out32).any() and not np.isnan(lse32).any()
+    empty = ~visible[:, 0].any(axis=-1)  # [B, T]: rows that see no key
+    assert (out32[empty] == 0).all(), "rows that see no key must output exactly 0"
+    lse_rows = lse32.transpose(0, 2, 1)  # [B, T, N]
+    assert np.isneginf(lse_rows[empty]).all() and np.isfinite(lse_rows[~empty]).all()
+    assert_within_tolerance(
+        (out, lse), baseline, (oracle["out"], oracle["lse"]), floor=p.floor, names=("out", "lse")
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p, kind, options, scale", SEGMENT_GPU_CASES, ids=str)
+def test_segments_match_oracle(p, kind, options, scale):
+    needs_hopper()
+    check_segments(p, kind, options, scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p, kind, tiles",
+    [
+        (
+            Problem(2, 512, 512, 4, 2, 64, True, "bf16"),
+            "packed",
+            ForwardTiles(block_q=128, block_kv=128),
+        ),
+        (
+            Problem(1, 512, 256, 4, 1, 128, False, "f16"),
+            "unsorted",
+            ForwardTiles(block_kv=64, num_stages=4),
+        ),
+        (
+            Problem(2, 256, 1024, 4, 2, 64, False, "bf16"),
+            "gap",
+            ForwardTiles(block_kv=64, num_stages=3),
+        ),
+    ],
+    ids=str,
+)
+def test_segments_match_oracle_with_other_tiles(p, kind, tiles):
+    needs_hopper()
+    check_segments(p, kind, {}, None, tiles)
+
+
+@pytest.mark.gpu
+def test_segments_deterministic():
+    needs_hopper()
+    p = Problem(2, 512, 256, 4, 2, 128, True, "bf16")
+    (q, k, v, _, _), _ = random_inputs(p)
+    arrays = segment_arrays("packed-lengths", p.batch, p.q_len, p.kv_len)
+    fn = jax.jit(segments_forward_fn(p, window=(40, 0)))
+    ids = (arrays.q_segment_ids, arrays.kv_segment_ids)
+    assert_bitwise_equal(fn(q, k, v, *ids), fn(q, k, v, *ids))
+
+
+@pytest.mark.gpu
+def test_segments_through_the_api_match_oracle(monkeypatch):
+    """backend='mosaic' with segment ids marked verified: packed documents with query and key
+    lengths, causal; out, lse and the Triton backward's gradients against the float64 oracle."""
+    needs_hopper()
+    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "segments", True)
+    p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
+    (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
+    rng = np.random.default_rng(1)
+    ids = np.sort(rng.integers(0, 4, size=(p.batch, p.q_len)), axis=1).astype(np.int32)
+    kwargs = dict(
+        q_segment_ids=jnp.asarray(ids),
+        kv_segment_ids=jnp.asarray(ids),
+        query_seq_lengths=jnp.array([400, 512]),
+        key_value_seq_lengths=jnp.array([512, 300]),
+    )
+    arrays = masks.make_arrays(p.batch, p.q_len, p.kv_len, **kwargs)
+    spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True, has_segments=True)
+    visible = np.asarray(masks.dense(spec, arrays))
+    empty = ~visible[:, 0].any(axis=-1)  # [B, T]
+    d_lse = jnp.where(empty[:, None], 0.0, d_lse)  # no gradient through an lse of -inf
+    d_lse64 = np.where(empty[:, None], 0.0, d_lse64)
+    run = jax.jit(functools.partial(outputs_and_grads, public_fn(p, backend="mosaic", **kwargs)))
+    assert "mosaic_gpu_v2" in custom_call_targets(run.lower(q, k, v, d_out, d_lse).as_text())
+    results = run(q, k, v, d_out, d_lse)
+    plain = functools.partial(masked_in_dtype, scale=p.scale, visible=visible)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(q, k, v, d_out, d_lse)
+    r = attention_oracle_f64(q64, k64, v64, d_out64, d_lse64, scale=p.scale, visible=visible)
+    oracles = tuple(r[name] for name in ("out", "lse", "dq", "dk", "dv"))
+    assert_within_tolerance(results, baselines, oracles, floor=p.floor)
+
+
 # -- through the public API: the Mosaic forward, the Triton backward ------------------------------
 
 
@@ -696,13 +982,41 @@ def test_vmap_lowers_to_one_mosaic_call(monkeypatch):
     assert out.shape == (3, 2, 256, 4, 64) and lse.shape == (3, 2, 4, 256)
 
 
-@pytest.mark.parametrize("option", ["window", "soft_cap"])
+def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
+    """Segment ids and key lengths under vmap, marked verified: the tile plan is batched in
+    XLA, the kernel stays one Mosaic GPU call."""
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "segments", True)
+    p = Problem(2, 256, 256, 4, 2, 64, True, "bf16")
+    q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_qkv(p))
+    ids = jax.ShapeDtypeStruct((3, p.batch, p.q_len), jnp.int32)
+    lengths = jax.ShapeDtypeStruct((3, p.batch), jnp.int32)
+
+    def attention(q, k, v, ids, lengths):
+        call = public_fn(p, backend="mosaic", q_segment_ids=ids, key_value_seq_lengths=lengths)
+        return call(q, k, v)
+
+    lowered = lower_for_h200(jax.vmap(attention), q, k, v, ids, lengths)
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    out, lse = lowered.out_info
+    assert out.shape == (3, 2, 256, 4, 64) and lse.shape == (3, 2, 4, 256)
+
+
+@pytest.mark.parametrize("option", ["window", "soft_cap", "segments"])
 def test_unverified_options_stay_on_triton_until_verified(monkeypatch, option):
-    """Until VERIFIED_ON_GPU says so, backend=None keeps windows and soft caps on the Triton
-    forward; once it does, the call lowers to the Mosaic forward and the Triton backward."""
+    """Until VERIFIED_ON_GPU says so, backend=None keeps windows, soft caps and segment ids on
+    the Triton forward; once it does, the call lowers to the Mosaic forward and the Triton
+    backward."""
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
     p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
-    kwargs = {"window": dict(local_window_size=(256, 0)), "soft_cap": dict(logits_soft_cap=30.0)}
+    kwargs = {
+        "window": dict(local_window_size=(256, 0)),
+        "soft_cap": dict(logits_soft_cap=30.0),
+        "segments": dict(
+            q_segment_ids=jnp.zeros((2, 1024), jnp.int32),
+            key_value_seq_lengths=jnp.array([1000, 17]),
+        ),
+    }
     q, k, v = abstract_qkv(p)
 
     def lowered_calls():

@@ -1,5 +1,6 @@
 """A pure-Python model of the Mosaic GPU forward's barrier protocol (pallas_flash.mosaic.forward),
-run over the tile ranges the kernel computes for many shapes, windows and ring depths.
+run over the tile ranges the kernel computes for many shapes, windows and ring depths, and over
+the per-CTA plans XLA computes from segment ids (`segment_tile_plan`, random ids).
 
 A GPU hang is the likeliest failure of a warp-specialised kernel, and it cannot be seen on CPU:
 this model replays, per CTA, the producer's TMA fills and refills and each consumer's waits and
@@ -22,15 +23,17 @@ import random
 
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64
+from conftest import attention_oracle_f64, segment_arrays
 
-from pallas_flash.masks import MaskSpec
+from pallas_flash import masks
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.forward import (
     NUM_CONSUMERS,
     ForwardTiles,
     consumer_tile_range,
     cta_tile_range,
     mask_sides,
+    segment_tile_plan,
 )
 from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
 
@@ -257,6 +260,63 @@ def test_protocol_never_hangs_or_races():
                 raise ProtocolError(f"{plan}: {e}") from None
 
 
+def segment_plans():
+    """Distinct CTA plans of `segment_tile_plan` over shapes, tiles, random ids (packed, with
+    lengths, unsorted, with a gap), causal and windows (with the ring depth)."""
+    plans = set()
+    for q_len, kv_len in ((256, 256), (256, 512), (512, 256), (384, 640)):
+        for block_q, block_kv in ((64, 64), (64, 128), (128, 64)):
+            if q_len % (NUM_CONSUMERS * block_q) or kv_len % block_kv:
+                continue
+            tiles = ForwardTiles(block_q=block_q, block_kv=block_kv)
+            for kind in ("packed", "packed-lengths", "unsorted", "gap"):
+                arrays = segment_arrays(kind, 2, q_len, kv_len, seed=q_len + block_kv)
+                for is_causal, window in ((False, None), (True, None), (True, (40, 0))):
+                    spec = MaskSpec(
+                        q_len=q_len,
+                        kv_len=kv_len,
+                        is_causal=is_causal,
+                        window=window,
+                        has_segments=True,
+                    )
+                    plan = np.asarray(segment_tile_plan(spec, arrays, tiles)).tolist()
+                    for per_batch in plan:
+                        for cta in per_batch:
+                            first, _, _, end = cta[NUM_CONSUMERS]
+                            ranges = tuple((c[0], c[3]) for c in cta[:NUM_CONSUMERS])
+                            for stages in (2, 3):
+                                plans.add((first, end, ranges, kv_len // block_kv, stages))
+    return sorted(plans)
+
+
+SEGMENT_PLANS = segment_plans()
+
+
+def test_segment_plans_cover_the_hard_cases():
+    """Among the segment plans: CTAs with no tile, idle consumers, leading and trailing
+    drains, gaps that both consumers drain, CTAs with more tiles than ring slots."""
+    assert any(first == end for first, end, *_ in SEGMENT_PLANS)
+    assert any(
+        lo == hi and first < end for first, end, ranges, *_ in SEGMENT_PLANS for lo, hi in ranges
+    )
+    assert any(first < lo < hi for first, _, ranges, *_ in SEGMENT_PLANS for lo, hi in ranges)
+    assert any(lo < hi < end for _, end, ranges, *_ in SEGMENT_PLANS for lo, hi in ranges)
+    assert any(
+        set().union(*(range(lo, hi) for lo, hi in ranges)) != set(range(first, end))
+        for first, end, ranges, *_ in SEGMENT_PLANS
+    )
+    assert any(end - first > stages for first, end, _, _, stages in SEGMENT_PLANS)
+
+
+def test_protocol_with_segment_plans_never_hangs_or_races():
+    for i, plan in enumerate(SEGMENT_PLANS):
+        for seed in range(3):
+            try:
+                run_plan(plan, seed=1000 * i + seed)
+            except ProtocolError as e:
+                raise ProtocolError(f"{plan}: {e}") from None
+
+
 @pytest.mark.parametrize(
     "broken, match",
     [
@@ -321,19 +381,67 @@ def test_consumer_arithmetic_matches_oracle(case):
     np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=1e-4, rtol=1e-5)
 
 
-def consumer_arithmetic(q, k, v, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles):
+SEGMENT_ARITHMETIC_CASES = [
+    # (T, S, causal, window, soft cap, scale, segment kind)
+    (512, 256, True, None, None, 0.125, "packed-lengths"),
+    (256, 512, False, None, None, 2.0, "lengths"),
+    (256, 512, False, (64, 32), 5.0, 1.0, "unsorted"),
+    (512, 512, True, (100, 0), None, 0.09, "packed"),
+    (256, 512, False, None, 30.0, 1.0, "gap"),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_ARITHMETIC_CASES, ids=str)
+def test_consumer_arithmetic_with_segments_matches_oracle(case):
+    """The replay with segment ids and the ranges of `segment_tile_plan`: padding rows, rows of
+    a batch entry without keys and rows whose document has no key in reach give exactly 0 and
+    -inf, no NaN, the rest matches the float64 oracle."""
+    q_len, kv_len, is_causal, window, soft_cap, scale, kind = case
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((n, 64)).astype(f32) for n in (q_len, kv_len, kv_len))
+    spec = MaskSpec(
+        q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window, has_segments=True
+    )
+    arrays = segment_arrays(kind, 2, q_len, kv_len, seed=3)
+    tiles = ForwardTiles(block_kv=64)
+    for b in range(2):
+        ids = (np.asarray(arrays.q_segment_ids[b]), np.asarray(arrays.kv_segment_ids[b]))
+        visible = np.asarray(masks.dense(spec, MaskArrays(*(x[None] for x in ids))))[0, 0]
+        with np.errstate(invalid="raise"):
+            out, lse = consumer_arithmetic(q, k, v, spec, scale, soft_cap, tiles, ids=ids)
+        oracle = attention_oracle_f64(
+            *(x[None, :, None] for x in (q, k, v)), scale=scale, visible=visible, soft_cap=soft_cap
+        )
+        want_out, want_lse = oracle["out"][0, :, 0], oracle["lse"][0, 0]
+        empty = ~visible.any(axis=1)
+        assert not np.isnan(out).any() and not np.isnan(lse).any()
+        assert (out[empty] == 0).all() and np.isneginf(lse[empty]).all()
+        np.testing.assert_allclose(out, want_out, atol=1e-4)
+        np.testing.assert_allclose(lse[~empty], want_lse[~empty], atol=1e-4, rtol=1e-5)
+
+
+def consumer_arithmetic(
+    q, k, v, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles, ids=None
+):
     """`_consume` in float32 numpy for one head, q [T, H], k and v [S, H]: the CTA and consumer
-    ranges, the element-wise masks, the online softmax and the epilogue."""
+    ranges, the element-wise masks, the online softmax and the epilogue. ids: None or segment
+    ids (q_ids [T], kv_ids [S]); the ranges then come from `segment_tile_plan`."""
     q_len, head_dim = q.shape
     block_q, block_kv = tiles.block_q, tiles.block_kv
     qk_scale = f32(scale * LOG2E)
     out, lse = np.zeros((q_len, head_dim), f32), np.zeros(q_len, f32)
     mask_left, mask_right = mask_sides(spec)
+    if ids is not None:
+        plan = np.asarray(segment_tile_plan(spec, MaskArrays(*(x[None] for x in ids)), tiles))[0]
     for cta_start in range(0, q_len, tiles.cta_rows):
-        cta_range = cta_tile_range(spec, cta_start, tiles)
+        if ids is None:
+            cta_range = cta_tile_range(spec, cta_start, tiles)
         for wg in range(NUM_CONSUMERS):
             q_start = cta_start + wg * block_q
-            lo, full_lo, full_hi, hi = consumer_tile_range(spec, q_start, cta_range, tiles)
+            if ids is None:
+                lo, full_lo, full_hi, hi = consumer_tile_range(spec, q_start, cta_range, tiles)
+            else:
+                lo, full_lo, full_hi, hi = plan[cta_start // tiles.cta_rows, wg]
             acc = np.zeros((block_q, head_dim), f32)
             m_i, l_i = np.full(block_q, MASK_VALUE, f32), np.zeros(block_q, f32)
             for tile in range(lo, hi):
@@ -348,6 +456,9 @@ def consumer_arithmetic(q, k, v, spec: MaskSpec, scale: float, soft_cap, tiles: 
                         visible &= kv_pos <= q_pos + spec.right
                     if mask_left:
                         visible &= kv_pos >= q_pos - spec.left
+                    if ids is not None:
+                        rows, keys_ids = ids[0][q_start : q_start + block_q], ids[1][keys]
+                        visible &= rows[:, None] == keys_ids[None, :]
                 with np.errstate(over="ignore"):  # MASK_VALUE * qk_scale may round to -inf
                     if soft_cap is None:
                         if visible is not None:

@@ -22,7 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash.masks import MaskSpec
+from pallas_flash import masks
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
 
 HEAD_DIMS = (64, 128, 256)
@@ -65,11 +66,13 @@ class ForwardTiles:
     def cta_rows(self) -> int:
         return NUM_CONSUMERS * self.block_q
 
-    def smem_bytes(self, head_dim: int, itemsize: int) -> int:
-        """Shared memory of one CTA: Q/out per consumer, the K and V rings, the lse rows."""
+    def smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
+        """Shared memory of one CTA: Q/out per consumer, the K and V rings, the lse rows and,
+        with segment ids, the consumers' query ids and a ring of KV ids (int32)."""
         q = self.cta_rows * head_dim * itemsize
         kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        return q + kv + self.cta_rows * 4
+        ids = (self.cta_rows + self.num_stages * self.block_kv) * 4 if segments else 0
+        return q + kv + self.cta_rows * 4 + ids
 
 
 def default_tiles(head_dim: int) -> ForwardTiles:
@@ -87,7 +90,7 @@ def default_tiles(head_dim: int) -> ForwardTiles:
 # Options whose kernel paths have passed the numerical tests on a Hopper GPU. `pallas_flash.api`
 # sends calls with an option to this kernel only once it is verified here; until then they run
 # on the Triton forward (flash_forward itself takes them either way).
-VERIFIED_ON_GPU = {"window": False, "soft_cap": False}
+VERIFIED_ON_GPU = {"window": False, "soft_cap": False, "segments": False}
 
 
 # Per consumer thread, the f32 accumulator [block_q, H] and logits [block_q, block_kv] take
@@ -115,10 +118,12 @@ def supports(
     is_causal: bool,
     window: tuple[int, int] | None = None,
     soft_cap: float | None = None,
+    segments: bool = False,
     tiles: ForwardTiles | None = None,
 ) -> str | None:
     """None if the kernel runs on these shapes and options, else why not (the caller falls back
-    to Triton). `window` and `soft_cap` as in `flash_forward`."""
+    to Triton). `window` and `soft_cap` as in `flash_forward`; `segments`: the call has segment
+    ids (or sequence lengths), whose id buffers take shared memory."""
     if window is not None and (
         not isinstance(window, (tuple, list))
         or len(window) != 2
@@ -163,7 +168,7 @@ def supports(
             f"{tiles} needs {registers} registers per thread for the accumulator and logits at "
             f"{head_dim=}, over {MAX_TILE_REGISTERS} (it would spill)"
         )
-    smem = tiles.smem_bytes(head_dim, jnp.dtype(dtype).itemsize)
+    smem = tiles.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, segments=segments)
     if smem > SMEM_BYTES:
         return f"{tiles} needs {smem} bytes of shared memory at {head_dim=}, over {SMEM_BYTES}"
     return None
@@ -178,6 +183,7 @@ def flash_forward(
     is_causal: bool,
     window: tuple[int, int] | None = None,
     soft_cap: float | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
     tiles: ForwardTiles | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
@@ -202,12 +208,19 @@ def flash_forward(
         window are neither loaded nor multiplied.
       soft_cap: c > 0 or None: logits <- c * tanh(logits / c), applied to scale * q.k before
         masking.
+      segment_ids: (q_segment_ids int32 [B, T], kv_segment_ids int32 [B, S]) or None: query i
+        of batch entry b sees key j only when q_segment_ids[b, i] == kv_segment_ids[b, j]
+        (packed documents), on top of the options above. Sequence lengths come folded in, as
+        `pallas_flash.masks.make_arrays` builds them: rows and keys past their length carry
+        PAD_Q_SEGMENT / PAD_KV_SEGMENT, which equal nothing. KV tiles that no row of a
+        consumer's block shares an id with are neither loaded for it nor multiplied.
       tiles: ForwardTiles; None picks `default_tiles(H)`.
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
       log-sum-exp of the (soft-capped) logits over the visible keys. A row that sees no key
-      (a window past the last key, possible when T > S) has out 0 and lse -inf.
+      (a window past the last key, possible when T > S; a padding row; a segment with no key)
+      has out 0 and lse -inf.
 
     Raises:
       ValueError: shapes, dtypes, options or tiles the kernel does not support (see `supports`).
@@ -219,6 +232,7 @@ def flash_forward(
         is_causal=is_causal,
         window=window,
         soft_cap=soft_cap,
+        segments=segment_ids is not None,
         tiles=tiles,
     ):
         raise ValueError(reason)
@@ -228,16 +242,48 @@ def flash_forward(
         )
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
+    if segment_ids is not None:
+        _check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
     tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)
-    spec = MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], is_causal=is_causal, window=window)
-    return _forward_call(q, k, v, spec=spec, scale=float(scale), soft_cap=soft_cap, tiles=tiles)
+    spec = MaskSpec(
+        q_len=q.shape[1],
+        kv_len=k.shape[1],
+        is_causal=is_causal,
+        window=window,
+        has_segments=segment_ids is not None,
+    )
+    segments = None
+    if segment_ids is not None:
+        arrays = MaskArrays(*segment_ids)
+        segments = (*segment_ids, segment_tile_plan(spec, arrays, tiles))
+    return _forward_call(
+        q, k, v, segments, spec=spec, scale=float(scale), soft_cap=soft_cap, tiles=tiles
+    )
 
 
-def _forward_call(q, k, v, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles):
+def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
+    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
+        raise ValueError(
+            f"segment_ids must be a (q_segment_ids, kv_segment_ids) pair, got {type(segment_ids)}"
+        )
+    for name, ids, shape in zip(
+        ("q_segment_ids", "kv_segment_ids"), segment_ids, (q_batch_len, kv_batch_len), strict=True
+    ):
+        if tuple(ids.shape) != tuple(shape) or ids.dtype != jnp.int32:
+            raise ValueError(
+                f"{name} {tuple(ids.shape)} {ids.dtype} must be int32 of shape {tuple(shape)}"
+            )
+
+
+def _forward_call(
+    q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles
+):
+    """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan)."""
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
+    has_ids = segments is not None
     kernel = functools.partial(
         _forward_kernel,
         spec=spec,
@@ -261,14 +307,22 @@ def _forward_call(q, k, v, *, spec: MaskSpec, scale: float, soft_cap, tiles: For
         k_smem=ring(tiles.block_kv),
         v_smem=ring(tiles.block_kv),
         lse_smem=plgpu.SMEM((NUM_CONSUMERS, tiles.block_q), jnp.float32),
-        q_ready=plgpu.Barrier(num_barriers=NUM_CONSUMERS),
-        k_ready=plgpu.Barrier(num_barriers=tiles.num_stages),
+        # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in
+        # K's ring slot: each such barrier then counts two copies (one arrival per copy, with
+        # its bytes), and the phase completes once both have landed.
+        q_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=NUM_CONSUMERS),
+        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=tiles.num_stages),
         v_ready=plgpu.Barrier(num_barriers=tiles.num_stages),
         # A slot is free again once both consumers are done with it.
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
         schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
+    if has_ids:
+        scratch.update(
+            q_ids_smem=plgpu.SMEM((NUM_CONSUMERS, tiles.block_q), jnp.int32),
+            kv_ids_smem=plgpu.SMEM((tiles.num_stages, tiles.block_kv), jnp.int32),
+        )
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
@@ -284,7 +338,7 @@ def _forward_call(q, k, v, *, spec: MaskSpec, scale: float, soft_cap, tiles: For
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v)
+    )(q, k, v, *(segments or ()))
 
 
 def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):
@@ -315,6 +369,47 @@ def mask_sides(spec: MaskSpec) -> tuple[bool, bool]:
     return spec.left < spec.q_len - 1, spec.right < spec.kv_len - 1
 
 
+def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -> jax.Array:
+    """KV tile ranges of every CTA and consumer with segment ids, computed by XLA before the
+    kernel: int32 [B, T // cta_rows, NUM_CONSUMERS + 1, 4], indexed by the CTA's query tile.
+
+    Row wg < NUM_CONSUMERS is consumer wg's (lo, full_lo, full_hi, hi): the geometry's range
+    (`MaskSpec.kv_tile_range`) intersected with the ids' (`masks.tile_ranges` over its block_q
+    rows), clamped into the CTA's range. Row NUM_CONSUMERS is (first, first, end, end), the
+    CTA's range: the hull of its consumers' non-empty ranges, (0, 0) when all are empty.
+
+    What the drain scheme of `_consume` rests on (tests check it against brute force):
+    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= S // block_kv for every consumer
+    (each walks exactly the producer's steps [first, end), draining those outside [lo, hi));
+    every key a consumer's rows see lies in a tile of [lo, hi), and tiles in [full_lo, full_hi)
+    are seen whole by every row. A tile of the hull that no consumer visits (a gap between two
+    consumers' documents) is loaded and drained by both: correct, a little wasted bandwidth.
+    """
+    block_q, block_kv = tiles.block_q, tiles.block_kv
+    num_rows, num_kv_tiles = spec.q_len // block_q, spec.kv_len // block_kv
+    q_start = jnp.arange(num_rows, dtype=jnp.int32) * block_q
+    geometry = tuple(
+        jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_rows,))
+        for x in spec.kv_tile_range(q_start, block_q, block_kv)
+    )
+    by_ids = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")[:, 0]  # [B, rows, 4]
+    ranges = masks.intersect(geometry, tuple(by_ids[..., i] for i in range(4)))
+    shape = (by_ids.shape[0], num_rows // NUM_CONSUMERS, NUM_CONSUMERS)
+    lo, full_lo, full_hi, hi = (
+        jnp.broadcast_to(x, shape[:1] + x.shape[-1:]).reshape(shape) for x in ranges
+    )
+    visits = lo < hi
+    any_visit = visits.any(axis=-1)
+    first = jnp.where(any_visit, jnp.min(jnp.where(visits, lo, num_kv_tiles), axis=-1), 0)
+    end = jnp.where(any_visit, jnp.max(jnp.where(visits, hi, 0), axis=-1), 0)
+    consumers = jnp.stack(
+        [jnp.clip(x, first[..., None], end[..., None]) for x in (lo, full_lo, full_hi, hi)],
+        axis=-1,
+    )
+    cta = jnp.stack([first, first, end, end], axis=-1)[:, :, None]
+    return jnp.concatenate([consumers, cta], axis=2).astype(jnp.int32)
+
+
 def _clip(x, lo, hi):
     if all(isinstance(v, int) for v in (x, lo, hi)):
         return min(max(x, lo), hi)
@@ -325,9 +420,7 @@ def _forward_kernel(
     q_ref,
     k_ref,
     v_ref,
-    out_ref,
-    lse_ref,
-    *,
+    *refs,
     q_smem,
     k_smem,
     v_smem,
@@ -338,6 +431,8 @@ def _forward_kernel(
     k_free,
     v_free,
     schedule,
+    q_ids_smem=None,
+    kv_ids_smem=None,
     spec: MaskSpec,
     scale: float,
     soft_cap,
@@ -348,10 +443,15 @@ def _forward_kernel(
     """One CTA: NUM_CONSUMERS * block_q query rows of one head against that head's keys.
 
     q_ref, out_ref: [B, T, N, H] and k_ref, v_ref: [B, S, K, H] in GMEM; lse_ref [B, N, T].
+    With segment ids, refs starts with q_ids_ref [B, T], kv_ids_ref [B, S] and plan_ref
+    [B, T // cta_rows, NUM_CONSUMERS + 1, 4] (`segment_tile_plan`), read with scalar loads.
     q_smem [NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output tile;
-    k_smem, v_smem [num_stages, block_kv, H] are the ring; the barriers are named after what
-    their completion means.
+    k_smem, v_smem [num_stages, block_kv, H] are the ring (kv_ids_smem [num_stages, block_kv]
+    rides in K's slots, q_ids_smem [NUM_CONSUMERS, block_q] with Q); the barriers are named
+    after what their completion means.
     """
+    *id_refs, out_ref, lse_ref = refs
+    q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     q_tile = lax.axis_index("q_tile")
     if spec.is_causal:
@@ -359,13 +459,27 @@ def _forward_kernel(
         # so that the short ones fill in at the end of the last wave.
         q_tile = num_q_tiles - 1 - q_tile
     cta_q_start = q_tile * tiles.cta_rows
-    cta_lo, cta_hi = cta_tile_range(spec, cta_q_start, tiles)
+    if plan_ref is None:
+        cta_lo, cta_hi = cta_tile_range(spec, cta_q_start, tiles)
+    else:
+        # Every thread of the CTA loads the same words: a broadcast from L2.
+        cta_lo = plan_ref[batch, q_tile, NUM_CONSUMERS, 0]
+        cta_hi = plan_ref[batch, q_tile, NUM_CONSUMERS, 3]
     wg = lax.axis_index("wg")
-    ring = _Ring(k_smem, v_smem, k_ready, v_ready, k_free, v_free, tiles.num_stages, cta_lo)
+    ring = _Ring(
+        k_smem, v_smem, k_ready, v_ready, k_free, v_free, tiles.num_stages, cta_lo, kv_ids_smem
+    )
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        q_start = cta_q_start + wg * tiles.block_q
+        if plan_ref is None:
+            ranges = consumer_tile_range(spec, q_start, (cta_lo, cta_hi), tiles)
+            q_ids = None
+        else:
+            ranges = tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
+            q_ids = (q_ids_ref.at[batch, pl.ds(q_start, tiles.block_q)], q_ids_smem.at[wg])
         _consume(
             q_ref,
             out_ref,
@@ -378,8 +492,10 @@ def _forward_kernel(
             wg=wg,
             batch=batch,
             head=head,
-            q_start=cta_q_start + wg * tiles.block_q,
+            q_start=q_start,
             cta_range=(cta_lo, cta_hi),
+            ranges=ranges,
+            q_ids=q_ids,
             spec=spec,
             scale=scale,
             soft_cap=soft_cap,
@@ -390,14 +506,23 @@ def _forward_kernel(
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
-        _produce(k_ref, v_ref, ring, batch=batch, kv_head=kv_head, cta_hi=cta_hi, tiles=tiles)
+        _produce(
+            k_ref,
+            v_ref,
+            kv_ids_ref,
+            ring,
+            batch=batch,
+            kv_head=kv_head,
+            cta_hi=cta_hi,
+            tiles=tiles,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
 class _Ring:
     """The K/V shared-memory ring: the CTA's n-th tile (tile first_tile + n) lives in slot
     n % num_stages. *_ready complete when TMA has landed a tile, *_free when both consumers are
-    done reading it."""
+    done reading it. kv_ids_smem (segment ids only) shares K's slots and barriers."""
 
     k_smem: object
     v_smem: object
@@ -407,17 +532,25 @@ class _Ring:
     v_free: object
     num_stages: int
     first_tile: object  # the CTA's first KV tile (an int32 scalar or a Python int)
+    kv_ids_smem: object = None
 
     def slot(self, tile):
         return lax.rem(jnp.asarray(tile - self.first_tile, jnp.int32), jnp.int32(self.num_stages))
 
 
-def _produce(k_ref, v_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: ForwardTiles):
-    """Producer warpgroup: TMA every KV tile in [first_tile, cta_hi) into the ring, in order."""
+def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: ForwardTiles):
+    """Producer warpgroup: TMA every KV tile in [first_tile, cta_hi) into the ring, in order
+    (with its KV segment ids next to K when kv_ids_ref is not None)."""
 
     def copy(gmem_ref, smem, ready, tile, slot):
         rows = (batch, pl.ds(tile * tiles.block_kv, tiles.block_kv), kv_head)
         plgpu.copy_gmem_to_smem(gmem_ref.at[rows], smem.at[slot], ready.at[slot])
+
+    def copy_k(tile, slot):
+        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
+        if kv_ids_ref is not None:
+            ids = kv_ids_ref.at[batch, pl.ds(tile * tiles.block_kv, tiles.block_kv)]
+            plgpu.copy_gmem_to_smem(ids, ring.kv_ids_smem.at[slot], ring.k_ready.at[slot])
 
     first = ring.first_tile
     # Fill the empty ring; a CTA may see fewer tiles than there are slots (short S, causal
@@ -427,7 +560,7 @@ def _produce(k_ref, v_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: Forwar
 
         @pl.when(first + n < cta_hi)
         def _fill():
-            copy(k_ref, ring.k_smem, ring.k_ready, first + n, n)  # noqa: B023 (called at once)
+            copy_k(first + n, n)  # noqa: B023 (called at once)
             copy(v_ref, ring.v_smem, ring.v_ready, first + n, n)  # noqa: B023
 
     @pl.loop(first + tiles.num_stages, cta_hi)
@@ -435,7 +568,7 @@ def _produce(k_ref, v_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: Forwar
         slot = ring.slot(tile)
         # K and V are freed separately: Q.K^T of a tile is done long before its P.V.
         plgpu.barrier_wait(ring.k_free.at[slot])
-        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
+        copy_k(tile, slot)
         plgpu.barrier_wait(ring.v_free.at[slot])
         copy(v_ref, ring.v_smem, ring.v_ready, tile, slot)
 
@@ -486,6 +619,8 @@ def _consume(
     head,
     q_start,
     cta_range,
+    ranges,
+    q_ids,
     spec: MaskSpec,
     scale: float,
     soft_cap,
@@ -499,18 +634,31 @@ def _consume(
     while consumer 0 computes its softmax, and the other way round (FA3, section 3.1).
 
     Ranges: the consumer walks every CTA step of cta_range; it computes the tiles of
-    its own range (lo, full_lo, full_hi, hi), masking element-wise those outside
+    its own range `ranges` = (lo, full_lo, full_hi, hi), masking element-wise those outside
     [full_lo, full_hi), and "drains" the CTA steps before lo and from hi on (see drain_step).
+
+    q_ids: None, or (GMEM [block_q], SMEM [block_q]) refs of the rows' segment ids: copied
+    with Q, then kept in registers as a row vector; a masked step compares it with the KV
+    tile's ids, read from the ring slot before K's slot is released.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     q_rows = (batch, pl.ds(q_start, block_q), head)
     plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem, q_ready)
-    lo, full_lo, full_hi, hi = consumer_tile_range(spec, q_start, cta_range, tiles)
+    if q_ids is not None:
+        plgpu.copy_gmem_to_smem(*q_ids, q_ready)
+    lo, full_lo, full_hi, hi = ranges
     qk_scale = scale * LOG2E
-    mask_left, mask_right = mask_sides(spec)
+    # With segment ids any tile may need the element-wise mask, and any consumer may start
+    # after the CTA's first tile or end before its last.
+    mask_left, mask_right = (True, True) if q_ids is not None else mask_sides(spec)
+    geometry_left, geometry_right = mask_sides(spec)
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    # The rows' segment ids [block_q] (row layout): loaded below once q_ready completes, before
+    # the loops trace visible_in, which reads them.
+    q_seg = None
 
-    def visible_in(tile):
+    def visible_in(tile, slot):
         q_pos = q_start + plgpu.broadcasted_iota(
             jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
         )
@@ -518,10 +666,15 @@ def _consume(
             jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
         )
         conditions = []
-        if mask_right:
+        if geometry_right:
             conditions.append(kv_pos <= q_pos + spec.right)
-        if mask_left:
+        if geometry_left:
             conditions.append(kv_pos >= q_pos - spec.left)
+        if q_seg is not None:
+            # Column vector of the tile's ids in the layout that broadcasts over WGMMA rows.
+            kv_seg = plgpu.load(ring.kv_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            shape = (block_q, block_kv)
+            conditions.append(_rows(q_seg, shape) == lax.broadcast_in_dim(kv_seg, shape, [1]))
         return functools.reduce(lambda a, b: a & b, conditions) if conditions else None
 
     def kv_step(tile, carry, *, masked: bool):
@@ -536,8 +689,9 @@ def _consume(
             return acc_ref[...]  # waits for the wgmma
 
         qk = pl.run_scoped(qk_into, plgpu.ACC((block_q, block_kv), jnp.float32))
+        # The KV ids share K's slot: read them before releasing it.
+        visible = visible_in(tile, slot) if masked else None
         plgpu.barrier_arrive(ring.k_free.at[slot])
-        visible = visible_in(tile) if masked else None
 
         # -- online softmax in base 2; log2(e) is folded into the scale --
         if soft_cap is None:
@@ -592,7 +746,6 @@ def _consume(
         return carry
 
     acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
     # m_i starts at MASK_VALUE, finite: once a row sees a key alpha = exp2(MASK_VALUE - m) = 0
     # scales the empty start away; masked probabilities are zeroed, so l_i counts only keys.
     m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
@@ -600,8 +753,11 @@ def _consume(
     carry = (acc, m_i, l_i)
     masked_step = functools.partial(kv_step, masked=True)
     plgpu.barrier_wait(q_ready)
+    if q_ids is not None:
+        q_seg = plgpu.load(q_ids[1], layout=row_layout)
     pl.when(wg == 1)(functools.partial(_schedule_sync, schedule))
-    # Without a left (right) side the loops before full_lo (after full_hi) are empty: not emitted.
+    # Without a left (right) side and segment ids the loops before full_lo (after full_hi) are
+    # empty: not emitted.
     if mask_left:
         _loop(cta_range[0], lo, drain_step, None)
         carry = _loop(lo, full_lo, masked_step, carry)

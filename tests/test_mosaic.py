@@ -8,6 +8,7 @@ the GPU code generation (LLVM, ptxas) happens only when XLA compiles for a real 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -702,24 +703,31 @@ MASKED_GPU_CASES = [
 ]
 
 
-def check_masked(p: Problem, options: dict, scale, tiles=None):
+def run_forward(fn, *args, interpreted: bool):
+    """jit(fn)(*args) -> (out, lse) as float32 numpy arrays, on the GPU or, with `interpreted`,
+    in the Mosaic GPU interpreter with the race detector on (converted inside its scope)."""
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        out, lse = jax.jit(fn)(*args)
+        return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+
+
+def check_masked(p: Problem, options: dict, scale, tiles=None, *, interpreted=False):
     scale = p.scale if scale is None else scale
     window, soft_cap = options.get("window"), options.get("soft_cap")
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
     run = functools.partial(
         flash_forward, scale=scale, is_causal=p.is_causal, tiles=tiles, **options
     )
-    out, lse = jax.jit(run)(q, k, v)
+    out, lse = run_forward(run, q, k, v, interpreted=interpreted)
     visible = visibility(p, window)
     oracle = attention_oracle_f64(q64, k64, v64, scale=scale, visible=visible, soft_cap=soft_cap)
     baseline = jax.jit(
         functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=soft_cap)
     )(q, k, v)
-    out32, lse32 = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
-    assert not np.isnan(out32).any() and not np.isnan(lse32).any()
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
     empty = ~visible.any(axis=1)  # [T]: rows that see no key
-    assert (out32[:, empty] == 0).all(), "rows that see no key must output exactly 0"
-    assert np.isneginf(lse32[:, :, empty]).all() and np.isfinite(lse32[:, :, ~empty]).all()
+    assert (out[:, empty] == 0).all(), "rows that see no key must output exactly 0"
+    assert np.isneginf(lse[:, :, empty]).all() and np.isfinite(lse[:, :, ~empty]).all()
     assert_within_tolerance(
         (out, lse), baseline, (oracle["out"], oracle["lse"]), floor=p.floor, names=("out", "lse")
     )
@@ -788,7 +796,7 @@ SEGMENT_GPU_CASES = [
 ]
 
 
-def check_segments(p: Problem, kind: str, options: dict, scale, tiles=None):
+def check_segments(p: Problem, kind: str, options: dict, scale, tiles=None, *, interpreted=False):
     scale = p.scale if scale is None else scale
     window, soft_cap = options.get("window"), options.get("soft_cap")
     arrays = segment_arrays(kind, p.batch, p.q_len, p.kv_len)
@@ -797,17 +805,17 @@ def check_segments(p: Problem, kind: str, options: dict, scale, tiles=None):
     )
     visible = np.asarray(masks.dense(spec, arrays))  # [B, 1, T, S]
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
-    run = jax.jit(segments_forward_fn(p, tiles, scale=scale, **options))
-    out, lse = run(q, k, v, arrays.q_segment_ids, arrays.kv_segment_ids)
+    run = segments_forward_fn(p, tiles, scale=scale, **options)
+    ids = (arrays.q_segment_ids, arrays.kv_segment_ids)
+    out, lse = run_forward(run, q, k, v, *ids, interpreted=interpreted)
     oracle = attention_oracle_f64(q64, k64, v64, scale=scale, visible=visible, soft_cap=soft_cap)
     baseline = jax.jit(
         functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=soft_cap)
     )(q, k, v)
-    out32, lse32 = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
-    assert not np.isnan(out32).any() and not np.isnan(lse32).any()
+    assert not np.isnan(out).any() and not np.isnan(lse).any()
     empty = ~visible[:, 0].any(axis=-1)  # [B, T]: rows that see no key
-    assert (out32[empty] == 0).all(), "rows that see no key must output exactly 0"
-    lse_rows = lse32.transpose(0, 2, 1)  # [B, T, N]
+    assert (out[empty] == 0).all(), "rows that see no key must output exactly 0"
+    lse_rows = lse.transpose(0, 2, 1)  # [B, T, N]
     assert np.isneginf(lse_rows[empty]).all() and np.isfinite(lse_rows[~empty]).all()
     assert_within_tolerance(
         (out, lse), baseline, (oracle["out"], oracle["lse"]), floor=p.floor, names=("out", "lse")
@@ -857,6 +865,86 @@ def test_segments_deterministic():
     fn = jax.jit(segments_forward_fn(p, window=(40, 0)))
     ids = (arrays.q_segment_ids, arrays.kv_segment_ids)
     assert_bitwise_equal(fn(q, k, v, *ids), fn(q, k, v, *ids))
+
+
+# -- windows, soft caps and segment ids in the Mosaic GPU interpreter (CPU) ----------------------
+
+# (problem, flash_forward options, scale or None for 1/sqrt(H), tiles or None): windows causal
+# and not, left-only and right-only, T < S and T > S, narrow ones leaving rows and whole CTAs
+# without keys; soft caps at scale 1 (so that the cap bites), alone, causal and with a window;
+# 128-row consumers over 64-key tiles and a 4-stage ring. H=256 (64-key tiles) and narrow
+# windows give the consumers ranges that differ, hence drain steps.
+MASKED_INTERPRET_CASES = [
+    (Problem(1, 256, 512, 2, 1, 128, False, "bf16"), dict(window=(64, 32)), None, None),
+    (Problem(1, 256, 512, 2, 2, 128, False, "f16"), dict(window=(70, 10**6)), None, None),
+    (Problem(1, 256, 256, 2, 1, 128, False, "bf16"), dict(window=(10**6, 40)), None, None),
+    (Problem(1, 512, 128, 2, 1, 64, True, "bf16"), dict(window=(1, 0)), None, None),
+    (Problem(1, 512, 256, 2, 1, 256, False, "f16"), dict(window=(10, 3)), None, None),
+    (Problem(1, 256, 256, 2, 1, 128, False, "bf16"), dict(soft_cap=5.0), 1.0, None),
+    (Problem(1, 256, 512, 2, 2, 64, True, "f16"), dict(soft_cap=30.0), 1.0, None),
+    (
+        Problem(1, 512, 256, 2, 1, 256, True, "bf16"),
+        dict(window=(64, 0), soft_cap=10.0),
+        1.0,
+        None,
+    ),
+    (
+        Problem(1, 512, 512, 2, 1, 128, True, "bf16"),
+        dict(window=(70, 0)),
+        None,
+        ForwardTiles(block_q=128, block_kv=64),
+    ),
+    (
+        Problem(1, 512, 256, 2, 1, 64, False, "bf16"),
+        dict(window=(30, 90), soft_cap=10.0),
+        None,
+        ForwardTiles(block_kv=64, num_stages=4),
+    ),
+]
+
+
+@pytest.mark.parametrize("p, options, scale, tiles", MASKED_INTERPRET_CASES, ids=str)
+def test_masked_matches_oracle_interpreted(p, options, scale, tiles):
+    """Windows and soft caps: the tile ranges, drain steps, element-wise masks and empty rows
+    (out exactly 0, lse -inf) against the float64 oracle, race detector on."""
+    check_masked(p, options, scale, tiles, interpreted=True)
+
+
+# (problem, segment kind, options, scale, tiles): packed documents (causal), padding with a
+# batch entry that sees no key, packed documents with lengths under a window and a soft cap,
+# a gap both consumers drain (64-key tiles, 3 stages), unsorted ids (every tile masked).
+SEGMENT_INTERPRET_CASES = [
+    (Problem(1, 256, 256, 2, 1, 128, True, "bf16"), "packed", {}, None, None),
+    (Problem(2, 256, 512, 2, 2, 64, False, "f16"), "lengths", {}, None, None),
+    (
+        Problem(2, 512, 256, 1, 1, 128, False, "bf16"),
+        "packed-lengths",
+        dict(window=(30, 60), soft_cap=10.0),
+        1.0,
+        None,
+    ),
+    (
+        Problem(1, 256, 512, 2, 1, 64, False, "bf16"),
+        "gap",
+        {},
+        None,
+        ForwardTiles(block_kv=64, num_stages=3),
+    ),
+    (
+        Problem(2, 512, 512, 2, 1, 64, True, "bf16"),
+        "packed",
+        dict(window=(100, 0)),
+        None,
+        ForwardTiles(block_q=128, block_kv=64),
+    ),
+]
+
+
+@pytest.mark.parametrize("p, kind, options, scale, tiles", SEGMENT_INTERPRET_CASES, ids=str)
+def test_segments_match_oracle_interpreted(p, kind, options, scale, tiles):
+    """Segment ids and lengths: the XLA tile plan read in the kernel, ids in shared memory
+    (query ids with Q, KV ids in K's ring slot), rows without keys, race detector on."""
+    check_segments(p, kind, options, scale, tiles, interpreted=True)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,7 @@ import jax
 
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic.forward import flash_forward as mosaic_forward
+from pallas_flash.mosaic import forward as mosaic
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
 
@@ -37,10 +37,10 @@ class KernelConfig:
         # refused here whoever builds the config.
         if self.forward not in ("triton", "mosaic"):
             raise ValueError(f"KernelConfig.forward={self.forward!r} must be 'triton' or 'mosaic'")
-        if self.forward == "mosaic" and self.spec.mask_shape is not None:
-            raise ValueError(
-                f"KernelConfig.forward='mosaic' supports no dense mask; got {self.spec}"
-            )
+        if self.forward == "mosaic" and (
+            unsupported := mosaic.unsupported_options(self.spec, has_bias=False)
+        ):
+            raise ValueError(f"KernelConfig.forward='mosaic' supports no {unsupported}")
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -61,9 +61,9 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 
 def _forward(q, k, v, bias, arrays, config: KernelConfig):
     if config.forward == "mosaic":
-        if bias is not None:
+        if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.forward='mosaic' supports no bias")
-        return mosaic_forward(
+        return mosaic.flash_forward(
             q,
             k,
             v,

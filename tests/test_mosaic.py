@@ -33,7 +33,7 @@ from conftest import (
     vmapped_outputs_and_grads,
 )
 from mosaic_interpret import interpret_mosaic
-from test_lowering import lower_for_h200, triton_calls
+from test_lowering import abstract_inputs, lower_for_h200, triton_calls
 
 import pallas_flash
 from pallas_flash import config as config_lib
@@ -121,7 +121,7 @@ def custom_call_targets(text: str) -> list[str]:
 def test_lowers_for_h200(p):
     """One Mosaic GPU custom call on the [B, T, N, H] inputs as given: no transposes or copies
     in XLA around it, outputs out [B, T, N, H] and lse float32 [B, N, T]."""
-    lowered = lower_for_h200(forward_fn(p), *abstract_qkv(p))
+    lowered = lower_for_h200(forward_fn(p), *abstract_inputs(p)[:3])
     text = lowered.as_text()
     assert custom_call_targets(text) == ["mosaic_gpu_v2"]
     assert "stablehlo.transpose" not in text
@@ -140,7 +140,7 @@ def test_lowers_for_h200(p):
 )
 def test_lowers_with_other_tiles(tiles):
     p = Problem(1, 512, 512, 2, 1, 128, True, "bf16")
-    lowered = lower_for_h200(forward_fn(p, tiles), *abstract_qkv(p))
+    lowered = lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
 
 
@@ -419,7 +419,7 @@ def test_kernel_config_refuses_what_the_mosaic_forward_would_drop():
         dict(spec=dataclasses.replace(spec, mask_shape=(1, 1, 256, 256))),
         dict(spec=dataclasses.replace(spec, has_segments=True, mask_shape=(1, 1, 256, 256))),
     ):
-        with pytest.raises(ValueError, match="forward='mosaic' supports no dense mask"):
+        with pytest.raises(ValueError, match="forward='mosaic' supports no mask"):
             KernelConfig(forward="mosaic", **{**common, **bad})
     with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
         KernelConfig(spec=spec, forward="cuda", **common)
@@ -993,9 +993,8 @@ def test_default_call_on_hopper_lowers_mosaic_forward_and_triton_backward(monkey
     Triton dK/dV and dQ kernels reading its out and lse."""
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
     p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
-    q, k, v = abstract_qkv(p)
     lowered = lower_for_h200(
-        functools.partial(outputs_and_grads, public_fn(p)), q, k, v, q, abstract_lse(p)
+        functools.partial(outputs_and_grads, public_fn(p)), *abstract_inputs(p)
     )
     assert custom_call_targets(lowered.as_text()).count("mosaic_gpu_v2") == 1
     assert sorted(triton_calls(lowered)) == [
@@ -1063,7 +1062,7 @@ def test_vmap_over_a_leading_axis():
 def test_vmap_lowers_to_one_mosaic_call(monkeypatch):
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
     p = Problem(2, 256, 256, 4, 2, 64, True, "bf16")
-    q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_qkv(p))
+    q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_inputs(p)[:3])
     lowered = lower_for_h200(jax.vmap(public_fn(p, backend="mosaic")), q, k, v)
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
     out, lse = lowered.out_info

@@ -110,6 +110,39 @@ def cuda_runtime_version() -> int | None:
     return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
 
 
+def unsupported_options(spec, *, has_bias: bool) -> str | None:
+    """The options of a call (spec: a masks.MaskSpec) that this kernel would drop, named as the
+    API names them; None if there are none. It takes windows, soft caps and segment ids."""
+    unsupported = [
+        name
+        for name, present in (("bias", has_bias), ("mask", spec.mask_shape is not None))
+        if present
+    ]
+    return " and ".join(unsupported) or None
+
+
+def unverified_options(spec, *, soft_cap) -> str | None:
+    """The options of a call that this kernel takes but that have not yet passed the numerical
+    tests on a Hopper GPU (VERIFIED_ON_GPU); the API keeps such calls on Triton."""
+    unverified = [
+        name
+        for name, present in (
+            ("segment ids or sequence lengths", spec.has_segments),
+            ("local_window_size", spec.window is not None),
+            ("logits_soft_cap", soft_cap is not None),
+        )
+        if present and not VERIFIED_ON_GPU[_VERIFIED_KEY[name]]
+    ]
+    return " and ".join(unverified) or None
+
+
+_VERIFIED_KEY = {
+    "segment ids or sequence lengths": "segments",
+    "local_window_size": "window",
+    "logits_soft_cap": "soft_cap",
+}
+
+
 def supports(
     q_shape,
     k_shape,

@@ -71,13 +71,16 @@ class ForwardTiles:
         return q + kv + self.cta_rows * 4
 
 
-def default_tiles(head_dim: int) -> ForwardTiles:
+def default_tiles(head_dim: int, *, q_len: int, kv_len: int, is_causal: bool) -> ForwardTiles:
     """Tiles per head dim, measured on the H200 (benchmarks/results/h200-mosaic-tiles.jsonl).
     H=256 halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared
     memory. Two stages beat three or four at H=64 too (450 against 416 TFLOP/s at 16k).
-    Measured but not yet checked numerically on the GPU: at H=64, 128 rows per consumer
-    (block_q=128) beat 64 when causal (1k: 259 against 238 TFLOP/s) or with at most 1k keys
-    (512: 299 against 276); see benchmarks/NOTES.md."""
+    At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles:
+    128 rows per consumer win when causal (512 keys: 183-191 against 162-168 TFLOP/s; 16k:
+    436-438 against 424-426) and up to 1k keys (512: 299-307 against 276-288), and lose a
+    little on long non-causal rows (16k: 426 against 450). They need T % 256 == 0."""
+    if head_dim == 64 and (is_causal or kv_len <= 1024) and q_len % (NUM_CONSUMERS * 128) == 0:
+        return ForwardTiles(block_q=128, block_kv=128, num_stages=2)
     if head_dim <= 128:
         return ForwardTiles(block_q=64, block_kv=128, num_stages=2)
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
@@ -135,7 +138,8 @@ def supports(
         return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
-    tiles = default_tiles(head_dim) if tiles is None else tiles
+    if tiles is None:
+        tiles = default_tiles(head_dim, q_len=q_len, kv_len=kv_len, is_causal=is_causal)
     if q_len == 0 or q_len % tiles.cta_rows:
         return f"{q_len=} not a positive multiple of {tiles.cta_rows} (2 x block_q)"
     if kv_len == 0 or kv_len % tiles.block_kv:
@@ -180,7 +184,7 @@ def flash_forward(
           q3         x x x x . .
 
         Every row sees key 0, so no row is empty.
-      tiles: ForwardTiles; None picks `default_tiles(H)`.
+      tiles: ForwardTiles; None picks `default_tiles` for the shapes.
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
@@ -197,7 +201,8 @@ def flash_forward(
         )
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
-    tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
+    if tiles is None:
+        tiles = default_tiles(q.shape[-1], q_len=q.shape[1], kv_len=k.shape[1], is_causal=is_causal)
     return _forward_call(q, k, v, scale=float(scale), is_causal=is_causal, tiles=tiles)
 
 

@@ -90,9 +90,8 @@ def flash_attention(
         support: bias, mask, segment ids, lengths, window, soft cap, float32, head dims other
         than 64/128/256, T not a multiple of 128 or S of the key tile) or "xla" (plain jnp,
         materialises the logits). None picks, on a GPU of compute capability >= 8.0: the
-        Mosaic forward on Hopper when it supports the call, its grid fills the GPU,
-        block_sizes is None and (H=64) there are at least 1024 keys, else "triton"; "triton"
-        when `interpret=True`; "xla" elsewhere.
+        Mosaic forward on Hopper when it supports the call, its grid fills the GPU and
+        block_sizes is None, else "triton"; "triton" when `interpret=True`; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
@@ -299,11 +298,17 @@ def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None
     )
 
 
-def _mosaic_fills_gpu(query, key) -> bool:
-    """Whether the Mosaic forward's grid (one CTA per 128 query rows and head) fills the GPU;
-    when it does not, Triton's split-KV forward spreads the key loop over more programs."""
+def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap) -> bool:
+    """Whether the Mosaic forward's grid (one CTA per 128 or 256 query rows and head) fills the
+    GPU; when it does not, Triton's split-KV forward spreads the key loop over more programs."""
     batch, q_len, num_heads, head_dim = query.shape
-    tiles = mosaic_forward.default_tiles(head_dim)
+    tiles = mosaic_forward.default_tiles(
+        head_dim,
+        q_len=q_len,
+        kv_len=key.shape[1],
+        is_causal=spec.is_causal,
+        masked=spec.window is not None or soft_cap is not None or spec.has_segments,
+    )
     ctas = batch * num_heads * (q_len // tiles.cta_rows)
     return choose_kv_splits(0, ctas, key.shape[1] // tiles.block_kv, interpret=False) == 1
 
@@ -341,18 +346,10 @@ def _choose_forward(backend, query, key, bias, spec, soft_cap, *, user_block_siz
         gap is None
         and hopper
         and user_block_sizes is None
-        and key.shape[1] >= _MOSAIC_MIN_KV_LEN.get(query.shape[-1], 0)
-        and _mosaic_fills_gpu(query, key)
+        and _mosaic_fills_gpu(query, key, spec, soft_cap)
     ):
         return "mosaic"
     return "triton"
-
-
-# Below these key lengths the Triton forward is faster on the H200 (its per-program setup is
-# lighter than the Mosaic kernel's barriers and TMA prologue): H=64 at 512 keys, Triton 286-304
-# / 178-180 TFLOP/s against 276-288 / 162-168 (non-causal / causal, two runs;
-# benchmarks/results/h200-mosaic-tiles.jsonl).
-_MOSAIC_MIN_KV_LEN = {64: 1024}
 
 
 def attention_reference(query, key, value, bias=None, mask=None, **kwargs):

@@ -463,11 +463,32 @@ def test_supports_rejects_tiles_over_shared_memory():
     assert supports((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False) is None
 
 
-def test_default_tiles_fit_shared_memory():
-    for head_dim in (64, 128, 256):
-        for segments in (False, True):
-            tiles = default_tiles(head_dim)
-            assert tiles.smem_bytes(head_dim, 2, segments=segments) <= SMEM_BYTES
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("q_len, kv_len", [(256, 512), (512, 2048), (384, 16384), (16384, 16384)])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("segments", [False, True])
+def test_default_tiles_are_supported(head_dim, q_len, kv_len, is_causal, segments):
+    """The default tiles fit shared memory (with the id buffers of segment ids) and registers,
+    and cover T (% 2 * block_q)."""
+    tiles = default_tiles(
+        head_dim, q_len=q_len, kv_len=kv_len, is_causal=is_causal, masked=segments
+    )
+    shapes = (2, q_len, 4, head_dim), (2, kv_len, 4, head_dim)
+    assert supports(*shapes, BF16, is_causal=is_causal, tiles=tiles, segments=segments) is None
+    assert tiles.smem_bytes(head_dim, 2, segments=segments) <= SMEM_BYTES
+
+
+def test_default_tiles_at_h64_take_128_rows_when_causal_or_short():
+    def block_q(**kwargs):
+        return default_tiles(64, **kwargs).block_q
+
+    assert block_q(q_len=512, kv_len=512, is_causal=False) == 128
+    assert block_q(q_len=1024, kv_len=1024, is_causal=False) == 128
+    assert block_q(q_len=2048, kv_len=2048, is_causal=False) == 64
+    assert block_q(q_len=16384, kv_len=16384, is_causal=True) == 128
+    assert block_q(q_len=384, kv_len=384, is_causal=True) == 64  # T % 256 != 0
+    assert block_q(q_len=512, kv_len=512, is_causal=True, masked=True) == 64
+    assert default_tiles(128, q_len=512, kv_len=512, is_causal=True).block_q == 64
 
 
 def test_supports_counts_the_segment_id_buffers(monkeypatch):

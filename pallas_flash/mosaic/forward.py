@@ -75,13 +75,25 @@ class ForwardTiles:
         return q + kv + self.cta_rows * 4 + ids
 
 
-def default_tiles(head_dim: int) -> ForwardTiles:
+def default_tiles(
+    head_dim: int, *, q_len: int, kv_len: int, is_causal: bool, masked: bool = False
+) -> ForwardTiles:
     """Tiles per head dim, measured on the H200 (benchmarks/results/h200-mosaic-tiles.jsonl).
     H=256 halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared
     memory. Two stages beat three or four at H=64 too (450 against 416 TFLOP/s at 16k).
-    Measured but not yet checked numerically on the GPU: at H=64, 128 rows per consumer
-    (block_q=128) beat 64 when causal (1k: 259 against 238 TFLOP/s) or with at most 1k keys
-    (512: 299 against 276); see benchmarks/NOTES.md."""
+    At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles:
+    128 rows per consumer win when causal (512 keys: 183-191 against 162-168 TFLOP/s; 16k:
+    436-438 against 424-426) and up to 1k keys (512: 299-307 against 276-288), and lose a
+    little on long non-causal rows (16k: 426 against 450). They need T % 256 == 0, and are
+    measured on plain and causal calls only: `masked` (a window, soft cap or segment ids)
+    keeps 64 rows, whose registers leave room for the mask."""
+    if (
+        head_dim == 64
+        and not masked
+        and (is_causal or kv_len <= 1024)
+        and q_len % (NUM_CONSUMERS * 128) == 0
+    ):
+        return ForwardTiles(block_q=128, block_kv=128, num_stages=2)
     if head_dim <= 128:
         return ForwardTiles(block_q=64, block_kv=128, num_stages=2)
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
@@ -188,7 +200,14 @@ def supports(
         return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
-    tiles = default_tiles(head_dim) if tiles is None else tiles
+    if tiles is None:
+        tiles = default_tiles(
+            head_dim,
+            q_len=q_len,
+            kv_len=kv_len,
+            is_causal=is_causal,
+            masked=window is not None or soft_cap is not None or segments,
+        )
     if q_len == 0 or q_len % tiles.cta_rows:
         return f"{q_len=} not a positive multiple of {tiles.cta_rows} (2 x block_q)"
     if kv_len == 0 or kv_len % tiles.block_kv:
@@ -247,7 +266,7 @@ def flash_forward(
         `pallas_flash.masks.make_arrays` builds them: rows and keys past their length carry
         PAD_Q_SEGMENT / PAD_KV_SEGMENT, which equal nothing. KV tiles that no row of a
         consumer's block shares an id with are neither loaded for it nor multiplied.
-      tiles: ForwardTiles; None picks `default_tiles(H)`.
+      tiles: ForwardTiles; None picks `default_tiles` for the shapes and options.
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
@@ -277,7 +296,14 @@ def flash_forward(
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
     if segment_ids is not None:
         _check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
-    tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
+    if tiles is None:
+        tiles = default_tiles(
+            q.shape[-1],
+            q_len=q.shape[1],
+            kv_len=k.shape[1],
+            is_causal=is_causal,
+            masked=window is not None or soft_cap is not None or segment_ids is not None,
+        )
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)
     spec = MaskSpec(
@@ -686,6 +712,11 @@ def _consume(
     # after the CTA's first tile or end before its last.
     mask_left, mask_right = (True, True) if q_ids is not None else mask_sides(spec)
     geometry_left, geometry_right = mask_sides(spec)
+    # Without a left side or segment ids every row sees key 0, in the consumer's first tile
+    # (tile 0): its row max is then a real logit and masked logits give p = 0 by themselves.
+    # Skipping the select keeps the mask out of the registers across the exp2 (at H=64 with
+    # 128-row consumers, causal: 436 against 299 TFLOP/s at 16k on the H200).
+    rows_may_start_empty = mask_left
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # The rows' segment ids [block_q] (row layout): loaded below once q_ready completes, before
     # the loops trace visible_in, which reads them.
@@ -741,7 +772,7 @@ def _consume(
                 s = jnp.where(visible, s, MASK_VALUE)
             m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
             p = jnp.exp2(s - _rows(m_new, s.shape))
-        if visible is not None:
+        if visible is not None and rows_may_start_empty:
             # A row that has seen no key yet keeps m_new at MASK_VALUE (or MASK_VALUE times
             # qk_scale), where a masked logit would give p = 1: zero it, so l_i stays 0.
             p = jnp.where(visible, p, 0.0)

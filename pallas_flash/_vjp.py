@@ -2,7 +2,8 @@
 backward calls the kernels' backward with the cotangents of both outputs.
 
 The forward runs on Triton or, on Hopper for the calls it supports, on the Mosaic GPU kernel
-(`KernelConfig.forward`); both return the same (out, lse), so the Triton backward serves both."""
+(`KernelConfig.forward`); both return the same (out, lse), so the Triton backward serves both.
+The Mosaic GPU backward is opt-in (`KernelConfig.backward`): nothing in the API chooses it yet."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax
 
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic.backward import flash_backward as mosaic_backward
 from pallas_flash.mosaic.forward import flash_forward as mosaic_forward
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
@@ -30,6 +32,9 @@ class KernelConfig:
     # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias, mask arrays, window or
     # soft cap; the API checks `pallas_flash.mosaic.supports` before choosing it).
     forward: str = "triton"
+    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; the calls of the Mosaic forward
+    # but H=256; the caller checks `pallas_flash.mosaic.supports_backward`).
+    backward: str = "triton"
 
     def __post_init__(self):
         # The Mosaic forward takes only q, k, v, scale and is_causal: anything else would be
@@ -77,10 +82,15 @@ def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     q, k, v, bias, arrays, out, lse = residuals
     d_out, d_lse = cotangents
+    d_arrays = jax.tree.map(lambda _: None, arrays)
+    if config.backward == "mosaic":
+        dq, dk, dv = mosaic_backward(
+            q, k, v, out, lse, d_out, d_lse, scale=config.scale, is_causal=config.spec.is_causal
+        )
+        return dq, dk, dv, None, d_arrays
     dq, dk, dv, dbias = flash_backward(
         q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs()
     )
-    d_arrays = jax.tree.map(lambda _: None, arrays)
     return dq, dk, dv, dbias, d_arrays
 
 

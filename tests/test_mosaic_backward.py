@@ -1,5 +1,6 @@
 """The Mosaic GPU backward (pallas_flash.mosaic.backward): lowering for an abstract H200 on CPU,
-the shape rules of `supports_backward`, and gradients against the float64 oracle on a Hopper GPU.
+the shape rules of `supports_backward`, and gradients against the float64 oracle, in jax's Mosaic
+GPU interpreter on CPU (tests/mosaic_interpret.py) and on a Hopper GPU.
 
 As for the forward (test_mosaic.py), lowering on CPU runs Pallas' lowering, Mosaic GPU's layout
 inference and its dialect lowering (shared-memory budget included) in Python; only the GPU code
@@ -24,8 +25,10 @@ from conftest import (
     plain_fn,
     random_inputs,
 )
+from mosaic_interpret import interpret_mosaic
 from test_lowering import lower_for_h200
 from test_mosaic import abstract_lse, abstract_qkv, custom_call_targets, needs_hopper
+from test_mosaic import forward_fn as mosaic_forward_fn
 
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -204,6 +207,21 @@ def test_supports_rejects_with_reason(q_shape, k_shape, dtype, reason):
         assert got is not None and reason in got, got
 
 
+def test_supports_names_the_lcm_of_the_tiles():
+    """Both kernels tile T and S: each must be a multiple of the lcm of its two tiles."""
+    tiles = BackwardTiles(
+        block_q_dq=192, block_q_dkv=128, block_kv_dkv=128, block_kv_dq=192, num_consumers=1
+    )
+    for q_len, kv_len, reason in [
+        (192, 384, "q_len=192 not a positive multiple of 384"),
+        (384, 192, "kv_len=192 not a positive multiple of 384"),
+    ]:
+        got = supports_backward(
+            (1, q_len, 2, 64), (1, kv_len, 2, 64), BF16, is_causal=True, tiles=tiles
+        )
+        assert got is not None and reason in got, got
+
+
 def test_supports_rejects_tiles_over_shared_memory():
     tiles = BackwardTiles(num_stages=8)
     got = supports_backward((1, 512, 2, 128), (1, 512, 2, 128), BF16, is_causal=False, tiles=tiles)
@@ -257,6 +275,40 @@ def test_flash_backward_raises_before_tracing():
         flash_backward(q, k, k, q, lse, q.astype(jnp.float16), lse, scale=0.1, is_causal=False)
     with pytest.raises(ValueError, match="scale=0.0 must be positive"):
         flash_backward(q, k, k, q, lse, q, lse, scale=0.0, is_causal=False)
+
+
+# -- numerics in the Mosaic GPU interpreter (CPU) --------------------------------------------------
+
+# Small problems through every code path: H 64 and 128, causal and not, MHA / GQA / MQA, T < S
+# and T > S, consumers that skip causal tiles, 1 and 2 consumers, 2 and 3 stages (rings that
+# wrap), 128-row streamed tiles. B=1 and few heads: the interpreter takes seconds per problem.
+INTERPRET_PROBLEMS = [
+    (Problem(1, 128, 256, 2, 2, 64, False, "bf16"), None),
+    (Problem(1, 256, 256, 4, 2, 64, True, "f16"), None),
+    (Problem(1, 128, 256, 2, 1, 128, True, "bf16"), None),
+    (Problem(1, 256, 128, 2, 1, 128, True, "bf16"), BackwardTiles(num_consumers=1)),
+    (Problem(1, 256, 512, 1, 1, 64, False, "bf16"), BackwardTiles(num_stages=3)),
+    (Problem(1, 384, 256, 2, 1, 64, True, "bf16"), BackwardTiles(num_consumers=1, num_stages=3)),
+    (Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3)),
+    (Problem(1, 512, 512, 1, 1, 64, True, "bf16"), BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
+]
+
+
+@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+def test_matches_oracle_interpreted(p, tiles):
+    """The Mosaic forward, then the Mosaic backward on its out and lse, both in the interpreter
+    (race detector on): out, lse, dq, dk, dv against the float64 oracle. Checks the kernels'
+    logic (tile ranges, masks, the lse cotangent, the barrier protocol); registers, layouts and
+    ptxas are the GPU tests' part."""
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        out, lse = jax.jit(mosaic_forward_fn(p))(q, k, v)
+        out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
+        grads = jax.jit(backward_fn(p, tiles))(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
+    results = (np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 
 
 # -- numerics on a Hopper GPU ---------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -146,16 +147,18 @@ def supports_backward(
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
     tiles = default_tiles(head_dim) if tiles is None else tiles
-    q_rows = max(tiles.cta_q_rows, tiles.block_q_dkv)
-    if q_len == 0 or q_len % tiles.cta_q_rows or q_len % tiles.block_q_dkv:
+    # Both kernels tile each length: the lengths must be multiples of both tiles' lcm.
+    q_rows = math.lcm(tiles.cta_q_rows, tiles.block_q_dkv)
+    if q_len == 0 or q_len % q_rows:
         return (
-            f"{q_len=} not a positive multiple of {q_rows} (num_consumers x block_q_dq="
-            f"{tiles.cta_q_rows} and block_q_dkv={tiles.block_q_dkv})"
+            f"{q_len=} not a positive multiple of {q_rows} (the lcm of num_consumers x "
+            f"block_q_dq={tiles.cta_q_rows} and block_q_dkv={tiles.block_q_dkv})"
         )
-    if kv_len == 0 or kv_len % tiles.cta_kv_rows or kv_len % tiles.block_kv_dq:
+    kv_rows = math.lcm(tiles.cta_kv_rows, tiles.block_kv_dq)
+    if kv_len == 0 or kv_len % kv_rows:
         return (
-            f"{kv_len=} not a positive multiple of num_consumers x block_kv_dkv="
-            f"{tiles.cta_kv_rows} and block_kv_dq={tiles.block_kv_dq}"
+            f"{kv_len=} not a positive multiple of {kv_rows} (the lcm of num_consumers x "
+            f"block_kv_dkv={tiles.cta_kv_rows} and block_kv_dq={tiles.block_kv_dq})"
         )
     # The rest of a consumer's registers hold the 16-bit copies of P and dS, lse, delta, indices.
     budget = consumer_registers(tiles.num_consumers) - REGISTER_HEADROOM
@@ -449,15 +452,16 @@ def _produce_dkv(
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
         # The first num_stages steps fill empty slots; later ones wait for the consumers. Q and
-        # dO are freed separately: dO's last readers (dV, dP^T) finish before Q's (dK).
-        pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(ring.q_free.at[slot]))
-        plgpu.copy_gmem_to_smem(q_ref.at[rows], ring.q_smem.at[slot], ring.q_ready.at[slot])
-        plgpu.copy_gmem_to_smem(lse2_ref.at[vector], ring.lse_smem.at[slot], ring.q_ready.at[slot])
+        # dO are freed separately and dO first: its last readers (dV, dP^T) finish before Q's
+        # (dK), so dO and delta are waited for and loaded first, Q and lse after.
         pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(ring.do_free.at[slot]))
         plgpu.copy_gmem_to_smem(do_ref.at[rows], ring.do_smem.at[slot], ring.do_ready.at[slot])
         plgpu.copy_gmem_to_smem(
             delta_ref.at[vector], ring.delta_smem.at[slot], ring.do_ready.at[slot]
         )
+        pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(ring.q_free.at[slot]))
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], ring.q_smem.at[slot], ring.q_ready.at[slot])
+        plgpu.copy_gmem_to_smem(lse2_ref.at[vector], ring.lse_smem.at[slot], ring.q_ready.at[slot])
 
 
 def _consume_dkv(
@@ -698,11 +702,12 @@ def _dq_kernel(
         def _step(step):
             slot = lax.rem(step, jnp.int32(tiles.num_stages))
             rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
-            # K and V are freed separately: dP = dO V^T is done before dQ += dS K.
-            pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            # K and V are freed separately and V first: dP = dO V^T is done before dQ += dS K,
+            # so V is waited for and loaded first, K after.
             pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+            pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
 
 
 def _consume_dq(
@@ -766,10 +771,10 @@ def _consume_dq(
 
     def skip_step(step, _):
         slot = lax.rem(step, jnp.int32(num_stages))
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
+        plgpu.barrier_wait(k_ready.at[slot])
+        plgpu.barrier_arrive(k_free.at[slot])
 
     dq = _wgmma_zeros((block_q, head_dim))
     dq = lax.fori_loop(0, num_unmasked, functools.partial(kv_step, masked=False), dq)

@@ -14,8 +14,8 @@ import jax
 
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic.backward import flash_backward as mosaic_backward
-from pallas_flash.mosaic.forward import flash_forward as mosaic_forward
+from pallas_flash.mosaic import backward as mosaic_backward
+from pallas_flash.mosaic import forward as mosaic
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
 
@@ -37,17 +37,21 @@ class KernelConfig:
     backward: str = "triton"
 
     def __post_init__(self):
-        # The Mosaic forward takes only q, k, v, scale and is_causal: anything else would be
-        # silently dropped, so it is refused here whoever builds the config.
-        if self.forward not in ("triton", "mosaic"):
-            raise ValueError(f"KernelConfig.forward={self.forward!r} must be 'triton' or 'mosaic'")
-        if self.forward == "mosaic" and (
-            self.spec.has_arrays or self.spec.window is not None or self.soft_cap is not None
-        ):
-            raise ValueError(
-                "KernelConfig.forward='mosaic' supports no mask arrays, window or soft cap; "
-                f"got {self.spec} and soft_cap={self.soft_cap}"
-            )
+        # The Mosaic kernels take only q, k, v, scale and is_causal (and the backward the
+        # residuals and cotangents): anything else would be silently dropped, so it is refused
+        # here whoever builds the config.
+        for pass_name in ("forward", "backward"):
+            kernel = getattr(self, pass_name)
+            if kernel not in ("triton", "mosaic"):
+                raise ValueError(
+                    f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
+                )
+            if kernel == "mosaic" and (
+                unsupported := mosaic.unsupported_options(
+                    self.spec, soft_cap=self.soft_cap, has_bias=False
+                )
+            ):
+                raise ValueError(f"KernelConfig.{pass_name}='mosaic' supports no {unsupported}")
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -68,9 +72,9 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 
 def _forward(q, k, v, bias, arrays, config: KernelConfig):
     if config.forward == "mosaic":
-        if bias is not None:
+        if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.forward='mosaic' supports no bias")
-        return mosaic_forward(q, k, v, scale=config.scale, is_causal=config.spec.is_causal)
+        return mosaic.flash_forward(q, k, v, scale=config.scale, is_causal=config.spec.is_causal)
     return flash_forward(q, k, v, bias, arrays, **config.kwargs())
 
 
@@ -84,7 +88,9 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     d_out, d_lse = cotangents
     d_arrays = jax.tree.map(lambda _: None, arrays)
     if config.backward == "mosaic":
-        dq, dk, dv = mosaic_backward(
+        if bias is not None:  # the one option the config cannot see
+            raise ValueError("KernelConfig.backward='mosaic' supports no bias")
+        dq, dk, dv = mosaic_backward.flash_backward(
             q, k, v, out, lse, d_out, d_lse, scale=config.scale, is_causal=config.spec.is_causal
         )
         return dq, dk, dv, None, d_arrays

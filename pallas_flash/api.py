@@ -161,9 +161,7 @@ def flash_attention(
                 is_causal=is_causal,
                 q_len=q_len,
                 kv_len=kv_len,
-                narrow=config_lib.narrow_band(
-                    is_causal=spec.is_causal, window=window, has_segments=spec.has_segments
-                ),
+                narrow=config_lib.narrow_band(spec),
             )
         config = KernelConfig(
             spec=spec,
@@ -286,20 +284,9 @@ def _choose_backend(backend, interpret):
 
 def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None:
     """Why the Mosaic GPU forward cannot run this call, or None when it can."""
-    unsupported = [
-        name
-        for name, present in (
-            ("bias", bias is not None),
-            ("mask", spec.mask_shape is not None),
-            ("segment ids or sequence lengths", spec.has_segments),
-            ("local_window_size", spec.window is not None),
-            ("logits_soft_cap", soft_cap is not None),
-        )
-        if present
-    ]
-    if unsupported:
-        return " and ".join(unsupported)
-    return mosaic_forward.supports(query.shape, key.shape, query.dtype, is_causal=spec.is_causal)
+    return mosaic_forward.unsupported_options(
+        spec, soft_cap=soft_cap, has_bias=bias is not None
+    ) or mosaic_forward.supports(query.shape, key.shape, query.dtype, is_causal=spec.is_causal)
 
 
 def _mosaic_fills_gpu(query, key) -> bool:

@@ -36,7 +36,7 @@ def attention_fn(impl: str, *, is_causal: bool, interpret: bool = False, block_s
             pallas_flash.flash_attention,
             is_causal=is_causal,
             interpret=interpret,
-            backend="triton" if impl == "pallas_flash_triton" or interpret else None,
+            backend="triton" if impl == "pallas_flash_triton" else None,
             block_sizes=block_sizes,
         )
     if impl in ("cudnn", "xla"):

@@ -307,17 +307,13 @@ def default_block_sizes(
     return tuned or heuristic_block_sizes(head_dim, dtype, masked=masked, narrow=narrow)
 
 
-def narrow_band(*, is_causal: bool, window, has_segments: bool) -> bool:
-    """Whether each query sees only a narrow band of keys: a local window at most NARROW_BAND keys
-    wide (counting the causal cut), or packed documents (segment ids)."""
-    if has_segments:
+def narrow_band(spec) -> bool:
+    """Whether each query of `spec` (a masks.MaskSpec) sees only a narrow band of keys: packed
+    documents (segment ids), or a local window at most NARROW_BAND keys wide after the causal
+    cut (the spec's left and right reach)."""
+    if spec.has_segments:
         return True
-    if window is None:
-        return False
-    left, right = window
-    if is_causal:
-        right = min(right, 0)
-    return left + right + 1 <= NARROW_BAND
+    return spec.window is not None and spec.left + spec.right + 1 <= NARROW_BAND
 
 
 def gpu_device_kind() -> str | None:

@@ -30,7 +30,7 @@ from conftest import (
     vmapped_outputs_and_grads,
 )
 from mosaic_interpret import interpret_mosaic
-from test_lowering import lower_for_h200, triton_calls
+from test_lowering import abstract_inputs, lower_for_h200, triton_calls
 
 import pallas_flash
 from pallas_flash import config as config_lib
@@ -41,16 +41,6 @@ from pallas_flash.mosaic import ForwardTiles, default_tiles, flash_forward, supp
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.forward import SMEM_BYTES, _kv_tile_counts
 from pallas_flash.triton import backward as triton_backward
-
-
-def abstract_qkv(p: Problem):
-    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, p.head_dim), p.jnp_dtype)
-    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, p.head_dim), p.jnp_dtype)
-    return q, kv, kv
-
-
-def abstract_lse(p: Problem):
-    return jax.ShapeDtypeStruct((p.batch, p.num_heads, p.q_len), jnp.float32)
 
 
 def forward_fn(p: Problem, tiles: ForwardTiles | None = None):
@@ -81,7 +71,7 @@ def custom_call_targets(text: str) -> list[str]:
 def test_lowers_for_h200(p):
     """One Mosaic GPU custom call on the [B, T, N, H] inputs as given: no transposes or copies
     in XLA around it, outputs out [B, T, N, H] and lse float32 [B, N, T]."""
-    lowered = lower_for_h200(forward_fn(p), *abstract_qkv(p))
+    lowered = lower_for_h200(forward_fn(p), *abstract_inputs(p)[:3])
     text = lowered.as_text()
     assert custom_call_targets(text) == ["mosaic_gpu_v2"]
     assert "stablehlo.transpose" not in text
@@ -100,7 +90,7 @@ def test_lowers_for_h200(p):
 )
 def test_lowers_with_other_tiles(tiles):
     p = Problem(1, 512, 512, 2, 1, 128, True, "bf16")
-    lowered = lower_for_h200(forward_fn(p, tiles), *abstract_qkv(p))
+    lowered = lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
 
 
@@ -378,9 +368,8 @@ def test_default_call_on_hopper_lowers_mosaic_forward_and_triton_backward(monkey
     Triton dK/dV and dQ kernels reading its out and lse."""
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
     p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
-    q, k, v = abstract_qkv(p)
     lowered = lower_for_h200(
-        functools.partial(outputs_and_grads, public_fn(p)), q, k, v, q, abstract_lse(p)
+        functools.partial(outputs_and_grads, public_fn(p)), *abstract_inputs(p)
     )
     assert custom_call_targets(lowered.as_text()).count("mosaic_gpu_v2") == 1
     assert sorted(triton_calls(lowered)) == [
@@ -448,7 +437,7 @@ def test_vmap_over_a_leading_axis():
 def test_vmap_lowers_to_one_mosaic_call(monkeypatch):
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
     p = Problem(2, 256, 256, 4, 2, 64, True, "bf16")
-    q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_qkv(p))
+    q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_inputs(p)[:3])
     lowered = lower_for_h200(jax.vmap(public_fn(p, backend="mosaic")), q, k, v)
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
     out, lse = lowered.out_info

@@ -9,6 +9,7 @@ generation waits for a real GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -26,11 +27,12 @@ from conftest import (
     random_inputs,
 )
 from mosaic_interpret import interpret_mosaic
-from test_lowering import lower_for_h200
-from test_mosaic import abstract_lse, abstract_qkv, custom_call_targets, needs_hopper
+from test_lowering import abstract_inputs, lower_for_h200
+from test_mosaic import custom_call_targets, needs_hopper
 from test_mosaic import forward_fn as mosaic_forward_fn
 
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import BackwardTiles, flash_backward, flash_forward, supports_backward
 from pallas_flash.mosaic.backward import SMEM_BYTES, _q_tile_range, default_tiles
@@ -60,8 +62,8 @@ def mosaic_fn(p: Problem, tiles: BackwardTiles | None = None):
 
 def abstract_backward_args(p: Problem):
     """q, k, v, out, lse, d_out, d_lse as ShapeDtypeStructs."""
-    q, k, v = abstract_qkv(p)
-    return q, k, v, q, abstract_lse(p), q, abstract_lse(p)
+    q, k, v, d_out, lse = abstract_inputs(p)
+    return q, k, v, q, lse, d_out, lse
 
 
 # -- lowering for an abstract H200 (CPU) ----------------------------------------------------------
@@ -88,7 +90,7 @@ def test_lowers_for_h200(p):
     assert custom_call_targets(text) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
     assert "stablehlo.transpose" not in text
     dq, dk, dv = lowered.out_info
-    q, k, _ = abstract_qkv(p)
+    q, k = abstract_inputs(p)[:2]
     assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
 
@@ -114,9 +116,8 @@ def test_lowers_with_other_tiles(head_dim, tiles):
 def test_forward_and_backward_lower_to_three_mosaic_calls():
     """The custom function of the GPU tests: the forward kernel and the two backward kernels."""
     p = Problem(2, 256, 512, 4, 2, 128, True, "bf16")
-    q, k, v = abstract_qkv(p)
     lowered = lower_for_h200(
-        functools.partial(outputs_and_grads, mosaic_fn(p)), q, k, v, q, abstract_lse(p)
+        functools.partial(outputs_and_grads, mosaic_fn(p)), *abstract_inputs(p)
     )
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"] * 3
 
@@ -141,9 +142,8 @@ def kernels_fn(p: Problem):
 def test_kernel_config_opt_in_lowers_to_mosaic_only():
     """KernelConfig(backward="mosaic"): the custom_vjp's backward runs the Mosaic kernels."""
     p = Problem(2, 256, 256, 4, 2, 64, False, "bf16")
-    q, k, v = abstract_qkv(p)
     lowered = lower_for_h200(
-        functools.partial(outputs_and_grads, kernels_fn(p)), q, k, v, q, abstract_lse(p)
+        functools.partial(outputs_and_grads, kernels_fn(p)), *abstract_inputs(p)
     )
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"] * 3
 
@@ -369,3 +369,37 @@ def test_deterministic():
     args, _ = random_inputs(p)
     fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))
     assert_bitwise_equal(fn(*args), fn(*args))
+
+
+@pytest.mark.parametrize(
+    "spec_options, soft_cap, match",
+    [
+        (dict(window=(8, 8)), None, "local_window_size"),
+        (dict(has_segments=True), None, "segment ids"),
+        (dict(mask_shape=(1, 1, 256, 256)), None, "mask"),
+        ({}, 30.0, "logits_soft_cap"),
+    ],
+)
+def test_kernel_config_refuses_mosaic_backward_with_options_it_would_drop(
+    spec_options, soft_cap, match
+):
+    with pytest.raises(ValueError, match=f"backward='mosaic' supports no {match}"):
+        KernelConfig(
+            spec=MaskSpec(q_len=256, kv_len=256, **spec_options),
+            scale=0.1,
+            soft_cap=soft_cap,
+            block_sizes=None,
+            interpret=False,
+            backward="mosaic",
+        )
+
+
+def test_mosaic_backward_refuses_bias():
+    p = Problem(1, 128, 128, 2, 2, 64, False, "bf16")
+    config = dataclasses.replace(
+        kernel_config(p), forward="triton", block_sizes=BlockSizes(), interpret=True
+    )
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    bias = jnp.zeros((1, 2, 128, 128), jnp.float32)
+    with pytest.raises(ValueError, match="backward='mosaic' supports no bias"):
+        jax.grad(lambda q: flash_attention_kernels(q, q, q, bias, MaskArrays(), config)[0].sum())(q)

@@ -8,6 +8,7 @@ import pytest
 
 from pallas_flash import config, tune
 from pallas_flash.config import BlockSizes, ShapeClass
+from pallas_flash.masks import MaskSpec
 
 KIND = "Fake GPU 9000"
 
@@ -97,7 +98,10 @@ def test_tune_refuses_to_run_without_a_gpu():
 
 def test_narrow_band():
     def narrow(is_causal, window, has_segments=False):
-        return config.narrow_band(is_causal=is_causal, window=window, has_segments=has_segments)
+        spec = MaskSpec(
+            q_len=8192, kv_len=8192, is_causal=is_causal, window=window, has_segments=has_segments
+        )
+        return config.narrow_band(spec)
 
     assert narrow(True, (1024, 0)) and narrow(False, (1000, 1000))
     assert narrow(True, (2047, 5000))  # the causal cut leaves 2048 keys

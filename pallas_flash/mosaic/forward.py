@@ -100,6 +100,23 @@ def cuda_runtime_version() -> int | None:
     return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
 
 
+def unsupported_options(spec, *, soft_cap, has_bias: bool) -> str | None:
+    """The options of a call (spec: a masks.MaskSpec) that this kernel, which takes only q, k, v,
+    scale and is_causal, would drop, named as the API names them; None if there are none."""
+    unsupported = [
+        name
+        for name, present in (
+            ("bias", has_bias),
+            ("mask", spec.mask_shape is not None),
+            ("segment ids or sequence lengths", spec.has_segments),
+            ("local_window_size", spec.window is not None),
+            ("logits_soft_cap", soft_cap is not None),
+        )
+        if present
+    ]
+    return " and ".join(unsupported) or None
+
+
 def supports(
     q_shape, k_shape, dtype, *, is_causal: bool, tiles: ForwardTiles | None = None
 ) -> str | None:

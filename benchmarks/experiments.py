@@ -9,6 +9,9 @@ python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
 python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-dims 64 --seqs 512]
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
+python benchmarks/experiments.py mosaic-backward --out $OUT/mosaic-bwd.jsonl [--head-dims 64]
+    forward+backward with the Mosaic forward and the Mosaic backward (KernelConfig opt-in)
+    beside the Mosaic forward with the Triton backward (the default call) and cuDNN.
 """
 
 from __future__ import annotations
@@ -139,9 +142,53 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
                     _record(out, row)
 
 
+def _mosaic_kernels_fn(t: int, h: int, causal: bool):
+    """q, k, v -> out through the custom_vjp with the Mosaic forward and backward (opt-in)."""
+    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+    from pallas_flash.masks import MaskArrays, MaskSpec
+
+    kernel_config = KernelConfig(
+        spec=MaskSpec(q_len=t, kv_len=t, is_causal=causal),
+        scale=h**-0.5,
+        block_sizes=None,
+        interpret=False,
+        forward="mosaic",
+        backward="mosaic",
+    )
+    return lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), kernel_config)[0]
+
+
+def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 2048, 16384)):
+    for h in head_dims:
+        n = 2048 // h
+        for t in seqs:
+            b = 16384 // t
+            args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+            for causal in (False, True):
+                fns = {
+                    impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd+bwd")
+                    for impl in ("pallas_flash", "cudnn")
+                }
+                # pallas_flash (the default call) is the Mosaic forward with the Triton backward.
+                fns["mosaic_fwd_mosaic_bwd"] = bench.timed_fn(
+                    _mosaic_kernels_fn(t, h, causal), "fwd+bwd"
+                )
+                flops = bench.attention_flops(b, t, t, n, h, causal, "fwd+bwd")
+                for impl, fn in fns.items():
+                    row = dict(exp="mosaic-backward", impl=impl, B=b, T=t, N=n, H=h, causal=causal)
+                    try:
+                        row["ms"] = round(bench.median_ms(fn, args), 4)
+                        row["tflops"] = round(flops / row["ms"] / 1e9, 1)
+                    except Exception as e:  # noqa: BLE001
+                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                    _record(out, row)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("experiment", choices=["tiles-masked", "split-kv", "mosaic-tiles"])
+    parser.add_argument(
+        "experiment", choices=["tiles-masked", "split-kv", "mosaic-tiles", "mosaic-backward"]
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 16384])
@@ -150,6 +197,8 @@ def main():
     with open(args.out, "a") as out:
         if args.experiment == "mosaic-tiles":
             mosaic_tiles(out, args.head_dims, args.seqs)
+        elif args.experiment == "mosaic-backward":
+            mosaic_backward(out, [h for h in args.head_dims if h <= 128], args.seqs)
         else:
             {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
 

@@ -1,8 +1,9 @@
 """The one jax.custom_vjp of pallas_flash: forward saves (q, k, v, bias, mask arrays, out, lse),
 backward calls the kernels' backward with the cotangents of both outputs.
 
-The forward runs on Triton or, on Hopper for the calls it supports, on the Mosaic GPU kernel
-(`KernelConfig.forward`); both return the same (out, lse), so the Triton backward serves both."""
+Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
+(`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse),
+so either backward serves either forward."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax
 
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
@@ -30,17 +32,26 @@ class KernelConfig:
     # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask; the API
     # checks `pallas_flash.mosaic.supports` before choosing it).
     forward: str = "triton"
+    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; H 64/128, plain and causal calls
+    # only; the API checks `pallas_flash.mosaic.supports_backward` before choosing it).
+    backward: str = "triton"
 
     def __post_init__(self):
-        # The Mosaic forward takes q, k, v, scale, is_causal, window, soft cap and segment ids
-        # (sequence lengths folded in): a dense mask would be silently dropped, so it is
-        # refused here whoever builds the config.
-        if self.forward not in ("triton", "mosaic"):
-            raise ValueError(f"KernelConfig.forward={self.forward!r} must be 'triton' or 'mosaic'")
-        if self.forward == "mosaic" and (
-            unsupported := mosaic.unsupported_options(self.spec, has_bias=False)
-        ):
-            raise ValueError(f"KernelConfig.forward='mosaic' supports no {unsupported}")
+        # Options a Mosaic kernel does not take would be silently dropped: they are refused
+        # here whoever builds the config. The forward takes windows, soft caps and segment ids
+        # (sequence lengths folded in); the backward only the causal flag.
+        for pass_name, module in (("forward", mosaic), ("backward", mosaic_backward)):
+            kernel = getattr(self, pass_name)
+            if kernel not in ("triton", "mosaic"):
+                raise ValueError(
+                    f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
+                )
+            if kernel == "mosaic" and (
+                unsupported := module.unsupported_options(
+                    self.spec, soft_cap=self.soft_cap, has_bias=False
+                )
+            ):
+                raise ValueError(f"KernelConfig.{pass_name}='mosaic' supports no {unsupported}")
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -86,10 +97,17 @@ def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     q, k, v, bias, arrays, out, lse = residuals
     d_out, d_lse = cotangents
+    d_arrays = jax.tree.map(lambda _: None, arrays)
+    if config.backward == "mosaic":
+        if bias is not None:  # the one option the config cannot see
+            raise ValueError("KernelConfig.backward='mosaic' supports no bias")
+        dq, dk, dv = mosaic_backward.flash_backward(
+            q, k, v, out, lse, d_out, d_lse, scale=config.scale, is_causal=config.spec.is_causal
+        )
+        return dq, dk, dv, None, d_arrays
     dq, dk, dv, dbias = flash_backward(
         q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs()
     )
-    d_arrays = jax.tree.map(lambda _: None, arrays)
     return dq, dk, dv, dbias, d_arrays
 
 

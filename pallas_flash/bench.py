@@ -184,7 +184,8 @@ def print_table(rows, impls, out=sys.stdout, metric="tflops"):
 
 
 def mask_cases(seq=16384, heads=16, head_dim=128, docs=8):
-    """(case, impl, fn, shape) for the masked workloads, each beside its cuDNN counterpart.
+    """(case, impl, fn, shape) for the masked workloads: the default call and the all-Triton
+    call (backend="triton"), each beside its cuDNN counterpart.
 
     fn(q, k, v) -> out; shape = (B, T, N, H). Packed documents: `docs` documents of seq/docs in
     one row (segment ids, causal), against cuDNN dense causal over the row and on the documents as
@@ -194,46 +195,60 @@ def mask_cases(seq=16384, heads=16, head_dim=128, docs=8):
     row = (1, seq, heads, head_dim)
     doc = seq // docs
     seg = jnp.repeat(jnp.arange(docs, dtype=jnp.int32), doc)[None]
-    pf = functools.partial(pallas_flash.flash_attention, backend="triton")
+    ours = {
+        "pallas_flash": pallas_flash.flash_attention,  # the default call
+        "pallas_flash_triton": functools.partial(pallas_flash.flash_attention, backend="triton"),
+    }
     cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
-    yield "dense causal", "pallas_flash", functools.partial(pf, is_causal=True), row
-    yield "dense causal", "cudnn", functools.partial(cudnn, is_causal=True), row
-    yield (
-        f"packed {docs}x{doc}",
-        "pallas_flash",
-        functools.partial(pf, is_causal=True, q_segment_ids=seg),
-        row,
-    )
-    yield (
-        f"packed {docs}x{doc}",
-        "cudnn (docs as batch)",
-        functools.partial(cudnn, is_causal=True),
-        (docs, doc, heads, head_dim),
-    )
-    for window in (1024, 4096):
-        case = f"causal window {window}"
-        yield (
-            case,
-            "pallas_flash",
-            functools.partial(pf, is_causal=True, local_window_size=(window, 0)),
-            row,
-        )
-        yield (
-            case,
-            "cudnn",
-            functools.partial(cudnn, is_causal=True, local_window_size=(window, 0)),
-            row,
-        )
     batch, length = 8, 2048
     lengths = jnp.asarray([2048, 1024, 1536, 1100, 2000, 1800, 1300, 1700], jnp.int32)
     padded = (batch, length, heads, head_dim)
-    for impl, fn in (("pallas_flash", pf), ("cudnn", cudnn)):
-        yield (
-            "padded 8x2048",
-            impl,
-            functools.partial(fn, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+    # (case, kwargs of ours, shape, cuDNN's counterpart: (impl, fn, shape))
+    cases = [
+        (
+            "dense causal",
+            dict(is_causal=True),
+            row,
+            ("cudnn", functools.partial(cudnn, is_causal=True), row),
+        ),
+        (
+            f"packed {docs}x{doc}",
+            dict(is_causal=True, q_segment_ids=seg),
+            row,
+            (
+                "cudnn (docs as batch)",
+                functools.partial(cudnn, is_causal=True),
+                (docs, doc, heads, head_dim),
+            ),
+        ),
+        *(
+            (
+                f"causal window {window}",
+                dict(is_causal=True, local_window_size=(window, 0)),
+                row,
+                (
+                    "cudnn",
+                    functools.partial(cudnn, is_causal=True, local_window_size=(window, 0)),
+                    row,
+                ),
+            )
+            for window in (1024, 4096)
+        ),
+        (
+            f"padded {batch}x{length}",
+            dict(query_seq_lengths=lengths, key_value_seq_lengths=lengths),
             padded,
-        )
+            (
+                "cudnn",
+                functools.partial(cudnn, query_seq_lengths=lengths, key_value_seq_lengths=lengths),
+                padded,
+            ),
+        ),
+    ]
+    for case, kwargs, shape, (cudnn_impl, cudnn_fn, cudnn_shape) in cases:
+        for impl, fn in ours.items():
+            yield case, impl, functools.partial(fn, **kwargs), shape
+        yield case, cudnn_impl, cudnn_fn, cudnn_shape
 
 
 def run_mask_suite(out_path, repeats):

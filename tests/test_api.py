@@ -292,10 +292,20 @@ HOPPER_SHAPES = dict(q_shape=(2, 1024, 8, 128), k_shape=(2, 1024, 2, 128))
 def chosen_forward(monkeypatch):
     """Pretends the GPU has compute capability `cc` (default Hopper) and records, instead of
     running anything, which forward each flash_attention call picks: call(cc=...) -> list."""
+    return _chosen(monkeypatch, lambda config: config.forward)
+
+
+@pytest.fixture
+def chosen_kernels(monkeypatch):
+    """As chosen_forward, recording (forward, backward) of each call."""
+    return _chosen(monkeypatch, lambda config: (config.forward, config.backward))
+
+
+def _chosen(monkeypatch, what):
     chosen = []
 
     def record(q, k, v, bias, arrays, config):
-        chosen.append(config.forward)
+        chosen.append(what(config))
         b, t, n, _ = q.shape
         return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
 
@@ -325,11 +335,6 @@ def test_plain_calls_on_hopper_take_the_mosaic_forward(chosen_forward, is_causal
 MOSAIC_GAPS = [
     ("bias", dict(bias=jnp.zeros((1, 8, 1024, 1024))), "bias"),
     ("mask", dict(mask=jnp.ones((1, 1, 1024, 1024), bool)), "mask"),
-    ("segments", dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)), "segment ids"),
-    ("kv-lengths", dict(key_value_seq_lengths=jnp.array([5, 9])), "sequence lengths"),
-    ("q-lengths", dict(query_seq_lengths=jnp.array([5, 9])), "sequence lengths"),
-    ("window", dict(local_window_size=256), "local_window_size"),
-    ("soft-cap", dict(logits_soft_cap=30.0), "logits_soft_cap"),
     ("float32", dict(dtype=jnp.float32), "dtype float32"),
     ("q-len", dict(q_shape=(2, 1000, 8, 128)), "q_len=1000"),
     ("kv-len", dict(k_shape=(2, 1000, 2, 128)), "kv_len=1000"),
@@ -360,6 +365,21 @@ def test_mosaic_backend_names_what_it_does_not_support(chosen_forward, call_kwar
     qkv, kwargs = gap_call(call_kwargs)
     with pytest.raises(NotImplementedError, match=f"backend='mosaic' does not support.*{lacks}"):
         chosen_forward(*qkv, backend="mosaic", **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)),
+        dict(key_value_seq_lengths=jnp.array([5, 9])),
+        dict(query_seq_lengths=jnp.array([5, 9])),
+        dict(local_window_size=256),
+        dict(logits_soft_cap=30.0),
+    ],
+    ids=["segments", "kv-lengths", "q-lengths", "window", "soft-cap"],
+)
+def test_masked_calls_on_hopper_take_the_mosaic_forward(chosen_forward, kwargs):
+    assert chosen_forward(*hopper_arrays(), is_causal=True, **kwargs) == "mosaic"
 
 
 def test_auto_forward_keeps_triton_when_it_should(chosen_forward):
@@ -414,3 +434,34 @@ def test_mosaic_backend_needs_hopper(chosen_forward):
         chosen_forward(*hopper_arrays(), backend="mosaic", cc=None)
     with pytest.raises(ValueError, match="Mosaic GPU kernels cannot be interpreted"):
         chosen_forward(*hopper_arrays(), backend="mosaic", interpret=True)
+
+
+def test_mosaic_backward_goes_with_the_mosaic_forward_on_plain_and_causal_calls(chosen_kernels):
+    for is_causal in (False, True):
+        assert chosen_kernels(*hopper_arrays(), is_causal=is_causal) == ("mosaic", "mosaic")
+    # H=64 below 2k keys: the Triton backward, measured faster there; asked for: Mosaic.
+    short_h64 = hopper_arrays((4, 1024, 8, 64), (4, 1024, 8, 64))
+    assert chosen_kernels(*short_h64) == ("mosaic", "triton")
+    assert chosen_kernels(*short_h64, backend="mosaic") == ("mosaic", "mosaic")
+    long_h64 = hopper_arrays((4, 2048, 8, 64), (4, 2048, 8, 64))
+    assert chosen_kernels(*long_h64, is_causal=True) == ("mosaic", "mosaic")
+
+
+def test_triton_backward_serves_what_the_mosaic_backward_lacks(chosen_kernels):
+    # H=256 (registers), windows, soft caps, segment ids: the Mosaic forward, the Triton backward.
+    h256 = hopper_arrays((2, 1024, 8, 256), (2, 1024, 2, 256))
+    assert chosen_kernels(*h256) == ("mosaic", "triton")
+    for kwargs in (
+        dict(local_window_size=256),
+        dict(logits_soft_cap=30.0),
+        dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)),
+    ):
+        assert chosen_kernels(*hopper_arrays(), **kwargs) == ("mosaic", "triton"), kwargs
+    # The user's Triton tiles configure the backward; a Triton forward takes a Triton backward.
+    tiles = pallas_flash.BlockSizes(block_q_dkv=64)
+    assert chosen_kernels(*hopper_arrays(), backend="mosaic", block_sizes=tiles) == (
+        "mosaic",
+        "triton",
+    )
+    assert chosen_kernels(*hopper_arrays(), backend="triton") == ("triton", "triton")
+    assert chosen_kernels(*hopper_arrays(), cc=(8, 0)) == ("triton", "triton")

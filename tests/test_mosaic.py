@@ -973,7 +973,6 @@ def test_segments_through_the_api_match_oracle(monkeypatch):
     """backend='mosaic' with segment ids marked verified: packed documents with query and key
     lengths, causal; out, lse and the Triton backward's gradients against the float64 oracle."""
     needs_hopper()
-    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "segments", True)
     p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
     (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
     rng = np.random.default_rng(1)
@@ -1009,19 +1008,37 @@ def public_fn(p: Problem, **kwargs):
     )
 
 
-def test_default_call_on_hopper_lowers_mosaic_forward_and_triton_backward(monkeypatch):
-    """backend=None on a Hopper GPU: the forward is the Mosaic GPU kernel, the backward the
-    Triton dK/dV and dQ kernels reading its out and lse."""
+@pytest.mark.parametrize(
+    "p, mosaic_calls, triton_backward",
+    [
+        # H 64/128 (from 2k keys at H=64): the Mosaic forward, dK/dV and dQ kernels.
+        (Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), 3, []),
+        (Problem(2, 2048, 2048, 8, 2, 64, False, "bf16"), 3, []),
+        # H=256, and H=64 below 2k keys: the Triton backward reads the Mosaic forward's out, lse.
+        (
+            Problem(2, 1024, 1024, 8, 2, 256, True, "bf16"),
+            1,
+            ["pallas_flash_backward_dkv", "pallas_flash_backward_dq"],
+        ),
+        (
+            Problem(4, 1024, 1024, 8, 2, 64, True, "bf16"),
+            1,
+            ["pallas_flash_backward_dkv", "pallas_flash_backward_dq"],
+        ),
+    ],
+    ids=str,
+)
+def test_default_call_on_hopper_lowers_to_the_chosen_kernels(
+    monkeypatch, p, mosaic_calls, triton_backward
+):
+    """backend=None on a Hopper GPU: the Mosaic forward, and the Mosaic backward where it is
+    supported and measured faster, else the Triton dK/dV and dQ kernels."""
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
-    p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
     lowered = lower_for_h200(
         functools.partial(outputs_and_grads, public_fn(p)), *abstract_inputs(p)
     )
-    assert custom_call_targets(lowered.as_text()).count("mosaic_gpu_v2") == 1
-    assert sorted(triton_calls(lowered)) == [
-        "pallas_flash_backward_dkv",
-        "pallas_flash_backward_dq",
-    ]
+    assert custom_call_targets(lowered.as_text()).count("mosaic_gpu_v2") == mosaic_calls
+    assert sorted(triton_calls(lowered)) == triton_backward
 
 
 # Shapes the default call sends to the Mosaic forward; T < S and T > S; GQA.
@@ -1030,6 +1047,7 @@ PUBLIC_GPU_PROBLEMS = [
     Problem(2, 512, 256, 8, 2, 128, True, "f16"),
     Problem(2, 512, 512, 8, 8, 128, False, "bf16"),
     Problem(2, 256, 256, 8, 4, 256, True, "bf16"),
+    Problem(2, 2048, 2048, 8, 2, 64, True, "bf16"),  # H=64 from 2k keys: the Mosaic backward
 ]
 
 
@@ -1094,7 +1112,6 @@ def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
     """Segment ids and key lengths under vmap, marked verified: the tile plan is batched in
     XLA, the kernel stays one Mosaic GPU call."""
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
-    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "segments", True)
     p = Problem(2, 256, 256, 4, 2, 64, True, "bf16")
     q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_qkv(p))
     ids = jax.ShapeDtypeStruct((3, p.batch, p.q_len), jnp.int32)
@@ -1111,10 +1128,9 @@ def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
 
 
 @pytest.mark.parametrize("option", ["window", "soft_cap", "segments"])
-def test_unverified_options_stay_on_triton_until_verified(monkeypatch, option):
-    """Until VERIFIED_ON_GPU says so, backend=None keeps windows, soft caps and segment ids on
-    the Triton forward; once it does, the call lowers to the Mosaic forward and the Triton
-    backward."""
+def test_masked_default_call_lowers_to_the_mosaic_forward_and_triton_backward(monkeypatch, option):
+    """backend=None on Hopper: windows, soft caps and segment ids take the Mosaic forward (one
+    Mosaic call) and the Triton backward (which the Mosaic backward leaves them to)."""
     monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
     p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
     kwargs = {
@@ -1127,14 +1143,13 @@ def test_unverified_options_stay_on_triton_until_verified(monkeypatch, option):
     }
     q, k, v = abstract_qkv(p)
 
-    def lowered_calls():
-        fn = functools.partial(outputs_and_grads, public_fn(p, **kwargs[option]))
-        return custom_call_targets(lower_for_h200(fn, q, k, v, q, abstract_lse(p)).as_text())
-
-    assert mosaic_forward_module.VERIFIED_ON_GPU[option] is False
-    assert "mosaic_gpu_v2" not in lowered_calls()
-    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, option, True)
-    assert lowered_calls().count("mosaic_gpu_v2") == 1
+    fn = functools.partial(outputs_and_grads, public_fn(p, **kwargs[option]))
+    lowered = lower_for_h200(fn, q, k, v, q, abstract_lse(p))
+    assert custom_call_targets(lowered.as_text()).count("mosaic_gpu_v2") == 1
+    assert sorted(triton_calls(lowered)) == [
+        "pallas_flash_backward_dkv",
+        "pallas_flash_backward_dq",
+    ]
 
 
 @pytest.mark.gpu
@@ -1148,11 +1163,9 @@ def test_unverified_options_stay_on_triton_until_verified(monkeypatch, option):
     ids=str,
 )
 def test_masked_call_through_the_api_matches_oracle(monkeypatch, p, kwargs):
-    """backend='mosaic' with the options marked verified: out, lse and the Triton backward's
+    """backend='mosaic' with masks: out, lse and the Triton backward's
     gradients from the Mosaic forward's residuals, against the float64 oracle."""
     needs_hopper()
-    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "window", True)
-    monkeypatch.setitem(mosaic_forward_module.VERIFIED_ON_GPU, "soft_cap", True)
     (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
     window, soft_cap = kwargs.get("local_window_size"), kwargs.get("logits_soft_cap")
     visible = visibility(p, window)

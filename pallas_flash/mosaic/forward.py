@@ -99,18 +99,12 @@ def default_tiles(
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
 
 
-# Options whose kernel paths have passed the numerical tests on a Hopper GPU. `pallas_flash.api`
-# sends calls with an option to this kernel only once it is verified here; until then they run
-# on the Triton forward (flash_forward itself takes them either way).
-VERIFIED_ON_GPU = {"window": False, "soft_cap": False, "segments": False}
-
-
 # Per consumer thread, the f32 accumulator [block_q, H] and logits [block_q, block_kv] take
 # block_q * (H + block_kv) / 128 registers; beyond this the 232-register budget spills.
 MAX_TILE_REGISTERS = 192
 # CUDA runtimes whose ptxas miscompiles the causal mask of this kernel's shape (jax's own
 # Hopper attention refuses causal on them too: jax/experimental/pallas/ops/gpu/attention_mgpu.py).
-_CAUSAL_MISCOMPILING_CUDA = range(12080, 12091)
+CAUSAL_MISCOMPILING_CUDA = range(12080, 12091)
 
 
 def cuda_runtime_version() -> int | None:
@@ -122,37 +116,16 @@ def cuda_runtime_version() -> int | None:
     return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
 
 
-def unsupported_options(spec, *, has_bias: bool) -> str | None:
+def unsupported_options(spec, *, soft_cap=None, has_bias: bool) -> str | None:
     """The options of a call (spec: a masks.MaskSpec) that this kernel would drop, named as the
-    API names them; None if there are none. It takes windows, soft caps and segment ids."""
+    API names them; None if there are none. It takes windows, soft caps and segment ids
+    (soft_cap is accepted for the backward module's signature)."""
     unsupported = [
         name
         for name, present in (("bias", has_bias), ("mask", spec.mask_shape is not None))
         if present
     ]
     return " and ".join(unsupported) or None
-
-
-def unverified_options(spec, *, soft_cap) -> str | None:
-    """The options of a call that this kernel takes but that have not yet passed the numerical
-    tests on a Hopper GPU (VERIFIED_ON_GPU); the API keeps such calls on Triton."""
-    unverified = [
-        name
-        for name, present in (
-            ("segment ids or sequence lengths", spec.has_segments),
-            ("local_window_size", spec.window is not None),
-            ("logits_soft_cap", soft_cap is not None),
-        )
-        if present and not VERIFIED_ON_GPU[_VERIFIED_KEY[name]]
-    ]
-    return " and ".join(unverified) or None
-
-
-_VERIFIED_KEY = {
-    "segment ids or sequence lengths": "segments",
-    "local_window_size": "window",
-    "logits_soft_cap": "soft_cap",
-}
 
 
 def supports(
@@ -185,7 +158,7 @@ def supports(
     # the same runtimes until it is shown to compile correctly there.
     if (is_causal or window is not None) and (
         version := cuda_runtime_version()
-    ) in _CAUSAL_MISCOMPILING_CUDA:
+    ) in CAUSAL_MISCOMPILING_CUDA:
         what = "is_causal=True" if is_causal else f"{window=}"
         return f"{what} on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles its mask)"
     if len(q_shape) != 4 or len(k_shape) != 4:

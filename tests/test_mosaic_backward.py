@@ -1,0 +1,405 @@
+"""The Mosaic GPU backward (pallas_flash.mosaic.backward): lowering for an abstract H200 on CPU,
+the shape rules of `supports_backward`, and gradients against the float64 oracle, in jax's Mosaic
+GPU interpreter on CPU (tests/mosaic_interpret.py) and on a Hopper GPU.
+
+As for the forward (test_mosaic.py), lowering on CPU runs Pallas' lowering, Mosaic GPU's layout
+inference and its dialect lowering (shared-memory budget included) in Python; only the GPU code
+generation waits for a real GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    Problem,
+    assert_bitwise_equal,
+    assert_within_tolerance,
+    oracle_outputs_and_grads,
+    outputs_and_grads,
+    plain_fn,
+    random_inputs,
+)
+from mosaic_interpret import interpret_mosaic
+from test_lowering import abstract_inputs, lower_for_h200
+from test_mosaic import custom_call_targets, needs_hopper
+from test_mosaic import forward_fn as mosaic_forward_fn
+
+from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash.config import BlockSizes
+from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import BackwardTiles, flash_backward, flash_forward, supports_backward
+from pallas_flash.mosaic.backward import SMEM_BYTES, _q_tile_range, default_tiles
+
+
+def backward_fn(p: Problem, tiles: BackwardTiles | None = None):
+    return functools.partial(flash_backward, scale=p.scale, is_causal=p.is_causal, tiles=tiles)
+
+
+def mosaic_fn(p: Problem, tiles: BackwardTiles | None = None):
+    """q, k, v -> (out, lse): the Mosaic forward, differentiated by the Mosaic backward."""
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return flash_forward(q, k, v, scale=p.scale, is_causal=p.is_causal)
+
+    def fwd(q, k, v):
+        out, lse = attention(q, k, v)
+        return (out, lse), (q, k, v, out, lse)
+
+    def bwd(residuals, cotangents):
+        return backward_fn(p, tiles)(*residuals, *cotangents)
+
+    attention.defvjp(fwd, bwd)
+    return attention
+
+
+def abstract_backward_args(p: Problem):
+    """q, k, v, out, lse, d_out, d_lse as ShapeDtypeStructs."""
+    q, k, v, d_out, lse = abstract_inputs(p)
+    return q, k, v, q, lse, d_out, lse
+
+
+# -- lowering for an abstract H200 (CPU) ----------------------------------------------------------
+
+# H 64 and 128, causal and not, MHA / GQA / MQA, T == S, T < S and T > S, both dtypes.
+LOWERING_PROBLEMS = [
+    Problem(2, 256, 256, 4, 2, 64, False, "bf16"),
+    Problem(1, 256, 512, 4, 1, 64, True, "f16"),
+    Problem(2, 512, 256, 4, 2, 64, True, "bf16"),
+    Problem(2, 256, 512, 4, 2, 128, False, "bf16"),
+    Problem(2, 256, 512, 4, 2, 128, True, "bf16"),
+    Problem(2, 512, 256, 4, 2, 128, True, "f16"),
+    Problem(1, 128, 128, 2, 2, 128, True, "bf16"),
+    Problem(1, 1024, 1024, 8, 1, 128, True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=str)
+def test_lowers_for_h200(p):
+    """Two Mosaic GPU calls (dK/dV, dQ) on the inputs as given, no transposes in XLA around
+    them; dq [B, T, N, H], dk and dv [B, S, K, H] in the input dtype."""
+    lowered = lower_for_h200(backward_fn(p), *abstract_backward_args(p))
+    text = lowered.as_text()
+    assert custom_call_targets(text) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
+    assert "stablehlo.transpose" not in text
+    dq, dk, dv = lowered.out_info
+    q, k = abstract_inputs(p)[:2]
+    assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
+    assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
+
+
+# Tiles other than the defaults that fit the register budget of `supports_backward`.
+OTHER_TILES = [
+    (64, BackwardTiles(num_consumers=1)),
+    (128, BackwardTiles(num_consumers=1)),
+    (64, BackwardTiles(num_stages=3)),
+    (128, BackwardTiles(num_stages=3)),
+    (64, BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
+    (128, BackwardTiles(block_kv_dq=128)),
+]
+
+
+@pytest.mark.parametrize("head_dim, tiles", OTHER_TILES, ids=str)
+def test_lowers_with_other_tiles(head_dim, tiles):
+    p = Problem(1, 512, 512, 4, 2, head_dim, True, "bf16")
+    lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
+
+
+def test_forward_and_backward_lower_to_three_mosaic_calls():
+    """The custom function of the GPU tests: the forward kernel and the two backward kernels."""
+    p = Problem(2, 256, 512, 4, 2, 128, True, "bf16")
+    lowered = lower_for_h200(
+        functools.partial(outputs_and_grads, mosaic_fn(p)), *abstract_inputs(p)
+    )
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"] * 3
+
+
+def kernel_config(p: Problem) -> KernelConfig:
+    return KernelConfig(
+        spec=MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=p.is_causal),
+        scale=p.scale,
+        block_sizes=None,
+        interpret=False,
+        forward="mosaic",
+        backward="mosaic",
+    )
+
+
+def kernels_fn(p: Problem):
+    """q, k, v -> (out, lse) through the library's custom_vjp with both Mosaic opt-ins."""
+    config = kernel_config(p)
+    return lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config)
+
+
+def test_kernel_config_opt_in_lowers_to_mosaic_only():
+    """KernelConfig(backward="mosaic"): the custom_vjp's backward runs the Mosaic kernels."""
+    p = Problem(2, 256, 256, 4, 2, 64, False, "bf16")
+    lowered = lower_for_h200(
+        functools.partial(outputs_and_grads, kernels_fn(p)), *abstract_inputs(p)
+    )
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"] * 3
+
+
+@pytest.mark.parametrize("q_len, kv_len", [(256, 256), (256, 512), (512, 256), (128, 1024)])
+@pytest.mark.parametrize("block_q, rows", [(64, 64), (128, 64), (64, 128)])
+def test_causal_q_tile_range_matches_the_mask(q_len, kv_len, block_q, rows):
+    """Per block of keys: query tiles [first, end) are exactly those holding a row that sees
+    some of the keys, and tiles [whole, end) see all of them in every row."""
+    visible_keys = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+    for kv_start in range(0, kv_len, rows):
+        tiles = visible_keys[:, kv_start : kv_start + rows].reshape(-1, block_q, rows)
+        seen, whole_tiles = tiles.any(axis=(1, 2)), tiles.all(axis=(1, 2))
+        first, whole = _q_tile_range(
+            jnp.int32(kv_start), rows, q_len=q_len, block_q=block_q, is_causal=True
+        )
+        num_tiles = q_len // block_q
+        assert int(first) == num_tiles - seen.sum() and seen[int(first) :].all()
+        assert int(whole) == num_tiles - whole_tiles.sum() and whole_tiles[int(whole) :].all()
+
+
+# -- supports_backward / validation ---------------------------------------------------------------
+
+BF16 = jnp.bfloat16
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_supports_accepts(head_dim, is_causal):
+    assert (
+        supports_backward((2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal)
+        is None
+    )
+    assert (
+        supports_backward(
+            (1, 128, 1, head_dim), (1, 128, 1, head_dim), jnp.float16, is_causal=is_causal
+        )
+        is None
+    )
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, dtype, reason",
+    [
+        ((1, 256, 4, 256), (1, 256, 4, 256), BF16, "head_dim=256: a consumer's dK and dV"),
+        ((1, 256, 4, 256), (1, 256, 4, 256), BF16, "left to the Triton backward"),
+        ((1, 1000, 4, 128), (1, 1024, 4, 128), BF16, "q_len=1000 not a positive multiple of"),
+        ((1, 64, 4, 128), (1, 1024, 4, 128), BF16, "q_len=64 not a positive multiple of 128"),
+        ((1, 256, 4, 128), (1, 1000, 4, 128), BF16, "kv_len=1000 not a positive multiple of"),
+        ((1, 256, 4, 64), (1, 64, 4, 64), BF16, "kv_len=64 not a positive multiple of"),
+        ((1, 256, 4, 80), (1, 256, 4, 80), BF16, "head_dim=80 is not one of (64, 128)"),
+        ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, "dtype float32"),
+        ((1, 256, 6, 128), (1, 256, 4, 128), BF16, "num_heads=6 must be divisible by"),
+        ((1, 256, 4, 128), (2, 256, 4, 128), BF16, "batch or head dim"),
+        ((256, 4, 128), (256, 4, 128), BF16, "must be [B, T, N, H]"),
+    ],
+)
+def test_supports_rejects_with_reason(q_shape, k_shape, dtype, reason):
+    for is_causal in (False, True):
+        got = supports_backward(q_shape, k_shape, dtype, is_causal=is_causal)
+        assert got is not None and reason in got, got
+
+
+def test_supports_names_the_lcm_of_the_tiles():
+    """Both kernels tile T and S: each must be a multiple of the lcm of its two tiles."""
+    tiles = BackwardTiles(
+        block_q_dq=192, block_q_dkv=128, block_kv_dkv=128, block_kv_dq=192, num_consumers=1
+    )
+    for q_len, kv_len, reason in [
+        (192, 384, "q_len=192 not a positive multiple of 384"),
+        (384, 192, "kv_len=192 not a positive multiple of 384"),
+    ]:
+        got = supports_backward(
+            (1, q_len, 2, 64), (1, kv_len, 2, 64), BF16, is_causal=True, tiles=tiles
+        )
+        assert got is not None and reason in got, got
+
+
+def test_supports_rejects_tiles_over_shared_memory():
+    tiles = BackwardTiles(num_stages=8)
+    got = supports_backward((1, 512, 2, 128), (1, 512, 2, 128), BF16, is_causal=False, tiles=tiles)
+    assert got is not None and "shared memory in dK/dV" in got
+
+
+@pytest.mark.parametrize(
+    "head_dim, tiles, kernel",
+    [
+        (128, BackwardTiles(block_q_dkv=128), "256 f32 registers per thread in dK/dV"),
+        (128, BackwardTiles(block_q_dq=128, num_consumers=1), "256 f32 registers per thread in dQ"),
+        (64, BackwardTiles(block_kv_dkv=128, num_consumers=1), "in dK/dV at head_dim=64"),
+    ],
+)
+def test_supports_rejects_tiles_that_would_spill(head_dim, tiles, kernel):
+    shape = (1, 512, 2, head_dim)
+    got = supports_backward(shape, shape, BF16, is_causal=True, tiles=tiles)
+    assert got is not None and kernel in got and "spill" in got, got
+
+
+def test_default_tiles_fit_shared_memory():
+    for head_dim in (64, 128):
+        tiles = default_tiles(head_dim)
+        assert tiles.smem_bytes_dkv(head_dim, 2) <= SMEM_BYTES
+        assert tiles.smem_bytes_dq(head_dim, 2) <= SMEM_BYTES
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(block_q_dkv=96), "block_q_dkv=96 must be a positive multiple of 64"),
+        (dict(block_kv_dq=32), "block_kv_dq=32 must be a positive multiple of 64"),
+        (dict(block_kv_dkv=320), "block_kv_dkv=320 exceeds the wgmma limit of 256"),
+        (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
+        (dict(num_consumers=3), "num_consumers=3 must be 1 or 2"),
+    ],
+)
+def test_tiles_validate(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        BackwardTiles(**kwargs)
+
+
+def test_flash_backward_raises_before_tracing():
+    q = jnp.zeros((1, 128, 2, 128), BF16)
+    k = jnp.zeros((1, 128, 2, 128), BF16)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    with pytest.raises(ValueError, match="head_dim=256"):
+        q256 = jnp.zeros((1, 128, 2, 256), BF16)
+        flash_backward(q256, q256, q256, q256, lse, q256, lse, scale=0.1, is_causal=False)
+    with pytest.raises(ValueError, match="d_out"):
+        flash_backward(q, k, k, q, lse, q.astype(jnp.float16), lse, scale=0.1, is_causal=False)
+    with pytest.raises(ValueError, match="scale=0.0 must be positive"):
+        flash_backward(q, k, k, q, lse, q, lse, scale=0.0, is_causal=False)
+
+
+# -- numerics in the Mosaic GPU interpreter (CPU) --------------------------------------------------
+
+# Small problems through every code path: H 64 and 128, causal and not, MHA / GQA / MQA, T < S
+# and T > S, consumers that skip causal tiles, 1 and 2 consumers, 2 and 3 stages (rings that
+# wrap), 128-row streamed tiles. B=1 and few heads: the interpreter takes seconds per problem.
+INTERPRET_PROBLEMS = [
+    (Problem(1, 128, 256, 2, 2, 64, False, "bf16"), None),
+    (Problem(1, 256, 256, 4, 2, 64, True, "f16"), None),
+    (Problem(1, 128, 256, 2, 1, 128, True, "bf16"), None),
+    (Problem(1, 256, 128, 2, 1, 128, True, "bf16"), BackwardTiles(num_consumers=1)),
+    (Problem(1, 256, 512, 1, 1, 64, False, "bf16"), BackwardTiles(num_stages=3)),
+    (Problem(1, 384, 256, 2, 1, 64, True, "bf16"), BackwardTiles(num_consumers=1, num_stages=3)),
+    (Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3)),
+    (Problem(1, 512, 512, 1, 1, 64, True, "bf16"), BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
+]
+
+
+@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+def test_matches_oracle_interpreted(p, tiles):
+    """The Mosaic forward, then the Mosaic backward on its out and lse, both in the interpreter
+    (race detector on): out, lse, dq, dk, dv against the float64 oracle. Checks the kernels'
+    logic (tile ranges, masks, the lse cotangent, the barrier protocol); registers, layouts and
+    ptxas are the GPU tests' part."""
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        out, lse = jax.jit(mosaic_forward_fn(p))(q, k, v)
+        out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
+        grads = jax.jit(backward_fn(p, tiles))(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
+    results = (np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+# -- numerics on a Hopper GPU ---------------------------------------------------------------------
+
+# B=2, GQA (N=4, K=2) and MQA, H 64 and 128, causal and not; T < S and T > S.
+GPU_PROBLEMS = [
+    Problem(2, 256, 256, 4, 2, 64, False, "bf16"),
+    Problem(2, 256, 256, 4, 2, 64, True, "f16"),
+    Problem(2, 256, 256, 4, 2, 128, False, "bf16"),
+    Problem(2, 256, 256, 4, 2, 128, True, "bf16"),
+    Problem(2, 256, 512, 4, 2, 64, True, "bf16"),
+    Problem(2, 256, 512, 4, 2, 128, False, "bf16"),
+    Problem(2, 256, 512, 4, 2, 128, True, "f16"),
+    Problem(2, 512, 256, 4, 2, 128, True, "bf16"),
+    Problem(2, 512, 256, 4, 2, 64, False, "f16"),
+    Problem(2, 1024, 1024, 4, 1, 128, True, "bf16"),
+]
+
+
+def check_against_oracle(p: Problem, tiles: BackwardTiles | None = None):
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    run = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, tiles)))
+    results = run(q, k, v, d_out, d_lse)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=str)
+def test_matches_oracle(p):
+    """out, lse (Mosaic forward) and dq, dk, dv (Mosaic backward) against the float64 oracle."""
+    needs_hopper()
+    check_against_oracle(p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, tiles", OTHER_TILES, ids=str)
+def test_matches_oracle_with_other_tiles(head_dim, tiles):
+    needs_hopper()
+    check_against_oracle(Problem(2, 512, 512, 4, 2, head_dim, True, "bf16"), tiles)
+    check_against_oracle(Problem(1, 256, 512, 4, 1, head_dim, False, "f16"), tiles)
+
+
+@pytest.mark.gpu
+def test_kernel_config_opt_in_matches_oracle():
+    needs_hopper()
+    p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    results = jax.jit(functools.partial(outputs_and_grads, kernels_fn(p)))(q, k, v, d_out, d_lse)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+@pytest.mark.gpu
+def test_deterministic():
+    needs_hopper()
+    p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
+    args, _ = random_inputs(p)
+    fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))
+    assert_bitwise_equal(fn(*args), fn(*args))
+
+
+@pytest.mark.parametrize(
+    "spec_options, soft_cap, match",
+    [
+        (dict(window=(8, 8)), None, "local_window_size"),
+        (dict(has_segments=True), None, "segment ids"),
+        (dict(mask_shape=(1, 1, 256, 256)), None, "mask"),
+        ({}, 30.0, "logits_soft_cap"),
+    ],
+)
+def test_kernel_config_refuses_mosaic_backward_with_options_it_would_drop(
+    spec_options, soft_cap, match
+):
+    with pytest.raises(ValueError, match=f"backward='mosaic' supports no {match}"):
+        KernelConfig(
+            spec=MaskSpec(q_len=256, kv_len=256, **spec_options),
+            scale=0.1,
+            soft_cap=soft_cap,
+            block_sizes=None,
+            interpret=False,
+            backward="mosaic",
+        )
+
+
+def test_mosaic_backward_refuses_bias():
+    p = Problem(1, 128, 128, 2, 2, 64, False, "bf16")
+    config = dataclasses.replace(
+        kernel_config(p), forward="triton", block_sizes=BlockSizes(), interpret=True
+    )
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    bias = jnp.zeros((1, 2, 128, 128), jnp.float32)
+    with pytest.raises(ValueError, match="backward='mosaic' supports no bias"):
+        jax.grad(lambda q: flash_attention_kernels(q, q, q, bias, MaskArrays(), config)[0].sum())(q)

@@ -30,7 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import forward
-from pallas_flash.mosaic.forward import CAUSAL_MISCOMPILING_CUDA, DTYPES, SMEM_BYTES
+from pallas_flash.mosaic.forward import CAUSAL_MISCOMPILING_CUDA, SMEM_BYTES
 from pallas_flash.triton._common import LOG2E
 
 # H=256 is left to the Triton backward: a consumer's dK and dV accumulators alone, [64, 256] f32
@@ -149,16 +149,10 @@ def supports_backward(
     Triton backward). Both causal settings have the same shape rules (top-left alignment)."""
     if is_causal and (version := forward.cuda_runtime_version()) in CAUSAL_MISCOMPILING_CUDA:
         return f"is_causal=True on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles it)"
-    if len(q_shape) != 4 or len(k_shape) != 4:
-        return f"q {tuple(q_shape)} and k {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
-    batch, q_len, num_heads, head_dim = q_shape
-    kv_batch, kv_len, num_kv_heads, kv_head_dim = k_shape
-    if (kv_batch, kv_head_dim) != (batch, head_dim):
-        return f"k {tuple(k_shape)} does not match q {tuple(q_shape)} in batch or head dim"
-    if num_heads % num_kv_heads:
-        return f"{num_heads=} must be divisible by {num_kv_heads=}"
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+    if reason := forward.check_shapes(q_shape, k_shape, dtype):
+        return reason
+    _, q_len, _, head_dim = q_shape
+    kv_len = k_shape[1]
     if head_dim == 256:
         return (
             f"{head_dim=}: a consumer's dK and dV accumulators would need 256 registers per "

@@ -128,6 +128,22 @@ def unsupported_options(spec, *, soft_cap=None, has_bias: bool) -> str | None:
     return " and ".join(unsupported) or None
 
 
+def check_shapes(q_shape, k_shape, dtype) -> str | None:
+    """The rules the Mosaic kernels share: q [B, T, N, H] and k [B, S, K, H] with K dividing N,
+    bfloat16 or float16; None if they hold, else why not."""
+    if len(q_shape) != 4 or len(k_shape) != 4:
+        return f"q {tuple(q_shape)} and k {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
+    batch, _, num_heads, head_dim = q_shape
+    kv_batch, _, num_kv_heads, kv_head_dim = k_shape
+    if (kv_batch, kv_head_dim) != (batch, head_dim):
+        return f"k {tuple(k_shape)} does not match q {tuple(q_shape)} in batch or head dim"
+    if num_heads % num_kv_heads:
+        return f"{num_heads=} must be divisible by {num_kv_heads=}"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+    return None
+
+
 def supports(
     q_shape,
     k_shape,
@@ -161,16 +177,10 @@ def supports(
     ) in CAUSAL_MISCOMPILING_CUDA:
         what = "is_causal=True" if is_causal else f"{window=}"
         return f"{what} on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles its mask)"
-    if len(q_shape) != 4 or len(k_shape) != 4:
-        return f"q {tuple(q_shape)} and k {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
-    batch, q_len, num_heads, head_dim = q_shape
-    kv_batch, kv_len, num_kv_heads, kv_head_dim = k_shape
-    if (kv_batch, kv_head_dim) != (batch, head_dim):
-        return f"k {tuple(k_shape)} does not match q {tuple(q_shape)} in batch or head dim"
-    if num_heads % num_kv_heads:
-        return f"{num_heads=} must be divisible by {num_kv_heads=}"
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
+    if reason := check_shapes(q_shape, k_shape, dtype):
+        return reason
+    _, q_len, _, head_dim = q_shape
+    kv_len = k_shape[1]
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
     if tiles is None:

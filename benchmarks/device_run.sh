@@ -5,6 +5,7 @@
 #   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
+#   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
 #   train  benchmarks/device_train.sh (issue 4's end-to-end table)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
@@ -20,7 +21,7 @@ for stage in ${@:-tests masks grid}; do
       # The float64 numpy oracle, not the GPU, is the bottleneck: the groups (';'-separated pytest
       # arguments, TEST_GROUPS) run side by side, sharing the GPU without preallocation.
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
-      groups=${TEST_GROUPS:-"tests/test_forward.py;tests/test_backward.py;tests --ignore=tests/test_forward.py --ignore=tests/test_backward.py"}
+      groups=${TEST_GROUPS:-"tests/test_forward.py;tests/test_backward.py;tests/test_mosaic.py;tests --ignore=tests/test_forward.py --ignore=tests/test_backward.py --ignore=tests/test_mosaic.py"}
       IFS=';' read -ra group_list <<< "$groups"
       i=0
       for g in "${group_list[@]}"; do
@@ -48,6 +49,10 @@ for stage in ${@:-tests masks grid}; do
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py mosaic-tiles \
         --out $OUT/mosaic-tiles.jsonl ${MOSAIC_ARGS:-} > $OUT/mosaic-tiles.log 2>&1
       grep -c '"ms"' $OUT/mosaic-tiles.jsonl ;;
+    mosaicbwd)
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py mosaic-backward \
+        --out $OUT/mosaic-backward.jsonl ${MOSAIC_ARGS:-} > $OUT/mosaic-backward.log 2>&1
+      grep -c '"ms"' $OUT/mosaic-backward.jsonl ;;
     train)
       bash benchmarks/device_train.sh ;;
     tune)

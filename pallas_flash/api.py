@@ -86,13 +86,16 @@ def flash_attention(
         query row's logits (scaled, biased, soft-capped, masked). Gradients flow through both
         outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
-        capability >= 8.0), "mosaic" (the forward as a warp-specialised Pallas Mosaic GPU kernel,
-        Hopper only, the backward on Triton; raises NotImplementedError for a call it does not
-        support: bias, mask, segment ids, lengths, window, soft cap, float32, head dims other
-        than 64/128/256, T not a multiple of 128 or S of the key tile) or "xla" (plain jnp,
-        materialises the logits). None picks, on a GPU of compute capability >= 8.0: the
-        Mosaic forward on Hopper when it supports the call, its grid fills the GPU and
-        block_sizes is None, else "triton"; "triton" when `interpret=True`; "xla" elsewhere.
+        capability >= 8.0), "mosaic" (Hopper only: the warp-specialised Pallas Mosaic GPU
+        forward, and the Mosaic GPU backward where it applies (H 64/128, no window, soft cap,
+        segment ids or lengths, block_sizes not given), else the Triton backward; raises
+        NotImplementedError for a call the forward does not support: bias, dense mask,
+        float32, head dims other than 64/128/256, T not a multiple of 128 or S of the key tile)
+        or "xla" (plain jnp, materialises the logits). None picks, on a GPU of compute
+        capability >= 8.0: on Hopper the Mosaic forward when it supports the call, its grid
+        fills the GPU and block_sizes is None, with the Mosaic backward for the plain and
+        causal calls it supports (at H=64 from 2048 keys); else "triton"; "triton" when
+        `interpret=True`; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
@@ -377,7 +380,8 @@ def _choose_backward(
         query.shape, key.shape, query.dtype, is_causal=spec.is_causal
     ):
         return "triton"
-    if backend != "mosaic" and query.shape[-1] == 64 and key.shape[1] < _MOSAIC_BACKWARD_MIN_KV_LEN:
+    short = query.shape[-1] == 64 and key.shape[1] < _MOSAIC_BACKWARD_MIN_KV_LEN
+    if short and backend != "mosaic":
         return "triton"
     return "mosaic"
 

@@ -8,7 +8,7 @@ schedule barrier makes the two consumers take turns on the tensor cores ("ping-p
 that one warpgroup's softmax overlaps the other's matrix multiplies.
 
 Outputs match `pallas_flash.triton.forward` (out in the input dtype, lse natural-log float32
-[B, N, T]) so that the Triton backward can use them as residuals.
+[B, N, T]) so that either backward (Triton or Mosaic) can use them as residuals.
 """
 
 from __future__ import annotations

@@ -90,8 +90,9 @@ def flash_attention(
         forward, and the Mosaic GPU backward where it applies (H 64/128, no window, soft cap,
         segment ids or lengths, block_sizes not given), else the Triton backward; raises
         NotImplementedError for a call the forward does not support: bias, dense mask,
-        float32, head dims other than 64/128/256, T not a multiple of 128 or S of the key tile)
-        or "xla" (plain jnp, materialises the logits). None picks, on a GPU of compute
+        float32, head dims other than 64/128/256, T not a multiple of 128 or S of the key tile,
+        causal or windowed calls on CUDA runtimes 12.8.0-12.9.0, whose ptxas miscompiles the
+        mask) or "xla" (plain jnp, materialises the logits). None picks, on a GPU of compute
         capability >= 8.0: on Hopper the Mosaic forward when it supports the call, its grid
         fills the GPU and block_sizes is None, with the Mosaic backward for the plain and
         causal calls it supports (at H=64 from 2048 keys); else "triton"; "triton" when

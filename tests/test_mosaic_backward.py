@@ -31,6 +31,8 @@ from test_lowering import abstract_inputs, lower_for_h200
 from test_mosaic import custom_call_targets, needs_hopper
 from test_mosaic import forward_fn as mosaic_forward_fn
 
+import pallas_flash
+from pallas_flash import config as config_lib
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -307,6 +309,29 @@ def test_matches_oracle_interpreted(p, tiles):
         grads = jax.jit(backward_fn(p, tiles))(q, k, v, out, lse, d_out, d_lse)
         grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
     results = (np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+@pytest.mark.parametrize(
+    "p",
+    [Problem(1, 256, 256, 4, 2, 128, True, "bf16"), Problem(2, 256, 512, 2, 1, 128, False, "f16")],
+    ids=str,
+)
+def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
+    """The public call as a Hopper runs it (backend=None: the Mosaic forward and backward),
+    the whole custom_vjp in the interpreter: validation, dispatch, residuals, delta and the GQA
+    head mapping, against the float64 oracle."""
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
+    )
+    fn = functools.partial(outputs_and_grads, attention)
+    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        results = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fn)(q, k, v, d_out, d_lse)]
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 

@@ -970,8 +970,8 @@ def test_segments_match_oracle_interpreted(p, kind, options, scale, tiles):
 
 @pytest.mark.gpu
 def test_segments_through_the_api_match_oracle(monkeypatch):
-    """backend='mosaic' with segment ids marked verified: packed documents with query and key
-    lengths, causal; out, lse and the Triton backward's gradients against the float64 oracle."""
+    """backend='mosaic' with segment ids: packed documents with query and key lengths, causal;
+    out, lse and the Triton backward's gradients against the float64 oracle."""
     needs_hopper()
     p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
     (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
@@ -997,6 +997,40 @@ def test_segments_through_the_api_match_oracle(monkeypatch):
     r = attention_oracle_f64(q64, k64, v64, d_out64, d_lse64, scale=p.scale, visible=visible)
     oracles = tuple(r[name] for name in ("out", "lse", "dq", "dk", "dv"))
     assert_within_tolerance(results, baselines, oracles, floor=p.floor)
+
+
+def test_masked_default_call_on_hopper_matches_oracle_interpreted(monkeypatch):
+    """The public forward as a Hopper runs it (backend=None) with segment ids, lengths and a
+    causal window, in the interpreter: the API's mask arrays reach the Mosaic forward; out and
+    lse against the float64 oracle (the Triton backward cannot run in the Mosaic interpreter)."""
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    p = Problem(2, 256, 256, 4, 2, 128, True, "bf16")
+    (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
+    ids = np.sort(np.random.default_rng(3).integers(0, 3, (p.batch, p.q_len)), axis=1)
+    kwargs = dict(
+        q_segment_ids=jnp.asarray(ids, jnp.int32),
+        kv_segment_ids=jnp.asarray(ids, jnp.int32),
+        query_seq_lengths=jnp.array([200, 256]),
+        key_value_seq_lengths=jnp.array([256, 130]),
+        local_window_size=(100, 0),
+    )
+    call = jax.jit(public_fn(p, **kwargs))
+    lowered = lower_for_h200(call, *abstract_inputs(p)[:3])
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    array_kwargs = {name: value for name, value in kwargs.items() if name != "local_window_size"}
+    arrays = masks.make_arrays(p.batch, p.q_len, p.kv_len, **array_kwargs)
+    spec = MaskSpec(
+        q_len=p.q_len, kv_len=p.kv_len, is_causal=True, window=(100, 0), has_segments=True
+    )
+    visible = np.asarray(masks.dense(spec, arrays))
+    with interpret_mosaic():
+        out, lse = (np.asarray(x.astype(jnp.float32)) for x in call(q, k, v))
+    plain = functools.partial(masked_in_dtype, scale=p.scale, visible=visible)
+    baselines = jax.jit(plain)(q, k, v)
+    r = attention_oracle_f64(q64, k64, v64, d_out64, d_lse64, scale=p.scale, visible=visible)
+    assert_within_tolerance(
+        (out, lse), baselines, (r["out"], r["lse"]), floor=p.floor, names=("out", "lse")
+    )
 
 
 # -- through the public API: the Mosaic forward, the Triton backward ------------------------------

@@ -10,8 +10,8 @@ python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-di
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
 python benchmarks/experiments.py mosaic-backward --out $OUT/mosaic-bwd.jsonl [--head-dims 64]
-    forward+backward with the Mosaic forward and the Mosaic backward (KernelConfig opt-in)
-    beside the Mosaic forward with the Triton backward (the default call) and cuDNN.
+    forward+backward with the Mosaic backward's default tiles and candidate BackwardTiles,
+    beside the default call, the Mosaic forward with the Triton backward, and cuDNN.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def split_kv(out):
 
 # (block_q, block_kv, num_stages) of the Mosaic forward, per head dim.
 MOSAIC_TILES = {
-    64: [(64, 128, 2), (128, 128, 2), (128, 64, 2), (64, 64, 2), (64, 128, 3)],
+    64: [(64, 128, 2), (128, 128, 2), (128, 64, 2), (64, 64, 2), (64, 128, 3), (64, 256, 2)],
     128: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (64, 64, 4), (128, 64, 2)],
     256: [(64, 64, 2), (64, 64, 3)],
 }
@@ -142,37 +142,83 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
                     _record(out, row)
 
 
-def _mosaic_kernels_fn(t: int, h: int, causal: bool):
-    """q, k, v -> out through the custom_vjp with the Mosaic forward and backward (opt-in)."""
+# BackwardTiles fields of the candidates (besides the defaults); `supports_backward` drops those
+# that would spill or overflow shared memory at a head dim.
+MOSAIC_BACKWARD_TILES = {
+    "stages3": dict(num_stages=3),
+    "kvdq128": dict(block_kv_dq=128),
+    "kvdq128_stages3": dict(block_kv_dq=128, num_stages=3),
+    "qdkv128": dict(block_q_dkv=128),
+    "qdq128": dict(block_q_dq=128),
+    "qdkv128_qdq128": dict(block_q_dkv=128, block_q_dq=128),
+    "one_consumer": dict(num_consumers=1),
+}
+
+
+def _mosaic_backward_fn(h: int, causal: bool, tiles):
+    """q, k, v -> out: the Mosaic forward (default tiles), differentiated by the Mosaic
+    backward with `tiles`."""
+    scale = h**-0.5
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return mosaic.flash_forward(q, k, v, scale=scale, is_causal=causal)
+
+    def fwd(q, k, v):
+        out, lse = attention(q, k, v)
+        return (out, lse), (q, k, v, out, lse)
+
+    def bwd(residuals, cotangents):
+        return mosaic.flash_backward(
+            *residuals, *cotangents, scale=scale, is_causal=causal, tiles=tiles
+        )
+
+    attention.defvjp(fwd, bwd)
+    return lambda q, k, v: attention(q, k, v)[0]
+
+
+def _triton_backward_fn(t: int, h: int, causal: bool):
+    """q, k, v -> out: the Mosaic forward with the Triton backward (its shipped tiles)."""
     from pallas_flash._vjp import KernelConfig, flash_attention_kernels
     from pallas_flash.masks import MaskArrays, MaskSpec
 
     kernel_config = KernelConfig(
         spec=MaskSpec(q_len=t, kv_len=t, is_causal=causal),
         scale=h**-0.5,
-        block_sizes=None,
+        block_sizes=config.default_block_sizes(
+            h, jnp.bfloat16, interpret=False, is_causal=causal, q_len=t, kv_len=t
+        ),
         interpret=False,
         forward="mosaic",
-        backward="mosaic",
+        backward="triton",
     )
     return lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), kernel_config)[0]
 
 
-def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 2048, 16384)):
+def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 1024, 2048, 16384)):
+    """fwd+bwd: the default call, cuDNN, the Mosaic forward with the Triton backward, and the
+    Mosaic backward with its default tiles and each candidate of MOSAIC_BACKWARD_TILES."""
     for h in head_dims:
         n = 2048 // h
         for t in seqs:
             b = 16384 // t
             args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+            q, k = args[0], args[1]
             for causal in (False, True):
                 fns = {
                     impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd+bwd")
                     for impl in ("pallas_flash", "cudnn")
                 }
-                # pallas_flash (the default call) is the Mosaic forward with the Triton backward.
-                fns["mosaic_fwd_mosaic_bwd"] = bench.timed_fn(
-                    _mosaic_kernels_fn(t, h, causal), "fwd+bwd"
-                )
+                fns["triton_bwd"] = bench.timed_fn(_triton_backward_fn(t, h, causal), "fwd+bwd")
+                candidates = {"mosaic_bwd_default": mosaic.BackwardTiles()}
+                for name, fields in MOSAIC_BACKWARD_TILES.items():
+                    candidates[f"mosaic_bwd_{name}"] = mosaic.BackwardTiles(**fields)
+                for name, tiles in candidates.items():
+                    if mosaic.supports_backward(
+                        q.shape, k.shape, q.dtype, is_causal=causal, tiles=tiles
+                    ):
+                        continue
+                    fns[name] = bench.timed_fn(_mosaic_backward_fn(h, causal, tiles), "fwd+bwd")
                 flops = bench.attention_flops(b, t, t, n, h, causal, "fwd+bwd")
                 for impl, fn in fns.items():
                     row = dict(exp="mosaic-backward", impl=impl, B=b, T=t, N=n, H=h, causal=causal)

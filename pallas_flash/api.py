@@ -322,7 +322,9 @@ def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap) -> bool:
         q_len=q_len,
         kv_len=key.shape[1],
         is_causal=spec.is_causal,
-        masked=spec.window is not None or soft_cap is not None or spec.has_segments,
+        window=spec.window,
+        soft_cap=soft_cap,
+        segments=spec.has_segments,
     )
     ctas = batch * num_heads * (q_len // tiles.cta_rows)
     return choose_kv_splits(0, ctas, key.shape[1] // tiles.block_kv, interpret=False) == 1

@@ -471,7 +471,7 @@ def test_default_tiles_are_supported(head_dim, q_len, kv_len, is_causal, segment
     """The default tiles fit shared memory (with the id buffers of segment ids) and registers,
     and cover T (% 2 * block_q)."""
     tiles = default_tiles(
-        head_dim, q_len=q_len, kv_len=kv_len, is_causal=is_causal, masked=segments
+        head_dim, q_len=q_len, kv_len=kv_len, is_causal=is_causal, segments=segments
     )
     shapes = (2, q_len, 4, head_dim), (2, kv_len, 4, head_dim)
     assert supports(*shapes, BF16, is_causal=is_causal, tiles=tiles, segments=segments) is None
@@ -487,7 +487,9 @@ def test_default_tiles_at_h64_take_128_rows_when_causal_or_short():
     assert block_q(q_len=2048, kv_len=2048, is_causal=False) == 64
     assert block_q(q_len=16384, kv_len=16384, is_causal=True) == 128
     assert block_q(q_len=384, kv_len=384, is_causal=True) == 64  # T % 256 != 0
-    assert block_q(q_len=512, kv_len=512, is_causal=True, masked=True) == 64
+    assert block_q(q_len=512, kv_len=512, is_causal=True, window=(64, 0)) == 64
+    assert block_q(q_len=512, kv_len=512, is_causal=True, soft_cap=30.0) == 64
+    assert block_q(q_len=512, kv_len=512, is_causal=True, segments=True) == 64
     assert default_tiles(128, q_len=512, kv_len=512, is_causal=True).block_q == 64
 
 

@@ -76,7 +76,14 @@ class ForwardTiles:
 
 
 def default_tiles(
-    head_dim: int, *, q_len: int, kv_len: int, is_causal: bool, masked: bool = False
+    head_dim: int,
+    *,
+    q_len: int,
+    kv_len: int,
+    is_causal: bool,
+    window=None,
+    soft_cap=None,
+    segments: bool = False,
 ) -> ForwardTiles:
     """Tiles per head dim, measured on the H200 (benchmarks/results/h200-mosaic-tiles.jsonl).
     H=256 halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared
@@ -85,8 +92,9 @@ def default_tiles(
     128 rows per consumer win when causal (512 keys: 183-191 against 162-168 TFLOP/s; 16k:
     436-438 against 424-426) and up to 1k keys (512: 299-307 against 276-288), and lose a
     little on long non-causal rows (16k: 426 against 450). They need T % 256 == 0, and are
-    measured on plain and causal calls only: `masked` (a window, soft cap or segment ids)
-    keeps 64 rows, whose registers leave room for the mask."""
+    measured on plain and causal calls only: a window, soft cap or segment ids keep 64 rows,
+    whose registers leave room for the mask."""
+    masked = window is not None or soft_cap is not None or segments
     if (
         head_dim == 64
         and not masked
@@ -189,7 +197,9 @@ def supports(
             q_len=q_len,
             kv_len=kv_len,
             is_causal=is_causal,
-            masked=window is not None or soft_cap is not None or segments,
+            window=window,
+            soft_cap=soft_cap,
+            segments=segments,
         )
     if q_len == 0 or q_len % tiles.cta_rows:
         return f"{q_len=} not a positive multiple of {tiles.cta_rows} (2 x block_q)"
@@ -285,7 +295,9 @@ def flash_forward(
             q_len=q.shape[1],
             kv_len=k.shape[1],
             is_causal=is_causal,
-            masked=window is not None or soft_cap is not None or segment_ids is not None,
+            window=window,
+            soft_cap=soft_cap,
+            segments=segment_ids is not None,
         )
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)

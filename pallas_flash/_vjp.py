@@ -35,6 +35,9 @@ class KernelConfig:
     # "triton", or "mosaic": the Mosaic GPU backward (Hopper; H 64/128, plain and causal calls
     # only; the API checks `pallas_flash.mosaic.supports_backward` before choosing it).
     backward: str = "triton"
+    # The Mosaic kernels' tiles (None: their defaults for the shapes), from the autotune cache.
+    mosaic_forward_tiles: mosaic.ForwardTiles | None = None
+    mosaic_backward_tiles: mosaic_backward.BackwardTiles | None = None
 
     def __post_init__(self):
         # Options a Mosaic kernel does not take would be silently dropped: they are refused
@@ -85,6 +88,7 @@ def _forward(q, k, v, bias, arrays, config: KernelConfig):
             segment_ids=(
                 (arrays.q_segment_ids, arrays.kv_segment_ids) if config.spec.has_segments else None
             ),
+            tiles=config.mosaic_forward_tiles,
         )
     return flash_forward(q, k, v, bias, arrays, **config.kwargs())
 
@@ -102,7 +106,16 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
         if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.backward='mosaic' supports no bias")
         dq, dk, dv = mosaic_backward.flash_backward(
-            q, k, v, out, lse, d_out, d_lse, scale=config.scale, is_causal=config.spec.is_causal
+            q,
+            k,
+            v,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            scale=config.scale,
+            is_causal=config.spec.is_causal,
+            tiles=config.mosaic_backward_tiles,
         )
         return dq, dk, dv, None, d_arrays
     dq, dk, dv, dbias = flash_backward(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -167,27 +168,33 @@ def flash_attention(
                 kv_len=kv_len,
                 narrow=config_lib.narrow_band(spec),
             )
+        tiles = MosaicTiles()
+        if backend in ("auto", "mosaic"):
+            tiles = _tuned_mosaic_tiles(query, key, spec, soft_cap)
+        forward = _choose_forward(
+            backend, query, key, bias, spec, soft_cap, tiles, user_block_sizes=user_block_sizes
+        )
+        backward = _choose_backward(
+            backend,
+            forward,
+            query,
+            key,
+            bias,
+            spec,
+            soft_cap,
+            tiles,
+            user_block_sizes=user_block_sizes,
+        )
         config = KernelConfig(
             spec=spec,
             scale=scale,
             soft_cap=soft_cap,
             block_sizes=block_sizes,
             interpret=interpret,
-            forward=(
-                forward := _choose_forward(
-                    backend, query, key, bias, spec, soft_cap, user_block_sizes=user_block_sizes
-                )
-            ),
-            backward=_choose_backward(
-                backend,
-                forward,
-                query,
-                key,
-                bias,
-                spec,
-                soft_cap,
-                user_block_sizes=user_block_sizes,
-            ),
+            forward=forward,
+            backward=backward,
+            mosaic_forward_tiles=tiles.forward if forward == "mosaic" else None,
+            mosaic_backward_tiles=tiles.backward if backward == "mosaic" else None,
         )
         out, lse = flash_attention_kernels(query, key, value, bias, arrays, config)
 
@@ -298,8 +305,46 @@ def _choose_backend(backend, interpret):
     return backend
 
 
-def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None:
-    """Why the Mosaic GPU forward cannot run this call, or None when it can."""
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """The Mosaic kernels' tiles for a call: the autotune cache's, or None for the defaults."""
+
+    forward: mosaic_forward.ForwardTiles | None = None
+    backward: mosaic_backward.BackwardTiles | None = None
+
+
+def _tuned_mosaic_tiles(query, key, spec: MaskSpec, soft_cap) -> MosaicTiles:
+    """The autotune cache's Mosaic tiles for this call's shape class on this GPU, each kept
+    only where its kernel supports it on these shapes (a class spans many lengths)."""
+    batch, q_len, num_heads, head_dim = query.shape
+    shape_class = config_lib.ShapeClass.of(
+        head_dim,
+        query.dtype,
+        is_causal=spec.is_causal,
+        q_len=q_len,
+        kv_len=key.shape[1],
+        masked=False,
+        narrow=config_lib.narrow_band(spec),
+    )
+    entry = config_lib.tuned_entry(config_lib.gpu_device_kind(), shape_class)
+    if entry is None:
+        return MosaicTiles()
+    forward = entry.mosaic_forward
+    if forward is not None and mosaic_forward_gap(query, key, None, spec, soft_cap, forward):
+        forward = None
+    backward = entry.mosaic_backward
+    if backward is not None and mosaic_backward.supports_backward(
+        query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=backward
+    ):
+        backward = None
+    return MosaicTiles(forward, backward)
+
+
+def mosaic_forward_gap(
+    query, key, bias, spec: MaskSpec, soft_cap, tiles: mosaic_forward.ForwardTiles | None = None
+) -> str | None:
+    """Why the Mosaic GPU forward cannot run this call (with `tiles`; None: its defaults), or
+    None when it can."""
     return mosaic_forward.unsupported_options(
         spec, has_bias=bias is not None
     ) or mosaic_forward.supports(
@@ -310,14 +355,16 @@ def mosaic_forward_gap(query, key, bias, spec: MaskSpec, soft_cap) -> str | None
         window=spec.window,
         soft_cap=soft_cap,
         segments=spec.has_segments,
+        tiles=tiles,
     )
 
 
-def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap) -> bool:
+def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap, tiles) -> bool:
     """Whether the Mosaic forward's grid (one CTA per 128 or 256 query rows and head) fills the
-    GPU; when it does not, Triton's split-KV forward spreads the key loop over more programs."""
+    GPU; when it does not, Triton's split-KV forward spreads the key loop over more programs.
+    tiles: the forward's tiles, None for its defaults."""
     batch, q_len, num_heads, head_dim = query.shape
-    tiles = mosaic_forward.default_tiles(
+    tiles = tiles or mosaic_forward.default_tiles(
         head_dim,
         q_len=q_len,
         kv_len=key.shape[1],
@@ -344,11 +391,13 @@ def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:
     return None
 
 
-def _choose_forward(backend, query, key, bias, spec, soft_cap, *, user_block_sizes) -> str:
+def _choose_forward(
+    backend, query, key, bias, spec, soft_cap, tiles: MosaicTiles, *, user_block_sizes
+) -> str:
     """The forward kernel of a Pallas call: "mosaic" or "triton"."""
     if backend == "triton":
         return "triton"
-    gap = mosaic_forward_gap(query, key, bias, spec, soft_cap)
+    gap = mosaic_forward_gap(query, key, bias, spec, soft_cap, tiles.forward)
     if backend == "mosaic":
         if gap is None and user_block_sizes is not None:
             gap = _forward_block_sizes_gap(user_block_sizes)
@@ -363,14 +412,14 @@ def _choose_forward(backend, query, key, bias, spec, soft_cap, *, user_block_siz
         gap is None
         and hopper
         and user_block_sizes is None
-        and _mosaic_fills_gpu(query, key, spec, soft_cap)
+        and _mosaic_fills_gpu(query, key, spec, soft_cap, tiles.forward)
     ):
         return "mosaic"
     return "triton"
 
 
 def _choose_backward(
-    backend, forward, query, key, bias, spec, soft_cap, *, user_block_sizes
+    backend, forward, query, key, bias, spec, soft_cap, tiles: MosaicTiles, *, user_block_sizes
 ) -> str:
     """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
     with the Mosaic forward (it is Hopper code) for the plain and causal calls it supports,
@@ -380,7 +429,7 @@ def _choose_backward(
     if mosaic_backward.unsupported_options(
         spec, soft_cap=soft_cap, has_bias=bias is not None
     ) or mosaic_backward.supports_backward(
-        query.shape, key.shape, query.dtype, is_causal=spec.is_causal
+        query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=tiles.backward
     ):
         return "triton"
     short = query.shape[-1] == 64 and key.shape[1] < _MOSAIC_BACKWARD_MIN_KV_LEN

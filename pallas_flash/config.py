@@ -12,6 +12,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 
+from pallas_flash.mosaic.backward import BackwardTiles
+from pallas_flash.mosaic.forward import ForwardTiles
+
 
 def _is_power_of_two(n) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n > 0 and n & (n - 1) == 0
@@ -192,9 +195,52 @@ def tune_cache_path() -> pathlib.Path:
     return pathlib.Path.home() / ".cache" / "pallas_flash" / "tune.json"
 
 
+# The key of a cache entry that holds the Mosaic GPU kernels' tiles (Hopper), beside the
+# BlockSizes fields of the Triton kernels: {"forward": ForwardTiles fields, "backward":
+# BackwardTiles fields}, either optional.
+MOSAIC_KEY = "mosaic"
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedEntry:
+    """One autotune cache entry: the Triton kernels' tiles and, on Hopper, the Mosaic ones
+    (None: the Mosaic kernel's defaults)."""
+
+    block_sizes: BlockSizes
+    mosaic_forward: ForwardTiles | None = None
+    mosaic_backward: BackwardTiles | None = None
+
+    def to_json(self) -> dict:
+        fields = dataclasses.asdict(self.block_sizes)
+        mosaic = {
+            name: dataclasses.asdict(tiles)
+            for name, tiles in (
+                ("forward", self.mosaic_forward),
+                ("backward", self.mosaic_backward),
+            )
+            if tiles is not None
+        }
+        if mosaic:
+            fields[MOSAIC_KEY] = mosaic
+        return fields
+
+    @classmethod
+    def from_json(cls, fields: dict) -> TunedEntry:
+        fields = dict(fields)
+        mosaic = fields.pop(MOSAIC_KEY, {})
+        if not isinstance(mosaic, dict) or set(mosaic) - {"forward", "backward"}:
+            raise ValueError(f"{MOSAIC_KEY!r} must map 'forward'/'backward' to tiles: {mosaic}")
+        forward, backward = mosaic.get("forward"), mosaic.get("backward")
+        return cls(
+            BlockSizes(**fields),
+            None if forward is None else ForwardTiles(**forward),
+            None if backward is None else BackwardTiles(**backward),
+        )
+
+
 @functools.cache
 def _load_tune_cache(path: str) -> dict:
-    """{gpu kind: {shape class key: BlockSizes}} from the cache file; {} if there is none.
+    """{gpu kind: {shape class key: TunedEntry}} from the cache file; {} if there is none.
 
     A file that cannot be read warns once and is ignored: tiles then come from the heuristics.
     """
@@ -202,7 +248,7 @@ def _load_tune_cache(path: str) -> dict:
         with open(path) as f:
             raw = json.load(f)
         return {
-            kind: {key: BlockSizes(**fields) for key, fields in entries.items()}
+            kind: {key: TunedEntry.from_json(fields) for key, fields in entries.items()}
             for kind, entries in raw.items()
         }
     except FileNotFoundError:
@@ -217,8 +263,8 @@ def _load_tune_cache(path: str) -> dict:
 SHIPPED_TUNE_TABLE = pathlib.Path(__file__).with_name("tuned.json")
 
 
-def tuned_block_sizes(device_kind: str | None, shape_class: ShapeClass) -> BlockSizes | None:
-    """The autotuned tiles for this GPU kind and shape class: the user's cache entry, else the
+def tuned_entry(device_kind: str | None, shape_class: ShapeClass) -> TunedEntry | None:
+    """The autotune entry for this GPU kind and shape class: the user's cache entry, else the
     shipped table's, else None."""
     if device_kind is None:
         return None
@@ -230,7 +276,13 @@ def tuned_block_sizes(device_kind: str | None, shape_class: ShapeClass) -> Block
     return None
 
 
-def save_tuned_block_sizes(device_kind: str, found: dict[ShapeClass, BlockSizes], path=None):
+def tuned_block_sizes(device_kind: str | None, shape_class: ShapeClass) -> BlockSizes | None:
+    """The autotuned Triton tiles for this GPU kind and shape class, or None."""
+    entry = tuned_entry(device_kind, shape_class)
+    return None if entry is None else entry.block_sizes
+
+
+def save_tuned(device_kind: str, found: dict[ShapeClass, TunedEntry], path=None):
     """Merges `found` into the autotune cache file (creating it) and reloads it."""
     path = pathlib.Path(path or tune_cache_path())
     try:
@@ -239,13 +291,18 @@ def save_tuned_block_sizes(device_kind: str, found: dict[ShapeClass, BlockSizes]
     except FileNotFoundError:
         raw = {}
     entries = raw.setdefault(device_kind, {})
-    for shape_class, bs in found.items():
-        entries[shape_class.key()] = dataclasses.asdict(bs)
+    for shape_class, entry in found.items():
+        entries[shape_class.key()] = entry.to_json()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(raw, indent=1, sort_keys=True) + "\n")
     tmp.replace(path)
     _load_tune_cache.cache_clear()
+
+
+def save_tuned_block_sizes(device_kind: str, found: dict[ShapeClass, BlockSizes], path=None):
+    """save_tuned for entries with Triton tiles only."""
+    save_tuned(device_kind, {cls: TunedEntry(bs) for cls, bs in found.items()}, path)
 
 
 def heuristic_block_sizes(

@@ -1,11 +1,14 @@
-"""`python -m pallas_flash.tune`: autotune BlockSizes on this GPU and fill the on-disk cache.
+"""`python -m pallas_flash.tune`: autotune the kernels' tiles on this GPU and fill the on-disk
+cache.
 
 For each shape class (dtype, head dim, causal, masked, sequence bucket) it times a small search
-space greedily -- forward tiles on the forward pass, then the dK/dV tiles and the dQ tiles on
-forward+backward -- checks the winner against the reference, and stores it under the GPU's kind
-(`jax.devices()[0].device_kind`) in the cache file (`config.tune_cache_path()`). `flash_attention`
-uses a cache entry whenever its call falls in that class; without one it uses the shipped
-heuristics.
+space greedily -- the Triton kernels' BlockSizes: forward tiles on the forward pass, then the
+dK/dV tiles and the dQ tiles on forward+backward; on Hopper then the Mosaic GPU kernels' tiles:
+forward tiles, then backward tiles -- checks the winners against the reference, and stores them
+under the GPU's kind (`jax.devices()[0].device_kind`) in the cache file
+(`config.tune_cache_path()`). `flash_attention` uses a cache entry whenever its call falls in
+that class (Mosaic tiles only where the kernel supports the call's shapes); without one it uses
+the shipped heuristics and the Mosaic kernels' defaults.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import config as config_lib
-from pallas_flash.config import BlockSizes, ShapeClass
+from pallas_flash import mosaic
+from pallas_flash.config import BlockSizes, ShapeClass, TunedEntry
 
 KERNEL_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
 
@@ -62,6 +66,38 @@ DQ = {
 }
 SEQ_OF_CLASS = {"short": 1024, "medium": 4096, "long": 16384}
 
+# Hopper: candidates of the Mosaic GPU kernels' tiles per head dim, as ForwardTiles and
+# BackwardTiles fields; None is the kernel's own default for the shapes (mosaic.default_tiles).
+# Candidates a shape does not support (registers, shared memory, lengths) measure as None.
+MOSAIC_FORWARD = {
+    64: [
+        None,
+        dict(block_q=128, block_kv=128),
+        dict(block_q=64, block_kv=128),
+        dict(block_q=128, block_kv=64),
+        dict(block_q=64, block_kv=256),
+        dict(block_q=64, block_kv=128, num_stages=3),
+    ],
+    128: [
+        None,
+        dict(block_q=64, block_kv=64, num_stages=3),
+        dict(block_q=128, block_kv=64),
+        dict(block_q=64, block_kv=64, num_stages=4),
+    ],
+    256: [None, dict(block_q=64, block_kv=64, num_stages=3)],
+}
+MOSAIC_BACKWARD = {
+    64: [
+        None,
+        dict(num_stages=3),
+        dict(block_kv_dq=128),
+        dict(block_q_dkv=128),
+        dict(block_q_dq=128),
+        dict(block_q_dkv=128, block_q_dq=128),
+    ],
+    128: [None, dict(num_stages=3), dict(block_kv_dq=128)],
+}
+
 
 def candidates(table, head_dim):
     return table[min(max(head_dim, 64), 256)]
@@ -92,13 +128,152 @@ def search(start: BlockSizes, head_dim: int, measure) -> tuple[BlockSizes, dict]
     return best, best_ms
 
 
+def search_mosaic(head_dim: int, measure) -> tuple[TunedMosaic, dict]:
+    """Greedy search of the Mosaic kernels' tiles (Hopper): forward tiles on "fwd", then, at
+    the head dims the Mosaic backward takes, backward tiles on "fwd+bwd" with the best forward.
+
+    measure(forward_tiles, backward_tiles, pass_) -> milliseconds, or None when the candidate
+    fails or does not apply. Returns the best tiles (None fields: the kernel's defaults) and
+    {pass: best ms}.
+    """
+    best, best_ms = TunedMosaic(), {}
+    for pass_, table, tile_type, field in (
+        ("fwd", MOSAIC_FORWARD, mosaic.ForwardTiles, "forward"),
+        ("fwd+bwd", MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward"),
+    ):
+        winner, winner_ms = best, None
+        for fields in table.get(head_dim, []):
+            tiles = None if fields is None else tile_type(**fields)
+            candidate = dataclasses.replace(best, **{field: tiles})
+            ms = measure(candidate.forward, candidate.backward, pass_)
+            if ms is not None and (winner_ms is None or ms < winner_ms):
+                winner, winner_ms = candidate, ms
+        best = winner
+        if winner_ms is not None:
+            best_ms[pass_] = winner_ms
+    return best, best_ms
+
+
+@dataclasses.dataclass(frozen=True)
+class TunedMosaic:
+    forward: mosaic.ForwardTiles | None = None
+    backward: mosaic.BackwardTiles | None = None
+
+
+def _fa2_shape(shape_class: ShapeClass):
+    """(batch, seq, heads) of the FA2 paper's grid point of the class."""
+    seq = SEQ_OF_CLASS[shape_class.seq]
+    return max(1, 16384 // seq), seq, max(1, 2048 // shape_class.head_dim)
+
+
+def _mosaic_kernels(shape, dtype, *, is_causal, block_sizes, forward_tiles, backward_tiles):
+    """q, k, v -> (out, lse) through the custom_vjp with the Mosaic forward (and the Mosaic
+    backward where it supports the shapes, else the Triton one with `block_sizes`); None when
+    the Mosaic forward does not take these tiles."""
+    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+    from pallas_flash.masks import MaskArrays, MaskSpec
+
+    batch, seq, heads, head_dim = shape
+    if mosaic.supports(shape, shape, dtype, is_causal=is_causal, tiles=forward_tiles):
+        return None
+    backward = "triton"
+    reason = mosaic.supports_backward(
+        shape, shape, dtype, is_causal=is_causal, tiles=backward_tiles
+    )
+    if reason is None:
+        backward = "mosaic"
+    elif backward_tiles is not None:
+        return None  # these backward tiles do not apply here
+    config = KernelConfig(
+        spec=MaskSpec(q_len=seq, kv_len=seq, is_causal=is_causal),
+        scale=head_dim**-0.5,
+        block_sizes=block_sizes,
+        interpret=False,
+        forward="mosaic",
+        backward=backward,
+        mosaic_forward_tiles=forward_tiles,
+        mosaic_backward_tiles=backward_tiles if backward == "mosaic" else None,
+    )
+    return lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config)
+
+
+def _gpu_measure_mosaic(shape_class: ShapeClass, block_sizes: BlockSizes, log):
+    """A measure function for search_mosaic, timing the kernels at the class's FA2 shape."""
+    from pallas_flash import bench
+
+    batch, seq, heads = _fa2_shape(shape_class)
+    dtype = jnp.dtype(shape_class.dtype)
+    shape = (batch, seq, heads, shape_class.head_dim)
+    args = bench.make_inputs(batch, seq, seq, heads, heads, shape_class.head_dim, dtype)
+
+    def measure(forward_tiles, backward_tiles, pass_):
+        fn = _mosaic_kernels(
+            shape,
+            dtype,
+            is_causal=shape_class.is_causal,
+            block_sizes=block_sizes,
+            forward_tiles=forward_tiles,
+            backward_tiles=backward_tiles,
+        )
+        row = dict(
+            shape_class=shape_class.key(),
+            mosaic_forward=None if forward_tiles is None else dataclasses.asdict(forward_tiles),
+            mosaic_backward=None if backward_tiles is None else dataclasses.asdict(backward_tiles),
+            **{"pass": pass_},
+        )
+        if fn is None:
+            row["ms"] = None
+        else:
+            try:
+                timed = bench.timed_fn(lambda q, k, v: fn(q, k, v)[0], pass_)
+                row["ms"] = bench.median_ms(timed, args, repeats=3)
+            except Exception as e:  # noqa: BLE001 (a candidate that fails to compile)
+                row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+        log(row)
+        return row["ms"]
+
+    return measure
+
+
+def mosaic_max_error(tuned: TunedMosaic, shape_class: ShapeClass, block_sizes) -> float:
+    """Largest |kernel - f32 reference| over out and the gradients at a small GQA shape the
+    tiles support (inf when they support none)."""
+    dtype = jnp.dtype(shape_class.dtype)
+    h = shape_class.head_dim
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (2, 512, 4, h), dtype)
+    k = jax.random.normal(keys[1], (2, 512, 4, h), dtype)
+    v = jax.random.normal(keys[2], (2, 512, 4, h), dtype)
+    do = jax.random.normal(keys[3], (2, 512, 4, h), jnp.float32)
+    kernels = _mosaic_kernels(
+        q.shape,
+        dtype,
+        is_causal=shape_class.is_causal,
+        block_sizes=block_sizes,
+        forward_tiles=tuned.forward,
+        backward_tiles=tuned.backward,
+    )
+    if kernels is None:
+        return float("inf")
+
+    def grads(fn, cast):
+        out, vjp = jax.vjp(lambda *a: fn(*(x.astype(cast) for x in a)), q, k, v)
+        return (out, *vjp(do.astype(out.dtype)))
+
+    reference = functools.partial(pallas_flash.attention_reference, is_causal=shape_class.is_causal)
+    ours = jax.jit(lambda: grads(lambda *a: kernels(*a)[0], dtype))()
+    ref = jax.jit(lambda: grads(reference, jnp.float32))()
+    return max(
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+        for a, b in zip(ours, ref)
+    )
+
+
 def _gpu_measure(shape_class: ShapeClass, log):
     """A measure function timing pallas_flash at the FA2-paper shape of the class."""
     from pallas_flash import bench
 
-    seq = SEQ_OF_CLASS[shape_class.seq]
-    heads = max(1, 2048 // shape_class.head_dim)
-    batch = max(1, 16384 // seq)
+    batch, seq, heads = _fa2_shape(shape_class)
     dtype = jnp.dtype(shape_class.dtype)
 
     def measure(bs, pass_):
@@ -154,6 +329,43 @@ def max_error(bs: BlockSizes, shape_class: ShapeClass) -> float:
     )
 
 
+def tune_class(shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopper, log):
+    """The tuned entry of one shape class on this GPU, or None when the Triton winner's error
+    exceeds `tolerance`. On Hopper the Mosaic tiles join the entry when their winner's error
+    is within it (else the entry keeps the Mosaic kernels' defaults)."""
+    start = config_lib.heuristic_block_sizes(head_dim, shape_class.dtype)
+    best, best_ms = search(start, shape_class.head_dim, _gpu_measure(shape_class, log))
+    err = max_error(best, shape_class)
+    log(
+        dict(
+            shape_class=shape_class.key(),
+            best=dataclasses.asdict(best),
+            ms=best_ms,
+            max_err=err,
+            kept=err <= tolerance,
+        )
+    )
+    if err > tolerance:
+        return None
+    if not hopper:
+        return TunedEntry(best)
+    tuned, tuned_ms = search_mosaic(
+        shape_class.head_dim, _gpu_measure_mosaic(shape_class, best, log)
+    )
+    entry = TunedEntry(best, tuned.forward, tuned.backward)
+    err = mosaic_max_error(tuned, shape_class, best)
+    log(
+        dict(
+            shape_class=shape_class.key(),
+            best_mosaic=entry.to_json().get(config_lib.MOSAIC_KEY, "defaults"),
+            ms=tuned_ms,
+            max_err=err,
+            kept=err <= tolerance,
+        )
+    )
+    return entry if err <= tolerance else TunedEntry(best)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
@@ -175,6 +387,8 @@ def main(argv=None):
     kind = config_lib.gpu_device_kind()
     if kind is None or (config_lib.gpu_compute_capability() or (0, 0)) < (8, 0):
         raise SystemExit("pallas_flash.tune needs an NVIDIA GPU of compute capability >= 8.0")
+    # On Hopper the default call runs the Mosaic kernels: their tiles are searched too.
+    hopper = config_lib.gpu_compute_capability() == (9, 0)
     log_file = open(args.log, "a") if args.log else None
 
     def log(row):
@@ -194,22 +408,10 @@ def main(argv=None):
                     masked=False,
                     seq=seq,
                 )
-                start = config_lib.heuristic_block_sizes(h, args.dtype)
-                best, best_ms = search(start, shape_class.head_dim, _gpu_measure(shape_class, log))
-                err = max_error(best, shape_class)
-                ok = err <= args.tolerance
-                log(
-                    dict(
-                        shape_class=shape_class.key(),
-                        best=dataclasses.asdict(best),
-                        ms=best_ms,
-                        max_err=err,
-                        kept=ok,
-                    )
-                )
-                if ok:
-                    found[shape_class] = best
-    config_lib.save_tuned_block_sizes(kind, found, args.cache)
+                entry = tune_class(shape_class, h, args.tolerance, hopper=hopper, log=log)
+                if entry is not None:
+                    found[shape_class] = entry
+    config_lib.save_tuned(kind, found, args.cache)
     print(
         f"wrote {len(found)} entries for {kind!r} to {args.cache or config_lib.tune_cache_path()}"
     )

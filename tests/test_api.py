@@ -16,6 +16,9 @@ from conftest import DTYPES, Problem, assert_bitwise_equal, has_gpu, random_inpu
 
 import pallas_flash
 from pallas_flash import api
+from pallas_flash import config as config_lib
+from pallas_flash.mosaic import backward as mosaic_backward_module
+from pallas_flash.mosaic import forward as mosaic_forward_module
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 16
 
@@ -465,3 +468,58 @@ def test_triton_backward_serves_what_the_mosaic_backward_lacks(chosen_kernels):
     )
     assert chosen_kernels(*hopper_arrays(), backend="triton") == ("triton", "triton")
     assert chosen_kernels(*hopper_arrays(), cc=(8, 0)) == ("triton", "triton")
+
+
+@pytest.fixture
+def tuned_cache(tmp_path, monkeypatch):
+    """An autotune cache file for a fake Hopper: save(shape kwargs of ShapeClass.of, entry)."""
+    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
+    monkeypatch.setattr(api.config_lib, "gpu_device_kind", lambda: "Fake Hopper")
+    config_lib._load_tune_cache.cache_clear()
+
+    def save(entry, head_dim=128, dtype=jnp.bfloat16, **shape):
+        cls = config_lib.ShapeClass.of(head_dim, dtype, masked=False, **shape)
+        config_lib.save_tuned("Fake Hopper", {cls: entry})
+
+    yield save
+    config_lib._load_tune_cache.cache_clear()
+
+
+@pytest.fixture
+def chosen_tiles(monkeypatch):
+    """As chosen_forward, recording the Mosaic tiles each call's KernelConfig carries."""
+    return _chosen(
+        monkeypatch, lambda config: (config.mosaic_forward_tiles, config.mosaic_backward_tiles)
+    )
+
+
+def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
+    forward = mosaic_forward_module.ForwardTiles(block_q=64, block_kv=64, num_stages=3)
+    backward = mosaic_backward_module.BackwardTiles(block_kv_dq=128)
+    entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
+    tuned_cache(entry, is_causal=False, q_len=1024, kv_len=1024)
+    assert chosen_tiles(*hopper_arrays()) == (forward, backward)
+    assert chosen_tiles(*hopper_arrays(), backend="mosaic") == (forward, backward)
+    # Another shape class (causal), the Triton backend, or a Triton backward: no Mosaic tiles.
+    assert chosen_tiles(*hopper_arrays(), is_causal=True) == (None, None)
+    assert chosen_tiles(*hopper_arrays(), backend="triton") == (None, None)
+    h64 = hopper_arrays((4, 1024, 8, 64), (4, 1024, 8, 64))
+    tuned_cache(entry, head_dim=64, is_causal=False, q_len=1024, kv_len=1024)
+    assert chosen_tiles(*h64) == (forward, None)  # H=64 below 2k keys: the Triton backward
+
+
+def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
+    tuned_cache, monkeypatch
+):
+    # 128-row consumers need T % 256 == 0: at T=384 the forward keeps its default tiles (and
+    # stays on Mosaic); 128-row dQ consumers would spill at H=128: the backward keeps its own.
+    forward = mosaic_forward_module.ForwardTiles(block_q=128, block_kv=64)
+    backward = mosaic_backward_module.BackwardTiles(block_q_dq=128)
+    entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
+    tuned_cache(entry, is_causal=False, q_len=384, kv_len=384)
+    qkv = hopper_arrays((8, 384, 8, 128), (8, 384, 8, 128))
+    chosen = _chosen(
+        monkeypatch,
+        lambda c: (c.forward, c.backward, c.mosaic_forward_tiles, c.mosaic_backward_tiles),
+    )
+    assert chosen(*qkv) == ("mosaic", "mosaic", None, None)

@@ -36,7 +36,15 @@ from pallas_flash import config as config_lib
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import BackwardTiles, flash_backward, flash_forward, supports_backward
+from pallas_flash.mosaic import (
+    BackwardTiles,
+    ForwardTiles,
+    flash_backward,
+    flash_forward,
+    supports_backward,
+)
+from pallas_flash.mosaic import backward as mosaic_backward_module
+from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.backward import SMEM_BYTES, _q_tile_range, default_tiles
 
 
@@ -332,6 +340,51 @@ def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
     (q, k, v, d_out, d_lse), f64 = random_inputs(p)
     with interpret_mosaic():
         results = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fn)(q, k, v, d_out, d_lse)]
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypatch, tmp_path):
+    """Mosaic tiles from the autotune cache reach both kernels through the public call (a
+    spy records them) and the result still matches the float64 oracle."""
+    p = Problem(1, 256, 256, 2, 1, 64, True, "bf16")
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(config_lib, "gpu_device_kind", lambda: "Fake Hopper")
+    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
+    config_lib._load_tune_cache.cache_clear()
+    forward = ForwardTiles(block_q=64, block_kv=64, num_stages=3)
+    backward = BackwardTiles(num_stages=3, block_kv_dq=128)
+    shape_class = config_lib.ShapeClass.of(
+        64, jnp.bfloat16, is_causal=True, q_len=256, kv_len=256, masked=False
+    )
+    entry = config_lib.TunedEntry(BlockSizes(), forward, backward)
+    config_lib.save_tuned("Fake Hopper", {shape_class: entry})
+    used = []
+    for module, name in (
+        (mosaic_forward_module, "flash_forward"),
+        (mosaic_backward_module, "flash_backward"),
+    ):
+        original = getattr(module, name)
+
+        def spy(*args, original=original, **kwargs):
+            used.append(kwargs["tiles"])
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+    # H=64 takes the Mosaic backward below 2k keys only when asked for.
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="mosaic"
+    )
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    try:
+        with interpret_mosaic():
+            results = jax.jit(functools.partial(outputs_and_grads, attention))(
+                q, k, v, d_out, d_lse
+            )
+            results = [np.asarray(x.astype(jnp.float32)) for x in results]
+    finally:
+        config_lib._load_tune_cache.cache_clear()
+    assert used == [forward, backward]
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 

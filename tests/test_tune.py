@@ -6,7 +6,7 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash import config, tune
+from pallas_flash import config, mosaic, tune
 from pallas_flash.config import BlockSizes, ShapeClass
 from pallas_flash.masks import MaskSpec
 
@@ -159,3 +159,113 @@ def test_shipped_h200_table_is_used_below_the_user_cache(cache_path):
     mine = BlockSizes(block_q=16)
     config.save_tuned_block_sizes("NVIDIA H200", {cls: mine})
     assert config.tuned_block_sizes("NVIDIA H200", cls) == mine
+
+
+# -- the Mosaic GPU kernels' tiles (Hopper) --------------------------------------------------------
+
+
+def fake_mosaic_measure(forward, backward, pass_):
+    """A made-up cost model: the forward likes 3 stages of 64-key tiles, the backward 128-key dQ
+    tiles; the one-consumer backward "fails"."""
+    if pass_ == "fwd":
+        return (
+            5.0 if forward is None else abs(forward.block_kv - 64) + abs(forward.num_stages - 3) + 1
+        )
+    if backward is not None and backward.num_consumers == 1:
+        return None
+    return 9.0 if backward is None else abs(backward.block_kv_dq - 128) + backward.num_stages
+
+
+def test_search_mosaic_picks_forward_then_backward_tiles(monkeypatch):
+    monkeypatch.setitem(
+        tune.MOSAIC_BACKWARD, 128, [*tune.MOSAIC_BACKWARD[128], dict(num_consumers=1)]
+    )
+    best, ms = tune.search_mosaic(128, fake_mosaic_measure)
+    assert best.forward == mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=3)
+    assert best.backward == mosaic.BackwardTiles(block_kv_dq=128)
+    assert ms == {"fwd": 1, "fwd+bwd": 2}
+    # H=256 has no Mosaic backward: only the forward is searched.
+    best, ms = tune.search_mosaic(256, fake_mosaic_measure)
+    assert best.backward is None and set(ms) == {"fwd"}
+
+
+def test_search_mosaic_keeps_the_defaults_when_they_win():
+    def defaults_win(forward, backward, pass_):
+        return 1.0 if (forward, backward) == (None, None) else 2.0
+
+    best, _ = tune.search_mosaic(64, defaults_win)
+    assert (best.forward, best.backward) == (None, None)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("seq", list(tune.SEQ_OF_CLASS))
+def test_mosaic_candidates_are_tiles_the_grid_shapes_take(head_dim, seq):
+    """Every candidate builds; at each class's FA2 shape the defaults and most candidates are
+    supported (a candidate no shape takes would only waste tuning time)."""
+    cls = ShapeClass(dtype="bfloat16", head_dim=head_dim, is_causal=True, masked=False, seq=seq)
+    batch, length, heads = tune._fa2_shape(cls)
+    shape = (batch, length, heads, head_dim)
+    forward = [
+        None if f is None else mosaic.ForwardTiles(**f) for f in tune.MOSAIC_FORWARD[head_dim]
+    ]
+    taken = [
+        mosaic.supports(shape, shape, jnp.bfloat16, is_causal=True, tiles=t) is None
+        for t in forward
+    ]
+    assert taken[0] and sum(taken) >= len(taken) - 1, list(zip(forward, taken))
+    for fields in tune.MOSAIC_BACKWARD.get(head_dim, []):
+        tiles = None if fields is None else mosaic.BackwardTiles(**fields)
+        assert (
+            mosaic.supports_backward(shape, shape, jnp.bfloat16, is_causal=True, tiles=tiles)
+            is None
+        )
+
+
+def test_cache_round_trip_with_mosaic_tiles(cache_path):
+    cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=True, masked=False, seq="long")
+    entry = config.TunedEntry(
+        BlockSizes(block_q=64),
+        mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=3),
+        mosaic.BackwardTiles(block_kv_dq=128),
+    )
+    config.save_tuned(KIND, {cls: entry})
+    raw = json.loads(cache_path.read_text())[KIND][cls.key()]
+    assert raw["block_q"] == 64 and raw["mosaic"]["forward"]["num_stages"] == 3
+    assert config.tuned_entry(KIND, cls) == entry
+    assert config.tuned_block_sizes(KIND, cls) == BlockSizes(block_q=64)
+    # Entries of the earlier format (Triton tiles only) still load, with the Mosaic defaults.
+    other = dataclasses.replace(cls, seq="short")
+    config.save_tuned_block_sizes(KIND, {other: BlockSizes(block_q=32)})
+    assert config.tuned_entry(KIND, other) == config.TunedEntry(BlockSizes(block_q=32))
+
+
+@pytest.mark.parametrize(
+    "mosaic_fields",
+    [dict(sideways={}), dict(forward=dict(block_q=96)), dict(backward=dict(num_consumers=3))],
+)
+def test_bad_mosaic_tiles_in_the_cache_warn_and_fall_back(cache_path, mosaic_fields):
+    cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=True, masked=False, seq="long")
+    cache_path.write_text(json.dumps({KIND: {cls.key(): {"mosaic": mosaic_fields}}}))
+    with pytest.warns(UserWarning, match="ignoring the autotune cache"):
+        assert config.tuned_entry(KIND, cls) is None
+
+
+def test_tune_class_adds_mosaic_tiles_on_hopper_within_tolerance(monkeypatch):
+    cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=False, masked=False, seq="long")
+    monkeypatch.setattr(tune, "_gpu_measure", lambda shape_class, log: fake_measure)
+    monkeypatch.setattr(tune, "_gpu_measure_mosaic", lambda *a: fake_mosaic_measure)
+    monkeypatch.setattr(tune, "max_error", lambda bs, shape_class: 0.01)
+    errors = {}
+    monkeypatch.setattr(tune, "mosaic_max_error", lambda tuned, c, bs: errors["mosaic"])
+    log = []
+    errors["mosaic"] = 0.01
+    entry = tune.tune_class(cls, 128, 0.1, hopper=True, log=log.append)
+    assert entry.mosaic_forward == mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=3)
+    assert entry.mosaic_backward == mosaic.BackwardTiles(block_kv_dq=128)
+    errors["mosaic"] = 0.5  # the Mosaic winner is off: the entry keeps the kernels' defaults
+    entry = tune.tune_class(cls, 128, 0.1, hopper=True, log=log.append)
+    assert (entry.mosaic_forward, entry.mosaic_backward) == (None, None)
+    assert entry.block_sizes.block_kv == 128  # the Triton search still counts
+    entry = tune.tune_class(cls, 128, 0.1, hopper=False, log=log.append)
+    assert (entry.mosaic_forward, entry.mosaic_backward) == (None, None)
+    assert all("shape_class" in row for row in log)

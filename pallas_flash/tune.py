@@ -236,7 +236,7 @@ def _gpu_measure_mosaic(shape_class: ShapeClass, block_sizes: BlockSizes, log):
 
 
 def mosaic_max_error(tuned: TunedMosaic, shape_class: ShapeClass, block_sizes) -> float:
-    """Largest |kernel - f32 reference| over out and the gradients at a small GQA shape the
+    """Largest |kernel - f32 reference| over out and the gradients at a small shape (512 tokens) the
     tiles support (inf when they support none)."""
     dtype = jnp.dtype(shape_class.dtype)
     h = shape_class.head_dim

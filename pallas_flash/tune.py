@@ -236,17 +236,12 @@ def _gpu_measure_mosaic(shape_class: ShapeClass, block_sizes: BlockSizes, log):
 
 
 def mosaic_max_error(tuned: TunedMosaic, shape_class: ShapeClass, block_sizes) -> float:
-    """Largest |kernel - f32 reference| over out and the gradients at a small shape (512 tokens) the
-    tiles support (inf when they support none)."""
+    """Largest |kernel - f32 reference| over out and the gradients at a 512-token shape the
+    tiles support (inf when they do not support it)."""
     dtype = jnp.dtype(shape_class.dtype)
-    h = shape_class.head_dim
-    keys = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(keys[0], (2, 512, 4, h), dtype)
-    k = jax.random.normal(keys[1], (2, 512, 4, h), dtype)
-    v = jax.random.normal(keys[2], (2, 512, 4, h), dtype)
-    do = jax.random.normal(keys[3], (2, 512, 4, h), jnp.float32)
+    shape = (2, 512, 4, shape_class.head_dim)
     kernels = _mosaic_kernels(
-        q.shape,
+        shape,
         dtype,
         is_causal=shape_class.is_causal,
         block_sizes=block_sizes,
@@ -255,17 +250,8 @@ def mosaic_max_error(tuned: TunedMosaic, shape_class: ShapeClass, block_sizes) -
     )
     if kernels is None:
         return float("inf")
-
-    def grads(fn, cast):
-        out, vjp = jax.vjp(lambda *a: fn(*(x.astype(cast) for x in a)), q, k, v)
-        return (out, *vjp(do.astype(out.dtype)))
-
-    reference = functools.partial(pallas_flash.attention_reference, is_causal=shape_class.is_causal)
-    ours = jax.jit(lambda: grads(lambda *a: kernels(*a)[0], dtype))()
-    ref = jax.jit(lambda: grads(reference, jnp.float32))()
-    return max(
-        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-        for a, b in zip(ours, ref)
+    return _max_error(
+        lambda *a: kernels(*a)[0], shape, shape, dtype, is_causal=shape_class.is_causal
     )
 
 
@@ -300,29 +286,35 @@ def _gpu_measure(shape_class: ShapeClass, log):
 
 def max_error(bs: BlockSizes, shape_class: ShapeClass) -> float:
     """Largest |kernel - f32 reference| over out and the gradients at a small odd shape."""
-    dtype = jnp.dtype(shape_class.dtype)
     h = shape_class.head_dim
-    keys = jax.random.split(jax.random.key(1), 4)
-    q = jax.random.normal(keys[0], (2, 200, 4, h), dtype)
-    k = jax.random.normal(keys[1], (2, 333, 2, h), dtype)
-    v = jax.random.normal(keys[2], (2, 333, 2, h), dtype)
-    do = jax.random.normal(keys[3], (2, 200, 4, h), jnp.float32)
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=shape_class.is_causal, block_sizes=bs
+    )
+    return _max_error(
+        attention,
+        (2, 200, 4, h),
+        (2, 333, 2, h),
+        jnp.dtype(shape_class.dtype),
+        is_causal=shape_class.is_causal,
+    )
 
-    def grads(fn, cast):
+
+def _max_error(attention, q_shape, kv_shape, dtype, *, is_causal: bool) -> float:
+    """Largest |attention - f32 reference| over out, dq, dk and dv at random inputs."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], q_shape, dtype)
+    k = jax.random.normal(keys[1], kv_shape, dtype)
+    v = jax.random.normal(keys[2], kv_shape, dtype)
+    do = jax.random.normal(keys[3], q_shape, jnp.float32)
+
+    def grads(fn, cast, q, k, v, do):
         out, vjp = jax.vjp(lambda *a: fn(*(x.astype(cast) for x in a)), q, k, v)
         return (out, *vjp(do.astype(out.dtype)))
 
-    causal = shape_class.is_causal
-    ours = jax.jit(
-        lambda: grads(
-            functools.partial(pallas_flash.flash_attention, is_causal=causal, block_sizes=bs), dtype
-        )
-    )()
-    ref = jax.jit(
-        lambda: grads(
-            functools.partial(pallas_flash.attention_reference, is_causal=causal), jnp.float32
-        )
-    )()
+    # The inputs are arguments, not closed-over constants that XLA would fold at compile time.
+    reference = functools.partial(pallas_flash.attention_reference, is_causal=is_causal)
+    ours = jax.jit(functools.partial(grads, attention, dtype))(q, k, v, do)
+    ref = jax.jit(functools.partial(grads, reference, jnp.float32))(q, k, v, do)
     return max(
         float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
         for a, b in zip(ours, ref)

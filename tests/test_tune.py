@@ -269,3 +269,18 @@ def test_tune_class_adds_mosaic_tiles_on_hopper_within_tolerance(monkeypatch):
     entry = tune.tune_class(cls, 128, 0.1, hopper=False, log=log.append)
     assert (entry.mosaic_forward, entry.mosaic_backward) == (None, None)
     assert all("shape_class" in row for row in log)
+
+
+def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
+    """The tuner's check of a Mosaic winner: the forward with the tuned tiles and the Mosaic
+    backward, in the Mosaic interpreter, against the f32 reference; tiles the check shape does
+    not take give inf (so the winner is dropped)."""
+    from mosaic_interpret import interpret_mosaic
+
+    cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=True, masked=False, seq="short")
+    tuned = tune.TunedMosaic(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))
+    with interpret_mosaic():
+        err = tune.mosaic_max_error(tuned, cls, BlockSizes())
+    assert 0 < err < 0.05
+    too_big = tune.TunedMosaic(forward=mosaic.ForwardTiles(block_q=256, block_kv=128))
+    assert tune.mosaic_max_error(too_big, cls, BlockSizes()) == float("inf")

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash import bench, config, mosaic
+from pallas_flash import bench, config, mosaic, tune
 
 # (block_q, block_kv, num_warps, num_stages) of the forward kernel.
 MASKED_FORWARD_TILES = [
@@ -109,37 +109,57 @@ MOSAIC_TILES = {
 }
 
 
-def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
+def _time_impls(out, fns, args, flops, **row):
+    """Times each jitted fn of {impl: fn(q, k, v, do)} on args and records a row per impl."""
+    for impl, fn in fns.items():
+        timed = dict(row, impl=impl)
+        try:
+            timed["ms"] = round(bench.median_ms(fn, args), 4)
+            timed["tflops"] = round(flops / timed["ms"] / 1e9, 1)
+        except Exception as e:  # noqa: BLE001
+            timed["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        _record(out, timed)
+
+
+def _grid_points(head_dims, seqs):
+    """(B, T, N, H, causal, args) of the FA2 paper's grid (16k tokens, hidden 2048)."""
     for h in head_dims:
         n = 2048 // h
         for t in seqs:
             b = 16384 // t
             args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
-            q, k = args[0], args[1]
             for causal in (False, True):
-                fns = {
-                    impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd")
-                    for impl in ("pallas_flash_triton", "cudnn")
-                }
-                for bq, bkv, stages in MOSAIC_TILES[h]:
-                    tiles = mosaic.ForwardTiles(block_q=bq, block_kv=bkv, num_stages=stages)
-                    if mosaic.supports(q.shape, k.shape, q.dtype, is_causal=causal, tiles=tiles):
-                        continue
-                    forward = functools.partial(
-                        mosaic.flash_forward, scale=h**-0.5, is_causal=causal, tiles=tiles
-                    )
-                    fns[f"mosaic_{bq}x{bkv}s{stages}"] = jax.jit(
-                        lambda q, k, v, do, forward=forward: forward(q, k, v)[0]
-                    )
-                flops = bench.attention_flops(b, t, t, n, h, causal, "fwd")
-                for impl, fn in fns.items():
-                    row = dict(exp="mosaic-tiles", impl=impl, B=b, T=t, N=n, H=h, causal=causal)
-                    try:
-                        row["ms"] = round(bench.median_ms(fn, args), 4)
-                        row["tflops"] = round(flops / row["ms"] / 1e9, 1)
-                    except Exception as e:  # noqa: BLE001
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    _record(out, row)
+                yield b, t, n, h, causal, args
+
+
+def _mosaic_fn(t, n, h, causal, pass_, **kwargs):
+    """The Mosaic kernels (tune.mosaic_kernels_fn) timed for pass_, or None for tiles the
+    shapes do not take."""
+    kernels = tune.mosaic_kernels_fn(
+        (16384 // t, t, n, h),
+        jnp.bfloat16,
+        is_causal=causal,
+        block_sizes=config.default_block_sizes(
+            h, jnp.bfloat16, interpret=False, is_causal=causal, q_len=t, kv_len=t
+        ),
+        **kwargs,
+    )
+    return None if kernels is None else bench.timed_fn(lambda q, k, v: kernels(q, k, v)[0], pass_)
+
+
+def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
+    for b, t, n, h, causal, args in _grid_points(head_dims, seqs):
+        fns = {
+            impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd")
+            for impl in ("pallas_flash_triton", "cudnn")
+        }
+        for bq, bkv, stages in MOSAIC_TILES[h]:
+            tiles = mosaic.ForwardTiles(block_q=bq, block_kv=bkv, num_stages=stages)
+            fn = _mosaic_fn(t, n, h, causal, "fwd", forward_tiles=tiles)
+            if fn is not None:
+                fns[f"mosaic_{bq}x{bkv}s{stages}"] = fn
+        flops = bench.attention_flops(b, t, t, n, h, causal, "fwd")
+        _time_impls(out, fns, args, flops, exp="mosaic-tiles", B=b, T=t, N=n, H=h, causal=causal)
 
 
 # BackwardTiles fields of the candidates (besides the defaults); `supports_backward` drops those
@@ -155,79 +175,24 @@ MOSAIC_BACKWARD_TILES = {
 }
 
 
-def _mosaic_backward_fn(h: int, causal: bool, tiles):
-    """q, k, v -> out: the Mosaic forward (default tiles), differentiated by the Mosaic
-    backward with `tiles`."""
-    scale = h**-0.5
-
-    @jax.custom_vjp
-    def attention(q, k, v):
-        return mosaic.flash_forward(q, k, v, scale=scale, is_causal=causal)
-
-    def fwd(q, k, v):
-        out, lse = attention(q, k, v)
-        return (out, lse), (q, k, v, out, lse)
-
-    def bwd(residuals, cotangents):
-        return mosaic.flash_backward(
-            *residuals, *cotangents, scale=scale, is_causal=causal, tiles=tiles
-        )
-
-    attention.defvjp(fwd, bwd)
-    return lambda q, k, v: attention(q, k, v)[0]
-
-
-def _triton_backward_fn(t: int, h: int, causal: bool):
-    """q, k, v -> out: the Mosaic forward with the Triton backward (its shipped tiles)."""
-    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
-    from pallas_flash.masks import MaskArrays, MaskSpec
-
-    kernel_config = KernelConfig(
-        spec=MaskSpec(q_len=t, kv_len=t, is_causal=causal),
-        scale=h**-0.5,
-        block_sizes=config.default_block_sizes(
-            h, jnp.bfloat16, interpret=False, is_causal=causal, q_len=t, kv_len=t
-        ),
-        interpret=False,
-        forward="mosaic",
-        backward="triton",
-    )
-    return lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), kernel_config)[0]
-
-
 def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 1024, 2048, 16384)):
     """fwd+bwd: the default call, cuDNN, the Mosaic forward with the Triton backward, and the
     Mosaic backward with its default tiles and each candidate of MOSAIC_BACKWARD_TILES."""
-    for h in head_dims:
-        n = 2048 // h
-        for t in seqs:
-            b = 16384 // t
-            args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
-            q, k = args[0], args[1]
-            for causal in (False, True):
-                fns = {
-                    impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd+bwd")
-                    for impl in ("pallas_flash", "cudnn")
-                }
-                fns["triton_bwd"] = bench.timed_fn(_triton_backward_fn(t, h, causal), "fwd+bwd")
-                candidates = {"mosaic_bwd_default": mosaic.BackwardTiles()}
-                for name, fields in MOSAIC_BACKWARD_TILES.items():
-                    candidates[f"mosaic_bwd_{name}"] = mosaic.BackwardTiles(**fields)
-                for name, tiles in candidates.items():
-                    if mosaic.supports_backward(
-                        q.shape, k.shape, q.dtype, is_causal=causal, tiles=tiles
-                    ):
-                        continue
-                    fns[name] = bench.timed_fn(_mosaic_backward_fn(h, causal, tiles), "fwd+bwd")
-                flops = bench.attention_flops(b, t, t, n, h, causal, "fwd+bwd")
-                for impl, fn in fns.items():
-                    row = dict(exp="mosaic-backward", impl=impl, B=b, T=t, N=n, H=h, causal=causal)
-                    try:
-                        row["ms"] = round(bench.median_ms(fn, args), 4)
-                        row["tflops"] = round(flops / row["ms"] / 1e9, 1)
-                    except Exception as e:  # noqa: BLE001
-                        row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-                    _record(out, row)
+    for b, t, n, h, causal, args in _grid_points(head_dims, seqs):
+        fns = {
+            impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd+bwd")
+            for impl in ("pallas_flash", "cudnn")
+        }
+        fns["triton_bwd"] = _mosaic_fn(t, n, h, causal, "fwd+bwd", backward="triton")
+        candidates = {"default": mosaic.BackwardTiles()}
+        for name, fields in MOSAIC_BACKWARD_TILES.items():
+            candidates[name] = mosaic.BackwardTiles(**fields)
+        for name, tiles in candidates.items():
+            fn = _mosaic_fn(t, n, h, causal, "fwd+bwd", backward_tiles=tiles)
+            if fn is not None:
+                fns[f"mosaic_bwd_{name}"] = fn
+        flops = bench.attention_flops(b, t, t, n, h, causal, "fwd+bwd")
+        _time_impls(out, fns, args, flops, exp="mosaic-backward", B=b, T=t, N=n, H=h, causal=causal)
 
 
 def main():

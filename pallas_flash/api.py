@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -168,7 +167,7 @@ def flash_attention(
                 kv_len=kv_len,
                 narrow=config_lib.narrow_band(spec),
             )
-        tiles = MosaicTiles()
+        tiles = config_lib.MosaicTiles()
         if backend in ("auto", "mosaic"):
             tiles = _tuned_mosaic_tiles(query, key, spec, soft_cap)
         forward = _choose_forward(
@@ -305,39 +304,25 @@ def _choose_backend(backend, interpret):
     return backend
 
 
-@dataclasses.dataclass(frozen=True)
-class MosaicTiles:
-    """The Mosaic kernels' tiles for a call: the autotune cache's, or None for the defaults."""
-
-    forward: mosaic_forward.ForwardTiles | None = None
-    backward: mosaic_backward.BackwardTiles | None = None
-
-
-def _tuned_mosaic_tiles(query, key, spec: MaskSpec, soft_cap) -> MosaicTiles:
-    """The autotune cache's Mosaic tiles for this call's shape class on this GPU, each kept
-    only where its kernel supports it on these shapes (a class spans many lengths)."""
-    batch, q_len, num_heads, head_dim = query.shape
-    shape_class = config_lib.ShapeClass.of(
-        head_dim,
+def _tuned_mosaic_tiles(query, key, spec: MaskSpec, soft_cap) -> config_lib.MosaicTiles:
+    """The autotune cache's Mosaic tiles for this call, each kept only where its kernel
+    supports it on these shapes (a shape class spans many lengths)."""
+    tuned = config_lib.tuned_mosaic_tiles(
+        query.shape[-1],
         query.dtype,
         is_causal=spec.is_causal,
-        q_len=q_len,
+        q_len=query.shape[1],
         kv_len=key.shape[1],
-        masked=False,
         narrow=config_lib.narrow_band(spec),
     )
-    entry = config_lib.tuned_entry(config_lib.gpu_device_kind(), shape_class)
-    if entry is None:
-        return MosaicTiles()
-    forward = entry.mosaic_forward
+    forward, backward = tuned.forward, tuned.backward
     if forward is not None and mosaic_forward_gap(query, key, None, spec, soft_cap, forward):
         forward = None
-    backward = entry.mosaic_backward
     if backward is not None and mosaic_backward.supports_backward(
         query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=backward
     ):
         backward = None
-    return MosaicTiles(forward, backward)
+    return config_lib.MosaicTiles(forward, backward)
 
 
 def mosaic_forward_gap(
@@ -392,7 +377,7 @@ def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:
 
 
 def _choose_forward(
-    backend, query, key, bias, spec, soft_cap, tiles: MosaicTiles, *, user_block_sizes
+    backend, query, key, bias, spec, soft_cap, tiles: config_lib.MosaicTiles, *, user_block_sizes
 ) -> str:
     """The forward kernel of a Pallas call: "mosaic" or "triton"."""
     if backend == "triton":
@@ -419,7 +404,16 @@ def _choose_forward(
 
 
 def _choose_backward(
-    backend, forward, query, key, bias, spec, soft_cap, tiles: MosaicTiles, *, user_block_sizes
+    backend,
+    forward,
+    query,
+    key,
+    bias,
+    spec,
+    soft_cap,
+    tiles: config_lib.MosaicTiles,
+    *,
+    user_block_sizes,
 ) -> str:
     """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
     with the Mosaic forward (it is Hopper code) for the plain and causal calls it supports,

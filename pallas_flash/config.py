@@ -202,6 +202,14 @@ MOSAIC_KEY = "mosaic"
 
 
 @dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """Tiles of the Mosaic GPU kernels (Hopper); None: the kernel's defaults for the shapes."""
+
+    forward: ForwardTiles | None = None
+    backward: BackwardTiles | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TunedEntry:
     """One autotune cache entry: the Triton kernels' tiles and, on Hopper, the Mosaic ones
     (None: the Mosaic kernel's defaults)."""
@@ -209,6 +217,10 @@ class TunedEntry:
     block_sizes: BlockSizes
     mosaic_forward: ForwardTiles | None = None
     mosaic_backward: BackwardTiles | None = None
+
+    @property
+    def mosaic(self) -> MosaicTiles:
+        return MosaicTiles(self.mosaic_forward, self.mosaic_backward)
 
     def to_json(self) -> dict:
         fields = dataclasses.asdict(self.block_sizes)
@@ -362,6 +374,31 @@ def default_block_sizes(
     )
     tuned = tuned_block_sizes(device_kind or gpu_device_kind(), shape_class)
     return tuned or heuristic_block_sizes(head_dim, dtype, masked=masked, narrow=narrow)
+
+
+def tuned_mosaic_tiles(
+    head_dim: int,
+    dtype,
+    *,
+    is_causal: bool,
+    q_len: int,
+    kv_len: int,
+    narrow: bool = False,
+    device_kind: str | None = None,
+) -> MosaicTiles:
+    """The Mosaic kernels' tiles of the autotune cache's entry for a call (Mosaic calls carry
+    no bias or dense mask: the unmasked shape class); all None without one."""
+    shape_class = ShapeClass.of(
+        head_dim,
+        dtype,
+        is_causal=is_causal,
+        q_len=q_len,
+        kv_len=kv_len,
+        masked=False,
+        narrow=narrow,
+    )
+    entry = tuned_entry(device_kind or gpu_device_kind(), shape_class)
+    return MosaicTiles() if entry is None else entry.mosaic
 
 
 def narrow_band(spec) -> bool:

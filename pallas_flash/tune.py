@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash import config as config_lib
 from pallas_flash import mosaic
-from pallas_flash.config import BlockSizes, ShapeClass, TunedEntry
+from pallas_flash.config import BlockSizes, MosaicTiles, ShapeClass, TunedEntry
 
 KERNEL_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
 
@@ -103,49 +103,17 @@ def candidates(table, head_dim):
     return table[min(max(head_dim, 64), 256)]
 
 
-def search(start: BlockSizes, head_dim: int, measure) -> tuple[BlockSizes, dict]:
-    """Greedy search: forward tiles on "fwd", then dK/dV and dQ tiles on "fwd+bwd".
+def _greedy(start, phases, measure):
+    """Greedy search: phase by phase, the fastest of the candidates built from the best so far.
 
-    measure(block_sizes, pass_) -> milliseconds, or None when the candidate fails (too much
-    shared memory, say). Returns the best BlockSizes and {pass: best ms}.
+    phases: (pass_, variants) pairs, variants(best) -> candidates; measure(candidate, pass_) ->
+    milliseconds, or None when the candidate fails. Returns the best and {pass: best ms}.
     """
     best, best_ms = start, {}
-    for table, suffix, pass_ in (
-        (FORWARD, "", "fwd"),
-        (DKV, "_dkv", "fwd+bwd"),
-        (DQ, "_dq", "fwd+bwd"),
-    ):
-        fields = [f + suffix for f in KERNEL_FIELDS]
+    for pass_, variants in phases:
         winner, winner_ms = best, None
-        for values in candidates(table, head_dim):
-            bs = dataclasses.replace(best, **dict(zip(fields, values)))
-            ms = measure(bs, pass_)
-            if ms is not None and (winner_ms is None or ms < winner_ms):
-                winner, winner_ms = bs, ms
-        best = winner
-        if winner_ms is not None:
-            best_ms[pass_] = winner_ms
-    return best, best_ms
-
-
-def search_mosaic(head_dim: int, measure) -> tuple[TunedMosaic, dict]:
-    """Greedy search of the Mosaic kernels' tiles (Hopper): forward tiles on "fwd", then, at
-    the head dims the Mosaic backward takes, backward tiles on "fwd+bwd" with the best forward.
-
-    measure(forward_tiles, backward_tiles, pass_) -> milliseconds, or None when the candidate
-    fails or does not apply. Returns the best tiles (None fields: the kernel's defaults) and
-    {pass: best ms}.
-    """
-    best, best_ms = TunedMosaic(), {}
-    for pass_, table, tile_type, field in (
-        ("fwd", MOSAIC_FORWARD, mosaic.ForwardTiles, "forward"),
-        ("fwd+bwd", MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward"),
-    ):
-        winner, winner_ms = best, None
-        for fields in table.get(head_dim, []):
-            tiles = None if fields is None else tile_type(**fields)
-            candidate = dataclasses.replace(best, **{field: tiles})
-            ms = measure(candidate.forward, candidate.backward, pass_)
+        for candidate in variants(best):
+            ms = measure(candidate, pass_)
             if ms is not None and (winner_ms is None or ms < winner_ms):
                 winner, winner_ms = candidate, ms
         best = winner
@@ -154,10 +122,50 @@ def search_mosaic(head_dim: int, measure) -> tuple[TunedMosaic, dict]:
     return best, best_ms
 
 
-@dataclasses.dataclass(frozen=True)
-class TunedMosaic:
-    forward: mosaic.ForwardTiles | None = None
-    backward: mosaic.BackwardTiles | None = None
+def search(start: BlockSizes, head_dim: int, measure) -> tuple[BlockSizes, dict]:
+    """Greedy search: forward tiles on "fwd", then dK/dV and dQ tiles on "fwd+bwd".
+
+    measure(block_sizes, pass_) -> milliseconds, or None when the candidate fails (too much
+    shared memory, say). Returns the best BlockSizes and {pass: best ms}.
+    """
+
+    def variants(table, suffix):
+        fields = [f + suffix for f in KERNEL_FIELDS]
+        return lambda best: (
+            dataclasses.replace(best, **dict(zip(fields, values)))
+            for values in candidates(table, head_dim)
+        )
+
+    phases = [
+        ("fwd", variants(FORWARD, "")),
+        ("fwd+bwd", variants(DKV, "_dkv")),
+        ("fwd+bwd", variants(DQ, "_dq")),
+    ]
+    return _greedy(start, phases, measure)
+
+
+def search_mosaic(head_dim: int, measure) -> tuple[MosaicTiles, dict]:
+    """Greedy search of the Mosaic kernels' tiles (Hopper): forward tiles on "fwd", then, at
+    the head dims the Mosaic backward takes, backward tiles on "fwd+bwd" with the best forward.
+
+    measure(forward_tiles, backward_tiles, pass_) -> milliseconds, or None when the candidate
+    fails or does not apply. Returns the best tiles (None fields: the kernel's defaults) and
+    {pass: best ms}.
+    """
+
+    def variants(table, tile_type, field):
+        return lambda best: (
+            dataclasses.replace(best, **{field: None if f is None else tile_type(**f)})
+            for f in table.get(head_dim, [])
+        )
+
+    phases = [
+        ("fwd", variants(MOSAIC_FORWARD, mosaic.ForwardTiles, "forward")),
+        ("fwd+bwd", variants(MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward")),
+    ]
+    return _greedy(
+        MosaicTiles(), phases, lambda tiles, pass_: measure(tiles.forward, tiles.backward, pass_)
+    )
 
 
 def _fa2_shape(shape_class: ShapeClass):
@@ -166,24 +174,33 @@ def _fa2_shape(shape_class: ShapeClass):
     return max(1, 16384 // seq), seq, max(1, 2048 // shape_class.head_dim)
 
 
-def _mosaic_kernels(shape, dtype, *, is_causal, block_sizes, forward_tiles, backward_tiles):
-    """q, k, v -> (out, lse) through the custom_vjp with the Mosaic forward (and the Mosaic
-    backward where it supports the shapes, else the Triton one with `block_sizes`); None when
-    the Mosaic forward does not take these tiles."""
+def mosaic_kernels_fn(
+    shape,
+    dtype,
+    *,
+    is_causal,
+    block_sizes,
+    forward_tiles=None,
+    backward_tiles=None,
+    backward: str | None = None,
+):
+    """q, k, v -> (out, lse) of shape [B, T, N, H] through the custom_vjp with the Mosaic
+    forward and `backward`: "triton" (with `block_sizes`), or None for the Mosaic backward
+    where it supports the shapes (else the Triton one). None when the Mosaic kernels do not
+    take these tiles."""
     from pallas_flash._vjp import KernelConfig, flash_attention_kernels
     from pallas_flash.masks import MaskArrays, MaskSpec
 
     batch, seq, heads, head_dim = shape
     if mosaic.supports(shape, shape, dtype, is_causal=is_causal, tiles=forward_tiles):
         return None
-    backward = "triton"
-    reason = mosaic.supports_backward(
-        shape, shape, dtype, is_causal=is_causal, tiles=backward_tiles
-    )
-    if reason is None:
-        backward = "mosaic"
-    elif backward_tiles is not None:
-        return None  # these backward tiles do not apply here
+    if backward is None:
+        reason = mosaic.supports_backward(
+            shape, shape, dtype, is_causal=is_causal, tiles=backward_tiles
+        )
+        if reason is not None and backward_tiles is not None:
+            return None  # these backward tiles do not apply here
+        backward = "mosaic" if reason is None else "triton"
     config = KernelConfig(
         spec=MaskSpec(q_len=seq, kv_len=seq, is_causal=is_causal),
         scale=head_dim**-0.5,
@@ -207,7 +224,7 @@ def _gpu_measure_mosaic(shape_class: ShapeClass, block_sizes: BlockSizes, log):
     args = bench.make_inputs(batch, seq, seq, heads, heads, shape_class.head_dim, dtype)
 
     def measure(forward_tiles, backward_tiles, pass_):
-        fn = _mosaic_kernels(
+        fn = mosaic_kernels_fn(
             shape,
             dtype,
             is_causal=shape_class.is_causal,
@@ -235,12 +252,12 @@ def _gpu_measure_mosaic(shape_class: ShapeClass, block_sizes: BlockSizes, log):
     return measure
 
 
-def mosaic_max_error(tuned: TunedMosaic, shape_class: ShapeClass, block_sizes) -> float:
+def mosaic_max_error(tuned: MosaicTiles, shape_class: ShapeClass, block_sizes) -> float:
     """Largest |kernel - f32 reference| over out and the gradients at a 512-token shape the
     tiles support (inf when they do not support it)."""
     dtype = jnp.dtype(shape_class.dtype)
     shape = (2, 512, 4, shape_class.head_dim)
-    kernels = _mosaic_kernels(
+    kernels = mosaic_kernels_fn(
         shape,
         dtype,
         is_causal=shape_class.is_causal,

@@ -278,9 +278,9 @@ def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
     from mosaic_interpret import interpret_mosaic
 
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=True, masked=False, seq="short")
-    tuned = tune.TunedMosaic(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))
+    tuned = config.MosaicTiles(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))
     with interpret_mosaic():
         err = tune.mosaic_max_error(tuned, cls, BlockSizes())
     assert 0 < err < 0.05
-    too_big = tune.TunedMosaic(forward=mosaic.ForwardTiles(block_q=256, block_kv=128))
+    too_big = config.MosaicTiles(forward=mosaic.ForwardTiles(block_q=256, block_kv=128))
     assert tune.mosaic_max_error(too_big, cls, BlockSizes()) == float("inf")

@@ -101,10 +101,19 @@ def split_kv(out):
                 _record(out, row)
 
 
-# (block_q, block_kv, num_stages) of the Mosaic forward, per head dim.
+# (block_q, block_kv, num_stages[, persistent]) of the Mosaic forward, per head dim.
 MOSAIC_TILES = {
-    64: [(64, 128, 2), (128, 128, 2), (128, 64, 2), (64, 64, 2), (64, 128, 3), (64, 256, 2)],
-    128: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (64, 64, 4), (128, 64, 2)],
+    64: [
+        (64, 128, 2),
+        (128, 128, 2),
+        (128, 64, 2),
+        (64, 64, 2),
+        (64, 128, 3),
+        (64, 256, 2),
+        (128, 128, 2, True),
+        (64, 128, 2, True),
+    ],
+    128: [(64, 128, 2), (64, 128, 3), (64, 64, 3), (64, 64, 4), (128, 64, 2), (64, 128, 2, True)],
     256: [(64, 64, 2), (64, 64, 3)],
 }
 
@@ -153,11 +162,13 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
             impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd")
             for impl in ("pallas_flash_triton", "cudnn")
         }
-        for bq, bkv, stages in MOSAIC_TILES[h]:
-            tiles = mosaic.ForwardTiles(block_q=bq, block_kv=bkv, num_stages=stages)
+        for bq, bkv, stages, *persistent in MOSAIC_TILES[h]:
+            tiles = mosaic.ForwardTiles(
+                block_q=bq, block_kv=bkv, num_stages=stages, persistent=bool(persistent)
+            )
             fn = _mosaic_fn(t, n, h, causal, "fwd", forward_tiles=tiles)
             if fn is not None:
-                fns[f"mosaic_{bq}x{bkv}s{stages}"] = fn
+                fns[f"mosaic_{bq}x{bkv}s{stages}{'p' if persistent else ''}"] = fn
         flops = bench.attention_flops(b, t, t, n, h, causal, "fwd")
         _time_impls(out, fns, args, flops, exp="mosaic-tiles", B=b, T=t, N=n, H=h, causal=causal)
 

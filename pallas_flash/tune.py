@@ -77,12 +77,15 @@ MOSAIC_FORWARD = {
         dict(block_q=128, block_kv=64),
         dict(block_q=64, block_kv=256),
         dict(block_q=64, block_kv=128, num_stages=3),
+        dict(block_q=128, block_kv=128, persistent=True),
+        dict(block_q=64, block_kv=128, persistent=True),
     ],
     128: [
         None,
         dict(block_q=64, block_kv=64, num_stages=3),
         dict(block_q=128, block_kv=64),
         dict(block_q=64, block_kv=64, num_stages=4),
+        dict(block_q=64, block_kv=128, persistent=True),
     ],
     256: [None, dict(block_q=64, block_kv=64, num_stages=3)],
 }

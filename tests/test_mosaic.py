@@ -456,6 +456,69 @@ def test_supports_refuses_windows_on_miscompiling_cuda(monkeypatch):
     assert supports(*shapes, is_causal=False, soft_cap=5.0) is None
 
 
+def test_persistent_tiles_count_the_second_q_buffer():
+    """A persistent CTA holds two Q buffers per consumer: H=256 (64 x 64 tiles) no longer fits,
+    H=128 and H=64 do."""
+    plain, persistent = ForwardTiles(block_kv=64), ForwardTiles(block_kv=64, persistent=True)
+    assert persistent.smem_bytes(256, 2) - plain.smem_bytes(256, 2) == 2 * 64 * 256 * 2
+    got = supports((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=persistent)
+    assert got is not None and "shared memory" in got
+    for head_dim, tiles in (
+        (128, ForwardTiles(persistent=True)),
+        (64, ForwardTiles(block_q=128, persistent=True)),
+    ):
+        shapes = (1, 512, 2, head_dim), (1, 512, 2, head_dim)
+        assert supports(*shapes, BF16, is_causal=True, tiles=tiles, segments=True) is None
+
+
+@pytest.mark.parametrize(
+    "p, tiles",
+    [
+        (
+            Problem(8, 512, 512, 16, 4, 64, False, "bf16"),
+            ForwardTiles(block_q=128, persistent=True),
+        ),
+        (Problem(1, 256, 512, 2, 1, 128, True, "f16"), ForwardTiles(persistent=True)),
+    ],
+    ids=str,
+)
+def test_persistent_lowers_with_a_cta_per_sm(p, tiles, monkeypatch):
+    """One CTA per SM, or one per work item when there are fewer items than SMs."""
+    grids = []
+    kernel = mosaic_forward_module.plgpu.kernel
+
+    def spy(*args, grid, **kwargs):
+        grids.append(grid)
+        return kernel(*args, grid=grid, **kwargs)
+
+    monkeypatch.setattr(mosaic_forward_module.plgpu, "kernel", spy)
+    lowered = lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    items = p.batch * p.num_heads * (p.q_len // tiles.cta_rows)
+    assert mosaic_forward_module.num_sms() == 132  # the H200's, where no GPU says otherwise
+    assert grids == [(min(items, 132),)]
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize(
+    "batch, heads, q_tiles, ctas", [(32, 32, 2, 132), (2, 3, 5, 4), (1, 2, 3, 8)]
+)
+def test_persistent_work_covers_every_item_once(batch, heads, q_tiles, ctas, reverse):
+    """CTA c's n-th item is c + n * C: every (batch, head, q_tile) once. Causal (reverse): the
+    long query tiles come first, and every CTA gets a share of each query tile (balanced)."""
+    work = mosaic_forward_module._Work(batch, heads, q_tiles, reverse=reverse)
+    total = batch * heads * q_tiles
+    items = [work.persistent_item(w) for w in range(total)]
+    assert sorted(items) == sorted(np.ndindex(batch, heads, q_tiles))
+    if reverse:
+        assert [q for _, _, q in items] == sorted((q for _, _, q in items), reverse=True)
+        if total >= 2 * ctas:
+            per_cta = [sum(q + 1 for _, _, q in items[c::ctas]) for c in range(ctas)]
+            assert max(per_cta) <= 1.5 * min(per_cta), per_cta
+    else:
+        assert [q for _, _, q in items[:q_tiles]] == list(range(q_tiles))  # one head's tiles
+
+
 def test_supports_rejects_tiles_over_shared_memory():
     tiles = ForwardTiles(block_q=64, block_kv=128, num_stages=2)
     got = supports((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=tiles)
@@ -478,19 +541,32 @@ def test_default_tiles_are_supported(head_dim, q_len, kv_len, is_causal, segment
     assert tiles.smem_bytes(head_dim, 2, segments=segments) <= SMEM_BYTES
 
 
-def test_default_tiles_at_h64_take_128_rows_when_causal_or_short():
+def test_default_tiles_at_h64_take_128_rows_when_plain():
     def block_q(**kwargs):
         return default_tiles(64, **kwargs).block_q
 
     assert block_q(q_len=512, kv_len=512, is_causal=False) == 128
-    assert block_q(q_len=1024, kv_len=1024, is_causal=False) == 128
-    assert block_q(q_len=2048, kv_len=2048, is_causal=False) == 64
+    assert block_q(q_len=2048, kv_len=2048, is_causal=False) == 128
     assert block_q(q_len=16384, kv_len=16384, is_causal=True) == 128
     assert block_q(q_len=384, kv_len=384, is_causal=True) == 64  # T % 256 != 0
+    assert block_q(q_len=384, kv_len=384, is_causal=False) == 64
     assert block_q(q_len=512, kv_len=512, is_causal=True, window=(64, 0)) == 64
     assert block_q(q_len=512, kv_len=512, is_causal=True, soft_cap=30.0) == 64
     assert block_q(q_len=512, kv_len=512, is_causal=True, segments=True) == 64
     assert default_tiles(128, q_len=512, kv_len=512, is_causal=True).block_q == 64
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_default_tiles_are_persistent_on_plain_non_causal_calls(head_dim):
+    def persistent(is_causal=False, **kwargs):
+        tiles = default_tiles(head_dim, q_len=1024, kv_len=1024, is_causal=is_causal, **kwargs)
+        return tiles.persistent
+
+    assert persistent() == (head_dim <= 128)  # H=256 has no room for a second Q buffer
+    assert not persistent(is_causal=True)
+    assert not persistent(window=(64, 64))
+    assert not persistent(soft_cap=30.0)
+    assert not persistent(segments=True)
 
 
 def test_supports_counts_the_segment_id_buffers(monkeypatch):
@@ -515,6 +591,7 @@ def test_supports_counts_the_segment_id_buffers(monkeypatch):
         (dict(block_q=96), "block_q=96 must be a positive multiple of 64"),
         (dict(block_kv=32), "block_kv=32 must be a positive multiple of 64"),
         (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
+        (dict(persistent=1), "persistent=1 must be a bool"),
     ],
 )
 def test_tiles_validate(kwargs, match):
@@ -664,6 +741,12 @@ def test_matches_oracle(p):
         (Problem(2, 512, 1024, 4, 2, 64, False, "f16"), ForwardTiles(block_q=128, block_kv=128)),
         (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), ForwardTiles(block_q=128, block_kv=64)),
         (Problem(1, 512, 512, 4, 1, 64, True, "bf16"), ForwardTiles(block_kv=64, num_stages=4)),
+        # Persistent CTAs with more work items than SMs (256 and 512 items on 132 SMs).
+        (
+            Problem(8, 512, 512, 16, 4, 64, False, "bf16"),
+            ForwardTiles(block_q=128, block_kv=128, persistent=True),
+        ),
+        (Problem(4, 1024, 1024, 16, 4, 128, True, "bf16"), ForwardTiles(persistent=True)),
     ],
     ids=str,
 )
@@ -782,6 +865,11 @@ def test_masked_matches_oracle(p, options, scale):
             dict(window=(5, 0)),
             ForwardTiles(block_q=128, block_kv=128, num_stages=3),
         ),
+        (
+            Problem(4, 1024, 1024, 8, 2, 128, True, "bf16"),
+            dict(window=(300, 0)),
+            ForwardTiles(persistent=True),
+        ),
     ],
     ids=str,
 )
@@ -870,6 +958,11 @@ def test_segments_match_oracle(p, kind, options, scale):
             Problem(2, 256, 1024, 4, 2, 64, False, "bf16"),
             "gap",
             ForwardTiles(block_kv=64, num_stages=3),
+        ),
+        (
+            Problem(8, 512, 512, 8, 2, 64, True, "bf16"),
+            "packed-lengths",
+            ForwardTiles(persistent=True),
         ),
     ],
     ids=str,
@@ -968,6 +1061,35 @@ def test_segments_match_oracle_interpreted(p, kind, options, scale, tiles):
     """Segment ids and lengths: the XLA tile plan read in the kernel, ids in shared memory
     (query ids with Q, KV ids in K's ring slot), rows without keys, race detector on."""
     check_segments(p, kind, options, scale, tiles, interpreted=True)
+
+
+# Persistent CTAs in the interpreter, with 3 "SMs": each CTA walks 2-3 items (one fewer on some),
+# so the ring's slots and barrier phases run across items, and the next item's Q loads into the
+# second buffer while the first's output is copied out. Items of different lengths (causal,
+# windows), items without KV steps (a batch entry whose rows see no key), drain steps.
+PERSISTENT_INTERPRET_CASES = [
+    (Problem(2, 512, 512, 2, 1, 64, True, "bf16"), None, {}, ForwardTiles(block_q=128)),
+    (Problem(2, 256, 512, 2, 2, 64, False, "f16"), None, {}, ForwardTiles()),
+    (
+        Problem(1, 512, 256, 2, 1, 128, True, "bf16"),
+        None,
+        {},
+        ForwardTiles(block_kv=64, num_stages=3),
+    ),
+    (Problem(2, 512, 512, 1, 1, 128, True, "bf16"), None, dict(window=(70, 0)), ForwardTiles()),
+    (Problem(2, 512, 512, 2, 1, 128, True, "bf16"), "packed", {}, ForwardTiles()),
+    (Problem(2, 256, 512, 2, 2, 64, False, "f16"), "lengths", {}, ForwardTiles(block_kv=64)),
+]
+
+
+@pytest.mark.parametrize("p, kind, options, tiles", PERSISTENT_INTERPRET_CASES, ids=str)
+def test_persistent_matches_oracle_interpreted(p, kind, options, tiles, monkeypatch):
+    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    tiles = dataclasses.replace(tiles, persistent=True)
+    if kind is None:
+        check_masked(p, options, None, tiles, interpreted=True)
+    else:
+        check_segments(p, kind, options, None, tiles, interpreted=True)
 
 
 @pytest.mark.gpu

@@ -48,11 +48,17 @@ class ForwardTiles:
         wgmma works on 64-row slabs: a multiple of 64.
       block_kv: keys per KV tile (one wgmma N dim for Q.K^T, K dim for P.V): a multiple of 64.
       num_stages: KV tiles in flight in the shared-memory ring (>= 2 to overlap TMA and wgmma).
+      persistent: launch one CTA per SM that walks its share of the (batch, head, query tile)
+        work items in turn, instead of a CTA per item. The K/V ring then runs on from one item
+        into the next and the next item's Q loads during this one (a second Q buffer), so that
+        short rows (few KV steps per item) stop paying a CTA's launch, Q load and ring fill
+        per item.
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
+    persistent: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -61,17 +67,26 @@ class ForwardTiles:
                 raise ValueError(f"ForwardTiles.{name}={value!r} must be a positive multiple of 64")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool")
 
     @property
     def cta_rows(self) -> int:
         return NUM_CONSUMERS * self.block_q
 
+    @property
+    def q_buffers(self) -> int:
+        """Q buffers per consumer: a persistent CTA loads the next item's Q into the second."""
+        return 2 if self.persistent else 1
+
     def smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
-        """Shared memory of one CTA: Q/out per consumer, the K and V rings, the lse rows and,
-        with segment ids, the consumers' query ids and a ring of KV ids (int32)."""
-        q = self.cta_rows * head_dim * itemsize
+        """Shared memory of one CTA: Q/out per consumer (twice when persistent), the K and V
+        rings, the lse rows and, with segment ids, the consumers' query ids (as Q) and a ring
+        of KV ids (int32)."""
+        q = self.q_buffers * self.cta_rows * head_dim * itemsize
         kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        ids = (self.cta_rows + self.num_stages * self.block_kv) * 4 if segments else 0
+        ids = (self.q_buffers * self.cta_rows + self.num_stages * self.block_kv) * 4
+        ids = ids if segments else 0
         return q + kv + self.cta_rows * 4 + ids
 
 
@@ -90,20 +105,19 @@ def default_tiles(
     memory. Two stages beat three or four at H=64 too (450 against 416 TFLOP/s at 16k).
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles:
     128 rows per consumer win when causal (512 keys: 183-191 against 162-168 TFLOP/s; 16k:
-    436-438 against 424-426) and up to 1k keys (512: 299-307 against 276-288), and lose a
-    little on long non-causal rows (16k: 426 against 450). They need T % 256 == 0, and are
-    measured on plain and causal calls only: a window, soft cap or segment ids keep 64 rows,
-    whose registers leave room for the mask."""
+    436-438 against 424-426). They need T % 256 == 0, and are measured on plain and causal
+    calls only: a window, soft cap or segment ids keep 64 rows, whose registers leave room for
+    the mask.
+    Plain non-causal calls run persistent CTAs (fifth session, same run): H=64 with 128 rows
+    512 keys 356 against 296, 16k 470 against 445 (64 rows 342 / 448); H=128 512 493 against
+    403, 2k 608 against 571, 16k 608 against 600. Causal ones keep a CTA per item."""
     masked = window is not None or soft_cap is not None or segments
-    if (
-        head_dim == 64
-        and not masked
-        and (is_causal or kv_len <= 1024)
-        and q_len % (NUM_CONSUMERS * 128) == 0
-    ):
-        return ForwardTiles(block_q=128, block_kv=128, num_stages=2)
+    persistent = not masked and not is_causal and head_dim <= 128
+    wide = head_dim == 64 and not masked and q_len % (NUM_CONSUMERS * 128) == 0
+    if wide and (is_causal or persistent):
+        return ForwardTiles(block_q=128, block_kv=128, num_stages=2, persistent=persistent)
     if head_dim <= 128:
-        return ForwardTiles(block_q=64, block_kv=128, num_stages=2)
+        return ForwardTiles(block_q=64, block_kv=128, num_stages=2, persistent=persistent)
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
 
 
@@ -331,6 +345,14 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
             )
 
 
+def num_sms() -> int:
+    """Streaming multiprocessors of the default device: a persistent grid's size. 132 (the
+    H100's and H200's) where the device does not say: the CPU interpreter, lowering tests."""
+    device = jax.devices()[0]
+    cores = getattr(device, "core_count", None) if device.platform == "gpu" else None
+    return cores or 132
+
+
 def _forward_call(
     q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles
 ):
@@ -338,13 +360,14 @@ def _forward_call(
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     has_ids = segments is not None
+    num_q_tiles = q_len // tiles.cta_rows
     kernel = functools.partial(
         _forward_kernel,
         spec=spec,
         scale=scale,
         soft_cap=soft_cap,
         group=num_heads // num_kv_heads,
-        num_q_tiles=q_len // tiles.cta_rows,
+        work=_Work(batch, num_heads, num_q_tiles, reverse=spec.is_causal),
         tiles=tiles,
     )
     # A 128-byte swizzle over 64-element column tiles (one 128-byte row of 16-bit values) is
@@ -354,9 +377,10 @@ def _forward_call(
     def ring(rows):
         return plgpu.SMEM((tiles.num_stages, rows, head_dim), q.dtype, transforms=smem_transforms)
 
+    q_buffers = tiles.q_buffers * NUM_CONSUMERS  # indexed buffer * NUM_CONSUMERS + consumer
     scratch = dict(
         q_smem=plgpu.SMEM(
-            (NUM_CONSUMERS, tiles.block_q, head_dim), q.dtype, transforms=smem_transforms
+            (q_buffers, tiles.block_q, head_dim), q.dtype, transforms=smem_transforms
         ),
         k_smem=ring(tiles.block_kv),
         v_smem=ring(tiles.block_kv),
@@ -364,7 +388,7 @@ def _forward_call(
         # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in
         # K's ring slot: each such barrier then counts two copies (one arrival per copy, with
         # its bytes), and the phase completes once both have landed.
-        q_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=NUM_CONSUMERS),
+        q_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=q_buffers),
         k_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=tiles.num_stages),
         v_ready=plgpu.Barrier(num_barriers=tiles.num_stages),
         # A slot is free again once both consumers are done with it.
@@ -374,25 +398,78 @@ def _forward_call(
     )
     if has_ids:
         scratch.update(
-            q_ids_smem=plgpu.SMEM((NUM_CONSUMERS, tiles.block_q), jnp.int32),
+            q_ids_smem=plgpu.SMEM((q_buffers, tiles.block_q), jnp.int32),
             kv_ids_smem=plgpu.SMEM((tiles.num_stages, tiles.block_kv), jnp.int32),
         )
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
     )
-    # The last grid axis is CUDA's x, launched first: neighbouring CTAs are query tiles of one
-    # head and read the same K/V from L2.
+    if tiles.persistent:
+        grid = (min(batch * num_heads * num_q_tiles, num_sms()),)
+        grid_names = ("cta",)
+    else:
+        # The last grid axis is CUDA's x, launched first: neighbouring CTAs are query tiles of
+        # one head and read the same K/V from L2.
+        grid = (batch, num_heads, num_q_tiles)
+        grid_names = ("batch", "head", "q_tile")
     return plgpu.kernel(
         kernel,
         out_type=out_type,
         scratch_types=scratch,
-        grid=(batch, num_heads, q_len // tiles.cta_rows),
-        grid_names=("batch", "head", "q_tile"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=NUM_CONSUMERS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )(q, k, v, *(segments or ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """The work items, one per (batch, head, query tile) of cta_rows rows, and which CTA takes
+    which. A CTA of the plain grid takes its own (batch, head, q_tile); the hardware launches
+    the query tiles of one head next to each other (they share K/V in L2). A persistent CTA c
+    of C takes items c, c + C, c + 2C, ... of a fixed order: (batch, head, q_tile) with q_tile
+    fastest, neighbours sharing K/V as in the grid, when every item costs the same; causal
+    items grow with their query tile, so there q_tile is slowest: each round of C items is of
+    one or two query tiles and the CTAs stay balanced (with the tiles of a head as neighbours,
+    C even and two tiles per head, every other CTA would get only the long ones: 128 against
+    184 TFLOP/s at H=64, 512 tokens on the H200). `reverse` (causal): query tile q_tile maps
+    to Q - 1 - q_tile, so that the longest rows start first and the short ones fill in at the
+    end."""
+
+    batch: int
+    num_heads: int
+    num_q_tiles: int
+    reverse: bool
+
+    def count(self, persistent: bool):
+        """Items this CTA walks: a Python int, or a traced int32 when persistent."""
+        if not persistent:
+            return 1
+        cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
+        total = self.batch * self.num_heads * self.num_q_tiles
+        return lax.div(total - cta + num_ctas - 1, num_ctas)
+
+    def item(self, n, persistent: bool):
+        """(batch, head, q_tile) of this CTA's n-th item."""
+        if persistent:
+            return self.persistent_item(lax.axis_index("cta") + n * lax.axis_size("cta"))
+        batch, head = lax.axis_index("batch"), lax.axis_index("head")
+        q_tile = lax.axis_index("q_tile")
+        if self.reverse:
+            q_tile = self.num_q_tiles - 1 - q_tile
+        return batch, head, q_tile
+
+    def persistent_item(self, w):
+        """(batch, head, q_tile) of item w of the persistent order (ints or int32 scalars)."""
+        if self.reverse:
+            heads = self.batch * self.num_heads
+            q_tile, batch_head = self.num_q_tiles - 1 - w // heads, w % heads
+        else:
+            q_tile, batch_head = w % self.num_q_tiles, w // self.num_q_tiles
+        return batch_head // self.num_heads, batch_head % self.num_heads, q_tile
 
 
 def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):
@@ -491,92 +568,152 @@ def _forward_kernel(
     scale: float,
     soft_cap,
     group: int,
-    num_q_tiles: int,
+    work: _Work,
     tiles: ForwardTiles,
 ):
-    """One CTA: NUM_CONSUMERS * block_q query rows of one head against that head's keys.
+    """One CTA: its work items (`_Work`) in turn, each NUM_CONSUMERS * block_q query rows of
+    one head against that head's keys; one item unless tiles.persistent.
 
     q_ref, out_ref: [B, T, N, H] and k_ref, v_ref: [B, S, K, H] in GMEM; lse_ref [B, N, T].
     With segment ids, refs starts with q_ids_ref [B, T], kv_ids_ref [B, S] and plan_ref
     [B, T // cta_rows, NUM_CONSUMERS + 1, 4] (`segment_tile_plan`), read with scalar loads.
-    q_smem [NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output tile;
+    q_smem [q_buffers * NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output
+    tile (buffer b of consumer wg at b * NUM_CONSUMERS + wg; item n uses buffer n % q_buffers);
     k_smem, v_smem [num_stages, block_kv, H] are the ring (kv_ids_smem [num_stages, block_kv]
-    rides in K's slots, q_ids_smem [NUM_CONSUMERS, block_q] with Q); the barriers are named
-    after what their completion means.
+    rides in K's slots, q_ids_smem like q_smem with Q); the barriers are named after what
+    their completion means.
     """
     *id_refs, out_ref, lse_ref = refs
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
-    batch, head = lax.axis_index("batch"), lax.axis_index("head")
-    q_tile = lax.axis_index("q_tile")
-    if spec.is_causal:
-        # A causal CTA's work grows with its query tile: launch the longest (last) tiles first
-        # so that the short ones fill in at the end of the last wave.
-        q_tile = num_q_tiles - 1 - q_tile
-    cta_q_start = q_tile * tiles.cta_rows
-    if plan_ref is None:
-        cta_lo, cta_hi = cta_tile_range(spec, cta_q_start, tiles)
-    else:
-        # Every thread of the CTA loads the same words: a broadcast from L2.
-        cta_lo = plan_ref[batch, q_tile, NUM_CONSUMERS, 0]
-        cta_hi = plan_ref[batch, q_tile, NUM_CONSUMERS, 3]
+    persistent = tiles.persistent
+    num_items = work.count(persistent)
     wg = lax.axis_index("wg")
-    ring = _Ring(
-        k_smem, v_smem, k_ready, v_ready, k_free, v_free, tiles.num_stages, cta_lo, kv_ids_smem
-    )
+
+    def item(n):
+        """(batch, head, q_tile, (cta_lo, cta_hi)) of this CTA's n-th work item."""
+        batch, head, q_tile = work.item(n, persistent)
+        if plan_ref is None:
+            cta_range = cta_tile_range(spec, q_tile * tiles.cta_rows, tiles)
+        else:
+            # Every thread of the CTA loads the same words: a broadcast from L2.
+            cta_range = tuple(plan_ref[batch, q_tile, NUM_CONSUMERS, i] for i in (0, 3))
+        return batch, head, q_tile, cta_range
+
+    def ring(cta_range, steps_before):
+        return _Ring(
+            k_smem=k_smem,
+            v_smem=v_smem,
+            k_ready=k_ready,
+            v_ready=v_ready,
+            k_free=k_free,
+            v_free=v_free,
+            num_stages=tiles.num_stages,
+            first_tile=cta_range[0],
+            steps_before=steps_before,
+            kv_ids_smem=kv_ids_smem,
+        )
+
+    def over_items(body):
+        """Runs body(n, steps_before) -> steps_before + the item's KV steps over the items:
+        the ring's slots and barrier phases run on from one item into the next."""
+        if not persistent:
+            body(0, 0)
+        else:
+            lax.fori_loop(0, num_items, body, jnp.int32(0))
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
-        q_start = cta_q_start + wg * tiles.block_q
-        if plan_ref is None:
-            ranges = consumer_tile_range(spec, q_start, (cta_lo, cta_hi), tiles)
-            q_ids = None
-        else:
-            ranges = tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
-            q_ids = (q_ids_ref.at[batch, pl.ds(q_start, tiles.block_q)], q_ids_smem.at[wg])
-        _consume(
-            q_ref,
-            out_ref,
-            lse_ref,
-            q_smem.at[wg],
-            lse_smem.at[wg],
-            q_ready.at[wg],
-            schedule,
-            ring,
-            wg=wg,
-            batch=batch,
-            head=head,
-            q_start=q_start,
-            cta_range=(cta_lo, cta_hi),
-            ranges=ranges,
-            q_ids=q_ids,
-            spec=spec,
-            scale=scale,
-            soft_cap=soft_cap,
-            tiles=tiles,
-        )
+
+        def buffer(n):
+            index = lax.rem(n, 2) if persistent else 0
+            return index * NUM_CONSUMERS + wg
+
+        def rows(n):
+            # item(n), not work.item(n): with segment ids that also loads the item's plan,
+            # unused here. Without those loads jax 0.11.2's Mosaic GPU interpreter deadlocks
+            # on persistent CTAs with segment ids (consumer 0's first Q copy never lands there;
+            # the barrier protocol is the same either way): kept so that the CPU tests run.
+            batch, head, q_tile, _ = item(n)
+            return batch, head, q_tile * tiles.cta_rows + wg * tiles.block_q
+
+        def load_q(n):
+            batch, head, q_start = rows(n)
+            b = buffer(n)
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[batch, pl.ds(q_start, tiles.block_q), head], q_smem.at[b], q_ready.at[b]
+            )
+            if q_ids_smem is not None:
+                ids = q_ids_ref.at[batch, pl.ds(q_start, tiles.block_q)]
+                plgpu.copy_gmem_to_smem(ids, q_ids_smem.at[b], q_ready.at[b])
+
+        load_q(0)
+
+        def consume_item(n, steps_before):
+            batch, head, q_tile, cta_range = item(n)
+            q_start = q_tile * tiles.cta_rows + wg * tiles.block_q
+            if persistent:
+                # The other buffer's output left in the last item's epilogue (it waited for
+                # the copy to read it): load the next item's Q there while this one runs.
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1))
+            if plan_ref is None:
+                ranges = consumer_tile_range(spec, q_start, cta_range, tiles)
+            else:
+                ranges = tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
+            b = buffer(n)
+            _consume(
+                out_ref,
+                lse_ref,
+                q_smem.at[b],
+                lse_smem.at[wg],
+                q_ready.at[b],
+                schedule,
+                ring(cta_range, steps_before),
+                wg=wg,
+                batch=batch,
+                head=head,
+                q_start=q_start,
+                cta_range=cta_range,
+                ranges=ranges,
+                q_ids_smem=None if q_ids_smem is None else q_ids_smem.at[b],
+                spec=spec,
+                scale=scale,
+                soft_cap=soft_cap,
+                tiles=tiles,
+            )
+            return steps_before + cta_range[1] - cta_range[0]
+
+        over_items(consume_item)
+        plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        kv_head = lax.div(head, jnp.int32(group))
-        _produce(
-            k_ref,
-            v_ref,
-            kv_ids_ref,
-            ring,
-            batch=batch,
-            kv_head=kv_head,
-            cta_hi=cta_hi,
-            tiles=tiles,
-        )
+
+        def produce_item(n, steps_before):
+            batch, head, _, cta_range = item(n)
+            kv_head = lax.div(head, jnp.int32(group))
+            _produce(
+                k_ref,
+                v_ref,
+                kv_ids_ref,
+                ring(cta_range, steps_before),
+                batch=batch,
+                kv_head=kv_head,
+                cta_hi=cta_range[1],
+                tiles=tiles,
+            )
+            return steps_before + cta_range[1] - cta_range[0]
+
+        over_items(produce_item)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _Ring:
-    """The K/V shared-memory ring: the CTA's n-th tile (tile first_tile + n) lives in slot
-    n % num_stages. *_ready complete when TMA has landed a tile, *_free when both consumers are
-    done reading it. kv_ids_smem (segment ids only) shares K's slots and barriers."""
+    """The K/V shared-memory ring as one work item sees it: the CTA's s-th KV step overall
+    (s = steps_before + tile - first_tile for this item's tile) lives in slot
+    s % num_stages. *_ready complete when TMA has landed a tile, *_free when both consumers
+    are done reading it. kv_ids_smem (segment ids only) shares K's slots and barriers."""
 
     k_smem: object
     v_smem: object
@@ -585,16 +722,20 @@ class _Ring:
     k_free: object
     v_free: object
     num_stages: int
-    first_tile: object  # the CTA's first KV tile (an int32 scalar or a Python int)
+    first_tile: object  # the item's first KV tile (an int32 scalar or a Python int)
+    steps_before: object = 0  # KV steps of the CTA's earlier items (persistent CTAs)
     kv_ids_smem: object = None
 
+    def step(self, tile):
+        return jnp.asarray(self.steps_before + tile - self.first_tile, jnp.int32)
+
     def slot(self, tile):
-        return lax.rem(jnp.asarray(tile - self.first_tile, jnp.int32), jnp.int32(self.num_stages))
+        return lax.rem(self.step(tile), jnp.int32(self.num_stages))
 
 
 def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: ForwardTiles):
-    """Producer warpgroup: TMA every KV tile in [first_tile, cta_hi) into the ring, in order
-    (with its KV segment ids next to K when kv_ids_ref is not None)."""
+    """Producer warpgroup: TMA every KV tile of the item, [first_tile, cta_hi), into the ring,
+    in order (with its KV segment ids next to K when kv_ids_ref is not None)."""
 
     def copy(gmem_ref, smem, ready, tile, slot):
         rows = (batch, pl.ds(tile * tiles.block_kv, tiles.block_kv), kv_head)
@@ -607,6 +748,20 @@ def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, t
             plgpu.copy_gmem_to_smem(ids, ring.kv_ids_smem.at[slot], ring.k_ready.at[slot])
 
     first = ring.first_tile
+    if tiles.persistent:
+        # The ring runs on across items: a step waits for its slot unless it is one of the
+        # CTA's first num_stages steps, whose slots start empty.
+        @pl.loop(first, cta_hi)
+        def _step(tile):
+            step, slot = ring.step(tile), ring.slot(tile)
+            refill = step >= tiles.num_stages
+            pl.when(refill)(lambda: plgpu.barrier_wait(ring.k_free.at[slot]))
+            copy_k(tile, slot)
+            pl.when(refill)(lambda: plgpu.barrier_wait(ring.v_free.at[slot]))
+            copy(v_ref, ring.v_smem, ring.v_ready, tile, slot)
+
+        return
+
     # Fill the empty ring; a CTA may see fewer tiles than there are slots (short S, causal
     # CTAs near the top, narrow windows), or none: copies nobody waits for would still be in
     # flight at exit.
@@ -659,7 +814,6 @@ def _capped_logits(qk, *, scale: float, soft_cap: float):
 
 
 def _consume(
-    q_ref,
     out_ref,
     lse_ref,
     q_smem,
@@ -674,13 +828,14 @@ def _consume(
     q_start,
     cta_range,
     ranges,
-    q_ids,
+    q_ids_smem,
     spec: MaskSpec,
     scale: float,
     soft_cap,
     tiles: ForwardTiles,
 ):
-    """Consumer warpgroup: block_q query rows through the CTA's KV tiles (FA2 Algorithm 1).
+    """Consumer warpgroup: block_q query rows of a work item through its KV tiles (FA2
+    Algorithm 1). Their Q (and query ids) are on their way to q_smem, signalled by q_ready.
 
     Ping-pong: each CTA step has two schedule syncs, one after issuing Q.K^T and one split
     around the end of the softmax. Consumer 1 syncs once before its first step and consumer 0
@@ -691,21 +846,18 @@ def _consume(
     its own range `ranges` = (lo, full_lo, full_hi, hi), masking element-wise those outside
     [full_lo, full_hi), and "drains" the CTA steps before lo and from hi on (see drain_step).
 
-    q_ids: None, or (GMEM [block_q], SMEM [block_q]) refs of the rows' segment ids: copied
-    with Q, then kept in registers as a row vector; a masked step compares it with the KV
-    tile's ids, read from the ring slot before K's slot is released.
+    q_ids_smem: None, or the SMEM [block_q] ref of the rows' segment ids: copied with Q, then
+    kept in registers as a row vector; a masked step compares it with the KV tile's ids, read
+    from the ring slot before K's slot is released.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     q_rows = (batch, pl.ds(q_start, block_q), head)
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem, q_ready)
-    if q_ids is not None:
-        plgpu.copy_gmem_to_smem(*q_ids, q_ready)
     lo, full_lo, full_hi, hi = ranges
     qk_scale = scale * LOG2E
     # With segment ids any tile may need the element-wise mask, and any consumer may start
     # after the CTA's first tile or end before its last.
-    mask_left, mask_right = (True, True) if q_ids is not None else mask_sides(spec)
+    mask_left, mask_right = (True, True) if q_ids_smem is not None else mask_sides(spec)
     geometry_left, geometry_right = mask_sides(spec)
     # Without a left side or segment ids every row sees key 0, in the consumer's first tile
     # (tile 0): its row max is then a real logit and masked logits give p = 0 by themselves.
@@ -812,8 +964,8 @@ def _consume(
     carry = (acc, m_i, l_i)
     masked_step = functools.partial(kv_step, masked=True)
     plgpu.barrier_wait(q_ready)
-    if q_ids is not None:
-        q_seg = plgpu.load(q_ids[1], layout=row_layout)
+    if q_ids_smem is not None:
+        q_seg = plgpu.load(q_ids_smem, layout=row_layout)
     pl.when(wg == 1)(functools.partial(_schedule_sync, schedule))
     # Without a left (right) side and segment ids the loops before full_lo (after full_hi) are
     # empty: not emitted.
@@ -837,4 +989,7 @@ def _consume(
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-    plgpu.wait_smem_to_gmem(0)
+    if tiles.persistent:
+        # The next item writes lse_smem, and the one after it loads Q into q_smem, once the
+        # copies have read them; the writes to GMEM are waited for once, at the CTA's end.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -541,15 +541,15 @@ def test_default_tiles_are_supported(head_dim, q_len, kv_len, is_causal, segment
     assert tiles.smem_bytes(head_dim, 2, segments=segments) <= SMEM_BYTES
 
 
-def test_default_tiles_at_h64_take_128_rows_when_plain():
+def test_default_tiles_at_h64_take_128_rows_when_plain_and_not_short_causal():
     def block_q(**kwargs):
         return default_tiles(64, **kwargs).block_q
 
     assert block_q(q_len=512, kv_len=512, is_causal=False) == 128
     assert block_q(q_len=2048, kv_len=2048, is_causal=False) == 128
     assert block_q(q_len=16384, kv_len=16384, is_causal=True) == 128
-    assert block_q(q_len=384, kv_len=384, is_causal=True) == 64  # T % 256 != 0
-    assert block_q(q_len=384, kv_len=384, is_causal=False) == 64
+    assert block_q(q_len=2048, kv_len=2048, is_causal=True) == 64  # persistent: finer items
+    assert block_q(q_len=384, kv_len=384, is_causal=False) == 64  # T % 256 != 0
     assert block_q(q_len=512, kv_len=512, is_causal=True, window=(64, 0)) == 64
     assert block_q(q_len=512, kv_len=512, is_causal=True, soft_cap=30.0) == 64
     assert block_q(q_len=512, kv_len=512, is_causal=True, segments=True) == 64
@@ -557,13 +557,16 @@ def test_default_tiles_at_h64_take_128_rows_when_plain():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_default_tiles_are_persistent_on_plain_non_causal_calls(head_dim):
-    def persistent(is_causal=False, **kwargs):
-        tiles = default_tiles(head_dim, q_len=1024, kv_len=1024, is_causal=is_causal, **kwargs)
+def test_default_tiles_are_persistent_on_plain_non_causal_and_short_causal_calls(head_dim):
+    def persistent(kv_len=1024, is_causal=False, **kwargs):
+        tiles = default_tiles(head_dim, q_len=1024, kv_len=kv_len, is_causal=is_causal, **kwargs)
         return tiles.persistent
 
-    assert persistent() == (head_dim <= 128)  # H=256 has no room for a second Q buffer
-    assert not persistent(is_causal=True)
+    fits = head_dim <= 128  # H=256 has no room for a second Q buffer
+    assert persistent() == persistent(kv_len=16384) == fits
+    assert persistent(is_causal=True) == fits
+    assert persistent(kv_len=2048, is_causal=True) == (head_dim == 64)
+    assert not persistent(kv_len=4096, is_causal=True)
     assert not persistent(window=(64, 64))
     assert not persistent(soft_cap=30.0)
     assert not persistent(segments=True)

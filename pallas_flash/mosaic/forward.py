@@ -108,13 +108,17 @@ def default_tiles(
     436-438 against 424-426). They need T % 256 == 0, and are measured on plain and causal
     calls only: a window, soft cap or segment ids keep 64 rows, whose registers leave room for
     the mask.
-    Plain non-causal calls run persistent CTAs (fifth session, same run): H=64 with 128 rows
-    512 keys 356 against 296, 16k 470 against 445 (64 rows 342 / 448); H=128 512 493 against
-    403, 2k 608 against 571, 16k 608 against 600. Causal ones keep a CTA per item."""
+    Persistent CTAs (fifth session, h200-mosaic-tiles.jsonl): plain non-causal calls at every
+    length (H=64 with 128 rows: 512 keys 342-356 against 296 TFLOP/s, 16k 470 against 445;
+    H=128 512 460-493 against 403-407, 16k 608 against 600), plain causal ones up to 2k keys
+    at H=64 and 1k at H=128 with 64 rows (finer items balance better: H=64 512 217 against
+    183 with 128-row CTAs, 2k 347 against 328; H=128 1k 347 against 334, but 2k 430 against
+    448). Masked calls keep a CTA per item (not measured persistent)."""
     masked = window is not None or soft_cap is not None or segments
-    persistent = not masked and not is_causal and head_dim <= 128
+    short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
+    persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
     wide = head_dim == 64 and not masked and q_len % (NUM_CONSUMERS * 128) == 0
-    if wide and (is_causal or persistent):
+    if wide and not short_causal:
         return ForwardTiles(block_q=128, block_kv=128, num_stages=2, persistent=persistent)
     if head_dim <= 128:
         return ForwardTiles(block_q=64, block_kv=128, num_stages=2, persistent=persistent)

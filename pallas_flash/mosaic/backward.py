@@ -288,16 +288,12 @@ def _kv_tile_counts(q_start, rows: int, *, kv_len: int, block_kv: int, is_causal
 def _q_tile_range(kv_start, rows: int, *, q_len: int, block_q: int, is_causal: bool):
     """(first, whole): keys [kv_start, kv_start + rows) are seen by query tiles [first, T/block_q)
     and by every row of tiles [whole, T/block_q); tiles in [first, whole) straddle the causal
-    diagonal and need the mask. Tiles before `first` end before kv_start (q_end <= kv_start)."""
-    num_tiles = q_len // block_q
-    if not is_causal:
-        return jnp.int32(0), jnp.int32(0)
-    block = jnp.int32(block_q)
-    # Tile i sees key kv_start iff its last row (i + 1) * block_q - 1 >= kv_start.
-    first = jnp.minimum(lax.div(kv_start, block), jnp.int32(num_tiles))
-    # Every row of tile i sees every key iff i * block_q >= kv_start + rows - 1.
-    whole = jnp.minimum(lax.div(kv_start + rows - 1 + block - 1, block), jnp.int32(num_tiles))
-    return first, whole
+    diagonal and need the mask. MaskSpec.q_tile_range's lo and full_lo (its kv_len plays no
+    part in them), clamped to T/block_q: keys past the last query (S > T) are seen by no tile."""
+    num_tiles = jnp.int32(q_len // block_q)
+    spec = MaskSpec(q_len=q_len, kv_len=rows, is_causal=is_causal)
+    lo, full_lo, _, _ = spec.q_tile_range(jnp.asarray(kv_start, jnp.int32), block_q, rows)
+    return jnp.minimum(lo, num_tiles), jnp.minimum(full_lo, num_tiles)
 
 
 def _dkv_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, tiles):

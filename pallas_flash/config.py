@@ -419,6 +419,16 @@ def gpu_device_kind() -> str | None:
     return devices[0].device_kind if devices else None
 
 
+def gpu_core_count() -> int:
+    """Streaming multiprocessors of the first visible GPU; 132 (the H100's and H200's) without
+    one, or where the device does not say: the CPU interpreter, lowering for an abstract H200."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return 132
+    return (getattr(devices[0], "core_count", None) if devices else None) or 132
+
+
 def gpu_compute_capability() -> tuple[int, int] | None:
     """(major, minor) of the first visible NVIDIA GPU, or None without one."""
     try:

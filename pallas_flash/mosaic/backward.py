@@ -327,15 +327,13 @@ def _dkv_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, til
     kv_type = jax.ShapeDtypeStruct(k.shape, k.dtype)
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
-    return plgpu.kernel(
+    return forward.warp_specialised_kernel(
         kernel,
         out_type=(kv_type, kv_type),
         scratch_types=scratch,
         grid=(batch, num_kv_heads, kv_len // tiles.cta_kv_rows),
         grid_names=("batch", "kv_head", "kv_tile"),
-        num_threads=n_c + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        num_consumers=n_c,
     )(q, k, v, d_out, lse2, delta)
 
 
@@ -625,15 +623,13 @@ def _dq_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, tile
         k_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
         v_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
     )
-    return plgpu.kernel(
+    return forward.warp_specialised_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=scratch,
         grid=(batch, num_heads, q_len // tiles.cta_q_rows),
         grid_names=("batch", "head", "q_tile"),
-        num_threads=n_c + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        num_consumers=n_c,
     )(q, k, v, d_out, lse2, delta)
 
 

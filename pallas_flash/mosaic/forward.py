@@ -350,11 +350,10 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the default device: a persistent grid's size. 132 (the
-    H100's and H200's) where the device does not say: the CPU interpreter, lowering tests."""
-    device = jax.devices()[0]
-    cores = getattr(device, "core_count", None) if device.platform == "gpu" else None
-    return cores or 132
+    """A persistent grid's size: `config.gpu_core_count`."""
+    from pallas_flash import config  # config imports this module's ForwardTiles
+
+    return config.gpu_core_count()
 
 
 def _forward_call(
@@ -417,16 +416,29 @@ def _forward_call(
         # one head and read the same K/V from L2.
         grid = (batch, num_heads, num_q_tiles)
         grid_names = ("batch", "head", "q_tile")
-    return plgpu.kernel(
+    return warp_specialised_kernel(
         kernel,
         out_type=out_type,
         scratch_types=scratch,
         grid=grid,
         grid_names=grid_names,
-        num_threads=NUM_CONSUMERS + 1,
+        num_consumers=NUM_CONSUMERS,
+    )(q, k, v, *(segments or ()))
+
+
+def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, num_consumers):
+    """plgpu.kernel as this package's Mosaic kernels launch: num_consumers consumer warpgroups
+    and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
+    return plgpu.kernel(
+        body,
+        out_type=out_type,
+        scratch_types=scratch_types,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
-    )(q, k, v, *(segments or ()))
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -630,7 +642,7 @@ def _forward_kernel(
         plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
 
         def buffer(n):
-            index = lax.rem(n, 2) if persistent else 0
+            index = lax.rem(n, tiles.q_buffers) if persistent else 0
             return index * NUM_CONSUMERS + wg
 
         def rows(n):

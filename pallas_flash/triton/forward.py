@@ -10,7 +10,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash.config import BlockSizes, padded_head_dim
+from pallas_flash.config import BlockSizes, gpu_core_count, padded_head_dim
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     LN2,
@@ -284,7 +284,7 @@ def choose_kv_splits(requested: int, programs: int, num_kv_tiles: int, interpret
         return max(1, min(requested, num_kv_tiles))
     if interpret:
         return 1
-    cores = getattr(jax.devices()[0], "core_count", None) or 132
+    cores = gpu_core_count()
     if 2 * programs > cores or num_kv_tiles < 8:
         return 1
     return max(1, min(pl.cdiv(2 * cores, programs), num_kv_tiles // 4, 16))

@@ -70,10 +70,14 @@ class KernelConfig:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig):
     """(out, lse) through the kernels, differentiable in q, k, v and bias."""
-    return _forward(q, k, v, bias, arrays, config)
+    return _forward(q, k, v, bias, arrays, config=config)
 
 
-def _forward(q, k, v, bias, arrays, config: KernelConfig):
+# Each pass is one jit'd function of the static config: a model that repeats a layer traces and
+# lowers its kernels once (jax reuses the lowered function at every call site), so every site
+# carries the same Mosaic GPU module, which the GPU compiles once by its hash.
+@functools.partial(jax.jit, static_argnames="config")
+def _forward(q, k, v, bias, arrays, *, config: KernelConfig):
     if config.forward == "mosaic":
         if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.forward='mosaic' supports no bias")
@@ -94,14 +98,19 @@ def _forward(q, k, v, bias, arrays, config: KernelConfig):
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
-    out, lse = _forward(q, k, v, bias, arrays, config)
+    out, lse = _forward(q, k, v, bias, arrays, config=config)
     return (out, lse), (q, k, v, bias, arrays, out, lse)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     q, k, v, bias, arrays, out, lse = residuals
     d_out, d_lse = cotangents
-    d_arrays = jax.tree.map(lambda _: None, arrays)
+    dq, dk, dv, dbias = _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays)
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
         if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.backward='mosaic' supports no bias")
@@ -117,11 +126,8 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
             is_causal=config.spec.is_causal,
             tiles=config.mosaic_backward_tiles,
         )
-        return dq, dk, dv, None, d_arrays
-    dq, dk, dv, dbias = flash_backward(
-        q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs()
-    )
-    return dq, dk, dv, dbias, d_arrays
+        return dq, dk, dv, None
+    return flash_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs())
 
 
 flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)

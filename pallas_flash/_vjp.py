@@ -12,6 +12,7 @@ import functools
 
 import jax
 
+from pallas_flash import sharding
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
@@ -76,8 +77,24 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 # Each pass is one jit'd function of the static config: a model that repeats a layer traces and
 # lowers its kernels once (jax reuses the lowered function at every call site), so every site
 # carries the same Mosaic GPU module, which the GPU compiles once by its hash.
+# On a device mesh, `sharding.partitioned` runs each pass on every device's batch entries and
+# heads.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, *, config: KernelConfig):
+    return sharding.partitioned(
+        _forward_shard,
+        config,
+        ("q", "kv", "kv", "pair", "arrays"),
+        ("q", "lse"),
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+    )
+
+
+def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
     if config.forward == "mosaic":
         if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.forward='mosaic' supports no bias")
@@ -111,6 +128,24 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
 
 @functools.partial(jax.jit, static_argnames="config")
 def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
+    return sharding.partitioned(
+        _backward_shard,
+        config,
+        ("q", "kv", "kv", "pair", "arrays", "q", "lse", "q", "lse"),
+        ("q", "kv", "kv", "pair"),
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+        out,
+        lse,
+        d_out,
+        d_lse,
+    )
+
+
+def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
         if bias is not None:  # the one option the config cannot see
             raise ValueError("KernelConfig.backward='mosaic' supports no bias")

@@ -19,10 +19,13 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pallas_flash import masks
 from pallas_flash.masks import MaskArrays
 
 # -- batch and head sharding ----------------------------------------------------------------------
@@ -308,3 +311,358 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         out_specs=out_specs,
         check_vma=False,
     )(*args)
+
+
+# -- context parallelism: ring attention ----------------------------------------------------------
+
+LAYOUTS = ("contiguous", "zigzag")
+_UNBOUNDED = 1 << 30
+
+
+def zigzag_indices(seq_len: int, num_shards: int) -> np.ndarray:
+    """The token order of the zig-zag layout: `x[:, zigzag_indices(T, P)]` sharded in P equal
+    blocks gives device i the chunks i and 2P-1-i of 2P equal chunks, so that under a causal
+    mask every device holds as many early as late queries. `seq_len` must be a multiple of 2P."""
+    if seq_len % (2 * num_shards):
+        raise ValueError(f"{seq_len=} must be a multiple of 2 * {num_shards=}")
+    chunks = np.arange(seq_len).reshape(2 * num_shards, -1)
+    order = [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
+    return chunks[order].reshape(-1)
+
+
+def to_zigzag(x, num_shards: int, axis: int = 1):
+    """`x` with its sequence `axis` put in zig-zag order (see `zigzag_indices`)."""
+    return jnp.take(x, zigzag_indices(x.shape[axis], num_shards), axis=axis)
+
+
+def from_zigzag(x, num_shards: int, axis: int = 1):
+    """The inverse of `to_zigzag`."""
+    inverse = np.argsort(zigzag_indices(x.shape[axis], num_shards))
+    return jnp.take(x, inverse, axis=axis)
+
+
+def _chunk_starts(layout: str, shard: int, num_shards: int, length: int):
+    """(start position, size) of the contiguous chunks a shard holds, in local order."""
+    if layout == "contiguous":
+        return ((shard * length, length),)
+    half = length // 2
+    return ((shard * half, half), ((2 * num_shards - 1 - shard) * half, half))
+
+
+def _merge(acc, part):
+    """Merge two partial attentions (out f32 [B, T, N, H], lse [B, N, T]) through their lse."""
+    if acc is None:
+        return part
+    (o1, l1), (o2, l2) = acc, part
+    m = jnp.maximum(l1, l2)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    w1, w2 = jnp.exp(l1 - m_safe), jnp.exp(l2 - m_safe)
+    total = w1 + w2
+    empty = total == 0.0
+    lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
+    scale1 = jnp.where(empty, 0.0, w1 / jnp.where(empty, 1.0, total))
+    scale2 = jnp.where(empty, 0.0, w2 / jnp.where(empty, 1.0, total))
+
+    def by_row(w):  # [B, N, T] -> [B, T, N, 1]
+        return jnp.swapaxes(w, 1, 2)[..., None]
+
+    return o1 * by_row(scale1) + o2 * by_row(scale2), lse
+
+
+def _empty(q):
+    b, t, n, _ = q.shape
+    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32)
+
+
+def _block_case(d: int, q_len: int, kv_len: int, lo: int, hi: int):
+    """How queries [0, q_len) see keys [0, kv_len) of a block whose keys start `d` positions
+    after its queries, when key - query (global positions) must lie in [lo, hi].
+
+    Returns None (nothing visible) or (q_skip, kv_skip, window): drop the first q_skip queries
+    and kv_skip keys, then the top-left window (left, right) (None: all visible) holds exactly.
+    """
+    a, b = lo - d, hi - d  # k_local - q_local must lie in [a, b]
+    if b < -(q_len - 1) or a > kv_len - 1:
+        return None
+    if a <= -(q_len - 1) and b >= kv_len - 1:
+        return 0, 0, None
+    q_skip, kv_skip = max(-b, 0), max(a, 0)
+    a, b = a - kv_skip + q_skip, b - kv_skip + q_skip
+    left = min(-a, _UNBOUNDED) if a > -(q_len - q_skip) else _UNBOUNDED
+    right = min(b, _UNBOUNDED) if b < kv_len - kv_skip - 1 else _UNBOUNDED
+    return q_skip, kv_skip, (left, right)
+
+
+def _block_attention(q, k, v, q_seg, kv_seg, case, attend):
+    """(out f32, lse) of queries q on one key block under `_block_case`'s `case`."""
+    if case is None:
+        return _empty(q)
+    q_skip, kv_skip, window = case
+    if q_skip >= q.shape[1] or kv_skip >= k.shape[1]:
+        return _empty(q)
+    out, lse = attend(
+        q[:, q_skip:],
+        k[:, kv_skip:],
+        v[:, kv_skip:],
+        None if q_seg is None else q_seg[:, q_skip:],
+        None if kv_seg is None else kv_seg[:, kv_skip:],
+        window,
+    )
+    out = jnp.pad(out.astype(jnp.float32), ((0, 0), (q_skip, 0), (0, 0), (0, 0)))
+    lse = jnp.pad(lse, ((0, 0), (0, 0), (q_skip, 0)), constant_values=-jnp.inf)
+    return out, lse
+
+
+def _step_cases(layout, shard, source, num_shards, q_len, kv_len, lo, hi):
+    """The static cases of one shard's queries against the key block of shard `source`: a list
+    over (query chunk, key chunk) pairs, None where nothing is visible."""
+    cases = []
+    q_chunks = _chunk_starts(layout, shard, num_shards, q_len)
+    kv_chunks = _chunk_starts(layout, source, num_shards, kv_len)
+    for qi, (q_start, q_size) in enumerate(q_chunks):
+        for ki, (kv_start, kv_size) in enumerate(kv_chunks):
+            case = _block_case(kv_start - q_start, q_size, kv_size, lo, hi)
+            cases.append((qi, ki, case))
+    return tuple(cases)
+
+
+def _step(q, k, v, q_seg, kv_seg, cases, attend, layout):
+    """(out f32, lse) of the local queries against one key block, chunk pairs merged."""
+    q_parts = 1 if layout == "contiguous" else 2
+    split = lambda x, n: [x] if n == 1 or x is None else jnp.split(x, n, axis=1)  # noqa: E731
+    qs, q_segs = split(q, q_parts), split(q_seg, q_parts) if q_seg is not None else [None] * 2
+    ks, vs = split(k, q_parts), split(v, q_parts)
+    kv_segs = split(kv_seg, q_parts) if kv_seg is not None else [None] * 2
+    results = [None] * q_parts
+    for qi, ki, case in cases:
+        if case is None:
+            continue
+        part = _block_attention(qs[qi], ks[ki], vs[ki], q_segs[qi], kv_segs[ki], case, attend)
+        results[qi] = _merge(results[qi], part)
+    results = [_empty(qs[i]) if r is None else r for i, r in enumerate(results)]
+    if q_parts == 1:
+        return results[0]
+    return (
+        jnp.concatenate([r[0] for r in results], axis=1),
+        jnp.concatenate([r[1] for r in results], axis=2),
+    )
+
+
+def _positions(layout, shard, num_shards, length):
+    return jnp.concatenate(
+        [
+            start + jnp.arange(size)
+            for start, size in _chunk_starts(layout, shard, num_shards, length)
+        ]
+    )
+
+
+def ring_attention(
+    query,
+    key,
+    value,
+    *,
+    axis_name: str,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    layout: str = "contiguous",
+    return_residuals: bool = False,
+    backend: str | None = None,
+    block_sizes=None,
+    interpret: bool | None = None,
+):
+    """Context-parallel attention inside `jax.shard_map`: q, k and v are sharded over their
+    sequence axis along the mesh axis `axis_name`, and the key/value blocks travel around the
+    ring of its P devices (`jax.lax.ppermute`) while each device attends its queries to the
+    block it holds. The partial results merge through their lse; gradients flow back through
+    the same ring (the transposed permutes).
+
+    Shapes are per device (B batch, T = T_global / P local queries, S = S_global / P local
+    keys)::
+
+        query: (B, T, N, H), key, value: (B, S, K, H); out: (B, T, N, H)
+
+    Args:
+      query, key, value: this device's blocks, in the order `layout` gives.
+      axis_name: the mesh axis (of the enclosing shard_map) that shards the sequence.
+      layout: "contiguous": device i holds positions [i T, (i + 1) T) of the queries (and
+        [i S, (i + 1) S) of the keys); "zigzag": the sequences were put in zig-zag order
+        (`to_zigzag`) before sharding, so device i holds chunks i and 2P-1-i of 2P (T == S,
+        even): under a causal mask each device then does the same work at every ring step.
+      query_seq_lengths, key_value_seq_lengths: int (B,), global lengths (the same on every
+        device).
+      q_segment_ids: int (B, T), kv_segment_ids: int (B, S): this device's blocks of the ids.
+      scale, is_causal, local_window_size, logits_soft_cap, backend, block_sizes, interpret: as
+        in `flash_attention`, with causality and windows on global positions. Ring steps whose
+        block lies wholly outside the mask (the future under is_causal, beyond the window) run
+        no kernel, and the ring stops after the last step any device needs.
+      return_residuals: also return lse (B, N, T), float32.
+
+    Returns:
+      out (B, T, N, H) in query's dtype, or (out, lse). Rows that see no key output zeros with
+      lse -inf.
+    """
+    from pallas_flash.api import _canonical_window, flash_attention
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"{layout=} must be one of {LAYOUTS}")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"ring_attention takes batched {name} [B, T|S, N|K, H]; got "
+                f"{name}.shape={getattr(x, 'shape', None)}"
+            )
+    num_shards = jax.lax.axis_size(axis_name)
+    q_len, kv_len = query.shape[1], key.shape[1]
+    if layout == "zigzag" and (q_len != kv_len or q_len % 2):
+        raise ValueError(
+            f"layout='zigzag' needs equal, even local lengths; got query.shape={query.shape}, "
+            f"key.shape={key.shape}"
+        )
+    window = _canonical_window(local_window_size)
+    lo = -window[0] if window is not None else -_UNBOUNDED
+    hi = window[1] if window is not None else _UNBOUNDED
+    if is_causal:
+        hi = min(hi, 0)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+    shard = jax.lax.axis_index(axis_name)
+    batch = query.shape[0]
+    segmented = (
+        q_segment_ids is not None
+        or query_seq_lengths is not None
+        or key_value_seq_lengths is not None
+    )
+    q_seg = kv_seg = None
+    if segmented:
+        q_seg, kv_seg = masks.pair_segment_ids(q_segment_ids, kv_segment_ids, q_len, kv_len)
+        if q_seg is None:
+            q_seg = jnp.zeros((batch, q_len), jnp.int32)
+            kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
+        q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+        positions = [
+            jax.lax.switch(
+                shard,
+                [
+                    functools.partial(_positions, layout, i, num_shards, length)
+                    for i in range(num_shards)
+                ],
+            )
+            for length in (q_len, kv_len)
+        ]
+        if query_seq_lengths is not None:
+            rows = positions[0][None, :] < jnp.asarray(query_seq_lengths)[:, None]
+            q_seg = jnp.where(rows, q_seg, masks.PAD_Q_SEGMENT)
+        if key_value_seq_lengths is not None:
+            keys = positions[1][None, :] < jnp.asarray(key_value_seq_lengths)[:, None]
+            kv_seg = jnp.where(keys, kv_seg, masks.PAD_KV_SEGMENT)
+
+    def attend(q, k, v, qs, ks, window_):
+        return flash_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            q_segment_ids=qs,
+            kv_segment_ids=ks,
+            local_window_size=window_,
+            logits_soft_cap=logits_soft_cap,
+            return_residuals=True,
+            backend=backend,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
+
+    # Static cases of every (step, shard): at step r shard i holds the block of shard i - r.
+    steps = [
+        [
+            _step_cases(layout, i, (i - r) % num_shards, num_shards, q_len, kv_len, lo, hi)
+            for i in range(num_shards)
+        ]
+        for r in range(num_shards)
+    ]
+    last = max(
+        (r for r in range(num_shards) if any(any(c[2] for c in s) for s in steps[r])), default=0
+    )
+    perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
+    acc = None
+    block = (key, value, kv_seg)
+    for r in range(last + 1):
+        # Send the block on before computing on it: the permute overlaps the step's kernels.
+        following = jax.lax.ppermute(block, axis_name, perm) if r < last else None
+        distinct = sorted(set(steps[r]), key=steps[r].index)
+        branches = [
+            functools.partial(
+                lambda cases, q, qs, blk: _step(
+                    q, blk[0], blk[1], qs, blk[2], cases, attend, layout
+                ),
+                cases,
+            )
+            for cases in distinct
+        ]
+        if all(c[2] is None for cases in distinct for c in cases):
+            part = None
+        elif len(branches) == 1:
+            part = branches[0](query, q_seg, block)
+        else:
+            which = jnp.asarray([distinct.index(s) for s in steps[r]], jnp.int32)[shard]
+            part = jax.lax.switch(which, branches, query, q_seg, block)
+        if part is not None:
+            acc = _merge(acc, part)
+        block = following
+    out, lse = acc if acc is not None else _empty(query)
+    out = out.astype(query.dtype)
+    return (out, lse) if return_residuals else out
+
+
+def ring_attention_sharded(
+    query,
+    key,
+    value,
+    *,
+    mesh,
+    context_axis: str,
+    batch_axis: str | None = None,
+    head_axis: str | None = None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    return_residuals: bool = False,
+    **kwargs,
+):
+    """`ring_attention` for global arrays under jit: a `jax.shard_map` over `mesh` with the
+    sequence split over `context_axis` (and optionally the batch over `batch_axis`, the heads
+    over `head_axis`). Arguments as in `ring_attention` but global: query (B, T, N, H), segment
+    ids (B, T) / (B, S), in `kwargs['layout']` order."""
+    qkv = P(batch_axis, context_axis, head_axis, None)
+    seg = P(batch_axis, context_axis)
+    lengths = P(batch_axis)
+    optional = {
+        "q_segment_ids": (q_segment_ids, seg),
+        "kv_segment_ids": (kv_segment_ids, seg),
+        "query_seq_lengths": (query_seq_lengths, lengths),
+        "key_value_seq_lengths": (key_value_seq_lengths, lengths),
+    }
+    present = {name: x for name, (x, _) in optional.items() if x is not None}
+    specs = {name: optional[name][1] for name in present}
+
+    def local(q, k, v, extra):
+        return ring_attention(
+            q, k, v, axis_name=context_axis, return_residuals=True, **extra, **kwargs
+        )
+
+    out, lse = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(qkv, qkv, qkv, specs),
+        out_specs=(qkv, P(batch_axis, head_axis, context_axis)),
+        check_vma=False,
+    )(query, key, value, present)
+    return (out, lse) if return_residuals else out

@@ -8,6 +8,22 @@ Flax users import the wrappers explicitly (this package itself does not import F
 
 from pallas_flash.api import attention_reference, flash_attention
 from pallas_flash.config import BlockSizes
+from pallas_flash.sharding import (
+    from_zigzag,
+    ring_attention,
+    ring_attention_sharded,
+    to_zigzag,
+    zigzag_indices,
+)
 
-__all__ = ["BlockSizes", "attention_reference", "flash_attention"]
+__all__ = [
+    "BlockSizes",
+    "attention_reference",
+    "flash_attention",
+    "from_zigzag",
+    "ring_attention",
+    "ring_attention_sharded",
+    "to_zigzag",
+    "zigzag_indices",
+]
 __version__ = "0.1.0"

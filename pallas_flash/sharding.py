@@ -291,6 +291,7 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         jax.typeof(k).sharding.spec,
         jax.typeof(v).sharding.spec,
     )
+    original_bias = args[3]
     leaves, tree = jax.tree.flatten(args)
     in_specs = jax.tree.unflatten(
         tree, _specs(plan_, leaf_kinds(args, kinds), [x.shape for x in leaves])
@@ -304,13 +305,20 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         out_specs = (*out_specs, None)
     args = jax.tree.map(jax.sharding.reshard, list(args), list(in_specs))
     # The kernels' pallas_calls declare no varying-ness over manual axes.
-    return jax.shard_map(
+    results = jax.shard_map(
         _shard_fn(kernel, config, plan_),
         mesh=mesh,
         in_specs=tuple(in_specs),
         out_specs=out_specs,
         check_vma=False,
     )(*args)
+    if len(out_specs) == 4:
+        # Gradients take their primals' types (a replicated bias gets a replicated gradient).
+        results = tuple(
+            None if g is None else jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+            for g, x in zip(results, (q, k, v, original_bias), strict=True)
+        )
+    return results
 
 
 # -- context parallelism: ring attention ----------------------------------------------------------
@@ -366,12 +374,13 @@ def _merge(acc, part):
     def by_row(w):  # [B, N, T] -> [B, T, N, 1]
         return jnp.swapaxes(w, 1, 2)[..., None]
 
-    return o1 * by_row(scale1) + o2 * by_row(scale2), lse
+    f32 = jnp.float32
+    return o1.astype(f32) * by_row(scale1) + o2.astype(f32) * by_row(scale2), lse
 
 
-def _empty(q):
+def _empty(q, dtype=jnp.float32):
     b, t, n, _ = q.shape
-    return jnp.zeros(q.shape, jnp.float32), jnp.full((b, n, t), -jnp.inf, jnp.float32)
+    return jnp.zeros(q.shape, dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32)
 
 
 def _block_case(d: int, q_len: int, kv_len: int, lo: int, hi: int):
@@ -408,7 +417,7 @@ def _block_attention(q, k, v, q_seg, kv_seg, case, attend):
         None if kv_seg is None else kv_seg[:, kv_skip:],
         window,
     )
-    out = jnp.pad(out.astype(jnp.float32), ((0, 0), (q_skip, 0), (0, 0), (0, 0)))
+    out = jnp.pad(out, ((0, 0), (q_skip, 0), (0, 0), (0, 0)))
     lse = jnp.pad(lse, ((0, 0), (0, 0), (q_skip, 0)), constant_values=-jnp.inf)
     return out, lse
 
@@ -426,34 +435,40 @@ def _step_cases(layout, shard, source, num_shards, q_len, kv_len, lo, hi):
     return tuple(cases)
 
 
-def _step(q, k, v, q_seg, kv_seg, cases, attend, layout):
-    """(out f32, lse) of the local queries against one key block, chunk pairs merged."""
-    q_parts = 1 if layout == "contiguous" else 2
-    split = lambda x, n: [x] if n == 1 or x is None else jnp.split(x, n, axis=1)  # noqa: E731
-    qs, q_segs = split(q, q_parts), split(q_seg, q_parts) if q_seg is not None else [None] * 2
-    ks, vs = split(k, q_parts), split(v, q_parts)
-    kv_segs = split(kv_seg, q_parts) if kv_seg is not None else [None] * 2
-    results = [None] * q_parts
+def _step(q, k, v, q_seg, kv_seg, cases, attend, layout, f32=True):
+    """(out, lse) of the local queries against one key block, chunk pairs merged; out in
+    float32 when `f32` (the ring merges it), else as the kernels return it."""
+    parts = 1 if layout == "contiguous" else 2
+
+    def split(x):
+        return [x] * parts if x is None else jnp.split(x, parts, axis=1) if parts > 1 else [x]
+
+    qs, q_segs, ks, vs, kv_segs = map(split, (q, q_seg, k, v, kv_seg))
+    results = [None] * parts
     for qi, ki, case in cases:
         if case is None:
             continue
         part = _block_attention(qs[qi], ks[ki], vs[ki], q_segs[qi], kv_segs[ki], case, attend)
         results[qi] = _merge(results[qi], part)
-    results = [_empty(qs[i]) if r is None else r for i, r in enumerate(results)]
-    if q_parts == 1:
+    results = [_empty(qs[i], q.dtype) if r is None else r for i, r in enumerate(results)]
+    if f32:
+        results = [(o.astype(jnp.float32), lse) for o, lse in results]
+    if parts == 1:
         return results[0]
+    dtype = jnp.result_type(*(o.dtype for o, _ in results))
     return (
-        jnp.concatenate([r[0] for r in results], axis=1),
-        jnp.concatenate([r[1] for r in results], axis=2),
+        jnp.concatenate([o.astype(dtype) for o, _ in results], axis=1),
+        jnp.concatenate([lse for _, lse in results], axis=2),
     )
 
 
-def _positions(layout, shard, num_shards, length):
+def _positions(layout, shard, num_shards: int, length: int):
+    """Global positions of a shard's local tokens (`shard` may be traced)."""
+    if layout == "contiguous":
+        return shard * length + jnp.arange(length)
+    half = length // 2
     return jnp.concatenate(
-        [
-            start + jnp.arange(size)
-            for start, size in _chunk_starts(layout, shard, num_shards, length)
-        ]
+        [shard * half + jnp.arange(half), (2 * num_shards - 1 - shard) * half + jnp.arange(half)]
     )
 
 
@@ -546,16 +561,7 @@ def ring_attention(
             q_seg = jnp.zeros((batch, q_len), jnp.int32)
             kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
         q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
-        positions = [
-            jax.lax.switch(
-                shard,
-                [
-                    functools.partial(_positions, layout, i, num_shards, length)
-                    for i in range(num_shards)
-                ],
-            )
-            for length in (q_len, kv_len)
-        ]
+        positions = [_positions(layout, shard, num_shards, n) for n in (q_len, kv_len)]
         if query_seq_lengths is not None:
             rows = positions[0][None, :] < jnp.asarray(query_seq_lengths)[:, None]
             q_seg = jnp.where(rows, q_seg, masks.PAD_Q_SEGMENT)
@@ -579,46 +585,136 @@ def ring_attention(
             interpret=interpret,
         )
 
-    # Static cases of every (step, shard): at step r shard i holds the block of shard i - r.
-    steps = [
-        [
-            _step_cases(layout, i, (i - r) % num_shards, num_shards, q_len, kv_len, lo, hi)
-            for i in range(num_shards)
-        ]
-        for r in range(num_shards)
-    ]
-    last = max(
-        (r for r in range(num_shards) if any(any(c[2] for c in s) for s in steps[r])), default=0
-    )
-    perm = [(i, (i + 1) % num_shards) for i in range(num_shards)]
-    acc = None
-    block = (key, value, kv_seg)
-    for r in range(last + 1):
-        # Send the block on before computing on it: the permute overlaps the step's kernels.
-        following = jax.lax.ppermute(block, axis_name, perm) if r < last else None
-        distinct = sorted(set(steps[r]), key=steps[r].index)
-        branches = [
-            functools.partial(
-                lambda cases, q, qs, blk: _step(
-                    q, blk[0], blk[1], qs, blk[2], cases, attend, layout
-                ),
-                cases,
+    ring = _Ring(
+        axis_name=axis_name,
+        num_shards=num_shards,
+        layout=layout,
+        attend=attend,
+        steps=tuple(
+            tuple(
+                _step_cases(layout, i, (i - r) % num_shards, num_shards, q_len, kv_len, lo, hi)
+                for i in range(num_shards)
             )
-            for cases in distinct
-        ]
-        if all(c[2] is None for cases in distinct for c in cases):
-            part = None
-        elif len(branches) == 1:
-            part = branches[0](query, q_seg, block)
-        else:
-            which = jnp.asarray([distinct.index(s) for s in steps[r]], jnp.int32)[shard]
-            part = jax.lax.switch(which, branches, query, q_seg, block)
+            for r in range(num_shards)
+        ),
+    )
+    out, lse = _ring_attention(ring, query, key, value, q_seg, kv_seg)
+    return (out, lse) if return_residuals else out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Ring:
+    """The static plan of one ring: `steps[r][i]` are shard i's cases (`_step_cases`) against
+    the block it holds at step r, the block of shard i - r."""
+
+    axis_name: str
+    num_shards: int
+    layout: str
+    attend: object
+    steps: tuple
+
+    @functools.cached_property
+    def last(self) -> int:
+        """The last step any shard computes: the ring stops there."""
+        return max((r for r in range(len(self.steps)) if self.busy(r)), default=0)
+
+    def busy(self, r: int) -> bool:
+        """Whether any shard computes at step r."""
+        return any(c[2] is not None for cases in self.steps[r] for c in cases)
+
+    def step(self, r: int, q, q_seg, k, v, kv_seg):
+        """(out, lse) of this shard's queries against the block it holds at step r, or None
+        when no shard computes at this step."""
+        if not self.busy(r):
+            return None
+        step = self.steps[r]
+        distinct = sorted(set(step), key=step.index)
+        # One step of one block needs no merge: the kernels' output dtype stays.
+        f32 = self.last > 0 or len(distinct) > 1
+
+        def branch(cases, q, q_seg, k, v, kv_seg):
+            return _step(q, k, v, q_seg, kv_seg, cases, self.attend, self.layout, f32)
+
+        branches = [functools.partial(branch, cases) for cases in distinct]
+        if len(branches) == 1:
+            return branches[0](q, q_seg, k, v, kv_seg)
+        shard = jax.lax.axis_index(self.axis_name)
+        which = jnp.asarray([distinct.index(cases) for cases in step], jnp.int32)[shard]
+        return jax.lax.switch(which, branches, q, q_seg, k, v, kv_seg)
+
+    def send(self, x, shift: int = 1):
+        """x from every shard to shard i + shift of the ring."""
+        n = self.num_shards
+        perm = [(i, (i + shift) % n) for i in range(n)]
+        return jax.lax.ppermute(x, self.axis_name, perm)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_attention(ring: _Ring, q, k, v, q_seg, kv_seg):
+    return _ring_forward(ring, q, k, v, q_seg, kv_seg)
+
+
+def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
+    acc = None
+    block = (k, v, kv_seg)
+    for r in range(ring.last + 1):
+        # Send the block on before computing on it: the permute overlaps the step's kernels.
+        following = ring.send(block) if r < ring.last else None
+        part = ring.step(r, q, q_seg, *block)
         if part is not None:
             acc = _merge(acc, part)
         block = following
-    out, lse = acc if acc is not None else _empty(query)
-    out = out.astype(query.dtype)
-    return (out, lse) if return_residuals else out
+    out, lse = acc if acc is not None else _empty(q)
+    return out.astype(q.dtype), lse
+
+
+def _ring_fwd_rule(ring, q, k, v, q_seg, kv_seg):
+    out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+
+def _ring_bwd_rule(ring, residuals, cotangents):
+    """The ring backward: K/V blocks travel the ring again with their dK/dV accumulators; at
+    each step the block's gradients come from the vjp of the step (its forward recomputed) with
+    the cotangents the lse merge gives it:
+
+        w_r = exp(lse_r - lse),  d out_r = w_r dO,  d lse_r = w_r (dlse + rowsum(dO (out_r - out)))
+
+    so no device holds more than one remote block at a time. After the last step each
+    accumulator goes back to its owner in one permute."""
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    d_out, d_lse = cotangents
+    d_out = d_out.astype(jnp.float32)
+    out32 = out.astype(jnp.float32)
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    # The barrier keeps XLA from merging these permutes with the forward's, which would keep
+    # every received block alive from the forward to the backward.
+    block = jax.lax.optimization_barrier((k, v, kv_seg))
+    for r in range(ring.last + 1):
+        following = ring.send(block) if r < ring.last else None
+
+        def step(q, k, v, r=r, kv_seg=block[2]):
+            return ring.step(r, q, q_seg, k, v, kv_seg)
+
+        if ring.busy(r):
+            (out_r, lse_r), pullback = jax.vjp(step, q, *block[:2])
+            live = jnp.isfinite(lse_r) & jnp.isfinite(lse)
+            w = jnp.where(live, jnp.exp(jnp.where(live, lse_r - lse, 0.0)), 0.0)
+            w_rows = jnp.swapaxes(w, 1, 2)[..., None]
+            residual = jnp.einsum("btnh,btnh->bnt", d_out, out_r.astype(jnp.float32) - out32)
+            d_lse_r = w * (d_lse + residual)
+            dq_r, dk_r, dv_r = pullback(((w_rows * d_out).astype(out_r.dtype), d_lse_r))
+            dq, dk, dv = dq + dq_r, dk + dk_r, dv + dv_r
+        if r < ring.last:
+            dk, dv = ring.send((dk, dv))
+        block = following
+    if ring.last:
+        dk, dv = ring.send((dk, dv), -ring.last)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_ring_attention.defvjp(_ring_fwd_rule, _ring_bwd_rule)
 
 
 def ring_attention_sharded(

@@ -1,0 +1,393 @@
+"""Attention on a device mesh: batch/head sharding without gathers, and ring attention.
+
+jax fixes its device count when it starts, so the multi-device tests run in one child pytest
+process on 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8); in the main test
+process `test_on_8_cpu_devices` starts it. The kernels run in the Pallas interpreter where the
+partitioning is the point, and as backend="xla" for the ring's numerics.
+PALLAS_FLASH_SHARDING_ALL=1 runs the ring's full case matrix (the CI runs a fixed slice).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash
+from pallas_flash import sharding
+
+CHILD = os.environ.get("PALLAS_FLASH_SHARDING_CHILD") == "1"
+ALL_CASES = os.environ.get("PALLAS_FLASH_SHARDING_ALL") == "1"
+NUM_DEVICES = 8
+
+
+def test_zigzag_indices_round_trip():
+    """Device i of P holds chunks i and 2P-1-i; from_zigzag inverts to_zigzag."""
+    order = sharding.zigzag_indices(16, 4)
+    np.testing.assert_array_equal(order.reshape(4, 4)[1], [2, 3, 12, 13])
+    x = jnp.arange(2 * 16).reshape(2, 16)
+    np.testing.assert_array_equal(sharding.from_zigzag(sharding.to_zigzag(x, 4), 4), x)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        sharding.zigzag_indices(12, 4)
+
+
+if not CHILD:
+
+    def test_on_8_cpu_devices():
+        """Runs this module's multi-device tests in a child process with 8 CPU devices."""
+        root = pathlib.Path(__file__).resolve().parents[1]
+        env = dict(
+            os.environ,
+            # Optimisation level 0 halves XLA's CPU compile time, which is most of these tests.
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={NUM_DEVICES} "
+            "--xla_backend_optimization_level=0",
+            PALLAS_FLASH_SHARDING_CHILD="1",
+            JAX_PLATFORMS="cpu",
+        )
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+
+
+def _collectives(hlo: str):
+    """(kind, result shape) of every cross-device collective in compiled HLO text."""
+    pattern = (
+        r"= (\([^)]*\)|\S+) (all-gather|all-to-all|all-reduce|reduce-scatter|collective-permute)"
+    )
+    return [(kind, shape) for shape, kind in re.findall(pattern + r"(?:-start)?\(", hlo)]
+
+
+def _inputs(batch, q_len, kv_len, num_heads, num_kv_heads, head_dim=16, seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((batch, q_len, num_heads, head_dim)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((batch, kv_len, num_kv_heads, head_dim)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((batch, kv_len, num_kv_heads, head_dim)), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    return q, k, v, d_out
+
+
+def _loss(attn, d_out):
+    """A scalar whose gradient reaches out and lse with random weights (lse -inf rows dropped)."""
+
+    def loss(*args):
+        out, lse = attn(*args)
+        lse_term = jnp.where(jnp.isfinite(lse), lse, 0.0) * jnp.linspace(0.5, 1.5, lse.shape[-1])
+        return jnp.sum(out * d_out) + jnp.sum(lse_term)
+
+    return loss
+
+
+def _assert_close(got, want, atol=2e-5):
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert x.shape == y.shape
+        np.testing.assert_array_equal(np.isinf(x), np.isinf(y))
+        finite = np.isfinite(y)
+        np.testing.assert_allclose(x[finite], y[finite], atol=atol, rtol=2e-5)
+
+
+INTERPRET = dict(backend="triton", interpret=True)
+
+if CHILD:
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert jax.device_count() == NUM_DEVICES
+
+    def auto_mesh(shape, names):
+        return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
+
+    def _masked_call(q, k, v, bias, q_seg, **kwargs):
+        return pallas_flash.flash_attention(
+            q, k, v, bias, is_causal=True, q_segment_ids=q_seg, return_residuals=True, **kwargs
+        )
+
+    def _batch_head_problem():
+        """GQA (8 query heads on 4 kv heads), causal, packed documents, a bias broadcast over
+        the heads: [B, 1, T, S]."""
+        q, k, v, d_out = _inputs(4, 24, 24, 8, 4)
+        rng = np.random.default_rng(1)
+        bias = jnp.asarray(rng.standard_normal((4, 1, 24, 24)), jnp.float32)
+        q_seg = jnp.asarray(np.sort(rng.integers(0, 3, (4, 24)), axis=1), jnp.int32)
+        return (q, k, v, bias, q_seg), d_out
+
+    def _value_and_grads(args, d_out, **kwargs):
+        loss = _loss(functools.partial(_masked_call, **kwargs), d_out)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+    def test_unpartitioned_kernels_gather_their_operands():
+        """Why the partitioning rule exists: the kernels' pass without it, jit'd with q/k/v
+        sharded over batch and heads, makes XLA gather q, k and v onto every device."""
+        from pallas_flash import _vjp
+
+        (q, k, v, _, _), _ = _batch_head_problem()
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+        config = _vjp.KernelConfig(
+            spec=pallas_flash.masks.MaskSpec(q_len=24, kv_len=24, is_causal=True),
+            scale=0.25,
+            block_sizes=pallas_flash.BlockSizes(block_q=16, block_kv=16),
+            interpret=True,
+        )
+        unpartitioned = functools.partial(_vjp._forward_shard, config=config)
+        hlo = (
+            jax.jit(lambda q, k, v: unpartitioned(q, k, v, None, pallas_flash.masks.MaskArrays()))
+            .lower(*(jax.device_put(x, qkv) for x in (q, k, v)))
+            .compile()
+            .as_text()
+        )
+        gathered = {
+            shape.split("{")[0] for kind, shape in _collectives(hlo) if kind == "all-gather"
+        }
+        # k and v gathered whole onto every device (q too, after the kernel pads its rows).
+        assert "f32[4,24,4,16]" in gathered, gathered
+
+    @pytest.mark.parametrize(
+        "spec",
+        [P("data", None, "model", None)]
+        + ([P(None, None, "model", None), P("data")] if ALL_CASES else []),
+    )
+    def test_batch_and_head_sharding_runs_locally(spec):
+        """jit with q/k/v (and segment ids, bias) sharded over batch and/or heads: the compiled
+        forward and backward hold no collective on q/k/v/out or their gradients (the one
+        all-reduce sums the bias's partial gradients over the head shards it is broadcast
+        across), the results keep the inputs' sharding, and match the unsharded call."""
+        args, d_out = _batch_head_problem()
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        batch = spec[0] if len(spec) else None
+        shardings = (
+            NamedSharding(mesh, spec),
+            NamedSharding(mesh, spec),
+            NamedSharding(mesh, spec),
+            NamedSharding(mesh, P(batch)),
+            NamedSharding(mesh, P(batch)),
+        )
+        fn = _value_and_grads(args, d_out, **INTERPRET)
+        sharded = jax.jit(fn, in_shardings=shardings)
+        hlo = sharded.lower(*args).compile().as_text()
+        collectives = _collectives(hlo)
+        # All-reduces of the loss's scalar sums, and of the bias gradient [B/2, 1, T, S] when the
+        # heads are sharded (XLA may combine them into one tuple all-reduce).
+        assert all(kind == "all-reduce" for kind, _ in collectives), collectives
+        shapes = re.findall(r"f32\[([0-9,]*)\]", " ".join(s for _, s in collectives))
+        assert set(shapes) <= {"", "2,1,24,24"}, collectives
+        assert ("2,1,24,24" in shapes) == (spec[2:3] == ("model",)), collectives
+        value, grads = sharded(*args)
+        assert grads[0].sharding.is_equivalent_to(NamedSharding(mesh, spec), 4)
+        want = jax.jit(_value_and_grads(args, d_out, backend="xla"))(*args)
+        _assert_close((value, grads), want, atol=1e-4)
+
+    def test_explicit_sharding_runs_locally():
+        """Sharding in types (jax.make_mesh's default Explicit axes): the same, traced into a
+        shard_map over the types' shardings."""
+        args, d_out = _batch_head_problem()
+        mesh = jax.make_mesh((2, 4), ("data", "model"))
+        fn = _value_and_grads(args, d_out, **INTERPRET)
+        with jax.set_mesh(mesh):
+            qkv = P("data", None, "model", None)
+            batch = (qkv, qkv, qkv, P("data"), P("data"))
+            placed = [jax.device_put(x, s) for x, s in zip(args, batch)]
+            sharded = jax.jit(fn)
+            hlo = sharded.lower(*placed).compile().as_text()
+            value, grads = sharded(*placed)
+        collectives = _collectives(hlo)
+        assert all(kind == "all-reduce" for kind, _ in collectives), collectives
+        shapes = re.findall(r"f32\[([0-9,]*)\]", " ".join(s for _, s in collectives))
+        assert set(shapes) <= {"", "2,1,24,24"}, collectives
+        assert jax.typeof(grads[0]).sharding.spec == qkv
+        want = jax.jit(_value_and_grads(args, d_out, backend="xla"))(*args)
+        _assert_close((value, grads), want, atol=1e-4)
+
+    def test_sequence_sharding_is_refused():
+        """q sharded over its sequence axis: a ValueError naming the axis (at compile time
+        under automatic sharding, at trace time under explicit sharding), never a gather."""
+        q, k, v, _ = _inputs(2, 16, 16, 4, 4)
+        call = functools.partial(pallas_flash.flash_attention, **INTERPRET)
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        seq = NamedSharding(mesh, P(None, "model"))
+        with pytest.raises(Exception, match="sharded over its sequence axis"):
+            jax.jit(call, in_shardings=(seq, seq, seq)).lower(q, k, v).compile()
+        with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+            placed = [jax.device_put(x, P(None, "model")) for x in (q, k, v)]
+            with pytest.raises(ValueError, match="sharded over its sequence axis"):
+                jax.jit(call)(*placed)
+
+    def test_heads_split_finer_than_kv_heads_is_refused():
+        """MQA (1 kv head) with the query heads over 4 devices: a ValueError, not a gather."""
+        q, k, v, _ = _inputs(2, 16, 16, 4, 1)
+        with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"))):
+            placed = [jax.device_put(q, P(None, None, "model")), k, v]
+            call = functools.partial(pallas_flash.flash_attention, **INTERPRET)
+            with pytest.raises(ValueError, match="num_kv_heads=1"):
+                jax.jit(call)(*placed)
+
+    def test_unsharded_call_lowers_without_partitioning():
+        """On one device of a multi-device host the program holds no partitioning call."""
+        q, k, v, _ = _inputs(2, 16, 16, 4, 4)
+        text = jax.jit(functools.partial(pallas_flash.flash_attention, **INTERPRET))
+        assert "CustomSPMDPartitioning" not in text.lower(q, k, v).as_text()
+
+    # -- ring attention -----------------------------------------------------------------------
+
+    RING_CASES = {
+        "causal-zigzag-P2-segments-lengths": (
+            2,
+            "zigzag",
+            dict(is_causal=True, segments=True, lengths=True),
+        ),
+        "window-contiguous-P2": (2, "contiguous", dict(local_window_size=(5, 3))),
+        "causal-contiguous-P8": (8, "contiguous", dict(is_causal=True)),
+        "causal-zigzag-P4-segments-lengths": (
+            4,
+            "zigzag",
+            dict(is_causal=True, segments=True, lengths=True),
+        ),
+        "window-contiguous-P4": (4, "contiguous", dict(local_window_size=(5, 3))),
+        "full-contiguous-P2": (2, "contiguous", {}),
+        "causal-window-zigzag-P4": (4, "zigzag", dict(is_causal=True, local_window_size=11)),
+        "softcap-contiguous-P4-segments": (
+            4,
+            "contiguous",
+            dict(logits_soft_cap=2.0, segments=True),
+        ),
+        "causal-zigzag-P8": (8, "zigzag", dict(is_causal=True)),
+    }
+    CI_RING_CASES = ("causal-zigzag-P2-segments-lengths", "window-contiguous-P2")
+
+    def _ring_case(num_shards, layout, options, **call_kwargs):
+        """(ring fn, unsharded fn, args, d_out) of a GQA problem of 8 positions per device."""
+        options = dict(options)
+        segments, lengths = options.pop("segments", False), options.pop("lengths", False)
+        q_len = 8 * num_shards
+        q, k, v, d_out = _inputs(2, q_len, q_len, 4, 2)
+        rng = np.random.default_rng(2)
+        extra = {}
+        if segments:
+            extra["q_segment_ids"] = jnp.asarray(
+                np.sort(rng.integers(0, 3, (2, q_len)), axis=1), jnp.int32
+            )
+        if lengths:
+            extra["query_seq_lengths"] = jnp.asarray([q_len - 3, q_len // 2])
+            extra["key_value_seq_lengths"] = jnp.asarray([q_len - 5, q_len // 2 + 1])
+        mesh = jax.sharding.Mesh(jax.devices()[:num_shards], ("context",))
+
+        def ring(q, k, v, extra):
+            if layout == "zigzag":
+                q, k, v = (sharding.to_zigzag(x, num_shards) for x in (q, k, v))
+                if "q_segment_ids" in extra:
+                    extra = dict(
+                        extra, q_segment_ids=sharding.to_zigzag(extra["q_segment_ids"], num_shards)
+                    )
+            out, lse = sharding.ring_attention_sharded(
+                q,
+                k,
+                v,
+                mesh=mesh,
+                context_axis="context",
+                layout=layout,
+                return_residuals=True,
+                **extra,
+                **options,
+                **call_kwargs,
+            )
+            if layout == "zigzag":
+                out, lse = (
+                    sharding.from_zigzag(out, num_shards),
+                    sharding.from_zigzag(lse, num_shards, axis=2),
+                )
+            return out, lse
+
+        def unsharded(q, k, v, extra):
+            return pallas_flash.flash_attention(
+                q, k, v, return_residuals=True, backend="xla", **extra, **options
+            )
+
+        return ring, unsharded, (q, k, v, extra), d_out
+
+    def _outputs_and_grads(attn, d_out):
+        """jit'd (out, lse, dq, dk, dv) of attn(q, k, v, extra) for cotangents d_out and
+        weights on the finite lse."""
+
+        def run(q, k, v, extra):
+            (out, lse), pullback = jax.vjp(lambda *a: attn(*a, extra), q, k, v)
+            weights = jnp.linspace(0.5, 1.5, lse.shape[-1]) * jnp.isfinite(lse)
+            return (out, lse, *pullback((d_out, weights.astype(lse.dtype))))
+
+        return jax.jit(run)
+
+    @pytest.mark.parametrize("case", [c for c in RING_CASES if ALL_CASES or c in CI_RING_CASES])
+    def test_ring_attention_matches_the_unsharded_call(case):
+        """Values, lse and gradients of ring_attention (backend="xla" inside) against
+        flash_attention on the whole sequence."""
+        ring, unsharded, args, d_out = _ring_case(*RING_CASES[case], backend="xla")
+        got = _outputs_and_grads(ring, d_out)(*args)
+        _assert_close(got, _outputs_and_grads(unsharded, d_out)(*args), atol=1e-4)
+
+    def test_ring_attention_kernels_in_the_interpreter():
+        """The ring with the Pallas kernels (interpreter) on 2 devices, causal."""
+        ring, unsharded, args, d_out = _ring_case(
+            2, "contiguous", dict(is_causal=True), **INTERPRET
+        )
+        got = _outputs_and_grads(ring, d_out)(*args)
+        _assert_close(got, _outputs_and_grads(unsharded, d_out)(*args), atol=1e-4)
+
+    def _ring_hlo(num_shards, layout, grad, **options):
+        """Compiled HLO of the mesh-level ring (forward, or forward+backward) on inputs already
+        sharded over the sequence: (collectives, text)."""
+        mesh = jax.sharding.Mesh(jax.devices()[:num_shards], ("context",))
+        q, k, v, d_out = _inputs(2, 8 * num_shards, 8 * num_shards, 4, 2)
+        seq = NamedSharding(mesh, P(None, "context"))
+
+        def ring(q, k, v, d_out):
+            out = sharding.ring_attention_sharded(
+                q,
+                k,
+                v,
+                mesh=mesh,
+                context_axis="context",
+                layout=layout,
+                backend="xla",
+                **options,
+            )
+            return jnp.sum(out * d_out)
+
+        fn = jax.grad(ring, argnums=(0, 1, 2)) if grad else ring
+        hlo = jax.jit(fn, in_shardings=(seq,) * 4).lower(q, k, v, d_out).compile().as_text()
+        return _collectives(hlo), hlo
+
+    @pytest.mark.parametrize("layout", ["contiguous"] + (["zigzag"] if ALL_CASES else []))
+    def test_ring_hlo_holds_only_the_ring(layout):
+        """Causal ring on P = 4 devices. The forward holds 2 (P - 1) collective-permutes of one
+        K or V block each; the backward sends K and V around again with their dK, dV
+        accumulators (4 (P - 1)) and returns the accumulators to their owners (2). Besides
+        them only the loss's scalar sum crosses devices, and no array spans the sequence."""
+        num_shards = 4
+        for grad in (True, False) if ALL_CASES else (True,):
+            permutes = 2 * (num_shards - 1) + (4 * (num_shards - 1) + 2 if grad else 0)
+            collectives, hlo = _ring_hlo(num_shards, layout, grad, is_causal=True)
+            ring = [shape for kind, shape in collectives if kind == "collective-permute"]
+            others = [c for c in collectives if c[0] != "collective-permute"]
+            assert len(ring) == permutes, collectives
+            assert all(shape.startswith("f32[2,8,2,16]") for shape in ring), ring
+            assert all(kind == "all-reduce" and s.startswith("f32[]") for kind, s in others)
+            assert not re.search(rf"\[[0-9,]*\b{8 * num_shards}\b", hlo)
+
+    def test_ring_window_skips_steps_outside_the_window():
+        """A causal window of 3 keys on blocks of 8: only the neighbouring block is ever
+        needed, so the ring stops after one step (2 permutes: K and V) instead of P - 1."""
+        collectives, _ = _ring_hlo(8, "contiguous", False, is_causal=True, local_window_size=3)
+        assert [k for k, _ in collectives if k != "all-reduce"] == ["collective-permute"] * 2

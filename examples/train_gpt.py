@@ -2,6 +2,12 @@
 
     python examples/train_gpt.py                      # tiny model, runs on a CPU in minutes
     python examples/train_gpt.py --preset gpt3-1.3b --seq 8192 --attention pallas_flash   # on a GPU
+    python examples/train_gpt.py --mesh data=2,context=4   # data + context parallel (ring) on 8
+
+With --mesh the batch is split over the `data` axis and the sequence over `context`: attention
+runs as `pallas_flash.ring_attention` (zig-zag order, so the causal work is balanced: the tokens
+and their rotary positions are permuted once at the input; the loss is per token, so nothing
+else changes). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8 devices.
 
 Pre-LayerNorm blocks, rotary position embeddings, optional GQA (--kv-heads), byte-level tokens. The
 corpus is built locally from the Python standard library's source files (nothing is downloaded).
@@ -15,6 +21,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 
@@ -23,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import pallas_flash
 from pallas_flash.config import gpu_compute_capability
@@ -69,8 +78,21 @@ def corpus_bytes(limit: int = 8 << 20) -> np.ndarray:
     return np.frombuffer(b"".join(chunks), np.uint8)
 
 
-def attention_fn(name: str, interpret: bool):
-    """q [B,T,N,H], k/v [B,T,K,H] -> [B,T,N,H], causal."""
+def attention_fn(name: str, interpret: bool, mesh=None):
+    """q [B,T,N,H], k/v [B,T,K,H] -> [B,T,N,H], causal. With a mesh of a `context` axis: ring
+    attention over it, on sequences in zig-zag order."""
+    if mesh is not None and mesh.shape.get("context", 1) > 1:
+        if name != "pallas_flash":
+            raise SystemExit("--mesh with a context axis needs --attention pallas_flash")
+        return functools.partial(
+            pallas_flash.ring_attention_sharded,
+            mesh=mesh,
+            context_axis="context",
+            batch_axis="data" if "data" in mesh.shape else None,
+            is_causal=True,
+            layout="zigzag",
+            interpret=interpret,
+        )
     if name == "pallas_flash":
         return functools.partial(pallas_flash.flash_attention, is_causal=True, interpret=interpret)
     return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=name)
@@ -116,12 +138,24 @@ class GPT(nnx.Module):
         self.blocks = nnx.List([Block(cfg, attention, dtype, rngs) for _ in range(cfg.layers)])
         self.ln = nnx.LayerNorm(cfg.hidden, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
-        positions = jnp.arange(tokens.shape[1])
+    def __call__(self, tokens, positions=None):
+        positions = jnp.arange(tokens.shape[1]) if positions is None else positions
         x = self.embed(tokens)
         for block in self.blocks:
             x = block(x, positions)
         return self.embed.attend(self.ln(x)).astype(jnp.float32)  # tied embeddings
+
+
+def parse_mesh(text: str):
+    """ "data=2,context=4" -> a mesh of those axes over all devices (automatic sharding)."""
+    axes = dict(item.split("=") for item in text.split(","))
+    unknown = set(axes) - {"data", "context"}
+    if unknown:
+        raise SystemExit(f"--mesh axes must be data and/or context, got {sorted(unknown)}")
+    sizes = tuple(int(n) for n in axes.values())
+    if math.prod(sizes) != jax.device_count():
+        raise SystemExit(f"--mesh {text}: {math.prod(sizes)} devices, found {jax.device_count()}")
+    return jax.make_mesh(sizes, tuple(axes), axis_types=(AxisType.Auto,) * len(sizes))
 
 
 def count_params(model) -> int:
@@ -156,6 +190,12 @@ def main(argv=None):
         "(XLA attention saves the T x S probabilities of every layer: at seq 8k on one H200 it "
         "needs this to fit)",
     )
+    parser.add_argument(
+        "--mesh",
+        help="device mesh as axis=size pairs, e.g. data=2,context=4: the batch over `data`, "
+        "the sequence over `context` (ring attention); the sizes' product must be the device "
+        "count",
+    )
     parser.add_argument("--out", help="JSONL file for the per-step log")
     args = parser.parse_args(argv)
 
@@ -167,8 +207,12 @@ def main(argv=None):
     interpret = not on_gpu  # on a CPU the Pallas kernels run in the interpreter
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
 
+    mesh = parse_mesh(args.mesh) if args.mesh else None
+    context = mesh.shape.get("context", 1) if mesh is not None else 1
+    if cfg.seq % (2 * context):
+        raise SystemExit(f"--seq {cfg.seq} must be a multiple of 2 x context ({context})")
     data = corpus_bytes()
-    attention = attention_fn(args.attention, interpret)
+    attention = attention_fn(args.attention, interpret, mesh)
     if args.remat_attention:
         attention = jax.checkpoint(attention)
     model = GPT(cfg, attention, dtype, nnx.Rngs(args.seed))
@@ -176,12 +220,24 @@ def main(argv=None):
     optimizer = nnx.Optimizer(
         model, optax.adamw(args.lr or cfg.lr, weight_decay=0.1), wrt=nnx.Param
     )
+    if mesh is not None:
+        # Parameters and optimizer state replicated on the mesh from the start, so that the
+        # first step's outputs have its inputs' shardings and step 2 does not compile again.
+        state = nnx.state((model, optimizer))
+        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+
+    # Zig-zag order for the ring: inputs, labels and rotary positions permuted alike.
+    order = pallas_flash.zigzag_indices(cfg.seq, context) if context > 1 else None
 
     @nnx.jit
     def train_step(model, optimizer, tokens):
         def loss_fn(model):
-            logits = model(tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            positions = None
+            if order is not None:
+                inputs, labels, positions = inputs[:, order], labels[:, order], jnp.asarray(order)
+            logits = model(inputs, positions)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
@@ -201,6 +257,9 @@ def main(argv=None):
     for step in range(1, args.steps + 1):
         starts = rng.integers(0, len(data) - cfg.seq - 1, args.batch)
         tokens = jnp.asarray(np.stack([data[s : s + cfg.seq + 1] for s in starts]), jnp.int32)
+        if mesh is not None:
+            batch_axis = "data" if "data" in mesh.shape else None
+            tokens = jax.device_put(tokens, NamedSharding(mesh, P(batch_axis)))
         start = time.perf_counter()
         loss = float(train_step(model, optimizer, tokens))  # float() waits for the step
         elapsed = time.perf_counter() - start
@@ -229,6 +288,7 @@ def main(argv=None):
             seq=cfg.seq,
             batch=args.batch,
             remat_attention=args.remat_attention,
+            mesh=args.mesh,
             step_ms=round(median * 1e3, 2),
             tokens_per_s=round(args.batch * cfg.seq / median),
             model_tflops=round(tflops, 1),

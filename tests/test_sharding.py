@@ -391,3 +391,16 @@ if CHILD:
         needed, so the ring stops after one step (2 permutes: K and V) instead of P - 1."""
         collectives, _ = _ring_hlo(8, "contiguous", False, is_causal=True, local_window_size=3)
         assert [k for k, _ in collectives if k != "all-reduce"] == ["collective-permute"] * 2
+
+    @pytest.mark.skipif(not ALL_CASES, reason="~30 s of CPU: PALLAS_FLASH_SHARDING_ALL=1")
+    def test_train_gpt_on_a_data_and_context_mesh():
+        """examples/train_gpt.py --mesh data=2,context=4 (ring attention with the kernels in
+        the interpreter) trains to the losses of the unsharded XLA run."""
+        pytest.importorskip("flax")
+        from test_examples import load
+
+        train_gpt = load("train_gpt")
+        common = ["--steps", "3", "--batch", "2", "--seq", "64", "--kv-heads", "2"]
+        ring = train_gpt.main([*common, "--mesh", "data=2,context=4"])
+        xla = train_gpt.main([*common, "--attention", "xla"])
+        assert ring["final_loss"] == pytest.approx(xla["final_loss"], rel=1e-4)

@@ -298,10 +298,96 @@ def run_mask_suite(out_path, repeats):
         )
 
 
+def run_scale_suite(out_path, repeats, seqs, on_gpu):
+    """Context parallelism: causal ring attention (zig-zag) on 1, 2, 4, 8 devices of this host
+    at each global sequence length, beside the plain single-device call.
+
+    Per row: step ms (forward+backward), TFLOP/s per device (the causal FLOP count of the whole
+    sequence over the devices) and the scaling efficiency: that rate over the plain call's rate
+    at the longest length it ran (the single-device rate flattens there). On a GPU: bf16, B=1,
+    N=16, H=128 (hidden 2048), 128k to 1M tokens, the plain call up to 128k. On a CPU (smoke
+    run on fake devices: XLA_FLAGS=--xla_force_host_platform_device_count=8): float32, N=2,
+    H=64, backend="xla" inside the ring, 512 and 1024 tokens; those times say nothing about
+    GPUs."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if on_gpu:
+        n, h, dtype, backend, plain_max, calls = 16, 128, jnp.bfloat16, None, 1 << 17, 1
+        seqs = seqs or [1 << 17, 1 << 18, 1 << 19, 1 << 20]
+    else:
+        n, h, dtype, backend, plain_max, calls = 2, 64, jnp.float32, "xla", 1024, 1
+        seqs = seqs or [512, 1024]
+        repeats = min(repeats, 3)
+    counts = [c for c in (1, 2, 4, 8) if c <= jax.device_count()]
+    rows, plain_rate = [], None
+    with open(out_path, "a") as f:
+        for seq in seqs:
+            args = make_inputs(1, seq, seq, n, n, h, dtype)
+            flops = attention_flops(1, seq, seq, n, h, True, "fwd+bwd")
+            points = [("plain", 1)] if seq <= plain_max else []
+            points += [("ring", c) for c in counts if seq % (2 * c) == 0]
+            for impl, devices in points:
+                row = dict(
+                    suite="scale",
+                    impl=impl,
+                    devices=devices,
+                    T=seq,
+                    N=n,
+                    H=h,
+                    causal=True,
+                    dtype=jnp.dtype(dtype).name,
+                    **{"pass": "fwd+bwd"},
+                )
+                try:
+                    if impl == "plain":
+                        fn = functools.partial(
+                            pallas_flash.flash_attention, is_causal=True, backend=backend
+                        )
+                        placed = args
+                    else:
+                        mesh = jax.sharding.Mesh(jax.devices()[:devices], ("context",))
+                        fn = functools.partial(
+                            pallas_flash.ring_attention_sharded,
+                            mesh=mesh,
+                            context_axis="context",
+                            is_causal=True,
+                            layout="zigzag",
+                            backend=backend,
+                        )
+                        # Inputs already in zig-zag order and sharded: the ring alone is timed.
+                        seq_sharded = NamedSharding(mesh, P(None, "context"))
+                        placed = [
+                            jax.device_put(pallas_flash.to_zigzag(x, devices), seq_sharded)
+                            for x in args
+                        ]
+                    ms = median_ms(timed_fn(fn, "fwd+bwd"), placed, calls=calls, repeats=repeats)
+                    rate = flops / (ms * 1e-3) / devices / 1e12
+                    if impl == "plain":
+                        plain_rate = rate
+                    row.update(
+                        ms=round(ms, 3),
+                        tflops_per_device=round(rate, 3),
+                        efficiency=round(rate / plain_rate, 3) if plain_rate else None,
+                    )
+                except Exception as e:  # noqa: BLE001
+                    row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                print(
+                    f"{impl:5s} devices={devices} T={seq:8d} {row.get('ms')} ms "
+                    f"{row.get('tflops_per_device')} TFLOP/s/device "
+                    f"efficiency {row.get('efficiency')} {row.get('error', '')}",
+                    flush=True,
+                )
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default per suite)")
     parser.add_argument(
         "--impls",
         nargs="+",
@@ -314,13 +400,18 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--suite",
-        choices=["grid", "masks"],
+        choices=["grid", "masks", "scale"],
         default="grid",
-        help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only)",
+        help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only); "
+        "scale: causal ring attention on 1/2/4/8 devices of this host (--seqs: global lengths)",
     )
     args = parser.parse_args(argv)
 
     on_gpu = (config_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    if args.suite == "scale":
+        run_scale_suite(args.out, args.repeats, args.seqs, on_gpu)
+        return
+    args.seqs = args.seqs or [512, 1024, 2048, 4096, 8192, 16384]
     if args.suite == "masks":
         if not on_gpu:
             raise SystemExit("--suite masks needs an NVIDIA GPU (sm80+)")

@@ -39,6 +39,29 @@ def test_zigzag_indices_round_trip():
         sharding.zigzag_indices(12, 4)
 
 
+def test_ring_on_one_device_is_the_plain_call():
+    """On a 1-device mesh the ring is one attention call (zig-zag included): no permute, no
+    merge, the plain call's bits."""
+    q, k, v, _ = _inputs(2, 16, 16, 4, 2)
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("context",))
+    ring = functools.partial(
+        sharding.ring_attention_sharded,
+        mesh=mesh,
+        context_axis="context",
+        is_causal=True,
+        layout="zigzag",
+        return_residuals=True,
+        backend="xla",
+    )
+    plain = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="xla"
+    )
+    jaxpr = str(jax.make_jaxpr(ring)(q, k, v))
+    assert "ppermute" not in jaxpr and "cond" not in jaxpr
+    for got, want in zip(jax.jit(ring)(q, k, v), jax.jit(plain)(q, k, v), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 if not CHILD:
 
     def test_on_8_cpu_devices():
@@ -111,14 +134,25 @@ if CHILD:
     def auto_mesh(shape, names):
         return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(shape))
 
+    # A dense mask per head, broadcast over the batch: [1, N, T, S].
+    HEAD_MASK = np.random.default_rng(3).random((1, 8, 24, 24)) < 0.8
+
     def _masked_call(q, k, v, bias, q_seg, **kwargs):
         return pallas_flash.flash_attention(
-            q, k, v, bias, is_causal=True, q_segment_ids=q_seg, return_residuals=True, **kwargs
+            q,
+            k,
+            v,
+            bias,
+            jnp.asarray(HEAD_MASK),
+            is_causal=True,
+            q_segment_ids=q_seg,
+            return_residuals=True,
+            **kwargs,
         )
 
     def _batch_head_problem():
         """GQA (8 query heads on 4 kv heads), causal, packed documents, a bias broadcast over
-        the heads: [B, 1, T, S]."""
+        the heads [B, 1, T, S] and a dense mask broadcast over the batch [1, N, T, S]."""
         q, k, v, d_out = _inputs(4, 24, 24, 8, 4)
         rng = np.random.default_rng(1)
         bias = jnp.asarray(rng.standard_normal((4, 1, 24, 24)), jnp.float32)

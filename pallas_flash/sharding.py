@@ -201,21 +201,42 @@ def _shard_fn(kernel, config, plan_: _Plan):
     return run
 
 
+@dataclasses.dataclass(frozen=True)
+class _Folded:
+    """`kernel` on operands with `lead` extra leading (vmapped) dims: they fold into the batch
+    axis (a free reshape of each shard's contiguous block) and unfold from the results."""
+
+    kernel: object
+    lead: int
+
+    def __call__(self, *args, config):
+        lead_shape = args[0].shape[: self.lead]
+        fold = lambda x: x.reshape((-1, *x.shape[self.lead + 1 :]))  # noqa: E731
+        results = self.kernel(*jax.tree.map(fold, list(args)), config=config)
+        return jax.tree.map(lambda x: x.reshape((*lead_shape, -1, *x.shape[1:])), results)
+
+
 def _call(kernel, config, kinds_in, kinds_out, *args):
     del kinds_in, kinds_out
     return kernel(*args, config=config)
 
 
 def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_shape):
+    lead = getattr(kernel, "lead", 0)
     q, k, v = arg_shapes[:3]
-    plan_ = plan(mesh, q.shape, k.shape, q.sharding.spec, k.sharding.spec, v.sharding.spec)
+    specs = [_spec_entries(x.sharding.spec, 4 + lead) for x in (q, k, v)]
+    plan_ = plan(mesh, q.shape[lead:], k.shape[lead:], *(s[lead:] for s in specs))
+    # Vmapped dims shard like the batch (as q's are), anywhere.
+    lead_entries = specs[0][:lead]
     leaves_in, tree_in = jax.tree.flatten(arg_shapes)
     leaves_out, tree_out = jax.tree.flatten(result_shape)
-    to_sharding = functools.partial(NamedSharding, mesh)
-    arg_shardings = [to_sharding(s) for s in _specs(plan_, kinds_in, [x.shape for x in leaves_in])]
-    out_shardings = [
-        to_sharding(s) for s in _specs(plan_, kinds_out, [x.shape for x in leaves_out])
-    ]
+
+    def to_shardings(kinds, leaves):
+        specs = _specs(plan_, kinds, [x.shape[lead:] for x in leaves])
+        return [NamedSharding(mesh, P(*lead_entries, *s)) for s in specs]
+
+    arg_shardings = to_shardings(kinds_in, leaves_in)
+    out_shardings = to_shardings(kinds_out, leaves_out)
     return (
         mesh,
         _shard_fn(kernel, config, plan_),
@@ -225,13 +246,19 @@ def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_sha
 
 
 def _rule(kernel, config, kinds_in, kinds_out, mesh, value_types, result_types):
-    del kernel, config, mesh
-    return _sharding_rule(
+    del config, mesh
+    lead = getattr(kernel, "lead", 0)
+    rule, sizes = _sharding_rule(
         kinds_in,
         kinds_out,
-        [tuple(t.shape) for t in value_types],
-        [tuple(t.shape) for t in result_types],
+        [tuple(t.shape)[lead:] for t in value_types],
+        [tuple(t.shape)[lead:] for t in result_types],
     )
+    if lead:
+        prefix = " ".join(f"v{i}" for i in range(lead)) + " "
+        ins, outs = rule.split(" -> ")
+        rule = " -> ".join(", ".join(prefix + x for x in side.split(", ")) for side in (ins, outs))
+    return rule, sizes
 
 
 _partitioned = custom_partitioning(_call, static_argnums=(0, 1, 2, 3))
@@ -247,29 +274,44 @@ def _explicit_mesh(x):
     return mesh
 
 
-def partitioned(kernel, config, kinds, out_kinds, *args):
+def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     """`kernel(*args, config=config)` (one pass of the kernels) split over the batch and head axes
     of a device mesh: each device runs it on its shard.
 
     kinds: the kind of each top-level argument ("q", "kv", "lse", "pair" for a bias (may be
     None), "arrays" for MaskArrays); out_kinds: the same for the results (dbias: "pair").
+    lead: leading vmapped dims on every operand (the batching rule's own recursion).
     """
     if jax.device_count() == 1:
         return kernel(*args, config=config)
     kinds_in = leaf_kinds(args, kinds)
     mesh = next((m for m in map(_explicit_mesh, jax.tree.leaves(args[:3])) if m), None)
-    if mesh is not None:
+    if mesh is not None and not lead:
         return _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args)
+    inner = _Folded(kernel, lead) if lead else kernel
     call = jax.custom_batching.custom_vmap(
-        lambda *a: _partitioned(kernel, config, kinds_in, _out_leaf_kinds(out_kinds, args), *a)
+        lambda *a: _partitioned(inner, config, kinds_in, _out_leaf_kinds(out_kinds, args), *a)
     )
 
     @call.def_vmap
     def _vmap_rule(axis_size, in_batched, *a):
-        # Under vmap the kernels batch as pallas_calls do, unpartitioned.
-        del axis_size
-        axes = jax.tree.map(lambda b: 0 if b else None, list(in_batched))
-        out = jax.vmap(lambda *x: kernel(*x, config=config), in_axes=axes)(*a)
+        batched = jax.tree.leaves(list(in_batched))
+        foldable = args[3] is None and args[4].mask is None
+        foldable &= all(b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "lse"))
+        if foldable:
+            # The vmapped axis becomes one more leading dim of the partitioned call; unbatched
+            # segment ids are broadcast along it.
+            a = jax.tree.map(
+                lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)),
+                list(a),
+                list(in_batched),
+            )
+            out = partitioned(kernel, config, kinds, out_kinds, *a, lead=lead + 1)
+        else:
+            # A bias or dense mask, or unbatched q/k/v: the kernels batch as pallas_calls do,
+            # unpartitioned.
+            axes = jax.tree.map(lambda b: 0 if b else None, list(in_batched))
+            out = jax.vmap(lambda *x: inner(*x, config=config), in_axes=axes)(*a)
         return out, jax.tree.map(lambda _: True, out)
 
     return call(*args)

@@ -614,11 +614,17 @@ def ring_attention(
             kv_seg = jnp.where(keys, kv_seg, masks.PAD_KV_SEGMENT)
 
     def attend(q, k, v, qs, ks, window_):
+        # A window closed on the right at the diagonal is the causal mask (and, unbounded on the
+        # left, nothing else): the kernels' causal paths, not their window paths, run it.
+        causal = window_ is not None and window_[1] == 0
+        if causal and window_[0] >= _UNBOUNDED:
+            window_ = None
         return flash_attention(
             q,
             k,
             v,
             scale=scale,
+            is_causal=causal,
             q_segment_ids=qs,
             kv_segment_ids=ks,
             local_window_size=window_,

@@ -109,6 +109,17 @@ def flash_attention(
     Returns:
       out, or (out, lse) when return_residuals. A query row that sees no key outputs zeros,
       has lse = -inf and receives zero gradient.
+
+    Sharding: under `jax.jit` with the inputs sharded over their batch and/or head axes (by
+    `in_shardings`/`NamedSharding`, or by explicit sharding in types), every device runs the
+    kernels on its own batch entries and heads, forward and backward, with no collective on
+    q, k, v, out or their gradients (a bias broadcast over a sharded axis sums its gradient over
+    those shards). The heads split in contiguous blocks that keep each kv head with its query
+    heads, so their shard count must divide K. Mask arrays follow the batch and heads. The
+    kernels cannot split the sequence or head-dim axes: an input sharded over them raises
+    ValueError (when compiling, under automatic sharding); for a sharded sequence use
+    `pallas_flash.ring_attention`. Under `jax.vmap` the mapped axes stay partitioned, except
+    with a bias or dense mask (those calls run unpartitioned, gathering their inputs).
     """
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)

@@ -10,6 +10,11 @@ with q, k or v sharded over them raises ValueError (context parallelism is `ring
 
 On one device (`jax.device_count() == 1`) `partitioned` calls the kernels directly: the
 single-device program is unchanged.
+
+Context parallelism: `ring_attention` (inside `jax.shard_map`) splits the sequence over a mesh
+axis; K/V blocks travel around the ring by `ppermute` while each device attends to the block it
+holds, partial results merge through their lse, and a custom_vjp runs the backward around the
+ring again. `ring_attention_sharded` wraps it in the shard_map for global arrays under jit.
 """
 
 from __future__ import annotations
@@ -804,11 +809,20 @@ def ring_attention_sharded(
             q, k, v, axis_name=context_axis, return_residuals=True, **extra, **kwargs
         )
 
+    operands = (query, key, value, present)
+    if mesh.explicit_axes:
+        # Sharding in types: shard_map takes only inputs whose types carry its in_specs.
+        operands = jax.tree.map(
+            lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)),
+            operands,
+            (qkv, qkv, qkv, specs),
+            is_leaf=lambda x: x is None,
+        )
     out, lse = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(qkv, qkv, qkv, specs),
         out_specs=(qkv, P(batch_axis, head_axis, context_axis)),
         check_vma=False,
-    )(query, key, value, present)
+    )(*operands)
     return (out, lse) if return_residuals else out

@@ -3,6 +3,7 @@
 #   tests  the gpu-marked tests compiled on the GPU, in pytest processes side by side
 #   masks  python -m pallas_flash.bench --suite masks
 #   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
+#   compile  python -m pallas_flash.bench --suite compile (COMPILE_ARGS adds flags)
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
@@ -40,6 +41,10 @@ for stage in ${@:-tests masks grid}; do
       timeout ${BENCH_TIMEOUT:-300} python3 -m pallas_flash.bench --out $OUT/bench.jsonl \
         ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
       grep -v "^\[" $OUT/bench.log | tail -n 40 ;;
+    compile)
+      timeout ${COMPILE_TIMEOUT:-400} python3 -m pallas_flash.bench --suite compile \
+        --out $OUT/compile.jsonl ${COMPILE_ARGS:-} > $OUT/compile.log 2>&1
+      tail -n 20 $OUT/compile.log ;;
     tiles|split)
       exp=$([ $stage = tiles ] && echo tiles-masked || echo split-kv)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py $exp --out $OUT/$exp.jsonl \

@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -298,6 +301,112 @@ def run_mask_suite(out_path, repeats):
         )
 
 
+# -- compile time ------------------------------------------------------------------------------
+
+
+def layered_grad(impl, layers, *, is_causal=True, interpret=False):
+    """jit(grad) of a loss over `layers` attention layers, each on its own q, k, v: what a model
+    written as a Python loop over its layers asks the compiler to build."""
+    if impl == "pallas_flash_window":
+        fn = functools.partial(
+            pallas_flash.flash_attention,
+            is_causal=is_causal,
+            local_window_size=(1024, 0),
+            interpret=interpret,
+        )
+    else:
+        fn = attention_fn(impl, is_causal=is_causal, interpret=interpret)
+
+    def loss(qkvs):
+        return sum(fn(q, k, v).astype(jnp.float32).mean() for q, k, v in qkvs)
+
+    return jax.jit(jax.grad(loss))
+
+
+def compile_row(impl, layers, b, t, n, h, dtype, *, interpret=False) -> dict:
+    """Lowering, compile and first-call times of `layered_grad` in this process."""
+    row = dict(
+        suite="compile", impl=impl, layers=layers, B=b, T=t, N=n, H=h,
+        dtype=jnp.dtype(dtype).name, causal=True,
+        cache="on" if jax.config.jax_compilation_cache_dir else "off",
+    )  # fmt: skip
+    try:
+        args = [make_inputs(b, t, t, n, n, h, dtype, seed=i)[:3] for i in range(layers)]
+        f = layered_grad(impl, layers, interpret=interpret)
+        start = time.perf_counter()
+        lowered = f.trace(args).lower()
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        compiled_at = time.perf_counter()
+        jax.block_until_ready(compiled(args))
+        called_at = time.perf_counter()
+        row.update(
+            lower_s=round(lowered_at - start, 3),
+            compile_s=round(compiled_at - lowered_at, 3),
+            first_call_ms=round((called_at - compiled_at) * 1e3, 1),
+        )
+    except Exception as e:  # noqa: BLE001 -- an implementation failing is data, not a crash
+        row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+    return row
+
+
+def _compile_row_in_subprocess(impl, layers, shape, *, interpret, cache_dir=None) -> dict:
+    """compile_row in a fresh Python process: nothing compiled by earlier rows (jax's and Mosaic
+    GPU's in-memory caches) helps it, as after a restart."""
+    env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    spec = json.dumps(dict(impl=impl, layers=layers, shape=shape, interpret=interpret))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pallas_flash.bench", "--compile-row", spec],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return dict(suite="compile", impl=impl, layers=layers, error=proc.stderr[-300:])
+
+
+def run_compile_suite(out_path, impls, layer_counts, shape, *, interpret):
+    """One fresh process per (implementation, layer count); then the persistent compilation
+    cache: the deepest model of each pallas_flash implementation compiled by two processes that
+    share a new cache directory (the second should only load)."""
+    rows = []
+
+    def record(row, label=""):
+        rows.append(row)
+        with open(out_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = row.get("error") or (
+            f"lower {row['lower_s']:.2f} s  compile {row['compile_s']:.2f} s  "
+            f"first call {row['first_call_ms']:.0f} ms"
+        )
+        print(f"{row['impl']:22s} L={row['layers']:3d} {label:12s} {shown}", flush=True)
+
+    for impl in impls:
+        for layers in layer_counts:
+            record(_compile_row_in_subprocess(impl, layers, shape, interpret=interpret))
+    for impl in [i for i in impls if i.startswith("pallas_flash")]:
+        with tempfile.TemporaryDirectory() as cache_dir:
+            for label in ("cache cold", "cache warm"):
+                row = _compile_row_in_subprocess(
+                    impl, max(layer_counts), shape, interpret=interpret, cache_dir=cache_dir
+                )
+                row["cache"] = label.split()[1]
+                record(row, label)
+    print("\n| impl | layers | cache | lower s | compile s | first call ms |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r.get(k, "-") for k in ("lower_s", "compile_s", "first_call_ms")]
+        print(
+            f"| {r['impl']} | {r['layers']} | {r.get('cache', '-')} | "
+            + " | ".join(map(str, cells))
+            + " |"
+        )
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -314,13 +423,36 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--suite",
-        choices=["grid", "masks"],
+        choices=["grid", "masks", "compile"],
         default="grid",
-        help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only)",
+        help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only); "
+        "compile: lowering and compile time of a jit(grad) over 1, 6 and 24 causal layers",
     )
+    parser.add_argument("--layers", type=int, nargs="+", help="--suite compile's layer counts")
+    parser.add_argument("--compile-row", help=argparse.SUPPRESS)  # one row, in a subprocess
     args = parser.parse_args(argv)
 
+    if args.compile_row:
+        spec = json.loads(args.compile_row)
+        b, t, n, h = spec["shape"]
+        dtype = jnp.float32 if spec["interpret"] else jnp.bfloat16
+        row = compile_row(
+            spec["impl"], spec["layers"], b, t, n, h, dtype, interpret=spec["interpret"]
+        )
+        print(json.dumps(row), flush=True)
+        return
     on_gpu = (config_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    if args.suite == "compile":
+        if on_gpu:
+            # The compile-time issue's model: B=1, T=8192, N=16, H=128, causal, bf16.
+            impls = ["pallas_flash", "pallas_flash_triton", "pallas_flash_window", "cudnn"]
+            shape, layers, interpret = (1, 8192, 16, 128), args.layers or [1, 6, 24], False
+        else:
+            print("No NVIDIA GPU: compile times of the interpret-mode kernels on a toy model.")
+            impls, shape, interpret = ["pallas_flash", "xla"], (1, 128, 2, 64), True
+            layers = args.layers or [1, 6]
+        run_compile_suite(args.out, impls, layers, shape, interpret=interpret)
+        return
     if args.suite == "masks":
         if not on_gpu:
             raise SystemExit("--suite masks needs an NVIDIA GPU (sm80+)")

@@ -9,9 +9,13 @@ import os
 import pathlib
 import warnings
 
-import jax
 import jax.numpy as jnp
 
+from pallas_flash.device import (  # noqa: F401  re-exported: callers read config.gpu_*
+    gpu_compute_capability,
+    gpu_core_count,
+    gpu_device_kind,
+)
 from pallas_flash.mosaic.backward import BackwardTiles
 from pallas_flash.mosaic.forward import ForwardTiles
 
@@ -408,35 +412,3 @@ def narrow_band(spec) -> bool:
     if spec.has_segments:
         return True
     return spec.window is not None and spec.left + spec.right + 1 <= NARROW_BAND
-
-
-def gpu_device_kind() -> str | None:
-    """device_kind of the first visible GPU ("NVIDIA H200"), or None without one."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    return devices[0].device_kind if devices else None
-
-
-def gpu_core_count() -> int:
-    """Streaming multiprocessors of the first visible GPU; 132 (the H100's and H200's) without
-    one, or where the device does not say: the CPU interpreter, lowering for an abstract H200."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return 132
-    return (getattr(devices[0], "core_count", None) if devices else None) or 132
-
-
-def gpu_compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of the first visible NVIDIA GPU, or None without one."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    cc = getattr(devices[0], "compute_capability", None) if devices else None
-    if cc is None:
-        return None
-    major, minor = str(cc).split(".")
-    return int(major), int(minor)

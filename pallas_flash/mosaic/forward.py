@@ -22,9 +22,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import masks
+from pallas_flash import device, masks
+from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
+from pallas_flash.device import cuda_runtime_version  # noqa: F401  callers read forward.cuda_*
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -131,15 +132,6 @@ MAX_TILE_REGISTERS = 192
 # CUDA runtimes whose ptxas miscompiles the causal mask of this kernel's shape (jax's own
 # Hopper attention refuses causal on them too: jax/experimental/pallas/ops/gpu/attention_mgpu.py).
 CAUSAL_MISCOMPILING_CUDA = range(12080, 12091)
-
-
-def cuda_runtime_version() -> int | None:
-    """The CUDA runtime version as an int (12080 = 12.8.0), or None without CUDA."""
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:
-        return None
-    return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
 
 
 def unsupported_options(spec, *, soft_cap=None, has_bias: bool) -> str | None:
@@ -350,10 +342,8 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
 
 
 def num_sms() -> int:
-    """A persistent grid's size: `config.gpu_core_count`."""
-    from pallas_flash import config  # config imports this module's ForwardTiles
-
-    return config.gpu_core_count()
+    """A persistent grid's size: the GPU's SM count."""
+    return device.gpu_core_count()
 
 
 def _forward_call(

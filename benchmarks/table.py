@@ -5,7 +5,7 @@
 
 Columns: TFLOP/s of pallas_flash, cuDNN and jax's Pallas attention (same run), the best of the
 anchors' Triton/CUDA peers (jax's Pallas Triton, tokamax triton, FlashAttention-2 CUDA), and
-pallas_flash over that peer (issue 5 asks >= 1.15) and over cuDNN. Each grid point takes its
+pallas_flash over that peer (the target: >= 1.15) and over cuDNN. Each grid point takes its
 peers from the first --anchors directory that has any (a later directory marked with *).
 """
 

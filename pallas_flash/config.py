@@ -73,8 +73,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
 
 
-# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of
-# the tile sweep at seq 4096 on the H200 (benchmarks/NOTES.md, results/h200-sweep-*.jsonl).
+# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of a tile sweep at seq
+# 4096 on the H200 (benchmarks/NOTES.md, "Triton forward" and "Triton backward").
 _HOPPER = {
     64: BlockSizes(
         block_q=64,
@@ -122,9 +122,8 @@ _HOPPER = {
 _HOPPER[16] = _HOPPER[32] = _HOPPER[64]
 
 # Forward tiles when each query sees a narrow band of keys (a local window of a few tiles, packed
-# documents): at H=128, 64 x 64 tiles waste less on the band's two ragged edges. On the H200, a 1k
-# causal window at 16k: 0.443 ms against 0.519 ms with the 128 x 128 tiles; 8 x 2k packed
-# documents: 0.457 against 0.488 (benchmarks/NOTES.md, v2).
+# documents): at H=128, 64 x 64 tiles waste less on the band's two ragged edges (measured on the
+# H200: benchmarks/NOTES.md, "Masks").
 _HOPPER_NARROW_FORWARD = {128: dict(block_q=64, block_kv=64, num_warps=4, num_stages=3)}
 NARROW_BAND = 2048  # keys; a window at most this wide counts as narrow
 

@@ -7,7 +7,16 @@ Flax users import the wrappers explicitly (this package itself does not import F
 """
 
 from pallas_flash.api import attention_reference, flash_attention
-from pallas_flash.config import BlockSizes
+from pallas_flash.config import BlockSizes, DecodeBlockSizes
+from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
 
-__all__ = ["BlockSizes", "attention_reference", "flash_attention"]
+__all__ = [
+    "BlockSizes",
+    "DecodeBlockSizes",
+    "attention_reference",
+    "decode_attention",
+    "flash_attention",
+    "paged_attention",
+    "write_to_pages",
+]
 __version__ = "0.1.0"

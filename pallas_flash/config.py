@@ -411,3 +411,52 @@ def narrow_band(spec) -> bool:
     if spec.has_segments:
         return True
     return spec.window is not None and spec.left + spec.right + 1 <= NARROW_BAND
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBlockSizes:
+    """Tiles and launch parameters of the decode kernel (`decode_attention`, `paged_attention`).
+
+    Attributes:
+      block_m: the most packed query rows (a KV head's group of query heads times the new
+        tokens) one program holds; more rows take more programs, each reading the group's K/V.
+      block_kv: keys per step of a program's loop; independent of a paged cache's page size.
+      num_warps, num_stages: Triton launch parameters.
+      kv_splits: programs that share one sequence's keys, combined by logsumexp; 0 (the
+        default) picks it from the grid size and the GPU's core count; 1 turns it off.
+    """
+
+    block_m: int = 64
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    kv_splits: int = 0
+
+    def __post_init__(self):
+        for name in ("block_m", "block_kv"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value < 16:
+                raise ValueError(f"DecodeBlockSizes.{name}={value!r} must be a power of two >= 16")
+        if not _is_power_of_two(self.num_warps):
+            raise ValueError(
+                f"DecodeBlockSizes.num_warps={self.num_warps!r} must be a power of two"
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"DecodeBlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
+        if not isinstance(self.kv_splits, int) or isinstance(self.kv_splits, bool):
+            raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
+        if self.kv_splits < 0:
+            raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
+
+
+# Small key tiles keep the interpreter fast and give several tiles (and splits) at test sizes.
+_DECODE_INTERPRET = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1)
+
+
+def default_decode_block_sizes(head_dim: int, dtype, *, interpret: bool) -> DecodeBlockSizes:
+    """Decode tiles for a call: small ones in the interpreter, else the shipped defaults
+    (float32 and H=256 halve the key tile to keep the pipeline's stages in shared memory)."""
+    if interpret:
+        return _DECODE_INTERPRET
+    wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
+    return DecodeBlockSizes(block_kv=32 if wide else 64)

@@ -1,0 +1,389 @@
+"""decode_attention / paged_attention against a float64 oracle (ragged lengths, new tokens
+aligned to the end of the cache, GQA, windows, soft caps, pages shuffled and partly filled, NaN in
+unused cache slots), on backend="xla", in the interpreter and compiled; write_to_pages; the
+reference gradient; validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import MODES
+
+import pallas_flash
+from pallas_flash.config import DecodeBlockSizes
+
+BACKENDS = ["xla", *MODES]  # "xla", "interpret", "gpu"
+
+
+def call_kwargs(backend: str) -> dict:
+    if backend == "xla":
+        return dict(backend="xla")
+    return dict(backend="triton", interpret=backend == "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One decode problem: lengths per sequence (ragged; 0 and < T allowed), capacity S."""
+
+    lengths: tuple[int, ...]
+    q_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    capacity: int
+    page: int | None = None  # page size of a paged cache, None for contiguous
+    window: int | None = None
+    soft_cap: float | None = None
+    dtype: str = "float32"
+
+    def __str__(self):
+        s = (
+            f"L{'-'.join(map(str, self.lengths))}-T{self.q_len}-N{self.num_heads}"
+            f"-K{self.num_kv_heads}-H{self.head_dim}-S{self.capacity}"
+        )
+        for name in ("page", "window", "soft_cap"):
+            if getattr(self, name) is not None:
+                s += f"-{name}{getattr(self, name)}"
+        return s + f"-{self.dtype}"
+
+
+CASES = [
+    # MHA (group 1), one new token, one empty sequence, one full.
+    Case((70, 33, 0), 1, 4, 4, 32, 70),
+    # Group 4, three new tokens (causal among them); length 2 < T: token 0 sees no key.
+    Case((50, 17, 2), 3, 8, 2, 64, 50, window=20),
+    # Group 8 (MQA), padded head dim, soft cap.
+    Case((41, 9), 3, 8, 1, 80, 45, soft_cap=5.0),
+    # Pages of 16 (a kernel tile inside a page), shuffled, last pages partly filled.
+    Case((70, 33, 5), 3, 8, 2, 64, 80, page=16),
+    # Pages of 8: a kernel tile spans two pages (gathered rows); group 8.
+    Case((37, 20), 1, 8, 1, 32, 40, page=8, window=11),
+    # A page size that is no power of two.
+    Case((90, 49), 2, 4, 4, 32, 96, page=48, soft_cap=3.0),
+]
+
+
+def oracle(q, k, v, lengths, *, scale, soft_cap, window):
+    """Float64 decode attention: out [B, T, N, H], lse [B, N, T]. Token t of sequence b sits at
+    position L_b - T + t and sees keys max(0, pos - window) <= j <= pos."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, q_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    out = np.zeros((batch, q_len, num_heads, head_dim))
+    lse = np.full((batch, num_heads, q_len), -np.inf)
+    for b in range(batch):
+        for t in range(q_len):
+            pos = lengths[b] - q_len + t
+            lo = 0 if window is None else max(0, pos - window)
+            if pos < lo:
+                continue
+            for n in range(num_heads):
+                keys, values = k[b, lo : pos + 1, n // group], v[b, lo : pos + 1, n // group]
+                logits = scale * keys @ q[b, t, n]
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
+                m = logits.max()
+                p = np.exp(logits - m)
+                out[b, t, n] = p @ values / p.sum()
+                lse[b, n, t] = m + np.log(p.sum())
+    return out, lse
+
+
+def make_problem(c: Case, seed=0):
+    """q, a contiguous cache with NaN past each length, the same keys in shuffled pages (NaN in
+    unused rows and pages, garbage in unused table entries), and float64 copies."""
+    rng = np.random.default_rng(seed)
+    batch = len(c.lengths)
+    dtype = jnp.dtype(c.dtype)
+    rounded = lambda shape: np.asarray(  # noqa: E731
+        jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32), np.float64
+    )
+    q = rounded((batch, c.q_len, c.num_heads, c.head_dim))
+    k = rounded((batch, c.capacity, c.num_kv_heads, c.head_dim))
+    v = rounded((batch, c.capacity, c.num_kv_heads, c.head_dim))
+    unused = np.arange(c.capacity)[None, :] >= np.asarray(c.lengths)[:, None]
+    k_cache = np.where(unused[:, :, None, None], np.nan, k)
+    v_cache = np.where(unused[:, :, None, None], np.nan, v)
+    problem = dict(
+        q=jnp.asarray(q, dtype),
+        k=jnp.asarray(k_cache, dtype),
+        v=jnp.asarray(v_cache, dtype),
+        lengths=jnp.asarray(c.lengths, jnp.int32),
+    )
+    if c.page is not None:
+        max_pages = -(-c.capacity // c.page)
+        num_pages = batch * max_pages + 2  # two pages no sequence uses
+        tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+        used = np.arange(max_pages)[None, :] < -(-np.asarray(c.lengths)[:, None] // c.page)
+        tables = np.where(used, tables, -12345).astype(np.int32)  # garbage: never read
+        pages = np.full((2, num_pages, c.page, c.num_kv_heads, c.head_dim), np.nan)
+        for b in range(batch):
+            for j in range(c.lengths[b]):
+                page, row = tables[b, j // c.page], j % c.page
+                pages[0, page, row], pages[1, page, row] = k[b, j], v[b, j]
+        problem.update(
+            k_pages=jnp.asarray(pages[0], dtype),
+            v_pages=jnp.asarray(pages[1], dtype),
+            tables=jnp.asarray(tables),
+        )
+    return problem, (q, k, v)
+
+
+def run(c: Case, problem, backend, **extra):
+    kwargs = dict(
+        logits_soft_cap=c.soft_cap,
+        local_window_size=c.window,
+        return_residuals=True,
+        **call_kwargs(backend),
+        **extra,
+    )
+    if c.page is None:
+        fn = lambda q, k, v, lengths: pallas_flash.decode_attention(  # noqa: E731
+            q, k, v, key_value_seq_lengths=lengths, **kwargs
+        )
+        args = (problem["q"], problem["k"], problem["v"], problem["lengths"])
+    else:
+        fn = functools.partial(pallas_flash.paged_attention, **kwargs)
+        args = (
+            problem["q"],
+            problem["k_pages"],
+            problem["v_pages"],
+            problem["tables"],
+            problem["lengths"],
+        )
+    return jax.jit(fn)(*args)
+
+
+def check_against_oracle(c: Case, backend, atol):
+    problem, (q, k, v) = make_problem(c)
+    out, lse = run(c, problem, backend)
+    assert out.shape == q.shape and out.dtype == jnp.dtype(c.dtype)
+    assert lse.shape == (len(c.lengths), c.num_heads, c.q_len) and lse.dtype == jnp.float32
+    want_out, want_lse = oracle(
+        q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
+    )
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.all(np.isfinite(out)), "NaN from the unused cache slots reached the output"
+    np.testing.assert_allclose(out, want_out, atol=atol, rtol=0)
+    lse = np.asarray(lse, np.float64)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=0)
+    return out, want_out
+
+
+@pytest.mark.parametrize("c", CASES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_oracle(c, backend):
+    check_against_oracle(c, backend, atol=2e-5)
+
+
+@pytest.mark.parametrize("backend", MODES)
+def test_bf16_within_twice_the_xla_error(backend):
+    c = Case((60, 23), 3, 8, 2, 64, 64, page=16, dtype="bfloat16")
+    problem, (q, k, v) = make_problem(c, seed=3)
+    want, _ = oracle(q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=None, window=None)
+    xla_err = np.max(np.abs(np.asarray(run(c, problem, "xla")[0].astype(jnp.float32)) - want))
+    ours = np.asarray(run(c, problem, backend)[0].astype(jnp.float32))
+    assert np.max(np.abs(ours - want)) <= 2 * xla_err + 1e-3
+
+
+def test_kv_splits_agree():
+    """The same result whether one program or several share a sequence's keys (lse merge)."""
+    c = CASES[1]
+    problem, _ = make_problem(c)
+    outs = [
+        run(c, problem, "interpret", block_sizes=DecodeBlockSizes(block_kv=16, kv_splits=s))
+        for s in (1, 3)
+    ]
+    np.testing.assert_allclose(outs[0][0], outs[1][0], atol=1e-6)
+    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-6)
+
+
+def test_gradient_through_the_reference():
+    c = Case((20, 9), 2, 4, 2, 32, 24)
+    problem, _ = make_problem(c)
+    # NaN past the lengths would poison the reference's gradient of the cache: zero it.
+    stored = jnp.arange(c.capacity)[None, :, None, None] < problem["lengths"][:, None, None, None]
+    k, v = (jnp.where(stored, problem[x], 0.0) for x in ("k", "v"))
+    d_out = jnp.asarray(np.random.default_rng(1).standard_normal(problem["q"].shape), jnp.float32)
+
+    def grads(backend):
+        def loss(q, k, v):
+            out = pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=problem["lengths"], **call_kwargs(backend)
+            )
+            return jnp.sum(out * d_out)
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(problem["q"], k, v)
+
+    for ours, ref in zip(grads("interpret"), grads("xla"), strict=True):
+        np.testing.assert_allclose(ours, ref, atol=1e-5)
+        assert np.any(ours != 0)
+
+
+def test_write_to_pages_prefill_then_decode():
+    """A ragged prefill and a decode step written into shuffled pages read back as the
+    contiguous keys; tokens past `counts` and unused pages stay untouched."""
+    rng = np.random.default_rng(0)
+    page, max_pages, heads, dim = 4, 3, 2, 8
+    tables = jnp.asarray([[5, 0, 3], [1, 4, 2]], jnp.int32)
+    pool = jnp.full((7, page, heads, dim), -1.0)
+    prompt = jnp.asarray(rng.standard_normal((2, 6, heads, dim)), jnp.float32)
+    counts = jnp.asarray([6, 3], jnp.int32)
+    k_pages, v_pages = pallas_flash.write_to_pages(
+        pool, pool, tables, prompt, -prompt, jnp.zeros(2, jnp.int32), counts=counts
+    )
+    step = jnp.asarray(rng.standard_normal((2, 1, heads, dim)), jnp.float32)
+    k_pages, v_pages = pallas_flash.write_to_pages(k_pages, v_pages, tables, step, -step, counts)
+    dense = np.asarray(k_pages)[np.asarray(tables)].reshape(2, max_pages * page, heads, dim)
+    np.testing.assert_array_equal(dense[0, :6], prompt[0])
+    np.testing.assert_array_equal(dense[0, 6], step[0, 0])
+    np.testing.assert_array_equal(dense[1, :3], prompt[1, :3])
+    np.testing.assert_array_equal(dense[1, 3], step[1, 0])
+    assert np.all(dense[0, 7:] == -1) and np.all(dense[1, 4:] == -1)
+    assert np.all(np.asarray(k_pages)[6] == -1)  # no table names page 6
+    np.testing.assert_array_equal(v_pages, -k_pages * (k_pages != -1) - (k_pages == -1))
+
+
+def test_traced_lengths_past_capacity_are_clipped():
+    c = CASES[0]
+    problem, _ = make_problem(c)
+    k, v = (jnp.nan_to_num(problem[x]) for x in ("k", "v"))
+    f = jax.jit(
+        lambda lengths: pallas_flash.decode_attention(
+            problem["q"], k, v, key_value_seq_lengths=lengths, interpret=True
+        )
+    )
+    full = jnp.full((3,), c.capacity, jnp.int32)
+    np.testing.assert_array_equal(f(full + 50), f(full))
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def _arrays(b=2, t=1, n=4, kh=2, h=32, s=16, dtype=jnp.float32):
+    q = jnp.zeros((b, t, n, h), dtype)
+    k = jnp.zeros((b, s, kh, h), dtype)
+    return q, k, k, jnp.full((b,), s, jnp.int32)
+
+
+def test_validation_contiguous():
+    q, k, v, lengths = _arrays()
+    call = functools.partial(pallas_flash.decode_attention, key_value_seq_lengths=lengths)
+    with pytest.raises(ValueError, match="query must have rank 4"):
+        call(q[0], k, v)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        call(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="num_heads=4 .* divisible by num_kv_heads=3"):
+        call(q, *(jnp.zeros((2, 16, 3, 32)),) * 2)
+    with pytest.raises(ValueError, match="head dims differ"):
+        call(q, k[..., :16], v[..., :16])
+    with pytest.raises(TypeError, match="must share a dtype"):
+        call(q.astype(jnp.bfloat16), k, v)
+    with pytest.raises(TypeError, match=r"query.dtype=int32"):
+        call(q.astype(jnp.int32), k, v)
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths=\[17, 16\] must lie in \[0, "):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=jnp.asarray([17, 16]))
+    with pytest.raises(ValueError, match="must lie in"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=jnp.asarray([-1, 16]))
+    with pytest.raises(TypeError, match="key_value_seq_lengths must be an integer array"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths.astype(float))
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths.shape=\(3,\) must be \(2,\)"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=jnp.zeros(3, jnp.int32))
+    with pytest.raises(NotImplementedError, match="backend='triton' or None"):
+        call(q, k, v, backend="mosaic")
+    with pytest.raises(TypeError, match="DecodeBlockSizes"):
+        call(q, k, v, block_sizes=pallas_flash.BlockSizes())
+    with pytest.raises(ValueError, match="needs backend='triton'"):
+        call(q, k, v, backend="xla", block_sizes=DecodeBlockSizes())
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        call(q, k, v, logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match="block_kv=24 must be a power of two"):
+        DecodeBlockSizes(block_kv=24)
+
+
+def test_validation_paged():
+    q, _, _, _ = _arrays()
+    pages = jnp.zeros((5, 8, 2, 32))
+    tables = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    lengths = jnp.asarray([16, 9], jnp.int32)
+    call = pallas_flash.paged_attention
+    with pytest.raises(ValueError, match=r"lengths=\[17, 9\] must lie in \[0, block_tables"):
+        call(q, pages, pages, tables, jnp.asarray([17, 9]))
+    with pytest.raises(ValueError, match=r"block_tables.shape=\(1, 2\) must be \(2, max_pages\)"):
+        call(q, pages, pages, tables[:1], lengths)
+    with pytest.raises(TypeError, match="block_tables must be an integer array"):
+        call(q, pages, pages, tables.astype(float), lengths)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\]=7 must lie in \[0, num_pages=5\)"):
+        call(q, pages, pages, jnp.asarray([[0, 1], [2, 7]]), lengths)
+    # Entries past a sequence's pages are never read, whatever they hold.
+    call(q, pages, pages, jnp.asarray([[0, 1], [2, 99]]), jnp.asarray([16, 8]), backend="xla")
+    with pytest.raises(ValueError, match="key_pages.shape=.* value_pages.shape"):
+        call(q, pages, pages[:4], tables, lengths)
+    with pytest.raises(ValueError, match="key must be"):
+        pallas_flash.write_to_pages(pages, pages, tables, jnp.zeros((2, 1, 3, 32)), None, lengths)
+
+
+def test_lowers_for_h200():
+    """The compiled kernel (contiguous and both paged loads) lowers through Triton for an
+    abstract H200, with a grid split over the sequence."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    from pallas_flash.triton.decode import decode_forward
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+    sds = jax.ShapeDtypeStruct
+    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False)
+    q, lengths = sds((2, 4, 32, 128), jnp.bfloat16), sds((2,), jnp.int32)
+    calls = [
+        (DecodeBlockSizes(), (q, *(sds((2, 8192, 8, 128), jnp.bfloat16),) * 2, lengths)),
+        *(
+            (
+                DecodeBlockSizes(block_kv=64),
+                (
+                    q,
+                    *(sds((300, page, 8, 128), jnp.bfloat16),) * 2,
+                    lengths,
+                    sds((2, 99), jnp.int32),
+                ),
+            )
+            for page in (16, 128)
+        ),
+    ]
+    with jax.sharding.use_abstract_mesh(mesh):
+        for bs, args in calls:
+            f = functools.partial(decode_forward, block_sizes=bs, **kw)
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "pallas_flash_decode" in text
+
+
+# -- compiled, larger ----------------------------------------------------------------------------
+
+
+GPU_CASES = [
+    Case((4000, 1, 2500, 777), 1, 32, 8, 128, 4096, dtype="bfloat16"),
+    Case((4000, 1, 2500, 777), 16, 32, 2, 128, 4096, dtype="bfloat16", window=1000),
+    Case((3000, 45), 4, 16, 4, 256, 3000, page=16, dtype="bfloat16", soft_cap=30.0),
+    Case((3000, 45), 1, 8, 8, 64, 3072, page=256, dtype="float16"),
+    Case((3000, 45), 3, 64, 4, 128, 3000, page=48, dtype="bfloat16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=str)
+def test_gpu_matches_oracle(c):
+    problem, (q, k, v) = make_problem(c)
+    want, _ = oracle(
+        q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
+    )
+    xla = np.asarray(run(c, problem, "xla")[0].astype(jnp.float32))
+    ours = np.asarray(run(c, problem, "gpu")[0].astype(jnp.float32))
+    assert np.all(np.isfinite(ours))
+    assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3

@@ -164,6 +164,7 @@ def paged_attention(
         backend,
         block_sizes,
         interpret,
+        page_size=page_size,
     )
     reference = functools.partial(paged_reference, **options.math)
     if options.backend == "xla":
@@ -287,7 +288,18 @@ class _Options:
         self.backend, self.math, self.kernel = backend, math_kwargs, kernel_kwargs
 
     @classmethod
-    def of(cls, query, scale, soft_cap, window, return_residuals, backend, block_sizes, interpret):
+    def of(
+        cls,
+        query,
+        scale,
+        soft_cap,
+        window,
+        return_residuals,
+        backend,
+        block_sizes,
+        interpret,
+        page_size=None,
+    ):
         api._check_options(scale, False, return_residuals, backend, None, interpret)
         if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
             raise TypeError(
@@ -313,7 +325,7 @@ class _Options:
         interpret = bool(interpret)
         if block_sizes is None:
             block_sizes = config_lib.default_decode_block_sizes(
-                head_dim, query.dtype, interpret=interpret
+                head_dim, query.dtype, interpret=interpret, page_size=page_size
             )
         return cls(
             backend, math_kwargs, dict(math_kwargs, block_sizes=block_sizes, interpret=interpret)

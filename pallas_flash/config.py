@@ -449,8 +449,10 @@ class DecodeBlockSizes:
             raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
 
 
-# Small key tiles keep the interpreter fast and give several tiles (and splits) at test sizes.
-_DECODE_INTERPRET = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1)
+# Small key tiles keep the interpreter fast and give several tiles at test sizes; three splits
+# run the merge of partial results there, where the GPU's rule would not split such short
+# caches.
+_DECODE_INTERPRET = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, kv_splits=3)
 
 
 def default_decode_block_sizes(

@@ -12,12 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import MODES
 
 import pallas_flash
 from pallas_flash.config import DecodeBlockSizes
-
-BACKENDS = ["xla", *MODES]  # "xla", "interpret", "gpu"
 
 
 def call_kwargs(backend: str) -> dict:
@@ -53,17 +50,15 @@ class Case:
 
 
 CASES = [
-    # MHA (group 1), one new token, one empty sequence, one full.
-    Case((70, 33, 0), 1, 4, 4, 32, 70),
-    # Group 4, three new tokens (causal among them); length 2 < T: token 0 sees no key.
-    Case((50, 17, 2), 3, 8, 2, 64, 50, window=20),
-    # Group 8 (MQA), padded head dim, soft cap.
-    Case((41, 9), 3, 8, 1, 80, 45, soft_cap=5.0),
-    # Pages of 16 (a kernel tile inside a page), shuffled, last pages partly filled.
-    Case((70, 33, 5), 3, 8, 2, 64, 80, page=16),
+    # Group 4, three new tokens (causal among them), a window; one sequence full, one empty,
+    # and length 2 < T: token 0 sees no key.
+    # A head dim that pads to 128.
+    Case((50, 17, 2, 0), 3, 8, 2, 80, 50, window=20),
+    # Pages of 16 (a kernel tile inside a page), shuffled, last pages partly filled; soft cap.
+    Case((70, 33, 5), 3, 8, 2, 64, 80, page=16, soft_cap=5.0),
     # Pages of 8: a kernel tile spans two pages (gathered rows); group 8.
     Case((37, 20), 1, 8, 1, 32, 40, page=8, window=11),
-    # A page size that is no power of two.
+    # MHA (group 1), a page size that is no power of two.
     Case((90, 49), 2, 4, 4, 32, 96, page=48, soft_cap=3.0),
 ]
 
@@ -134,75 +129,95 @@ def make_problem(c: Case, seed=0):
     return problem, (q, k, v)
 
 
-def run(c: Case, problem, backend, **extra):
-    kwargs = dict(
-        logits_soft_cap=c.soft_cap,
-        local_window_size=c.window,
-        return_residuals=True,
-        **call_kwargs(backend),
-        **extra,
-    )
-    if c.page is None:
-        fn = lambda q, k, v, lengths: pallas_flash.decode_attention(  # noqa: E731
-            q, k, v, key_value_seq_lengths=lengths, **kwargs
+def run(c: Case, problem, *backends, **extra):
+    """[(out, lse)] of each backend, computed in one jit."""
+
+    def call(backend):
+        kwargs = dict(
+            logits_soft_cap=c.soft_cap,
+            local_window_size=c.window,
+            return_residuals=True,
+            **call_kwargs(backend),
+            **extra,
         )
+        if c.page is None:
+            return lambda q, k, v, lengths: pallas_flash.decode_attention(  # noqa: E731
+                q, k, v, key_value_seq_lengths=lengths, **kwargs
+            )
+        return functools.partial(pallas_flash.paged_attention, **kwargs)
+
+    if c.page is None:
         args = (problem["q"], problem["k"], problem["v"], problem["lengths"])
     else:
-        fn = functools.partial(pallas_flash.paged_attention, **kwargs)
-        args = (
-            problem["q"],
-            problem["k_pages"],
-            problem["v_pages"],
-            problem["tables"],
-            problem["lengths"],
-        )
-    return jax.jit(fn)(*args)
+        keys = ("q", "k_pages", "v_pages", "tables", "lengths")
+        args = tuple(problem[key] for key in keys)
+    fns = [call(b) for b in backends]
+    return jax.jit(lambda *args: [fn(*args) for fn in fns])(*args)
 
 
-def check_against_oracle(c: Case, backend, atol):
-    problem, (q, k, v) = make_problem(c)
-    out, lse = run(c, problem, backend)
-    assert out.shape == q.shape and out.dtype == jnp.dtype(c.dtype)
-    assert lse.shape == (len(c.lengths), c.num_heads, c.q_len) and lse.dtype == jnp.float32
+def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5):
+    q, k, v = oracle_inputs
     want_out, want_lse = oracle(
         q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
     )
-    out = np.asarray(out.astype(jnp.float32), np.float64)
-    assert np.all(np.isfinite(out)), "NaN from the unused cache slots reached the output"
-    np.testing.assert_allclose(out, want_out, atol=atol, rtol=0)
-    lse = np.asarray(lse, np.float64)
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    finite = np.isfinite(want_lse)
-    np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=0)
-    return out, want_out
+    for out, lse in results:
+        assert out.shape == q.shape and out.dtype == jnp.dtype(c.dtype)
+        assert lse.shape == (len(c.lengths), c.num_heads, c.q_len) and lse.dtype == jnp.float32
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        assert np.all(np.isfinite(out)), "NaN from the unused cache slots reached the output"
+        np.testing.assert_allclose(out, want_out, atol=atol, rtol=0)
+        lse = np.asarray(lse, np.float64)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+        finite = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=0)
 
 
 @pytest.mark.parametrize("c", CASES, ids=str)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_matches_oracle(c, backend):
-    check_against_oracle(c, backend, atol=2e-5)
+def test_matches_oracle(c):
+    """backend="xla" and the kernel in the interpreter (three splits merged by lse)."""
+    problem, oracle_inputs = make_problem(c)
+    check_against_oracle(c, run(c, problem, "xla", "interpret"), oracle_inputs)
 
 
-@pytest.mark.parametrize("backend", MODES)
-def test_bf16_within_twice_the_xla_error(backend):
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES, ids=str)
+def test_gpu_small_cases_match_oracle(c):
+    problem, oracle_inputs = make_problem(c)
+    check_against_oracle(c, run(c, problem, "gpu"), oracle_inputs)
+
+
+@pytest.mark.gpu
+def test_bf16_within_twice_the_xla_error():
+    backend = "gpu"
     c = Case((60, 23), 3, 8, 2, 64, 64, page=16, dtype="bfloat16")
     problem, (q, k, v) = make_problem(c, seed=3)
     want, _ = oracle(q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=None, window=None)
-    xla_err = np.max(np.abs(np.asarray(run(c, problem, "xla")[0].astype(jnp.float32)) - want))
-    ours = np.asarray(run(c, problem, backend)[0].astype(jnp.float32))
-    assert np.max(np.abs(ours - want)) <= 2 * xla_err + 1e-3
+    (xla, _), (ours, _) = run(c, problem, "xla", backend)
+    xla_err = np.max(np.abs(np.asarray(xla.astype(jnp.float32)) - want))
+    assert np.max(np.abs(np.asarray(ours.astype(jnp.float32)) - want)) <= 2 * xla_err + 1e-3
 
 
-def test_kv_splits_agree():
-    """The same result whether one program or several share a sequence's keys (lse merge)."""
-    c = CASES[1]
-    problem, _ = make_problem(c)
-    outs = [
-        run(c, problem, "interpret", block_sizes=DecodeBlockSizes(block_kv=16, kv_splits=s))
-        for s in (1, 3)
-    ]
-    np.testing.assert_allclose(outs[0][0], outs[1][0], atol=1e-6)
-    np.testing.assert_allclose(outs[0][1], outs[1][1], atol=1e-6)
+def test_unsplit_and_lengths_past_capacity():
+    """One program per sequence (no merge; the oracle tests' default tiles split in three).
+    Traced lengths past the capacity are clipped to it: nothing is read past the cache."""
+    c = CASES[0]
+    assert c.lengths[0] == c.capacity
+    problem, oracle_inputs = make_problem(c)
+    one = DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=1)
+    f = jax.jit(
+        functools.partial(
+            pallas_flash.decode_attention,
+            local_window_size=c.window,
+            return_residuals=True,
+            interpret=True,
+            block_sizes=one,
+        )
+    )
+    q, k, v, lengths = (problem[x] for x in ("q", "k", "v", "lengths"))
+    result = f(q, k, v, key_value_seq_lengths=lengths)
+    check_against_oracle(c, [result], oracle_inputs)
+    past = f(q, k, v, key_value_seq_lengths=lengths.at[0].add(50))
+    np.testing.assert_array_equal(past[0], result[0])
 
 
 def test_gradient_through_the_reference():
@@ -220,11 +235,13 @@ def test_gradient_through_the_reference():
             )
             return jnp.sum(out * d_out)
 
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(problem["q"], k, v)
+        return jax.grad(loss, argnums=(0, 1, 2))
 
-    for ours, ref in zip(grads("interpret"), grads("xla"), strict=True):
-        np.testing.assert_allclose(ours, ref, atol=1e-5)
-        assert np.any(ours != 0)
+    both = jax.jit(lambda *args: (grads("interpret")(*args), grads("xla")(*args)))
+    ours, ref = both(problem["q"], k, v)
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        assert np.any(a != 0)
 
 
 def test_write_to_pages_prefill_then_decode():
@@ -249,19 +266,6 @@ def test_write_to_pages_prefill_then_decode():
     assert np.all(dense[0, 7:] == -1) and np.all(dense[1, 4:] == -1)
     assert np.all(np.asarray(k_pages)[6] == -1)  # no table names page 6
     np.testing.assert_array_equal(v_pages, -k_pages * (k_pages != -1) - (k_pages == -1))
-
-
-def test_traced_lengths_past_capacity_are_clipped():
-    c = CASES[0]
-    problem, _ = make_problem(c)
-    k, v = (jnp.nan_to_num(problem[x]) for x in ("k", "v"))
-    f = jax.jit(
-        lambda lengths: pallas_flash.decode_attention(
-            problem["q"], k, v, key_value_seq_lengths=lengths, interpret=True
-        )
-    )
-    full = jnp.full((3,), c.capacity, jnp.int32)
-    np.testing.assert_array_equal(f(full + 50), f(full))
 
 
 # -- validation -----------------------------------------------------------------------------------
@@ -322,8 +326,6 @@ def test_validation_paged():
         call(q, pages, pages, tables.astype(float), lengths)
     with pytest.raises(ValueError, match=r"block_tables\[1, 1\]=7 must lie in \[0, num_pages=5\)"):
         call(q, pages, pages, jnp.asarray([[0, 1], [2, 7]]), lengths)
-    # Entries past a sequence's pages are never read, whatever they hold.
-    call(q, pages, pages, jnp.asarray([[0, 1], [2, 99]]), jnp.asarray([16, 8]), backend="xla")
     with pytest.raises(ValueError, match="key_pages.shape=.* value_pages.shape"):
         call(q, pages, pages[:4], tables, lengths)
     with pytest.raises(ValueError, match="key must be"):
@@ -383,7 +385,18 @@ def test_gpu_matches_oracle(c):
     want, _ = oracle(
         q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
     )
-    xla = np.asarray(run(c, problem, "xla")[0].astype(jnp.float32))
-    ours = np.asarray(run(c, problem, "gpu")[0].astype(jnp.float32))
+    (xla, _), (ours, _) = run(c, problem, "xla", "gpu")
+    xla, ours = (np.asarray(x.astype(jnp.float32)) for x in (xla, ours))
     assert np.all(np.isfinite(ours))
     assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3
+
+
+def test_choose_decode_splits():
+    from pallas_flash.triton.decode import choose_decode_splits
+
+    assert choose_decode_splits(5, 64, 3, 64) == 3  # asked for: never more than the tiles
+    assert choose_decode_splits(0, 64, 512, 64) == 17  # 8 programs per core of 132
+    assert choose_decode_splits(0, 64, 128, 64) == 8  # at least 1024 keys each
+    assert choose_decode_splits(0, 64, 16, 64) == 1  # 1k keys: unsplit
+    assert choose_decode_splits(0, 2048, 512, 64) == 1  # a full grid needs none
+    assert choose_decode_splits(0, 8, 4096, 64) == 64  # at most 64

@@ -18,9 +18,8 @@ from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton.decode import decode_forward
 
-_SHAPES_DOC = """
-    The T new tokens of each sequence are the last T of its keys: with L = the sequence's
-    length (the new tokens included), new token t sits at position L - T + t and sees keys
+_SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
+    (the new tokens included), new token t sits at position L - T + t and sees keys
     j <= L - T + t (causal among the new tokens, aligned to the end of the cache). With
     T = 3 and L = 6 ("x" = visible; cache slots past L are never read)::
 
@@ -54,6 +53,7 @@ def decode_attention(
         key_cache:   (B, S, K, H)
         value_cache: (B, S, K, H)
         out:         (B, T, N, H)  in query's dtype
+
     {shapes}
     N must be a multiple of K: query head n reads key/value head n // (N // K). The N // K
     query heads of a KV head and the T tokens share one read of that head's keys and values,
@@ -135,6 +135,7 @@ def paged_attention(
                       block_tables[b, j // page_size], row j % page_size
         lengths:      (B,) int: L of each sequence, 0 <= L <= max_pages * page_size
         out:          (B, T, N, H)
+
     {shapes}
     Pages can be in any order and shared between sequences; a sequence's last page may be
     partly filled. Only the table entries of a sequence's first ceil(L / page_size) pages are

@@ -223,9 +223,7 @@ def test_unsplit_and_lengths_past_capacity():
 def test_gradient_through_the_reference():
     c = Case((20, 9), 2, 4, 2, 32, 24)
     problem, _ = make_problem(c)
-    # NaN past the lengths would poison the reference's gradient of the cache: zero it.
-    stored = jnp.arange(c.capacity)[None, :, None, None] < problem["lengths"][:, None, None, None]
-    k, v = (jnp.where(stored, problem[x], 0.0) for x in ("k", "v"))
+    k, v = problem["k"], problem["v"]  # NaN past the lengths: their gradient must stay 0
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal(problem["q"].shape), jnp.float32)
 
     def grads(backend):
@@ -241,7 +239,9 @@ def test_gradient_through_the_reference():
     ours, ref = both(problem["q"], k, v)
     for a, b in zip(ours, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
-        assert np.any(a != 0)
+        assert np.all(np.isfinite(a)) and np.any(a != 0)
+    unused = np.arange(c.capacity)[None, :] >= np.asarray(c.lengths)[:, None]
+    assert np.all(np.asarray(ours[1])[unused] == 0) and np.all(np.asarray(ours[2])[unused] == 0)
 
 
 def test_write_to_pages_prefill_then_decode():

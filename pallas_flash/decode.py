@@ -99,11 +99,11 @@ def decode_attention(
         block_sizes,
         interpret,
     )
-    reference = functools.partial(decode_reference, **options.math)
+    reference = functools.partial(_decode_reference, **options.math)
     if options.backend == "xla":
         out, lse = reference(query, key_cache, value_cache, lengths)
     else:
-        kernel = functools.partial(decode_forward, **options.kernel)
+        kernel = functools.partial(_decode_forward, **options.kernel)
         out, lse = with_reference_vjp(kernel, reference, query, key_cache, value_cache, lengths)
     return (out, lse) if return_residuals else out
 
@@ -167,11 +167,11 @@ def paged_attention(
         interpret,
         page_size=page_size,
     )
-    reference = functools.partial(paged_reference, **options.math)
+    reference = functools.partial(_paged_reference, **options.math)
     if options.backend == "xla":
         out, lse = reference(query, key_pages, value_pages, lengths, block_tables)
     else:
-        kernel = functools.partial(decode_forward, **options.kernel)
+        kernel = functools.partial(_decode_forward, **options.kernel)
         out, lse = with_reference_vjp(
             kernel, reference, query, key_pages, value_pages, lengths, block_tables
         )
@@ -277,6 +277,14 @@ def paged_reference(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_c
         soft_cap=soft_cap,
         window_left=window_left,
     )
+
+
+# Each path is one jit'd function of its static options: eager calls (a Python generation loop)
+# compile the kernel once, not at every call.
+_MATH = ("scale", "soft_cap", "window_left")
+_decode_forward = jax.jit(decode_forward, static_argnames=(*_MATH, "block_sizes", "interpret"))
+_decode_reference = jax.jit(decode_reference, static_argnames=_MATH)
+_paged_reference = jax.jit(paged_reference, static_argnames=_MATH)
 
 
 # -- validation -----------------------------------------------------------------------------------

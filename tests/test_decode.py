@@ -197,27 +197,33 @@ def test_bf16_within_twice_the_xla_error():
     assert np.max(np.abs(np.asarray(ours.astype(jnp.float32)) - want)) <= 2 * xla_err + 1e-3
 
 
-def test_unsplit_and_lengths_past_capacity():
+def test_unsplit_eager_and_lengths_past_capacity():
     """One program per sequence (no merge; the oracle tests' default tiles split in three).
-    Traced lengths past the capacity are clipped to it: nothing is read past the cache."""
+    Eager calls compile the kernel once. Traced lengths past the capacity are clipped to it:
+    nothing is read past the cache."""
+    from pallas_flash import decode
+
     c = CASES[0]
     assert c.lengths[0] == c.capacity
     problem, oracle_inputs = make_problem(c)
-    one = DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=1)
-    f = jax.jit(
-        functools.partial(
-            pallas_flash.decode_attention,
-            local_window_size=c.window,
-            return_residuals=True,
-            interpret=True,
-            block_sizes=one,
-        )
+    q, k, v = (problem[x] for x in ("q", "k", "v"))
+    call = functools.partial(
+        pallas_flash.decode_attention,
+        q,
+        k,
+        v,
+        local_window_size=c.window,
+        return_residuals=True,
+        interpret=True,
+        block_sizes=DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=1),
     )
-    q, k, v, lengths = (problem[x] for x in ("q", "k", "v", "lengths"))
-    result = f(q, k, v, key_value_seq_lengths=lengths)
+    compiled = decode._decode_forward._cache_size()
+    result = call(key_value_seq_lengths=problem["lengths"])
+    call(key_value_seq_lengths=problem["lengths"][::-1])
+    assert decode._decode_forward._cache_size() == compiled + 1
     check_against_oracle(c, [result], oracle_inputs)
-    past = f(q, k, v, key_value_seq_lengths=lengths.at[0].add(50))
-    np.testing.assert_array_equal(past[0], result[0])
+    past = jax.jit(lambda lengths: call(key_value_seq_lengths=lengths))
+    np.testing.assert_array_equal(past(problem["lengths"].at[0].add(50))[0], result[0])
 
 
 def test_gradient_through_the_reference():

@@ -3,10 +3,11 @@
 #   tests  the gpu-marked tests compiled on the GPU, in pytest processes side by side
 #   masks  python -m pallas_flash.bench --suite masks
 #   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
+#   compile  python -m pallas_flash.bench --suite compile (COMPILE_ARGS adds flags)
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
-#   train  benchmarks/device_train.sh (issue 4's end-to-end table)
+#   train  benchmarks/device_train.sh (the end-to-end training table)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
@@ -40,6 +41,10 @@ for stage in ${@:-tests masks grid}; do
       timeout ${BENCH_TIMEOUT:-300} python3 -m pallas_flash.bench --out $OUT/bench.jsonl \
         ${BENCH_ARGS:-} > $OUT/bench.log 2>&1
       grep -v "^\[" $OUT/bench.log | tail -n 40 ;;
+    compile)
+      timeout ${COMPILE_TIMEOUT:-400} python3 -m pallas_flash.bench --suite compile \
+        --out $OUT/compile.jsonl ${COMPILE_ARGS:-} > $OUT/compile.log 2>&1
+      tail -n 20 $OUT/compile.log ;;
     tiles|split)
       exp=$([ $stage = tiles ] && echo tiles-masked || echo split-kv)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py $exp --out $OUT/$exp.jsonl \
@@ -60,7 +65,7 @@ for stage in ${@:-tests masks grid}; do
         --log $OUT/tune.jsonl ${TUNE_ARGS:-} > $OUT/tune.log 2>&1
       tail -n 3 $OUT/tune.log ;;
     anchors)
-      # The anchors' peers side by side (issue 5). Needs carry: [".whl", ".anchors"]: tokamax and
+      # The anchors' peers side by side. Needs carry: [".whl", ".anchors"]: tokamax and
       # its pure-Python dependencies as wheels (.whl/), the anchors' scripts copied to .anchors/
       # (both ignored by git; NOTES.md says how to rebuild them).
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

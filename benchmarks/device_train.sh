@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call for issue 4's end-to-end table: the GPT3-1.3B-shaped model (24 layers, hidden
+# One device call for the end-to-end training table: the GPT3-1.3B-shaped model (24 layers, hidden
 # 2048, 16 heads of 128) trained with pallas_flash, cuDNN and XLA attention from the same seed, at
 # sequence 2k and 8k. Per-step losses and a summary line per run go to $OUT/train.jsonl.
 # Knobs: SEQS ("2048 8192"), STEPS (12), ATTENTIONS ("pallas_flash cudnn xla xla+remat");

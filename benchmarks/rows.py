@@ -7,7 +7,8 @@ import glob
 import json
 import os
 
-PEERS = ("jaxref_triton", "tokamax_triton", "torch_flash")  # issue 5's Triton/CUDA peers
+# The Triton/CUDA peers of the performance target.
+PEERS = ("jaxref_triton", "tokamax_triton", "torch_flash")
 
 
 def load_ours(paths):

@@ -253,7 +253,7 @@ def main(argv=None):
         flush=True,
     )
     log = open(args.out, "a") if args.out else None
-    step_times = []
+    step_times, first_step_s = [], None
     for step in range(1, args.steps + 1):
         starts = rng.integers(0, len(data) - cfg.seq - 1, args.batch)
         tokens = jnp.asarray(np.stack([data[s : s + cfg.seq + 1] for s in starts]), jnp.int32)
@@ -265,6 +265,8 @@ def main(argv=None):
         elapsed = time.perf_counter() - start
         if step > 1:  # step 1 compiles
             step_times.append(elapsed)
+        else:
+            first_step_s = elapsed
         row = dict(
             step=step,
             loss=round(loss, 5),
@@ -289,6 +291,7 @@ def main(argv=None):
             batch=args.batch,
             remat_attention=args.remat_attention,
             mesh=args.mesh,
+            first_step_s=round(first_step_s, 2),  # tracing, compiling and one step
             step_ms=round(median * 1e3, 2),
             tokens_per_s=round(args.batch * cfg.seq / median),
             model_tflops=round(tflops, 1),

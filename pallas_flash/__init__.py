@@ -7,7 +7,8 @@ Flax users import the wrappers explicitly (this package itself does not import F
 """
 
 from pallas_flash.api import attention_reference, flash_attention
-from pallas_flash.config import BlockSizes
+from pallas_flash.config import BlockSizes, DecodeBlockSizes
+from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
 from pallas_flash.sharding import (
     from_zigzag,
     ring_attention,
@@ -18,12 +19,16 @@ from pallas_flash.sharding import (
 
 __all__ = [
     "BlockSizes",
+    "DecodeBlockSizes",
     "attention_reference",
+    "decode_attention",
     "flash_attention",
     "from_zigzag",
+    "paged_attention",
     "ring_attention",
     "ring_attention_sharded",
     "to_zigzag",
+    "write_to_pages",
     "zigzag_indices",
 ]
 __version__ = "0.1.0"

@@ -166,3 +166,25 @@ def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: Ke
 
 
 flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def with_reference_vjp(kernel, reference, *args):
+    """kernel(*args), differentiated through reference(*args): for forward-only kernels (decode)
+    whose reference is cheap to differentiate. Integer arguments get no cotangent."""
+    return kernel(*args)
+
+
+def _reference_fwd(kernel, reference, *args):
+    return kernel(*args), args
+
+
+def _reference_bwd(kernel, reference, args, cotangents):
+    _, vjp = jax.vjp(reference, *args)
+    grads = vjp(cotangents)
+    return tuple(
+        g if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else None for a, g in zip(args, grads)
+    )
+
+
+with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)

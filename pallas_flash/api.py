@@ -443,9 +443,8 @@ def _choose_backward(
     return "mosaic"
 
 
-# Below this key length at H=64 the Triton backward is faster on the H200: fwd+bwd at 512
-# keys 276 / 174 TFLOP/s (non-causal / causal) against 254 / 168 with the Mosaic backward;
-# from 2k keys the Mosaic one wins (351 / 294 against 338 / 278). 1k is not measured.
+# Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
+# Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
 _MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 
 

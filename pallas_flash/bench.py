@@ -14,12 +14,16 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pallas_flash
 from pallas_flash import config as config_lib
@@ -384,6 +388,296 @@ def run_scale_suite(out_path, repeats, seqs, on_gpu):
     return rows
 
 
+# -- compile time ------------------------------------------------------------------------------
+
+
+def layered_grad(impl, layers, *, is_causal=True, interpret=False):
+    """jit(grad) of a loss over `layers` attention layers, each on its own q, k, v: what a model
+    written as a Python loop over its layers asks the compiler to build."""
+    if impl == "pallas_flash_window":
+        fn = functools.partial(
+            pallas_flash.flash_attention,
+            is_causal=is_causal,
+            local_window_size=(1024, 0),
+            interpret=interpret,
+        )
+    else:
+        fn = attention_fn(impl, is_causal=is_causal, interpret=interpret)
+
+    def loss(qkvs):
+        return sum(fn(q, k, v).astype(jnp.float32).mean() for q, k, v in qkvs)
+
+    return jax.jit(jax.grad(loss))
+
+
+def compile_row(impl, layers, b, t, n, h, dtype, *, interpret=False) -> dict:
+    """Lowering, compile and first-call times of `layered_grad` in this process."""
+    row = dict(
+        suite="compile", impl=impl, layers=layers, B=b, T=t, N=n, H=h,
+        dtype=jnp.dtype(dtype).name, causal=True,
+        cache="on" if jax.config.jax_compilation_cache_dir else "off",
+    )  # fmt: skip
+    try:
+        args = [make_inputs(b, t, t, n, n, h, dtype, seed=i)[:3] for i in range(layers)]
+        f = layered_grad(impl, layers, interpret=interpret)
+        start = time.perf_counter()
+        lowered = f.trace(args).lower()
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        compiled_at = time.perf_counter()
+        jax.block_until_ready(compiled(args))
+        called_at = time.perf_counter()
+        row.update(
+            lower_s=round(lowered_at - start, 3),
+            compile_s=round(compiled_at - lowered_at, 3),
+            first_call_ms=round((called_at - compiled_at) * 1e3, 1),
+        )
+    except Exception as e:  # noqa: BLE001 -- an implementation failing is data, not a crash
+        row.update(error=f"{type(e).__name__}: {str(e)[:200]}")
+    return row
+
+
+def _compile_row_in_subprocess(impl, layers, shape, *, interpret, cache_dir=None) -> dict:
+    """compile_row in a fresh Python process: nothing compiled by earlier rows (jax's and Mosaic
+    GPU's in-memory caches) helps it, as after a restart."""
+    env = dict(os.environ)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if cache_dir is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = cache_dir
+    spec = json.dumps(dict(impl=impl, layers=layers, shape=shape, interpret=interpret))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pallas_flash.bench", "--compile-row", spec],
+        env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    return dict(suite="compile", impl=impl, layers=layers, error=proc.stderr[-300:])
+
+
+def run_compile_suite(out_path, impls, layer_counts, shape, *, interpret):
+    """One fresh process per (implementation, layer count); then the persistent compilation
+    cache: the deepest model of each pallas_flash implementation compiled by two processes that
+    share a new cache directory (the second should only load)."""
+    rows = []
+
+    def record(row, label=""):
+        rows.append(row)
+        with open(out_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        shown = row.get("error") or (
+            f"lower {row['lower_s']:.2f} s  compile {row['compile_s']:.2f} s  "
+            f"first call {row['first_call_ms']:.0f} ms"
+        )
+        print(f"{row['impl']:22s} L={row['layers']:3d} {label:12s} {shown}", flush=True)
+
+    for impl in impls:
+        for layers in layer_counts:
+            record(_compile_row_in_subprocess(impl, layers, shape, interpret=interpret))
+    for impl in [i for i in impls if i.startswith("pallas_flash")]:
+        with tempfile.TemporaryDirectory() as cache_dir:
+            for label in ("cache cold", "cache warm"):
+                row = _compile_row_in_subprocess(
+                    impl, max(layer_counts), shape, interpret=interpret, cache_dir=cache_dir
+                )
+                row["cache"] = label.split()[1]
+                record(row, label)
+    print("\n| impl | layers | cache | lower s | compile s | first call ms |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        cells = [r.get(k, "-") for k in ("lower_s", "compile_s", "first_call_ms")]
+        print(
+            f"| {r['impl']} | {r['layers']} | {r.get('cache', '-')} | "
+            + " | ".join(map(str, cells))
+            + " |"
+        )
+    return rows
+
+
+# -- decode ----------------------------------------------------------------------------------------
+
+
+def decode_cases(quick: bool = False):
+    """The decode suite's shapes: dicts of B, S (cache capacity), N, K, H, T, ragged (lengths
+    between S/32 and S, else all S) and page (page size, or None for a contiguous cache). The
+    issue's shape first, then one axis varied at a time."""
+    base = dict(B=8, S=32768, N=32, K=8, H=128, T=1, ragged=False, page=None)
+    variants = [
+        {},
+        dict(T=4),
+        dict(T=16),
+        dict(page=16),
+        dict(page=128),
+        dict(ragged=True),
+    ]
+    if not quick:
+        variants += [
+            dict(B=1),
+            dict(B=64, S=8192),
+            dict(B=256, S=8192),
+            dict(S=1024),
+            dict(S=8192),
+            dict(S=131072),
+            dict(K=32),  # GQA group 1
+            dict(K=2),  # GQA group 16
+            dict(K=2, T=16),
+            dict(ragged=True, page=16),
+        ]
+    for v in variants:
+        yield {**base, **v}
+
+
+def _decode_lengths(case, seed=0):
+    if not case["ragged"]:
+        return jnp.full((case["B"],), case["S"], jnp.int32)
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(case["S"] // 32, case["S"] + 1, case["B"]), jnp.int32)
+
+
+def decode_inputs(case, dtype, seed=0):
+    """(q, k, v, lengths, block_tables): contiguous caches, or with case["page"] pages in
+    shuffled order (block_tables None for a contiguous cache)."""
+    b, s, n, kh, h, t = (case[x] for x in ("B", "S", "N", "K", "H", "T"))
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    lengths = _decode_lengths(case, seed)
+    page = case["page"]
+    if page is None:
+        shape = (b, s, kh, h)
+        tables = None
+    else:
+        max_pages = s // page
+        shape = (b * max_pages, page, kh, h)
+        perm = np.random.default_rng(seed).permutation(b * max_pages)
+        tables = jnp.asarray(perm.reshape(b, max_pages), jnp.int32)
+    k = jax.random.normal(keys[1], shape, dtype)
+    v = jax.random.normal(keys[2], shape, dtype)
+    return q, k, v, lengths, tables
+
+
+def decode_fns(case, *, interpret: bool):
+    """{impl: jitted fn(q, k, v, lengths, tables) -> out} for one case. jax.nn's attention
+    (XLA, cuDNN) takes the contiguous cache, with the causal rule among the new tokens as a
+    mask aligned to the end of each sequence."""
+    if case["page"] is not None:
+        fns = {
+            "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.paged_attention(
+                q, k, v, tables, lens, interpret=interpret
+            )
+        }
+    else:
+        fns = {
+            "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=lens, interpret=interpret
+            )
+        }
+
+        def jax_nn(impl):
+            def fn(q, k, v, lens, tables):
+                t, s = q.shape[1], k.shape[1]
+                if t == 1:
+                    return jax.nn.dot_product_attention(
+                        q, k, v, key_value_seq_lengths=lens, implementation=impl
+                    )
+                pos = lens[:, None, None] - t + jnp.arange(t)[None, :, None]
+                mask = (jnp.arange(s)[None, None, :] <= pos)[:, None]
+                return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+
+            return fn
+
+        fns["xla"] = jax_nn("xla")
+        if not interpret:
+            fns["cudnn"] = jax_nn("cudnn")
+    return {impl: jax.jit(fn) for impl, fn in fns.items()}
+
+
+def decode_kv_bytes(case, lengths, itemsize: int) -> int:
+    """Bytes of K and V a decode step must read: each sequence's own keys."""
+    keys = int(np.minimum(np.asarray(lengths), case["S"]).sum())
+    return 2 * keys * case["K"] * case["H"] * itemsize
+
+
+def run_decode_suite(out_path, repeats, *, quick: bool, on_gpu: bool):
+    """Per case: ms and TB/s of K/V bytes read for pallas_flash, jax.nn's XLA and cuDNN
+    attention, and a device-to-device copy of the same bytes (its TB/s counts the bytes read
+    and written: the practical ceiling of a read-only kernel)."""
+    if on_gpu:
+        cases, dtype, interpret, calls = list(decode_cases(quick)), jnp.bfloat16, False, 10
+    else:
+        print(
+            "No NVIDIA GPU of compute capability >= 8.0 found: running tiny decode shapes in the "
+            "Pallas interpreter (times are not GPU performance).",
+            flush=True,
+        )
+        cases = [
+            dict(B=2, S=256, N=8, K=2, H=64, T=t, ragged=r, page=p)
+            for t, r, p in ((1, False, None), (4, True, None), (1, True, 16))
+        ]
+        dtype, interpret, calls, repeats = jnp.float32, True, 1, min(repeats, 2)
+    rows = []
+    with open(out_path, "a") as f:
+        for case in cases:
+            q, k, v, lengths, tables = decode_inputs(case, dtype)
+            nbytes = decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
+            flat = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+            runs = [
+                (impl, fn, (q, k, v, lengths, tables))
+                for impl, fn in decode_fns(case, interpret=interpret).items()
+            ]
+            runs.append(("memcpy", jax.jit(jnp.copy), (flat,)))
+            for impl, fn, args in runs:
+                row = dict(suite="decode", impl=impl, dtype=jnp.dtype(dtype).name, **case)
+                try:
+                    ms = median_ms(fn, args, calls=calls, repeats=repeats)
+                    traffic = 2 * nbytes if impl == "memcpy" else nbytes
+                    row.update(ms=round(ms, 5), tbps=round(traffic / ms / 1e9, 4))
+                except Exception as e:  # noqa: BLE001 -- cuDNN refusing T=1 is data
+                    row.update(ms=None, tbps=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+                row["kv_bytes"] = nbytes
+                rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                shown = (
+                    f"{row['ms']:.4f} ms {row['tbps']:.2f} TB/s"
+                    if row["ms"] is not None
+                    else "failed: " + row["error"][:80]
+                )
+                print(f"{_decode_name(case):34s} {impl:13s} {shown}", flush=True)
+            del q, k, v, flat
+    print_decode_table(rows)
+
+
+def _decode_name(case) -> str:
+    name = f"B{case['B']} S{case['S']} N{case['N']}/K{case['K']} H{case['H']} T{case['T']}"
+    if case["ragged"]:
+        name += " ragged"
+    if case["page"]:
+        name += f" page{case['page']}"
+    return name
+
+
+def print_decode_table(rows, out=sys.stdout):
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    print(
+        "\n| case | " + " | ".join(f"{i} ms (TB/s)" for i in impls) + " | pf / memcpy |", file=out
+    )
+    print("|---|" + "---|" * (len(impls) + 1), file=out)
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(_decode_name(r), {})[r["impl"]] = r
+    for name, got in by_case.items():
+        cells = [
+            "-"
+            if got.get(i, {}).get("ms") is None
+            else f"{got[i]['ms']:.3f} ({got[i]['tbps']:.2f})"
+            for i in impls
+        ]
+        # pf's TB/s over memcpy's (which counts bytes read and written)
+        pf, mc = got.get("pallas_flash", {}).get("ms"), got.get("memcpy", {}).get("ms")
+        cells.append(f"{mc / (2 * pf):.2f}" if pf and mc else "-")
+        print(f"| {name} | " + " | ".join(cells) + " |", file=out)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
@@ -400,18 +694,49 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--suite",
-        choices=["grid", "masks", "scale"],
+        choices=["grid", "masks", "compile", "decode", "scale"],
         default="grid",
         help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only); "
-        "scale: causal ring attention on 1/2/4/8 devices of this host (--seqs: global lengths)",
+        "compile: lowering and compile time of a jit(grad) over 1, 6 and 24 causal layers; "
+        "decode: decode_attention / paged_attention in TB/s of K/V read (tiny interpreted "
+        "shapes on a CPU); scale: causal ring attention on 1/2/4/8 devices of this host "
+        "(--seqs: global lengths)",
     )
+    parser.add_argument(
+        "--quick", action="store_true", help="decode: the issue's shape and a few variants only"
+    )
+    parser.add_argument("--layers", type=int, nargs="+", help="--suite compile's layer counts")
+    parser.add_argument("--compile-row", help=argparse.SUPPRESS)  # one row, in a subprocess
     args = parser.parse_args(argv)
 
+    if args.compile_row:
+        spec = json.loads(args.compile_row)
+        b, t, n, h = spec["shape"]
+        dtype = jnp.float32 if spec["interpret"] else jnp.bfloat16
+        row = compile_row(
+            spec["impl"], spec["layers"], b, t, n, h, dtype, interpret=spec["interpret"]
+        )
+        print(json.dumps(row), flush=True)
+        return
     on_gpu = (config_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
     if args.suite == "scale":
         run_scale_suite(args.out, args.repeats, args.seqs, on_gpu)
         return
     args.seqs = args.seqs or [512, 1024, 2048, 4096, 8192, 16384]
+    if args.suite == "compile":
+        if on_gpu:
+            # The compile-time issue's model: B=1, T=8192, N=16, H=128, causal, bf16.
+            impls = ["pallas_flash", "pallas_flash_triton", "pallas_flash_window", "cudnn"]
+            shape, layers, interpret = (1, 8192, 16, 128), args.layers or [1, 6, 24], False
+        else:
+            print("No NVIDIA GPU: compile times of the interpret-mode kernels on a toy model.")
+            impls, shape, interpret = ["pallas_flash", "xla"], (1, 128, 2, 64), True
+            layers = args.layers or [1, 6]
+        run_compile_suite(args.out, impls, layers, shape, interpret=interpret)
+        return
+    if args.suite == "decode":
+        run_decode_suite(args.out, args.repeats, quick=args.quick, on_gpu=on_gpu)
+        return
     if args.suite == "masks":
         if not on_gpu:
             raise SystemExit("--suite masks needs an NVIDIA GPU (sm80+)")

@@ -9,9 +9,13 @@ import os
 import pathlib
 import warnings
 
-import jax
 import jax.numpy as jnp
 
+from pallas_flash.device import (  # noqa: F401  re-exported: callers read config.gpu_*
+    gpu_compute_capability,
+    gpu_core_count,
+    gpu_device_kind,
+)
 from pallas_flash.mosaic.backward import BackwardTiles
 from pallas_flash.mosaic.forward import ForwardTiles
 
@@ -69,8 +73,8 @@ class BlockSizes:
                 raise ValueError(f"BlockSizes.{field.name}={value!r} must be a positive int")
 
 
-# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of
-# the tile sweep at seq 4096 on the H200 (benchmarks/NOTES.md, results/h200-sweep-*.jsonl).
+# Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of a tile sweep at seq
+# 4096 on the H200 (benchmarks/NOTES.md, "Triton forward" and "Triton backward").
 _HOPPER = {
     64: BlockSizes(
         block_q=64,
@@ -118,9 +122,8 @@ _HOPPER = {
 _HOPPER[16] = _HOPPER[32] = _HOPPER[64]
 
 # Forward tiles when each query sees a narrow band of keys (a local window of a few tiles, packed
-# documents): at H=128, 64 x 64 tiles waste less on the band's two ragged edges. On the H200, a 1k
-# causal window at 16k: 0.443 ms against 0.519 ms with the 128 x 128 tiles; 8 x 2k packed
-# documents: 0.457 against 0.488 (benchmarks/NOTES.md, v2).
+# documents): at H=128, 64 x 64 tiles waste less on the band's two ragged edges (measured on the
+# H200: benchmarks/NOTES.md, "Masks").
 _HOPPER_NARROW_FORWARD = {128: dict(block_q=64, block_kv=64, num_warps=4, num_stages=3)}
 NARROW_BAND = 2048  # keys; a window at most this wide counts as narrow
 
@@ -410,33 +413,62 @@ def narrow_band(spec) -> bool:
     return spec.window is not None and spec.left + spec.right + 1 <= NARROW_BAND
 
 
-def gpu_device_kind() -> str | None:
-    """device_kind of the first visible GPU ("NVIDIA H200"), or None without one."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    return devices[0].device_kind if devices else None
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecodeBlockSizes:
+    """Tiles and launch parameters of the decode kernel (`decode_attention`, `paged_attention`).
+
+    Attributes:
+      block_m: the most packed query rows (a KV head's group of query heads times the new
+        tokens) one program holds; more rows take more programs, each reading the group's K/V.
+      block_kv: keys per step of a program's loop; independent of a paged cache's page size.
+      num_warps, num_stages: Triton launch parameters.
+      kv_splits: programs that share one sequence's keys, combined by logsumexp; 0 (the
+        default) picks it from the grid size and the GPU's core count; 1 turns it off.
+    """
+
+    block_m: int = 64
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    kv_splits: int = 0
+
+    def __post_init__(self):
+        for name in ("block_m", "block_kv"):
+            value = getattr(self, name)
+            if not _is_power_of_two(value) or value < 16:
+                raise ValueError(f"DecodeBlockSizes.{name}={value!r} must be a power of two >= 16")
+        if not _is_power_of_two(self.num_warps):
+            raise ValueError(
+                f"DecodeBlockSizes.num_warps={self.num_warps!r} must be a power of two"
+            )
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise ValueError(f"DecodeBlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
+        if not isinstance(self.kv_splits, int) or isinstance(self.kv_splits, bool):
+            raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
+        if self.kv_splits < 0:
+            raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
 
 
-def gpu_core_count() -> int:
-    """Streaming multiprocessors of the first visible GPU; 132 (the H100's and H200's) without
-    one, or where the device does not say: the CPU interpreter, lowering for an abstract H200."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return 132
-    return (getattr(devices[0], "core_count", None) if devices else None) or 132
+# Small key tiles keep the interpreter fast and give several tiles at test sizes; three splits
+# run the merge of partial results there, where the GPU's rule would not split such short
+# caches.
+_DECODE_INTERPRET = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, kv_splits=3)
 
 
-def gpu_compute_capability() -> tuple[int, int] | None:
-    """(major, minor) of the first visible NVIDIA GPU, or None without one."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    cc = getattr(devices[0], "compute_capability", None) if devices else None
-    if cc is None:
-        return None
-    major, minor = str(cc).split(".")
-    return int(major), int(minor)
+def default_decode_block_sizes(
+    head_dim: int, dtype, *, interpret: bool, page_size: int | None = None
+) -> DecodeBlockSizes:
+    """Decode tiles for a call: small ones in the interpreter, else the shipped defaults, from
+    a sweep on the H200 (64-key tiles, 4 warps, 2 stages: 3.7-3.9 TB/s at B=8, 32k keys,
+    H=128, bf16, contiguous and in pages of 16; 32- and 128-key tiles within 5%). Pages of a
+    multiple of 128 keys take 128-key tiles, each one contiguous block of a page (3.9 TB/s
+    against 3.5 with 64-key tiles). float32 and H=256 halve the key tile to keep the stages in
+    shared memory."""
+    if interpret:
+        return _DECODE_INTERPRET
+    wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
+    if wide:
+        return DecodeBlockSizes(block_kv=32)
+    if page_size is not None and page_size % 128 == 0:
+        return DecodeBlockSizes(block_kv=128)
+    return DecodeBlockSizes(block_kv=64)

@@ -12,7 +12,9 @@ cannot serve. This module
 * routes a call with active dropout, or one that must sow its attention weights, to Flax's own
   attention (warning once per process and reason), so that dropout is never skipped;
 * binds the options of the pallas_flash modules (`is_causal`, segment ids, backend, ...) into
-  their `attention_fn`.
+  their `attention_fn`;
+* runs the modules' decode steps through `decode_attention` over the cache's filled slots
+  (`kv_cache_length`) instead of a mask over the whole cache.
 
 It imports no Flax: each wrapper passes in the Flax function its fallback calls. Nothing here is
 public API; `FallbackWarning` is re-exported by both wrappers.
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 
 from pallas_flash import masks
 from pallas_flash.api import flash_attention
+from pallas_flash.decode import decode_attention
 
 
 class FallbackWarning(UserWarning):
@@ -126,6 +129,12 @@ def bind_options(attention_fn, **options):
     return functools.partial(attention_fn, **options)
 
 
+def accepts_keyword(fn, name: str) -> bool:
+    """Whether `fn` (a function or a functools.partial of one) takes the keyword `name`."""
+    params = inspect.signature(fn).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
 def _check_qkv(query, key, value):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or x.ndim < 3:
@@ -196,6 +205,7 @@ def attention(
     block_sizes,
     fallback_reason,
     flax_attention,
+    kv_cache_length=None,
 ):
     """The shared body of both drop-in functions, after each has promoted the dtypes.
 
@@ -208,6 +218,10 @@ def attention(
       flax_attention: `f(query, key, value, bias, mask) -> out`, Flax's own attention with the
         call's dropout/module arguments bound, taking a bool mask of rank `query.ndim`; called
         only for a fallback.
+      kv_cache_length: None, or (in a decode step of the modules) the int count of filled
+        cache slots, the step's tokens included: key/value are the whole cache, the queries
+        are its last tokens, and `mask` is Flax's cache-occupancy mask (`arange(S) < length`),
+        which `decode_attention` replaces by reading the filled slots only.
 
     Returns:
       `[batch..., T, N, H]`. Query rows that see no key output zeros on both paths (Flax's own
@@ -233,6 +247,18 @@ def attention(
 
     def flat(x):
         return jnp.reshape(x, (batch, *x.shape[-3:]))
+
+    if kv_cache_length is not None and bias is None and not is_causal and q_ids is None:
+        lengths = jnp.minimum(jnp.asarray(kv_cache_length, jnp.int32), kv_len)
+        out = decode_attention(
+            flat(query),
+            flat(key),
+            flat(value),
+            key_value_seq_lengths=jnp.broadcast_to(lengths, (batch,)),
+            backend=backend,
+            interpret=interpret,
+        )
+        return jnp.reshape(out, query.shape[:-1] + value.shape[-1:])
 
     out = flash_attention(
         flat(query),

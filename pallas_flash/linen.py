@@ -63,6 +63,7 @@ def dot_product_attention(
     backend: str | None = None,
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
+    kv_cache_length=None,
 ):
     """`flax.linen.dot_product_attention` computed by the pallas_flash kernels.
 
@@ -96,6 +97,10 @@ def dot_product_attention(
       q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
         the same id only (packed documents). kv ids default to the query ids when T == S.
       backend, interpret, block_sizes: as in `pallas_flash.flash_attention`.
+      kv_cache_length: set by `MultiHeadDotProductAttention` in decode steps (you need not):
+        int scalar, the filled slots of the KV cache that key/value are, the step's token
+        included. The call then runs `pallas_flash.decode_attention` over those slots only,
+        and `mask` must be Flax's cache-occupancy mask, which it replaces.
 
     Returns:
       `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
@@ -150,6 +155,7 @@ def dot_product_attention(
         block_sizes=block_sizes,
         fallback_reason="dropout" if dropout else ("module" if module is not None else None),
         flax_attention=flax_attention,
+        kv_cache_length=kv_cache_length,
     )
 
 
@@ -163,7 +169,10 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     Attributes (beyond Flax's):
       is_causal: causal self-attention through the kernels' causal fast path, without a mask
         array. Ignored in decode steps (`decode=True`), where the cache mask already limits
-        each query to the cached keys; a length-1 causal query would see only key 0.
+        each query to the cached keys; a length-1 causal query would see only key 0. Decode
+        steps without a mask of the caller's run `pallas_flash.decode_attention` over the
+        cache's filled slots (not a mask over the whole cache) when the attention function
+        takes `kv_cache_length`.
       backend, interpret, block_sizes: passed to the attention function (see
         `pallas_flash.flash_attention`); None leaves the function's own choice.
     """
@@ -197,8 +206,18 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         Returns:
           `[batch..., length, out_features]`.
         """
+        kv_cache_length = None
+        if (
+            self.decode
+            and self.has_variable("cache", "cache_index")
+            and kwargs.get("mask") is None
+            and flax_common.accepts_keyword(self.attention_fn, "kv_cache_length")
+        ):
+            # Flax writes this step's token at cache_index, then masks the slots past it.
+            kv_cache_length = self.get_variable("cache", "cache_index") + 1
         bound = flax_common.bind_options(
             self.attention_fn,
+            kv_cache_length=kv_cache_length,
             is_causal=self.is_causal and not self.decode,
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,

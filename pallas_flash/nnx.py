@@ -61,6 +61,7 @@ def dot_product_attention(
     backend: str | None = None,
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
+    kv_cache_length=None,
 ):
     """`flax.nnx.dot_product_attention` computed by the pallas_flash kernels.
 
@@ -93,6 +94,10 @@ def dot_product_attention(
       q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
         the same id only (packed documents). kv ids default to the query ids when T == S.
       backend, interpret, block_sizes: as in `pallas_flash.flash_attention`.
+      kv_cache_length: set by `MultiHeadAttention` in decode steps (you need not): int scalar,
+        the filled slots of the KV cache that key/value are, the step's token included. The
+        call then runs `pallas_flash.decode_attention` over those slots only, and `mask`
+        must be Flax's cache-occupancy mask, which it replaces.
 
     Returns:
       `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
@@ -135,6 +140,7 @@ def dot_product_attention(
         block_sizes=block_sizes,
         fallback_reason="dropout" if dropout else ("module" if module is not None else None),
         flax_attention=flax_attention,
+        kv_cache_length=kv_cache_length,
     )
 
 
@@ -146,7 +152,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
     `pallas_flash.nnx.dot_product_attention`. GQA/MQA: `num_kv_heads` (Flax's argument) makes
     the key/value projections and the decode cache hold `num_kv_heads` heads, which the kernels
     read without repeating them. Decoding: `init_cache(...)`, then one token per call with
-    `decode=True`, as in Flax.
+    `decode=True`, as in Flax; each step runs `pallas_flash.decode_attention` over the cache's
+    filled slots (not a mask over the whole cache) when no mask is given and the attention
+    function takes `kv_cache_length`.
 
     Args:
       *args, **kwargs: those of `flax.nnx.MultiHeadAttention` (num_heads, in_features, ...,
@@ -202,6 +210,17 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         """
         if is_causal is None:
             is_causal = self.is_causal
+        decode = kwargs.get("decode")
+        decode = self.decode if decode is None else decode
+        kv_cache_length = None
+        if (
+            decode
+            and getattr(self, "cache_index", None) is not None
+            and kwargs.get("mask") is None
+            and flax_common.accepts_keyword(self.attention_fn, "kv_cache_length")
+        ):
+            # Flax writes this step's token at cache_index, then masks the slots past it.
+            kv_cache_length = self.cache_index[...] + 1
         bound = flax_common.bind_options(
             self.attention_fn,
             q_segment_ids=q_segment_ids,
@@ -209,6 +228,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             backend=self.backend,
             interpret=self.interpret,
             block_sizes=self.block_sizes,
+            kv_cache_length=kv_cache_length,
         )
         # Flax's __call__ reads self.attention_fn; bind this call's options by swapping it for
         # the duration of the call (restored even on errors, so the module's static structure,

@@ -49,3 +49,28 @@ def test_quickstart_runs(monkeypatch, capsys):
     example = load("quickstart")
     assert float(abs(example.out - example.expected).max()) < 1e-4
     assert "max |out - jax.nn|" in capsys.readouterr().out
+
+
+def test_generate_matches_the_full_forward():
+    """Greedy generation with the KV cache and the decode kernel (interpreter): every step's
+    logits equal those of the full causal forward over the prompt and the tokens so far."""
+    pytest.importorskip("flax")
+    import dataclasses
+
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    generate = load("generate")
+    train_gpt = sys.modules["train_gpt"]
+    result = generate.main(["--batch", "2", "--prompt", "20", "--new", "3", "--kv-heads", "2"])
+    assert result["tokens"].shape == (2, 3) and result["tokens_per_s"] > 0
+    assert 0.0 <= result["attention_share"] <= 1.0
+    cfg = dataclasses.replace(train_gpt.PRESETS["tiny"], kv_heads=2)
+    # The same weights (same seed) with XLA attention over the whole sequence.
+    model = train_gpt.GPT(cfg, train_gpt.attention_fn("xla", False), jnp.float32, nnx.Rngs(0))
+    seq = jnp.concatenate([result["prompt"], jnp.asarray(result["tokens"][:, :-1])], axis=1)
+    full = nnx.jit(lambda model, seq: model(seq))(model, seq)
+    prompt_len = result["prompt"].shape[1]
+    for i in range(3):
+        np.testing.assert_allclose(result["logits"][i], full[:, prompt_len - 1 + i], atol=1e-4)

@@ -128,8 +128,9 @@ def test_module_matches_flax(case):
     assert_close(grads, ref_grads)
 
 
-def test_decode_with_cache():
-    """Decoding token by token with the cache equals the full causal forward pass."""
+def test_decode_with_cache(monkeypatch):
+    """Decoding token by token with the cache runs the decode kernel over the filled slots and
+    equals Flax's own decode steps token for token and the full causal forward pass."""
     steps = 12
     x = inputs(shape=(B, steps, FEATURES))
     ours = pfl.MultiHeadDotProductAttention(num_heads=HEADS, decode=True, is_causal=True, **KERNELS)
@@ -137,15 +138,32 @@ def test_decode_with_cache():
     variables = flax_module(decode=True).init(jax.random.key(1), x)
     params, cache = variables["params"], variables["cache"]
 
-    @jax.jit
-    def step(cache, token):
-        out, updated = ours.apply({"params": params, "cache": cache}, token, mutable=["cache"])
-        return updated["cache"], out
+    def make_step(module):
+        @jax.jit
+        def step(cache, token):
+            out, updated = module.apply(
+                {"params": params, "cache": cache}, token, mutable=["cache"]
+            )
+            return updated["cache"], out
 
-    outs = []
+        return step
+
+    decode_calls = []
+    original = flax_common.decode_attention
+
+    def spy(*args, **kwargs):
+        decode_calls.append(kwargs["key_value_seq_lengths"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(flax_common, "decode_attention", spy)
+    outs, flax_cache = [], cache
+    step, flax_step = make_step(ours), make_step(flax_module(decode=True))
     for i in range(steps):
         cache, out = step(cache, x[:, i : i + 1])
+        flax_cache, flax_out = flax_step(flax_cache, x[:, i : i + 1])
+        assert_close(out, flax_out)  # token for token, as Flax's own decode step
         outs.append(out)
+    assert len(decode_calls) == 1  # traced once: every step ran the decode kernel
     full = flax_module().apply(
         {"params": params}, x, mask=nn.make_causal_mask(jnp.ones((B, steps)))
     )

@@ -26,6 +26,7 @@ import pytest
 from conftest import attention_oracle_f64, segment_arrays
 
 from pallas_flash import masks
+from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.forward import (
     NUM_CONSUMERS,
@@ -35,7 +36,6 @@ from pallas_flash.mosaic.forward import (
     mask_sides,
     segment_tile_plan,
 )
-from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
 
 f32 = np.float32
 

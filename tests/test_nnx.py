@@ -132,8 +132,9 @@ def test_module_gqa_causal_segments_matches_flax():
     assert_close(grads, ref_grads)
 
 
-def test_decode_with_cache_gqa():
-    """Decoding token by token with the (GQA) cache equals the full causal forward pass."""
+def test_decode_with_cache_gqa(monkeypatch):
+    """Decoding token by token with the (GQA) cache runs the decode kernel over the filled
+    slots, and equals Flax's own decode steps token for token and the full causal pass."""
     steps = 12
     x = inputs(shape=(B, steps, FEATURES))
     ref = flax_module(num_kv_heads=KV_HEADS)
@@ -141,12 +142,25 @@ def test_decode_with_cache_gqa():
         HEADS, FEATURES, num_kv_heads=KV_HEADS, is_causal=True, rngs=nnx.Rngs(5), **KERNELS
     )
     ours = same_params(ours, ref)
+    decode_calls = []
+    original = flax_common.decode_attention
+
+    def spy(*args, **kwargs):
+        decode_calls.append(kwargs["key_value_seq_lengths"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(flax_common, "decode_attention", spy)
     ours.init_cache((B, steps, FEATURES))
     assert ours.cached_key.shape == (B, steps, KV_HEADS, FEATURES // HEADS)
     step = nnx.jit(lambda model, token: model(token, decode=True))
     outs = [step(ours, x[:, i : i + 1]) for i in range(steps)]
+    assert len(decode_calls) == 1  # traced once: every step ran the decode kernel
     assert int(ours.cache_index[...]) == steps
-    assert_close(jnp.concatenate(outs, axis=1), ref(x, is_causal=True))
+    ref.init_cache((B, steps, FEATURES))
+    flax_outs = [step(ref, x[:, i : i + 1]) for i in range(steps)]
+    for ours_i, flax_i in zip(outs, flax_outs, strict=True):
+        assert_close(ours_i, flax_i)
+    assert_close(jnp.concatenate(outs, axis=1), ref(x, is_causal=True, decode=False))
 
 
 def test_dropout_takes_flax_path_and_warns_once(fresh_warnings):

@@ -28,10 +28,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash._numerics import LOG2E
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import forward
 from pallas_flash.mosaic.forward import CAUSAL_MISCOMPILING_CUDA, SMEM_BYTES
-from pallas_flash.triton._common import LOG2E
 
 # H=256 is left to the Triton backward: a consumer's dK and dV accumulators alone, [64, 256] f32
 # each, take 256 registers per thread (the most a thread can have).

@@ -22,9 +22,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import masks
+from pallas_flash import device, masks
+from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
+from pallas_flash.device import cuda_runtime_version  # noqa: F401  callers read forward.cuda_*
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.triton._common import LN2, LOG2E, MASK_VALUE
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -100,20 +101,16 @@ def default_tiles(
     soft_cap=None,
     segments: bool = False,
 ) -> ForwardTiles:
-    """Tiles per head dim, measured on the H200 (benchmarks/results/h200-mosaic-tiles.jsonl).
-    H=256 halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared
-    memory. Two stages beat three or four at H=64 too (450 against 416 TFLOP/s at 16k).
-    At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles:
-    128 rows per consumer win on causal CTAs per item (512 keys: 183-191 against 162-168
-    TFLOP/s; 16k: 436-438 against 424-426). They need T % 256 == 0, and are measured on plain
-    and causal calls only: a window, soft cap or segment ids keep 64 rows, whose registers
-    leave room for the mask.
-    Persistent CTAs (fifth session, h200-mosaic-tiles.jsonl): plain non-causal calls at every
-    length (H=64 with 128 rows: 512 keys 342-356 against 296 TFLOP/s, 16k 470 against 445;
-    H=128 512 460-493 against 403-407, 16k 608 against 600), plain causal ones up to 2k keys
-    at H=64 and 1k at H=128 with 64 rows (finer items balance better: H=64 512 217 against
-    183 with 128-row CTAs, 2k 347 against 328; H=128 1k 347 against 334, but 2k 430 against
-    448). Masked calls keep a CTA per item (not measured persistent)."""
+    """Tiles per head dim and call, from tile probes on the H200 (benchmarks/NOTES.md, "Mosaic
+    forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
+    halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
+    At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
+    calls take 128 rows per consumer (they need T % 256 == 0); a window, soft cap or segment ids
+    keep 64 rows, whose registers leave room for the mask.
+    Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
+    per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
+    and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
+    faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent)."""
     masked = window is not None or soft_cap is not None or segments
     short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
     persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
@@ -131,15 +128,6 @@ MAX_TILE_REGISTERS = 192
 # CUDA runtimes whose ptxas miscompiles the causal mask of this kernel's shape (jax's own
 # Hopper attention refuses causal on them too: jax/experimental/pallas/ops/gpu/attention_mgpu.py).
 CAUSAL_MISCOMPILING_CUDA = range(12080, 12091)
-
-
-def cuda_runtime_version() -> int | None:
-    """The CUDA runtime version as an int (12080 = 12.8.0), or None without CUDA."""
-    try:
-        from jax._src.lib import cuda_versions
-    except ImportError:
-        return None
-    return None if cuda_versions is None else cuda_versions.cuda_runtime_get_version()
 
 
 def unsupported_options(spec, *, soft_cap=None, has_bias: bool) -> str | None:
@@ -350,10 +338,8 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
 
 
 def num_sms() -> int:
-    """A persistent grid's size: `config.gpu_core_count`."""
-    from pallas_flash import config  # config imports this module's ForwardTiles
-
-    return config.gpu_core_count()
+    """A persistent grid's size: the GPU's SM count."""
+    return device.gpu_core_count()
 
 
 def _forward_call(
@@ -451,7 +437,7 @@ class _Work:
     items grow with their query tile, so there q_tile is slowest: each round of C items is of
     one or two query tiles (when C <= B * N) and the CTAs stay balanced (with the tiles of a
     head as neighbours, C even and two tiles per head, every other CTA would get only the
-    long ones: 128 against 184 TFLOP/s at H=64, 512 tokens on the H200). `reverse` (causal):
+    long ones). `reverse` (causal):
     query tile q_tile maps to Q - 1 - q_tile, so that the longest rows start first and the
     short ones fill in at the end."""
 
@@ -878,8 +864,8 @@ def _consume(
     geometry_left, geometry_right = mask_sides(spec)
     # Without a left side or segment ids every row sees key 0, in the consumer's first tile
     # (tile 0): its row max is then a real logit and masked logits give p = 0 by themselves.
-    # Skipping the select keeps the mask out of the registers across the exp2 (at H=64 with
-    # 128-row consumers, causal: 436 against 299 TFLOP/s at 16k on the H200).
+    # Skipping the select keeps the mask out of the registers across the exp2 (which costs a
+    # large share of the causal forward at H=64 with 128-row consumers: benchmarks/NOTES.md).
     rows_may_start_empty = mask_left
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # The rows' segment ids [block_q] (row layout): loaded below once q_ready completes, before

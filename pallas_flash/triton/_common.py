@@ -16,12 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
-LN2 = 0.6931471805599453  # ln(2): converts a base-2 logsumexp back to natural log
-
-# Masked logits. Finite, so that max/subtract never meet -inf - -inf; the kernels also zero the
-# probabilities of masked entries explicitly, so a row that has seen no key yet keeps l == 0.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE  # noqa: F401  re-exported
 
 
 def dot(a, b, *, trans_b: bool = False):

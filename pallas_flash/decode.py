@@ -1,0 +1,445 @@
+"""Decode attention over a KV cache, contiguous or paged: validation, backend choice, the
+reference, and the helper that writes new keys into pages. No kernels here."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import api
+from pallas_flash import config as config_lib
+from pallas_flash._vjp import with_reference_vjp
+from pallas_flash.config import DecodeBlockSizes
+from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.reference import reference_attention
+from pallas_flash.triton.decode import decode_forward
+
+_SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
+    (the new tokens included), new token t sits at position L - T + t and sees keys
+    j <= L - T + t (causal among the new tokens, aligned to the end of the cache). With
+    T = 3 and L = 6 ("x" = visible; cache slots past L are never read)::
+
+        key:        0 1 2 3 4 5 | 6 7 ...
+        token 0:    x x x x . . | . .
+        token 1:    x x x x x . | . .
+        token 2:    x x x x x x | . .
+"""
+
+
+def decode_attention(
+    query,
+    key_cache,
+    value_cache,
+    *,
+    key_value_seq_lengths,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residuals: bool = False,
+    backend: str | None = None,
+    block_sizes: DecodeBlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """Attention of a few new tokens per sequence over a KV cache (flash-decoding).
+
+    Shapes (B sequences, T new tokens, S cache capacity, N query heads, K key/value heads,
+    H head dim)::
+
+        query:       (B, T, N, H)
+        key_cache:   (B, S, K, H)
+        value_cache: (B, S, K, H)
+        out:         (B, T, N, H)  in query's dtype
+
+    {shapes}
+    N must be a multiple of K: query head n reads key/value head n // (N // K). The N // K
+    query heads of a KV head and the T tokens share one read of that head's keys and values,
+    so GQA costs what MHA on K heads costs. Each sequence reads only its own L keys: a batch
+    of ragged lengths costs the sum of its lengths.
+
+    Args:
+      query, key_cache, value_cache: the arrays above; float16, bfloat16 or float32, all the
+        same; H a multiple of 8 up to 256. The new tokens' keys and values must already be in
+        the cache (at positions L - T .. L - 1).
+      key_value_seq_lengths: int array (B,): L of each sequence, 0 <= L <= S (checked when
+        concrete; under jit, clipped to [0, S]). Tokens at positions < 0 (L < T) see no key.
+      scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
+      logits_soft_cap: c > 0: logits <- c * tanh(logits / c).
+      local_window_size: w or (left, right): token i sees keys j >= i - left (right is moot
+        under the causal rule).
+      return_residuals: also return lse, float32 (B, N, T), natural log.
+      backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
+        (the reference in plain jnp: materialises (B, N, T, S) logits) or None (Triton on such
+        a GPU or with interpret=True, else "xla").
+      block_sizes: the kernel's tiles (`DecodeBlockSizes`); None picks them.
+      interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
+
+    Returns:
+      out, or (out, lse) when return_residuals. A token that sees no key (L = 0) outputs
+      zeros with lse = -inf. Differentiable in query, key_cache and value_cache: the kernel
+      has no backward of its own, and gradients come from the reference (backend="xla").
+    """
+    query, key_cache, value_cache = _check_arrays(
+        query, key_cache, value_cache, ("key_cache", "value_cache")
+    )
+    batch, capacity = query.shape[0], key_cache.shape[1]
+    lengths = _check_lengths(
+        "key_value_seq_lengths", key_value_seq_lengths, batch, capacity, "key_cache.shape[1]"
+    )
+    options = _Options.of(
+        query,
+        scale,
+        logits_soft_cap,
+        local_window_size,
+        return_residuals,
+        backend,
+        block_sizes,
+        interpret,
+    )
+    reference = functools.partial(_decode_reference, **options.math)
+    if options.backend == "xla":
+        out, lse = reference(query, key_cache, value_cache, lengths)
+    else:
+        kernel = functools.partial(_decode_forward, **options.kernel)
+        out, lse = with_reference_vjp(kernel, reference, query, key_cache, value_cache, lengths)
+    return (out, lse) if return_residuals else out
+
+
+def paged_attention(
+    query,
+    key_pages,
+    value_pages,
+    block_tables,
+    lengths,
+    *,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    return_residuals: bool = False,
+    backend: str | None = None,
+    block_sizes: DecodeBlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """`decode_attention` over a paged KV cache (vLLM's layout).
+
+    Shapes (P pages of `page_size` keys in one pool shared by all sequences, max_pages the
+    table's width)::
+
+        query:        (B, T, N, H)
+        key_pages:    (P, page_size, K, H)
+        value_pages:  (P, page_size, K, H)
+        block_tables: (B, max_pages) int: sequence b's key j is in page
+                      block_tables[b, j // page_size], row j % page_size
+        lengths:      (B,) int: L of each sequence, 0 <= L <= max_pages * page_size
+        out:          (B, T, N, H)
+
+    {shapes}
+    Pages can be in any order and shared between sequences; a sequence's last page may be
+    partly filled. Only the table entries of a sequence's first ceil(L / page_size) pages are
+    read (checked to lie in [0, P) when concrete; under jit, clipped to it): the rest may hold
+    anything. The page size (any size >= 1; powers of two 16-256 are the usual) is independent
+    of the kernel's key tile. Write new keys and values with `write_to_pages`.
+
+    Args and returns as `decode_attention` (lengths is its key_value_seq_lengths).
+    """
+    query, key_pages, value_pages = _check_arrays(
+        query, key_pages, value_pages, ("key_pages", "value_pages")
+    )
+    batch = query.shape[0]
+    num_pages, page_size = key_pages.shape[:2]
+    block_tables = _check_block_tables(block_tables, batch)
+    capacity = block_tables.shape[1] * page_size
+    lengths = _check_lengths(
+        "lengths", lengths, batch, capacity, "block_tables.shape[1] * page_size"
+    )
+    _check_table_entries(block_tables, lengths, page_size, num_pages)
+    options = _Options.of(
+        query,
+        scale,
+        logits_soft_cap,
+        local_window_size,
+        return_residuals,
+        backend,
+        block_sizes,
+        interpret,
+        page_size=page_size,
+    )
+    reference = functools.partial(_paged_reference, **options.math)
+    if options.backend == "xla":
+        out, lse = reference(query, key_pages, value_pages, lengths, block_tables)
+    else:
+        kernel = functools.partial(_decode_forward, **options.kernel)
+        out, lse = with_reference_vjp(
+            kernel, reference, query, key_pages, value_pages, lengths, block_tables
+        )
+    return (out, lse) if return_residuals else out
+
+
+decode_attention.__doc__ = decode_attention.__doc__.format(shapes=_SHAPES_DOC)
+paged_attention.__doc__ = paged_attention.__doc__.format(shapes=_SHAPES_DOC)
+
+
+def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, *, counts=None):
+    """Writes new keys and values into a paged cache (prefill, or each decode step's tokens).
+
+    Token t of sequence b goes to position positions[b] + t of that sequence: page
+    block_tables[b, (positions[b] + t) // page_size], row (positions[b] + t) % page_size.
+
+    Args:
+      key_pages, value_pages: (P, page_size, K, H), as `paged_attention` takes them.
+      block_tables: (B, max_pages) int.
+      key, value: (B, T, K, H) in the pages' dtype.
+      positions: int (B,): where each sequence's first new token goes (its length so far).
+      counts: int (B,) or None: only the first counts[b] tokens of sequence b are written
+        (ragged prompts padded to T); None writes all T.
+
+    Returns:
+      (key_pages, value_pages) updated. Under jit with the pages donated
+      (`jax.jit(..., donate_argnums=...)`) XLA updates them in place.
+    """
+    for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(f"{name} must be (P, page_size, K, H), got {_shape(x)}")
+    if key_pages.shape != value_pages.shape:
+        raise ValueError(
+            f"key_pages.shape={key_pages.shape} and value_pages.shape={value_pages.shape} "
+            "must be equal"
+        )
+    num_pages, page_size, num_kv_heads, head_dim = key_pages.shape
+    for name, x, pages in (("key", key, key_pages), ("value", value, value_pages)):
+        if getattr(x, "ndim", None) != 4 or x.shape[2:] != (num_kv_heads, head_dim):
+            raise ValueError(
+                f"{name} must be (B, T, {num_kv_heads}, {head_dim}) to match the pages, "
+                f"got {_shape(x)}"
+            )
+        if x.dtype != pages.dtype:
+            raise TypeError(f"{name}.dtype={x.dtype} must be the pages' dtype {pages.dtype}")
+    if key.shape != value.shape:
+        raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must be equal")
+    batch, q_len = key.shape[:2]
+    block_tables = _check_block_tables(block_tables, batch)
+    positions = _check_int_vector("positions", positions, batch)
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
+    pos = positions[:, None] + t  # [B, T]
+    valid = (pos >= 0) & (pos < block_tables.shape[1] * page_size)
+    if counts is not None:
+        valid = valid & (t < _check_int_vector("counts", counts, batch)[:, None])
+    page_idx = jnp.clip(pos // page_size, 0, block_tables.shape[1] - 1)
+    page = jnp.take_along_axis(block_tables, page_idx, axis=1)
+    # Tokens not written go to an index past the pool, which mode="drop" discards.
+    page = jnp.where(valid, page, num_pages)
+    row = pos % page_size
+    key_pages = key_pages.at[page, row].set(key, mode="drop")
+    value_pages = value_pages.at[page, row].set(value, mode="drop")
+    return key_pages, value_pages
+
+
+# -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------
+
+
+def decode_reference(q, k, v, lengths, *, scale, soft_cap, window_left):
+    """(out, lse) of `decode_attention` by plain jnp over the whole cache."""
+    batch, q_len = q.shape[:2]
+    capacity = k.shape[1]
+    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, capacity)
+    keys = jnp.arange(capacity)[None, None, :]
+    q_pos = lengths[:, None, None] - q_len + jnp.arange(q_len)[None, :, None]  # [B, T, 1]
+    visible = keys <= q_pos
+    if window_left is not None:
+        visible = visible & (keys >= q_pos - window_left)
+    # Slots past a sequence's length may hold anything (NaN): 0 * NaN would reach the output.
+    stored = (jnp.arange(capacity)[None, :] < lengths[:, None])[:, :, None, None]
+    k, v = jnp.where(stored, k, 0), jnp.where(stored, v, 0)
+    spec = MaskSpec(q_len=q_len, kv_len=capacity, mask_shape=(batch, 1, q_len, capacity))
+    arrays = MaskArrays(mask=visible[:, None].astype(jnp.int8))
+    return reference_attention(q, k, v, None, arrays, spec=spec, scale=scale, soft_cap=soft_cap)
+
+
+def paged_reference(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, window_left):
+    """(out, lse) of `paged_attention` by gathering each sequence's pages into a contiguous
+    cache and running `decode_reference`."""
+    batch, max_pages = block_tables.shape
+    num_pages, page_size = k_pages.shape[:2]
+    tables = jnp.clip(block_tables, 0, num_pages - 1)
+
+    def gather(pages):
+        return pages[tables].reshape(batch, max_pages * page_size, *pages.shape[2:])
+
+    return decode_reference(
+        q,
+        gather(k_pages),
+        gather(v_pages),
+        lengths,
+        scale=scale,
+        soft_cap=soft_cap,
+        window_left=window_left,
+    )
+
+
+# Each path is one jit'd function of its static options: eager calls (a Python generation loop)
+# compile the kernel once, not at every call.
+_MATH = ("scale", "soft_cap", "window_left")
+_decode_forward = jax.jit(decode_forward, static_argnames=(*_MATH, "block_sizes", "interpret"))
+_decode_reference = jax.jit(decode_reference, static_argnames=_MATH)
+_paged_reference = jax.jit(paged_reference, static_argnames=_MATH)
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+class _Options:
+    """The checked options of a decode call: `math` for the reference, `kernel` for Triton."""
+
+    def __init__(self, backend, math_kwargs, kernel_kwargs):
+        self.backend, self.math, self.kernel = backend, math_kwargs, kernel_kwargs
+
+    @classmethod
+    def of(
+        cls,
+        query,
+        scale,
+        soft_cap,
+        window,
+        return_residuals,
+        backend,
+        block_sizes,
+        interpret,
+        page_size=None,
+    ):
+        api._check_options(scale, False, return_residuals, backend, None, interpret)
+        if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
+            raise TypeError(
+                "block_sizes must be a pallas_flash.DecodeBlockSizes or None, "
+                f"got {type(block_sizes).__name__}"
+            )
+        if backend == "mosaic":
+            raise NotImplementedError(
+                "backend='mosaic': decode has no Mosaic GPU kernel (it is bound by memory "
+                "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
+            )
+        backend = api._choose_backend(backend, interpret)
+        backend = "triton" if backend == "auto" else backend
+        if block_sizes is not None and backend == "xla":
+            raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
+        head_dim = query.shape[-1]
+        window = api._canonical_window(window)
+        math_kwargs = dict(
+            scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+            soft_cap=api._canonical_soft_cap(soft_cap),
+            window_left=None if window is None else window[0],
+        )
+        interpret = bool(interpret)
+        if block_sizes is None:
+            block_sizes = config_lib.default_decode_block_sizes(
+                head_dim, query.dtype, interpret=interpret, page_size=page_size
+            )
+        return cls(
+            backend, math_kwargs, dict(math_kwargs, block_sizes=block_sizes, interpret=interpret)
+        )
+
+
+def _shape(x):
+    return getattr(x, "shape", type(x).__name__)
+
+
+def _check_arrays(query, key, value, names):
+    """Checks the query and the cache (contiguous [B, S, K, H] or pages [P, ps, K, H])."""
+    k_name, v_name = names
+    arrays = {"query": query, k_name: key, v_name: value}
+    for name, x in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4, got {name}.shape={x.shape}")
+        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, {k_name} and {v_name} must share a dtype; got query.dtype={query.dtype}, "
+            f"{k_name}.dtype={key.dtype}, {v_name}.dtype={value.dtype}"
+        )
+    if key.shape != value.shape:
+        raise ValueError(
+            f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"
+        )
+    b, t, n, h = query.shape
+    kb, s, kh, kd = key.shape
+    if k_name == "key_cache" and kb != b:
+        raise ValueError(
+            f"batch sizes differ: query.shape={query.shape}, {k_name}.shape={key.shape}"
+        )
+    if kd != h:
+        raise ValueError(
+            f"head dims differ: query.shape={query.shape} has H={h}, {k_name}.shape={key.shape} "
+            f"has H={kd}"
+        )
+    if min(b, t, n, kb, s, kh) < 1:
+        raise ValueError(
+            f"every dimension must be >= 1; got query.shape={query.shape}, "
+            f"{k_name}.shape={key.shape}"
+        )
+    if n % kh:
+        raise ValueError(
+            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
+            f"({k_name}.shape={key.shape})"
+        )
+    if h % 8 or h > api.MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
+            f"{api.MAX_HEAD_DIM}"
+        )
+    return query, key, value
+
+
+def _check_int_vector(name, x, batch):
+    if not api._is_int_array(x):
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"{name} must be an integer array, got {got}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({batch},)")
+    return jnp.asarray(x, jnp.int32)
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_lengths(name, lengths, batch, capacity, capacity_name):
+    concrete = _concrete(lengths) if api._is_int_array(lengths) else None
+    lengths = _check_int_vector(name, lengths, batch)
+    if concrete is not None and (concrete.min() < 0 or concrete.max() > capacity):
+        raise ValueError(f"{name}={concrete.tolist()} must lie in [0, {capacity_name}={capacity}]")
+    return lengths
+
+
+def _check_block_tables(block_tables, batch):
+    if not api._is_int_array(block_tables):
+        got = getattr(block_tables, "dtype", type(block_tables).__name__)
+        raise TypeError(f"block_tables must be an integer array, got {got}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
+        raise ValueError(
+            f"block_tables.shape={tuple(block_tables.shape)} must be ({batch}, max_pages)"
+        )
+    return jnp.asarray(block_tables, jnp.int32)
+
+
+def _check_table_entries(block_tables, lengths, page_size, num_pages):
+    """The table entries a sequence reads must name pages of the pool (when concrete)."""
+    tables, lens = _concrete(block_tables), _concrete(lengths)
+    if tables is None or lens is None:
+        return
+    used = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    bad = used & ((tables < 0) | (tables >= num_pages))
+    if bad.any():
+        b, p = map(int, np.argwhere(bad)[0])
+        raise ValueError(
+            f"block_tables[{b}, {p}]={int(tables[b, p])} must lie in [0, num_pages={num_pages}) "
+            f"(sequence {b} has {int(lens[b])} keys)"
+        )

@@ -1,0 +1,408 @@
+"""decode_attention / paged_attention against a float64 oracle (ragged lengths, new tokens
+aligned to the end of the cache, GQA, windows, soft caps, pages shuffled and partly filled, NaN in
+unused cache slots), on backend="xla", in the interpreter and compiled; write_to_pages; the
+reference gradient; validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flash
+from pallas_flash.config import DecodeBlockSizes
+
+
+def call_kwargs(backend: str) -> dict:
+    if backend == "xla":
+        return dict(backend="xla")
+    return dict(backend="triton", interpret=backend == "interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One decode problem: lengths per sequence (ragged; 0 and < T allowed), capacity S."""
+
+    lengths: tuple[int, ...]
+    q_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    capacity: int
+    page: int | None = None  # page size of a paged cache, None for contiguous
+    window: int | None = None
+    soft_cap: float | None = None
+    dtype: str = "float32"
+
+    def __str__(self):
+        s = (
+            f"L{'-'.join(map(str, self.lengths))}-T{self.q_len}-N{self.num_heads}"
+            f"-K{self.num_kv_heads}-H{self.head_dim}-S{self.capacity}"
+        )
+        for name in ("page", "window", "soft_cap"):
+            if getattr(self, name) is not None:
+                s += f"-{name}{getattr(self, name)}"
+        return s + f"-{self.dtype}"
+
+
+CASES = [
+    # Group 4, three new tokens (causal among them), a window; one sequence full, one empty,
+    # and length 2 < T: token 0 sees no key.
+    # A head dim that pads to 128.
+    Case((50, 17, 2, 0), 3, 8, 2, 80, 50, window=20),
+    # Pages of 16 (a kernel tile inside a page), shuffled, last pages partly filled; soft cap.
+    Case((70, 33, 5), 3, 8, 2, 64, 80, page=16, soft_cap=5.0),
+    # Pages of 8: a kernel tile spans two pages (gathered rows); group 8.
+    Case((37, 20), 1, 8, 1, 32, 40, page=8, window=11),
+    # MHA (group 1), a page size that is no power of two.
+    Case((90, 49), 2, 4, 4, 32, 96, page=48, soft_cap=3.0),
+]
+
+
+def oracle(q, k, v, lengths, *, scale, soft_cap, window):
+    """Float64 decode attention: out [B, T, N, H], lse [B, N, T]. Token t of sequence b sits at
+    position L_b - T + t and sees keys max(0, pos - window) <= j <= pos."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch, q_len, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[2]
+    out = np.zeros((batch, q_len, num_heads, head_dim))
+    lse = np.full((batch, num_heads, q_len), -np.inf)
+    for b in range(batch):
+        for t in range(q_len):
+            pos = lengths[b] - q_len + t
+            lo = 0 if window is None else max(0, pos - window)
+            if pos < lo:
+                continue
+            for n in range(num_heads):
+                keys, values = k[b, lo : pos + 1, n // group], v[b, lo : pos + 1, n // group]
+                logits = scale * keys @ q[b, t, n]
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
+                m = logits.max()
+                p = np.exp(logits - m)
+                out[b, t, n] = p @ values / p.sum()
+                lse[b, n, t] = m + np.log(p.sum())
+    return out, lse
+
+
+def make_problem(c: Case, seed=0):
+    """q, a contiguous cache with NaN past each length, the same keys in shuffled pages (NaN in
+    unused rows and pages, garbage in unused table entries), and float64 copies."""
+    rng = np.random.default_rng(seed)
+    batch = len(c.lengths)
+    dtype = jnp.dtype(c.dtype)
+    rounded = lambda shape: np.asarray(  # noqa: E731
+        jnp.asarray(rng.standard_normal(shape), dtype).astype(jnp.float32), np.float64
+    )
+    q = rounded((batch, c.q_len, c.num_heads, c.head_dim))
+    k = rounded((batch, c.capacity, c.num_kv_heads, c.head_dim))
+    v = rounded((batch, c.capacity, c.num_kv_heads, c.head_dim))
+    unused = np.arange(c.capacity)[None, :] >= np.asarray(c.lengths)[:, None]
+    k_cache = np.where(unused[:, :, None, None], np.nan, k)
+    v_cache = np.where(unused[:, :, None, None], np.nan, v)
+    problem = dict(
+        q=jnp.asarray(q, dtype),
+        k=jnp.asarray(k_cache, dtype),
+        v=jnp.asarray(v_cache, dtype),
+        lengths=jnp.asarray(c.lengths, jnp.int32),
+    )
+    if c.page is not None:
+        max_pages = -(-c.capacity // c.page)
+        num_pages = batch * max_pages + 2  # two pages no sequence uses
+        tables = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages)
+        used = np.arange(max_pages)[None, :] < -(-np.asarray(c.lengths)[:, None] // c.page)
+        tables = np.where(used, tables, -12345).astype(np.int32)  # garbage: never read
+        pages = np.full((2, num_pages, c.page, c.num_kv_heads, c.head_dim), np.nan)
+        for b in range(batch):
+            for j in range(c.lengths[b]):
+                page, row = tables[b, j // c.page], j % c.page
+                pages[0, page, row], pages[1, page, row] = k[b, j], v[b, j]
+        problem.update(
+            k_pages=jnp.asarray(pages[0], dtype),
+            v_pages=jnp.asarray(pages[1], dtype),
+            tables=jnp.asarray(tables),
+        )
+    return problem, (q, k, v)
+
+
+def run(c: Case, problem, *backends, **extra):
+    """[(out, lse)] of each backend, computed in one jit."""
+
+    def call(backend):
+        kwargs = dict(
+            logits_soft_cap=c.soft_cap,
+            local_window_size=c.window,
+            return_residuals=True,
+            **call_kwargs(backend),
+            **extra,
+        )
+        if c.page is None:
+            return lambda q, k, v, lengths: pallas_flash.decode_attention(  # noqa: E731
+                q, k, v, key_value_seq_lengths=lengths, **kwargs
+            )
+        return functools.partial(pallas_flash.paged_attention, **kwargs)
+
+    if c.page is None:
+        args = (problem["q"], problem["k"], problem["v"], problem["lengths"])
+    else:
+        keys = ("q", "k_pages", "v_pages", "tables", "lengths")
+        args = tuple(problem[key] for key in keys)
+    fns = [call(b) for b in backends]
+    return jax.jit(lambda *args: [fn(*args) for fn in fns])(*args)
+
+
+def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5):
+    q, k, v = oracle_inputs
+    want_out, want_lse = oracle(
+        q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
+    )
+    for out, lse in results:
+        assert out.shape == q.shape and out.dtype == jnp.dtype(c.dtype)
+        assert lse.shape == (len(c.lengths), c.num_heads, c.q_len) and lse.dtype == jnp.float32
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        assert np.all(np.isfinite(out)), "NaN from the unused cache slots reached the output"
+        np.testing.assert_allclose(out, want_out, atol=atol, rtol=0)
+        lse = np.asarray(lse, np.float64)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+        finite = np.isfinite(want_lse)
+        np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("c", CASES, ids=str)
+def test_matches_oracle(c):
+    """backend="xla" and the kernel in the interpreter (three splits merged by lse)."""
+    problem, oracle_inputs = make_problem(c)
+    check_against_oracle(c, run(c, problem, "xla", "interpret"), oracle_inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES, ids=str)
+def test_gpu_small_cases_match_oracle(c):
+    problem, oracle_inputs = make_problem(c)
+    check_against_oracle(c, run(c, problem, "gpu"), oracle_inputs)
+
+
+@pytest.mark.gpu
+def test_bf16_within_twice_the_xla_error():
+    backend = "gpu"
+    c = Case((60, 23), 3, 8, 2, 64, 64, page=16, dtype="bfloat16")
+    problem, (q, k, v) = make_problem(c, seed=3)
+    want, _ = oracle(q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=None, window=None)
+    (xla, _), (ours, _) = run(c, problem, "xla", backend)
+    xla_err = np.max(np.abs(np.asarray(xla.astype(jnp.float32)) - want))
+    assert np.max(np.abs(np.asarray(ours.astype(jnp.float32)) - want)) <= 2 * xla_err + 1e-3
+
+
+def test_unsplit_eager_and_lengths_past_capacity():
+    """One program per sequence (no merge; the oracle tests' default tiles split in three).
+    Eager calls compile the kernel once. Traced lengths past the capacity are clipped to it:
+    nothing is read past the cache."""
+    from pallas_flash import decode
+
+    c = CASES[0]
+    assert c.lengths[0] == c.capacity
+    problem, oracle_inputs = make_problem(c)
+    q, k, v = (problem[x] for x in ("q", "k", "v"))
+    call = functools.partial(
+        pallas_flash.decode_attention,
+        q,
+        k,
+        v,
+        local_window_size=c.window,
+        return_residuals=True,
+        interpret=True,
+        block_sizes=DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=1),
+    )
+    compiled = decode._decode_forward._cache_size()
+    result = call(key_value_seq_lengths=problem["lengths"])
+    call(key_value_seq_lengths=problem["lengths"][::-1])
+    assert decode._decode_forward._cache_size() == compiled + 1
+    check_against_oracle(c, [result], oracle_inputs)
+    past = jax.jit(lambda lengths: call(key_value_seq_lengths=lengths))
+    np.testing.assert_array_equal(past(problem["lengths"].at[0].add(50))[0], result[0])
+
+
+def test_gradient_through_the_reference():
+    c = Case((20, 9), 2, 4, 2, 32, 24)
+    problem, _ = make_problem(c)
+    k, v = problem["k"], problem["v"]  # NaN past the lengths: their gradient must stay 0
+    d_out = jnp.asarray(np.random.default_rng(1).standard_normal(problem["q"].shape), jnp.float32)
+
+    def grads(backend):
+        def loss(q, k, v):
+            out = pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=problem["lengths"], **call_kwargs(backend)
+            )
+            return jnp.sum(out * d_out)
+
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    both = jax.jit(lambda *args: (grads("interpret")(*args), grads("xla")(*args)))
+    ours, ref = both(problem["q"], k, v)
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        assert np.all(np.isfinite(a)) and np.any(a != 0)
+    unused = np.arange(c.capacity)[None, :] >= np.asarray(c.lengths)[:, None]
+    assert np.all(np.asarray(ours[1])[unused] == 0) and np.all(np.asarray(ours[2])[unused] == 0)
+
+
+def test_write_to_pages_prefill_then_decode():
+    """A ragged prefill and a decode step written into shuffled pages read back as the
+    contiguous keys; tokens past `counts` and unused pages stay untouched."""
+    rng = np.random.default_rng(0)
+    page, max_pages, heads, dim = 4, 3, 2, 8
+    tables = jnp.asarray([[5, 0, 3], [1, 4, 2]], jnp.int32)
+    pool = jnp.full((7, page, heads, dim), -1.0)
+    prompt = jnp.asarray(rng.standard_normal((2, 6, heads, dim)), jnp.float32)
+    counts = jnp.asarray([6, 3], jnp.int32)
+    k_pages, v_pages = pallas_flash.write_to_pages(
+        pool, pool, tables, prompt, -prompt, jnp.zeros(2, jnp.int32), counts=counts
+    )
+    step = jnp.asarray(rng.standard_normal((2, 1, heads, dim)), jnp.float32)
+    k_pages, v_pages = pallas_flash.write_to_pages(k_pages, v_pages, tables, step, -step, counts)
+    dense = np.asarray(k_pages)[np.asarray(tables)].reshape(2, max_pages * page, heads, dim)
+    np.testing.assert_array_equal(dense[0, :6], prompt[0])
+    np.testing.assert_array_equal(dense[0, 6], step[0, 0])
+    np.testing.assert_array_equal(dense[1, :3], prompt[1, :3])
+    np.testing.assert_array_equal(dense[1, 3], step[1, 0])
+    assert np.all(dense[0, 7:] == -1) and np.all(dense[1, 4:] == -1)
+    assert np.all(np.asarray(k_pages)[6] == -1)  # no table names page 6
+    np.testing.assert_array_equal(v_pages, -k_pages * (k_pages != -1) - (k_pages == -1))
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def _arrays(b=2, t=1, n=4, kh=2, h=32, s=16, dtype=jnp.float32):
+    q = jnp.zeros((b, t, n, h), dtype)
+    k = jnp.zeros((b, s, kh, h), dtype)
+    return q, k, k, jnp.full((b,), s, jnp.int32)
+
+
+def test_validation_contiguous():
+    q, k, v, lengths = _arrays()
+    call = functools.partial(pallas_flash.decode_attention, key_value_seq_lengths=lengths)
+    with pytest.raises(ValueError, match="query must have rank 4"):
+        call(q[0], k, v)
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        call(q, k[:1], v[:1])
+    with pytest.raises(ValueError, match="num_heads=4 .* divisible by num_kv_heads=3"):
+        call(q, *(jnp.zeros((2, 16, 3, 32)),) * 2)
+    with pytest.raises(ValueError, match="head dims differ"):
+        call(q, k[..., :16], v[..., :16])
+    with pytest.raises(TypeError, match="must share a dtype"):
+        call(q.astype(jnp.bfloat16), k, v)
+    with pytest.raises(TypeError, match=r"query.dtype=int32"):
+        call(q.astype(jnp.int32), k, v)
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths=\[17, 16\] must lie in \[0, "):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=jnp.asarray([17, 16]))
+    with pytest.raises(ValueError, match="must lie in"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=jnp.asarray([-1, 16]))
+    with pytest.raises(TypeError, match="key_value_seq_lengths must be an integer array"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths.astype(float))
+    with pytest.raises(ValueError, match=r"key_value_seq_lengths.shape=\(3,\) must be \(2,\)"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=jnp.zeros(3, jnp.int32))
+    with pytest.raises(NotImplementedError, match="backend='triton' or None"):
+        call(q, k, v, backend="mosaic")
+    with pytest.raises(TypeError, match="DecodeBlockSizes"):
+        call(q, k, v, block_sizes=pallas_flash.BlockSizes())
+    with pytest.raises(ValueError, match="needs backend='triton'"):
+        call(q, k, v, backend="xla", block_sizes=DecodeBlockSizes())
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        call(q, k, v, logits_soft_cap=-1.0)
+    with pytest.raises(ValueError, match="block_kv=24 must be a power of two"):
+        DecodeBlockSizes(block_kv=24)
+
+
+def test_validation_paged():
+    q, _, _, _ = _arrays()
+    pages = jnp.zeros((5, 8, 2, 32))
+    tables = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    lengths = jnp.asarray([16, 9], jnp.int32)
+    call = pallas_flash.paged_attention
+    with pytest.raises(ValueError, match=r"lengths=\[17, 9\] must lie in \[0, block_tables"):
+        call(q, pages, pages, tables, jnp.asarray([17, 9]))
+    with pytest.raises(ValueError, match=r"block_tables.shape=\(1, 2\) must be \(2, max_pages\)"):
+        call(q, pages, pages, tables[:1], lengths)
+    with pytest.raises(TypeError, match="block_tables must be an integer array"):
+        call(q, pages, pages, tables.astype(float), lengths)
+    with pytest.raises(ValueError, match=r"block_tables\[1, 1\]=7 must lie in \[0, num_pages=5\)"):
+        call(q, pages, pages, jnp.asarray([[0, 1], [2, 7]]), lengths)
+    with pytest.raises(ValueError, match="key_pages.shape=.* value_pages.shape"):
+        call(q, pages, pages[:4], tables, lengths)
+    with pytest.raises(ValueError, match="key must be"):
+        pallas_flash.write_to_pages(pages, pages, tables, jnp.zeros((2, 1, 3, 32)), None, lengths)
+
+
+def test_lowers_for_h200():
+    """The compiled kernel (contiguous and both paged loads) lowers through Triton for an
+    abstract H200, with a grid split over the sequence."""
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    from pallas_flash.triton.decode import decode_forward
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+    sds = jax.ShapeDtypeStruct
+    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False)
+    q, lengths = sds((2, 4, 32, 128), jnp.bfloat16), sds((2,), jnp.int32)
+    calls = [
+        (DecodeBlockSizes(), (q, *(sds((2, 8192, 8, 128), jnp.bfloat16),) * 2, lengths)),
+        *(
+            (
+                DecodeBlockSizes(block_kv=64),
+                (
+                    q,
+                    *(sds((300, page, 8, 128), jnp.bfloat16),) * 2,
+                    lengths,
+                    sds((2, 99), jnp.int32),
+                ),
+            )
+            for page in (16, 128)
+        ),
+    ]
+    with jax.sharding.use_abstract_mesh(mesh):
+        for bs, args in calls:
+            f = functools.partial(decode_forward, block_sizes=bs, **kw)
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+            assert "pallas_flash_decode" in text
+
+
+# -- compiled, larger ----------------------------------------------------------------------------
+
+
+GPU_CASES = [
+    Case((4000, 1, 2500, 777), 1, 32, 8, 128, 4096, dtype="bfloat16"),
+    Case((4000, 1, 2500, 777), 16, 32, 2, 128, 4096, dtype="bfloat16", window=1000),
+    Case((3000, 45), 4, 16, 4, 256, 3000, page=16, dtype="bfloat16", soft_cap=30.0),
+    Case((3000, 45), 1, 8, 8, 64, 3072, page=256, dtype="float16"),
+    Case((3000, 45), 3, 64, 4, 128, 3000, page=48, dtype="bfloat16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", GPU_CASES, ids=str)
+def test_gpu_matches_oracle(c):
+    problem, (q, k, v) = make_problem(c)
+    want, _ = oracle(
+        q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
+    )
+    (xla, _), (ours, _) = run(c, problem, "xla", "gpu")
+    xla, ours = (np.asarray(x.astype(jnp.float32)) for x in (xla, ours))
+    assert np.all(np.isfinite(ours))
+    assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3
+
+
+def test_choose_decode_splits():
+    from pallas_flash.triton.decode import choose_decode_splits
+
+    assert choose_decode_splits(5, 64, 3, 64) == 3  # asked for: never more than the tiles
+    assert choose_decode_splits(0, 64, 512, 64) == 17  # 8 programs per core of 132
+    assert choose_decode_splits(0, 64, 128, 64) == 8  # at least 1024 keys each
+    assert choose_decode_splits(0, 64, 16, 64) == 1  # 1k keys: unsplit
+    assert choose_decode_splits(0, 2048, 512, 64) == 1  # a full grid needs none
+    assert choose_decode_splits(0, 8, 4096, 64) == 64  # at most 64

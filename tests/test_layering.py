@@ -1,0 +1,99 @@
+"""The package's import graph: no cycles, and the Mosaic kernels do not import the Triton ones.
+
+Read statically from the sources (every `import` and `from ... import`, at module level or inside
+a function), so that a cycle hidden behind a function-level import fails too, and no module is
+imported (the Flax layers would need Flax).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "pallas_flash"
+
+
+def module_files() -> dict[str, pathlib.Path]:
+    """{dotted module name: file} for every module of the package."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def imported_modules(path: pathlib.Path, name: str, modules) -> set[str]:
+    """The package's modules that the file at `path` (module `name`) imports anywhere."""
+    is_package = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + is_package]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for alias in node.names:
+                # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod.
+                sub = f"{base}.{alias.name}"
+                found.add(sub if sub in modules else base)
+    return {m for m in found if m in modules and m != name}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    return {name: imported_modules(path, name, modules) for name, path in modules.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of the graph as a path [a, b, ..., a], or None."""
+    state = {}  # 1: on the current path, 2: done
+    path = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_graph_is_read():
+    graph = import_graph()
+    assert "pallas_flash.mosaic.forward" in graph["pallas_flash.mosaic.backward"]
+    assert "pallas_flash._numerics" in graph["pallas_flash.mosaic.forward"]
+    assert "pallas_flash.api" in graph["pallas_flash"]
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_mosaic_kernels_do_not_import_triton():
+    # Importing the Triton package registers a Triton lowering rule; the Mosaic kernels take the
+    # numerics they share with it from pallas_flash._numerics.
+    graph = import_graph()
+    for name, imported in graph.items():
+        if name.startswith("pallas_flash.mosaic"):
+            triton = sorted(m for m in imported if m.startswith("pallas_flash.triton"))
+            assert not triton, f"{name} imports {triton}"

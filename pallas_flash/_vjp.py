@@ -12,7 +12,7 @@ import functools
 
 import jax
 
-from pallas_flash import sharding
+from pallas_flash import _partition
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
@@ -77,11 +77,11 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 # Each pass is one jit'd function of the static config: a model that repeats a layer traces and
 # lowers its kernels once (jax reuses the lowered function at every call site), so every site
 # carries the same Mosaic GPU module, which the GPU compiles once by its hash.
-# On a device mesh, `sharding.partitioned` runs each pass on every device's batch entries and
+# On a device mesh, `_partition.partitioned` runs each pass on every device's batch entries and
 # heads.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, *, config: KernelConfig):
-    return sharding.partitioned(
+    return _partition.partitioned(
         _forward_shard,
         config,
         ("q", "kv", "kv", "pair", "arrays"),
@@ -128,7 +128,7 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
 
 @functools.partial(jax.jit, static_argnames="config")
 def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
-    return sharding.partitioned(
+    return _partition.partitioned(
         _backward_shard,
         config,
         ("q", "kv", "kv", "pair", "arrays", "q", "lse", "q", "lse"),

@@ -1,0 +1,360 @@
+"""Batch and head sharding of the kernels' passes.
+
+`_vjp._forward` and `_vjp._backward` go through `partitioned`, which tells jax's SPMD partitioner
+that every batch entry and every kv head (with its query heads) is independent, so each device
+runs the kernels on its own shard and nothing is gathered. With jit's automatic sharding that is a
+`jax.experimental.custom_partitioning` rule; with explicit sharding (sharding in types) the
+shardings are known when tracing, and the call runs in a `jax.shard_map` over them. The sequence
+and head-dim axes cannot be split by the kernels: a call with q, k or v sharded over them raises
+ValueError (context parallelism is `pallas_flash.sharding.ring_attention`).
+
+On one device (`jax.device_count() == 1`) `partitioned` calls the kernels directly: the
+single-device program is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_flash.masks import MaskArrays
+
+# -- batch and head sharding ----------------------------------------------------------------------
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def _spec_entries(spec, ndim: int):
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _mesh_size(mesh, axes) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The mesh axes that split the batch and the heads (query heads in contiguous blocks, each
+    block's kv heads on the same device)."""
+
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    def spec(self, shape, kind: str):
+        """The PartitionSpec of an operand of `kind` (see `_RULES`); "pair" operands (bias,
+        mask: [B|1, N|1, T|1, S|1]) keep their broadcast dims whole."""
+        batch, heads = _entry(self.batch), _entry(self.heads)
+        if kind in ("q", "kv"):
+            return P(batch, None, heads, None)
+        if kind == "lse":
+            return P(batch, heads, None)
+        if kind in ("q_seg", "kv_seg"):
+            return P(batch, None)
+        return P(batch if shape[0] > 1 else None, heads if shape[1] > 1 else None, None, None)
+
+    def reduced_axes(self, pair_shape) -> tuple[str, ...]:
+        """Mesh axes over which a bias broadcast along B or N gets partial gradients."""
+        return (self.batch if pair_shape[0] == 1 else ()) + (
+            self.heads if pair_shape[1] == 1 else ()
+        )
+
+
+def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None) -> _Plan:
+    """The batch and head axes of a call whose q, k (and v) carry these PartitionSpecs.
+
+    Raises ValueError when an operand is sharded over its sequence or head-dim axis (the kernels
+    cannot split them), or when the heads are split over more shards than there are kv heads.
+    """
+    specs = {"query": _spec_entries(q_spec, 4), "key": _spec_entries(k_spec, 4)}
+    if v_spec is not None:
+        specs["value"] = _spec_entries(v_spec, 4)
+    for name, spec in specs.items():
+        for dim, what in ((1, "sequence"), (3, "head-dim")):
+            if spec[dim] is not None:
+                raise ValueError(
+                    f"flash_attention: {name} is sharded over its {what} axis "
+                    f"({name} sharding {P(*spec)}); the kernels split only the batch and head "
+                    "axes. Replicate that axis (jax.lax.with_sharding_constraint or "
+                    "jax.sharding.reshard), or use pallas_flash.ring_attention for a sharded "
+                    "sequence"
+                )
+    q, k = specs["query"], specs["key"]
+    batch = _axes(q[0]) or _axes(k[0])
+    heads = _axes(q[2]) or _axes(k[2])
+    for name, spec in specs.items():
+        for dim, axes, what in ((0, batch, "batch"), (2, heads, "head")):
+            if _axes(spec[dim]) not in ((), axes):
+                raise ValueError(
+                    f"flash_attention: {name}'s {what} axis is sharded over "
+                    f"{_axes(spec[dim])} but query/key over {axes}: shard them alike"
+                )
+    shards = _mesh_size(mesh, heads)
+    num_kv_heads = k_shape[2]
+    if num_kv_heads % shards:
+        raise ValueError(
+            f"flash_attention: the heads are sharded over {heads} ({shards} shards), which does "
+            f"not divide {num_kv_heads=} (key.shape={tuple(k_shape)}): each shard must hold whole "
+            "kv heads with their query heads; shard the heads over at most num_kv_heads devices"
+        )
+    if q_shape[0] % _mesh_size(mesh, batch):
+        raise ValueError(
+            f"flash_attention: batch {q_shape[0]} (query.shape={tuple(q_shape)}) is not "
+            f"divisible by its {_mesh_size(mesh, batch)} shards over {batch}"
+        )
+    return _Plan(batch, heads)
+
+
+# Shardy factors of each operand kind: batch `b` and kv heads `k` (query heads `(k g)`, the
+# query groups `g` of each kv head) are shared; sequences `t`, `s` and head dim `h` are shared too,
+# so that a sharding of them reaches `plan`, which refuses it.
+_RULES = {
+    "q": "b t {n} h",
+    "kv": "b s k h",
+    "lse": "b {n} t",
+    "q_seg": "b t",
+    "kv_seg": "b s",
+}
+
+
+def leaf_kinds(values, kinds) -> tuple[str, ...]:
+    """The kind of every array leaf of `values` (q, k, v, bias, MaskArrays, ...), in flattening
+    order; `kinds` names each top-level value ("arrays" for a MaskArrays)."""
+    flat = []
+    for kind, x in zip(kinds, values, strict=True):
+        if kind == "arrays":
+            flat += [
+                name
+                for name, a in zip(("q_seg", "kv_seg", "pair"), x, strict=True)
+                if a is not None
+            ]
+        elif x is not None:
+            flat.append(kind)
+    return tuple(flat)
+
+
+def _sharding_rule(kinds_in, kinds_out, shapes_in, shapes_out):
+    """The einsum-like Shardy rule of a pass and its factor sizes."""
+    num_heads, num_kv_heads = shapes_in[0][2], shapes_in[1][2]
+    group = num_heads // num_kv_heads
+    heads_q = "(k g)" if group > 1 else "k"
+    fresh = iter(f"x{i}" for i in range(1000))
+
+    def render(kind, shape):
+        if kind != "pair":
+            return _RULES[kind].format(n=heads_q)
+        return " ".join(
+            [
+                "b" if shape[0] > 1 else next(fresh),
+                heads_q if shape[1] > 1 else next(fresh),
+                "t" if shape[2] > 1 else next(fresh),
+                "s" if shape[3] > 1 else next(fresh),
+            ]
+        )
+
+    ins = ", ".join(render(k, s) for k, s in zip(kinds_in, shapes_in, strict=True))
+    outs = ", ".join(render(k, s) for k, s in zip(kinds_out, shapes_out, strict=True))
+    return f"{ins} -> {outs}", ({"g": group} if group > 1 else {})
+
+
+def _specs(plan_: _Plan, kinds, shapes):
+    return [plan_.spec(s, k) for k, s in zip(kinds, shapes, strict=True)]
+
+
+def _local_config(config, arrays: MaskArrays):
+    """The config of one shard: the dense mask's shape is the shard's."""
+    if arrays.mask is None:
+        return config
+    return dataclasses.replace(
+        config, spec=dataclasses.replace(config.spec, mask_shape=tuple(arrays.mask.shape))
+    )
+
+
+def _shard_fn(kernel, config, plan_: _Plan):
+    """The function one shard runs: the kernels on local shapes. A bias broadcast over a sharded
+    batch or head axis gets partial gradients on each shard: they are summed over the shards."""
+
+    def run(*args):
+        bias, arrays = args[3], args[4]
+        results = kernel(*args, config=_local_config(config, arrays))
+        if len(results) == 4 and bias is not None and (axes := plan_.reduced_axes(bias.shape)):
+            results = (*results[:3], jax.lax.psum(results[3], axes))
+        return results
+
+    return run
+
+
+@dataclasses.dataclass(frozen=True)
+class _Folded:
+    """`kernel` on operands with `lead` extra leading (vmapped) dims: they fold into the batch
+    axis (a free reshape of each shard's contiguous block) and unfold from the results."""
+
+    kernel: object
+    lead: int
+
+    def __call__(self, *args, config):
+        lead_shape = args[0].shape[: self.lead]
+        fold = lambda x: x.reshape((-1, *x.shape[self.lead + 1 :]))  # noqa: E731
+        results = self.kernel(*jax.tree.map(fold, list(args)), config=config)
+        return jax.tree.map(lambda x: x.reshape((*lead_shape, -1, *x.shape[1:])), results)
+
+
+def _call(kernel, config, kinds_in, kinds_out, *args):
+    del kinds_in, kinds_out
+    return kernel(*args, config=config)
+
+
+def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_shape):
+    lead = getattr(kernel, "lead", 0)
+    q, k, v = arg_shapes[:3]
+    specs = [_spec_entries(x.sharding.spec, 4 + lead) for x in (q, k, v)]
+    plan_ = plan(mesh, q.shape[lead:], k.shape[lead:], *(s[lead:] for s in specs))
+    # Vmapped dims shard like the batch (as q's are), anywhere.
+    lead_entries = specs[0][:lead]
+    leaves_in, tree_in = jax.tree.flatten(arg_shapes)
+    leaves_out, tree_out = jax.tree.flatten(result_shape)
+
+    def to_shardings(kinds, leaves):
+        specs = _specs(plan_, kinds, [x.shape[lead:] for x in leaves])
+        return [NamedSharding(mesh, P(*lead_entries, *s)) for s in specs]
+
+    arg_shardings = to_shardings(kinds_in, leaves_in)
+    out_shardings = to_shardings(kinds_out, leaves_out)
+    return (
+        mesh,
+        _shard_fn(kernel, config, plan_),
+        jax.tree.unflatten(tree_out, out_shardings),
+        jax.tree.unflatten(tree_in, arg_shardings),
+    )
+
+
+def _rule(kernel, config, kinds_in, kinds_out, mesh, value_types, result_types):
+    del config, mesh
+    lead = getattr(kernel, "lead", 0)
+    rule, sizes = _sharding_rule(
+        kinds_in,
+        kinds_out,
+        [tuple(t.shape)[lead:] for t in value_types],
+        [tuple(t.shape)[lead:] for t in result_types],
+    )
+    if lead:
+        prefix = " ".join(f"v{i}" for i in range(lead)) + " "
+        ins, outs = rule.split(" -> ")
+        rule = " -> ".join(", ".join(prefix + x for x in side.split(", ")) for side in (ins, outs))
+    return rule, sizes
+
+
+_partitioned = custom_partitioning(_call, static_argnums=(0, 1, 2, 3))
+_partitioned.def_partition(partition=_partition, sharding_rule=_rule)
+
+
+def _explicit_mesh(x):
+    """The mesh of `x`'s type when it has Explicit axes (sharding in types), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh.explicit_axes:
+        return None
+    return mesh
+
+
+def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
+    """`kernel(*args, config=config)` (one pass of the kernels) split over the batch and head axes
+    of a device mesh: each device runs it on its shard.
+
+    kinds: the kind of each top-level argument ("q", "kv", "lse", "pair" for a bias (may be
+    None), "arrays" for MaskArrays); out_kinds: the same for the results (dbias: "pair").
+    lead: leading vmapped dims on every operand (the batching rule's own recursion).
+    """
+    if jax.device_count() == 1:
+        return kernel(*args, config=config)
+    kinds_in = leaf_kinds(args, kinds)
+    mesh = next((m for m in map(_explicit_mesh, jax.tree.leaves(args[:3])) if m), None)
+    if mesh is not None and not lead:
+        return _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args)
+    inner = _Folded(kernel, lead) if lead else kernel
+    call = jax.custom_batching.custom_vmap(
+        lambda *a: _partitioned(inner, config, kinds_in, _out_leaf_kinds(out_kinds, args), *a)
+    )
+
+    @call.def_vmap
+    def _vmap_rule(axis_size, in_batched, *a):
+        batched = jax.tree.leaves(list(in_batched))
+        foldable = args[3] is None and args[4].mask is None
+        foldable &= all(b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "lse"))
+        if foldable:
+            # The vmapped axis becomes one more leading dim of the partitioned call; unbatched
+            # segment ids are broadcast along it.
+            a = jax.tree.map(
+                lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)),
+                list(a),
+                list(in_batched),
+            )
+            out = partitioned(kernel, config, kinds, out_kinds, *a, lead=lead + 1)
+        else:
+            # A bias or dense mask, or unbatched q/k/v: the kernels batch as pallas_calls do,
+            # unpartitioned.
+            axes = jax.tree.map(lambda b: 0 if b else None, list(in_batched))
+            out = jax.vmap(lambda *x: inner(*x, config=config), in_axes=axes)(*a)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return call(*args)
+
+
+def _out_leaf_kinds(out_kinds, args):
+    """Result leaf kinds: dbias ("pair") exists only with a bias."""
+    bias = args[3]
+    return tuple(k for k in out_kinds if k != "pair" or bias is not None)
+
+
+def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
+    q, k, v = args[:3]
+    plan_ = plan(
+        mesh,
+        q.shape,
+        k.shape,
+        jax.typeof(q).sharding.spec,
+        jax.typeof(k).sharding.spec,
+        jax.typeof(v).sharding.spec,
+    )
+    original_bias = args[3]
+    leaves, tree = jax.tree.flatten(args)
+    in_specs = jax.tree.unflatten(
+        tree, _specs(plan_, leaf_kinds(args, kinds), [x.shape for x in leaves])
+    )
+    shapes = {"q": q.shape, "kv": k.shape, "lse": (q.shape[0], q.shape[2], q.shape[1])}
+    if args[3] is not None:
+        shapes["pair"] = args[3].shape
+    out_kinds = _out_leaf_kinds(out_kinds, args)
+    out_specs = tuple(_specs(plan_, out_kinds, [shapes[k] for k in out_kinds]))
+    if len(out_kinds) == 3:  # a backward without bias: dbias is None
+        out_specs = (*out_specs, None)
+    args = jax.tree.map(jax.sharding.reshard, list(args), list(in_specs))
+    # The kernels' pallas_calls declare no varying-ness over manual axes.
+    results = jax.shard_map(
+        _shard_fn(kernel, config, plan_),
+        mesh=mesh,
+        in_specs=tuple(in_specs),
+        out_specs=out_specs,
+        check_vma=False,
+    )(*args)
+    if len(out_specs) == 4:
+        # Gradients take their primals' types (a replicated bias gets a replicated gradient).
+        results = tuple(
+            None if g is None else jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+            for g, x in zip(results, (q, k, v, original_bias), strict=True)
+        )
+    return results

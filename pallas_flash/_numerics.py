@@ -7,6 +7,11 @@ import numpy as np
 LOG2E = 1.4426950408889634  # log2(e): exp(x) == exp2(x * LOG2E)
 LN2 = 0.6931471805599453  # ln(2): converts a base-2 logsumexp back to natural log
 
-# Masked logits. Finite, so that max/subtract never meet -inf - -inf; the kernels also zero the
-# probabilities of masked entries explicitly, so a row that has seen no key yet keeps l == 0.
+# The online softmax's running max starts here, below every finite logit and finite itself:
+# masked logits are -inf, so (masked - max) is -inf and exp2 gives exactly 0, never -inf - -inf;
+# a row whose keys all carry a logit of finfo.min still gets their softmax.
+MIN_LOGIT = float(np.finfo(np.float32).min)
+
+# Masked logits of the decode kernel. Finite, so that max/subtract never meet -inf - -inf; it
+# also zeroes the probabilities of masked entries explicitly.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)

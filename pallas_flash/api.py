@@ -78,7 +78,10 @@ def flash_attention(
       key_value_seq_lengths: int array (B,): keys at positions >= the length are masked.
       q_segment_ids: int array (B, T); kv_segment_ids: int array (B, S). A query sees a key only
         when their ids are equal (packed documents). With only q_segment_ids and T == S, keys use
-        the same ids. Ids must be > -2**31 + 1 (the two smallest int32 values mark padding).
+        the same ids. Ids must lie in [-2**31 + 2, 2**31 - 1] (int32; the two smallest int32
+        values mark padding): numpy ids outside raise ValueError. Wider jax arrays (int64 under
+        jax_enable_x64, also traced) are renumbered exactly (by rank, one sort per call); int32
+        jax arrays are used as they are, so traced ids must keep off the two padding values.
       local_window_size: w or (left, right): query i sees keys j with i - left <= j <= i + right
         (w means (w, w)); combines with is_causal.
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c), applied to scale * q.k + bias.
@@ -219,6 +222,15 @@ def _canonical_arrays(query, key, value):
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    for name, x in arrays.items():
+        for axis, dim in enumerate(x.shape):
+            if not isinstance(dim, (int, np.integer)):
+                raise NotImplementedError(
+                    f"{name}.shape[{axis}]={dim} is symbolic ({name}.shape={x.shape}): "
+                    "flash_attention sizes its kernels' grids and tiles from concrete shapes, so "
+                    "shape polymorphism (jax.export with symbolic dims) is not supported; export "
+                    "one function per shape"
+                )
     ranks = {name: x.ndim for name, x in arrays.items()}
     if set(ranks.values()) - {3, 4} or len(set(ranks.values())) != 1:
         raise ValueError(
@@ -248,7 +260,7 @@ def _canonical_arrays(query, key, value):
             f"head dims differ: query.shape={query.shape} has H={h}, key.shape={key.shape} "
             f"has H={kd}"
         )
-    if min(t, s, n, kh, b) < 1:
+    if min(t, s, n, kh, b, h) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got query.shape={query.shape}, key.shape={key.shape}"
         )
@@ -278,10 +290,15 @@ def _check_options(scale, is_causal, return_residuals, backend, block_sizes, int
         raise TypeError(f"interpret={interpret!r} must be a bool or None")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} must be one of {BACKENDS} or None")
-    if backend in ("xla", "mosaic") and interpret:
+    if backend == "xla" and interpret:
         raise ValueError(
-            "interpret=True runs the Triton kernels in the Pallas interpreter: it needs "
-            f"backend='triton' or None, not {backend!r} (Mosaic GPU kernels cannot be interpreted)"
+            "interpret=True runs the Triton kernels in the Pallas interpreter, but backend='xla' "
+            "runs no kernel (plain jnp): drop interpret, or pass backend='triton'"
+        )
+    if backend == "mosaic" and interpret:
+        raise ValueError(
+            "interpret=True runs the Triton kernels in the Pallas interpreter; backend='mosaic' "
+            "has no interpreted mode here: pass backend='triton' (or None) with interpret=True"
         )
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
         raise TypeError(
@@ -301,11 +318,17 @@ def _choose_backend(backend, interpret):
     gpu_ok = cc is not None and cc >= (8, 0)
     if backend is None:
         return "auto" if gpu_ok else "xla"
-    if backend in ("triton", "mosaic") and not gpu_ok:
+    if backend == "triton" and not gpu_ok:
         raise ValueError(
-            f"backend={backend!r} needs an NVIDIA GPU of compute capability >= 8.0 "
+            f"backend='triton' needs an NVIDIA GPU of compute capability >= 8.0 "
             f"(found {cc or 'none'}); pass interpret=True to run the kernels in the Pallas "
             "interpreter, or backend='xla'"
+        )
+    if backend == "mosaic" and not gpu_ok:
+        raise ValueError(
+            f"backend='mosaic' needs a Hopper GPU (compute capability 9.0, found {cc or 'none'}); "
+            "elsewhere pass backend='triton' with interpret=True to run the Triton kernels in "
+            "the Pallas interpreter, or backend='xla'"
         )
     if backend == "mosaic" and cc != (9, 0):
         raise ValueError(
@@ -531,8 +554,26 @@ def _canonical_segment_ids(q_ids, kv_ids, batch, q_len, kv_len, unbatched):
         want = (length,) if unbatched else (batch, length)
         if tuple(ids.shape) != want:
             raise ValueError(f"{name}.shape={tuple(ids.shape)} must be {want}")
+        ids = _checked_host_ids(name, ids)
         out.append(ids[None] if unbatched else ids)
     return tuple(out)
+
+
+def _checked_host_ids(name, ids):
+    """Host (numpy) segment ids: checked against the int32 range the kernels compare in, above
+    the two padding ids, and returned as int32. Device arrays are not read back (that would
+    wait for the device): int32 ones are taken as they are, wider ones (jax_enable_x64) are
+    remapped exactly by masks.make_arrays."""
+    if not isinstance(ids, np.ndarray):
+        return ids
+    lo, hi = masks.PAD_KV_SEGMENT + 1, np.iinfo(np.int32).max
+    if ids.size and (int(ids.min()) < lo or int(ids.max()) > hi):
+        raise ValueError(
+            f"{name} ({ids.dtype}, shape {ids.shape}) holds ids in [{int(ids.min())}, "
+            f"{int(ids.max())}]: ids must lie in [{lo}, {hi}] (int32, the two smallest values "
+            "mark padding); renumber them, e.g. with np.unique(ids, return_inverse=True)"
+        )
+    return ids.astype(np.int32)
 
 
 def _check_lengths(name, lengths, batch, unbatched):

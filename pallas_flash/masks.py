@@ -204,16 +204,12 @@ def make_arrays(
         or query_seq_lengths is not None
         or key_value_seq_lengths is not None
     ):
-        q_seg = (
-            jnp.zeros((batch, q_len), jnp.int32)
-            if q_segment_ids is None
-            else jnp.asarray(q_segment_ids, jnp.int32)
-        )
-        kv_seg = (
-            jnp.zeros((batch, kv_len), jnp.int32)
-            if kv_segment_ids is None
-            else jnp.asarray(kv_segment_ids, jnp.int32)
-        )
+        q_seg = jnp.zeros((batch, q_len), jnp.int32)
+        kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
+        if q_segment_ids is not None:
+            q_seg, kv_seg = _int32_segment_ids(
+                q_segment_ids, kv_seg if kv_segment_ids is None else kv_segment_ids
+            )
         if query_seq_lengths is not None:
             rows = jnp.arange(q_len)[None, :] < jnp.asarray(query_seq_lengths)[:, None]
             q_seg = jnp.where(rows, q_seg, PAD_Q_SEGMENT)
@@ -223,6 +219,22 @@ def make_arrays(
     if mask is not None:
         mask = jnp.asarray(mask).astype(jnp.int8)
     return MaskArrays(q_seg, kv_seg, mask)
+
+
+def _int32_segment_ids(q_ids, kv_ids):
+    """Both id arrays as int32 with equality and order kept. Ids wider than int32 (int64, uint32)
+    would wrap and merge documents: they are replaced by their rank among the batch entry's ids
+    (one sort of T + S ids per entry)."""
+    q_ids, kv_ids = jnp.asarray(q_ids), jnp.asarray(kv_ids)
+    if q_ids.dtype == jnp.int32 and kv_ids.dtype == jnp.int32:
+        return q_ids, kv_ids
+    if jnp.iinfo(q_ids.dtype).bits < 32 and jnp.iinfo(kv_ids.dtype).bits < 32:
+        return q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32)
+    dtype = jnp.promote_types(q_ids.dtype, kv_ids.dtype)
+    q_ids, kv_ids = q_ids.astype(dtype), kv_ids.astype(dtype)
+    ids = jnp.sort(jnp.concatenate([q_ids, kv_ids], axis=1), axis=1)
+    rank = jax.vmap(lambda s, x: jnp.searchsorted(s, x, side="left"))
+    return rank(ids, q_ids).astype(jnp.int32), rank(ids, kv_ids).astype(jnp.int32)
 
 
 def visible(spec: MaskSpec, q_idx, kv_idx, q_seg=None, kv_seg=None, mask=None):

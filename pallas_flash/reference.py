@@ -16,6 +16,7 @@ def reference_attention(
 
     Logits and softmax in f32, P cast to the value dtype for the second product (as the kernels
     do). Rows that see no key output 0 with lse = -inf, and their gradients are 0, not NaN.
+    NaN or inf in K or V reaches only the rows that see that key (which get NaN).
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -28,6 +29,13 @@ def reference_attention(
         return x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:])
 
     qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    # NaN or inf in a key's K or V row must reach only the rows that see the key: the products
+    # run on zeroed copies (0 * NaN would reach every row, also through the gradients), and the
+    # rows that see such a key get a NaN logit there.
+    k_finite, v_finite = jnp.isfinite(k), jnp.isfinite(v)
+    bad_key = ~(k_finite.all(-1) & v_finite.all(-1))  # [B, S, K]
+    k = jnp.where(k_finite, k, jnp.zeros_like(k))
+    v = jnp.where(v_finite, v, jnp.zeros_like(v))
     logits = (
         jnp.einsum(
             "btkgh,bskh->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32
@@ -38,6 +46,8 @@ def reference_attention(
         logits = logits + by_group(bias.astype(jnp.float32))
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
+    bad_key = jnp.transpose(bad_key, (0, 2, 1))[:, :, None, None, :]  # [B, K, 1, 1, S]
+    logits = jnp.where(bad_key, jnp.nan, logits)
     visible = by_group(masks.dense(spec, arrays))
     logits = jnp.where(visible, logits, -jnp.inf)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))

@@ -531,7 +531,8 @@ def _consume_dkv(
         s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
         lse2 = plgpu.load(ring.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         # lse is finite (every row sees key 0), so masked entries are exactly 0, never NaN.
-        p_t = jnp.exp2(s_t * qk_scale - _cols(lse2, tile_shape))
+        # P <= 1: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2.
+        p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - _cols(lse2, tile_shape), 0.0))
         if masked:
             visible = i * block_q + _iota(tile_shape, 1) >= kv_start + _iota(tile_shape, 0)
             p_t = jnp.where(visible, p_t, 0.0)
@@ -770,11 +771,13 @@ def _consume_dq(
             plgpu.ACC(tile_shape, jnp.float32),
         )
         plgpu.barrier_arrive(v_free.at[slot])
-        p = jnp.exp2(s * qk_scale - _rows(lse2, tile_shape))
+        p = jnp.exp2(jnp.minimum(s * qk_scale - _rows(lse2, tile_shape), 0.0))  # as in dK/dV
+        ds = p * (dp - _rows(delta, tile_shape))
         if masked:
+            # Select dS, not P: NaN in V at a key a row cannot see is in dP, and 0 * NaN is NaN.
             visible = q_start + _iota(tile_shape, 0) >= step * block_kv + _iota(tile_shape, 1)
-            p = jnp.where(visible, p, 0.0)
-        ds_in = (p * (dp - _rows(delta, tile_shape))).astype(dtype)
+            ds = jnp.where(visible, ds, 0.0)
+        ds_in = ds.astype(dtype)
 
         # -- dQ += dS K --
         def dq_into(acc_ref):

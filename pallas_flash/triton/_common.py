@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE  # noqa: F401  re-exported
+from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE, MIN_LOGIT  # noqa: F401  re-exported
 
 
 def dot(a, b, *, trans_b: bool = False):
@@ -79,10 +79,12 @@ def visit_tiles(ranges, body, carry):
 
 
 def fold(lo, hi, body, carry):
-    """lax.fori_loop that also accepts Python-int bounds and skips empty static ranges."""
+    """lax.fori_loop that also accepts Python-int bounds and skips empty static ranges. The index
+    is int32 also under jax_enable_x64, as the kernels' other indices are."""
     if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:
         return carry
-    return lax.fori_loop(lo, hi, body, carry)
+    int32 = functools.partial(lax.convert_element_type, new_dtype=jnp.int32)
+    return lax.fori_loop(int32(lo), int32(hi), body, carry)
 
 
 # -- compiler params ------------------------------------------------------------------------------
@@ -164,23 +166,44 @@ def load_range(ranges_ref, batch, head, tile):
     return tuple(ranges_ref[b, n, tile, c] for c in range(4))
 
 
-def scores(qk, scale: float, bias, soft_cap):
-    """Logits in log2 units from the f32 tile q.k: scale, add the bias tile, soft-cap.
+def logit_unit(scale: float, has_bias: bool, soft_cap) -> float:
+    """The natural-log logit of one unit of what `scores` returns: logit = u * unit."""
+    if soft_cap is not None:
+        return float(soft_cap)
+    return 1.0 if has_bias else float(scale)
 
-    Returns (s2, dcap): dcap = 1 - tanh^2 is the soft cap's derivative (for the backward), or None.
-    Without bias and soft cap the scale and log2(e) fold into one multiply.
+
+def scores(qk, scale: float, bias, soft_cap):
+    """The logits of the f32 tile q.k as (u, dcap): logit = u * logit_unit(...).
+
+    u is q.k itself (no bias or soft cap), scale * q.k + bias, or tanh of that over the cap;
+    dcap = 1 - tanh^2 is the soft cap's derivative (for the backward), or None. The kernels
+    take the row max of u and compute exp2((u - max) * unit * log2(e)): the subtraction comes
+    before any multiply, so no fused multiply-add can subtract an unrounded product from a
+    rounded max (which lets exp2 overflow once |logit| > 2^24), and equal logits give p == 1.
     """
     if bias is None and soft_cap is None:
-        return qk * (scale * LOG2E), None
+        return qk, None
     s = qk * scale
     if bias is not None:
         s = s + bias.astype(jnp.float32)
-    dcap = None
-    if soft_cap is not None:
-        t = jnp.tanh(s * (1.0 / soft_cap))
-        s = t * soft_cap
-        dcap = 1.0 - t * t
-    return s * LOG2E, dcap
+    if soft_cap is None:
+        return s, None
+    t = jnp.tanh(s * (1.0 / soft_cap))
+    return t, 1.0 - t * t
+
+
+def recomputed_probs(u, ref, unit: float):
+    """P = exp(u * unit - lse) of a backward tile from `ref` = lse / unit (+inf for rows that see
+    no key). P <= 1: lse is rounded, so u * unit - lse can be a few ulps of |lse| above 0, which
+    would overflow exp2 for logits beyond 2^24; the clamp keeps such rows finite."""
+    return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E), 0.0))
+
+
+def finite_or_zero(x):
+    """x with NaN and +-inf replaced by 0: for K and V tiles that hold keys some rows may not
+    see, where a 0 probability times a NaN key would reach those rows."""
+    return jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
 
 
 class Operands:

@@ -21,15 +21,17 @@ from pallas_flash import masks
 from pallas_flash.config import BlockSizes, padded_head_dim
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
-    LOG2E,
     CompilerParams,
     Operands,
     dot,
+    finite_or_zero,
     fold,
     load_pair_tile,
     load_range,
     load_rows,
     load_vector,
+    logit_unit,
+    recomputed_probs,
     scores,
     store_rows,
     visit_tiles,
@@ -64,7 +66,7 @@ def _dkv_kernel(
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
     q_ref, do_ref: [T, group, Hp]; lse_ref, delta_ref: [group, T]; k/v/dk/dv_ref: [block_kv, Hp].
-    lse_ref holds lse * log2(e), with +inf for rows that see no key (so that P == 0 there).
+    lse_ref holds lse / logit_unit (see `scores`), +inf for rows that see no key (P == 0 there).
     Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
     Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
     transposing P and dS.
@@ -90,17 +92,20 @@ def _dkv_kernel(
         tile = load_pair_tile(ref, q_start, block_q, spec.q_len, 0, block_kv, kv_rows, head=head)
         return tile.T
 
+    unit = logit_unit(scale, has_bias, soft_cap)
+
     def body(i, carry, *, head, masked: bool):
         dk, dv = carry
         q_start = pl.multiple_of(i * block_q, block_q)
         q = load_rows(q_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
         do = load_rows(do_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
-        lse2 = load_vector(lse_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
+        lse_u = load_vector(lse_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         delta = load_vector(delta_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         # -- recompute P^T [block_kv, block_q] --
         bias = None if ops.bias is None else pair_tile(ops.bias, q_start, head)
-        s_t, dcap_t = scores(dot(k, q, trans_b=True), scale, bias, soft_cap)
-        p_t = jnp.exp2(s_t - lse2[None, :])
+        u_t, dcap_t = scores(dot(k, q, trans_b=True), scale, bias, soft_cap)
+        p_t = recomputed_probs(u_t, lse_u[None, :], unit)
+        v_tile = v
         if masked:
             q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
             q_seg = mask = None
@@ -111,9 +116,11 @@ def _dkv_kernel(
             if ops.mask is not None:
                 mask = pair_tile(ops.mask, q_start, head)
             p_t = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p_t, 0.0)
+            # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dS.
+            v_tile = finite_or_zero(v)
         dv = dv + dot(p_t.astype(do.dtype), do)
         # -- dS^T = P^T * (dP^T - delta), through the soft cap --
-        ds_t = p_t * (dot(v, do, trans_b=True) - delta[None, :])
+        ds_t = p_t * (dot(v_tile, do, trans_b=True) - delta[None, :])
         if dcap_t is not None:
             ds_t = ds_t * dcap_t
         dk = dk + dot(ds_t.astype(q.dtype), q)
@@ -135,13 +142,15 @@ def _dkv_kernel(
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
 
 
-def tile_d_logits(q, k, v, do, lse2, delta, bias, visible, *, scale: float, soft_cap):
+def tile_d_logits(q, k, v, do, lse_u, delta, bias, visible, *, scale: float, soft_cap):
     """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
-    from lse2 (log2 units), zero where `visible` (None: everywhere visible) is False."""
-    s, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
-    p = jnp.exp2(s - lse2[:, None])
+    from lse_u (lse / logit_unit), zero where `visible` (None: everywhere visible) is False."""
+    u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
+    p = recomputed_probs(u, lse_u[:, None], logit_unit(scale, bias is not None, soft_cap))
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
+        # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dP.
+        v = finite_or_zero(v)
     ds = p * (dot(do, v, trans_b=True) - delta[:, None])
     return ds if dcap is None else ds * dcap
 
@@ -177,7 +186,7 @@ def _dq_kernel(
     ragged_kv = spec.kv_len % block_kv != 0
     q = load_rows(q_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     do = load_rows(do_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
-    lse2 = load_vector(lse_ref, 0, block_q, q_rows, ragged=ragged_q)
+    lse_u = load_vector(lse_ref, 0, block_q, q_rows, ragged=ragged_q)
     delta = load_vector(delta_ref, 0, block_q, q_rows, ragged=ragged_q)
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     q_seg = None
@@ -194,7 +203,10 @@ def _dq_kernel(
         visible = None
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
-        ds = tile_d_logits(q, k, v, do, lse2, delta, bias, visible, scale=scale, soft_cap=soft_cap)
+        ds = tile_d_logits(q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap)
+        if masked:
+            # dS is 0 at hidden keys, but 0 * NaN in dS.K is not.
+            k = finite_or_zero(k)
         return dq + dot(ds.astype(k.dtype), k)
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -252,11 +264,13 @@ def _dbias_kernel(
 
     def member(m):
         """(local batch, local head) of the m-th (batch, head) pair sharing the bias."""
-        # lax.div/rem: jnp's floor division lowers to a comparison that Triton rejects.
+        # lax.div/rem: jnp's floor division lowers to a comparison that Triton rejects. The loop
+        # index is int64 under jax_enable_x64: the kernels index in int32.
+        m = jax.lax.convert_element_type(m, jnp.int32)
         return jax.lax.div(m, jnp.int32(heads)), jax.lax.rem(m, jnp.int32(heads))
 
     def query_rows(m):
-        """q, dO, lse2, delta and segment ids of pair m's query tile."""
+        """q, dO, lse_u, delta and segment ids of pair m's query tile."""
         bi, ni = member(m)
         rows = dict(ragged=ragged_q, head=ni, lead=(bi,))
         q_seg = None
@@ -283,7 +297,7 @@ def _dbias_kernel(
 
     def d_logits(m, kv_start, bias, masked):
         bi, ni = member(m)
-        q, do, lse2, delta, q_seg = hoisted or query_rows(m)
+        q, do, lse_u, delta, q_seg = hoisted or query_rows(m)
         kv_head = jax.lax.div(ni, jnp.int32(group)) if k_ref.shape[2] > 1 else zero
         keys = dict(ragged=masked and ragged_kv, head=kv_head, lead=(bi,))
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
@@ -307,7 +321,7 @@ def _dbias_kernel(
                 mask_lead=mask_lead,
             )
         return tile_d_logits(
-            q, k, v, do, lse2, delta, bias, visible, scale=scale, soft_cap=soft_cap
+            q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap
         )
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -334,7 +348,10 @@ def _dbias_kernel(
 
     def store(kv_start, value, width):
         cols = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, width), 1) < spec.kv_len
-        tile = out_ref.at[:, pl.ds(kv_start, width)]
+        # int32 start indices for both dims: under jax_enable_x64 a `:` would index in int64,
+        # which the interpreter cannot mix with the int32 kv_start.
+        start = jax.lax.convert_element_type(kv_start, jnp.int32)
+        tile = out_ref.at[pl.ds(zero, out_rows), pl.ds(start, width)]
         plgpu.store(tile, value.astype(out_ref.dtype), mask=row_ok & cols)
 
     def zero_body(j, carry):
@@ -399,12 +416,12 @@ def flash_backward(
     hp = padded_head_dim(head_dim)
     has_bias = bias is not None
 
-    # -- preprocess (XLA fuses it into one pass): delta, and lse in log2 units --
+    # -- preprocess (XLA fuses it into one pass): delta, and lse in the units of `scores` --
     delta = jnp.einsum(
         "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     ) - d_lse.astype(jnp.float32)
-    # Rows that saw no key have lse == -inf; +inf makes exp2(s - lse) exactly 0 there.
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+    # Rows that saw no key have lse == -inf; +inf makes P exactly 0 there.
+    lse_u = jnp.where(jnp.isneginf(lse), jnp.inf, lse / logit_unit(scale, has_bias, soft_cap))
 
     # -- dK, dV: grid over KV tiles, each summing over its group's query heads --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dkv, q_len, block_sizes.block_kv_dkv, kv_len)
@@ -430,7 +447,7 @@ def flash_backward(
             block, lambda j, h, b: (b if bx > 1 else 0, h if nx > 1 else 0, 0, j if sx > 1 else 0)
         )
 
-    operands = [q, k, v, d_out, lse2, delta]
+    operands = [q, k, v, d_out, lse_u, delta]
     in_specs = [q_group, kv_tile, kv_tile, q_group, row_group, row_group]
     if has_bias:
         operands.append(bias)
@@ -467,7 +484,7 @@ def flash_backward(
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_full = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     row_tile = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
-    operands = [q, k, v, d_out, lse2, delta]
+    operands = [q, k, v, d_out, lse_u, delta]
     in_specs = [q_spec, kv_full, kv_full, q_spec, row_tile, row_tile]
     if has_bias:
         operands.append(bias)
@@ -505,7 +522,7 @@ def flash_backward(
             bias,
             arrays,
             d_out,
-            lse2,
+            lse_u,
             delta,
             spec=spec,
             scale=scale,
@@ -525,7 +542,7 @@ def _dbias(
     bias,
     arrays,
     d_out,
-    lse2,
+    lse_u,
     delta,
     *,
     spec,
@@ -562,7 +579,7 @@ def _dbias(
     row_spec = pl.BlockSpec(
         (batches, heads, block_q), lambda i, n, b: (b_idx(b), 0 if sum_n else n, q_tile(i))
     )
-    operands = [q, k, v, d_out, lse2, delta, bias]
+    operands = [q, k, v, d_out, lse_u, delta, bias]
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
     in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     if spec.has_segments:

@@ -14,14 +14,17 @@ from pallas_flash.config import BlockSizes, gpu_core_count, padded_head_dim
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     LN2,
-    MASK_VALUE,
+    LOG2E,
+    MIN_LOGIT,
     CompilerParams,
     Operands,
     dot,
+    finite_or_zero,
     load_pair_tile,
     load_range,
     load_rows,
     load_vector,
+    logit_unit,
     scores,
     store_rows,
     visit_tiles,
@@ -66,25 +69,28 @@ def _forward_kernel(
             ops.q_seg, 0, block_q, q_rows, ragged=ragged_q, other=masks.PAD_Q_SEGMENT
         )[:, None]
 
+    unit = logit_unit(scale, ops.bias is not None, soft_cap)
+    unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
+
     def body(j, carry, *, masked: bool):
         acc, m_i, l_i = carry
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
-        # -- compute the logits (log2 units) --
+        # -- compute the logits (in the units of `scores`) --
         bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
-        s, _ = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
+        u, _ = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
-            s = jnp.where(visible, s, MASK_VALUE)
-        # -- online softmax: m_i is the running max, l_i the running sum --
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if masked:
-            # A row with no visible key so far has m_new == MASK_VALUE and p == 1: zero it, so
-            # that l_i stays 0 and the row can be recognised at the end.
-            p = jnp.where(visible, p, 0.0)
+            # -inf: p is exactly 0 with no select on p (m_i is finite), also for a NaN key.
+            u = jnp.where(visible, u, -jnp.inf)
+            # Some rows may not see some keys here: NaN or inf in their V rows (padding,
+            # another document) would reach them through 0 * NaN in p.v.
+            v = finite_or_zero(v)
+        # -- online softmax: m_i is the running max of u, l_i the running sum --
+        m_new = jnp.maximum(m_i, jnp.max(u, axis=1))
+        alpha = jnp.exp2((m_i - m_new) * unit2)
+        p = jnp.exp2((u - m_new[:, None]) * unit2)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         # -- accumulate the unnormalised output; normalised once in the epilogue (FA2 change 1) --
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
@@ -93,7 +99,7 @@ def _forward_kernel(
     hp = q_ref.shape[-1]
     carry = (
         jnp.zeros((block_q, hp), jnp.float32),
-        jnp.full((block_q,), MASK_VALUE, jnp.float32),
+        jnp.full((block_q,), MIN_LOGIT, jnp.float32),
         jnp.zeros((block_q,), jnp.float32),
     )
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -109,7 +115,7 @@ def _forward_kernel(
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     store_rows(o_ref, acc / l_safe[:, None], 0, block_q, q_rows, head_dim)
-    lse = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+    lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
     rows = jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
     plgpu.store(lse_ref, lse, mask=rows < q_rows)
 

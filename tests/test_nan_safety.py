@@ -1,0 +1,440 @@
+"""NaN safety: out, lse and every gradient are finite wherever float64 attention of the same
+inputs is finite, on every path (backend="xla", the Triton kernels interpreted on CPU or compiled,
+the Mosaic GPU kernels in jax's Mosaic GPU interpreter or compiled).
+
+- Large finite biases (-1e10, -1e30, finfo.min) on whole rows: a finite bias is not a mask, the
+  row gets the softmax of its logits (the mean of V when they are all equal), as backend="xla"
+  computes it; logits of |s| ~ 1e9 and 1e30.
+- NaN and inf in K and V at keys a row cannot see (lengths, bool mask, segment ids, causal,
+  window) never reach that row, also when the padding does not start on a tile boundary.
+- Gradients with a bias under jax_enable_x64; segment ids that do not fit int32; clear errors.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import BLOCK_SIZES, attention_oracle_f64, has_gpu
+from mosaic_interpret import interpret_mosaic
+
+import pallas_flash
+from pallas_flash import masks
+
+F32_MIN = float(np.finfo(np.float32).min)
+
+# "xla": plain jnp; "interpret": the Triton kernels in the Pallas interpreter; "gpu": compiled.
+PATHS = ["xla", "interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
+def path_kwargs(path: str, blocks: str | None = None) -> dict:
+    if path == "xla":
+        return {"backend": "xla"}
+    kwargs = {"backend": "triton", "interpret": path == "interpret"}
+    if blocks is not None:
+        kwargs["block_sizes"] = BLOCK_SIZES[blocks]
+    return kwargs
+
+
+def normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def run(q, k, v, d_out, d_lse, *, bias=None, **kwargs):
+    """(out, lse, dq, dk, dv[, dbias]) of flash_attention for the cotangents d_out, d_lse."""
+    fn = functools.partial(pallas_flash.flash_attention, return_residuals=True, **kwargs)
+    if bias is None:
+        (out, lse), vjp = jax.vjp(lambda q, k, v: fn(q, k, v), q, k, v)
+    else:
+        (out, lse), vjp = jax.vjp(lambda q, k, v, b: fn(q, k, v, b), q, k, v, bias)
+    grads = vjp((d_out.astype(out.dtype), d_lse))
+    return [np.asarray(x.astype(jnp.float32), np.float64) for x in (out, lse, *grads)]
+
+
+def assert_close(name, got, want, *, atol, rtol=0.0, where=None):
+    got, want = np.asarray(got), np.asarray(want)
+    if where is not None:
+        got, want = got[where], want[where]
+    assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite values"
+    err = np.abs(got - want) - rtol * np.abs(want)
+    assert np.max(err, initial=0.0) <= atol, f"{name}: max error {np.max(err):.3g} > {atol:.3g}"
+
+
+# -- large finite biases and logits ---------------------------------------------------------------
+
+BIASED_ROWS = 5  # rows 0-4 of every head carry the large bias on every key
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("value", [-1e10, -1e30, F32_MIN], ids=["1e10", "1e30", "finfo.min"])
+def test_large_negative_bias_on_whole_rows_is_not_a_mask(path, value):
+    """Rows whose keys all carry the same large finite bias get the mean of V (their logits are
+    equal in float32: the softmax of backend="xla"), lse = bias + log(S); the other rows match
+    the float64 oracle, and so do all gradients when the biased rows' cotangents are 0. With
+    cotangents on the biased rows every gradient is still finite."""
+    batch, q_len, kv_len, heads, kv_heads, head_dim = 1, 17, 100, 4, 2, 16
+    rng = np.random.default_rng(0)
+    q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
+    k, v = (normal(rng, (batch, kv_len, kv_heads, head_dim)) for _ in range(2))
+    d_lse = normal(rng, (batch, heads, q_len))
+    bias = jnp.zeros((1, 1, q_len, kv_len), jnp.float32).at[:, :, :BIASED_ROWS].set(value)
+    rows = slice(0, BIASED_ROWS)
+    d_out_rest, d_lse_rest = d_out.at[:, rows].set(0.0), d_lse.at[:, :, rows].set(0.0)
+    kwargs = dict(bias=bias, **path_kwargs(path, "q32kv16"))
+
+    out, lse, dq, dk, dv, dbias = run(q, k, v, d_out_rest, d_lse_rest, **kwargs)
+    mean_v = np.repeat(f64(v).mean(axis=1), heads // kv_heads, axis=1)  # [B, N, H]
+    assert_close(
+        "out (biased rows)",
+        out[:, rows],
+        np.broadcast_to(mean_v[:, None], out[:, rows].shape),
+        atol=1e-5,
+    )
+    assert_close("lse (biased rows)", lse[:, :, rows], value + np.log(kv_len), atol=0, rtol=1e-6)
+    oracle = attention_oracle_f64(
+        f64(q),
+        f64(k),
+        f64(v),
+        f64(d_out_rest),
+        f64(d_lse_rest),
+        scale=head_dim**-0.5,
+        visible=np.ones((q_len, kv_len), bool),
+        bias=f64(bias),
+    )
+    rest = (slice(None), slice(BIASED_ROWS, None))
+    assert_close("out", out[rest], oracle["out"][rest], atol=1e-5)
+    assert_close("lse", lse[:, :, BIASED_ROWS:], oracle["lse"][:, :, BIASED_ROWS:], atol=1e-5)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert_close(name, got, oracle[name], atol=1e-4)
+    want_dbias = oracle["dlogits"].sum((0, 1), keepdims=True)
+    assert_close("dbias", dbias[..., BIASED_ROWS:, :], want_dbias[..., BIASED_ROWS:, :], atol=1e-5)
+
+    # Cotangents on the biased rows too: lse (one float32) cannot hold log(S) next to the bias,
+    # so their P is recomputed inexactly in the backward; every gradient stays finite.
+    grads = run(q, k, v, d_out, d_lse, **kwargs)[2:]
+    for name, got in zip(("dq", "dk", "dv", "dbias"), grads):
+        assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite"
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_finfo_min_bias_in_bfloat16(path):
+    """bfloat16 inputs with a bfloat16 bias of finfo(bfloat16).min on whole rows (the usual
+    additive padding mask) and on some keys of the other rows."""
+    batch, q_len, kv_len, heads, head_dim = 2, 33, 40, 2, 32
+    rng = np.random.default_rng(1)
+    q = normal(rng, (batch, q_len, heads, head_dim), jnp.bfloat16)
+    k, v = (normal(rng, (batch, kv_len, heads, head_dim), jnp.bfloat16) for _ in range(2))
+    big_neg = jnp.finfo(jnp.bfloat16).min
+    bias = jnp.zeros((batch, 1, q_len, kv_len), jnp.bfloat16)
+    bias = bias.at[:, :, :3].set(big_neg).at[1, :, :, 29:].set(big_neg)
+    out, lse = pallas_flash.flash_attention(
+        q, k, v, bias, return_residuals=True, **path_kwargs(path, "all16")
+    )
+    out, lse = f64(out), f64(lse)
+    mean_v = np.broadcast_to(f64(v)[0].mean(0), (3, heads, head_dim))
+    assert_close("out (biased rows)", out[0, :3], mean_v, atol=2e-2)
+    oracle = attention_oracle_f64(
+        f64(q),
+        f64(k),
+        f64(v),
+        scale=head_dim**-0.5,
+        visible=np.ones((q_len, kv_len), bool),
+        bias=f64(bias),
+    )
+    assert_close("out", out[:, 3:], oracle["out"][:, 3:], atol=2e-2)
+    assert_close("lse", lse[..., 3:], oracle["lse"][..., 3:], atol=2e-2)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("magnitude", [1e9, 1e30])
+def test_huge_logits(path, magnitude):
+    """Logits of |s| ~ magnitude (a huge scale): the softmax is one-hot at each row's largest
+    logit, as in float64; lse matches to float32 precision and every gradient is finite."""
+    batch, q_len, kv_len, heads, head_dim = 1, 19, 70, 2, 16
+    rng = np.random.default_rng(2)
+    q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
+    k, v = (normal(rng, (batch, kv_len, heads, head_dim)) for _ in range(2))
+    d_lse = normal(rng, (batch, heads, q_len))
+    scale = magnitude / 4.0
+    out, lse, *grads = run(q, k, v, d_out, d_lse, scale=scale, **path_kwargs(path, "q16kv64"))
+    oracle = attention_oracle_f64(
+        f64(q), f64(k), f64(v), scale=scale, visible=np.ones((q_len, kv_len), bool)
+    )
+    assert_close("out", out, oracle["out"], atol=1e-6)
+    assert_close("lse", lse, oracle["lse"], atol=0, rtol=1e-6)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite"
+
+
+# -- NaN and inf at keys a row cannot see --------------------------------------------------------
+
+
+def poison(x, keys, values):
+    """x [B, S, K, H] with the key positions `keys` ([B, S] bool) set to values[j % len]."""
+    out = np.asarray(x, np.float32).copy()
+    b_idx, s_idx = np.nonzero(keys)
+    for j, (b, s) in enumerate(zip(b_idx, s_idx)):
+        out[b, s, :, j % 3] = values[j % len(values)]
+    return jnp.asarray(out, x.dtype)
+
+
+NAN_CASES = ["lengths", "mask", "segments", "lengths-split"]
+
+
+def hidden_key_problem(case: str, rng):
+    """(kwargs of the call, visible [B, 1|N, T, S], keys hidden from every row [B, S])."""
+    batch, q_len, kv_len = 2, 17, 100
+    k_pos = np.arange(kv_len)[None, :]
+    if case.startswith("lengths"):
+        lengths = np.array([37, 20])  # not on a tile boundary
+        hidden = k_pos[0][None, :] >= lengths[:, None]
+        kwargs = dict(key_value_seq_lengths=jnp.asarray(lengths))
+        if case == "lengths-split":
+            kwargs["block_sizes"] = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=3)
+        return kwargs, ~hidden[:, None, None, :] & (k_pos >= 0), hidden
+    if case == "mask":
+        hidden = rng.random((batch, kv_len)) < 0.3
+        mask = np.broadcast_to(~hidden[:, None, None, :], (batch, 1, q_len, kv_len)).copy()
+        mask[:, :, 3] &= k_pos[0] < 50  # one row sees fewer keys still
+        return dict(mask=jnp.asarray(mask)), mask, hidden
+    if case == "segments":
+        q_ids = rng.integers(0, 2, (batch, q_len))
+        kv_ids = rng.integers(0, 3, (batch, kv_len))  # id 2: keys of no query's document
+        visible = (q_ids[:, :, None] == kv_ids[:, None, :])[:, None]
+        kwargs = dict(q_segment_ids=jnp.asarray(q_ids), kv_segment_ids=jnp.asarray(kv_ids))
+        return kwargs, visible, kv_ids == 2
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("case", NAN_CASES)
+def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path, case):
+    """NaN and +-inf in K and V at keys no row sees: out, lse and the gradients match the float64
+    oracle of the same inputs with those entries zeroed (GQA, odd sizes, 16-row tiles and the
+    default ones); the hidden keys' dK and dV are 0."""
+    rng = np.random.default_rng(3)
+    batch, q_len, kv_len, heads, kv_heads, head_dim = 2, 17, 100, 4, 2, 16
+    kwargs, visible, hidden = hidden_key_problem(case, rng)
+    q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
+    k, v = (normal(rng, (batch, kv_len, kv_heads, head_dim)) for _ in range(2))
+    d_lse = normal(rng, (batch, heads, q_len))
+    k_bad = poison(k, hidden, [np.inf, np.nan, -np.inf])
+    v_bad = poison(v, hidden, [np.nan, -np.inf, np.inf])
+    kwargs = {**path_kwargs(path, None if "block_sizes" in kwargs else "all16"), **kwargs}
+    if path == "xla":
+        kwargs.pop("block_sizes", None)
+    results = run(q, k_bad, v_bad, d_out, d_lse, **kwargs)
+    oracle = attention_oracle_f64(
+        f64(q), f64(k), f64(v), f64(d_out), f64(d_lse), scale=head_dim**-0.5, visible=visible
+    )
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
+        want = oracle[name]
+        if name == "lse":
+            finite = np.isfinite(want)
+            assert np.array_equal(got[~finite], want[~finite])
+            got, want = got[finite], want[finite]
+        if name in ("dk", "dv"):
+            assert np.all(got[hidden] == 0.0), f"{name} is not 0 at hidden keys"
+        assert_close(name, got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("geometry", ["causal", "window"])
+def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path, geometry):
+    """A NaN key (K and V) at position 50 of 100: causal rows < 50 (a window's rows outside
+    [50 - 4, 50 + 3]) do not see it; their out, lse and dq match the float64 oracle."""
+    rng = np.random.default_rng(4)
+    batch, length, heads, head_dim, bad = 1, 100, 2, 16, 50
+    q, k, v, d_out = (normal(rng, (batch, length, heads, head_dim)) for _ in range(4))
+    d_lse = normal(rng, (batch, heads, length))
+    pos_q, pos_k = np.arange(length)[:, None], np.arange(length)[None, :]
+    if geometry == "causal":
+        kwargs, visible = dict(is_causal=True), pos_k <= pos_q
+    else:
+        kwargs, visible = (
+            dict(local_window_size=(3, 4)),
+            (pos_k >= pos_q - 3) & (pos_k <= pos_q + 4),
+        )
+    hidden_rows = ~visible[:, bad]
+    k_bad = k.at[:, bad].set(jnp.nan)
+    v_bad = v.at[:, bad].set(jnp.inf).at[:, bad, :, 0].set(jnp.nan)
+    out, lse, dq, _, _ = run(
+        q, k_bad, v_bad, d_out, d_lse, **kwargs, **path_kwargs(path, "q32kv16")
+    )
+    oracle = attention_oracle_f64(
+        f64(q), f64(k), f64(v), f64(d_out), f64(d_lse), scale=head_dim**-0.5, visible=visible
+    )
+    assert_close("out", out[:, hidden_rows], oracle["out"][:, hidden_rows], atol=1e-5)
+    assert_close("lse", lse[..., hidden_rows], oracle["lse"][..., hidden_rows], atol=1e-5)
+    assert_close("dq", dq[:, hidden_rows], oracle["dq"][:, hidden_rows], atol=1e-4)
+
+
+# -- the Mosaic GPU kernels -----------------------------------------------------------------------
+
+
+def mosaic_kernels(scale, is_causal, *, segment_ids=None):
+    """q, k, v -> (out, lse) through the Mosaic forward, differentiated by the Mosaic backward
+    (segment_ids: forward only)."""
+    from pallas_flash.mosaic import flash_backward, flash_forward
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return flash_forward(q, k, v, scale=scale, is_causal=is_causal, segment_ids=segment_ids)
+
+    def fwd(q, k, v):
+        out, lse = attention(q, k, v)
+        return (out, lse), (q, k, v, out, lse)
+
+    def bwd(residuals, cotangents):
+        return flash_backward(*residuals, *cotangents, scale=scale, is_causal=is_causal)
+
+    attention.defvjp(fwd, bwd)
+    return attention
+
+
+def mosaic_huge_logits(magnitude, is_causal):
+    rng = np.random.default_rng(5)
+    shape = (1, 128, 1, 64)
+    q, k, v, d_out = (normal(rng, shape, jnp.bfloat16) for _ in range(4))
+    d_lse = normal(rng, (1, 1, 128))
+    scale = magnitude / 8.0
+    fn = mosaic_kernels(scale, is_causal)
+    pos = np.arange(128)
+    visible = pos[None, :] <= pos[:, None] if is_causal else np.ones((128, 128), bool)
+    oracle = attention_oracle_f64(f64(q), f64(k), f64(v), scale=scale, visible=visible)
+    return fn, (q, k, v, d_out, d_lse), oracle
+
+
+def check_huge_logits(results, oracle):
+    out, lse, *grads = (np.asarray(x.astype(jnp.float32), np.float64) for x in results)
+    assert_close("out", out, oracle["out"], atol=1e-2)
+    assert_close("lse", lse, oracle["lse"], atol=0, rtol=1e-5)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite"
+
+
+def outputs_and_grads(fn, q, k, v, d_out, d_lse):
+    (out, lse), vjp = jax.vjp(fn, q, k, v)
+    return (out, lse, *vjp((d_out, d_lse)))
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_mosaic_huge_logits_interpreted(is_causal):
+    """The Mosaic forward and backward (jax's Mosaic GPU interpreter) with logits ~ 1e30."""
+    fn, args, oracle = mosaic_huge_logits(1e30, is_causal)
+    with interpret_mosaic():
+        results = jax.jit(functools.partial(outputs_and_grads, fn))(*args)
+        results = [np.asarray(x.astype(jnp.float32)) for x in results]
+    check_huge_logits(results, oracle)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("magnitude", [1e9, 1e30])
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_mosaic_huge_logits_gpu(magnitude, is_causal):
+    if pallas_flash.config.gpu_compute_capability() != (9, 0):
+        pytest.skip("the Mosaic GPU kernels need sm_90")
+    fn, args, oracle = mosaic_huge_logits(magnitude, is_causal)
+    check_huge_logits(jax.jit(functools.partial(outputs_and_grads, fn))(*args), oracle)
+
+
+# -- jax_enable_x64, segment ids, errors ---------------------------------------------------------
+
+
+def test_gradients_with_a_bias_under_x64():
+    """Under jax_enable_x64 (float32 inputs), gradients with a full and a broadcast bias match
+    the float64 oracle; GQA, causal, segment ids given as int64."""
+    batch, q_len, heads, kv_heads, head_dim = 2, 17, 4, 2, 16
+    with jax.enable_x64(True):
+        rng = np.random.default_rng(6)
+        q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
+        k, v = (normal(rng, (batch, q_len, kv_heads, head_dim)) for _ in range(2))
+        d_lse = normal(rng, (batch, heads, q_len))
+        ids_np = np.array([[0] * 9 + [1] * 8] * batch)
+        ids = jnp.asarray(ids_np, jnp.int64)
+        visible = np.tril(np.ones((q_len, q_len), bool)) & (ids_np[0][:, None] == ids_np[0])
+        for bias_shape in ((batch, heads, q_len, q_len), (1, 1, q_len, 1)):
+            bias = normal(rng, bias_shape)
+            results = run(
+                q,
+                k,
+                v,
+                d_out,
+                d_lse,
+                bias=bias,
+                is_causal=True,
+                q_segment_ids=ids,
+                **path_kwargs("interpret", "all16"),
+            )
+            oracle = attention_oracle_f64(
+                f64(q),
+                f64(k),
+                f64(v),
+                f64(d_out),
+                f64(d_lse),
+                scale=head_dim**-0.5,
+                visible=visible,
+                bias=f64(bias),
+            )
+            sum_axes = tuple(i for i, n in enumerate(bias_shape) if n == 1)
+            oracle["dbias"] = oracle["dlogits"].sum(sum_axes, keepdims=True)
+            for name, got in zip(("out", "lse", "dq", "dk", "dv", "dbias"), results):
+                assert_close(name, got, oracle[name], atol=1e-4)
+
+
+def test_segment_ids_that_do_not_fit_int32_raise():
+    q = jnp.zeros((1, 8, 1, 16))
+    for ids in (np.array([[0] * 4 + [2**31] * 4]), np.array([[masks.PAD_KV_SEGMENT] * 8])):
+        with pytest.raises(ValueError, match=r"q_segment_ids \(int\d+, shape \(1, 8\)\).*must lie"):
+            pallas_flash.flash_attention(q, q, q, q_segment_ids=ids, backend="xla")
+
+
+@pytest.mark.parametrize("path", ["xla", "interpret"])
+def test_int64_segment_ids_are_renumbered_exactly(path):
+    """Under x64, device int64 ids 0 and 2**32 (equal once wrapped to int32) stay apart, also
+    traced: the result equals that of ids 0 and 1."""
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        q, k, v = (normal(rng, (1, 20, 2, 16)) for _ in range(3))
+        wide = jnp.asarray([[0] * 9 + [2**32] * 11], jnp.int64)
+        narrow = jnp.asarray([[0] * 9 + [1] * 11], jnp.int32)
+        fn = jax.jit(
+            lambda ids: pallas_flash.flash_attention(
+                q, k, v, q_segment_ids=ids, **path_kwargs(path, "all16")
+            )
+        )
+        np.testing.assert_array_equal(np.asarray(fn(wide)), np.asarray(fn(narrow)))
+
+
+def test_zero_head_dim_raises():
+    q = jnp.zeros((1, 4, 2, 0))
+    with pytest.raises(
+        ValueError, match=r"every dimension must be >= 1.*query.shape=\(1, 4, 2, 0\)"
+    ):
+        pallas_flash.flash_attention(q, q, q, backend="xla")
+
+
+def test_symbolic_sequence_length_raises():
+    t = jax.export.symbolic_shape("t")[0]
+    spec = jax.ShapeDtypeStruct((1, t, 2, 16), jnp.float32)
+    fn = jax.jit(lambda q: pallas_flash.flash_attention(q, q, q))
+    with pytest.raises(NotImplementedError, match=r"query.shape\[1\]=t is symbolic"):
+        jax.export.export(fn, platforms=["cpu"])(spec)
+
+
+@pytest.mark.skipif(has_gpu(), reason="the CPU messages")
+def test_backend_errors_name_what_runs():
+    q = jnp.zeros((1, 4, 1, 16))
+    with pytest.raises(ValueError, match="backend='mosaic' needs a Hopper GPU") as info:
+        pallas_flash.flash_attention(q, q, q, backend="mosaic")
+    assert "backend='triton' with interpret=True" in str(info.value)
+    with pytest.raises(ValueError, match="backend='xla' runs no kernel") as info:
+        pallas_flash.flash_attention(q, q, q, backend="xla", interpret=True)
+    assert "Mosaic" not in str(info.value)

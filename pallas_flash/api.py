@@ -61,7 +61,12 @@ def flash_attention(
       query, key, value: the arrays above.
       bias: float array broadcastable to (B, N, T, S) (each dim full or 1; fewer dims are
         left-padded with 1), added to the scaled logits. Differentiable: its gradient has the
-        bias's own shape, summed over broadcast dims.
+        bias's own shape, summed over broadcast dims. A finite bias is not a mask: a row whose
+        keys all carry the same bias (-1e30, finfo.min) gets the softmax of those logits (the
+        mean of value), as in float32 XLA; only mask, lengths, segment ids, window and
+        is_causal hide keys. Rows whose logits all lie beyond about 2**24 keep an exact
+        forward but their gradients lose precision (lse, one float32, cannot hold log(S)
+        next to such a logit); they stay finite.
       mask: bool array broadcastable to (B, N, T, S), True = attend. Other dtypes raise
         ValueError (pass `mask.astype(bool)`).
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
@@ -111,7 +116,13 @@ def flash_attention(
 
     Returns:
       out, or (out, lse) when return_residuals. A query row that sees no key outputs zeros,
-      has lse = -inf and receives zero gradient.
+      has lse = -inf and receives zero gradient. NaN or inf in key or value at a key a row
+      cannot see (masked, past its length, another segment, outside the window, in the
+      future) does not reach that row's output, lse or gradients; a row that sees such a key
+      gets NaN or, where the kernels zero the key on a partially masked tile, a finite value.
+      The Mosaic GPU kernels (Hopper) are the exception: there NaN or inf in value at a hidden
+      key reaches the other rows of its key tile in the forward, and in key at a future key
+      the dq of the rows of its tile in the backward.
 
     Sharding: under `jax.jit` with the inputs sharded over their batch and/or head axes (by
     `in_shardings`/`NamedSharding`, or by explicit sharding in types), every device runs the

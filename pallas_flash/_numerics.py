@@ -11,7 +11,3 @@ LN2 = 0.6931471805599453  # ln(2): converts a base-2 logsumexp back to natural l
 # masked logits are -inf, so (masked - max) is -inf and exp2 gives exactly 0, never -inf - -inf;
 # a row whose keys all carry a logit of finfo.min still gets their softmax.
 MIN_LOGIT = float(np.finfo(np.float32).min)
-
-# Masked logits of the decode kernel. Finite, so that max/subtract never meet -inf - -inf; it
-# also zeroes the probabilities of masked entries explicitly.
-MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)

@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE, MIN_LOGIT  # noqa: F401  re-exported
+from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT  # noqa: F401  re-exported
 
 
 def dot(a, b, *, trans_b: bool = False):

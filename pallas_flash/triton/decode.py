@@ -22,10 +22,13 @@ from pallas_flash import masks
 from pallas_flash.config import DecodeBlockSizes, gpu_core_count, padded_head_dim
 from pallas_flash.triton._common import (
     LN2,
-    MASK_VALUE,
+    LOG2E,
+    MIN_LOGIT,
     CompilerParams,
     dot,
+    finite_or_zero,
     load_rows,
+    logit_unit,
     scores,
     store_rows,
     visit_tiles,
@@ -80,6 +83,9 @@ def _decode_kernel(
             ref, table_ref, kv_start, length, head_dim, block_kv, page_size, masked=masked
         )
 
+    unit = logit_unit(scale, False, soft_cap)
+    unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
+
     def body(j, carry, *, masked: bool):
         acc, m_i, l_i = carry
         kv_start = pl.multiple_of(j * block_kv, block_kv)
@@ -87,20 +93,22 @@ def _decode_kernel(
         # cache holds there (stale values, NaN) never reaches a product.
         k = load_kv(k_ref, kv_start, masked)
         v = load_kv(v_ref, kv_start, masked)
-        # -- compute the logits (log2 units) --
-        s, _ = scores(dot(q, k, trans_b=True), scale, None, soft_cap)
+        # -- compute the logits (in the units of `scores`, see there) --
+        u, _ = scores(dot(q, k, trans_b=True), scale, None, soft_cap)
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
             visible = kv_idx <= q_pos  # causal among the new tokens; also kv_idx < length
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
-            s = jnp.where(visible, s, MASK_VALUE)
-        # -- online softmax: m_i is the running max, l_i the running sum --
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        if masked:
-            p = jnp.where(visible, p, 0.0)
+            # -inf: p is exactly 0 with no select on p (m_i is finite), also for a NaN key.
+            u = jnp.where(visible, u, -jnp.inf)
+            # A new token's key may be hidden from the earlier new tokens: NaN in its V row
+            # would reach them through 0 * NaN in p.v.
+            v = finite_or_zero(v)
+        # -- online softmax: m_i is the running max of u, l_i the running sum --
+        m_new = jnp.maximum(m_i, jnp.max(u, axis=1))
+        alpha = jnp.exp2((m_i - m_new) * unit2)
+        p = jnp.exp2((u - m_new[:, None]) * unit2)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
         return acc, m_new, l_i
@@ -108,7 +116,7 @@ def _decode_kernel(
     hp = q_ref.shape[-1]
     carry = (
         jnp.zeros((block_m, hp), jnp.float32),
-        jnp.full((block_m,), MASK_VALUE, jnp.float32),
+        jnp.full((block_m,), MIN_LOGIT, jnp.float32),
         jnp.zeros((block_m,), jnp.float32),
     )
     acc, m_i, l_i = visit_tiles(
@@ -119,7 +127,7 @@ def _decode_kernel(
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     store_rows(o_ref, acc / l_safe[:, None], 0, block_m, m_rows, head_dim)
-    lse = jnp.where(empty, -jnp.inf, (m_i + jnp.log2(l_safe)) * LN2)
+    lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
     tile_rows = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     plgpu.store(lse_ref, lse, mask=tile_rows < m_rows)
 

@@ -9,12 +9,11 @@ import numpy as np
 
 from pallas_flash import config as config_lib
 from pallas_flash import masks
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash._vjp import KernelConfig, flash_attention_kernels, reference_attention_vjp
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
-from pallas_flash.reference import reference_attention
 from pallas_flash.triton.forward import choose_kv_splits
 
 BACKENDS = ("triton", "mosaic", "xla")
@@ -150,9 +149,7 @@ def flash_attention(
     )
 
     if backend == "xla":
-        out, lse = reference_attention(
-            query, key, value, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
-        )
+        out, lse = reference_attention_vjp(query, key, value, bias, arrays, spec, scale, soft_cap)
     else:
         interpret = bool(interpret)
         if block_sizes is None:

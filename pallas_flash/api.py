@@ -7,8 +7,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash import _host_only, masks
 from pallas_flash import config as config_lib
-from pallas_flash import masks
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels, reference_attention_vjp
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskSpec
@@ -126,7 +126,16 @@ def flash_attention(
     ):
         _check_lengths(name, lengths, batch, unbatched)
     user_block_sizes = block_sizes  # None unless the caller chose tiles
+    # On a host without a GPU, backend=None runs the reference: it must not be exported for one.
+    traced_for_host = backend is None and config_lib.gpu_compute_capability() is None
     backend = _choose_backend(backend, interpret)
+    if backend == "xla" and block_sizes is not None:
+        raise ValueError(
+            "block_sizes configures the Triton kernels, but backend=None runs the 'xla' backend "
+            f"here (no NVIDIA GPU of compute capability >= 8.0; found "
+            f"{config_lib.gpu_compute_capability() or 'none'}): pass interpret=True to run the "
+            "kernels in the Pallas interpreter, or block_sizes=None"
+        )
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     arrays = masks.make_arrays(
@@ -150,6 +159,8 @@ def flash_attention(
 
     if backend == "xla":
         out, lse = reference_attention_vjp(query, key, value, bias, arrays, spec, scale, soft_cap)
+        if traced_for_host:
+            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
     else:
         interpret = bool(interpret)
         if block_sizes is None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64
+from conftest import attention_oracle_f64, has_gpu
 from jax.test_util import check_grads
 
 import pallas_flash
@@ -29,12 +30,14 @@ PATHS = {
     "triton": dict(backend="triton"),
     "default": dict(),
 }
-PATH_PARAMS = [
-    "xla",
-    "interpret",
+GPU_PATH_PARAMS = [
     pytest.param("triton", marks=pytest.mark.gpu),
     pytest.param("default", marks=pytest.mark.gpu),
 ]
+PATH_PARAMS = ["xla", "interpret", *GPU_PATH_PARAMS]
+# The slower checks (check_grads evaluates many transformed calls eagerly, ~10 s on 2 cores) run
+# on the GPU, and on CPU with PALLAS_FLASH_SWEEP set (the long property sweep's switch).
+LONG = bool(os.environ.get("PALLAS_FLASH_SWEEP")) or has_gpu()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +201,16 @@ def max_relative_error(got, want) -> float:
 SECOND_ORDER_RTOL = 1e-3
 
 
-@pytest.mark.parametrize("path", PATH_PARAMS)
-@pytest.mark.parametrize("c", CASES, ids=str)
+def _second_order_params():
+    params = [pytest.param(CASES[1], "xla", id=f"{CASES[1]}-xla")]
+    for c in CASES:
+        params.append(pytest.param(c, "interpret", id=f"{c}-interpret"))
+        for path in ("triton", "default"):
+            params.append(pytest.param(c, path, id=f"{c}-{path}", marks=pytest.mark.gpu))
+    return params
+
+
+@pytest.mark.parametrize("c, path", _second_order_params())
 def test_second_order_matches_float64_differences(c, path):
     """With y(x) = (out, lse) and g(x, c) = the VJP of attention at x for cotangents c, of
     h(x, c) = (y(x), g(x, c)): reverse over reverse (the gradient of <g, u> + <y, w> in x and c)
@@ -240,6 +251,7 @@ def test_second_order_matches_float64_differences(c, path):
     assert max_relative_error(fwd_over_rev, jvp_want) < SECOND_ORDER_RTOL
 
 
+@pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_SWEEP to run")
 @pytest.mark.parametrize("path", PATH_PARAMS)
 def test_check_grads_second_order(path):
     """`jax.test_util.check_grads(order=2)` (reverse mode; the VJP of the VJP, the cotangents
@@ -250,7 +262,7 @@ def test_check_grads_second_order(path):
     check_grads(attention, as_f32(x), order=2, modes=("rev",), eps=1e-3, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("path", ["interpret", *GPU_PATH_PARAMS])
 def test_hessian_matches_between_paths(path):
     """`jax.hessian` (forward over reverse) of a scalar of the output in q, against the xla
     path's: the same second derivative whatever runs the first."""

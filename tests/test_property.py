@@ -58,7 +58,7 @@ PATH_PARAMS = [
 SWEEP = int(os.environ.get("PALLAS_FLASH_SWEEP", "0"))
 SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
 # Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP.
-CI_EXAMPLES = 14
+CI_EXAMPLES = {"xla": 8, "interpret": 4}
 GPU_EXAMPLES = 100
 
 
@@ -522,7 +522,7 @@ def check(c: Config, seed: int, path: str):
 
 def sweep_settings(path: str, examples: int | None = None):
     if examples is None:
-        examples = SWEEP or (GPU_EXAMPLES if path in ("triton", "default") else CI_EXAMPLES)
+        examples = SWEEP or CI_EXAMPLES.get(path, GPU_EXAMPLES)
     return settings(
         max_examples=examples,
         derandomize=not SWEEP,

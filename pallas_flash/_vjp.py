@@ -153,7 +153,19 @@ def with_reference_vjp(kernel, reference, *args):
 
 
 def _reference_fwd(kernel, reference, *args):
-    return kernel(*args), args
+    return _kernel_with_reference_jvp(kernel, reference, *args), args
+
+
+# The kernel under an outer differentiation (second order): its tangent is the reference's.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_with_reference_jvp(kernel, reference, *args):
+    return kernel(*args)
+
+
+@_kernel_with_reference_jvp.defjvp
+def _kernel_with_reference_jvp_rule(kernel, reference, primals, tangents):
+    out = _kernel_with_reference_jvp(kernel, reference, *primals)
+    return out, jax.jvp(reference, primals, tangents)[1]
 
 
 def _reference_bwd(kernel, reference, args, cotangents):

@@ -339,3 +339,29 @@ def _outer_eqns(jaxpr):
                 inner = getattr(sub, "jaxpr", sub)
                 if isinstance(inner, jax.extend.core.Jaxpr):
                     yield from _outer_eqns(inner)
+
+
+@pytest.mark.parametrize("path", ["interpret", *GPU_PATH_PARAMS])
+def test_decode_second_order_matches_xla(path):
+    """decode_attention's kernel (differentiated through its reference): grad of grad and
+    `jax.hessian` equal the xla backend's."""
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 40, 2, 16)), jnp.float32) for _ in range(2))
+    lengths = jnp.array([17, 40])
+
+    def second_order(path):
+        def f(q, k):
+            return pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=lengths, **PATHS[path]
+            )
+
+        def grad_k(q, k):
+            return jax.grad(lambda q, k: jnp.sum(jnp.sin(f(q, k))), argnums=1)(q, k)
+
+        grad_of_grad = jax.grad(lambda q, k: jnp.sum(jnp.sin(grad_k(q, k))), argnums=(0, 1))
+        hessian = jax.hessian(lambda q: jnp.sum(jnp.sin(f(q, k))))
+        return jax.jit(lambda q, k: (grad_of_grad(q, k), hessian(q)))(q, k)
+
+    want = jax.tree.map(lambda x: np.asarray(x, np.float64), second_order("xla"))
+    assert max_relative_error(second_order(path), want) < SECOND_ORDER_RTOL

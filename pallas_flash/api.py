@@ -99,15 +99,25 @@ def flash_attention(
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
-        with these tiles; with backend="mosaic" they configure the backward only, and the
-        forward fields (block_q, block_kv, num_warps, num_stages, kv_splits) must keep their
-        defaults (NotImplementedError otherwise).
+        with these tiles (ValueError where backend=None runs "xla", which has no tiles); with
+        backend="mosaic" they configure the backward only, and the forward fields (block_q,
+        block_kv, num_warps, num_stages, kv_splits) must keep their defaults
+        (NotImplementedError otherwise).
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
 
     Returns:
       out, or (out, lse) when return_residuals. A query row that sees no key outputs zeros,
       has lse = -inf and receives zero gradient.
+
+    Differentiation, the same on every backend: reverse mode to any order (`jax.grad`,
+    `jax.vjp`, `jax.jacrev`, grad of grad) and forward over reverse (`jax.hessian`); beyond first
+    order the derivatives are those of the plain-jnp reference, which materialises the
+    (B, N, T, S) logits. Forward mode on the attention itself (`jax.jvp`, `jax.jacfwd`,
+    `jax.linearize`) raises JAX's TypeError for custom_vjp functions: use `jax.jacrev` or a VJP.
+    A call traced with backend=None on a host without a GPU runs "xla" and raises
+    NotImplementedError when lowered for a GPU (`jax.export(..., platforms=["cuda"])`): export
+    on a host with the GPU, or pass backend="xla" to export the reference on purpose.
     """
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)

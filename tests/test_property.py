@@ -101,8 +101,8 @@ EXTREMES = (
     "nan-hidden-keys",
 )
 # Kinds the kernels do not handle yet: left out of the sweep (PALLAS_FLASH_SWEEP_ALL=1 draws them
-# too), and their own tests skipped, with the fix each waits for. "wide-bias" is not an extreme:
-# a float32 bias with float16/bfloat16 inputs.
+# too), and their own tests skipped, with the fix each waits for. "key-broadcast-bias" is not an
+# extreme value: a bias whose key dim is broadcast (1), with float16/bfloat16 inputs.
 KNOWN_FAILING = {
     "large-negative-bias-rows": (
         "NaN on the kernels: the running max and the exponent round the same huge logit "
@@ -117,9 +117,12 @@ KNOWN_FAILING = {
         "NaN in V or K at hidden keys reaches every output (0 * NaN): needs the kernels to "
         "select, not multiply, at masked keys"
     ),
-    "wide-bias": (
-        "the kernels' gradient of a float32 bias has the input dtype's precision (relative "
-        "~1e-3 with float16 inputs, where XLA is exact to float32)"
+    "key-broadcast-bias": (
+        "with bfloat16/float16 inputs the kernels' gradient of a bias broadcast over keys is "
+        "noise several times the plain-attention error: P is rounded for P V in the forward but "
+        "not in the backward, and delta = rowsum(dO * O) reads the rounded O, so the per-row sums "
+        "of dS do not cancel (exactly they are the lse cotangent without a soft cap; XLA gives "
+        "0 where the kernels give 0.067); needs that sum, or a consistent P"
     ),
 }
 SWEEP_ALL = os.environ.get("PALLAS_FLASH_SWEEP_ALL") == "1"
@@ -171,14 +174,14 @@ def shape_code(draw, min_rank: int) -> str:
 
 
 @st.composite
-def configs(draw, extremes=None, wide_bias=None):
+def configs(draw, extremes=None, key_broadcast_bias=None):
     """Configurations; `extremes`: the kinds of extreme values to draw from (default: all but
-    the known-failing ones); `wide_bias`: whether a float32 bias may go with float16/bfloat16
-    inputs (default: unless known-failing)."""
+    the known-failing ones); `key_broadcast_bias`: whether a bias broadcast over keys may go with
+    float16/bfloat16 inputs (default: unless known-failing)."""
     if extremes is None:
         extremes = tuple(k for k in EXTREMES if k not in ENABLED)
-    if wide_bias is None:
-        wide_bias = "wide-bias" not in ENABLED
+    if key_broadcast_bias is None:
+        key_broadcast_bias = "key-broadcast-bias" not in ENABLED
     num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (1, 3)]))
     q_len = draw(st.integers(1, 80))
     kv_len = draw(st.one_of(st.just(q_len), st.integers(1, 80)))
@@ -189,11 +192,13 @@ def configs(draw, extremes=None, wide_bias=None):
         "large-negative-bias-rows",
         "finfo-min-bias-rows",
     )
+    dtype = draw(st.sampled_from(sorted(DTYPES)))
     bias = shape_code(draw, 0) if draw(st.booleans()) else None
     if needs_bias:
         # A bias with its own rows: the query axis full.
-        bias = draw(st.sampled_from(["t" + s for s in ("s", "1")] + ["bnts", "1nts", "b1ts"]))
-    dtype = draw(st.sampled_from(sorted(DTYPES)))
+        bias = draw(st.sampled_from(["ts", "t1", "bnts", "1nts", "b1ts"]))
+    if bias is not None and not (key_broadcast_bias or dtype == "f32" or bias.endswith("s")):
+        bias = (bias or "1")[:-1] + "s"
     return Config(
         batch=draw(st.integers(1, 2)),
         q_len=q_len,
@@ -211,7 +216,7 @@ def configs(draw, extremes=None, wide_bias=None):
         soft_cap=draw(st.one_of(st.none(), st.sampled_from([1.0, 5.0, 30.0]))),
         scale=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.3, 1.0]))),
         bias=bias,
-        bias_dtype=None if bias is None else draw(st.sampled_from([dtype] + ["f32"] * wide_bias)),
+        bias_dtype=None if bias is None else draw(st.sampled_from([dtype, "f32"])),
         mask=shape_code(draw, 2) if draw(st.booleans()) else None,
         q_lengths=draw(st.booleans()),
         kv_lengths=draw(st.booleans()) or extreme == "nan-hidden-keys",
@@ -553,11 +558,11 @@ def test_property_sweep(path):
 
 
 def known_failing_configs(kind: str):
-    if kind == "wide-bias":
-        return configs(extremes=("none",), wide_bias=True).filter(
-            lambda c: c.bias_dtype == "f32" and c.dtype != "f32"
+    if kind == "key-broadcast-bias":
+        return configs(extremes=("none",), key_broadcast_bias=True).filter(
+            lambda c: c.dtype != "f32" and c.bias is not None and not c.bias.endswith("s")
         )
-    return configs(extremes=(kind,), wide_bias=False)
+    return configs(extremes=(kind,), key_broadcast_bias=False)
 
 
 @pytest.mark.parametrize(

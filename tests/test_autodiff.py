@@ -282,7 +282,6 @@ def test_hessian_matches_between_paths(path):
 
 
 FORWARD_MODE = {
-    "jvp": lambda f, q: jax.jvp(f, (q,), (q,)),
     "jit-jvp": lambda f, q: jax.jit(lambda q: jax.jvp(f, (q,), (q,)))(q),
     "jacfwd": lambda f, q: jax.jacfwd(f)(q),
     "linearize": lambda f, q: jax.linearize(f, q)[1](q),

@@ -58,7 +58,7 @@ PATH_PARAMS = [
 SWEEP = int(os.environ.get("PALLAS_FLASH_SWEEP", "0"))
 SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
 # Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP.
-CI_EXAMPLES = {"xla": 10, "interpret": 5}
+CI_EXAMPLES = {"xla": 8, "interpret": 4}
 GPU_EXAMPLES = 100
 
 

@@ -1,9 +1,18 @@
-"""The one jax.custom_vjp of pallas_flash: forward saves (q, k, v, bias, mask arrays, out, lse),
-backward calls the kernels' backward with the cotangents of both outputs.
+"""The autodiff of pallas_flash: one jax.custom_vjp per path. On the kernel path the forward
+saves (q, k, v, bias, mask arrays, out, lse) and the backward calls the kernels' backward with the
+cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
 (`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse),
-so either backward serves either forward."""
+so either backward serves either forward.
+
+Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
+work on every path: the kernel passes inside the rules are themselves differentiable, their
+derivatives computed by differentiating the plain-jnp reference (which materialises the [T, S]
+logits, so higher orders cost quadratic memory). The first-order backward runs the kernels only.
+Forward mode on the attention itself (`jax.jvp`, `jax.jacfwd`, `jax.linearize`) raises JAX's
+TypeError for a custom_vjp function on every path, "xla" included, so that code behaves the same
+on a laptop and on the GPU."""
 
 from __future__ import annotations
 
@@ -17,6 +26,7 @@ from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
+from pallas_flash.reference import reference_attention
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
 
@@ -115,14 +125,16 @@ def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
-    out, lse = _forward(q, k, v, bias, arrays, config=config)
+    out, lse = _differentiable_forward(q, k, v, bias, arrays, config)
     return (out, lse), (q, k, v, bias, arrays, out, lse)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     q, k, v, bias, arrays, out, lse = residuals
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias = _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+    dq, dk, dv, dbias = _differentiable_backward(
+        q, k, v, bias, arrays, out, lse, d_out, d_lse, config
+    )
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays)
 
 
@@ -176,7 +188,19 @@ def with_reference_vjp(kernel, reference, *args):
 
 
 def _reference_fwd(kernel, reference, *args):
-    return kernel(*args), args
+    return _kernel_with_reference_jvp(kernel, reference, *args), args
+
+
+# The kernel under an outer differentiation (second order): its tangent is the reference's.
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _kernel_with_reference_jvp(kernel, reference, *args):
+    return kernel(*args)
+
+
+@_kernel_with_reference_jvp.defjvp
+def _kernel_with_reference_jvp_rule(kernel, reference, primals, tangents):
+    out = _kernel_with_reference_jvp(kernel, reference, *primals)
+    return out, jax.jvp(reference, primals, tangents)[1]
 
 
 def _reference_bwd(kernel, reference, args, cotangents):
@@ -188,3 +212,91 @@ def _reference_bwd(kernel, reference, args, cotangents):
 
 
 with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
+
+
+# -- derivatives of the rules' kernel passes (second order and beyond) ----------------------------
+# Under an outer differentiation the custom_vjp's rules run on traced values, and a pallas_call
+# has no derivative of its own. Each pass is therefore a custom_jvp: its value is the kernels',
+# its tangent that of the plain-jnp reference (reverse mode transposes that tangent). Without an
+# outer differentiation these are plain calls of `_forward` and `_backward`.
+
+
+def _reference(q, k, v, bias, arrays, config: KernelConfig):
+    return reference_attention(
+        q, k, v, bias, arrays, spec=config.spec, scale=config.scale, soft_cap=config.soft_cap
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
+def _differentiable_forward(q, k, v, bias, arrays, config: KernelConfig):
+    return _forward(q, k, v, bias, arrays, config=config)
+
+
+@_differentiable_forward.defjvp
+def _differentiable_forward_jvp(config: KernelConfig, primals, tangents):
+    q, k, v, bias, arrays = primals
+    out_lse = _differentiable_forward(q, k, v, bias, arrays, config)
+    _, tangents_out = jax.jvp(
+        lambda q, k, v, bias: _reference(q, k, v, bias, arrays, config),
+        (q, k, v, bias),
+        tangents[:4],
+    )
+    return out_lse, tangents_out
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(9,))
+def _differentiable_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
+    return _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+
+
+@_differentiable_backward.defjvp
+def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
+    q, k, v, bias, arrays, out, lse, d_out, d_lse = primals
+    grads = _differentiable_backward(*primals, config)
+
+    def reference_grads(q, k, v, bias, d_out, d_lse):
+        _, vjp = jax.vjp(
+            lambda q, k, v, bias: _reference(q, k, v, bias, arrays, config), q, k, v, bias
+        )
+        return vjp((d_out, d_lse))
+
+    # The reference recomputes (out, lse) from (q, k, v, bias), so their tangents reach the
+    # result through those of q, k, v and bias; the residuals' own tangents (always those of
+    # the forward at the same point) would count them twice and are left out.
+    tq, tk, tv, tbias, _, _, _, td_out, td_lse = tangents
+    _, grads_tangent = jax.jvp(
+        reference_grads, (q, k, v, bias, d_out, d_lse), (tq, tk, tv, tbias, td_out, td_lse)
+    )
+    return grads, grads_tangent
+
+
+# -- the "xla" path -------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def reference_attention_vjp(q, k, v, bias, arrays: MaskArrays, spec: MaskSpec, scale, soft_cap):
+    """`reference_attention` behind the same custom_vjp rule as the kernels: its gradients are
+    jax's of the reference, and forward mode fails as it does on the kernels."""
+    return reference_attention(q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap)
+
+
+def _reference_fwd_rule(q, k, v, bias, arrays, spec, scale, soft_cap):
+    out_lse, vjp = jax.vjp(
+        lambda q, k, v, bias: reference_attention(
+            q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
+        ),
+        q,
+        k,
+        v,
+        bias,
+    )
+    return out_lse, (vjp, arrays)
+
+
+def _reference_bwd_rule(spec, scale, soft_cap, residuals, cotangents):
+    del spec, scale, soft_cap
+    vjp, arrays = residuals
+    return *vjp(cotangents), jax.tree.map(lambda _: None, arrays)
+
+
+reference_attention_vjp.defvjp(_reference_fwd_rule, _reference_bwd_rule)

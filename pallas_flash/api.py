@@ -7,14 +7,13 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash import _host_only, masks
 from pallas_flash import config as config_lib
-from pallas_flash import masks
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash._vjp import KernelConfig, flash_attention_kernels, reference_attention_vjp
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
-from pallas_flash.reference import reference_attention
 from pallas_flash.triton.forward import choose_kv_splits
 
 BACKENDS = ("triton", "mosaic", "xla")
@@ -108,9 +107,10 @@ def flash_attention(
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
-        with these tiles; with backend="mosaic" they configure the backward only, and the
-        forward fields (block_q, block_kv, num_warps, num_stages, kv_splits) must keep their
-        defaults (NotImplementedError otherwise).
+        with these tiles (ValueError where backend=None runs "xla", which has no tiles); with
+        backend="mosaic" they configure the backward only, and the forward fields (block_q,
+        block_kv, num_warps, num_stages, kv_splits) must keep their defaults
+        (NotImplementedError otherwise).
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
 
@@ -134,6 +134,15 @@ def flash_attention(
     ValueError (when compiling, under automatic sharding); for a sharded sequence use
     `pallas_flash.ring_attention`. Under `jax.vmap` the mapped axes stay partitioned, except
     with a bias or dense mask (those calls run unpartitioned, gathering their inputs).
+
+    Differentiation, the same on every backend: reverse mode to any order (`jax.grad`,
+    `jax.vjp`, `jax.jacrev`, grad of grad) and forward over reverse (`jax.hessian`); beyond first
+    order the derivatives are those of the plain-jnp reference, which materialises the
+    (B, N, T, S) logits. Forward mode on the attention itself (`jax.jvp`, `jax.jacfwd`,
+    `jax.linearize`) raises JAX's TypeError for custom_vjp functions: use `jax.jacrev` or a VJP.
+    A call traced with backend=None on a host without a GPU runs "xla" and raises
+    NotImplementedError when lowered for a GPU (`jax.export(..., platforms=["cuda"])`): export
+    on a host with the GPU, or pass backend="xla" to export the reference on purpose.
     """
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
@@ -152,7 +161,16 @@ def flash_attention(
     ):
         _check_lengths(name, lengths, batch, unbatched)
     user_block_sizes = block_sizes  # None unless the caller chose tiles
+    # On a host without a GPU, backend=None runs the reference: it must not be exported for one.
+    traced_for_host = backend is None and config_lib.gpu_compute_capability() is None
     backend = _choose_backend(backend, interpret)
+    if backend == "xla" and block_sizes is not None:
+        raise ValueError(
+            "block_sizes configures the Triton kernels, but backend=None runs the 'xla' backend "
+            f"here (no NVIDIA GPU of compute capability >= 8.0; found "
+            f"{config_lib.gpu_compute_capability() or 'none'}): pass interpret=True to run the "
+            "kernels in the Pallas interpreter, or block_sizes=None"
+        )
 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     arrays = masks.make_arrays(
@@ -175,9 +193,9 @@ def flash_attention(
     )
 
     if backend == "xla":
-        out, lse = reference_attention(
-            query, key, value, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
-        )
+        out, lse = reference_attention_vjp(query, key, value, bias, arrays, spec, scale, soft_cap)
+        if traced_for_host:
+            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
     else:
         interpret = bool(interpret)
         if block_sizes is None:

@@ -41,7 +41,7 @@ def no_compute(monkeypatch):
         raise AssertionError("a backend was called: validation did not stop the call")
 
     monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
-    monkeypatch.setattr(api, "reference_attention", must_not_run)
+    monkeypatch.setattr(api, "reference_attention_vjp", must_not_run)
 
 
 # (id, arrays() kwargs, flash_attention kwargs, exception, a regex the message must match)
@@ -159,6 +159,50 @@ def test_validation_also_guards_attention_reference(no_compute):
 def test_triton_without_gpu_or_interpret_raises(no_compute):
     with pytest.raises(ValueError, match="backend='triton'.*interpret=True"):
         pallas_flash.flash_attention(*arrays(), backend="triton")
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the error raised without a GPU")
+def test_block_sizes_with_the_default_backend_on_cpu_raises(no_compute):
+    """backend=None runs the xla backend without a GPU: tiles given for the kernels would be
+    ignored, so they are refused."""
+    with pytest.raises(
+        ValueError, match="block_sizes.*backend=None runs the 'xla'.*interpret=True"
+    ):
+        pallas_flash.flash_attention(*arrays(), block_sizes=pallas_flash.BlockSizes())
+
+
+def _export(fn, platforms, *args):
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in args]
+    return jax.export.export(jax.jit(fn), platforms=platforms)(*shapes)
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+@pytest.mark.parametrize("platforms", [["cuda"], ["cpu", "cuda"]])
+@pytest.mark.parametrize("what", ["forward", "grad"])
+def test_export_for_a_gpu_from_a_cpu_host_refuses_the_reference(what, platforms):
+    """backend=None traced without a GPU takes the xla backend: exporting that for CUDA would
+    package the reference where a GPU host packages the kernels."""
+
+    def forward(q, k, v):
+        return pallas_flash.flash_attention(q, k, v, is_causal=True)
+
+    fn = forward if what == "forward" else jax.grad(lambda *qkv: forward(*qkv).sum())
+    with pytest.raises(NotImplementedError, match="without an NVIDIA GPU.*Export on a host with"):
+        _export(fn, platforms, *arrays())
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+def test_export_for_cpu_or_of_the_explicit_xla_backend_works():
+    q, k, v = arrays()
+
+    def forward(q, k, v, **kwargs):
+        return pallas_flash.flash_attention(q, k, v, is_causal=True, **kwargs)
+
+    exported = _export(jax.grad(lambda *qkv: forward(*qkv).sum()), ["cpu"], q, k, v)
+    assert_bitwise_equal(
+        exported.call(q, k, v), jax.jit(jax.grad(lambda *qkv: forward(*qkv).sum()))(q, k, v)
+    )
+    _export(functools.partial(forward, backend="xla"), ["cuda"], q, k, v)
 
 
 # -- BlockSizes -----------------------------------------------------------------------------------
@@ -313,7 +357,7 @@ def _chosen(monkeypatch, what):
         return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
 
     monkeypatch.setattr(api, "flash_attention_kernels", record)
-    monkeypatch.setattr(api, "reference_attention", None)
+    monkeypatch.setattr(api, "reference_attention_vjp", None)
 
     def call(*qkv, cc=(9, 0), **kwargs):
         monkeypatch.setattr(api.config_lib, "gpu_compute_capability", lambda: cc)

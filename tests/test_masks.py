@@ -768,7 +768,7 @@ def no_compute(monkeypatch):
         raise AssertionError("a backend was called: validation did not stop the call")
 
     monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
-    monkeypatch.setattr(api, "reference_attention", must_not_run)
+    monkeypatch.setattr(api, "reference_attention_vjp", must_not_run)
 
 
 def ones(shape, dtype):

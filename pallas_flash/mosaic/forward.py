@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import device, masks
-from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT
+from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.device import cuda_runtime_version  # noqa: F401  callers read forward.cuda_*
 from pallas_flash.masks import MaskArrays, MaskSpec
 
@@ -862,6 +862,11 @@ def _consume(
     # after the CTA's first tile or end before its last.
     mask_left, mask_right = (True, True) if q_ids_smem is not None else mask_sides(spec)
     geometry_left, geometry_right = mask_sides(spec)
+    # Without a left side or segment ids every row sees key 0, in the consumer's first tile
+    # (tile 0): its row max is then a real logit and masked logits give p = 0 by themselves.
+    # Skipping the select keeps the mask out of the registers across the exp2 (which costs a
+    # large share of the causal forward at H=64 with 128-row consumers: benchmarks/NOTES.md).
+    rows_may_start_empty = mask_left
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # The rows' segment ids [block_q] (row layout): loaded below once q_ready completes, before
     # the loops trace visible_in, which reads them.
@@ -902,26 +907,26 @@ def _consume(
         visible = visible_in(tile, slot) if masked else None
         plgpu.barrier_arrive(ring.k_free.at[slot])
 
-        # -- online softmax in base 2 --
-        # Masked logits are -inf and m_i starts finite (MIN_LOGIT): masked p is exactly 0 with
-        # no select on p, also in a row that has seen no key yet (which keeps l_i == 0).
+        # -- online softmax in base 2; log2(e) is folded into the scale --
         if soft_cap is None:
-            # The row max m_i is kept in q.k units and the scale applied after subtracting it:
-            # a fused qk * qk_scale - m would subtract an unrounded product from a rounded max,
-            # up to half an ulp of the logit apart, which overflows exp2 beyond |logit| ~ 2^31.
+            # Scaling the row max instead of every logit is exact for qk_scale > 0, and leaves
+            # one fused multiply-add per logit.
             if visible is not None:
-                qk = jnp.where(visible, qk, -jnp.inf)
-            m_new = jnp.maximum(m_i, jnp.max(qk, axis=1))
-            p = jnp.exp2((qk - _rows(m_new, qk.shape)) * qk_scale)
-            alpha = jnp.exp2((m_i - m_new) * qk_scale)
+                qk = jnp.where(visible, qk, MASK_VALUE)
+            m_new = jnp.maximum(m_i, jnp.max(qk, axis=1) * qk_scale)
+            p = jnp.exp2(qk * qk_scale - _rows(m_new, qk.shape))
         else:
             # tanh is not monotone in a way that commutes with a scaled max: cap every logit.
             s = _capped_logits(qk, scale=scale, soft_cap=soft_cap)
             if visible is not None:
-                s = jnp.where(visible, s, -jnp.inf)
+                s = jnp.where(visible, s, MASK_VALUE)
             m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
             p = jnp.exp2(s - _rows(m_new, s.shape))
-            alpha = jnp.exp2(m_i - m_new)
+        if visible is not None and rows_may_start_empty:
+            # A row that has seen no key yet keeps m_new at MASK_VALUE (or MASK_VALUE times
+            # qk_scale), where a masked logit would give p = 1: zero it, so l_i stays 0.
+            p = jnp.where(visible, p, 0.0)
+        alpha = jnp.exp2(m_i - m_new)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * _rows(alpha, acc.shape)
         p_in = p.astype(dtype)  # wgmma takes A from registers in the input dtype
@@ -955,10 +960,9 @@ def _consume(
         return carry
 
     acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    # m_i starts at MIN_LOGIT, finite and below every finite logit: once a row sees a key,
-    # alpha = exp2(MIN_LOGIT - m) = 0 scales the empty start away; a row whose keys all have
-    # logits of finfo.min still gets their softmax.
-    m_i = plgpu.layout_cast(jnp.full((block_q,), MIN_LOGIT, jnp.float32), row_layout)
+    # m_i starts at MASK_VALUE, finite: once a row sees a key alpha = exp2(MASK_VALUE - m) = 0
+    # scales the empty start away; masked probabilities are zeroed, so l_i counts only keys.
+    m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
     l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
     carry = (acc, m_i, l_i)
     masked_step = functools.partial(kv_step, masked=True)
@@ -984,8 +988,7 @@ def _consume(
     # One reciprocal per row instead of a divide per element.
     out = acc * _rows(1.0 / l_safe, acc.shape)
     q_smem[...] = out.astype(dtype)  # Q is dead: its last reader, the final Q.K^T, is done
-    m_unit = scale if soft_cap is None else LN2  # m_i in q.k units, or log2 units under a cap
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * m_unit + jnp.log(l_safe))
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])

@@ -6,7 +6,7 @@ Flax users import the wrappers explicitly (this package itself does not import F
 (`MultiHeadDotProductAttention` / `MultiHeadAttention`).
 """
 
-from pallas_flash.api import attention_reference, flash_attention
+from pallas_flash.api import ForwardModeError, attention_reference, flash_attention
 from pallas_flash.config import BlockSizes, DecodeBlockSizes
 from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
 from pallas_flash.sharding import (
@@ -20,6 +20,7 @@ from pallas_flash.sharding import (
 __all__ = [
     "BlockSizes",
     "DecodeBlockSizes",
+    "ForwardModeError",
     "attention_reference",
     "decode_attention",
     "flash_attention",

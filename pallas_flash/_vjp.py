@@ -10,9 +10,9 @@ Derivatives of any order in reverse mode, and forward mode over reverse mode (`j
 work on every path: the kernel passes inside the rules are themselves differentiable, their
 derivatives computed by differentiating the plain-jnp reference (which materialises the [T, S]
 logits, so higher orders cost quadratic memory). The first-order backward runs the kernels only.
-Forward mode on the attention itself (`jax.jvp`, `jax.jacfwd`, `jax.linearize`) raises JAX's
-TypeError for a custom_vjp function on every path, "xla" included, so that code behaves the same
-on a laptop and on the GPU."""
+Forward mode on the attention itself fails on every path, "xla" included (the API refuses JVP
+tracers with `api.ForwardModeError`; JAX refuses `jax.linearize` of a custom_vjp function), so
+that code behaves the same on a laptop and on the GPU."""
 
 from __future__ import annotations
 

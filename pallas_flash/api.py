@@ -6,6 +6,7 @@ import math
 
 import jax.numpy as jnp
 import numpy as np
+from jax.interpreters import ad
 
 from pallas_flash import _host_only, masks
 from pallas_flash import config as config_lib
@@ -139,12 +140,15 @@ def flash_attention(
     Differentiation, the same on every backend: reverse mode to any order (`jax.grad`,
     `jax.vjp`, `jax.jacrev`, grad of grad) and forward over reverse (`jax.hessian`); beyond first
     order the derivatives are those of the plain-jnp reference, which materialises the
-    (B, N, T, S) logits. Forward mode on the attention itself (`jax.jvp`, `jax.jacfwd`,
-    `jax.linearize`) raises JAX's TypeError for custom_vjp functions: use `jax.jacrev` or a VJP.
+    (B, N, T, S) logits. Forward mode on the attention itself raises on every backend: `jax.jvp`
+    and `jax.jacfwd` a `ForwardModeError` (a NotImplementedError and a TypeError) naming the
+    alternatives, `jax.linearize` JAX's TypeError for custom_vjp functions: use `jax.grad`,
+    `jax.vjp` or `jax.jacrev`.
     A call traced with backend=None on a host without a GPU runs "xla" and raises
     NotImplementedError when lowered for a GPU (`jax.export(..., platforms=["cuda"])`): export
     on a host with the GPU, or pass backend="xla" to export the reference on purpose.
     """
+    _refuse_forward_mode(query, key, value, bias)
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
     batch, q_len, num_heads, head_dim = query.shape
@@ -244,6 +248,23 @@ def flash_attention(
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residuals else out
+
+
+class ForwardModeError(NotImplementedError, TypeError):
+    """Forward-mode differentiation of flash_attention (`jax.jvp`, `jax.jacfwd`): its derivative
+    is a custom VJP on every backend. Also a TypeError, which JAX raises for the same reason where
+    this check cannot see it (`jax.linearize`)."""
+
+
+def _refuse_forward_mode(*operands):
+    """Raises before tracing when an operand carries a forward-mode tangent (a JVP tracer: reverse
+    mode, grad of grad and `jax.hessian` trace with linearize tracers and pass)."""
+    if any(isinstance(x, ad.JVPTracer) for x in operands):
+        raise ForwardModeError(
+            "flash_attention does not support forward-mode differentiation (jax.jvp, "
+            "jax.jacfwd) on any backend: its derivative is a custom VJP. Use reverse mode: "
+            "jax.grad, jax.vjp or jax.jacrev (jax.hessian and grad of grad work)"
+        )
 
 
 def _canonical_arrays(query, key, value):

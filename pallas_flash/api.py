@@ -37,6 +37,7 @@ def flash_attention(
     kv_segment_ids=None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: BlockSizes | None = None,
@@ -90,9 +91,14 @@ def flash_attention(
       local_window_size: w or (left, right): query i sees keys j with i - left <= j <= i + right
         (w means (w, w)); combines with is_causal.
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c), applied to scale * q.k + bias.
+      sinks: float array (N,) or None: attention sinks, one learned logit per query head added
+        to every row's softmax denominator (as gpt-oss does): out = sum_j e^{s_j} v_j /
+        (e^{sink} + sum_j e^{s_j}). Differentiable. A row that sees no key still outputs 0, and
+        its lse is its sink. Applied to the kernels' (out, lse) through the lse, so it works on
+        every backend and mask; it costs an elementwise pass over out.
       return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of each
-        query row's logits (scaled, biased, soft-capped, masked). Gradients flow through both
-        outputs.
+        query row's logits (scaled, biased, soft-capped, masked; the sink included). Gradients
+        flow through both outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
         capability >= 8.0), "mosaic" (Hopper only: the warp-specialised Pallas Mosaic GPU
         forward, and the Mosaic GPU backward where it applies (H 64/128, no window, soft cap,
@@ -155,6 +161,7 @@ def flash_attention(
     kv_len = key.shape[1]
     window = _canonical_window(local_window_size)
     soft_cap = _canonical_soft_cap(logits_soft_cap)
+    _check_sinks(sinks, num_heads)
     bias = _canonical_pair_operand("bias", bias, query.shape, kv_len, unbatched)
     mask = _canonical_pair_operand("mask", mask, query.shape, kv_len, unbatched)
     q_segment_ids, kv_segment_ids = _canonical_segment_ids(
@@ -245,9 +252,25 @@ def flash_attention(
         )
         out, lse = flash_attention_kernels(query, key, value, bias, arrays, config)
 
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residuals else out
+
+
+def _with_sinks(out, lse, sinks):
+    """(out, lse) of the softmax with one more logit per head, `sinks` [N], whose value is 0: the
+    sink takes its share e^{sink} / (e^{sink} + e^{lse}) of each row away from the keys'. A row
+    that sees no key (lse = -inf) keeps out 0 and gets lse = sink."""
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[:, None], lse.shape)
+    # Rows that see no key (lse = -inf) take lse = sink; the inner wheres keep -inf - -inf (also
+    # with a sink of -inf) out of the values and the gradients.
+    empty = lse == -jnp.inf
+    new_lse = jnp.where(empty, sinks, jnp.logaddexp(jnp.where(empty, 0.0, lse), sinks))
+    keys_share = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse - new_lse)))
+    scaled = out.astype(jnp.float32) * jnp.swapaxes(keys_share, 1, 2)[..., None]
+    return scaled.astype(out.dtype), new_lse
 
 
 class ForwardModeError(NotImplementedError, TypeError):
@@ -625,6 +648,21 @@ def _checked_host_ids(name, ids):
             "mark padding); renumber them, e.g. with np.unique(ids, return_inverse=True)"
         )
     return ids.astype(np.int32)
+
+
+def _check_sinks(sinks, num_heads):
+    if sinks is None:
+        return
+    if not hasattr(sinks, "shape") or not hasattr(sinks, "dtype"):
+        raise TypeError(
+            f"sinks must be an array of shape ({num_heads},), got {type(sinks).__name__}"
+        )
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"sinks.dtype={sinks.dtype} must be a floating dtype")
+    if tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"sinks.shape={tuple(sinks.shape)} must be ({num_heads},): one logit per query head"
+        )
 
 
 def _check_lengths(name, lengths, batch, unbatched):

@@ -32,6 +32,7 @@ import pytest
 from conftest import attention_oracle_f64
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from test_masks import as4d, visibility  # the dense [B, N, T, S] mask of a case
 
 import pallas_flash
 
@@ -304,40 +305,11 @@ def make_inputs(c: Config, seed: int):
     return xs, x64, vis
 
 
-def visibility(c: Config, extra) -> np.ndarray:
-    """Dense [B, N, T, S] bool: key j visible to query i when every argument allows it."""
-    b, t, s, n = c.batch, c.q_len, c.kv_len, c.num_heads
-    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
-    geometry = np.ones((t, s), bool)
-    if c.is_causal:
-        geometry &= j <= i
-    if c.window is not None:
-        left, right = (c.window, c.window) if isinstance(c.window, int) else c.window
-        geometry &= (i - left <= j) & (j <= i + right)
-    vis = np.broadcast_to(geometry, (b, n, t, s)).copy()
-    if extra["q_lens"] is not None:
-        vis &= (np.arange(t)[None, :] < extra["q_lens"][:, None])[:, None, :, None]
-    if extra["kv_lens"] is not None:
-        vis &= (np.arange(s)[None, :] < extra["kv_lens"][:, None])[:, None, None, :]
-    if extra["q_seg"] is not None:
-        q_seg = extra["q_seg"]
-        kv_seg = q_seg if extra["kv_seg"] is None else extra["kv_seg"]
-        vis &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
-    if extra["mask"] is not None:
-        vis &= as4d(extra["mask"])
-    return vis
-
-
 def hidden_keys(c: Config, vis) -> np.ndarray:
     """[B, S, K] bool: keys that no query row of the kv head's group sees."""
     group = c.num_heads // c.num_kv_heads
     seen = vis.reshape(c.batch, c.num_kv_heads, group, c.q_len, c.kv_len).any(axis=(2, 3))
     return ~np.swapaxes(seen, 1, 2)
-
-
-def as4d(x):
-    x = np.asarray(x)
-    return x.reshape((1,) * (4 - x.ndim) + x.shape)
 
 
 def sum_to_shape(x, shape):

@@ -15,6 +15,9 @@ its duration only:
 - Barrier deallocation with phases unobserved by some thread is allowed (the interpreter's rule,
   not the hardware's): a producer does not wait for the free phases of the last ring slots.
 
+`oob_fill` replaces the zeros that a TMA load reads past an array's end (the hardware's
+OOBFillMode.ZEROS) by another value: garbage there must not reach any kept output.
+
 A barrier wait that sees no arrival for `deadlock_s` seconds raises (the interpreter would
 wait forever): a protocol bug, such as a consumer skipping the steps it drains, fails the test
 instead of hanging it.
@@ -87,7 +90,7 @@ class _DeadlineCondition(threading.Condition):
         return True
 
 
-def _patches(deadlock_s: float):
+def _patches(deadlock_s: float, oob_fill):
     real_run_scoped = pl.run_scoped
     real_barrier_init = shared_memory.Barrier.__init__
 
@@ -138,17 +141,18 @@ def _patches(deadlock_s: float):
         (gpu_callbacks.AsyncCopyGmemToSmemTask, "post_read", post_read),
         (shared_memory.Barrier, "deallocate", deallocate),
         (shared_memory.Barrier, "__init__", barrier_init),
+        (gpu_callbacks.AsyncCopyGmemToSmemTask, "out_of_bounds_source_fill", oob_fill),
     ]
 
 
 @contextlib.contextmanager
-def interpret_mosaic(*, warpgroups: int = 3, deadlock_s: float = 30.0):
+def interpret_mosaic(*, warpgroups: int = 3, deadlock_s: float = 30.0, oob_fill=0):
     """Within the block, Mosaic GPU kernels run in the (patched) interpreter with the race
     detector on; on exit, asserts that no race was found. A barrier wait without an arrival
-    for `deadlock_s` seconds raises."""
+    for `deadlock_s` seconds raises. TMA loads read `oob_fill` past an array's end."""
     saved = []
     try:
-        for owner, name, replacement in _patches(deadlock_s):
+        for owner, name, replacement in _patches(deadlock_s, oob_fill):
             saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, replacement)
         reset_gpu_interpret_mode_state()

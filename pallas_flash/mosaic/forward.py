@@ -27,7 +27,20 @@ from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.device import cuda_runtime_version  # noqa: F401  callers read forward.cuda_*
 from pallas_flash.masks import MaskArrays, MaskSpec
 
-HEAD_DIMS = (64, 128, 256)
+# Head dims the kernel runs as they are: multiples of the 64-column tile of the 128-byte
+# swizzle, within wgmma's N limit of 256.
+KERNEL_HEAD_DIMS = (64, 128, 192, 256)
+# Head dims it takes: the others are zero-padded to the next kernel head dim by the wrapper
+# (zero columns leave q.k unchanged; the output's extra columns are sliced off). One copy of
+# q, k, v and out each.
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# Mosaic GPU tiles the sequence dim of every TMA window over [.., L, H] in GMEM by the 8-row
+# swizzle tile and refuses a length that is not a multiple of it (TileTransform.
+# transform_gmem_shape in jax/experimental/mosaic/gpu/launch_context.py): the wrapper pads T and
+# S up to it (a copy of q, k, v, out). Any multiple of 8 runs in place: the last tiles' windows
+# run past the arrays' ends, where TMA reads zeros and drops writes, and the kernels mask the
+# keys past S.
+ROW_ALIGN = 8
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 NUM_CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup NUM_CONSUMERS
 # Shared memory one CTA may use on sm_90 (227 KiB), less 4 KiB for what Mosaic GPU adds to the
@@ -91,6 +104,20 @@ class ForwardTiles:
         return q + kv + self.cta_rows * 4 + ids
 
 
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim the kernels run a call of `head_dim` (one of HEAD_DIMS) at."""
+    return next(h for h in KERNEL_HEAD_DIMS if h >= head_dim)
+
+
+def aligned_len(length: int) -> int:
+    """The sequence length the kernels run a call of `length` at (ROW_ALIGN)."""
+    return -(-length // ROW_ALIGN) * ROW_ALIGN
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def default_tiles(
     head_dim: int,
     *,
@@ -106,11 +133,13 @@ def default_tiles(
     halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
     calls take 128 rows per consumer (they need T % 256 == 0); a window, soft cap or segment ids
-    keep 64 rows, whose registers leave room for the mask.
+    keep 64 rows, whose registers leave room for the mask. Head dims run at their kernel head
+    dim (`kernel_head_dim`): 80 and 96 as 128; 192 as 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
     per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
     and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
     faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent)."""
+    head_dim = kernel_head_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
     masked = window is not None or soft_cap is not None or segments
     short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
     persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
@@ -197,6 +226,8 @@ def supports(
     kv_len = k_shape[1]
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
+    if q_len == 0 or kv_len == 0:
+        return f"{q_len=} and {kv_len=} must be positive"
     if tiles is None:
         tiles = default_tiles(
             head_dim,
@@ -207,10 +238,8 @@ def supports(
             soft_cap=soft_cap,
             segments=segments,
         )
-    if q_len == 0 or q_len % tiles.cta_rows:
-        return f"{q_len=} not a positive multiple of {tiles.cta_rows} (2 x block_q)"
-    if kv_len == 0 or kv_len % tiles.block_kv:
-        return f"{kv_len=} not a positive multiple of block_kv={tiles.block_kv}"
+    # Registers and shared memory at the head dim the kernel runs (80 and 96 padded to 128).
+    head_dim = kernel_head_dim(head_dim)
     if tiles.block_kv > 256:
         return f"block_kv={tiles.block_kv} exceeds the wgmma N limit of 256"
     registers = tiles.block_q * (head_dim + tiles.block_kv) // 128
@@ -307,20 +336,45 @@ def flash_forward(
         )
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)
+    (_, q_len, _, head_dim), kv_len = q.shape, k.shape[1]
     spec = MaskSpec(
-        q_len=q.shape[1],
-        kv_len=k.shape[1],
+        q_len=q_len,
+        kv_len=kv_len,
         is_causal=is_causal,
         window=window,
         has_segments=segment_ids is not None,
     )
+    # The kernel reads T and S from spec: rows past T are computed on zeros and not kept, keys
+    # past S are masked. The arrays may be longer (padded here to ROW_ALIGN).
+    q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
+    h_to = kernel_head_dim(head_dim)
+    q, k, v = pad_to(q, q_to, h_to), pad_to(k, kv_to, h_to), pad_to(v, kv_to, h_to)
     segments = None
     if segment_ids is not None:
-        arrays = MaskArrays(*segment_ids)
-        segments = (*segment_ids, segment_tile_plan(spec, arrays, tiles))
-    return _forward_call(
+        q_ids, kv_ids = segment_ids
+        q_ids = _pad_ids(q_ids, q_to, masks.PAD_Q_SEGMENT)
+        kv_ids = _pad_ids(kv_ids, kv_to, masks.PAD_KV_SEGMENT)
+        segments = (q_ids, kv_ids, segment_tile_plan(spec, MaskArrays(q_ids, kv_ids), tiles))
+    out, lse = _forward_call(
         q, k, v, segments, spec=spec, scale=float(scale), soft_cap=soft_cap, tiles=tiles
     )
+    if out.shape[1] != q_len or out.shape[3] != head_dim:
+        out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+    return out, lse
+
+
+def pad_to(x, length: int, head_dim: int):
+    """x [B, L, heads, H] zero-padded to [B, length, heads, head_dim] (x itself when it fits)."""
+    _, x_len, _, x_head_dim = x.shape
+    if (x_len, x_head_dim) == (length, head_dim):
+        return x
+    return jnp.pad(x, ((0, 0), (0, length - x_len), (0, 0), (0, head_dim - x_head_dim)))
+
+
+def _pad_ids(ids, length: int, pad_id: int):
+    if ids.shape[1] == length:
+        return ids
+    return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=pad_id)
 
 
 def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
@@ -346,10 +400,10 @@ def _forward_call(
     q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles
 ):
     """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan)."""
-    batch, q_len, num_heads, head_dim = q.shape
+    batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     has_ids = segments is not None
-    num_q_tiles = q_len // tiles.cta_rows
+    num_q_tiles = cdiv(spec.q_len, tiles.cta_rows)
     kernel = functools.partial(
         _forward_kernel,
         spec=spec,
@@ -392,7 +446,7 @@ def _forward_call(
         )
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_heads, q.shape[1]), jnp.float32),
     )
     if tiles.persistent:
         grid = (min(batch * num_heads * num_q_tiles, num_sms()),)
@@ -504,7 +558,8 @@ def mask_sides(spec: MaskSpec) -> tuple[bool, bool]:
 
 def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -> jax.Array:
     """KV tile ranges of every CTA and consumer with segment ids, computed by XLA before the
-    kernel: int32 [B, T // cta_rows, NUM_CONSUMERS + 1, 4], indexed by the CTA's query tile.
+    kernel: int32 [B, ceil(T / cta_rows), NUM_CONSUMERS + 1, 4], indexed by the CTA's query
+    tile. The arrays' ids past T and S (if any) are padding ids.
 
     Row wg < NUM_CONSUMERS is consumer wg's (lo, full_lo, full_hi, hi): the geometry's range
     (`MaskSpec.kv_tile_range`) intersected with the ids' (`masks.tile_ranges` over its block_q
@@ -512,20 +567,27 @@ def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -
     CTA's range: the hull of its consumers' non-empty ranges, (0, 0) when all are empty.
 
     What the drain scheme of `_consume` rests on (tests check it against brute force):
-    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= S // block_kv for every consumer
+    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= ceil(S / block_kv) for every consumer
     (each walks exactly the producer's steps [first, end), draining those outside [lo, hi));
     every key a consumer's rows see lies in a tile of [lo, hi), and tiles in [full_lo, full_hi)
     are seen whole by every row. A tile of the hull that no consumer visits (a gap between two
     consumers' documents) is loaded and drained by both: correct, a little wasted bandwidth.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
-    num_rows, num_kv_tiles = spec.q_len // block_q, spec.kv_len // block_kv
+    num_rows = cdiv(spec.q_len, tiles.cta_rows) * NUM_CONSUMERS
+    num_kv_tiles = cdiv(spec.kv_len, block_kv)
     q_start = jnp.arange(num_rows, dtype=jnp.int32) * block_q
     geometry = tuple(
         jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_rows,))
         for x in spec.kv_tile_range(q_start, block_q, block_kv)
     )
-    by_ids = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")[:, 0]  # [B, rows, 4]
+    # Rows past T (a ragged last CTA's) see nothing: padding ids, whose tiles visit no KV tile.
+    q_ids = _pad_ids(arrays.q_segment_ids, num_rows * block_q, masks.PAD_Q_SEGMENT)
+    rows_spec = dataclasses.replace(spec, q_len=num_rows * block_q)
+    by_ids = masks.tile_ranges(
+        rows_spec, arrays._replace(q_segment_ids=q_ids), block_q, block_kv, over="q"
+    )
+    by_ids = by_ids[:, 0]  # [B, rows, 4]
     ranges = masks.intersect(geometry, tuple(by_ids[..., i] for i in range(4)))
     shape = (by_ids.shape[0], num_rows // NUM_CONSUMERS, NUM_CONSUMERS)
     lo, full_lo, full_hi, hi = (
@@ -741,8 +803,12 @@ def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, t
     in order (with its KV segment ids next to K when kv_ids_ref is not None)."""
 
     def copy(gmem_ref, smem, ready, tile, slot):
+        # The last tile's window may run past S: TMA fills those rows with zeros, which the
+        # kernel relies on for V (a masked key's p is 0, and 0 * NaN would not be).
         rows = (batch, pl.ds(tile * tiles.block_kv, tiles.block_kv), kv_head)
-        plgpu.copy_gmem_to_smem(gmem_ref.at[rows], smem.at[slot], ready.at[slot])
+        plgpu.copy_gmem_to_smem(
+            gmem_ref.at[rows], smem.at[slot], ready.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS
+        )
 
     def copy_k(tile, slot):
         copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
@@ -767,13 +833,14 @@ def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, t
 
     # Fill the empty ring; a CTA may see fewer tiles than there are slots (short S, causal
     # CTAs near the top, narrow windows), or none: copies nobody waits for would still be in
-    # flight at exit.
-    for n in range(min(tiles.num_stages, k_ref.shape[1] // tiles.block_kv)):
-
+    # flight at exit. A loop, not unrolled: a window with a static start that runs past the
+    # array's end fails the ref indexer's bound check at trace time.
+    @pl.loop(0, min(tiles.num_stages, cdiv(k_ref.shape[1], tiles.block_kv)))
+    def _fill(n):
         @pl.when(first + n < cta_hi)
-        def _fill():
-            copy_k(first + n, n)  # noqa: B023 (called at once)
-            copy(v_ref, ring.v_smem, ring.v_ready, first + n, n)  # noqa: B023
+        def _copy():
+            copy_k(first + n, n)
+            copy(v_ref, ring.v_smem, ring.v_ready, first + n, n)
 
     @pl.loop(first + tiles.num_stages, cta_hi)
     def _refill(tile):
@@ -862,6 +929,9 @@ def _consume(
     # after the CTA's first tile or end before its last.
     mask_left, mask_right = (True, True) if q_ids_smem is not None else mask_sides(spec)
     geometry_left, geometry_right = mask_sides(spec)
+    # A ragged last KV tile holds keys past S: it lies past full_hi and is masked there.
+    ragged_kv = spec.kv_len % block_kv != 0
+    mask_right = mask_right or ragged_kv
     # Without a left side or segment ids every row sees key 0, in the consumer's first tile
     # (tile 0): its row max is then a real logit and masked logits give p = 0 by themselves.
     # Skipping the select keeps the mask out of the registers across the exp2 (which costs a
@@ -880,6 +950,8 @@ def _consume(
             jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
         )
         conditions = []
+        if ragged_kv:
+            conditions.append(kv_pos < spec.kv_len)
         if geometry_right:
             conditions.append(kv_pos <= q_pos + spec.right)
         if geometry_left:

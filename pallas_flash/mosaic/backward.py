@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -31,11 +30,20 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash._numerics import LOG2E
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import forward
-from pallas_flash.mosaic.forward import CAUSAL_MISCOMPILING_CUDA, SMEM_BYTES
+from pallas_flash.mosaic.forward import (
+    CAUSAL_MISCOMPILING_CUDA,
+    SMEM_BYTES,
+    aligned_len,
+    cdiv,
+    kernel_head_dim,
+    pad_to,
+)
 
-# H=256 is left to the Triton backward: a consumer's dK and dV accumulators alone, [64, 256] f32
-# each, take 256 registers per thread (the most a thread can have).
-HEAD_DIMS = (64, 128)
+# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward). H=192 and
+# 256 are left to the Triton backward: a consumer's dK and dV accumulators, [64, H] f32 each,
+# with S^T and dP^T would take 256 registers per thread at H=192 (the most a thread can have),
+# and the accumulators alone 256 at H=256.
+HEAD_DIMS = (64, 80, 96, 128)
 PRODUCER_REGISTERS = 40
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`). 40 is
@@ -146,34 +154,24 @@ def supports_backward(
     q_shape, k_shape, dtype, *, is_causal: bool, tiles: BackwardTiles | None = None
 ) -> str | None:
     """None if the Mosaic GPU backward runs on these shapes, else why not (the caller keeps the
-    Triton backward). Both causal settings have the same shape rules (top-left alignment)."""
+    Triton backward). Any T and S; both causal settings have the same rules."""
     if is_causal and (version := forward.cuda_runtime_version()) in CAUSAL_MISCOMPILING_CUDA:
         return f"is_causal=True on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles it)"
     if reason := forward.check_shapes(q_shape, k_shape, dtype):
         return reason
     _, q_len, _, head_dim = q_shape
     kv_len = k_shape[1]
-    if head_dim == 256:
+    if head_dim in (192, 256):
         return (
-            f"{head_dim=}: a consumer's dK and dV accumulators would need 256 registers per "
-            "thread on their own; left to the Triton backward"
+            f"{head_dim=}: a consumer's dK and dV accumulators with S^T and dP^T would need "
+            "256 registers per thread or more; left to the Triton backward"
         )
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
+    if q_len == 0 or kv_len == 0:
+        return f"{q_len=} and {kv_len=} must be positive"
     tiles = default_tiles(head_dim) if tiles is None else tiles
-    # Both kernels tile each length: the lengths must be multiples of both tiles' lcm.
-    q_rows = math.lcm(tiles.cta_q_rows, tiles.block_q_dkv)
-    if q_len == 0 or q_len % q_rows:
-        return (
-            f"{q_len=} not a positive multiple of {q_rows} (the lcm of num_consumers x "
-            f"block_q_dq={tiles.cta_q_rows} and block_q_dkv={tiles.block_q_dkv})"
-        )
-    kv_rows = math.lcm(tiles.cta_kv_rows, tiles.block_kv_dq)
-    if kv_len == 0 or kv_len % kv_rows:
-        return (
-            f"{kv_len=} not a positive multiple of {kv_rows} (the lcm of num_consumers x "
-            f"block_kv_dkv={tiles.cta_kv_rows} and block_kv_dq={tiles.block_kv_dq})"
-        )
+    head_dim = kernel_head_dim(head_dim)
     # The rest of a consumer's registers hold the 16-bit copies of P and dS, lse, delta, indices.
     budget = consumer_registers(tiles.num_consumers) - REGISTER_HEADROOM
     for kernel, registers in tiles.tile_registers(head_dim).items():
@@ -208,7 +206,8 @@ def flash_backward(
     """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU.
 
     Args:
-      q, out, d_out: [B, T, N, H], bfloat16 or float16 (out and d_out in q's dtype).
+      q, out, d_out: [B, T, N, H], bfloat16 or float16 (out and d_out in q's dtype); any T and
+        S, H one of HEAD_DIMS.
       k, v: [B, S, K, H] in q's dtype; query head n reads kv head n // (N // K).
       lse: float32 [B, N, T], the natural-log log-sum-exp of scale * q.k saved by the forward.
       d_lse: float32 [B, N, T], the cotangent of lse, or None for zero.
@@ -234,15 +233,28 @@ def flash_backward(
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive")
     tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
+    (_, q_len, _, head_dim), kv_len = q.shape, k.shape[1]
     # delta folds the lse cotangent in: dS = P * (dP - rowsum(dO * O) + dlse).
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
     # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)).
     lse2 = lse.astype(jnp.float32) * LOG2E
-    kwargs = dict(scale=float(scale), is_causal=is_causal, tiles=tiles)
+    # As in the forward: T and S padded to ROW_ALIGN, H to the kernel head dim (zero columns
+    # add nothing to q.k, dO.v or the gradients' kept columns). The kernels read the true T and
+    # S from q_len and kv_len; rows and keys past them are computed on zeros and not kept.
+    q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
+    h_to = kernel_head_dim(head_dim)
+    q, d_out = pad_to(q, q_to, h_to), pad_to(d_out, q_to, h_to)
+    k, v = pad_to(k, kv_to, h_to), pad_to(v, kv_to, h_to)
+    if q_to != q_len:
+        lse2, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, q_to - q_len))) for x in (lse2, delta))
+    kwargs = dict(scale=float(scale), is_causal=is_causal, q_len=q_len, kv_len=kv_len, tiles=tiles)
     dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, **kwargs)
     dq = _dq_call(q, k, v, d_out, lse2, delta, **kwargs)
+    if (q_to, kv_to, h_to) != (q_len, kv_len, head_dim):
+        dq = dq[:, :q_len, :, :head_dim]
+        dk, dv = dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
     return dq, dk, dv
 
 
@@ -286,19 +298,22 @@ def _kv_tile_counts(q_start, rows: int, *, kv_len: int, block_kv: int, is_causal
 
 
 def _q_tile_range(kv_start, rows: int, *, q_len: int, block_q: int, is_causal: bool):
-    """(first, whole): keys [kv_start, kv_start + rows) are seen by query tiles [first, T/block_q)
-    and by every row of tiles [whole, T/block_q); tiles in [first, whole) straddle the causal
-    diagonal and need the mask. MaskSpec.q_tile_range's lo and full_lo (its kv_len plays no
-    part in them), clamped to T/block_q: keys past the last query (S > T) are seen by no tile."""
-    num_tiles = jnp.int32(q_len // block_q)
+    """(first, whole): keys [kv_start, kv_start + rows) are seen by query tiles [first, Q) and
+    by every row of tiles [whole, Q), Q = ceil(T / block_q); tiles in [first, whole) straddle
+    the causal diagonal and need the mask. MaskSpec.q_tile_range's lo and full_lo (its kv_len
+    plays no part in them), clamped to Q: keys past the last query (S > T) are seen by no
+    tile."""
+    num_tiles = jnp.int32(cdiv(q_len, block_q))
     spec = MaskSpec(q_len=q_len, kv_len=rows, is_causal=is_causal)
     lo, full_lo, _, _ = spec.q_tile_range(jnp.asarray(kv_start, jnp.int32), block_q, rows)
     return jnp.minimum(lo, num_tiles), jnp.minimum(full_lo, num_tiles)
 
 
-def _dkv_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, tiles):
-    batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+def _dkv_call(
+    q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, q_len: int, kv_len: int, tiles
+):
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dkv
     kernel = functools.partial(
         _dkv_kernel,
@@ -331,7 +346,7 @@ def _dkv_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, til
         kernel,
         out_type=(kv_type, kv_type),
         scratch_types=scratch,
-        grid=(batch, num_kv_heads, kv_len // tiles.cta_kv_rows),
+        grid=(batch, num_kv_heads, cdiv(kv_len, tiles.cta_kv_rows)),
         grid_names=("batch", "kv_head", "kv_tile"),
         num_consumers=n_c,
     )(q, k, v, d_out, lse2, delta)
@@ -378,7 +393,7 @@ def _dkv_kernel(
     cta_first, _ = _q_tile_range(
         cta_kv_start, tiles.cta_kv_rows, q_len=q_len, block_q=block_q, is_causal=is_causal
     )
-    cta_tiles = q_len // block_q - cta_first
+    cta_tiles = cdiv(q_len, block_q) - cta_first
     wg = lax.axis_index("wg")
     ring = _QRing(q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_free, do_free)
     common = dict(
@@ -509,7 +524,12 @@ def _consume_dkv(
     its barrier phases in step with the ring and counts its arrival on their free barriers."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, dtype = k_smem.shape[-1], k_smem.dtype
-    num_q_tiles = q_len // block_q
+    num_q_tiles = cdiv(q_len, block_q)
+    # A ragged last query tile holds rows past T (zeros, or whatever lies past the array's
+    # end): masked, so that they add nothing to dK and dV. Keys past S need no mask: each key
+    # is a row of dK and dV here, and those rows are not kept.
+    ragged_q = q_len % block_q != 0
+    full_end = q_len // block_q  # tiles [full_end, num_q_tiles) hold rows past T
     kv_rows = (batch, pl.ds(kv_start, block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_loaded)
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_loaded)
@@ -534,8 +554,15 @@ def _consume_dkv(
         # P <= 1: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2.
         p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - _cols(lse2, tile_shape), 0.0))
         if masked:
-            visible = i * block_q + _iota(tile_shape, 1) >= kv_start + _iota(tile_shape, 0)
-            p_t = jnp.where(visible, p_t, 0.0)
+            q_pos = i * block_q + _iota(tile_shape, 1)
+            conditions = []
+            if is_causal:
+                conditions.append(q_pos >= kv_start + _iota(tile_shape, 0))
+            if ragged_q:
+                conditions.append(q_pos < q_len)
+            # dV += P^T dO and dK += (P^T * (dP^T - delta)) Q: P^T = 0 keeps a hidden row out of
+            # both as long as its Q, dO and delta are finite (TMA reads zeros past T).
+            p_t = jnp.where(functools.reduce(jnp.logical_and, conditions), p_t, 0.0)
 
         # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -571,14 +598,21 @@ def _consume_dkv(
 
     def head_loop(h, carry):
         base = h * cta_tiles  # the producer's step of this head's tile cta_first
+        masked_step = functools.partial(q_step, base=base, masked=True)
+        # In the producer's order: skipped tiles, the diagonal's masked ones, whole ones, and
+        # the ragged last tile (masked; it may also be on the diagonal, or the only tile).
+        whole_end = jnp.maximum(first, jnp.minimum(whole, full_end)) if ragged_q else whole
         if is_causal:
             lax.fori_loop(cta_first, first, functools.partial(skip_step, base=base), None)
-            carry = lax.fori_loop(
-                first, whole, functools.partial(q_step, base=base, masked=True), carry
+            carry = lax.fori_loop(first, whole_end, masked_step, carry)
+        if not ragged_q:
+            return lax.fori_loop(
+                whole_end, num_q_tiles, functools.partial(q_step, base=base, masked=False), carry
             )
-        return lax.fori_loop(
-            whole, num_q_tiles, functools.partial(q_step, base=base, masked=False), carry
+        carry = lax.fori_loop(
+            whole_end, full_end, functools.partial(q_step, base=base, masked=False), carry
         )
+        return lax.fori_loop(jnp.maximum(whole_end, full_end), num_q_tiles, masked_step, carry)
 
     zeros = _wgmma_zeros((block_kv, head_dim))
     plgpu.barrier_wait(kv_loaded)
@@ -596,9 +630,11 @@ def _consume_dkv(
 # -- dQ -------------------------------------------------------------------------------------------
 
 
-def _dq_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, tiles):
-    batch, q_len, num_heads, head_dim = q.shape
-    kv_len, num_kv_heads = k.shape[1], k.shape[2]
+def _dq_call(
+    q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, q_len: int, kv_len: int, tiles
+):
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dq
     kernel = functools.partial(
         _dq_kernel,
@@ -607,7 +643,7 @@ def _dq_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, tile
         is_causal=is_causal,
         kv_len=kv_len,
         group=num_heads // num_kv_heads,
-        num_q_tiles=q_len // tiles.cta_q_rows,
+        num_q_tiles=cdiv(q_len, tiles.cta_q_rows),
         tiles=tiles,
     )
     scratch = dict(
@@ -628,7 +664,7 @@ def _dq_call(q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, tile
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=scratch,
-        grid=(batch, num_heads, q_len // tiles.cta_q_rows),
+        grid=(batch, num_heads, cdiv(q_len, tiles.cta_q_rows)),
         grid_names=("batch", "head", "q_tile"),
         num_consumers=n_c,
     )(q, k, v, d_out, lse2, delta)
@@ -753,6 +789,9 @@ def _consume_dq(
     num_tiles, num_unmasked = _kv_tile_counts(
         q_start, block_q, kv_len=kv_len, block_kv=block_kv, is_causal=is_causal
     )
+    # A ragged last KV tile holds keys past S (zeros, or whatever lies past the array's end):
+    # it lies past num_unmasked and is masked there. Rows past T need no mask (not kept).
+    ragged_kv = kv_len % block_kv != 0
 
     def kv_step(step, dq, *, masked: bool):
         slot = lax.rem(step, jnp.int32(num_stages))
@@ -775,8 +814,13 @@ def _consume_dq(
         ds = p * (dp - _rows(delta, tile_shape))
         if masked:
             # Select dS, not P: NaN in V at a key a row cannot see is in dP, and 0 * NaN is NaN.
-            visible = q_start + _iota(tile_shape, 0) >= step * block_kv + _iota(tile_shape, 1)
-            ds = jnp.where(visible, ds, 0.0)
+            kv_pos = step * block_kv + _iota(tile_shape, 1)
+            conditions = []
+            if is_causal:
+                conditions.append(q_start + _iota(tile_shape, 0) >= kv_pos)
+            if ragged_kv:
+                conditions.append(kv_pos < kv_len)
+            ds = jnp.where(functools.reduce(jnp.logical_and, conditions), ds, 0.0)
         ds_in = ds.astype(dtype)
 
         # -- dQ += dS K --
@@ -796,7 +840,8 @@ def _consume_dq(
 
     dq = _wgmma_zeros((block_q, head_dim))
     dq = lax.fori_loop(0, num_unmasked, functools.partial(kv_step, masked=False), dq)
-    if is_causal:
+    if is_causal or ragged_kv:
         dq = lax.fori_loop(num_unmasked, num_tiles, functools.partial(kv_step, masked=True), dq)
+    if is_causal:
         lax.fori_loop(num_tiles, cta_tiles, skip_step, None)
     return dq

@@ -101,16 +101,16 @@ def flash_attention(
         flow through both outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
         capability >= 8.0), "mosaic" (Hopper only: the warp-specialised Pallas Mosaic GPU
-        forward, and the Mosaic GPU backward where it applies (H 64/128, no window, soft cap,
-        segment ids or lengths, block_sizes not given), else the Triton backward; raises
+        forward, and the Mosaic GPU backward where it applies (H 64/80/96/128, no window, soft
+        cap, segment ids or lengths, block_sizes not given), else the Triton backward; raises
         NotImplementedError for a call the forward does not support: bias, dense mask,
-        float32, head dims other than 64/128/256, T not a multiple of 128 or S of the key tile,
-        causal or windowed calls on CUDA runtimes 12.8.0-12.9.0, whose ptxas miscompiles the
-        mask) or "xla" (plain jnp, materialises the logits). None picks, on a GPU of compute
-        capability >= 8.0: on Hopper the Mosaic forward when it supports the call, its grid
-        fills the GPU and block_sizes is None, with the Mosaic backward for the plain and
-        causal calls it supports (at H=64 from 2048 keys); else "triton"; "triton" when
-        `interpret=True`; "xla" elsewhere.
+        float32, head dims other than 64/80/96/128/192/256, causal or windowed calls on CUDA
+        runtimes 12.8.0-12.9.0, whose ptxas miscompiles the mask) or "xla" (plain jnp,
+        materialises the logits). None picks, on a GPU of compute capability >= 8.0: on
+        Hopper the Mosaic forward when it supports the call, its grid fills the GPU and
+        block_sizes is None, with the Mosaic backward for the plain and causal calls it
+        supports (at H=64 from 2048 keys); else "triton"; "triton" when `interpret=True`;
+        "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
@@ -466,8 +466,9 @@ def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap, tiles) -> bool:
         soft_cap=soft_cap,
         segments=spec.has_segments,
     )
-    ctas = batch * num_heads * (q_len // tiles.cta_rows)
-    return choose_kv_splits(0, ctas, key.shape[1] // tiles.block_kv, interpret=False) == 1
+    ctas = batch * num_heads * mosaic_forward.cdiv(q_len, tiles.cta_rows)
+    kv_tiles = mosaic_forward.cdiv(key.shape[1], tiles.block_kv)
+    return choose_kv_splits(0, ctas, kv_tiles, interpret=False) == 1
 
 
 def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:

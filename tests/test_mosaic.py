@@ -362,22 +362,25 @@ def test_segment_plans_include_the_hard_cases():
 BF16 = jnp.bfloat16
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_supports_accepts(head_dim, is_causal):
     assert supports((2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal) is None
     assert (
         supports((1, 128, 1, head_dim), (1, 256, 1, head_dim), jnp.float16, is_causal=True) is None
     )
+    # Any lengths: ragged last tiles, lengths below one tile, lengths that are not multiples of 8.
+    for q_len, kv_len in ((3000, 3000), (197, 197), (1, 1), (130, 333), (1000, 64)):
+        shapes = (1, q_len, 4, head_dim), (1, kv_len, 2, head_dim)
+        assert supports(*shapes, BF16, is_causal=is_causal) is None
 
 
 @pytest.mark.parametrize(
     "q_shape, k_shape, dtype, reason",
     [
-        ((1, 1000, 4, 128), (1, 1024, 4, 128), BF16, "q_len=1000 not a positive multiple of 128"),
-        ((1, 256, 4, 128), (1, 1000, 4, 128), BF16, "kv_len=1000 not a positive multiple of"),
-        ((1, 256, 4, 64), (1, 64, 4, 64), BF16, "kv_len=64 not a positive multiple of"),
-        ((1, 256, 4, 80), (1, 256, 4, 80), BF16, "head_dim=80 is not one of (64, 128, 256)"),
+        ((1, 0, 4, 128), (1, 1024, 4, 128), BF16, "q_len=0 and kv_len=1024 must be positive"),
+        ((1, 256, 4, 128), (1, 0, 4, 128), BF16, "kv_len=0 must be positive"),
+        ((1, 256, 4, 112), (1, 256, 4, 112), BF16, "head_dim=112 is not one of (64, 80, 96, 128"),
         ((1, 256, 4, 32), (1, 256, 4, 32), BF16, "head_dim=32"),
         ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, "dtype float32"),
         ((1, 256, 6, 128), (1, 256, 4, 128), BF16, "num_heads=6 must be divisible by"),
@@ -604,11 +607,12 @@ def test_tiles_validate(kwargs, match):
 
 
 def test_flash_forward_raises_before_tracing():
-    q = jnp.zeros((1, 100, 2, 128), BF16)
-    k = jnp.zeros((1, 128, 2, 128), BF16)
-    with pytest.raises(ValueError, match="q_len=100"):
+    q = jnp.zeros((1, 100, 2, 112), BF16)
+    k = jnp.zeros((1, 128, 2, 112), BF16)
+    with pytest.raises(ValueError, match="head_dim=112"):
         flash_forward(q, k, k, scale=0.1, is_causal=False)
     q = jnp.zeros((1, 128, 2, 128), BF16)
+    k = jnp.zeros((1, 128, 2, 128), BF16)
     with pytest.raises(ValueError, match="scale=-0.1 must be positive"):
         flash_forward(q, k, k, scale=-0.1, is_causal=False)
     with pytest.raises(ValueError, match="must share shape and q's dtype"):

@@ -164,19 +164,48 @@ def paper_grid(head_dims, seqs, tokens=16384, hidden=2048):
                 )
 
 
+def shapes_grid():
+    """The shapes suite: lengths that are not multiples of the tiles and head dims other than
+    64/128, as models use them, at batches that fill an H200 (about 16k tokens or more).
+    Llama-like T = S = 3000 (hidden 2048, H=128); ViT-B at 224 px (197 tokens, 12 heads of 64)
+    and ViT-L at 384 px (577 tokens, 16 heads of 64); Phi-like H=80 and H=96 (32 heads) at 2k;
+    H=192 at 4k (forward on Mosaic, backward on Triton)."""
+    yield dict(b=5, t=3000, s=3000, n=16, k=16, h=128, causal=True)
+    yield dict(b=5, t=3000, s=3000, n=16, k=16, h=128, causal=False)
+    yield dict(b=256, t=197, s=197, n=12, k=12, h=64, causal=False)
+    yield dict(b=64, t=577, s=577, n=16, k=16, h=64, causal=False)
+    for h in (96, 80):
+        for causal in (True, False):
+            yield dict(b=8, t=2048, s=2048, n=32, k=32, h=h, causal=causal)
+    yield dict(b=4, t=4096, s=4096, n=16, k=16, h=192, causal=True)
+
+
+def mosaic_calls(impl, p, dtype, pass_) -> int | None:
+    """How many Mosaic GPU kernels the jitted call of a pallas_flash implementation launches
+    (3: Mosaic forward and backward; 1: Mosaic forward, Triton backward; 0: Triton)."""
+    if not impl.startswith("pallas_flash"):
+        return None
+    fn = attention_fn(impl, is_causal=p["causal"])
+    args = make_inputs(p["b"], p["t"], p["s"], p["n"], p["k"], p["h"], dtype)
+    try:
+        return timed_fn(fn, pass_).lower(*args).as_text().count("mosaic_gpu_v2")
+    except Exception:  # noqa: BLE001 -- the timing row records the failure
+        return None
+
+
 def print_table(rows, impls, out=sys.stdout, metric="tflops"):
     """TFLOP/s (or ms) per implementation, and pallas_flash / cudnn, per grid point and pass."""
     by_point = {}
     for r in rows:
-        key = (r["H"], r["causal"], r["T"], r["pass"])
+        key = (r["H"], r["causal"], r["T"], r["B"], r["pass"])
         by_point.setdefault(key, {})[r["impl"]] = r[metric]
-    header = ["H", "causal", "seq", "pass", *impls]
+    header = ["H", "causal", "seq", "B", "pass", *impls]
     if "cudnn" in impls and "pallas_flash" in impls:
         header.append("pf/cudnn")
     print("| " + " | ".join(header) + " |", file=out)
     print("|" + "---|" * len(header), file=out)
-    for (h, causal, seq, pass_), vals in sorted(by_point.items()):
-        cells = [str(h), str(int(causal)), str(seq), pass_]
+    for (h, causal, seq, b, pass_), vals in sorted(by_point.items()):
+        cells = [str(h), str(int(causal)), str(seq), str(b), pass_]
         cells += [
             "-" if vals.get(i) is None else f"{vals[i]:.{0 if metric == 'tflops' else 2}f}"
             for i in impls
@@ -694,9 +723,12 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
         "--suite",
-        choices=["grid", "masks", "compile", "decode", "scale"],
+        choices=["grid", "shapes", "masks", "compile", "decode", "scale"],
         default="grid",
-        help="grid: the FA2 paper's grid; masks: packed documents, windows, padding (GPU only); "
+        help="grid: the FA2 paper's grid; shapes: lengths off the tile grid (3000, ViT's 197 "
+        "and 577) and head dims 80, 96, 192, beside cuDNN (GPU only; --impls default "
+        "pallas_flash, pallas_flash_triton, cudnn); masks: packed documents, windows, padding "
+        "(GPU only); "
         "compile: lowering and compile time of a jit(grad) over 1, 6 and 24 causal layers; "
         "decode: decode_attention / paged_attention in TB/s of K/V read (tiny interpreted "
         "shapes on a CPU); scale: causal ring attention on 1/2/4/8 devices of this host "
@@ -742,7 +774,19 @@ def main(argv=None):
             raise SystemExit("--suite masks needs an NVIDIA GPU (sm80+)")
         run_mask_suite(args.out, args.repeats)
         return
-    if on_gpu:
+    if args.suite == "shapes" and not on_gpu:
+        raise SystemExit("--suite shapes needs an NVIDIA GPU (sm80+)")
+    if args.suite == "shapes":
+        grid = list(shapes_grid())
+        impls, interpret, dtype, calls = args.impls, False, jnp.bfloat16, 10
+        if "--impls" not in (argv if argv is not None else sys.argv):
+            impls = ["pallas_flash", "pallas_flash_triton", "cudnn"]
+        print(
+            f"GPU: {jax.devices()[0].device_kind}; {len(grid)} shapes x {len(args.passes)} "
+            f"passes x {len(impls)} implementations",
+            flush=True,
+        )
+    elif on_gpu:
         grid = list(paper_grid(args.head_dims, args.seqs))
         impls, interpret, dtype, calls = args.impls, False, jnp.bfloat16, 10
         print(
@@ -785,6 +829,8 @@ def main(argv=None):
                         calls=calls,
                         repeats=args.repeats,
                     )
+                    if args.suite == "shapes":
+                        row.update(suite="shapes", mosaic_calls=mosaic_calls(impl, p, dtype, pass_))
                     rows.append(row)
                     f.write(json.dumps(row) + "\n")
                     f.flush()
@@ -793,9 +839,12 @@ def main(argv=None):
                         if row["tflops"] is None
                         else (f"{row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s")
                     )
+                    kernels = (
+                        f" mosaic_calls={row['mosaic_calls']}" if "mosaic_calls" in row else ""
+                    )
                     print(
-                        f"[{len(rows)}/{total}] {impl:12s} H={p['h']} seq={p['t']} "
-                        f"causal={int(p['causal'])} {pass_:7s} {shown}",
+                        f"[{len(rows)}/{total}] {impl:12s} H={p['h']} seq={p['t']} B={p['b']} "
+                        f"causal={int(p['causal'])} {pass_:7s} {shown}{kernels}",
                         flush=True,
                     )
     print()

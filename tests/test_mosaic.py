@@ -817,22 +817,23 @@ MASKED_GPU_CASES = [
 ]
 
 
-def run_forward(fn, *args, interpreted: bool):
+def run_forward(fn, *args, interpreted: bool, oob_fill=0):
     """jit(fn)(*args) -> (out, lse) as float32 numpy arrays, on the GPU or, with `interpreted`,
-    in the Mosaic GPU interpreter with the race detector on (converted inside its scope)."""
-    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+    in the Mosaic GPU interpreter with the race detector on (converted inside its scope), where
+    TMA loads read `oob_fill` past an array's end."""
+    with interpret_mosaic(oob_fill=oob_fill) if interpreted else contextlib.nullcontext():
         out, lse = jax.jit(fn)(*args)
         return np.asarray(out.astype(jnp.float32)), np.asarray(lse)
 
 
-def check_masked(p: Problem, options: dict, scale, tiles=None, *, interpreted=False):
+def check_masked(p: Problem, options: dict, scale, tiles=None, *, interpreted=False, oob_fill=0):
     scale = p.scale if scale is None else scale
     window, soft_cap = options.get("window"), options.get("soft_cap")
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
     run = functools.partial(
         flash_forward, scale=scale, is_causal=p.is_causal, tiles=tiles, **options
     )
-    out, lse = run_forward(run, q, k, v, interpreted=interpreted)
+    out, lse = run_forward(run, q, k, v, interpreted=interpreted, oob_fill=oob_fill)
     visible = visibility(p, window)
     oracle = attention_oracle_f64(q64, k64, v64, scale=scale, visible=visible, soft_cap=soft_cap)
     baseline = jax.jit(
@@ -915,7 +916,9 @@ SEGMENT_GPU_CASES = [
 ]
 
 
-def check_segments(p: Problem, kind: str, options: dict, scale, tiles=None, *, interpreted=False):
+def check_segments(
+    p: Problem, kind: str, options: dict, scale, tiles=None, *, interpreted=False, oob_fill=0
+):
     scale = p.scale if scale is None else scale
     window, soft_cap = options.get("window"), options.get("soft_cap")
     arrays = segment_arrays(kind, p.batch, p.q_len, p.kv_len)
@@ -926,7 +929,7 @@ def check_segments(p: Problem, kind: str, options: dict, scale, tiles=None, *, i
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
     run = segments_forward_fn(p, tiles, scale=scale, **options)
     ids = (arrays.q_segment_ids, arrays.kv_segment_ids)
-    out, lse = run_forward(run, q, k, v, *ids, interpreted=interpreted)
+    out, lse = run_forward(run, q, k, v, *ids, interpreted=interpreted, oob_fill=oob_fill)
     oracle = attention_oracle_f64(q64, k64, v64, scale=scale, visible=visible, soft_cap=soft_cap)
     baseline = jax.jit(
         functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=soft_cap)
@@ -1188,6 +1191,140 @@ def test_masked_default_call_on_hopper_matches_oracle_interpreted(monkeypatch):
     assert_within_tolerance(
         (out, lse), baselines, (r["out"], r["lse"]), floor=p.floor, names=("out", "lse")
     )
+
+
+# -- any T and S, head dims 80, 96 and 192 ---------------------------------------------------------
+
+# What TMA reads past an array's end in the interpreter, instead of the hardware's zeros: finite
+# (V past S meets a probability of exactly 0, and 0 * NaN would not be 0), and large enough that
+# a key past S or a row past T leaking into a kept output shows at once.
+GARBAGE = 1000.0
+# The long slice of the ragged cases runs with PALLAS_FLASH_SWEEP set (and on the GPU suite's
+# machine the compiled tests cover the same paths).
+LONG = bool(os.environ.get("PALLAS_FLASH_SWEEP"))
+long_only = pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_SWEEP to run")
+
+# Lengths that are multiples of 8 run in place (TMA windows past the arrays' ends); others are
+# padded to 8 by the wrapper; head dims 80/96 run padded to 128, 192 as it is (64-key tiles).
+RAGGED_LOWERING_CASES = [
+    (Problem(1, 3000, 3000, 4, 2, 128, True, "bf16"), {}),
+    (Problem(2, 197, 197, 4, 4, 64, False, "bf16"), {}),
+    (Problem(1, 577, 577, 2, 2, 64, True, "f16"), {}),
+    (Problem(1, 2048, 2048, 4, 2, 96, True, "bf16"), {}),
+    (Problem(1, 2048, 2048, 4, 2, 80, False, "bf16"), {}),
+    (Problem(1, 1000, 1000, 4, 2, 192, True, "bf16"), {}),
+    (Problem(1, 300, 1000, 2, 1, 128, False, "bf16"), dict(window=(100, 50), soft_cap=20.0)),
+    (Problem(1, 1, 5, 2, 1, 64, False, "bf16"), {}),
+]
+
+
+@pytest.mark.parametrize("p, options", RAGGED_LOWERING_CASES, ids=str)
+def test_lowers_with_any_lengths_and_head_dims(p, options):
+    """One Mosaic GPU call; out [B, T, N, H] and lse [B, N, T] at the caller's T and H."""
+    lowered = lower_for_h200(forward_fn(p, **options), *abstract_qkv(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    out, lse = lowered.out_info
+    assert (out.shape, out.dtype) == ((p.batch, p.q_len, p.num_heads, p.head_dim), p.jnp_dtype)
+    assert (lse.shape, lse.dtype) == ((p.batch, p.num_heads, p.q_len), jnp.float32)
+
+
+def test_lowers_with_segment_ids_at_any_lengths():
+    p = Problem(2, 197, 333, 4, 2, 96, True, "bf16")
+    run = segments_forward_fn(p, window=(50, 0))
+    lowered = lower_for_h200(run, *abstract_qkv(p), *abstract_ids(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    assert lowered.out_info[0].shape == (p.batch, p.q_len, p.num_heads, p.head_dim)
+
+
+def test_lengths_not_multiples_of_8_are_padded_and_others_run_in_place():
+    """The wrapper pads T and S to 8 (Mosaic GPU tiles the TMA windows' rows by 8) and H 80/96
+    to 128, and nothing else: at T = S = 3000, H = 128 the kernel reads q, k, v as given."""
+    p = Problem(1, 3000, 3000, 4, 2, 128, True, "bf16")
+    text = lower_for_h200(forward_fn(p), *abstract_qkv(p)).as_text()
+    assert "stablehlo.pad" not in text and "stablehlo.slice" not in text
+    p = Problem(1, 197, 200, 4, 2, 96, True, "bf16")
+    text = lower_for_h200(forward_fn(p), *abstract_qkv(p)).as_text()
+    assert "tensor<1x200x4x128xbf16>" in text  # q padded in T and H; k, v in H
+    assert "stablehlo.pad" in text and "stablehlo.slice" in text
+
+
+# (problem, flash_forward options, tiles, oob_fill): in place with TMA windows past the ends
+# (T = S = 200; T = 136, S = 328), padded by the wrapper (T = 130, S = 333), causal with T > S and
+# GQA, a window, H 96 and 192 (64-key tiles), a call of 5 queries and 3 keys at H=80.
+RAGGED_INTERPRET_CASES = [
+    (Problem(1, 200, 200, 2, 1, 64, False, "bf16"), {}, None, GARBAGE),
+    (Problem(1, 130, 333, 2, 1, 128, False, "f16"), {}, None, 0),
+    (Problem(1, 333, 136, 4, 2, 64, True, "bf16"), {}, None, GARBAGE),
+    (Problem(1, 200, 328, 2, 1, 128, False, "bf16"), dict(window=(50, 20)), None, GARBAGE),
+    (Problem(1, 200, 200, 2, 2, 96, True, "bf16"), {}, None, GARBAGE),
+    pytest.param(
+        Problem(1, 136, 200, 2, 1, 192, False, "f16"),
+        dict(soft_cap=20.0),
+        None,
+        GARBAGE,
+        marks=long_only,
+    ),
+    pytest.param(Problem(1, 5, 3, 1, 1, 80, False, "bf16"), {}, None, 0, marks=long_only),
+    pytest.param(
+        Problem(2, 200, 328, 2, 1, 64, False, "bf16"),
+        {},
+        ForwardTiles(persistent=True),
+        GARBAGE,
+        marks=long_only,
+    ),
+]
+
+
+@pytest.mark.parametrize("p, options, tiles, oob_fill", RAGGED_INTERPRET_CASES, ids=str)
+def test_any_lengths_and_head_dims_match_oracle_interpreted(
+    p, options, tiles, oob_fill, monkeypatch
+):
+    """Ragged last query and key tiles: keys past S masked, rows past T not kept, with garbage
+    past the arrays' ends; padded head dims: out, lse against the float64 oracle."""
+    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    check_masked(p, options, None, tiles, interpreted=True, oob_fill=oob_fill)
+
+
+def test_segments_at_any_lengths_match_oracle_interpreted():
+    """Key ids past S read as 0 (the hardware's fill), which equals document 0's id: only the
+    bound on S keeps those keys out. Queries and keys past their lengths, T = S = 200."""
+    p = Problem(2, 200, 200, 2, 1, 64, True, "bf16")
+    check_segments(p, "packed-lengths", {}, None, interpreted=True)
+
+
+RAGGED_GPU_CASES = [
+    (Problem(1, 3000, 3000, 4, 2, 128, True, "bf16"), {}),
+    (Problem(8, 197, 197, 12, 12, 64, False, "bf16"), {}),
+    (Problem(4, 577, 577, 16, 16, 64, False, "f16"), {}),
+    (Problem(2, 2048, 2048, 8, 2, 96, True, "bf16"), {}),
+    (Problem(2, 2048, 2048, 8, 8, 80, False, "bf16"), {}),
+    (Problem(2, 1000, 1000, 8, 2, 192, True, "bf16"), {}),
+    (Problem(2, 130, 333, 4, 2, 128, False, "f16"), {}),
+    (Problem(2, 1, 7, 4, 1, 64, False, "bf16"), {}),
+    (Problem(2, 1000, 777, 4, 2, 128, True, "bf16"), dict(window=(300, 0))),
+    (Problem(2, 600, 900, 4, 2, 96, False, "bf16"), dict(window=(100, 200), soft_cap=20.0)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p, options", RAGGED_GPU_CASES, ids=str)
+def test_any_lengths_and_head_dims_match_oracle(p, options):
+    needs_hopper()
+    check_masked(p, options, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p, kind",
+    [
+        (Problem(2, 1000, 1000, 4, 2, 128, True, "bf16"), "packed-lengths"),
+        (Problem(2, 197, 333, 4, 2, 80, False, "bf16"), "lengths"),
+    ],
+    ids=str,
+)
+def test_segments_at_any_lengths_match_oracle(p, kind):
+    needs_hopper()
+    check_segments(p, kind, {}, None)
 
 
 # -- through the public API: the Mosaic forward, the Triton backward ------------------------------

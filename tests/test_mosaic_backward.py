@@ -28,7 +28,7 @@ from conftest import (
 )
 from mosaic_interpret import interpret_mosaic
 from test_lowering import abstract_inputs, lower_for_h200
-from test_mosaic import custom_call_targets, needs_hopper
+from test_mosaic import GARBAGE, custom_call_targets, long_only, needs_hopper
 from test_mosaic import forward_fn as mosaic_forward_fn
 
 import pallas_flash
@@ -458,6 +458,150 @@ def test_kernel_config_refuses_mosaic_backward_with_options_it_would_drop(
             interpret=False,
             backward="mosaic",
         )
+
+
+# -- any T and S, head dims 80 and 96 -------------------------------------------------------------
+
+RAGGED_LOWERING_PROBLEMS = [
+    Problem(1, 3000, 3000, 4, 2, 128, True, "bf16"),
+    Problem(1, 2048, 2048, 4, 2, 96, True, "bf16"),
+    Problem(1, 2048, 2048, 4, 4, 80, False, "f16"),
+    Problem(2, 197, 197, 4, 4, 64, False, "bf16"),
+    Problem(1, 577, 300, 2, 1, 64, True, "bf16"),
+    Problem(1, 3, 5, 2, 1, 128, False, "bf16"),
+]
+
+
+@pytest.mark.parametrize("p", RAGGED_LOWERING_PROBLEMS, ids=str)
+def test_lowers_with_any_lengths_and_head_dims(p):
+    """Two Mosaic GPU calls; dq, dk, dv at the caller's T, S and H."""
+    lowered = lower_for_h200(backward_fn(p), *abstract_backward_args(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
+    dq, dk, dv = lowered.out_info
+    q, k = abstract_inputs(p)[:2]
+    assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
+    assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
+
+
+# (problem, tiles, oob_fill): in place with TMA windows past the ends and garbage there (T = 136,
+# S = 328: a ragged last query tile in dK/dV, a ragged last key tile in dQ), padded by the
+# wrapper (T = 333, S = 130, H = 96; causal with T > S, GQA), one consumer and three stages at
+# H=80 (padded to 128), a call of 3 queries and 5 keys.
+RAGGED_INTERPRET_PROBLEMS = [
+    (Problem(1, 136, 328, 2, 1, 64, False, "bf16"), None, GARBAGE),
+    (Problem(1, 333, 130, 4, 2, 96, True, "f16"), None, 0),
+    pytest.param(
+        Problem(1, 200, 200, 2, 1, 80, True, "bf16"),
+        BackwardTiles(num_consumers=1, num_stages=3),
+        GARBAGE,
+        marks=long_only,
+    ),
+    pytest.param(Problem(1, 3, 5, 2, 2, 128, False, "bf16"), None, GARBAGE, marks=long_only),
+]
+
+
+@pytest.mark.parametrize("p, tiles, oob_fill", RAGGED_INTERPRET_PROBLEMS, ids=str)
+def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
+    """The Mosaic forward and backward at ragged lengths and padded head dims, with garbage
+    past the arrays' ends where given: out, lse, dq, dk, dv against the float64 oracle."""
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic(oob_fill=oob_fill):
+        out, lse = jax.jit(mosaic_forward_fn(p))(q, k, v)
+        out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
+        grads = jax.jit(backward_fn(p, tiles))(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
+    results = (np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+# Through the public call as a Hopper runs it: the forward and both backward kernels are Mosaic
+# at these shapes (and H=192 takes the Mosaic forward with the Triton backward).
+@pytest.mark.parametrize(
+    "p, mosaic_calls",
+    [
+        (Problem(1, 3000, 3000, 16, 8, 128, True, "bf16"), 3),
+        (Problem(4, 2048, 2048, 16, 16, 96, False, "bf16"), 3),
+        (Problem(4, 2048, 2048, 16, 16, 80, True, "bf16"), 3),
+        (Problem(64, 197, 197, 12, 12, 64, False, "bf16"), 1),  # H=64 below 2k keys: Triton
+        (Problem(16, 577, 577, 16, 16, 128, False, "bf16"), 3),
+        (Problem(2, 1000, 1000, 16, 4, 192, True, "bf16"), 1),
+    ],
+    ids=str,
+)
+def test_default_call_on_hopper_takes_mosaic_at_any_lengths(monkeypatch, p, mosaic_calls):
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
+    )
+    fn = functools.partial(outputs_and_grads, attention)
+    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
+    assert targets.count("mosaic_gpu_v2") == mosaic_calls, targets
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        Problem(1, 197, 197, 4, 2, 80, True, "bf16"),
+        pytest.param(Problem(2, 130, 200, 2, 1, 128, False, "f16"), marks=long_only),
+    ],
+    ids=str,
+)
+def test_default_call_at_any_lengths_matches_oracle_interpreted(monkeypatch, p):
+    """The public call on a Hopper (backend=None) at a length that is not a multiple of 8 and
+    H=80: the Mosaic forward and backward, whole custom_vjp, in the interpreter."""
+    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
+    )
+    fn = functools.partial(outputs_and_grads, attention)
+    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        results = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fn)(q, k, v, d_out, d_lse)]
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+# Shapes that real models use (Llama at an odd length, Phi at H 80 / 96, ViT at 197 and 577
+# tokens), T != S, a few queries.
+RAGGED_GPU_PROBLEMS = [
+    Problem(1, 3000, 3000, 2, 1, 128, True, "bf16"),
+    Problem(2, 2048, 2048, 4, 2, 96, True, "bf16"),
+    Problem(2, 2048, 2048, 4, 4, 80, False, "f16"),
+    Problem(4, 197, 197, 4, 4, 64, False, "bf16"),
+    Problem(2, 577, 577, 4, 4, 128, False, "bf16"),
+    Problem(2, 577, 300, 4, 2, 64, True, "bf16"),
+    Problem(2, 130, 333, 4, 2, 128, False, "bf16"),
+    Problem(2, 3, 5, 4, 2, 96, False, "bf16"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p", RAGGED_GPU_PROBLEMS, ids=str)
+def test_any_lengths_and_head_dims_match_oracle(p):
+    """out, lse (Mosaic forward) and dq, dk, dv (Mosaic backward) against the float64 oracle."""
+    needs_hopper()
+    check_against_oracle(p)
+
+
+@pytest.mark.gpu
+def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
+    """backend=None at T = S = 3000, causal, H=128: the Mosaic forward and backward (three
+    Mosaic calls in the lowered program), against the float64 oracle."""
+    needs_hopper()
+    p = Problem(1, 3000, 3000, 4, 2, 128, True, "bf16")
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True
+    )
+    run = jax.jit(functools.partial(outputs_and_grads, attention))
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    targets = custom_call_targets(run.lower(q, k, v, d_out, d_lse).as_text())
+    assert targets.count("mosaic_gpu_v2") == 3, targets
+    results = run(q, k, v, d_out, d_lse)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
+    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 
 
 def test_mosaic_backward_refuses_bias():

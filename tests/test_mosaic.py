@@ -1207,14 +1207,16 @@ long_only = pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_S
 # Lengths that are multiples of 8 run in place (TMA windows past the arrays' ends); others are
 # padded to 8 by the wrapper; head dims 80/96 run padded to 128, 192 as it is (64-key tiles).
 RAGGED_LOWERING_CASES = [
-    (Problem(1, 3000, 3000, 4, 2, 128, True, "bf16"), {}),
     (Problem(2, 197, 197, 4, 4, 64, False, "bf16"), {}),
-    (Problem(1, 577, 577, 2, 2, 64, True, "f16"), {}),
-    (Problem(1, 2048, 2048, 4, 2, 96, True, "bf16"), {}),
-    (Problem(1, 2048, 2048, 4, 2, 80, False, "bf16"), {}),
     (Problem(1, 1000, 1000, 4, 2, 192, True, "bf16"), {}),
-    (Problem(1, 300, 1000, 2, 1, 128, False, "bf16"), dict(window=(100, 50), soft_cap=20.0)),
-    (Problem(1, 1, 5, 2, 1, 64, False, "bf16"), {}),
+    pytest.param(Problem(1, 577, 577, 2, 2, 64, True, "f16"), {}, marks=long_only),
+    pytest.param(Problem(1, 2048, 2048, 4, 2, 80, False, "bf16"), {}, marks=long_only),
+    pytest.param(
+        Problem(1, 300, 1000, 2, 1, 128, False, "bf16"),
+        dict(window=(100, 50), soft_cap=20.0),
+        marks=long_only,
+    ),
+    pytest.param(Problem(1, 1, 5, 2, 1, 64, False, "bf16"), {}, marks=long_only),
 ]
 
 
@@ -1249,14 +1251,21 @@ def test_lengths_not_multiples_of_8_are_padded_and_others_run_in_place():
 
 
 # (problem, flash_forward options, tiles, oob_fill): in place with TMA windows past the ends
-# (T = S = 200; T = 136, S = 328), padded by the wrapper (T = 130, S = 333), causal with T > S and
-# GQA, a window, H 96 and 192 (64-key tiles), a call of 5 queries and 3 keys at H=80.
+# (T = S = 200), padded by the wrapper (T = 130, S = 333, H = 96), causal with T > S and GQA, a
+# window, H 96 causal and 192 (64-key tiles), a call of 5 queries and 3 keys at H=80, persistent.
 RAGGED_INTERPRET_CASES = [
     (Problem(1, 200, 200, 2, 1, 64, False, "bf16"), {}, None, GARBAGE),
-    (Problem(1, 130, 333, 2, 1, 128, False, "f16"), {}, None, 0),
-    (Problem(1, 333, 136, 4, 2, 64, True, "bf16"), {}, None, GARBAGE),
-    (Problem(1, 200, 328, 2, 1, 128, False, "bf16"), dict(window=(50, 20)), None, GARBAGE),
-    (Problem(1, 200, 200, 2, 2, 96, True, "bf16"), {}, None, GARBAGE),
+    (Problem(1, 130, 333, 2, 1, 96, False, "f16"), {}, None, 0),
+    (Problem(1, 200, 136, 2, 1, 64, True, "bf16"), {}, None, GARBAGE),
+    pytest.param(Problem(1, 333, 136, 4, 2, 64, True, "bf16"), {}, None, GARBAGE, marks=long_only),
+    pytest.param(
+        Problem(1, 200, 328, 2, 1, 128, False, "bf16"),
+        dict(window=(50, 20)),
+        None,
+        GARBAGE,
+        marks=long_only,
+    ),
+    pytest.param(Problem(1, 200, 200, 2, 2, 96, True, "bf16"), {}, None, GARBAGE, marks=long_only),
     pytest.param(
         Problem(1, 136, 200, 2, 1, 192, False, "f16"),
         dict(soft_cap=20.0),
@@ -1288,7 +1297,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(
 def test_segments_at_any_lengths_match_oracle_interpreted():
     """Key ids past S read as 0 (the hardware's fill), which equals document 0's id: only the
     bound on S keeps those keys out. Queries and keys past their lengths, T = S = 200."""
-    p = Problem(2, 200, 200, 2, 1, 64, True, "bf16")
+    p = Problem(2, 200, 200, 1, 1, 64, True, "bf16")
     check_segments(p, "packed-lengths", {}, None, interpreted=True)
 
 

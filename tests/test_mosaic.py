@@ -182,7 +182,19 @@ def test_lowers_with_a_soft_cap(p, window):
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
 
 
-RANGE_SHAPES = [(256, 256), (256, 512), (512, 256), (1024, 128), (128, 1024), (384, 640)]
+# The last ones ragged: a last query tile past T, a last KV tile past S, fewer keys than a tile.
+RANGE_SHAPES = [
+    (256, 256),
+    (256, 512),
+    (512, 256),
+    (1024, 128),
+    (128, 1024),
+    (384, 640),
+    (200, 328),
+    (333, 136),
+    (8, 1000),
+    (1000, 40),
+]
 RANGE_WINDOWS = [
     None,
     (0, 0),
@@ -207,21 +219,22 @@ def test_tile_ranges_match_the_mask(q_len, kv_len, block_q, block_kv):
     [full_lo, full_hi) are seen whole by every row (no mask needed). Per CTA, what the drain
     scheme needs: every consumer range lies inside the CTA's range (a consumer drains the CTA
     steps around its own, and never waits for a tile the producer does not load), and the
-    consumer ranges cover it (no tile is loaded that nobody reads)."""
-    if q_len % (NUM_CONSUMERS * block_q) or kv_len % block_kv:
-        pytest.skip("shape not a multiple of the tiles")
+    consumer ranges cover it (no tile is loaded that nobody reads). Ragged shapes: rows past T
+    (computed, not kept) see what the geometry gives them; keys past S are hidden."""
     tiles = ForwardTiles(block_q=block_q, block_kv=block_kv)
+    num_kv_tiles = -(-kv_len // block_kv)
+    q_rows = -(-q_len // tiles.cta_rows) * tiles.cta_rows
     for is_causal in (False, True):
         for window in RANGE_WINDOWS:
             spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window)
             visible = np.broadcast_to(
-                spec.geometry(np.arange(q_len)[:, None], np.arange(kv_len)[None, :]),
-                (q_len, kv_len),
+                spec.geometry(np.arange(q_rows)[:, None], np.arange(num_kv_tiles * block_kv)),
+                (q_rows, num_kv_tiles * block_kv),
             )
             for cta_start in range(0, q_len, tiles.cta_rows):
                 first, end = cta_tile_range(spec, cta_start, tiles)
                 # An empty range may lie past the last tile: nothing is loaded then.
-                assert first == end or 0 <= first < end <= kv_len // block_kv
+                assert first == end or 0 <= first < end <= num_kv_tiles
                 covered = set()
                 for wg in range(NUM_CONSUMERS):
                     q_start = cta_start + wg * block_q
@@ -232,10 +245,17 @@ def test_tile_ranges_match_the_mask(q_len, kv_len, block_q, block_kv):
                     seen, whole = rows.any(axis=(0, 2)), rows.all(axis=(0, 2))
                     case = (is_causal, window, q_start, (lo, full_lo, full_hi, hi), (first, end))
                     assert first <= lo <= full_lo <= full_hi <= hi <= end, case
-                    assert set(range(lo, hi)) == set(np.flatnonzero(seen)), case
+                    if kv_len % block_kv == 0:
+                        assert set(range(lo, hi)) == set(np.flatnonzero(seen)), case
+                    else:
+                        # Rows past every key may keep the ragged last tile (all masked).
+                        assert set(np.flatnonzero(seen)) <= set(range(lo, hi)), case
+                        assert hi - lo <= len(set(np.flatnonzero(seen))) + 1, case
                     assert whole[full_lo:full_hi].all(), case
-                    # The loops that `_consume` does not emit without a left / right side.
-                    mask_left, mask_right = mask_sides(spec)
+                    # The loops that `_consume` does not emit without a left / right side (a
+                    # ragged last KV tile counts as a right side).
+                    mask_left, mask_right = mask_sides(spec, tiles)
+                    mask_right = mask_right or kv_len % block_kv != 0
                     assert mask_left or first == lo == full_lo, case
                     assert mask_right or full_hi == hi == end, case
                     covered |= set(range(lo, hi))
@@ -295,15 +315,17 @@ SEGMENT_RANGE_WINDOWS = [None, (0, 0), (5, 3), (100, 30), (127, 0), (10**6, 10**
 
 @pytest.mark.parametrize("kind", ["one-document", "packed", "packed-lengths", "unsorted", "gap"])
 @pytest.mark.parametrize("block_q, block_kv", [(64, 128), (64, 64), (128, 64)])
-@pytest.mark.parametrize("q_len, kv_len", [(256, 256), (256, 512), (512, 256), (384, 640)])
+@pytest.mark.parametrize(
+    "q_len, kv_len", [(256, 256), (256, 512), (512, 256), (384, 640), (333, 136)]
+)
 def test_segment_tile_plan_matches_the_mask(q_len, kv_len, block_q, block_kv, kind):
     """`segment_tile_plan` against the brute-force visibility (`masks.dense`), per batch entry,
     CTA and consumer, causal and not, over windows: the invariants its docstring lists. With
-    one document the consumer ranges are the geometry's exactly."""
-    if q_len % (NUM_CONSUMERS * block_q) or kv_len % block_kv:
-        pytest.skip("shape not a multiple of the tiles")
+    one document the consumer ranges of blocks inside T are the geometry's exactly (a ragged
+    last block is masked element-wise against the padding ids). Rows past T see nothing."""
     tiles = ForwardTiles(block_q=block_q, block_kv=block_kv)
-    num_kv_tiles = kv_len // block_kv
+    num_kv_tiles = -(-kv_len // block_kv)
+    num_ctas = -(-q_len // tiles.cta_rows)
     arrays = segment_arrays(kind, 2, q_len, kv_len, seed=q_len + kv_len + block_q)
     for is_causal in (False, True):
         for window in SEGMENT_RANGE_WINDOWS:
@@ -311,8 +333,10 @@ def test_segment_tile_plan_matches_the_mask(q_len, kv_len, block_q, block_kv, ki
                 q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window, has_segments=True
             )
             plan = np.asarray(segment_tile_plan(spec, arrays, tiles))
-            assert plan.shape == (2, q_len // tiles.cta_rows, NUM_CONSUMERS + 1, 4)
+            assert plan.shape == (2, num_ctas, NUM_CONSUMERS + 1, 4)
             visible = np.asarray(masks.dense(spec, arrays))[:, 0]
+            pad_q, pad_kv = num_ctas * tiles.cta_rows - q_len, num_kv_tiles * block_kv - kv_len
+            visible = np.pad(visible, ((0, 0), (0, pad_q), (0, pad_kv)))
             for b, cta in np.ndindex(plan.shape[:2]):
                 first, first_again, end, end_again = plan[b, cta, NUM_CONSUMERS]
                 assert first == first_again and end == end_again
@@ -329,7 +353,7 @@ def test_segment_tile_plan_matches_the_mask(q_len, kv_len, block_q, block_kv, ki
                     assert whole[full_lo:full_hi].all(), case
                     if lo < hi:
                         visits.append((lo, hi))
-                    if kind == "one-document" and seen.any():
+                    if kind == "one-document" and seen.any() and q_start + block_q <= q_len:
                         geometry = spec.kv_tile_range(q_start, block_q, block_kv)
                         assert (lo, full_lo, full_hi, hi) == tuple(geometry), case
                 hull = (min(v[0] for v in visits), max(v[1] for v in visits)) if visits else (0, 0)

@@ -205,7 +205,25 @@ def cta_plans(spec: MaskSpec, tiles: ForwardTiles):
     return sorted(plans)
 
 
-SHAPES = [(128, 128), (256, 512), (512, 256), (1024, 128), (128, 1024), (384, 640)]
+# Ragged ones too: the last query tile past T, the last KV tile past S, fewer keys than a tile.
+SHAPES = [
+    (128, 128),
+    (256, 512),
+    (512, 256),
+    (1024, 128),
+    (128, 1024),
+    (384, 640),
+    (200, 328),
+    (333, 136),
+    (8, 1000),
+    (1000, 40),
+]
+
+
+def num_kv_tiles(kv_len: int, block_kv: int) -> int:
+    return -(-kv_len // block_kv)
+
+
 WINDOWS = [None, (0, 0), (1, 0), (5, 3), (63, 64), (100, 30), (127, 0), (300, 1000), (512, 0)]
 
 
@@ -214,8 +232,6 @@ def all_plans():
     plans = set()
     for q_len, kv_len in SHAPES:
         for block_q, block_kv in ((64, 64), (64, 128), (128, 64)):
-            if q_len % (2 * block_q) or kv_len % block_kv:
-                continue
             for stages in (2, 3, 4):
                 tiles = ForwardTiles(block_q=block_q, block_kv=block_kv, num_stages=stages)
                 for is_causal in (False, True):
@@ -224,7 +240,7 @@ def all_plans():
                             q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window
                         )
                         for plan in cta_plans(spec, tiles):
-                            plans.add((*plan, kv_len // block_kv, stages))
+                            plans.add((*plan, num_kv_tiles(kv_len, block_kv), stages))
     return sorted(plans)
 
 
@@ -264,10 +280,8 @@ def segment_plans():
     """Distinct CTA plans of `segment_tile_plan` over shapes, tiles, random ids (packed, with
     lengths, unsorted, with a gap), causal and windows (with the ring depth)."""
     plans = set()
-    for q_len, kv_len in ((256, 256), (256, 512), (512, 256), (384, 640)):
+    for q_len, kv_len in ((256, 256), (256, 512), (512, 256), (384, 640), (200, 328), (333, 136)):
         for block_q, block_kv in ((64, 64), (64, 128), (128, 64)):
-            if q_len % (NUM_CONSUMERS * block_q) or kv_len % block_kv:
-                continue
             tiles = ForwardTiles(block_q=block_q, block_kv=block_kv)
             for kind in ("packed", "packed-lengths", "unsorted", "gap"):
                 arrays = segment_arrays(kind, 2, q_len, kv_len, seed=q_len + block_kv)
@@ -285,7 +299,9 @@ def segment_plans():
                             first, _, _, end = cta[NUM_CONSUMERS]
                             ranges = tuple((c[0], c[3]) for c in cta[:NUM_CONSUMERS])
                             for stages in (2, 3):
-                                plans.add((first, end, ranges, kv_len // block_kv, stages))
+                                plans.add(
+                                    (first, end, ranges, num_kv_tiles(kv_len, block_kv), stages)
+                                )
     return sorted(plans)
 
 
@@ -430,7 +446,7 @@ def consumer_arithmetic(
     block_q, block_kv = tiles.block_q, tiles.block_kv
     qk_scale = f32(scale * LOG2E)
     out, lse = np.zeros((q_len, head_dim), f32), np.zeros(q_len, f32)
-    mask_left, mask_right = mask_sides(spec)
+    mask_left, mask_right = mask_sides(spec, tiles)
     if ids is not None:
         plan = np.asarray(segment_tile_plan(spec, MaskArrays(*(x[None] for x in ids)), tiles))[0]
     for cta_start in range(0, q_len, tiles.cta_rows):

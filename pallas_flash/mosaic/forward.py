@@ -548,12 +548,15 @@ def consumer_tile_range(spec: MaskSpec, q_start, cta_range, tiles: ForwardTiles)
     )
 
 
-def mask_sides(spec: MaskSpec) -> tuple[bool, bool]:
+def mask_sides(spec: MaskSpec, tiles: ForwardTiles) -> tuple[bool, bool]:
     """(left, right): whether the window's left side (the right side, or causality) hides any
-    key. Row i >= 0 sees keys j >= i - left, all of them once left >= T - 1; keys j <= i + right,
-    all j < S once right >= S - 1. Without a left side every consumer range starts at the CTA's
-    first tile and is whole from there; without a right side it ends whole at the CTA's last."""
-    return spec.left < spec.q_len - 1, spec.right < spec.kv_len - 1
+    key from a row the kernel runs: rows i < R, R = T rounded up to the CTA's rows (rows past T
+    run the same loops, on zeros, and are not kept). Row i >= 0 sees keys j >= i - left, all of
+    them once left >= R - 1; keys j <= i + right, all j < S once right >= S - 1. Without a left
+    side every consumer range starts at the CTA's first tile and is whole from there; without
+    a right side it ends whole at the CTA's last (unless the last KV tile is ragged)."""
+    rows = cdiv(spec.q_len, tiles.cta_rows) * tiles.cta_rows
+    return spec.left < rows - 1, spec.right < spec.kv_len - 1
 
 
 def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -> jax.Array:
@@ -927,8 +930,8 @@ def _consume(
     qk_scale = scale * LOG2E
     # With segment ids any tile may need the element-wise mask, and any consumer may start
     # after the CTA's first tile or end before its last.
-    mask_left, mask_right = (True, True) if q_ids_smem is not None else mask_sides(spec)
-    geometry_left, geometry_right = mask_sides(spec)
+    mask_left, mask_right = (True, True) if q_ids_smem is not None else mask_sides(spec, tiles)
+    geometry_left, geometry_right = mask_sides(spec, tiles)
     # A ragged last KV tile holds keys past S: it lies past full_hi and is masked there.
     ragged_kv = spec.kv_len % block_kv != 0
     mask_right = mask_right or ragged_kv

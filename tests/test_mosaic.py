@@ -1275,8 +1275,9 @@ def test_lengths_not_multiples_of_8_are_padded_and_others_run_in_place():
 
 
 # (problem, flash_forward options, tiles, oob_fill): in place with TMA windows past the ends
-# (T = S = 200), 8 queries in a CTA of 256 rows, padded by the wrapper (T = 130, S = 333, H = 96), causal with T > S and GQA, a
-# window, H 96 causal and 192 (64-key tiles), a call of 5 queries and 3 keys at H=80, persistent.
+# (T = S = 200), 8 queries in a CTA of 256 rows, padded by the wrapper (T = 130, S = 333,
+# H = 96), causal with T > S and GQA, a window, H 96 causal and 192 (64-key tiles), a call of
+# 5 queries and 3 keys at H=80, persistent CTAs.
 RAGGED_INTERPRET_CASES = [
     (Problem(1, 200, 200, 2, 1, 64, False, "bf16"), {}, None, GARBAGE),
     # A left side no real row feels (left >= T - 1) that hides keys from the rows past T that

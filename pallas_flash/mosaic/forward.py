@@ -7,6 +7,11 @@ with TMA into a ring of `num_stages` shared-memory slots; two consumer warpgroup
 schedule barrier makes the two consumers take turns on the tensor cores ("ping-pong"), so
 that one warpgroup's softmax overlaps the other's matrix multiplies.
 
+Any T and S: the last query and KV tiles may run past the arrays' ends, where TMA reads zeros
+and drops writes; keys past S are masked on the last KV tile only, so whole tiles keep the fast
+path. Head dims 80 and 96 run zero-padded to 128 (see HEAD_DIMS, ROW_ALIGN for what the wrapper
+pads and why).
+
 Outputs match `pallas_flash.triton.forward` (out in the input dtype, lse natural-log float32
 [B, N, T]) so that either backward (Triton or Mosaic) can use them as residuals.
 """
@@ -269,9 +274,11 @@ def flash_forward(
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
 
     Args:
-      q: [B, T, N, H] queries, bfloat16 or float16.
-      k, v: [B, S, K, H] keys and values, the dtype of q; N % K == 0 and query head n reads kv
-        head n // (N // K) (e.g. N=8, K=2: heads 0-3 read kv head 0, heads 4-7 kv head 1).
+      q: [B, T, N, H] queries, bfloat16 or float16; any T >= 1, H one of HEAD_DIMS.
+      k, v: [B, S, K, H] keys and values, the dtype of q, any S >= 1; N % K == 0 and query head
+        n reads kv head n // (N // K) (e.g. N=8, K=2: heads 0-3 read kv head 0, heads 4-7 kv
+        head 1). T or S not a multiple of 8, and H of 80 or 96, cost a padded copy of q, k, v
+        and out (ROW_ALIGN, HEAD_DIMS).
       scale: positive multiplier of q.k (without a soft cap the kernel takes the row max before
         scaling).
       is_causal: query i sees keys j <= i, top-left aligned as in jax.nn.dot_product_attention,

@@ -648,9 +648,10 @@ def _forward_kernel(
     """One CTA: its work items (`_Work`) in turn, each NUM_CONSUMERS * block_q query rows of
     one head against that head's keys; one item unless tiles.persistent.
 
-    q_ref, out_ref: [B, T, N, H] and k_ref, v_ref: [B, S, K, H] in GMEM; lse_ref [B, N, T].
-    With segment ids, refs starts with q_ids_ref [B, T], kv_ids_ref [B, S] and plan_ref
-    [B, T // cta_rows, NUM_CONSUMERS + 1, 4] (`segment_tile_plan`), read with scalar loads.
+    q_ref, out_ref: [B, T', N, H] and k_ref, v_ref: [B, S', K, H] in GMEM; lse_ref [B, N, T'],
+    T' >= T and S' >= S (spec's) multiples of ROW_ALIGN. With segment ids, refs starts with
+    q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_rows), NUM_CONSUMERS + 1,
+    4] (`segment_tile_plan`), read with scalar loads.
     q_smem [q_buffers * NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output
     tile (buffer b of consumer wg at b * NUM_CONSUMERS + wg; item n uses buffer n % q_buffers);
     k_smem, v_smem [num_stages, block_kv, H] are the ring (kv_ids_smem [num_stages, block_kv]

@@ -383,9 +383,7 @@ MOSAIC_GAPS = [
     ("bias", dict(bias=jnp.zeros((1, 8, 1024, 1024))), "bias"),
     ("mask", dict(mask=jnp.ones((1, 1, 1024, 1024), bool)), "mask"),
     ("float32", dict(dtype=jnp.float32), "dtype float32"),
-    ("q-len", dict(q_shape=(2, 1000, 8, 128)), "q_len=1000"),
-    ("kv-len", dict(k_shape=(2, 1000, 2, 128)), "kv_len=1000"),
-    ("head-dim", dict(q_shape=(2, 1024, 8, 96), k_shape=(2, 1024, 2, 96)), "head_dim=96"),
+    ("head-dim", dict(q_shape=(2, 1024, 8, 112), k_shape=(2, 1024, 2, 112)), "head_dim=112"),
 ]
 
 
@@ -440,6 +438,14 @@ def test_auto_forward_keeps_triton_when_it_should(chosen_forward):
     assert chosen_forward(*qkv) == "triton"
     assert chosen_forward(*qkv, backend="mosaic") == "mosaic"  # asked for: honoured
     assert chosen_forward(*hopper_arrays(), backend="triton") == "triton"
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128, 192])
+def test_any_lengths_and_padded_head_dims_take_the_mosaic_forward(chosen_forward, head_dim):
+    for q_len, kv_len in ((3000, 3000), (1000, 777), (1021, 2047)):
+        qkv = hopper_arrays((4, q_len, 8, head_dim), (4, kv_len, 2, head_dim))
+        assert chosen_forward(*qkv) == "mosaic"
+        assert chosen_forward(*qkv, is_causal=True) == "mosaic"
 
 
 def test_h64_takes_the_mosaic_forward_at_short_and_odd_lengths(chosen_forward):
@@ -555,15 +561,22 @@ def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
 def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     tuned_cache, monkeypatch
 ):
-    # 128-row consumers need T % 256 == 0: at T=384 the forward keeps its default tiles (and
-    # stays on Mosaic); 128-row dQ consumers would spill at H=128: the backward keeps its own.
+    # 128-row dQ consumers would spill at H=128: the backward keeps its own tiles (and stays on
+    # Mosaic). The h256 class spans H=192 and 256: a ring of three 64-key stages fits shared
+    # memory at H=192 but not at 256, where the forward keeps its default tiles.
+    chosen = _chosen(
+        monkeypatch,
+        lambda c: (c.forward, c.backward, c.mosaic_forward_tiles, c.mosaic_backward_tiles),
+    )
     forward = mosaic_forward_module.ForwardTiles(block_q=128, block_kv=64)
     backward = mosaic_backward_module.BackwardTiles(block_q_dq=128)
     entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
     tuned_cache(entry, is_causal=False, q_len=384, kv_len=384)
     qkv = hopper_arrays((8, 384, 8, 128), (8, 384, 8, 128))
-    chosen = _chosen(
-        monkeypatch,
-        lambda c: (c.forward, c.backward, c.mosaic_forward_tiles, c.mosaic_backward_tiles),
-    )
-    assert chosen(*qkv) == ("mosaic", "mosaic", None, None)
+    assert chosen(*qkv) == ("mosaic", "mosaic", forward, None)
+    forward = mosaic_forward_module.ForwardTiles(block_kv=64, num_stages=3)
+    entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, None)
+    tuned_cache(entry, head_dim=256, is_causal=False, q_len=1024, kv_len=1024)
+    for head_dim, tiles in ((192, forward), (256, None)):
+        qkv = hopper_arrays((8, 1024, 8, head_dim), (8, 1024, 8, head_dim))
+        assert chosen(*qkv) == ("mosaic", "triton", tiles, None)

@@ -180,6 +180,12 @@ def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: Ke
 flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
 
 
+def flash_backward_kernels(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
+    """(dq, dk, dv, dbias) of the kernels' backward at the given residuals (out, lse), which
+    may be those of a larger softmax (a ring's merged blocks); differentiable as the rule's."""
+    return _differentiable_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def with_reference_vjp(kernel, reference, *args):
     """kernel(*args), differentiated through reference(*args): for forward-only kernels (decode)

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
 from pallas_flash import _host_only, masks
 from pallas_flash import config as config_lib
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels, reference_attention_vjp
+from pallas_flash._vjp import (
+    KernelConfig,
+    flash_attention_kernels,
+    flash_backward_kernels,
+    reference_attention_vjp,
+)
 from pallas_flash.config import BlockSizes
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.reference import reference_backward
 from pallas_flash.triton.forward import choose_kv_splits
 
 BACKENDS = ("triton", "mosaic", "xla")
@@ -155,13 +163,165 @@ def flash_attention(
     on a host with the GPU, or pass backend="xla" to export the reference on purpose.
     """
     _refuse_forward_mode(query, key, value, bias)
+    call = _plan(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        return_residuals=return_residuals,
+        backend=backend,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    _check_sinks(sinks, call.query.shape[2])
+    if call.config is None:
+        out, lse = reference_attention_vjp(
+            call.query, call.key, call.value, call.bias, call.arrays, call.spec, call.scale,
+            call.soft_cap,
+        )  # fmt: skip
+        if call.traced_for_host:
+            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
+    else:
+        out, lse = flash_attention_kernels(
+            call.query, call.key, call.value, call.bias, call.arrays, call.config
+        )
+    unbatched = call.unbatched
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residuals else out
+
+
+def flash_attention_backward(
+    query,
+    key,
+    value,
+    out,
+    lse,
+    d_out,
+    d_lse=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    backend: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """(dq, dk, dv) of `flash_attention` at the given residuals, without its forward.
+
+    `out` (B, T, N, H) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
+    returns, `d_out` and `d_lse` (None: zeros) their cotangents; the other arguments are the
+    call's. The gradients are computed as the kernels' backward does: P = exp(logits - lse) and
+    dS = P (dO V^T - delta), delta = rowsum(dO * out) - d_lse. So `out` and `lse` may also be
+    those of a larger softmax whose keys include this call's (a ring's blocks, merged through
+    lse): the result is then this call's share of that softmax's gradients. Same backends and
+    kernel choice as `flash_attention`; no bias, mask or sinks.
+    """
+    _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse)
+    call = _plan(
+        query,
+        key,
+        value,
+        None,
+        None,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        return_residuals=True,
+        backend=backend,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    batched = (lambda x: x[None]) if call.unbatched else (lambda x: x)
+    q = call.query
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    out, d_out, lse = batched(out), batched(d_out), batched(lse)
+    d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
+    for name, x, shape in (
+        ("out", out, q.shape),
+        ("d_out", d_out, q.shape),
+        ("lse", lse, lse_shape),
+        ("d_lse", d_lse, lse_shape),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} for this query")
+    lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
+    args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
+    if call.config is None:
+        dq, dk, dv, _ = reference_backward(
+            *args, d_out, d_lse, spec=call.spec, scale=call.scale, soft_cap=call.soft_cap
+        )
+    else:
+        dq, dk, dv, _ = flash_backward_kernels(*args, d_out.astype(q.dtype), d_lse, call.config)
+    grads = (dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype))
+    return tuple(g[0] for g in grads) if call.unbatched else grads
+
+
+class _Call(NamedTuple):
+    """One validated call: canonical (batched) operands and mask arrays, and the static choice
+    of kernels (config None: the "xla" reference)."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    arrays: masks.MaskArrays
+    spec: MaskSpec
+    scale: float
+    soft_cap: float | None
+    config: KernelConfig | None
+    unbatched: bool
+    traced_for_host: bool
+
+
+def _plan(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    scale,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    q_segment_ids,
+    kv_segment_ids,
+    local_window_size,
+    logits_soft_cap,
+    return_residuals,
+    backend,
+    block_sizes,
+    interpret,
+) -> _Call:
+    """Validates and canonicalises a call's arguments and chooses its kernels."""
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
     batch, q_len, num_heads, head_dim = query.shape
     kv_len = key.shape[1]
     window = _canonical_window(local_window_size)
     soft_cap = _canonical_soft_cap(logits_soft_cap)
-    _check_sinks(sinks, num_heads)
     bias = _canonical_pair_operand("bias", bias, query.shape, kv_len, unbatched)
     mask = _canonical_pair_operand("mask", mask, query.shape, kv_len, unbatched)
     q_segment_ids, kv_segment_ids = _canonical_segment_ids(
@@ -204,11 +364,8 @@ def flash_attention(
         mask_shape=None if mask is None else tuple(mask.shape),
     )
 
-    if backend == "xla":
-        out, lse = reference_attention_vjp(query, key, value, bias, arrays, spec, scale, soft_cap)
-        if traced_for_host:
-            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
-    else:
+    config = None
+    if backend != "xla":
         interpret = bool(interpret)
         if block_sizes is None:
             block_sizes = config_lib.default_block_sizes(
@@ -250,13 +407,20 @@ def flash_attention(
             mosaic_forward_tiles=tiles.forward if forward == "mosaic" else None,
             mosaic_backward_tiles=tiles.backward if backward == "mosaic" else None,
         )
-        out, lse = flash_attention_kernels(query, key, value, bias, arrays, config)
 
-    if sinks is not None:
-        out, lse = _with_sinks(out, lse, sinks)
-    if unbatched:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_residuals else out
+    return _Call(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        arrays=arrays,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        config=config,
+        unbatched=unbatched,
+        traced_for_host=traced_for_host,
+    )
 
 
 def _with_sinks(out, lse, sinks):

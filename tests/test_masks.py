@@ -23,11 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    BLOCK_SIZES,
     attention_oracle_f64,
     masked_outputs_and_grads,
     rounded,
     sum_to_shape,
     to64,
+    uniform_block_sizes,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -43,23 +45,13 @@ BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2}
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
 
-def block_sizes(n: int) -> pallas_flash.BlockSizes:
-    return pallas_flash.BlockSizes(
-        block_q=n, block_kv=n, block_q_dkv=n, block_kv_dkv=n, block_q_dq=n, block_kv_dq=n
-    )
-
-
 # Small tiles, so that test sizes run several tiles; unequal query and key tiles too (the tile
 # ranges of windows and masks are computed per tile on each side).
 BLOCKS = {
-    "16": block_sizes(16),
-    "32": block_sizes(32),
-    "q32kv16": pallas_flash.BlockSizes(
-        block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
-    ),
-    "q16kv64": pallas_flash.BlockSizes(
-        block_q=16, block_kv=64, block_q_dkv=64, block_kv_dkv=16, block_q_dq=16, block_kv_dq=64
-    ),
+    "16": uniform_block_sizes(16),
+    "32": uniform_block_sizes(32),
+    "q32kv16": BLOCK_SIZES["q32kv16"],
+    "q16kv64": BLOCK_SIZES["q16kv64"],
 }
 
 
@@ -842,7 +834,7 @@ def test_skipped_tiles_cost_nothing():
         jnp.asarray(rng.standard_normal((1, seq, 1, head_dim)), jnp.float32) for _ in range(4)
     )
     segments = jnp.asarray(np.repeat(np.arange(8, dtype=np.int32), seq // 8)[None])
-    blocks = block_sizes(64)
+    blocks = uniform_block_sizes(64)
 
     def fwd_bwd(*, packed=False, window=None):
         def f(q, k, v, d_out, segments):

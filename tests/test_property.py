@@ -38,7 +38,7 @@ from conftest import (
 )
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_masks import as4d, visibility  # the dense [B, N, T, S] mask of a case
+from test_masks import BLOCKS, as4d, visibility  # small tiles; the dense mask of a case
 
 import pallas_flash
 
@@ -68,23 +68,6 @@ SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
 CI_EXAMPLES = {"xla": 8, "interpret": 4}
 GPU_EXAMPLES = 100
 
-
-def tile(n: int) -> pallas_flash.BlockSizes:
-    return pallas_flash.BlockSizes(
-        block_q=n, block_kv=n, block_q_dkv=n, block_kv_dkv=n, block_q_dq=n, block_kv_dq=n
-    )
-
-
-BLOCKS = {
-    "16": tile(16),
-    "32": tile(32),
-    "q32kv16": pallas_flash.BlockSizes(
-        block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
-    ),
-    "q16kv64": pallas_flash.BlockSizes(
-        block_q=16, block_kv=64, block_q_dkv=64, block_kv_dkv=16, block_q_dq=16, block_kv_dq=64
-    ),
-}
 
 # Extreme values. Each kind changes the inputs of an otherwise ordinary configuration:
 #   "none": standard normal q, k, v (and bias);

@@ -8,13 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import uniform_block_sizes
 
 import pallas_flash
 from pallas_flash.triton.forward import choose_kv_splits
 
-TILES = pallas_flash.BlockSizes(
-    block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16
-)
+TILES = uniform_block_sizes(16)
 
 
 def inputs(b, t, s, n, k, h, seed=0):

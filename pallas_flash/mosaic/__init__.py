@@ -10,13 +10,14 @@ from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.mosaic import backward, forward
 from pallas_flash.mosaic.backward import BackwardTiles, flash_backward
-from pallas_flash.mosaic.forward import ForwardTiles, flash_forward
+from pallas_flash.mosaic.forward import ForwardTiles, default_tiles, flash_forward
 
 __all__ = [
     "BackwardTiles",
     "ForwardTiles",
     "default_backward_tiles",
     "default_forward_tiles",
+    "default_tiles",
     "flash_backward",
     "flash_forward",
     "why_not_backward",

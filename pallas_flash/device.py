@@ -218,8 +218,8 @@ def target(device: Device):
 
 def target_device() -> Device | None:
     """The GPU that a call traced now is chosen for: the `target` scope's; else the abstract
-    mesh's GPU where it differs from the visible one (jax's own rule for an AOT target); else
-    the visible GPU; else None."""
+    mesh's GPU where it differs from the visible one (jax's own rule for an AOT target) and its
+    kind is known here (`Device.of_kind`); else the visible GPU; else None."""
     chosen = _TARGET.get()
     if chosen is not None:
         return chosen
@@ -230,7 +230,10 @@ def target_device() -> Device | None:
         and abstract.platform in ("gpu", "cuda")
         and (running is None or abstract.device_kind != running.kind)
     ):
-        return Device.from_abstract_device(abstract)
+        try:
+            return Device.from_abstract_device(abstract)
+        except ValueError:  # a GPU this package has no record of (not NVIDIA's, or unknown)
+            pass
     return running
 
 

@@ -9,6 +9,7 @@ and the Triton forward's split-KV count), so a change in any of them shows here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 
@@ -299,7 +300,8 @@ def kv_splits(config, q_shape, k_shape):
 @pytest.fixture
 def chosen(monkeypatch):
     """chosen(device, name) -> the row of the tables for CALLS[name] through the public API
-    under `pallas_flash.target(device)`, recording the KernelConfig instead of running."""
+    under `pallas_flash.target(device)` (None: for this host's GPU), recording the KernelConfig
+    instead of running."""
     seen = []
 
     def record(q, k, v, bias, arrays, config):
@@ -311,7 +313,8 @@ def chosen(monkeypatch):
 
     def run(device, name):
         args, kwargs = CALLS[name]
-        with pallas_flash.target(device):
+        scope = contextlib.nullcontext() if device is None else pallas_flash.target(device)
+        with scope:
             try:
                 jax.eval_shape(
                     lambda q, k, v: pallas_flash.flash_attention(q, k, v, **kwargs), *args
@@ -360,6 +363,21 @@ def test_a100_choice_is_pinned(chosen, no_tune_cache, name):
     assert chosen(Device.a100(), name) == A100[name]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CALLS))
+def test_this_gpu_chooses_as_its_record_says(chosen, no_tune_cache, name):
+    """On the GPU itself (no target): on an H200 the pinned table (causal Mosaic rows aside on
+    CUDA 12.8.0-12.9.0), and on any GPU what its record chooses."""
+    device = Device.current()
+    assert device is not None and target_device() == device
+    got = chosen(None, name)
+    assert got == chosen(device, name)
+    miscompiling = device.cuda_runtime_version in range(12080, 12091)
+    if device.kind == "NVIDIA H200" and not miscompiling:
+        assert device.compute_capability == (9, 0) and device.num_sms == 132
+        assert got == H200[name]
+
+
 # -- the Device record and the target --------------------------------------------------------------
 
 
@@ -396,9 +414,12 @@ def test_target_device_without_a_gpu():
     abstract = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=abstract)):
         assert target_device() == Device.h200()
-    cpu = AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=cpu)):
-        assert target_device() is None
+    for other in (
+        AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu"),
+        AbstractDevice(device_kind="AMD Instinct MI300X", num_cores=304, platform="gpu"),
+    ):
+        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=other)):
+            assert target_device() is None
 
 
 def test_the_target_keeps_the_mesh_axes():

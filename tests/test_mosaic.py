@@ -587,7 +587,7 @@ def test_default_tiles_are_persistent_on_plain_non_causal_and_short_causal_calls
 
 def test_supports_counts_the_segment_id_buffers(monkeypatch):
     """Segment ids add the consumers' query ids and a ring of KV ids (int32) to shared memory;
-    `supports` checks the total (here against a budget that fits the tiles without ids)."""
+    `why_not` checks the total (here against a budget that fits the tiles without ids)."""
     tiles = ForwardTiles(block_q=64, block_kv=128, num_stages=3)
     extra = tiles.smem_bytes(64, 2, segments=True) - tiles.smem_bytes(64, 2)
     assert extra == (2 * 64 + 3 * 128) * 4

@@ -1,4 +1,5 @@
-"""The public entry point: validate, canonicalise, pick a backend. No kernels here."""
+"""The public entry point: validate, canonicalise, ask the dispatch for the kernels. No kernels
+here."""
 
 from __future__ import annotations
 
@@ -10,22 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from pallas_flash import _host_only, masks
-from pallas_flash import config as config_lib
+from pallas_flash import _host_only, dispatch, masks
+from pallas_flash import device as device_lib
 from pallas_flash._vjp import (
     KernelConfig,
     flash_attention_kernels,
     flash_backward_kernels,
     reference_attention_vjp,
 )
+from pallas_flash.call import Call
 from pallas_flash.config import BlockSizes
+from pallas_flash.dispatch import BACKENDS
 from pallas_flash.masks import MaskSpec
-from pallas_flash.mosaic import backward as mosaic_backward
-from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.reference import reference_backward
-from pallas_flash.triton.forward import choose_kv_splits
 
-BACKENDS = ("triton", "mosaic", "xla")
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
 
@@ -158,9 +157,12 @@ def flash_attention(
     and `jax.jacfwd` a `ForwardModeError` (a NotImplementedError and a TypeError) naming the
     alternatives, `jax.linearize` JAX's TypeError for custom_vjp functions: use `jax.grad`,
     `jax.vjp` or `jax.jacrev`.
-    A call traced with backend=None on a host without a GPU runs "xla" and raises
-    NotImplementedError when lowered for a GPU (`jax.export(..., platforms=["cuda"])`): export
-    on a host with the GPU, or pass backend="xla" to export the reference on purpose.
+    The kernels are chosen for the GPU the call is compiled for: the visible one, or the target
+    of `pallas_flash.target(device)` (a `pallas_flash.Device`, e.g. `Device.h200()`), under
+    which `jax.export(..., platforms=["cuda"])` on a host without that GPU packages the kernels
+    it runs. A call traced with backend=None on a host without a GPU and without a target runs
+    "xla" and raises NotImplementedError when lowered for a GPU; pass backend="xla" to export
+    the reference on purpose.
     """
     _refuse_forward_mode(query, key, value, bias)
     call = _plan(
@@ -332,18 +334,6 @@ def _plan(
         ("key_value_seq_lengths", key_value_seq_lengths),
     ):
         _check_lengths(name, lengths, batch, unbatched)
-    user_block_sizes = block_sizes  # None unless the caller chose tiles
-    # On a host without a GPU, backend=None runs the reference: it must not be exported for one.
-    traced_for_host = backend is None and config_lib.gpu_compute_capability() is None
-    backend = _choose_backend(backend, interpret)
-    if backend == "xla" and block_sizes is not None:
-        raise ValueError(
-            "block_sizes configures the Triton kernels, but backend=None runs the 'xla' backend "
-            f"here (no NVIDIA GPU of compute capability >= 8.0; found "
-            f"{config_lib.gpu_compute_capability() or 'none'}): pass interpret=True to run the "
-            "kernels in the Pallas interpreter, or block_sizes=None"
-        )
-
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     arrays = masks.make_arrays(
         batch,
@@ -364,49 +354,21 @@ def _plan(
         mask_shape=None if mask is None else tuple(mask.shape),
     )
 
-    config = None
-    if backend != "xla":
-        interpret = bool(interpret)
-        if block_sizes is None:
-            block_sizes = config_lib.default_block_sizes(
-                head_dim,
-                query.dtype,
-                interpret=interpret,
-                has_bias=bias is not None,
-                has_mask=mask is not None,
-                is_causal=is_causal,
-                q_len=q_len,
-                kv_len=kv_len,
-                narrow=config_lib.narrow_band(spec),
-            )
-        tiles = config_lib.MosaicTiles()
-        if backend in ("auto", "mosaic"):
-            tiles = _tuned_mosaic_tiles(query, key, spec, soft_cap)
-        forward = _choose_forward(
-            backend, query, key, bias, spec, soft_cap, tiles, user_block_sizes=user_block_sizes
-        )
-        backward = _choose_backward(
-            backend,
-            forward,
-            query,
-            key,
-            bias,
-            spec,
-            soft_cap,
-            tiles,
-            user_block_sizes=user_block_sizes,
-        )
-        config = KernelConfig(
-            spec=spec,
-            scale=scale,
-            soft_cap=soft_cap,
-            block_sizes=block_sizes,
-            interpret=interpret,
-            forward=forward,
-            backward=backward,
-            mosaic_forward_tiles=tiles.forward if forward == "mosaic" else None,
-            mosaic_backward_tiles=tiles.backward if backward == "mosaic" else None,
-        )
+    call = Call(
+        q_shape=query.shape,
+        k_shape=key.shape,
+        dtype=query.dtype,
+        spec=spec,
+        soft_cap=soft_cap,
+        has_bias=bias is not None,
+    )
+    device = None if interpret or backend == "xla" else device_lib.target_device()
+    config = dispatch.choose(
+        call, device, scale=scale, backend=backend, block_sizes=block_sizes, interpret=interpret
+    )
+    # Without a GPU or a target, backend=None runs the reference: it must not be exported for a
+    # GPU.
+    traced_for_host = config is None and backend is None and device is None
 
     return _Call(
         query=query,
@@ -545,168 +507,6 @@ def _check_options(scale, is_causal, return_residuals, backend, block_sizes, int
         )
     if block_sizes is not None and backend == "xla":
         raise ValueError("block_sizes configures the Triton kernels: it needs backend='triton'")
-
-
-def _choose_backend(backend, interpret):
-    """ "xla", "triton", "mosaic" (asked for), or "auto" (None on a capable GPU: the forward is
-    chosen per call by `_choose_forward`)."""
-    if interpret:
-        return "triton"
-    cc = config_lib.gpu_compute_capability()
-    gpu_ok = cc is not None and cc >= (8, 0)
-    if backend is None:
-        return "auto" if gpu_ok else "xla"
-    if backend == "triton" and not gpu_ok:
-        raise ValueError(
-            f"backend='triton' needs an NVIDIA GPU of compute capability >= 8.0 "
-            f"(found {cc or 'none'}); pass interpret=True to run the kernels in the Pallas "
-            "interpreter, or backend='xla'"
-        )
-    if backend == "mosaic" and not gpu_ok:
-        raise ValueError(
-            f"backend='mosaic' needs a Hopper GPU (compute capability 9.0, found {cc or 'none'}); "
-            "elsewhere pass backend='triton' with interpret=True to run the Triton kernels in "
-            "the Pallas interpreter, or backend='xla'"
-        )
-    if backend == "mosaic" and cc != (9, 0):
-        raise ValueError(
-            f"backend='mosaic' needs a Hopper GPU (compute capability 9.0, found {cc}): its "
-            "kernel uses sm_90a's wgmma and TMA; use backend='triton' or None"
-        )
-    return backend
-
-
-def _tuned_mosaic_tiles(query, key, spec: MaskSpec, soft_cap) -> config_lib.MosaicTiles:
-    """The autotune cache's Mosaic tiles for this call, each kept only where its kernel
-    supports it on these shapes (a shape class spans many lengths)."""
-    tuned = config_lib.tuned_mosaic_tiles(
-        query.shape[-1],
-        query.dtype,
-        is_causal=spec.is_causal,
-        q_len=query.shape[1],
-        kv_len=key.shape[1],
-        narrow=config_lib.narrow_band(spec),
-    )
-    forward, backward = tuned.forward, tuned.backward
-    if forward is not None and mosaic_forward_gap(query, key, None, spec, soft_cap, forward):
-        forward = None
-    if backward is not None and mosaic_backward.supports_backward(
-        query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=backward
-    ):
-        backward = None
-    return config_lib.MosaicTiles(forward, backward)
-
-
-def mosaic_forward_gap(
-    query, key, bias, spec: MaskSpec, soft_cap, tiles: mosaic_forward.ForwardTiles | None = None
-) -> str | None:
-    """Why the Mosaic GPU forward cannot run this call (with `tiles`; None: its defaults), or
-    None when it can."""
-    return mosaic_forward.unsupported_options(
-        spec, has_bias=bias is not None
-    ) or mosaic_forward.supports(
-        query.shape,
-        key.shape,
-        query.dtype,
-        is_causal=spec.is_causal,
-        window=spec.window,
-        soft_cap=soft_cap,
-        segments=spec.has_segments,
-        tiles=tiles,
-    )
-
-
-def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap, tiles) -> bool:
-    """Whether the Mosaic forward's grid (one CTA per 128 or 256 query rows and head) fills the
-    GPU; when it does not, Triton's split-KV forward spreads the key loop over more programs.
-    tiles: the forward's tiles, None for its defaults."""
-    batch, q_len, num_heads, head_dim = query.shape
-    tiles = tiles or mosaic_forward.default_tiles(
-        head_dim,
-        q_len=q_len,
-        kv_len=key.shape[1],
-        is_causal=spec.is_causal,
-        window=spec.window,
-        soft_cap=soft_cap,
-        segments=spec.has_segments,
-    )
-    ctas = batch * num_heads * (q_len // tiles.cta_rows)
-    return choose_kv_splits(0, ctas, key.shape[1] // tiles.block_kv, interpret=False) == 1
-
-
-def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:
-    """The Triton forward's fields of `block_sizes` that differ from their defaults: the Mosaic
-    forward has its own tiles, so these would be ignored."""
-    default = BlockSizes()
-    changed = [
-        f"{name}={getattr(block_sizes, name)}"
-        for name in ("block_q", "block_kv", "num_warps", "num_stages", "kv_splits")
-        if getattr(block_sizes, name) != getattr(default, name)
-    ]
-    if changed:
-        return f"block_sizes sets the Triton forward's {', '.join(changed)}"
-    return None
-
-
-def _choose_forward(
-    backend, query, key, bias, spec, soft_cap, tiles: config_lib.MosaicTiles, *, user_block_sizes
-) -> str:
-    """The forward kernel of a Pallas call: "mosaic" or "triton"."""
-    if backend == "triton":
-        return "triton"
-    gap = mosaic_forward_gap(query, key, bias, spec, soft_cap, tiles.forward)
-    if backend == "mosaic":
-        if gap is None and user_block_sizes is not None:
-            gap = _forward_block_sizes_gap(user_block_sizes)
-        if gap is not None:
-            raise NotImplementedError(
-                f"backend='mosaic' does not support this call ({gap}); backend='triton' or None "
-                "runs it"
-            )
-        return "mosaic"
-    hopper = config_lib.gpu_compute_capability() == (9, 0)
-    if (
-        gap is None
-        and hopper
-        and user_block_sizes is None
-        and _mosaic_fills_gpu(query, key, spec, soft_cap, tiles.forward)
-    ):
-        return "mosaic"
-    return "triton"
-
-
-def _choose_backward(
-    backend,
-    forward,
-    query,
-    key,
-    bias,
-    spec,
-    soft_cap,
-    tiles: config_lib.MosaicTiles,
-    *,
-    user_block_sizes,
-) -> str:
-    """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
-    with the Mosaic forward (it is Hopper code) for the plain and causal calls it supports,
-    unless the user's block_sizes configure the Triton backward."""
-    if forward != "mosaic" or user_block_sizes is not None:
-        return "triton"
-    if mosaic_backward.unsupported_options(
-        spec, soft_cap=soft_cap, has_bias=bias is not None
-    ) or mosaic_backward.supports_backward(
-        query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=tiles.backward
-    ):
-        return "triton"
-    short = query.shape[-1] == 64 and key.shape[1] < _MOSAIC_BACKWARD_MIN_KV_LEN
-    if short and backend != "mosaic":
-        return "triton"
-    return "mosaic"
-
-
-# Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
-# Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
-_MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 
 
 def attention_reference(query, key, value, bias=None, mask=None, **kwargs):

@@ -79,10 +79,16 @@ def test_split_forward_gradients_match_unsplit():
 
 
 def test_choose_kv_splits():
-    assert choose_kv_splits(1, 4, 100, interpret=False) == 1  # off when asked
-    assert choose_kv_splits(5, 4, 3, interpret=False) == 3  # never more than the KV tiles
-    assert choose_kv_splits(0, 4, 100, interpret=True) == 1  # auto: off in the interpreter
-    assert choose_kv_splits(0, 10_000, 100, interpret=False) == 1  # a full grid needs none
+    assert choose_kv_splits(1, 4, 100, interpret=False, num_sms=132) == 1  # off when asked
+    assert (
+        choose_kv_splits(5, 4, 3, interpret=False, num_sms=132) == 3
+    )  # never more than the KV tiles
+    assert (
+        choose_kv_splits(0, 4, 100, interpret=True, num_sms=132) == 1
+    )  # auto: off in the interpreter
+    assert (
+        choose_kv_splits(0, 10_000, 100, interpret=False, num_sms=132) == 1
+    )  # a full grid needs none
 
 
 def test_kv_splits_validation():

@@ -194,11 +194,13 @@ def flash_forward(
     soft_cap,
     block_sizes: BlockSizes,
     interpret: bool,
+    num_sms: int | None = None,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
 
     q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0; bias None or [Bb, Nb, Tb, Sb] (each dim
-    full or 1); arrays: the mask's arrays (masks.MaskArrays).
+    full or 1); arrays: the mask's arrays (masks.MaskArrays); num_sms: the GPU's SM count, which
+    the automatic split-KV rule fills (None: the visible GPU's).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -218,7 +220,11 @@ def flash_forward(
     )
     num_q_tiles, num_kv_tiles = pl.cdiv(q_len, block_q), pl.cdiv(kv_len, block_kv)
     splits = choose_kv_splits(
-        block_sizes.kv_splits, num_q_tiles * num_heads * batch, num_kv_tiles, interpret
+        block_sizes.kv_splits,
+        num_q_tiles * num_heads * batch,
+        num_kv_tiles,
+        interpret,
+        num_sms=gpu_core_count() if num_sms is None else num_sms,
     )
     kernel = functools.partial(kernel, kv_splits=splits)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
@@ -255,15 +261,18 @@ def flash_forward(
     return _combine_splits(out, lse, splits, q.dtype)
 
 
-def choose_kv_splits(requested: int, programs: int, num_kv_tiles: int, interpret: bool) -> int:
+def choose_kv_splits(
+    requested: int, programs: int, num_kv_tiles: int, interpret: bool, *, num_sms: int
+) -> int:
     """How many programs share one query tile's KV loop: `requested`, or with 0 (auto) enough to
-    give the GPU about two programs per core -- only when the grid fills less than half of the
-    cores and each program keeps at least four KV tiles, so that the combine pays off."""
+    give the GPU (num_sms cores) about two programs per core -- only when the grid fills less
+    than half of the cores and each program keeps at least four KV tiles, so that the combine
+    pays off."""
     if requested:
         return max(1, min(requested, num_kv_tiles))
     if interpret:
         return 1
-    cores = gpu_core_count()
+    cores = num_sms
     if 2 * programs > cores or num_kv_tiles < 8:
         return 1
     return max(1, min(pl.cdiv(2 * cores, programs), num_kv_tiles // 4, 16))

@@ -13,7 +13,8 @@
 #   scale  python -m pallas_flash.bench --suite scale on every GPU of the host (SCALE_ARGS)
 #   mesh   examples/train_gpt.py on a mesh of the host's GPUs: MESHES holds MESH:BATCH entries
 #          (e.g. "context=2:1 data=2:2 none:1"; none = one GPU, no mesh), MESH_ARGS adds flags
-# TEST_SPREAD=1 gives each test group one GPU of the host in turn (CUDA_VISIBLE_DEVICES).
+# TEST_SPREAD=1 gives each test group one GPU of the host in turn (CUDA_VISIBLE_DEVICES), except
+# groups written all:ARGS.
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -32,9 +33,11 @@ for stage in ${@:-tests masks grid}; do
       gpus=$(nvidia-smi -L | wc -l)
       for g in "${group_list[@]}"; do
         i=$((i + 1))
-        [ "${TEST_SPREAD:-0}" = 1 ] && export CUDA_VISIBLE_DEVICES=$(( (i - 1) % gpus ))
+        # A group written "all:ARGS" sees every GPU (multi-GPU tests).
+        visible=$(( (i - 1) % gpus )); [ "${g#all:}" != "$g" ] && visible=$(seq -s, 0 $((gpus - 1)))
+        [ "${TEST_SPREAD:-0}" = 1 ] && export CUDA_VISIBLE_DEVICES=$visible
         timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-          --tb=line $g > $OUT/gpu_tests_$i.log 2>&1 &
+          --tb=line ${g#all:} > $OUT/gpu_tests_$i.log 2>&1 &
       done
       wait
       unset XLA_PYTHON_CLIENT_PREALLOCATE CUDA_VISIBLE_DEVICES

@@ -10,6 +10,11 @@
 #   train  benchmarks/device_train.sh (the end-to-end training table)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
+#   scale  python -m pallas_flash.bench --suite scale on every GPU of the host (SCALE_ARGS)
+#   mesh   examples/train_gpt.py on a mesh of the host's GPUs: MESHES holds MESH:BATCH entries
+#          (e.g. "context=2:1 data=2:2 none:1"; none = one GPU, no mesh), MESH_ARGS adds flags
+# TEST_SPREAD=1 gives each test group one GPU of the host in turn (CUDA_VISIBLE_DEVICES), except
+# groups written all:ARGS.
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -25,13 +30,17 @@ for stage in ${@:-tests masks grid}; do
       groups=${TEST_GROUPS:-"tests/test_forward.py;tests/test_backward.py;tests/test_mosaic.py;tests --ignore=tests/test_forward.py --ignore=tests/test_backward.py --ignore=tests/test_mosaic.py"}
       IFS=';' read -ra group_list <<< "$groups"
       i=0
+      gpus=$(nvidia-smi -L | wc -l)
       for g in "${group_list[@]}"; do
         i=$((i + 1))
+        # A group written "all:ARGS" sees every GPU (multi-GPU tests).
+        visible=$(( (i - 1) % gpus )); [ "${g#all:}" != "$g" ] && visible=$(seq -s, 0 $((gpus - 1)))
+        [ "${TEST_SPREAD:-0}" = 1 ] && export CUDA_VISIBLE_DEVICES=$visible
         timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-          --tb=line $g > $OUT/gpu_tests_$i.log 2>&1 &
+          --tb=line ${g#all:} > $OUT/gpu_tests_$i.log 2>&1 &
       done
       wait
-      unset XLA_PYTHON_CLIENT_PREALLOCATE
+      unset XLA_PYTHON_CLIENT_PREALLOCATE CUDA_VISIBLE_DEVICES
       for f in $OUT/gpu_tests_*.log; do echo "-- $f"; tail -n 6 $f; done ;;
     masks)
       timeout ${MASKS_TIMEOUT:-150} python3 -m pallas_flash.bench --suite masks \
@@ -77,6 +86,17 @@ for stage in ${@:-tests masks grid}; do
       timeout ${ANCHORS_TIMEOUT:-300} python3 .anchors/bench_torch.py --out $OUT/anchors_torch.jsonl \
         > $OUT/anchors_torch.log 2>&1
       tail -n 5 $OUT/anchors_jax.log $OUT/anchors_torch.log ;;
+    scale)
+      timeout ${SCALE_TIMEOUT:-300} python3 -m pallas_flash.bench --suite scale \
+        --out $OUT/scale.jsonl ${SCALE_ARGS:-} > $OUT/scale.log 2>&1
+      tail -n 25 $OUT/scale.log ;;
+    mesh)
+      for entry in ${MESHES:-context=2:1 data=2:2 none:1}; do
+        spec=${entry%:*}; mesh=""; [ $spec != none ] && mesh="--mesh $spec"
+        echo "-- $entry"
+        timeout ${MESH_TIMEOUT:-150} python3 examples/train_gpt.py $mesh --batch ${entry#*:} \
+          --out $OUT/mesh.jsonl ${MESH_ARGS:-} 2>&1 | grep -E "GPT|summary|step|Error" | tail -4
+      done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

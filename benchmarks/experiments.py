@@ -148,6 +148,7 @@ def _mosaic_fn(t, n, h, causal, pass_, **kwargs):
         (16384 // t, t, n, h),
         jnp.bfloat16,
         is_causal=causal,
+        backend="mosaic",
         block_sizes=config.default_block_sizes(
             h, jnp.bfloat16, interpret=False, is_causal=causal, q_len=t, kv_len=t
         ),
@@ -173,8 +174,8 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
         _time_impls(out, fns, args, flops, exp="mosaic-tiles", B=b, T=t, N=n, H=h, causal=causal)
 
 
-# BackwardTiles fields of the candidates (besides the defaults); `supports_backward` drops those
-# that would spill or overflow shared memory at a head dim.
+# BackwardTiles fields of the candidates (besides the defaults); `mosaic.why_not_backward` drops
+# those that would spill or overflow shared memory at a head dim.
 MOSAIC_BACKWARD_TILES = {
     "stages3": dict(num_stages=3),
     "kvdq128": dict(block_kv_dq=128),

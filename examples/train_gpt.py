@@ -284,6 +284,7 @@ def main(argv=None):
     if step_times:
         median = float(np.median(step_times))
         tflops = flops / median / 1e12
+        devices = mesh.size if mesh is not None else 1
         summary = dict(
             attention=args.attention,
             preset=args.preset,
@@ -291,15 +292,16 @@ def main(argv=None):
             batch=args.batch,
             remat_attention=args.remat_attention,
             mesh=args.mesh,
+            devices=devices,
             first_step_s=round(first_step_s, 2),  # tracing, compiling and one step
             step_ms=round(median * 1e3, 2),
             tokens_per_s=round(args.batch * cfg.seq / median),
-            model_tflops=round(tflops, 1),
-            mfu_datasheet=round(tflops / PEAK_BF16_TFLOPS, 4),
+            model_tflops=round(tflops, 1),  # over all devices
+            mfu_datasheet=round(tflops / devices / PEAK_BF16_TFLOPS, 4),
             final_loss=round(loss, 4),
         )
         if args.matmul_tflops:
-            summary["mfu_matmul"] = round(tflops / args.matmul_tflops, 4)
+            summary["mfu_matmul"] = round(tflops / devices / args.matmul_tflops, 4)
         print("summary " + json.dumps(summary), flush=True)
         if log:
             log.write(json.dumps(dict(summary=summary)) + "\n")

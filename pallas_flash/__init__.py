@@ -9,6 +9,7 @@ Flax users import the wrappers explicitly (this package itself does not import F
 from pallas_flash.api import ForwardModeError, attention_reference, flash_attention
 from pallas_flash.config import BlockSizes, DecodeBlockSizes
 from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
+from pallas_flash.device import Device, target
 from pallas_flash.sharding import (
     from_zigzag,
     ring_attention,
@@ -20,6 +21,7 @@ from pallas_flash.sharding import (
 __all__ = [
     "BlockSizes",
     "DecodeBlockSizes",
+    "Device",
     "ForwardModeError",
     "attention_reference",
     "decode_attention",
@@ -28,6 +30,7 @@ __all__ = [
     "paged_attention",
     "ring_attention",
     "ring_attention_sharded",
+    "target",
     "to_zigzag",
     "write_to_pages",
     "zigzag_indices",

@@ -1,7 +1,8 @@
 """A marker on results that `backend=None` computed with the "xla" backend because the host that
 traced the call has no GPU. It is the identity, except that lowering it for a GPU platform raises:
 `jax.export(..., platforms=["cuda"])` on such a host would otherwise package the plain-jnp
-reference (the [T, S] logits in memory) where a GPU host packages the kernels."""
+reference (the [T, S] logits in memory) where a GPU host, or `pallas_flash.target(device)`,
+packages the kernels."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ _MESSAGE = (
     "flash_attention(backend=None) was traced on a host without an NVIDIA GPU, where it runs "
     "the 'xla' backend (plain jnp, the [T, S] logits in memory); lowering it for a GPU platform "
     "(jax.export with platforms=['cuda']) would package that reference instead of the kernels. "
-    "Export on a host with the target GPU, which picks the kernels, or pass backend='xla' to "
-    "export the reference on purpose"
+    "Export under `with pallas_flash.target(pallas_flash.Device.h200()):` (or the record of "
+    "your GPU) or on a host with the target GPU, which picks the kernels, or pass "
+    "backend='xla' to export the reference on purpose"
 )
 
 host_only_p = Primitive("pallas_flash_host_only")

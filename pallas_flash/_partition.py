@@ -262,6 +262,12 @@ _partitioned = custom_partitioning(_call, static_argnums=(0, 1, 2, 3))
 _partitioned.def_partition(partition=_partition, sharding_rule=_rule)
 
 
+def _all_manual() -> bool:
+    """Whether this is traced inside a shard_map that is manual over every mesh axis."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and mesh.are_all_axes_manual
+
+
 def _explicit_mesh(x):
     """The mesh of `x`'s type when it has Explicit axes (sharding in types), else None."""
     sharding = getattr(jax.typeof(x), "sharding", None)
@@ -279,7 +285,10 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     None), "arrays" for MaskArrays); out_kinds: the same for the results (dbias: "pair").
     lead: leading vmapped dims on every operand (the batching rule's own recursion).
     """
-    if jax.device_count() == 1:
+    if jax.device_count() == 1 or _all_manual():
+        # One device, or inside a shard_map over every mesh axis (ring attention's steps):
+        # nothing to partition, and a custom_partitioning call would be partitioned (lowered
+        # again) at every call site.
         return kernel(*args, config=config)
     kinds_in = leaf_kinds(args, kinds)
     mesh = next((m for m in map(_explicit_mesh, jax.tree.leaves(args[:3])) if m), None)

@@ -23,6 +23,7 @@ import jax
 
 from pallas_flash import _partition
 from pallas_flash.config import BlockSizes
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
@@ -33,39 +34,32 @@ from pallas_flash.triton.forward import flash_forward
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """Everything static about one call: hashable, passed as a nondiff argument."""
+    """Everything static about one call: hashable, passed as a nondiff argument. Built by
+    `pallas_flash.dispatch.choose`, the one place that decides which kernels run a call."""
 
     spec: MaskSpec
     scale: float
     soft_cap: float | None = None
     block_sizes: BlockSizes
     interpret: bool
-    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask; the API
-    # checks `pallas_flash.mosaic.supports` before choosing it).
+    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask).
     forward: str = "triton"
-    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; H 64/128, plain and causal calls
-    # only; the API checks `pallas_flash.mosaic.supports_backward` before choosing it).
+    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; H 64/128, plain and causal calls).
     backward: str = "triton"
-    # The Mosaic kernels' tiles (None: their defaults for the shapes), from the autotune cache.
+    # The Mosaic kernels' tiles (None: their defaults for the shapes).
     mosaic_forward_tiles: mosaic.ForwardTiles | None = None
     mosaic_backward_tiles: mosaic_backward.BackwardTiles | None = None
+    # The GPU the kernels are compiled for (its SM count sizes persistent and split-KV grids);
+    # None: the visible GPU's (the interpreter needs none).
+    device: Device | None = None
 
     def __post_init__(self):
-        # Options a Mosaic kernel does not take would be silently dropped: they are refused
-        # here whoever builds the config. The forward takes windows, soft caps and segment ids
-        # (sequence lengths folded in); the backward only the causal flag.
-        for pass_name, module in (("forward", mosaic), ("backward", mosaic_backward)):
+        for pass_name in ("forward", "backward"):
             kernel = getattr(self, pass_name)
             if kernel not in ("triton", "mosaic"):
                 raise ValueError(
                     f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
                 )
-            if kernel == "mosaic" and (
-                unsupported := module.unsupported_options(
-                    self.spec, soft_cap=self.soft_cap, has_bias=False
-                )
-            ):
-                raise ValueError(f"KernelConfig.{pass_name}='mosaic' supports no {unsupported}")
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -106,8 +100,6 @@ def _forward(q, k, v, bias, arrays, *, config: KernelConfig):
 
 def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
     if config.forward == "mosaic":
-        if bias is not None:  # the one option the config cannot see
-            raise ValueError("KernelConfig.forward='mosaic' supports no bias")
         return mosaic.flash_forward(
             q,
             k,
@@ -120,8 +112,10 @@ def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
                 (arrays.q_segment_ids, arrays.kv_segment_ids) if config.spec.has_segments else None
             ),
             tiles=config.mosaic_forward_tiles,
+            device=config.device,
         )
-    return flash_forward(q, k, v, bias, arrays, **config.kwargs())
+    num_sms = None if config.device is None else config.device.num_sms
+    return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms)
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
@@ -159,8 +153,6 @@ def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelCo
 
 def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
-        if bias is not None:  # the one option the config cannot see
-            raise ValueError("KernelConfig.backward='mosaic' supports no bias")
         dq, dk, dv = mosaic_backward.flash_backward(
             q,
             k,
@@ -172,12 +164,19 @@ def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: Ke
             scale=config.scale,
             is_causal=config.spec.is_causal,
             tiles=config.mosaic_backward_tiles,
+            device=config.device,
         )
         return dq, dk, dv, None
     return flash_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs())
 
 
 flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
+
+
+def flash_backward_kernels(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
+    """(dq, dk, dv, dbias) of the kernels' backward at the given residuals (out, lse), which
+    may be those of a larger softmax (a ring's merged blocks); differentiable as the rule's."""
+    return _differentiable_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

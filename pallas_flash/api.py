@@ -1,23 +1,30 @@
-"""The public entry point: validate, canonicalise, pick a backend. No kernels here."""
+"""The public entry point: validate, canonicalise, ask the dispatch for the kernels. No kernels
+here."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import ad
 
-from pallas_flash import _host_only, masks
-from pallas_flash import config as config_lib
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels, reference_attention_vjp
+from pallas_flash import _host_only, dispatch, masks
+from pallas_flash import device as device_lib
+from pallas_flash._vjp import (
+    KernelConfig,
+    flash_attention_kernels,
+    flash_backward_kernels,
+    reference_attention_vjp,
+)
+from pallas_flash.call import Call
 from pallas_flash.config import BlockSizes
+from pallas_flash.dispatch import BACKENDS
 from pallas_flash.masks import MaskSpec
-from pallas_flash.mosaic import backward as mosaic_backward
-from pallas_flash.mosaic import forward as mosaic_forward
-from pallas_flash.triton.forward import choose_kv_splits
+from pallas_flash.reference import reference_backward
 
-BACKENDS = ("triton", "mosaic", "xla")
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
 
@@ -106,11 +113,11 @@ def flash_attention(
         NotImplementedError for a call the forward does not support: bias, dense mask,
         float32, head dims other than 64/80/96/128/192/256, causal or windowed calls on CUDA
         runtimes 12.8.0-12.9.0, whose ptxas miscompiles the mask) or "xla" (plain jnp,
-        materialises the logits). None picks, on a GPU of compute capability >= 8.0: on
-        Hopper the Mosaic forward when it supports the call, its grid fills the GPU and
-        block_sizes is None, with the Mosaic backward for the plain and causal calls it
-        supports (at H=64 from 2048 keys); else "triton"; "triton" when `interpret=True`;
-        "xla" elsewhere.
+        materialises the logits). None picks, on a GPU of compute
+        capability >= 8.0: on Hopper the Mosaic forward when it supports the call, its grid
+        fills the GPU and block_sizes is None, with the Mosaic backward for the plain and
+        causal calls it supports (at H=64 from 2048 keys); else "triton"; "triton" when
+        `interpret=True`; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
@@ -150,18 +157,173 @@ def flash_attention(
     and `jax.jacfwd` a `ForwardModeError` (a NotImplementedError and a TypeError) naming the
     alternatives, `jax.linearize` JAX's TypeError for custom_vjp functions: use `jax.grad`,
     `jax.vjp` or `jax.jacrev`.
-    A call traced with backend=None on a host without a GPU runs "xla" and raises
-    NotImplementedError when lowered for a GPU (`jax.export(..., platforms=["cuda"])`): export
-    on a host with the GPU, or pass backend="xla" to export the reference on purpose.
+    The kernels are chosen for the GPU the call is compiled for: the visible one, or the target
+    of `pallas_flash.target(device)` (a `pallas_flash.Device`, e.g. `Device.h200()`), under
+    which `jax.export(..., platforms=["cuda"])` on a host without that GPU packages the kernels
+    it runs. A call traced with backend=None on a host without a GPU and without a target runs
+    "xla" and raises NotImplementedError when lowered for a GPU; pass backend="xla" to export
+    the reference on purpose.
     """
     _refuse_forward_mode(query, key, value, bias)
+    call = _plan(
+        query,
+        key,
+        value,
+        bias,
+        mask,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        return_residuals=return_residuals,
+        backend=backend,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    _check_sinks(sinks, call.query.shape[2])
+    if call.config is None:
+        out, lse = reference_attention_vjp(
+            call.query, call.key, call.value, call.bias, call.arrays, call.spec, call.scale,
+            call.soft_cap,
+        )  # fmt: skip
+        if call.traced_for_host:
+            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
+    else:
+        out, lse = flash_attention_kernels(
+            call.query, call.key, call.value, call.bias, call.arrays, call.config
+        )
+    unbatched = call.unbatched
+    if sinks is not None:
+        out, lse = _with_sinks(out, lse, sinks)
+    if unbatched:
+        out, lse = out[0], lse[0]
+    return (out, lse) if return_residuals else out
+
+
+def flash_attention_backward(
+    query,
+    key,
+    value,
+    out,
+    lse,
+    d_out,
+    d_lse=None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths=None,
+    key_value_seq_lengths=None,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    local_window_size: int | tuple[int, int] | None = None,
+    logits_soft_cap: float | None = None,
+    backend: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """(dq, dk, dv) of `flash_attention` at the given residuals, without its forward.
+
+    `out` (B, T, N, H) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
+    returns, `d_out` and `d_lse` (None: zeros) their cotangents; the other arguments are the
+    call's. The gradients are computed as the kernels' backward does: P = exp(logits - lse) and
+    dS = P (dO V^T - delta), delta = rowsum(dO * out) - d_lse. So `out` and `lse` may also be
+    those of a larger softmax whose keys include this call's (a ring's blocks, merged through
+    lse): the result is then this call's share of that softmax's gradients. Same backends and
+    kernel choice as `flash_attention`; no bias, mask or sinks.
+    """
+    _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse)
+    call = _plan(
+        query,
+        key,
+        value,
+        None,
+        None,
+        scale=scale,
+        is_causal=is_causal,
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        local_window_size=local_window_size,
+        logits_soft_cap=logits_soft_cap,
+        return_residuals=True,
+        backend=backend,
+        block_sizes=block_sizes,
+        interpret=interpret,
+    )
+    batched = (lambda x: x[None]) if call.unbatched else (lambda x: x)
+    q = call.query
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    out, d_out, lse = batched(out), batched(d_out), batched(lse)
+    d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
+    for name, x, shape in (
+        ("out", out, q.shape),
+        ("d_out", d_out, q.shape),
+        ("lse", lse, lse_shape),
+        ("d_lse", d_lse, lse_shape),
+    ):
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} for this query")
+    lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
+    args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
+    if call.config is None:
+        dq, dk, dv, _ = reference_backward(
+            *args, d_out, d_lse, spec=call.spec, scale=call.scale, soft_cap=call.soft_cap
+        )
+    else:
+        dq, dk, dv, _ = flash_backward_kernels(*args, d_out.astype(q.dtype), d_lse, call.config)
+    grads = (dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype))
+    return tuple(g[0] for g in grads) if call.unbatched else grads
+
+
+class _Call(NamedTuple):
+    """One validated call: canonical (batched) operands and mask arrays, and the static choice
+    of kernels (config None: the "xla" reference)."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    bias: jax.Array | None
+    arrays: masks.MaskArrays
+    spec: MaskSpec
+    scale: float
+    soft_cap: float | None
+    config: KernelConfig | None
+    unbatched: bool
+    traced_for_host: bool
+
+
+def _plan(
+    query,
+    key,
+    value,
+    bias,
+    mask,
+    *,
+    scale,
+    is_causal,
+    query_seq_lengths,
+    key_value_seq_lengths,
+    q_segment_ids,
+    kv_segment_ids,
+    local_window_size,
+    logits_soft_cap,
+    return_residuals,
+    backend,
+    block_sizes,
+    interpret,
+) -> _Call:
+    """Validates and canonicalises a call's arguments and chooses its kernels."""
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
     batch, q_len, num_heads, head_dim = query.shape
     kv_len = key.shape[1]
     window = _canonical_window(local_window_size)
     soft_cap = _canonical_soft_cap(logits_soft_cap)
-    _check_sinks(sinks, num_heads)
     bias = _canonical_pair_operand("bias", bias, query.shape, kv_len, unbatched)
     mask = _canonical_pair_operand("mask", mask, query.shape, kv_len, unbatched)
     q_segment_ids, kv_segment_ids = _canonical_segment_ids(
@@ -172,18 +334,6 @@ def flash_attention(
         ("key_value_seq_lengths", key_value_seq_lengths),
     ):
         _check_lengths(name, lengths, batch, unbatched)
-    user_block_sizes = block_sizes  # None unless the caller chose tiles
-    # On a host without a GPU, backend=None runs the reference: it must not be exported for one.
-    traced_for_host = backend is None and config_lib.gpu_compute_capability() is None
-    backend = _choose_backend(backend, interpret)
-    if backend == "xla" and block_sizes is not None:
-        raise ValueError(
-            "block_sizes configures the Triton kernels, but backend=None runs the 'xla' backend "
-            f"here (no NVIDIA GPU of compute capability >= 8.0; found "
-            f"{config_lib.gpu_compute_capability() or 'none'}): pass interpret=True to run the "
-            "kernels in the Pallas interpreter, or block_sizes=None"
-        )
-
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     arrays = masks.make_arrays(
         batch,
@@ -204,59 +354,35 @@ def flash_attention(
         mask_shape=None if mask is None else tuple(mask.shape),
     )
 
-    if backend == "xla":
-        out, lse = reference_attention_vjp(query, key, value, bias, arrays, spec, scale, soft_cap)
-        if traced_for_host:
-            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
-    else:
-        interpret = bool(interpret)
-        if block_sizes is None:
-            block_sizes = config_lib.default_block_sizes(
-                head_dim,
-                query.dtype,
-                interpret=interpret,
-                has_bias=bias is not None,
-                has_mask=mask is not None,
-                is_causal=is_causal,
-                q_len=q_len,
-                kv_len=kv_len,
-                narrow=config_lib.narrow_band(spec),
-            )
-        tiles = config_lib.MosaicTiles()
-        if backend in ("auto", "mosaic"):
-            tiles = _tuned_mosaic_tiles(query, key, spec, soft_cap)
-        forward = _choose_forward(
-            backend, query, key, bias, spec, soft_cap, tiles, user_block_sizes=user_block_sizes
-        )
-        backward = _choose_backward(
-            backend,
-            forward,
-            query,
-            key,
-            bias,
-            spec,
-            soft_cap,
-            tiles,
-            user_block_sizes=user_block_sizes,
-        )
-        config = KernelConfig(
-            spec=spec,
-            scale=scale,
-            soft_cap=soft_cap,
-            block_sizes=block_sizes,
-            interpret=interpret,
-            forward=forward,
-            backward=backward,
-            mosaic_forward_tiles=tiles.forward if forward == "mosaic" else None,
-            mosaic_backward_tiles=tiles.backward if backward == "mosaic" else None,
-        )
-        out, lse = flash_attention_kernels(query, key, value, bias, arrays, config)
+    call = Call(
+        q_shape=query.shape,
+        k_shape=key.shape,
+        dtype=query.dtype,
+        spec=spec,
+        soft_cap=soft_cap,
+        has_bias=bias is not None,
+    )
+    device = None if interpret or backend == "xla" else device_lib.target_device()
+    config = dispatch.choose(
+        call, device, scale=scale, backend=backend, block_sizes=block_sizes, interpret=interpret
+    )
+    # Without a GPU or a target, backend=None runs the reference: it must not be exported for a
+    # GPU.
+    traced_for_host = config is None and backend is None and device is None
 
-    if sinks is not None:
-        out, lse = _with_sinks(out, lse, sinks)
-    if unbatched:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_residuals else out
+    return _Call(
+        query=query,
+        key=key,
+        value=value,
+        bias=bias,
+        arrays=arrays,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        config=config,
+        unbatched=unbatched,
+        traced_for_host=traced_for_host,
+    )
 
 
 def _with_sinks(out, lse, sinks):
@@ -381,169 +507,6 @@ def _check_options(scale, is_causal, return_residuals, backend, block_sizes, int
         )
     if block_sizes is not None and backend == "xla":
         raise ValueError("block_sizes configures the Triton kernels: it needs backend='triton'")
-
-
-def _choose_backend(backend, interpret):
-    """ "xla", "triton", "mosaic" (asked for), or "auto" (None on a capable GPU: the forward is
-    chosen per call by `_choose_forward`)."""
-    if interpret:
-        return "triton"
-    cc = config_lib.gpu_compute_capability()
-    gpu_ok = cc is not None and cc >= (8, 0)
-    if backend is None:
-        return "auto" if gpu_ok else "xla"
-    if backend == "triton" and not gpu_ok:
-        raise ValueError(
-            f"backend='triton' needs an NVIDIA GPU of compute capability >= 8.0 "
-            f"(found {cc or 'none'}); pass interpret=True to run the kernels in the Pallas "
-            "interpreter, or backend='xla'"
-        )
-    if backend == "mosaic" and not gpu_ok:
-        raise ValueError(
-            f"backend='mosaic' needs a Hopper GPU (compute capability 9.0, found {cc or 'none'}); "
-            "elsewhere pass backend='triton' with interpret=True to run the Triton kernels in "
-            "the Pallas interpreter, or backend='xla'"
-        )
-    if backend == "mosaic" and cc != (9, 0):
-        raise ValueError(
-            f"backend='mosaic' needs a Hopper GPU (compute capability 9.0, found {cc}): its "
-            "kernel uses sm_90a's wgmma and TMA; use backend='triton' or None"
-        )
-    return backend
-
-
-def _tuned_mosaic_tiles(query, key, spec: MaskSpec, soft_cap) -> config_lib.MosaicTiles:
-    """The autotune cache's Mosaic tiles for this call, each kept only where its kernel
-    supports it on these shapes (a shape class spans many lengths)."""
-    tuned = config_lib.tuned_mosaic_tiles(
-        query.shape[-1],
-        query.dtype,
-        is_causal=spec.is_causal,
-        q_len=query.shape[1],
-        kv_len=key.shape[1],
-        narrow=config_lib.narrow_band(spec),
-    )
-    forward, backward = tuned.forward, tuned.backward
-    if forward is not None and mosaic_forward_gap(query, key, None, spec, soft_cap, forward):
-        forward = None
-    if backward is not None and mosaic_backward.supports_backward(
-        query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=backward
-    ):
-        backward = None
-    return config_lib.MosaicTiles(forward, backward)
-
-
-def mosaic_forward_gap(
-    query, key, bias, spec: MaskSpec, soft_cap, tiles: mosaic_forward.ForwardTiles | None = None
-) -> str | None:
-    """Why the Mosaic GPU forward cannot run this call (with `tiles`; None: its defaults), or
-    None when it can."""
-    return mosaic_forward.unsupported_options(
-        spec, has_bias=bias is not None
-    ) or mosaic_forward.supports(
-        query.shape,
-        key.shape,
-        query.dtype,
-        is_causal=spec.is_causal,
-        window=spec.window,
-        soft_cap=soft_cap,
-        segments=spec.has_segments,
-        tiles=tiles,
-    )
-
-
-def _mosaic_fills_gpu(query, key, spec: MaskSpec, soft_cap, tiles) -> bool:
-    """Whether the Mosaic forward's grid (one CTA per 128 or 256 query rows and head) fills the
-    GPU; when it does not, Triton's split-KV forward spreads the key loop over more programs.
-    tiles: the forward's tiles, None for its defaults."""
-    batch, q_len, num_heads, head_dim = query.shape
-    tiles = tiles or mosaic_forward.default_tiles(
-        head_dim,
-        q_len=q_len,
-        kv_len=key.shape[1],
-        is_causal=spec.is_causal,
-        window=spec.window,
-        soft_cap=soft_cap,
-        segments=spec.has_segments,
-    )
-    ctas = batch * num_heads * mosaic_forward.cdiv(q_len, tiles.cta_rows)
-    kv_tiles = mosaic_forward.cdiv(key.shape[1], tiles.block_kv)
-    return choose_kv_splits(0, ctas, kv_tiles, interpret=False) == 1
-
-
-def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:
-    """The Triton forward's fields of `block_sizes` that differ from their defaults: the Mosaic
-    forward has its own tiles, so these would be ignored."""
-    default = BlockSizes()
-    changed = [
-        f"{name}={getattr(block_sizes, name)}"
-        for name in ("block_q", "block_kv", "num_warps", "num_stages", "kv_splits")
-        if getattr(block_sizes, name) != getattr(default, name)
-    ]
-    if changed:
-        return f"block_sizes sets the Triton forward's {', '.join(changed)}"
-    return None
-
-
-def _choose_forward(
-    backend, query, key, bias, spec, soft_cap, tiles: config_lib.MosaicTiles, *, user_block_sizes
-) -> str:
-    """The forward kernel of a Pallas call: "mosaic" or "triton"."""
-    if backend == "triton":
-        return "triton"
-    gap = mosaic_forward_gap(query, key, bias, spec, soft_cap, tiles.forward)
-    if backend == "mosaic":
-        if gap is None and user_block_sizes is not None:
-            gap = _forward_block_sizes_gap(user_block_sizes)
-        if gap is not None:
-            raise NotImplementedError(
-                f"backend='mosaic' does not support this call ({gap}); backend='triton' or None "
-                "runs it"
-            )
-        return "mosaic"
-    hopper = config_lib.gpu_compute_capability() == (9, 0)
-    if (
-        gap is None
-        and hopper
-        and user_block_sizes is None
-        and _mosaic_fills_gpu(query, key, spec, soft_cap, tiles.forward)
-    ):
-        return "mosaic"
-    return "triton"
-
-
-def _choose_backward(
-    backend,
-    forward,
-    query,
-    key,
-    bias,
-    spec,
-    soft_cap,
-    tiles: config_lib.MosaicTiles,
-    *,
-    user_block_sizes,
-) -> str:
-    """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
-    with the Mosaic forward (it is Hopper code) for the plain and causal calls it supports,
-    unless the user's block_sizes configure the Triton backward."""
-    if forward != "mosaic" or user_block_sizes is not None:
-        return "triton"
-    if mosaic_backward.unsupported_options(
-        spec, soft_cap=soft_cap, has_bias=bias is not None
-    ) or mosaic_backward.supports_backward(
-        query.shape, key.shape, query.dtype, is_causal=spec.is_causal, tiles=tiles.backward
-    ):
-        return "triton"
-    short = query.shape[-1] == 64 and key.shape[1] < _MOSAIC_BACKWARD_MIN_KV_LEN
-    if short and backend != "mosaic":
-        return "triton"
-    return "mosaic"
-
-
-# Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
-# Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
-_MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 
 
 def attention_reference(query, key, value, bias=None, mask=None, **kwargs):

@@ -529,7 +529,8 @@ def run_compile_suite(out_path, impls, layer_counts, shape, *, interpret):
 def decode_cases(quick: bool = False):
     """The decode suite's shapes: dicts of B, S (cache capacity), N, K, H, T, ragged (lengths
     between S/32 and S, else all S) and page (page size, or None for a contiguous cache). The
-    issue's shape first, then one axis varied at a time."""
+    headline shape first (B=8, 32k keys, N=32 over K=8, H=128, one token), then one axis varied
+    at a time."""
     base = dict(B=8, S=32768, N=32, K=8, H=128, T=1, ragged=False, page=None)
     variants = [
         {},
@@ -735,7 +736,7 @@ def main(argv=None):
         "(--seqs: global lengths)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="decode: the issue's shape and a few variants only"
+        "--quick", action="store_true", help="decode: the headline shape and a few variants only"
     )
     parser.add_argument("--layers", type=int, nargs="+", help="--suite compile's layer counts")
     parser.add_argument("--compile-row", help=argparse.SUPPRESS)  # one row, in a subprocess
@@ -757,7 +758,7 @@ def main(argv=None):
     args.seqs = args.seqs or [512, 1024, 2048, 4096, 8192, 16384]
     if args.suite == "compile":
         if on_gpu:
-            # The compile-time issue's model: B=1, T=8192, N=16, H=128, causal, bf16.
+            # One layer of a long-context model: B=1, T=8192, N=16, H=128, causal, bf16.
             impls = ["pallas_flash", "pallas_flash_triton", "pallas_flash_window", "cudnn"]
             shape, layers, interpret = (1, 8192, 16, 128), args.layers or [1, 6, 24], False
         else:

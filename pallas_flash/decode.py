@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api
+from pallas_flash import api, dispatch
 from pallas_flash import config as config_lib
+from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.config import DecodeBlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -320,7 +321,8 @@ class _Options:
                 "backend='mosaic': decode has no Mosaic GPU kernel (it is bound by memory "
                 "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
             )
-        backend = api._choose_backend(backend, interpret)
+        device = None if interpret or backend == "xla" else device_lib.target_device()
+        backend = dispatch.kernel_backend(backend, device, interpret)
         backend = "triton" if backend == "auto" else backend
         if block_sizes is not None and backend == "xla":
             raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")

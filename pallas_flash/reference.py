@@ -19,37 +19,9 @@ def reference_attention(
     NaN or inf in K or V reaches only the rows that see that key (which get NaN).
     """
     batch, q_len, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    group = num_heads // num_kv_heads
-    precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-
-    def by_group(x):  # [Bx, N|1, T, S] -> [Bx, K|1, G|1, T, S], matching the logits below
-        if x.shape[1] == 1:
-            return x[:, :, None]
-        return x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:])
-
-    qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-    # NaN or inf in a key's K or V row must reach only the rows that see the key: the products
-    # run on zeroed copies (0 * NaN would reach every row, also through the gradients), and the
-    # rows that see such a key get a NaN logit there.
-    k_finite, v_finite = jnp.isfinite(k), jnp.isfinite(v)
-    bad_key = ~(k_finite.all(-1) & v_finite.all(-1))  # [B, S, K]
-    k = jnp.where(k_finite, k, jnp.zeros_like(k))
-    v = jnp.where(v_finite, v, jnp.zeros_like(v))
-    logits = (
-        jnp.einsum(
-            "btkgh,bskh->bkgts", qg, k, precision=precision, preferred_element_type=jnp.float32
-        )
-        * scale
-    )
-    if bias is not None:
-        logits = logits + by_group(bias.astype(jnp.float32))
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
-    bad_key = jnp.transpose(bad_key, (0, 2, 1))[:, :, None, None, :]  # [B, K, 1, 1, S]
-    logits = jnp.where(bad_key, jnp.nan, logits)
-    visible = by_group(masks.dense(spec, arrays))
-    logits = jnp.where(visible, logits, -jnp.inf)
+    logits, visible, v = _logits(q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap)
+    num_kv_heads, group = logits.shape[1], logits.shape[2]
+    precision = _precision(q)
     row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     unnormalised = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
@@ -69,3 +41,84 @@ def reference_attention(
     return out, jnp.broadcast_to(lse, (batch, num_kv_heads, group, q_len)).reshape(
         batch, num_heads, q_len
     )
+
+
+def _precision(q):
+    return jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+
+def _logits(q, k, v, bias, arrays: MaskArrays, *, spec: MaskSpec, scale: float, soft_cap):
+    """(logits [B, K, G, T, S] f32 with -inf where masked, visible [B|1, K|1, G|1, T, S], v with
+    non-finite entries zeroed)."""
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+
+    def by_group(x):  # [Bx, N|1, T, S] -> [Bx, K|1, G|1, T, S], matching the logits below
+        if x.shape[1] == 1:
+            return x[:, :, None]
+        return x.reshape(x.shape[0], num_kv_heads, group, *x.shape[2:])
+
+    qg = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    # NaN or inf in a key's K or V row must reach only the rows that see the key: the products
+    # run on zeroed copies (0 * NaN would reach every row, also through the gradients), and the
+    # rows that see such a key get a NaN logit there.
+    k_finite, v_finite = jnp.isfinite(k), jnp.isfinite(v)
+    bad_key = ~(k_finite.all(-1) & v_finite.all(-1))  # [B, S, K]
+    k = jnp.where(k_finite, k, jnp.zeros_like(k))
+    v = jnp.where(v_finite, v, jnp.zeros_like(v))
+    logits = (
+        jnp.einsum(
+            "btkgh,bskh->bkgts",
+            qg,
+            k,
+            precision=_precision(q),
+            preferred_element_type=jnp.float32,
+        )
+        * scale
+    )
+    if bias is not None:
+        logits = logits + by_group(bias.astype(jnp.float32))
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    bad_key = jnp.transpose(bad_key, (0, 2, 1))[:, :, None, None, :]  # [B, K, 1, 1, S]
+    logits = jnp.where(bad_key, jnp.nan, logits)
+    visible = by_group(masks.dense(spec, arrays))
+    logits = jnp.where(visible, logits, -jnp.inf)
+    return logits, visible, v
+
+
+def reference_backward(
+    q, k, v, bias, arrays: MaskArrays, out, lse, d_out, d_lse, *, spec, scale, soft_cap=None
+):
+    """(dq, dk, dv, dbias) at the given residuals, as the kernels' backward computes them:
+    P = exp(logits - lse) and dS = P (dO V^T - delta) with delta = rowsum(dO * out) - d_lse.
+    `out` and `lse` may be those of a larger softmax this call's keys are a part of (a ring's
+    block): the result is then this part's share of that softmax's gradients."""
+    batch, q_len, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    group = num_heads // num_kv_heads
+    f32 = jnp.float32
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32)) - d_lse
+    delta = delta.reshape(batch, num_kv_heads, group, q_len)[..., None]
+    lse = lse.reshape(batch, num_kv_heads, group, q_len)[..., None]
+    live = jnp.isfinite(lse)
+    lse_safe = jnp.where(live, lse, 0.0)
+    do = d_out.reshape(batch, q_len, num_kv_heads, group, head_dim)
+
+    def share(q, k, v, bias):
+        # sum_ij P_ij (dO_i . v_j - delta_i): its derivative in logit ij is dS_ij, in v_j
+        # sum_i P_ij dO_i.
+        logits, visible, v = _logits(
+            q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
+        )
+        p = jnp.where(visible & live, jnp.exp(logits - lse_safe), 0.0)
+        dp = jnp.einsum(
+            "btkgh,bskh->bkgts", do, v, precision=_precision(q), preferred_element_type=f32
+        )
+        return jnp.sum(p * (dp - delta))
+
+    if bias is None:
+        dq, dk, dv = jax.grad(lambda q, k, v: share(q, k, v, None), argnums=(0, 1, 2))(q, k, v)
+        return dq, dk, dv, None
+    return jax.grad(share, argnums=(0, 1, 2, 3))(q, k, v, bias)

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_flash import masks
-from pallas_flash.api import _canonical_window, flash_attention
+from pallas_flash.api import _canonical_window, flash_attention, flash_attention_backward
 
 LAYOUTS = ("contiguous", "zigzag")
 _UNBOUNDED = 1 << 30
@@ -161,6 +161,52 @@ def _step(q, k, v, q_seg, kv_seg, cases, attend, layout, f32=True):
     )
 
 
+def _pad_front(x, rows: int):
+    """x in float32 with `rows` zero rows before its sequence axis (1)."""
+    x = x.astype(jnp.float32)
+    return jnp.pad(x, ((0, 0), (rows, 0), (0, 0), (0, 0))) if rows else x
+
+
+def _step_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, cases, attend_backward, layout):
+    """(dq, dk, dv) in float32: the share of the local queries' gradients that one key block
+    holds, from the kernels' backward at the ring's merged (out, lse), chunk pairs summed."""
+    parts = 1 if layout == "contiguous" else 2
+
+    def split(x, axis=1):
+        return [x] * parts if x is None else jnp.split(x, parts, axis=axis) if parts > 1 else [x]
+
+    qs, q_segs, outs, d_outs = map(split, (q, q_seg, out, d_out))
+    lses, d_lses = split(lse, 2), split(d_lse, 2)
+    ks, vs, kv_segs = map(split, (k, v, kv_seg))
+    dqs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
+    dks = [jnp.zeros(x.shape, jnp.float32) for x in ks]
+    dvs = [jnp.zeros(x.shape, jnp.float32) for x in vs]
+    for qi, ki, case in cases:
+        if case is None:
+            continue
+        q_skip, kv_skip, window = case
+        if q_skip >= qs[qi].shape[1] or kv_skip >= ks[ki].shape[1]:
+            continue
+        dq, dk, dv = attend_backward(
+            qs[qi][:, q_skip:],
+            ks[ki][:, kv_skip:],
+            vs[ki][:, kv_skip:],
+            None if q_segs[qi] is None else q_segs[qi][:, q_skip:],
+            None if kv_segs[ki] is None else kv_segs[ki][:, kv_skip:],
+            window,
+            outs[qi][:, q_skip:],
+            lses[qi][:, :, q_skip:],
+            d_outs[qi][:, q_skip:],
+            d_lses[qi][:, :, q_skip:],
+        )
+        dqs[qi] += _pad_front(dq, q_skip)
+        dks[ki] += _pad_front(dk, kv_skip)
+        dvs[ki] += _pad_front(dv, kv_skip)
+    if parts == 1:
+        return dqs[0], dks[0], dvs[0]
+    return tuple(jnp.concatenate(x, axis=1) for x in (dqs, dks, dvs))
+
+
 def _positions(layout, shard, num_shards: int, length: int):
     """Global positions of a shard's local tokens (`shard` may be traced)."""
     if layout == "contiguous":
@@ -290,11 +336,35 @@ def ring_attention(
             interpret=interpret,
         )
 
+    def attend_backward(q, k, v, qs, ks, window_, out, lse, d_out, d_lse):
+        causal = window_ is not None and window_[1] == 0
+        if causal and window_[0] >= _UNBOUNDED:
+            window_ = None
+        return flash_attention_backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            scale=scale,
+            is_causal=causal,
+            q_segment_ids=qs,
+            kv_segment_ids=ks,
+            local_window_size=window_,
+            logits_soft_cap=logits_soft_cap,
+            backend=backend,
+            block_sizes=block_sizes,
+            interpret=interpret,
+        )
+
     ring = _Ring(
         axis_name=axis_name,
         num_shards=num_shards,
         layout=layout,
         attend=attend,
+        attend_backward=attend_backward,
         steps=tuple(
             tuple(
                 _step_cases(layout, i, (i - r) % num_shards, num_shards, q_len, kv_len, lo, hi)
@@ -303,7 +373,13 @@ def ring_attention(
             for r in range(num_shards)
         ),
     )
-    out, lse = _ring_attention(ring, query, key, value, q_seg, kv_seg)
+    if num_shards == 1:
+        # One device holds the whole sequence: the plain call, differentiated by its own
+        # backward (the ring's would run the forward again).
+        out, lse = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(query)
+        out = out.astype(query.dtype)
+    else:
+        out, lse = _ring_attention(ring, query, key, value, q_seg, kv_seg)
     return (out, lse) if return_residuals else out
 
 
@@ -316,6 +392,7 @@ class _Ring:
     num_shards: int
     layout: str
     attend: object
+    attend_backward: object
     steps: tuple
 
     @functools.cached_property
@@ -346,6 +423,23 @@ class _Ring:
         shard = jax.lax.axis_index(self.axis_name)
         which = jnp.asarray([distinct.index(cases) for cases in step], jnp.int32)[shard]
         return jax.lax.switch(which, branches, q, q_seg, k, v, kv_seg)
+
+    def step_backward(self, r: int, q, q_seg, k, v, kv_seg, out, lse, d_out, d_lse):
+        """(dq, dk, dv) float32 of this shard's queries against the block it holds at step
+        r, at the ring's merged (out, lse) and their cotangents."""
+        step = self.steps[r]
+        distinct = sorted(set(step), key=step.index)
+
+        def branch(cases, *args):
+            return _step_backward(*args, cases, self.attend_backward, self.layout)
+
+        args = (q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
+        branches = [functools.partial(branch, cases) for cases in distinct]
+        if len(branches) == 1:
+            return branches[0](*args)
+        shard = jax.lax.axis_index(self.axis_name)
+        which = jnp.asarray([distinct.index(cases) for cases in step], jnp.int32)[shard]
+        return jax.lax.switch(which, branches, *args)
 
     def send(self, x, shift: int = 1):
         """x from every shard to shard i + shift of the ring."""
@@ -380,17 +474,13 @@ def _ring_fwd_rule(ring, q, k, v, q_seg, kv_seg):
 
 def _ring_bwd_rule(ring, residuals, cotangents):
     """The ring backward: K/V blocks travel the ring again with their dK/dV accumulators; at
-    each step the block's gradients come from the vjp of the step (its forward recomputed) with
-    the cotangents the lse merge gives it:
-
-        w_r = exp(lse_r - lse),  d out_r = w_r dO,  d lse_r = w_r (dlse + rowsum(dO (out_r - out)))
-
-    so no device holds more than one remote block at a time. After the last step each
+    each step the kernels' backward runs on the block at the merged (out, lse), whose
+    P = exp(logits - lse) is the block's share of the whole softmax: the forward is not run
+    again, and no device holds more than one remote block at a time. After the last step each
     accumulator goes back to its owner in one permute."""
     q, k, v, q_seg, kv_seg, out, lse = residuals
     d_out, d_lse = cotangents
-    d_out = d_out.astype(jnp.float32)
-    out32 = out.astype(jnp.float32)
+    d_out = d_out.astype(out.dtype)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     # The barrier keeps XLA from merging these permutes with the forward's, which would keep
@@ -398,18 +488,11 @@ def _ring_bwd_rule(ring, residuals, cotangents):
     block = jax.lax.optimization_barrier((k, v, kv_seg))
     for r in range(ring.last + 1):
         following = ring.send(block) if r < ring.last else None
-
-        def step(q, k, v, r=r, kv_seg=block[2]):
-            return ring.step(r, q, q_seg, k, v, kv_seg)
-
         if ring.busy(r):
-            (out_r, lse_r), pullback = jax.vjp(step, q, *block[:2])
-            live = jnp.isfinite(lse_r) & jnp.isfinite(lse)
-            w = jnp.where(live, jnp.exp(jnp.where(live, lse_r - lse, 0.0)), 0.0)
-            w_rows = jnp.swapaxes(w, 1, 2)[..., None]
-            residual = jnp.einsum("btnh,btnh->bnt", d_out, out_r.astype(jnp.float32) - out32)
-            d_lse_r = w * (d_lse + residual)
-            dq_r, dk_r, dv_r = pullback(((w_rows * d_out).astype(out_r.dtype), d_lse_r))
+            k_r, v_r, kv_seg_r = block
+            dq_r, dk_r, dv_r = ring.step_backward(
+                r, q, q_seg, k_r, v_r, kv_seg_r, out, lse, d_out, d_lse
+            )
             dq, dk, dv = dq + dq_r, dk + dk_r, dv + dv_r
         if r < ring.last:
             dk, dv = ring.send((dk, dv))

@@ -23,8 +23,13 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import config as config_lib
-from pallas_flash import mosaic
+from pallas_flash import device as device_lib
+from pallas_flash import dispatch, mosaic
+from pallas_flash._vjp import flash_attention_kernels
+from pallas_flash.call import Call
 from pallas_flash.config import BlockSizes, MosaicTiles, ShapeClass, TunedEntry
+from pallas_flash.device import Device
+from pallas_flash.masks import MaskArrays, MaskSpec
 
 KERNEL_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
 
@@ -185,35 +190,34 @@ def mosaic_kernels_fn(
     block_sizes,
     forward_tiles=None,
     backward_tiles=None,
+    backend: str | None = None,
     backward: str | None = None,
+    device: Device | None = None,
 ):
-    """q, k, v -> (out, lse) of shape [B, T, N, H] through the custom_vjp with the Mosaic
-    forward and `backward`: "triton" (with `block_sizes`), or None for the Mosaic backward
-    where it supports the shapes (else the Triton one). None when the Mosaic kernels do not
-    take these tiles."""
-    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
-    from pallas_flash.masks import MaskArrays, MaskSpec
-
-    batch, seq, heads, head_dim = shape
-    if mosaic.supports(shape, shape, dtype, is_causal=is_causal, tiles=forward_tiles):
-        return None
-    if backward is None:
-        reason = mosaic.supports_backward(
-            shape, shape, dtype, is_causal=is_causal, tiles=backward_tiles
-        )
-        if reason is not None and backward_tiles is not None:
-            return None  # these backward tiles do not apply here
-        backward = "mosaic" if reason is None else "triton"
-    config = KernelConfig(
-        spec=MaskSpec(q_len=seq, kv_len=seq, is_causal=is_causal),
-        scale=head_dim**-0.5,
-        block_sizes=block_sizes,
-        interpret=False,
-        forward="mosaic",
-        backward=backward,
-        mosaic_forward_tiles=forward_tiles,
-        mosaic_backward_tiles=backward_tiles if backward == "mosaic" else None,
+    """q, k, v -> (out, lse) of shape [B, T, N, H] through the kernels that `dispatch.choose`
+    picks for `backend` (None: what the default call runs; "mosaic": the Mosaic backward
+    wherever it runs the call) on `device` (None: `device.target_device()`) when the autotune
+    entry is (block_sizes, forward_tiles, backward_tiles) (None tiles: the kernels' defaults).
+    backward="triton" then swaps in the Triton backward (for comparisons). None when that
+    choice does not run the Mosaic forward with these tiles, or the Mosaic backward with the
+    given backward tiles: the candidate does not apply."""
+    device = device_lib.target_device() if device is None else device
+    spec = MaskSpec(q_len=shape[1], kv_len=shape[1], is_causal=is_causal)
+    config = dispatch.choose(
+        Call(q_shape=shape, k_shape=shape, dtype=dtype, spec=spec),
+        device,
+        scale=shape[-1] ** -0.5,
+        backend=backend,
+        tuned=TunedEntry(block_sizes, forward_tiles, backward_tiles),
     )
+    if config is None or config.forward != "mosaic":
+        return None
+    if forward_tiles is not None and config.mosaic_forward_tiles != forward_tiles:
+        return None
+    if backward == "triton":
+        config = dataclasses.replace(config, backward="triton", mosaic_backward_tiles=None)
+    elif backward_tiles is not None and config.mosaic_backward_tiles != backward_tiles:
+        return None
     return lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config)
 
 
@@ -255,9 +259,12 @@ def _gpu_measure_mosaic(shape_class: ShapeClass, block_sizes: BlockSizes, log):
     return measure
 
 
-def mosaic_max_error(tuned: MosaicTiles, shape_class: ShapeClass, block_sizes) -> float:
+def mosaic_max_error(
+    tuned: MosaicTiles, shape_class: ShapeClass, block_sizes, *, device: Device | None = None
+) -> float:
     """Largest |kernel - f32 reference| over out and the gradients at a 512-token shape the
-    tiles support (inf when they do not support it)."""
+    tiles support (inf when they do not support it), with both Mosaic kernels where they run
+    the shape (as backend="mosaic" does), on `device` (None: `device.target_device()`)."""
     dtype = jnp.dtype(shape_class.dtype)
     shape = (2, 512, 4, shape_class.head_dim)
     kernels = mosaic_kernels_fn(
@@ -267,6 +274,8 @@ def mosaic_max_error(tuned: MosaicTiles, shape_class: ShapeClass, block_sizes) -
         block_sizes=block_sizes,
         forward_tiles=tuned.forward,
         backward_tiles=tuned.backward,
+        backend="mosaic",
+        device=device,
     )
     if kernels is None:
         return float("inf")
@@ -396,11 +405,12 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
 
-    kind = config_lib.gpu_device_kind()
-    if kind is None or (config_lib.gpu_compute_capability() or (0, 0)) < (8, 0):
+    device = Device.current()
+    if device is None or device.compute_capability < (8, 0):
         raise SystemExit("pallas_flash.tune needs an NVIDIA GPU of compute capability >= 8.0")
+    kind = device.kind
     # On Hopper the default call runs the Mosaic kernels: their tiles are searched too.
-    hopper = config_lib.gpu_compute_capability() == (9, 0)
+    hopper = device.is_hopper
     log_file = open(args.log, "a") if args.log else None
 
     def log(row):

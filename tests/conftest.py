@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import pallas_flash
-from pallas_flash import masks
+from pallas_flash import api, flax_common, masks
 from pallas_flash.config import gpu_compute_capability
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
@@ -66,12 +66,34 @@ def flash_kwargs(mode) -> dict:
     return kernel_kwargs(mode)
 
 
+@pytest.fixture
+def no_compute(monkeypatch):
+    """Makes any attempt to run a backend fail the test: errors must come from validation."""
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a backend was called: validation did not stop the call")
+
+    monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
+    monkeypatch.setattr(api, "reference_attention_vjp", must_not_run)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget which fallback warnings this process has given, for this test only."""
+    monkeypatch.setattr(flax_common, "_warned", set())
+
+
+def uniform_block_sizes(n: int) -> pallas_flash.BlockSizes:
+    """Every tile of every Triton kernel n x n."""
+    return pallas_flash.BlockSizes(
+        block_q=n, block_kv=n, block_q_dkv=n, block_kv_dkv=n, block_q_dq=n, block_kv_dq=n
+    )
+
+
 # Block-size configurations used by the tests (None: the library's default for the mode).
 BLOCK_SIZES = {
     "default": None,
-    "all16": pallas_flash.BlockSizes(
-        block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16
-    ),
+    "all16": uniform_block_sizes(16),
     "q32kv16": pallas_flash.BlockSizes(
         block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
     ),
@@ -306,6 +328,57 @@ def attention_in_dtype(q, k, v, *, scale, is_causal):
 # -- running an attention function: outputs and gradients together -------------------------------
 
 
+def to64(x):
+    """x as a float64 numpy array (through float32, which holds every bf16 and f16 value)."""
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+
+
+def rounded(rng, shape, dtype, scale=1.0):
+    """Normal values times `scale` rounded to `dtype`: (jax array, the same values in float64)."""
+    x = jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+    return x, to64(x)
+
+
+def sum_to_shape(x, shape):
+    """Sums a [B, N, T, S] array over the dims a bias of `shape` was broadcast along."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(d for d in range(4) if shape4[d] == 1 and x.shape[d] != 1)
+    return x.sum(axis=axes, keepdims=True).reshape(shape)
+
+
+MASK_ARGUMENTS = ("mask", "q_lens", "kv_lens", "q_seg", "kv_seg")
+MASKED_OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
+
+
+def masked_outputs_and_grads(attention, xs, **kwargs) -> dict:
+    """out, lse, dq, dk, dv, dbias of one jitted call of `attention` (flash_attention or
+    attention_reference) and its VJP. xs: q, k, v, bias, d_out, d_lse and the mask arguments
+    (MASK_ARGUMENTS: dense mask, lengths, segment ids; None where absent); kwargs: the rest."""
+
+    def f(q, k, v, bias, d_out, d_lse, extra):
+        def call(q, k, v, bias):
+            return attention(
+                q,
+                k,
+                v,
+                bias,
+                extra["mask"],
+                query_seq_lengths=extra["q_lens"],
+                key_value_seq_lengths=extra["kv_lens"],
+                q_segment_ids=extra["q_seg"],
+                kv_segment_ids=extra["kv_seg"],
+                return_residuals=True,
+                **kwargs,
+            )
+
+        (out, lse), vjp = jax.vjp(call, q, k, v, bias)
+        return dict(zip(MASKED_OUTPUT_NAMES, (out, lse, *vjp((d_out, d_lse))), strict=True))
+
+    extra = {name: xs[name] for name in MASK_ARGUMENTS}
+    args = [xs[name] for name in ("q", "k", "v", "bias", "d_out", "d_lse")]
+    return jax.jit(f)(*args, extra)
+
+
 def outputs_and_grads(attn, q, k, v, d_out, d_lse):
     """(out, lse, dq, dk, dv) of `attn(q, k, v) -> (out, lse)` for the given cotangents."""
     (out, lse), vjp = jax.vjp(attn, q, k, v)
@@ -351,7 +424,7 @@ OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv")
 
 
 def max_abs_error(x, oracle) -> float:
-    x = np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    x = to64(x)
     assert x.shape == oracle.shape, (x.shape, oracle.shape)
     finite = np.isfinite(oracle)
     # Where the oracle is infinite (lse of an empty row) the result must match exactly.

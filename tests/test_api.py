@@ -17,6 +17,7 @@ from conftest import DTYPES, Problem, assert_bitwise_equal, has_gpu, random_inpu
 import pallas_flash
 from pallas_flash import api
 from pallas_flash import config as config_lib
+from pallas_flash.device import Device
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
 
@@ -31,17 +32,6 @@ def arrays(q_shape=(B, T, N, H), k_shape=(B, S, K, H), v_shape=None, dtypes=(jnp
         rng.standard_normal(shape).astype(dtype)
         for shape, dtype in zip(shapes, dtypes, strict=True)
     )
-
-
-@pytest.fixture
-def no_compute(monkeypatch):
-    """Makes any attempt to run a backend fail the test: errors must come from validation."""
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("a backend was called: validation did not stop the call")
-
-    monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
-    monkeypatch.setattr(api, "reference_attention_vjp", must_not_run)
 
 
 # (id, arrays() kwargs, flash_attention kwargs, exception, a regex the message must match)
@@ -187,7 +177,7 @@ def test_export_for_a_gpu_from_a_cpu_host_refuses_the_reference(what, platforms)
         return pallas_flash.flash_attention(q, k, v, is_causal=True)
 
     fn = forward if what == "forward" else jax.grad(lambda *qkv: forward(*qkv).sum())
-    with pytest.raises(NotImplementedError, match="without an NVIDIA GPU.*Export on a host with"):
+    with pytest.raises(NotImplementedError, match="without an NVIDIA GPU.*pallas_flash.target"):
         _export(fn, platforms, *arrays())
 
 
@@ -337,8 +327,9 @@ HOPPER_SHAPES = dict(q_shape=(2, 1024, 8, 128), k_shape=(2, 1024, 2, 128))
 
 @pytest.fixture
 def chosen_forward(monkeypatch):
-    """Pretends the GPU has compute capability `cc` (default Hopper) and records, instead of
-    running anything, which forward each flash_attention call picks: call(cc=...) -> list."""
+    """Chooses for a GPU of compute capability `cc` (default: an H200; None: no GPU) or for
+    `device`, and records, instead of running anything, which forward each flash_attention call
+    picks: call(cc=..., device=...) -> list."""
     return _chosen(monkeypatch, lambda config: config.forward)
 
 
@@ -359,8 +350,14 @@ def _chosen(monkeypatch, what):
     monkeypatch.setattr(api, "flash_attention_kernels", record)
     monkeypatch.setattr(api, "reference_attention_vjp", None)
 
-    def call(*qkv, cc=(9, 0), **kwargs):
-        monkeypatch.setattr(api.config_lib, "gpu_compute_capability", lambda: cc)
+    def call(*qkv, cc=(9, 0), device=None, **kwargs):
+        if device is None and cc is not None:
+            device = (
+                Device.h200()
+                if cc == (9, 0)
+                else Device(kind=f"Fake sm{cc[0]}{cc[1]}", compute_capability=cc, num_sms=132)
+            )
+        monkeypatch.setattr(api.device_lib, "target_device", lambda: device)
         pallas_flash.flash_attention(*qkv, **kwargs)
         return chosen.pop()
 
@@ -462,12 +459,12 @@ def test_unbatched_inputs_take_the_mosaic_forward(chosen_forward):
     )
 
 
-def test_causal_on_miscompiling_cuda_stays_on_triton(chosen_forward, monkeypatch):
-    monkeypatch.setattr(api.mosaic_forward, "cuda_runtime_version", lambda: 12085)
-    assert chosen_forward(*hopper_arrays(), is_causal=True) == "triton"
-    assert chosen_forward(*hopper_arrays(), is_causal=False) == "mosaic"
+def test_causal_on_miscompiling_cuda_stays_on_triton(chosen_forward):
+    device = Device.h200(cuda_runtime_version=12085)
+    assert chosen_forward(*hopper_arrays(), is_causal=True, device=device) == "triton"
+    assert chosen_forward(*hopper_arrays(), is_causal=False, device=device) == "mosaic"
     with pytest.raises(NotImplementedError, match="is_causal=True on CUDA runtime 12085"):
-        chosen_forward(*hopper_arrays(), is_causal=True, backend="mosaic")
+        chosen_forward(*hopper_arrays(), is_causal=True, backend="mosaic", device=device)
 
 
 def test_mosaic_backend_takes_block_sizes_for_the_backward_only(chosen_forward):
@@ -522,14 +519,14 @@ def test_triton_backward_serves_what_the_mosaic_backward_lacks(chosen_kernels):
 
 @pytest.fixture
 def tuned_cache(tmp_path, monkeypatch):
-    """An autotune cache file for a fake Hopper: save(shape kwargs of ShapeClass.of, entry)."""
+    """A user's autotune cache file for the H200 (over the shipped table): save(shape kwargs of
+    ShapeClass.of, entry)."""
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
-    monkeypatch.setattr(api.config_lib, "gpu_device_kind", lambda: "Fake Hopper")
     config_lib._load_tune_cache.cache_clear()
 
     def save(entry, head_dim=128, dtype=jnp.bfloat16, **shape):
         cls = config_lib.ShapeClass.of(head_dim, dtype, masked=False, **shape)
-        config_lib.save_tuned("Fake Hopper", {cls: entry})
+        config_lib.save_tuned(Device.h200().kind, {cls: entry})
 
     yield save
     config_lib._load_tune_cache.cache_clear()
@@ -550,8 +547,12 @@ def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
     tuned_cache(entry, is_causal=False, q_len=1024, kv_len=1024)
     assert chosen_tiles(*hopper_arrays()) == (forward, backward)
     assert chosen_tiles(*hopper_arrays(), backend="mosaic") == (forward, backward)
-    # Another shape class (causal), the Triton backend, or a Triton backward: no Mosaic tiles.
-    assert chosen_tiles(*hopper_arrays(), is_causal=True) == (None, None)
+    # Another shape class (causal): the kernels' defaults; the Triton backend: no Mosaic tiles.
+    defaults = mosaic_forward_module.default_tiles(128, q_len=1024, kv_len=1024, is_causal=True)
+    assert chosen_tiles(*hopper_arrays(), is_causal=True) == (
+        defaults,
+        mosaic_backward_module.BackwardTiles(),
+    )
     assert chosen_tiles(*hopper_arrays(), backend="triton") == (None, None)
     h64 = hopper_arrays((4, 1024, 8, 64), (4, 1024, 8, 64))
     tuned_cache(entry, head_dim=64, is_causal=False, q_len=1024, kv_len=1024)
@@ -573,10 +574,12 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
     tuned_cache(entry, is_causal=False, q_len=384, kv_len=384)
     qkv = hopper_arrays((8, 384, 8, 128), (8, 384, 8, 128))
-    assert chosen(*qkv) == ("mosaic", "mosaic", forward, None)
+    assert chosen(*qkv) == ("mosaic", "mosaic", forward, mosaic_backward_module.BackwardTiles())
     forward = mosaic_forward_module.ForwardTiles(block_kv=64, num_stages=3)
     entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, None)
     tuned_cache(entry, head_dim=256, is_causal=False, q_len=1024, kv_len=1024)
-    for head_dim, tiles in ((192, forward), (256, None)):
+    defaults = mosaic_forward_module.default_tiles(256, q_len=1024, kv_len=1024, is_causal=False)
+    assert defaults != forward
+    for head_dim, tiles in ((192, forward), (256, defaults)):
         qkv = hopper_arrays((8, 1024, 8, head_dim), (8, 1024, 8, head_dim))
         assert chosen(*qkv) == ("mosaic", "triton", tiles, None)

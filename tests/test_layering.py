@@ -97,3 +97,26 @@ def test_mosaic_kernels_do_not_import_triton():
         if name.startswith("pallas_flash.mosaic"):
             triton = sorted(m for m in imported if m.startswith("pallas_flash.triton"))
             assert not triton, f"{name} imports {triton}"
+
+
+def test_the_dispatch_sits_above_the_backends():
+    """One choice of kernels: `dispatch` reads the backends; the backends, the Call and the
+    Device record read nothing that chooses."""
+    graph = import_graph()
+    assert {"pallas_flash.mosaic", "pallas_flash.triton", "pallas_flash._vjp"} <= graph[
+        "pallas_flash.dispatch"
+    ]
+    for user in ("pallas_flash.api", "pallas_flash.decode", "pallas_flash.tune"):
+        assert "pallas_flash.dispatch" in graph[user], user
+    choosers = {
+        "pallas_flash.api",
+        "pallas_flash.dispatch",
+        "pallas_flash._vjp",
+        "pallas_flash.tune",
+        "pallas_flash.decode",
+    }
+    for name, imported in graph.items():
+        if name.startswith(("pallas_flash.mosaic", "pallas_flash.triton")):
+            assert not imported & choosers, f"{name} imports {sorted(imported & choosers)}"
+    assert graph["pallas_flash.device"] == set()
+    assert graph["pallas_flash.call"] == {"pallas_flash.masks"}

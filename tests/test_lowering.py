@@ -1,13 +1,15 @@
 """Lowering of the forward and backward kernels through Triton for an abstract H200, on CPU.
 
 The interpreter does not apply Triton's rules (power-of-two arrays, 2-D dots, ...); lowering for
-an abstract GPU does, so it catches Triton-only errors without a GPU. The public API refuses
-backend="triton" without a GPU, so these tests call the custom_vjp directly.
+an abstract GPU does, so it catches Triton-only errors without a GPU. The calls go through the
+public API: inside the abstract mesh of an H200 (jax's AOT target, which Pallas' Triton lowering
+reads) the dispatch chooses for that GPU (`pallas_flash.device.target_device`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import warnings
 
@@ -19,9 +21,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels
-from pallas_flash.config import default_block_sizes, heuristic_block_sizes
-from pallas_flash.masks import MaskArrays, MaskSpec
+import pallas_flash
+from pallas_flash import dispatch
+from pallas_flash.call import Call
+from pallas_flash.config import heuristic_block_sizes
+from pallas_flash.device import Device
+from pallas_flash.masks import MaskSpec
 from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -34,15 +39,18 @@ def lower_for_h200(fn, *args):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
-def kernel_config(p: Problem, block_sizes=None, scale=None) -> KernelConfig:
-    if block_sizes is None:
-        block_sizes = default_block_sizes(p.head_dim, p.jnp_dtype, interpret=False)
-    return KernelConfig(
+def chosen_block_sizes(p: Problem, block_sizes=None):
+    """The Triton tiles the dispatch gives `p` on an H200 (backend="triton")."""
+    call = Call(
+        q_shape=(p.batch, p.q_len, p.num_heads, p.head_dim),
+        k_shape=(p.batch, p.kv_len, p.num_kv_heads, p.head_dim),
+        dtype=p.jnp_dtype,
         spec=MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=p.is_causal),
-        scale=p.scale if scale is None else scale,
-        block_sizes=block_sizes,
-        interpret=False,
     )
+    config = dispatch.choose(
+        call, Device.h200(), scale=p.scale, backend="triton", block_sizes=block_sizes
+    )
+    return config.block_sizes
 
 
 def abstract_inputs(p: Problem):
@@ -53,11 +61,19 @@ def abstract_inputs(p: Problem):
     return q, kv, kv, q, lse
 
 
-def forward_and_backward(config: KernelConfig):
+def forward_and_backward(p: Problem, block_sizes=None, scale=None):
+    """(out, lse, dq, dk, dv) of the public call with backend="triton"."""
+    attention = functools.partial(
+        pallas_flash.flash_attention,
+        is_causal=p.is_causal,
+        scale=p.scale if scale is None else scale,
+        return_residuals=True,
+        backend="triton",
+        block_sizes=block_sizes,
+    )
+
     def fn(q, k, v, d_out, d_lse):
-        (out, lse), vjp = jax.vjp(
-            lambda *qkv: flash_attention_kernels(*qkv, None, MaskArrays(), config), q, k, v
-        )
+        (out, lse), vjp = jax.vjp(attention, q, k, v)
         return out, lse, *vjp((d_out, d_lse))
 
     return fn
@@ -85,7 +101,11 @@ def expected_calls(p: Problem, bs) -> dict[str, dict[str, int]]:
     fwd_tiles = pl.cdiv(p.q_len, fwd_q)
     # Small grids split the forward's KV loop over more programs (third grid axis).
     splits = choose_kv_splits(
-        bs.kv_splits, fwd_tiles * p.num_heads * p.batch, pl.cdiv(p.kv_len, fwd_kv), False
+        bs.kv_splits,
+        fwd_tiles * p.num_heads * p.batch,
+        pl.cdiv(p.kv_len, fwd_kv),
+        False,
+        num_sms=Device.h200().num_sms,
     )
 
     def call(tiles, heads, warps, stages, batch=p.batch):
@@ -123,17 +143,15 @@ PROBLEMS = [
 
 @pytest.mark.parametrize("p", PROBLEMS, ids=str)
 def test_lowers_forward_and_backward_with_default_block_sizes(p):
-    config = kernel_config(p)
-    lowered = lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
-    assert triton_calls(lowered) == expected_calls(p, config.block_sizes)
+    lowered = lower_for_h200(forward_and_backward(p), *abstract_inputs(p))
+    assert triton_calls(lowered) == expected_calls(p, chosen_block_sizes(p))
 
 
 @pytest.mark.parametrize("blocks", sorted(set(BLOCK_SIZES) - {"default"}))
 def test_lowers_with_the_test_block_sizes(blocks):
     """The block sizes the numeric tests use are valid on a GPU too."""
     p = Problem(1, 257, 100, 4, 2, 80, True, "bf16", blocks)
-    config = kernel_config(p, p.block_sizes)
-    lowered = lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+    lowered = lower_for_h200(forward_and_backward(p, p.block_sizes), *abstract_inputs(p))
     assert triton_calls(lowered) == expected_calls(p, p.block_sizes)
 
 
@@ -148,9 +166,9 @@ def with_tile(block_sizes, field: str, value: int):
 def test_lowering_rejects_a_tile_that_is_not_a_power_of_two(field):
     """Why BlockSizes insists on powers of two: Triton refuses anything else."""
     p = Problem(1, 1000, 1000, 4, 2, 64, True, "bf16")
-    config = kernel_config(p, with_tile(BLOCK_SIZES["q32kv16"], field, 48))
+    bad = with_tile(BLOCK_SIZES["q32kv16"], field, 48)
     with pytest.raises(ValueError, match="power of 2.*48"):
-        lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+        lower_for_h200(forward_and_backward(p, bad), *abstract_inputs(p))
 
 
 # -- the deprecation warning of the Pallas Triton backend -----------------------------------------
@@ -186,12 +204,11 @@ def lower_stock_kernel():
 
 def test_our_kernels_lower_without_the_deprecation_warning():
     p = Problem(1, 129, 77, 4, 2, 64, True, "bf16")
-    # A scale no other test uses, so that no cached lowering can hide a warning.
-    config = kernel_config(p, scale=0.1234567)
     filters_before = list(warnings.filters)
 
     def lower():
-        lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+        # A scale no other test uses, so that no cached lowering can hide a warning.
+        lower_for_h200(forward_and_backward(p, scale=0.1234567), *abstract_inputs(p))
 
     assert deprecation_warnings(lower) == []
     assert warnings.filters == filters_before
@@ -202,46 +219,50 @@ def test_other_pallas_triton_kernels_keep_the_deprecation_warning():
     assert len(deprecation_warnings(lower_stock_kernel)) == 1
     # Our kernels' lowering in between does not change that.
     p = Problem(1, 33, 33, 2, 2, 32, False, "bf16")
-    config = kernel_config(p, scale=0.7654321)
-    lower_for_h200(forward_and_backward(config), *abstract_inputs(p))
+    lower_for_h200(forward_and_backward(p, scale=0.7654321), *abstract_inputs(p))
     assert len(deprecation_warnings(lower_stock_kernel)) == 1
 
 
 # Every mask operand lowered for the H200 (forward and backward, dBias included): tiles of the
-# pair operands, scalar loads of the tile ranges, tanh of the soft cap.
+# pair operands, scalar loads of the tile ranges, tanh of the soft cap. Values: flash_attention
+# keyword arguments, with the shapes of the array ones.
 MASKED = {
-    "window-causal": dict(window=(64, 0), is_causal=True),
-    "segments": dict(has_segments=True),
-    "mask": dict(mask_shape=(2, 1, 1000, 900)),
-    "bias-soft-cap": dict(bias=(1, 8, 1000, 900), soft_cap=5.0),
+    "window-causal": dict(local_window_size=(64, 0), is_causal=True),
+    "segments": dict(q_segment_ids=(2, 1000), kv_segment_ids=(2, 900)),
+    "mask": dict(mask=(2, 1, 1000, 900)),
+    "bias-soft-cap": dict(bias=(1, 8, 1000, 900), logits_soft_cap=5.0),
     "broadcast-bias-segments-mask": dict(
-        bias=(2, 1, 1, 900), has_segments=True, mask_shape=(1, 8, 1, 900)
+        bias=(2, 1, 1, 900), q_segment_ids=(2, 1000), kv_segment_ids=(2, 900), mask=(1, 8, 1, 900)
     ),
-    "key-broadcast-bias-window": dict(bias=(1, 8, 1000, 1), window=(100, 0), is_causal=True),
+    "key-broadcast-bias-window": dict(
+        bias=(1, 8, 1000, 1), local_window_size=(100, 0), is_causal=True
+    ),
 }
+_ARRAY_DTYPES = dict(
+    bias=jnp.bfloat16, mask=jnp.bool_, q_segment_ids=jnp.int32, kv_segment_ids=jnp.int32
+)
 
 
 @pytest.mark.parametrize("case", list(MASKED))
 def test_lowers_mask_operands(case):
     kwargs = dict(MASKED[case])
-    bias_shape, soft_cap = kwargs.pop("bias", None), kwargs.pop("soft_cap", None)
-    spec = MaskSpec(q_len=1000, kv_len=900, **kwargs)
+    arrays = {
+        name: jax.ShapeDtypeStruct(kwargs.pop(name), dtype)
+        for name, dtype in _ARRAY_DTYPES.items()
+        if name in kwargs
+    }
+    bias = arrays.pop("bias", None)
     bs = heuristic_block_sizes(128, jnp.bfloat16, masked=True)
-    config = KernelConfig(spec=spec, scale=0.1, soft_cap=soft_cap, block_sizes=bs, interpret=False)
     sds = jax.ShapeDtypeStruct
     q, kv = sds((2, 1000, 8, 128), jnp.bfloat16), sds((2, 900, 2, 128), jnp.bfloat16)
-    bias = None if bias_shape is None else sds(bias_shape, jnp.bfloat16)
-    segments = spec.has_segments
-    arrays = MaskArrays(
-        sds((2, 1000), jnp.int32) if segments else None,
-        sds((2, 900), jnp.int32) if segments else None,
-        None if spec.mask_shape is None else sds(spec.mask_shape, jnp.int8),
-    )
 
     def fn(q, k, v, bias, arrays):
-        out, vjp = jax.vjp(
-            lambda q, k, v, b: flash_attention_kernels(q, k, v, b, arrays, config), q, k, v, bias
-        )
+        def attention(q, k, v, bias):
+            return pallas_flash.flash_attention(
+                q, k, v, bias, scale=0.1, backend="triton", block_sizes=bs, **arrays, **kwargs
+            )
+
+        out, vjp = jax.vjp(attention, q, k, v, bias)
         return vjp(out)
 
     lowered = lower_for_h200(fn, q, kv, kv, bias, arrays)

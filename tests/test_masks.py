@@ -22,12 +22,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64
+from conftest import (
+    BLOCK_SIZES,
+    attention_oracle_f64,
+    masked_outputs_and_grads,
+    rounded,
+    sum_to_shape,
+    to64,
+    uniform_block_sizes,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pallas_flash
-from pallas_flash import api
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
 # Added to 2 x (xla backend error), times max(1, largest |oracle|).
@@ -38,23 +45,13 @@ BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2}
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
 
 
-def block_sizes(n: int) -> pallas_flash.BlockSizes:
-    return pallas_flash.BlockSizes(
-        block_q=n, block_kv=n, block_q_dkv=n, block_kv_dkv=n, block_q_dq=n, block_kv_dq=n
-    )
-
-
 # Small tiles, so that test sizes run several tiles; unequal query and key tiles too (the tile
 # ranges of windows and masks are computed per tile on each side).
 BLOCKS = {
-    "16": block_sizes(16),
-    "32": block_sizes(32),
-    "q32kv16": pallas_flash.BlockSizes(
-        block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
-    ),
-    "q16kv64": pallas_flash.BlockSizes(
-        block_q=16, block_kv=64, block_q_dkv=64, block_kv_dkv=16, block_q_dq=16, block_kv_dq=64
-    ),
+    "16": uniform_block_sizes(16),
+    "32": uniform_block_sizes(32),
+    "q32kv16": BLOCK_SIZES["q32kv16"],
+    "q16kv64": BLOCK_SIZES["q16kv64"],
 }
 
 
@@ -110,12 +107,6 @@ class Case:
         parts += [f"seg-{self.segments}"] * (self.segments is not None)
         parts += ["unbatched"] * self.unbatched
         return "-".join(parts)
-
-
-def rounded(rng, shape, dtype):
-    """Standard normal values rounded to `dtype`: (jax array, the same values as float64)."""
-    x = jnp.asarray(rng.standard_normal(shape), dtype)
-    return x, np.asarray(x.astype(jnp.float32), np.float64)
 
 
 def random_mask(rng, shape, cell: int = 16):
@@ -199,13 +190,6 @@ def visibility(c: Case, x64) -> np.ndarray:
     return vis
 
 
-def sum_to_shape(x, shape):
-    """Sums a [B, N, T, S] array over the dims a bias of `shape` was broadcast along."""
-    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
-    axes = tuple(d for d in range(4) if shape4[d] == 1 and x.shape[d] != 1)
-    return x.sum(axis=axes, keepdims=True).reshape(shape)
-
-
 def oracle(c: Case, x64, scale: float | None = None):
     """The float64 oracle (conftest.attention_oracle_f64) of case `c`: out, lse and the gradients
     dq, dk, dv, dbias (dS summed over the bias's broadcast dims) for the cotangents d_out, d_lse.
@@ -256,43 +240,16 @@ def run(c: Case, xs, which: str, **overrides):
         is_causal=c.is_causal,
         local_window_size=c.window,
         logits_soft_cap=c.soft_cap,
-        return_residuals=True,
         **call_kwargs(c, which),
     )
     kwargs.update(overrides)
     if c.unbatched:
         xs = unbatch(xs)
 
-    def f(q, k, v, bias, d_out, d_lse, extra):
-        def attention(q, k, v, bias):
-            return pallas_flash.flash_attention(
-                q,
-                k,
-                v,
-                bias,
-                extra["mask"],
-                query_seq_lengths=extra["q_lens"],
-                key_value_seq_lengths=extra["kv_lens"],
-                q_segment_ids=extra["q_seg"],
-                kv_segment_ids=extra["kv_seg"],
-                **kwargs,
-            )
-
-        (out, lse), vjp = jax.vjp(attention, q, k, v, bias)
-        dq, dk, dv, dbias = vjp((d_out, d_lse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
-
-    names = ("mask", "q_lens", "kv_lens", "q_seg", "kv_seg")
-    extra = {name: xs[name] for name in names}
-    args = [xs[name] for name in ("q", "k", "v", "bias", "d_out", "d_lse")]
-    res = jax.jit(f)(*args, extra)
+    res = masked_outputs_and_grads(pallas_flash.flash_attention, xs, **kwargs)
     if c.unbatched:
-        res = {name: x[None] if x is not None and name != "dbias" else x for name, x in res.items()}
+        res = {name: x if x is None or name == "dbias" else x[None] for name, x in res.items()}
     return res
-
-
-def to64(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
 def zero_empty_rows_dlse(c: Case, xs, x64):
@@ -715,34 +672,17 @@ def test_attention_reference_matches_oracle(c):
     if c.unbatched:
         xs = unbatch(xs)
 
-    def f(q, k, v, bias, d_out, d_lse, extra):
-        def attention(q, k, v, bias):
-            return pallas_flash.attention_reference(
-                q,
-                k,
-                v,
-                bias,
-                extra["mask"],
-                is_causal=c.is_causal,
-                query_seq_lengths=extra["q_lens"],
-                key_value_seq_lengths=extra["kv_lens"],
-                q_segment_ids=extra["q_seg"],
-                kv_segment_ids=extra["kv_seg"],
-                local_window_size=c.window,
-                logits_soft_cap=c.soft_cap,
-                return_residuals=True,
-            )
-
-        (out, lse), vjp = jax.vjp(attention, q, k, v, bias)
-        return (out, lse, *vjp((d_out, d_lse)))
-
-    names = ("mask", "q_lens", "kv_lens", "q_seg", "kv_seg")
-    args = [xs[name] for name in ("q", "k", "v", "bias", "d_out", "d_lse")]
-    got = jax.jit(f)(*args, {name: xs[name] for name in names})
+    got = masked_outputs_and_grads(
+        pallas_flash.attention_reference,
+        xs,
+        is_causal=c.is_causal,
+        local_window_size=c.window,
+        logits_soft_cap=c.soft_cap,
+    )
     if c.unbatched:
-        got = [x[None] for x in got[:5]] + [got[5]]
+        got = {name: x if name == "dbias" else x[None] for name, x in got.items()}
     want = oracle(c, x64)
-    for name, x in zip(("out", "lse", "dq", "dk", "dv", "dbias"), got, strict=True):
+    for name, x in got.items():
         if want[name] is None:
             assert x is None, name
             continue
@@ -758,17 +698,6 @@ def test_attention_reference_matches_oracle(c):
 # -- validation -----------------------------------------------------------------------------------
 
 B, T, S, N, K, H = 2, 9, 12, 4, 2, 16
-
-
-@pytest.fixture
-def no_compute(monkeypatch):
-    """Makes any attempt to run a backend fail the test: errors must come from validation."""
-
-    def must_not_run(*args, **kwargs):
-        raise AssertionError("a backend was called: validation did not stop the call")
-
-    monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
-    monkeypatch.setattr(api, "reference_attention_vjp", must_not_run)
 
 
 def ones(shape, dtype):
@@ -905,7 +834,7 @@ def test_skipped_tiles_cost_nothing():
         jnp.asarray(rng.standard_normal((1, seq, 1, head_dim)), jnp.float32) for _ in range(4)
     )
     segments = jnp.asarray(np.repeat(np.arange(8, dtype=np.int32), seq // 8)[None])
-    blocks = block_sizes(64)
+    blocks = uniform_block_sizes(64)
 
     def fwd_bwd(*, packed=False, window=None):
         def f(q, k, v, d_out, segments):

@@ -1,5 +1,5 @@
 """The Mosaic GPU forward (pallas_flash.mosaic): lowering for an abstract H200 on CPU, the shape
-rules of `supports`, and numerics against the float64 oracle on a Hopper GPU.
+rules of `why_not`, and numerics against the float64 oracle on a Hopper GPU.
 
 Mosaic GPU kernels cannot run in the Pallas interpreter (wgmma, TMA, barriers). Lowering on CPU
 runs Pallas' lowering, Mosaic GPU's layout inference and its dialect lowering, all in Python;
@@ -37,20 +37,25 @@ from mosaic_interpret import interpret_mosaic
 from test_lowering import abstract_inputs, lower_for_h200, triton_calls
 
 import pallas_flash
-from pallas_flash import config as config_lib
-from pallas_flash import masks
+from pallas_flash import device as device_lib
+from pallas_flash import dispatch, masks
 from pallas_flash._vjp import KernelConfig
+from pallas_flash.call import Call
 from pallas_flash.config import gpu_compute_capability
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import ForwardTiles, default_tiles, flash_forward, supports
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.forward import (
     NUM_CONSUMERS,
     SMEM_BYTES,
+    ForwardTiles,
     consumer_tile_range,
     cta_tile_range,
+    default_tiles,
+    flash_forward,
     mask_sides,
     segment_tile_plan,
+    why_not,
 )
 from pallas_flash.triton import backward as triton_backward
 
@@ -381,7 +386,7 @@ def test_segment_plans_include_the_hard_cases():
     assert found == {"empty cta", "idle consumer", "gap"}, found
 
 
-# -- supports / validation ------------------------------------------------------------------------
+# -- why_not / validation ------------------------------------------------------------------------
 
 BF16 = jnp.bfloat16
 
@@ -389,14 +394,14 @@ BF16 = jnp.bfloat16
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_supports_accepts(head_dim, is_causal):
-    assert supports((2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal) is None
+    assert why_not((2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal) is None
     assert (
-        supports((1, 128, 1, head_dim), (1, 256, 1, head_dim), jnp.float16, is_causal=True) is None
+        why_not((1, 128, 1, head_dim), (1, 256, 1, head_dim), jnp.float16, is_causal=True) is None
     )
     # Any lengths: ragged last tiles, lengths below one tile, lengths that are not multiples of 8.
     for q_len, kv_len in ((3000, 3000), (197, 197), (1, 1), (130, 333), (1000, 64)):
         shapes = (1, q_len, 4, head_dim), (1, kv_len, 2, head_dim)
-        assert supports(*shapes, BF16, is_causal=is_causal) is None
+        assert why_not(*shapes, BF16, is_causal=is_causal) is None
 
 
 @pytest.mark.parametrize(
@@ -414,41 +419,49 @@ def test_supports_accepts(head_dim, is_causal):
 )
 def test_supports_rejects_with_reason(q_shape, k_shape, dtype, reason):
     for is_causal in (False, True):
-        got = supports(q_shape, k_shape, dtype, is_causal=is_causal)
+        got = why_not(q_shape, k_shape, dtype, is_causal=is_causal)
         assert got is not None and reason in got, got
 
 
 def test_supports_rejects_tiles_over_the_register_budget():
     wide = ForwardTiles(block_q=128, block_kv=128)
-    got = supports((1, 256, 2, 128), (1, 256, 2, 128), BF16, is_causal=False, tiles=wide)
+    got = why_not((1, 256, 2, 128), (1, 256, 2, 128), BF16, is_causal=False, tiles=wide)
     assert got is not None and "256 registers per thread" in got
     for head_dim, tiles in ((64, wide), (128, ForwardTiles(block_q=128, block_kv=64))):
         shapes = ((1, 256, 2, head_dim), (1, 256, 2, head_dim))
-        assert supports(*shapes, BF16, is_causal=False, tiles=tiles) is None
+        assert why_not(*shapes, BF16, is_causal=False, tiles=tiles) is None
 
 
-def test_supports_refuses_causal_on_miscompiling_cuda(monkeypatch):
+def test_supports_refuses_causal_on_miscompiling_cuda():
     shapes = ((1, 256, 2, 128), (1, 256, 2, 128), BF16)
     for version, refused in ((12080, True), (12090, True), (12091, False), (13000, False)):
-        monkeypatch.setattr(mosaic_forward_module, "cuda_runtime_version", lambda v=version: v)
-        got = supports(*shapes, is_causal=True)
+        got = why_not(*shapes, is_causal=True, cuda_runtime_version=version)
         assert (got is not None and f"CUDA runtime {version}" in got) == refused, got
-        assert supports(*shapes, is_causal=False) is None
+        assert why_not(*shapes, is_causal=False, cuda_runtime_version=version) is None
 
 
-def test_kernel_config_refuses_what_the_mosaic_forward_would_drop():
+def test_the_dispatch_gives_the_mosaic_forward_only_what_it_takes():
+    """Windows, soft caps and segment ids reach the Mosaic forward; a dense mask (whose arrays
+    the kernel would drop) is refused by backend="mosaic" and left to Triton by None."""
     spec = MaskSpec(q_len=256, kv_len=256, is_causal=True)
-    common = dict(scale=0.1, block_sizes=pallas_flash.BlockSizes(), interpret=False)
-    KernelConfig(spec=spec, forward="mosaic", **common)
-    KernelConfig(spec=dataclasses.replace(spec, window=(8, 0)), forward="mosaic", **common)
-    KernelConfig(spec=spec, soft_cap=30.0, forward="mosaic", **common)
-    KernelConfig(spec=dataclasses.replace(spec, has_segments=True), forward="mosaic", **common)
-    for bad in (
-        dict(spec=dataclasses.replace(spec, mask_shape=(1, 1, 256, 256))),
-        dict(spec=dataclasses.replace(spec, has_segments=True, mask_shape=(1, 1, 256, 256))),
+    shapes = dict(q_shape=(1, 256, 2, 128), k_shape=(1, 256, 2, 128), dtype=BF16)
+
+    def forward(spec, soft_cap=None, backend="mosaic"):
+        call = Call(spec=spec, soft_cap=soft_cap, **shapes)
+        return dispatch.choose(call, Device.h200(), scale=0.1, backend=backend).forward
+
+    assert forward(spec) == "mosaic"
+    assert forward(dataclasses.replace(spec, window=(8, 0))) == "mosaic"
+    assert forward(spec, soft_cap=30.0) == "mosaic"
+    assert forward(dataclasses.replace(spec, has_segments=True)) == "mosaic"
+    for masked in (
+        dataclasses.replace(spec, mask_shape=(1, 1, 256, 256)),
+        dataclasses.replace(spec, has_segments=True, mask_shape=(1, 1, 256, 256)),
     ):
-        with pytest.raises(ValueError, match="forward='mosaic' supports no mask"):
-            KernelConfig(forward="mosaic", **{**common, **bad})
+        with pytest.raises(NotImplementedError, match="does not support this call \\(mask\\)"):
+            forward(masked)
+        assert forward(masked, backend=None) == "triton"
+    common = dict(scale=0.1, block_sizes=pallas_flash.BlockSizes(), interpret=False)
     with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
         KernelConfig(spec=spec, forward="cuda", **common)
 
@@ -465,7 +478,7 @@ def test_kernel_config_refuses_what_the_mosaic_forward_would_drop():
     ],
 )
 def test_supports_rejects_bad_options(options, reason):
-    got = supports((1, 256, 2, 128), (1, 256, 2, 128), BF16, is_causal=False, **options)
+    got = why_not((1, 256, 2, 128), (1, 256, 2, 128), BF16, is_causal=False, **options)
     assert got is not None and reason in got, got
 
 
@@ -473,15 +486,14 @@ def test_supports_accepts_windows_and_soft_caps():
     shapes = ((1, 256, 2, 128), (1, 512, 2, 128), BF16)
     for is_causal in (False, True):
         for options in (dict(window=(0, 0)), dict(window=[64, 10**6]), dict(soft_cap=5)):
-            assert supports(*shapes, is_causal=is_causal, **options) is None
+            assert why_not(*shapes, is_causal=is_causal, **options) is None
 
 
-def test_supports_refuses_windows_on_miscompiling_cuda(monkeypatch):
-    monkeypatch.setattr(mosaic_forward_module, "cuda_runtime_version", lambda: 12085)
+def test_supports_refuses_windows_on_miscompiling_cuda():
     shapes = ((1, 256, 2, 128), (1, 256, 2, 128), BF16)
-    got = supports(*shapes, is_causal=False, window=(8, 8))
+    got = why_not(*shapes, is_causal=False, window=(8, 8), cuda_runtime_version=12085)
     assert got is not None and "window=(8, 8) on CUDA runtime 12085" in got
-    assert supports(*shapes, is_causal=False, soft_cap=5.0) is None
+    assert why_not(*shapes, is_causal=False, soft_cap=5.0, cuda_runtime_version=12085) is None
 
 
 def test_persistent_tiles_count_the_second_q_buffer():
@@ -489,14 +501,14 @@ def test_persistent_tiles_count_the_second_q_buffer():
     H=128 and H=64 do."""
     plain, persistent = ForwardTiles(block_kv=64), ForwardTiles(block_kv=64, persistent=True)
     assert persistent.smem_bytes(256, 2) - plain.smem_bytes(256, 2) == 2 * 64 * 256 * 2
-    got = supports((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=persistent)
+    got = why_not((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=persistent)
     assert got is not None and "shared memory" in got
     for head_dim, tiles in (
         (128, ForwardTiles(persistent=True)),
         (64, ForwardTiles(block_q=128, persistent=True)),
     ):
         shapes = (1, 512, 2, head_dim), (1, 512, 2, head_dim)
-        assert supports(*shapes, BF16, is_causal=True, tiles=tiles, segments=True) is None
+        assert why_not(*shapes, BF16, is_causal=True, tiles=tiles, segments=True) is None
 
 
 @pytest.mark.parametrize(
@@ -549,9 +561,9 @@ def test_persistent_work_covers_every_item_once(batch, heads, q_tiles, ctas, rev
 
 def test_supports_rejects_tiles_over_shared_memory():
     tiles = ForwardTiles(block_q=64, block_kv=128, num_stages=2)
-    got = supports((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=tiles)
+    got = why_not((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=tiles)
     assert got is not None and "shared memory" in got
-    assert supports((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False) is None
+    assert why_not((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False) is None
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -565,7 +577,7 @@ def test_default_tiles_are_supported(head_dim, q_len, kv_len, is_causal, segment
         head_dim, q_len=q_len, kv_len=kv_len, is_causal=is_causal, segments=segments
     )
     shapes = (2, q_len, 4, head_dim), (2, kv_len, 4, head_dim)
-    assert supports(*shapes, BF16, is_causal=is_causal, tiles=tiles, segments=segments) is None
+    assert why_not(*shapes, BF16, is_causal=is_causal, tiles=tiles, segments=segments) is None
     assert tiles.smem_bytes(head_dim, 2, segments=segments) <= SMEM_BYTES
 
 
@@ -602,17 +614,17 @@ def test_default_tiles_are_persistent_on_plain_non_causal_and_short_causal_calls
 
 def test_supports_counts_the_segment_id_buffers(monkeypatch):
     """Segment ids add the consumers' query ids and a ring of KV ids (int32) to shared memory;
-    `supports` checks the total (here against a budget that fits the tiles without ids)."""
+    `why_not` checks the total (here against a budget that fits the tiles without ids)."""
     tiles = ForwardTiles(block_q=64, block_kv=128, num_stages=3)
     extra = tiles.smem_bytes(64, 2, segments=True) - tiles.smem_bytes(64, 2)
     assert extra == (2 * 64 + 3 * 128) * 4
     shapes = ((2, 256, 4, 64), (2, 512, 2, 64), BF16)
     for is_causal in (False, True):
-        assert supports(*shapes, is_causal=is_causal, segments=True) is None
-        assert supports(*shapes, is_causal=is_causal, window=(8, 0), segments=True) is None
+        assert why_not(*shapes, is_causal=is_causal, segments=True) is None
+        assert why_not(*shapes, is_causal=is_causal, window=(8, 0), segments=True) is None
     monkeypatch.setattr(mosaic_forward_module, "SMEM_BYTES", tiles.smem_bytes(64, 2))
-    assert supports(*shapes, is_causal=False, tiles=tiles) is None
-    got = supports(*shapes, is_causal=False, tiles=tiles, segments=True)
+    assert why_not(*shapes, is_causal=False, tiles=tiles) is None
+    got = why_not(*shapes, is_causal=False, tiles=tiles, segments=True)
     assert got is not None and "shared memory" in got, got
 
 
@@ -1187,7 +1199,7 @@ def test_masked_default_call_on_hopper_matches_oracle_interpreted(monkeypatch):
     """The public forward as a Hopper runs it (backend=None) with segment ids, lengths and a
     causal window, in the interpreter: the API's mask arrays reach the Mosaic forward; out and
     lse against the float64 oracle (the Triton backward cannot run in the Mosaic interpreter)."""
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     p = Problem(2, 256, 256, 4, 2, 128, True, "bf16")
     (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
     ids = np.sort(np.random.default_rng(3).integers(0, 3, (p.batch, p.q_len)), axis=1)
@@ -1403,7 +1415,7 @@ def test_default_call_on_hopper_lowers_to_the_chosen_kernels(
 ):
     """backend=None on a Hopper GPU: the Mosaic forward, and the Mosaic backward where it is
     supported and measured faster, else the Triton dK/dV and dQ kernels."""
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     lowered = lower_for_h200(
         functools.partial(outputs_and_grads, public_fn(p)), *abstract_inputs(p)
     )
@@ -1469,7 +1481,7 @@ def test_vmap_over_a_leading_axis():
 
 
 def test_vmap_lowers_to_one_mosaic_call(monkeypatch):
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     p = Problem(2, 256, 256, 4, 2, 64, True, "bf16")
     q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_inputs(p)[:3])
     lowered = lower_for_h200(jax.vmap(public_fn(p, backend="mosaic")), q, k, v)
@@ -1481,7 +1493,7 @@ def test_vmap_lowers_to_one_mosaic_call(monkeypatch):
 def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
     """Segment ids and key lengths under vmap, marked verified: the tile plan is batched in
     XLA, the kernel stays one Mosaic GPU call."""
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     p = Problem(2, 256, 256, 4, 2, 64, True, "bf16")
     q, k, v = (jax.ShapeDtypeStruct((3, *x.shape), x.dtype) for x in abstract_qkv(p))
     ids = jax.ShapeDtypeStruct((3, p.batch, p.q_len), jnp.int32)
@@ -1501,7 +1513,7 @@ def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
 def test_masked_default_call_lowers_to_the_mosaic_forward_and_triton_backward(monkeypatch, option):
     """backend=None on Hopper: windows, soft caps and segment ids take the Mosaic forward (one
     Mosaic call) and the Triton backward (which the Mosaic backward leaves them to)."""
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
     kwargs = {
         "window": dict(local_window_size=(256, 0)),

@@ -1,5 +1,5 @@
 """The Mosaic GPU backward (pallas_flash.mosaic.backward): lowering for an abstract H200 on CPU,
-the shape rules of `supports_backward`, and gradients against the float64 oracle, in jax's Mosaic
+the shape rules of `why_not`, and gradients against the float64 oracle, in jax's Mosaic
 GPU interpreter on CPU (tests/mosaic_interpret.py) and on a Hopper GPU.
 
 As for the forward (test_mosaic.py), lowering on CPU runs Pallas' lowering, Mosaic GPU's layout
@@ -33,16 +33,14 @@ from test_mosaic import forward_fn as mosaic_forward_fn
 
 import pallas_flash
 from pallas_flash import config as config_lib
+from pallas_flash import device as device_lib
+from pallas_flash import dispatch
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash.call import Call
 from pallas_flash.config import BlockSizes
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import (
-    BackwardTiles,
-    ForwardTiles,
-    flash_backward,
-    flash_forward,
-    supports_backward,
-)
+from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, flash_forward
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.backward import SMEM_BYTES, _q_tile_range, default_tiles
@@ -105,7 +103,7 @@ def test_lowers_for_h200(p):
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
 
 
-# Tiles other than the defaults that fit the register budget of `supports_backward`.
+# Tiles other than the defaults that fit the register budget of `mosaic.backward.why_not`.
 OTHER_TILES = [
     (64, BackwardTiles(num_consumers=1)),
     (128, BackwardTiles(num_consumers=1)),
@@ -175,7 +173,7 @@ def test_causal_q_tile_range_matches_the_mask(q_len, kv_len, block_q, rows):
         assert int(whole) == num_tiles - whole_tiles.sum() and whole_tiles[int(whole) :].all()
 
 
-# -- supports_backward / validation ---------------------------------------------------------------
+# -- why_not / validation ---------------------------------------------------------------
 
 BF16 = jnp.bfloat16
 
@@ -186,13 +184,15 @@ def test_supports_accepts(head_dim, is_causal):
     # Any lengths: ragged last tiles, lengths below one tile, lengths that are not multiples of 8.
     for q_len, kv_len in ((3000, 3000), (197, 197), (1, 1), (130, 333), (64, 1000)):
         shapes = (1, q_len, 4, head_dim), (1, kv_len, 2, head_dim)
-        assert supports_backward(*shapes, BF16, is_causal=is_causal) is None
+        assert mosaic_backward_module.why_not(*shapes, BF16, is_causal=is_causal) is None
     assert (
-        supports_backward((2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal)
+        mosaic_backward_module.why_not(
+            (2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal
+        )
         is None
     )
     assert (
-        supports_backward(
+        mosaic_backward_module.why_not(
             (1, 128, 1, head_dim), (1, 128, 1, head_dim), jnp.float16, is_causal=is_causal
         )
         is None
@@ -216,13 +216,15 @@ def test_supports_accepts(head_dim, is_causal):
 )
 def test_supports_rejects_with_reason(q_shape, k_shape, dtype, reason):
     for is_causal in (False, True):
-        got = supports_backward(q_shape, k_shape, dtype, is_causal=is_causal)
+        got = mosaic_backward_module.why_not(q_shape, k_shape, dtype, is_causal=is_causal)
         assert got is not None and reason in got, got
 
 
 def test_supports_rejects_tiles_over_shared_memory():
     tiles = BackwardTiles(num_stages=8)
-    got = supports_backward((1, 512, 2, 128), (1, 512, 2, 128), BF16, is_causal=False, tiles=tiles)
+    got = mosaic_backward_module.why_not(
+        (1, 512, 2, 128), (1, 512, 2, 128), BF16, is_causal=False, tiles=tiles
+    )
     assert got is not None and "shared memory in dK/dV" in got
 
 
@@ -236,7 +238,7 @@ def test_supports_rejects_tiles_over_shared_memory():
 )
 def test_supports_rejects_tiles_that_would_spill(head_dim, tiles, kernel):
     shape = (1, 512, 2, head_dim)
-    got = supports_backward(shape, shape, BF16, is_causal=True, tiles=tiles)
+    got = mosaic_backward_module.why_not(shape, shape, BF16, is_causal=True, tiles=tiles)
     assert got is not None and kernel in got and "spill" in got, got
 
 
@@ -318,7 +320,7 @@ def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
     """The public call as a Hopper runs it (backend=None: the Mosaic forward and backward),
     the whole custom_vjp in the interpreter: validation, dispatch, residuals, delta and the GQA
     head mapping, against the float64 oracle."""
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     attention = functools.partial(
         pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
     )
@@ -336,8 +338,7 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
     """Mosaic tiles from the autotune cache reach both kernels through the public call (a
     spy records them) and the result still matches the float64 oracle."""
     p = Problem(1, 256, 256, 2, 1, 64, True, "bf16")
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
-    monkeypatch.setattr(config_lib, "gpu_device_kind", lambda: "Fake Hopper")
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
     config_lib._load_tune_cache.cache_clear()
     forward = ForwardTiles(block_q=64, block_kv=64, num_stages=3)
@@ -346,7 +347,7 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
         64, jnp.bfloat16, is_causal=True, q_len=256, kv_len=256, masked=False
     )
     entry = config_lib.TunedEntry(BlockSizes(), forward, backward)
-    config_lib.save_tuned("Fake Hopper", {shape_class: entry})
+    config_lib.save_tuned(Device.h200().kind, {shape_class: entry})
     used = []
     for module, name in (
         (mosaic_forward_module, "flash_forward"),
@@ -438,26 +439,41 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize(
-    "spec_options, soft_cap, match",
+    "spec_options, soft_cap, has_bias",
     [
-        (dict(window=(8, 8)), None, "local_window_size"),
-        (dict(has_segments=True), None, "segment ids"),
-        (dict(mask_shape=(1, 1, 256, 256)), None, "mask"),
-        ({}, 30.0, "logits_soft_cap"),
+        (dict(window=(8, 8)), None, False),
+        (dict(has_segments=True), None, False),
+        ({}, 30.0, False),
+        ({}, None, True),
+        (dict(mask_shape=(1, 1, 256, 256)), None, False),
     ],
 )
-def test_kernel_config_refuses_mosaic_backward_with_options_it_would_drop(
-    spec_options, soft_cap, match
+def test_the_dispatch_never_gives_the_mosaic_backward_what_it_would_drop(
+    spec_options, soft_cap, has_bias
 ):
-    with pytest.raises(ValueError, match=f"backward='mosaic' supports no {match}"):
-        KernelConfig(
-            spec=MaskSpec(q_len=256, kv_len=256, **spec_options),
-            scale=0.1,
-            soft_cap=soft_cap,
-            block_sizes=None,
-            interpret=False,
-            backward="mosaic",
-        )
+    """The Mosaic backward takes only the causal flag: windows, segment ids, soft caps keep the
+    Triton backward also with backend="mosaic"; a bias or dense mask keeps the whole call on
+    Triton (None) or is refused (backend="mosaic")."""
+    spec = MaskSpec(q_len=256, kv_len=256, is_causal=True, **spec_options)
+    call = Call(
+        q_shape=(1, 256, 2, 128),
+        k_shape=(1, 256, 2, 128),
+        dtype=jnp.bfloat16,
+        spec=spec,
+        soft_cap=soft_cap,
+        has_bias=has_bias,
+    )
+    assert dispatch.choose(call, Device.h200(), scale=0.1).backward == "triton"
+    if has_bias or spec.mask_shape is not None:
+        with pytest.raises(NotImplementedError, match="backend='mosaic' does not support"):
+            dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")
+    else:
+        config = dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")
+        assert (config.forward, config.backward) == ("mosaic", "triton")
+    plain = dataclasses.replace(
+        call, spec=MaskSpec(q_len=256, kv_len=256, is_causal=True), soft_cap=None, has_bias=False
+    )
+    assert dispatch.choose(plain, Device.h200(), scale=0.1, backend="mosaic").backward == "mosaic"
 
 
 # -- any T and S, head dims 80 and 96 -------------------------------------------------------------
@@ -531,7 +547,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
     ids=str,
 )
 def test_default_call_on_hopper_takes_mosaic_at_any_lengths(monkeypatch, p, mosaic_calls):
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     attention = functools.partial(
         pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
     )
@@ -551,7 +567,7 @@ def test_default_call_on_hopper_takes_mosaic_at_any_lengths(monkeypatch, p, mosa
 def test_default_call_at_any_lengths_matches_oracle_interpreted(monkeypatch, p):
     """The public call on a Hopper (backend=None) at a length that is not a multiple of 8 and
     H=80: the Mosaic forward and backward, whole custom_vjp, in the interpreter."""
-    monkeypatch.setattr(config_lib, "gpu_compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
     attention = functools.partial(
         pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
     )
@@ -603,14 +619,3 @@ def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
     results = run(q, k, v, d_out, d_lse)
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
-
-
-def test_mosaic_backward_refuses_bias():
-    p = Problem(1, 128, 128, 2, 2, 64, False, "bf16")
-    config = dataclasses.replace(
-        kernel_config(p), forward="triton", block_sizes=BlockSizes(), interpret=True
-    )
-    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    bias = jnp.zeros((1, 2, 128, 128), jnp.float32)
-    with pytest.raises(ValueError, match="backward='mosaic' supports no bias"):
-        jax.grad(lambda q: flash_attention_kernels(q, q, q, bias, MaskArrays(), config)[0].sum())(q)

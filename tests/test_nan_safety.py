@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BLOCK_SIZES, attention_oracle_f64, has_gpu
+from conftest import BLOCK_SIZES, attention_oracle_f64, has_gpu, to64
 from mosaic_interpret import interpret_mosaic
 
 import pallas_flash
@@ -41,10 +41,6 @@ def path_kwargs(path: str, blocks: str | None = None) -> dict:
 
 def normal(rng, shape, dtype=jnp.float32):
     return jnp.asarray(rng.standard_normal(shape), dtype)
-
-
-def f64(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
 
 
 def run(q, k, v, cotangents, *, bias=None, **kwargs):
@@ -101,20 +97,20 @@ def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
     kwargs = dict(bias=bias, **path_kwargs(path, "q32kv16"))
     ((out, lse, dq, dk, dv, dbias),) = run(q, k, v, [(d_out, d_lse)], **kwargs)
 
-    mean_v = np.repeat(f64(v).mean(axis=1), heads // kv_heads, axis=1)[:, None]  # [B, 1, N, H]
+    mean_v = np.repeat(to64(v).mean(axis=1), heads // kv_heads, axis=1)[:, None]  # [B, 1, N, H]
     for rows, value in BIASED_ROWS.items():
         want = np.broadcast_to(mean_v, out[:, rows].shape)
         assert_close(f"out {value:g}", out[:, rows], want, atol=1e-5)
         assert_close(f"lse {value:g}", lse[:, :, rows], value + np.log(kv_len), atol=0, rtol=1e-6)
     oracle = attention_oracle_f64(
-        f64(q),
-        f64(k),
-        f64(v),
-        f64(d_out),
-        f64(d_lse),
+        to64(q),
+        to64(k),
+        to64(v),
+        to64(d_out),
+        to64(d_lse),
         scale=head_dim**-0.5,
         visible=np.ones((q_len, kv_len), bool),
-        bias=f64(bias),
+        bias=to64(bias),
     )
     assert_close("out", out[:, n_biased:], oracle["out"][:, n_biased:], atol=1e-5)
     assert_close("lse", lse[:, :, n_biased:], oracle["lse"][:, :, n_biased:], atol=1e-5)
@@ -141,16 +137,16 @@ def test_finfo_min_bias_in_bfloat16(path):
             pallas_flash.flash_attention, return_residuals=True, **path_kwargs(path, "all16")
         )
     )(q, k, v, bias)
-    out, lse = f64(out), f64(lse)
-    mean_v = np.broadcast_to(f64(v).mean(1)[:, None], out[:, :3].shape)
+    out, lse = to64(out), to64(lse)
+    mean_v = np.broadcast_to(to64(v).mean(1)[:, None], out[:, :3].shape)
     assert_close("out (biased rows)", out[:, :3], mean_v, atol=2e-2)
     oracle = attention_oracle_f64(
-        f64(q),
-        f64(k),
-        f64(v),
+        to64(q),
+        to64(k),
+        to64(v),
         scale=head_dim**-0.5,
         visible=np.ones((q_len, kv_len), bool),
-        bias=f64(bias),
+        bias=to64(bias),
     )
     assert_close("out", out[:, 3:], oracle["out"][:, 3:], atol=2e-2)
     assert_close("lse", lse[..., 3:], oracle["lse"][..., 3:], atol=2e-2)
@@ -170,7 +166,7 @@ def test_huge_logits(path):
         q, k, v, [(d_out, d_lse)], scale=0.25, **path_kwargs(path, "q16kv64")
     )
     oracle = attention_oracle_f64(
-        f64(q), f64(k), f64(v), scale=0.25, visible=np.ones((q_len, kv_len), bool)
+        to64(q), to64(k), to64(v), scale=0.25, visible=np.ones((q_len, kv_len), bool)
     )
     assert_close("out", out, oracle["out"], atol=1e-6)
     assert_close("lse", lse, oracle["lse"], atol=0, rtol=1e-6)
@@ -232,7 +228,7 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
     v_bad = poison(v, hidden, [np.nan, -np.inf, np.inf])
     (results,) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
     oracle = attention_oracle_f64(
-        f64(q), f64(k), f64(v), f64(d_out), f64(d_lse), scale=head_dim**-0.5, visible=visible
+        to64(q), to64(k), to64(v), to64(d_out), to64(d_lse), scale=head_dim**-0.5, visible=visible
     )
     for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
         want = oracle[name]
@@ -261,7 +257,7 @@ def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path):
     kwargs = dict(is_causal=True, local_window_size=(9, 0), **path_kwargs(path, "q32kv16"))
     ((out, lse, dq, _, _),) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
     oracle = attention_oracle_f64(
-        f64(q), f64(k), f64(v), f64(d_out), f64(d_lse), scale=head_dim**-0.5, visible=visible
+        to64(q), to64(k), to64(v), to64(d_out), to64(d_lse), scale=head_dim**-0.5, visible=visible
     )
     assert_close("out", out[:, hidden_rows], oracle["out"][:, hidden_rows], atol=1e-5)
     assert_close("lse", lse[..., hidden_rows], oracle["lse"][..., hidden_rows], atol=1e-5)
@@ -303,12 +299,12 @@ def mosaic_huge_logits(magnitude, is_causal):
     pos = np.arange(128)
     visible = pos[None, :] <= pos[:, None] if is_causal else np.ones((128, 128), bool)
     with np.errstate(over="ignore"):  # exp of the masked logits, discarded by the oracle
-        oracle = attention_oracle_f64(f64(q), f64(k), f64(v), scale=scale, visible=visible)
+        oracle = attention_oracle_f64(to64(q), to64(k), to64(v), scale=scale, visible=visible)
     return fn, (q, k, v, d_out, d_lse), oracle
 
 
 def check_huge_logits(results, oracle):
-    out, lse, *grads = (np.asarray(x.astype(jnp.float32), np.float64) for x in results)
+    out, lse, *grads = (to64(x) for x in results)
     assert_close("out", out, oracle["out"], atol=1e-2)
     assert_close("lse", lse, oracle["lse"], atol=0, rtol=1e-5)
     for name, got in zip(("dq", "dk", "dv"), grads):
@@ -365,7 +361,7 @@ def test_mosaic_forward_nan_in_value_past_key_lengths_gpu():
     out = pallas_flash.flash_attention(
         q, k, v, key_value_seq_lengths=jnp.asarray([200]), backend="mosaic"
     )
-    assert np.all(np.isfinite(f64(out)))
+    assert np.all(np.isfinite(to64(out)))
 
 
 # -- jax_enable_x64, segment ids, errors ---------------------------------------------------------
@@ -387,14 +383,14 @@ def test_gradients_with_a_bias_under_x64():
         (results,) = run(q, k, v, [(d_out, d_lse)], bias=bias, **kwargs)
     visible = np.tril(np.ones((q_len, q_len), bool)) & (ids_np[0][:, None] == ids_np[0])
     oracle = attention_oracle_f64(
-        f64(q),
-        f64(k),
-        f64(v),
-        f64(d_out),
-        f64(d_lse),
+        to64(q),
+        to64(k),
+        to64(v),
+        to64(d_out),
+        to64(d_lse),
         scale=head_dim**-0.5,
         visible=visible,
-        bias=f64(bias),
+        bias=to64(bias),
     )
     oracle["dbias"] = oracle["dlogits"].sum(1, keepdims=True)
     for name, got in zip(("out", "lse", "dq", "dk", "dv", "dbias"), results):

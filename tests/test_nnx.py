@@ -20,32 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax_helpers import FEATURES, HEADS, KERNELS, B, T, assert_close, inputs, segment_ids
 
 import pallas_flash.nnx as pfn
 from pallas_flash import flax_common
 
-KERNELS = {"backend": "triton", "interpret": True}
-B, T, FEATURES, HEADS, KV_HEADS = 2, 40, 32, 4, 2  # T spans two 32-wide interpreter tiles
-TOL = 2e-5
-
-
-def assert_close(actual, expected, tol=TOL):
-    """Max abs difference over a pytree, relative to the largest magnitude (at least 1)."""
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert a.shape == e.shape
-        scale = max(1.0, float(np.abs(e).max()))
-        np.testing.assert_array_less(np.abs(a - e).max(), tol * scale)
-
-
-@pytest.fixture
-def fresh_warnings(monkeypatch):
-    """Forget which fallback warnings this process has given, for this test only."""
-    monkeypatch.setattr(flax_common, "_warned", set())
-
-
-def inputs(seed=0, shape=(B, T, FEATURES)):
-    return jax.random.normal(jax.random.key(seed), shape)
+KV_HEADS = 2
 
 
 def same_params(ours, ref):
@@ -73,11 +53,6 @@ def out_and_grads(model, x, weights, **call_kwargs):
 def flax_module(**kwargs):
     kwargs = {"decode": False, "rngs": nnx.Rngs(0), **kwargs}
     return nnx.MultiHeadAttention(HEADS, FEATURES, **kwargs)
-
-
-def segment_ids():
-    """Two packed documents in row 0, three in row 1."""
-    return jnp.array([[0] * 25 + [1] * 15, [0] * 10 + [1] * 20 + [2] * 10], jnp.int32)
 
 
 # -- the drop-in function in Flax's own module ----------------------------------------------------

@@ -25,14 +25,20 @@ import json
 import math
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64
+from conftest import (
+    MASKED_OUTPUT_NAMES,
+    attention_oracle_f64,
+    masked_outputs_and_grads,
+    rounded,
+    sum_to_shape,
+    to64,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from test_masks import as4d, visibility  # the dense [B, N, T, S] mask of a case
+from test_masks import BLOCKS, as4d, visibility  # small tiles; the dense mask of a case
 
 import pallas_flash
 
@@ -62,23 +68,6 @@ SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
 CI_EXAMPLES = {"xla": 8, "interpret": 4}
 GPU_EXAMPLES = 100
 
-
-def tile(n: int) -> pallas_flash.BlockSizes:
-    return pallas_flash.BlockSizes(
-        block_q=n, block_kv=n, block_q_dkv=n, block_kv_dkv=n, block_q_dq=n, block_kv_dq=n
-    )
-
-
-BLOCKS = {
-    "16": tile(16),
-    "32": tile(32),
-    "q32kv16": pallas_flash.BlockSizes(
-        block_q=32, block_kv=16, block_q_dkv=16, block_kv_dkv=32, block_q_dq=32, block_kv_dq=16
-    ),
-    "q16kv64": pallas_flash.BlockSizes(
-        block_q=16, block_kv=64, block_q_dkv=64, block_kv_dkv=16, block_q_dq=16, block_kv_dq=64
-    ),
-}
 
 # Extreme values. Each kind changes the inputs of an otherwise ordinary configuration:
 #   "none": standard normal q, k, v (and bias);
@@ -226,12 +215,6 @@ def configs(draw, extremes=None, key_broadcast_bias=None):
 # -- inputs ---------------------------------------------------------------------------------------
 
 
-def rounded(rng, shape, dtype, scale=1.0):
-    """Normal values times `scale` rounded to `dtype`: (jax array, the same values in float64)."""
-    x = jnp.asarray(rng.standard_normal(shape) * scale, dtype)
-    return x, np.asarray(x.astype(jnp.float32), np.float64)
-
-
 def make_inputs(c: Config, seed: int):
     """(arrays of the call, float64 copies for the oracle), both dicts: q, k, v, bias, d_out,
     d_lse, and the mask arguments (None where absent). The float64 k and v hold zeros where the
@@ -312,13 +295,6 @@ def hidden_keys(c: Config, vis) -> np.ndarray:
     return ~np.swapaxes(seen, 1, 2)
 
 
-def sum_to_shape(x, shape):
-    """Sums a [B, N, T, S] array over the dims a bias of `shape` was broadcast along."""
-    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
-    axes = tuple(d for d in range(4) if shape4[d] == 1 and x.shape[d] != 1)
-    return x.sum(axis=axes, keepdims=True).reshape(shape)
-
-
 def scale_of(c: Config) -> float:
     return 1.0 / math.sqrt(c.head_dim) if c.scale is None else c.scale
 
@@ -341,41 +317,21 @@ def oracle(c: Config, x64, vis):
 
 # -- the paths and the baseline -------------------------------------------------------------------
 
-NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
-
 
 def run_path(c: Config, xs, path: str):
     """out, lse, dq, dk, dv, dbias of one jitted flash_attention call and its VJP."""
     kwargs = dict(PATHS[path])
     if path in KERNEL_PATHS and c.block is not None:
         kwargs["block_sizes"] = BLOCKS[c.block]
-
-    def f(q, k, v, bias, d_out, d_lse, extra):
-        def attention(q, k, v, bias):
-            return pallas_flash.flash_attention(
-                q,
-                k,
-                v,
-                bias,
-                extra["mask"],
-                scale=c.scale,
-                is_causal=c.is_causal,
-                query_seq_lengths=extra["q_lens"],
-                key_value_seq_lengths=extra["kv_lens"],
-                q_segment_ids=extra["q_seg"],
-                kv_segment_ids=extra["kv_seg"],
-                local_window_size=c.window,
-                logits_soft_cap=c.soft_cap,
-                return_residuals=True,
-                **kwargs,
-            )
-
-        (out, lse), vjp = jax.vjp(attention, q, k, v, bias)
-        return dict(zip(NAMES, (out, lse, *vjp((d_out, d_lse))), strict=True))
-
-    extra = {name: xs[name] for name in ("mask", "q_lens", "kv_lens", "q_seg", "kv_seg")}
-    args = [xs[name] for name in ("q", "k", "v", "bias", "d_out", "d_lse")]
-    return jax.jit(f)(*args, extra)
+    return masked_outputs_and_grads(
+        pallas_flash.flash_attention,
+        xs,
+        scale=c.scale,
+        is_causal=c.is_causal,
+        local_window_size=c.window,
+        logits_soft_cap=c.soft_cap,
+        **kwargs,
+    )
 
 
 def plain_in_dtype(c: Config, x64, vis):
@@ -432,15 +388,11 @@ def plain_in_dtype(c: Config, x64, vis):
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
-def to64(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-
-
 def violations(c: Config, results, baselines, oracles) -> list[str]:
     """Messages for outputs beyond 2 x (plain error, capped) + floor, relative to the magnitude;
     non-finite values where the oracle is finite; -inf entries that differ from the oracle's."""
     msgs = []
-    for name in NAMES:
+    for name in MASKED_OUTPUT_NAMES:
         want, got = oracles[name], results[name]
         if want is None:
             if got is not None:

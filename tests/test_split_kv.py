@@ -8,13 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import uniform_block_sizes
 
 import pallas_flash
 from pallas_flash.triton.forward import choose_kv_splits
 
-TILES = pallas_flash.BlockSizes(
-    block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16, block_q_dq=16, block_kv_dq=16
-)
+TILES = uniform_block_sizes(16)
 
 
 def inputs(b, t, s, n, k, h, seed=0):
@@ -80,10 +79,16 @@ def test_split_forward_gradients_match_unsplit():
 
 
 def test_choose_kv_splits():
-    assert choose_kv_splits(1, 4, 100, interpret=False) == 1  # off when asked
-    assert choose_kv_splits(5, 4, 3, interpret=False) == 3  # never more than the KV tiles
-    assert choose_kv_splits(0, 4, 100, interpret=True) == 1  # auto: off in the interpreter
-    assert choose_kv_splits(0, 10_000, 100, interpret=False) == 1  # a full grid needs none
+    assert choose_kv_splits(1, 4, 100, interpret=False, num_sms=132) == 1  # off when asked
+    assert (
+        choose_kv_splits(5, 4, 3, interpret=False, num_sms=132) == 3
+    )  # never more than the KV tiles
+    assert (
+        choose_kv_splits(0, 4, 100, interpret=True, num_sms=132) == 1
+    )  # auto: off in the interpreter
+    assert (
+        choose_kv_splits(0, 10_000, 100, interpret=False, num_sms=132) == 1
+    )  # a full grid needs none
 
 
 def test_kv_splits_validation():

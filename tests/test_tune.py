@@ -8,6 +8,7 @@ import pytest
 
 from pallas_flash import config, mosaic, tune
 from pallas_flash.config import BlockSizes, ShapeClass
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 
 KIND = "Fake GPU 9000"
@@ -209,15 +210,14 @@ def test_mosaic_candidates_are_tiles_the_grid_shapes_take(head_dim, seq):
         None if f is None else mosaic.ForwardTiles(**f) for f in tune.MOSAIC_FORWARD[head_dim]
     ]
     taken = [
-        mosaic.supports(shape, shape, jnp.bfloat16, is_causal=True, tiles=t) is None
+        mosaic.forward.why_not(shape, shape, jnp.bfloat16, is_causal=True, tiles=t) is None
         for t in forward
     ]
     assert taken[0] and sum(taken) >= len(taken) - 1, list(zip(forward, taken))
     for fields in tune.MOSAIC_BACKWARD.get(head_dim, []):
         tiles = None if fields is None else mosaic.BackwardTiles(**fields)
         assert (
-            mosaic.supports_backward(shape, shape, jnp.bfloat16, is_causal=True, tiles=tiles)
-            is None
+            mosaic.backward.why_not(shape, shape, jnp.bfloat16, is_causal=True, tiles=tiles) is None
         )
 
 
@@ -279,8 +279,9 @@ def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
 
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=True, masked=False, seq="short")
     tuned = config.MosaicTiles(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))
+    h200 = Device.h200()
     with interpret_mosaic():
-        err = tune.mosaic_max_error(tuned, cls, BlockSizes())
+        err = tune.mosaic_max_error(tuned, cls, BlockSizes(), device=h200)
     assert 0 < err < 0.05
     too_big = config.MosaicTiles(forward=mosaic.ForwardTiles(block_q=256, block_kv=128))
-    assert tune.mosaic_max_error(too_big, cls, BlockSizes()) == float("inf")
+    assert tune.mosaic_max_error(too_big, cls, BlockSizes(), device=h200) == float("inf")

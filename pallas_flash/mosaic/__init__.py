@@ -1,14 +1,82 @@
-"""Pallas Mosaic GPU kernels for Hopper (sm_90a): wgmma, TMA, warp specialisation."""
+"""Pallas Mosaic GPU kernels for Hopper (sm_90a): wgmma, TMA, warp specialisation.
 
-from pallas_flash.mosaic.backward import BackwardTiles, flash_backward, supports_backward
-from pallas_flash.mosaic.forward import ForwardTiles, default_tiles, flash_forward, supports
+What the dispatch (`pallas_flash.dispatch`) reads of this backend: why it cannot run on a device
+or a call (a reason, or None when it can), its default tiles, and the two passes.
+"""
+
+from __future__ import annotations
+
+from pallas_flash.call import Call
+from pallas_flash.device import Device
+from pallas_flash.mosaic import backward, forward
+from pallas_flash.mosaic.backward import BackwardTiles, flash_backward
+from pallas_flash.mosaic.forward import ForwardTiles, default_tiles, flash_forward
 
 __all__ = [
     "BackwardTiles",
     "ForwardTiles",
+    "default_backward_tiles",
+    "default_forward_tiles",
     "default_tiles",
     "flash_backward",
     "flash_forward",
-    "supports",
-    "supports_backward",
+    "why_not_backward",
+    "why_not_device",
+    "why_not_forward",
 ]
+
+
+def why_not_device(device: Device | None) -> str | None:
+    """Why these kernels cannot run on `device` (None: no NVIDIA GPU), or None when they can:
+    they are sm_90a code (wgmma, TMA)."""
+    if device is None or not device.is_hopper:
+        found = "none" if device is None else device.compute_capability
+        return f"needs a Hopper GPU (compute capability 9.0, found {found})"
+    return None
+
+
+def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = None) -> str | None:
+    """Why the forward cannot run `call` on `device` with `tiles` (None: its defaults), named as
+    the API names the options; None when it can."""
+    return forward.unsupported_options(call.spec, has_bias=call.has_bias) or forward.why_not(
+        call.q_shape,
+        call.k_shape,
+        call.dtype,
+        is_causal=call.spec.is_causal,
+        window=call.spec.window,
+        soft_cap=call.soft_cap,
+        segments=call.spec.has_segments,
+        tiles=tiles,
+        cuda_runtime_version=device.cuda_runtime_version,
+    )
+
+
+def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = None) -> str | None:
+    """Why the backward cannot run `call` on `device` with `tiles` (None: its defaults); None
+    when it can."""
+    return backward.unsupported_options(
+        call.spec, soft_cap=call.soft_cap, has_bias=call.has_bias
+    ) or backward.why_not(
+        call.q_shape,
+        call.k_shape,
+        call.dtype,
+        is_causal=call.spec.is_causal,
+        tiles=tiles,
+        cuda_runtime_version=device.cuda_runtime_version,
+    )
+
+
+def default_forward_tiles(call: Call) -> ForwardTiles:
+    return forward.default_tiles(
+        call.head_dim,
+        q_len=call.q_len,
+        kv_len=call.kv_len,
+        is_causal=call.spec.is_causal,
+        window=call.spec.window,
+        soft_cap=call.soft_cap,
+        segments=call.spec.has_segments,
+    )
+
+
+def default_backward_tiles(call: Call) -> BackwardTiles:
+    return backward.default_tiles(call.head_dim)

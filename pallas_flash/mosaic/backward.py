@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash._numerics import LOG2E
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import forward
 from pallas_flash.mosaic.forward import (
@@ -150,13 +151,23 @@ def unsupported_options(spec, *, soft_cap, has_bias: bool) -> str | None:
     return " and ".join(unsupported) or None
 
 
-def supports_backward(
-    q_shape, k_shape, dtype, *, is_causal: bool, tiles: BackwardTiles | None = None
+def why_not(
+    q_shape,
+    k_shape,
+    dtype,
+    *,
+    is_causal: bool,
+    tiles: BackwardTiles | None = None,
+    cuda_runtime_version: int | None = None,
 ) -> str | None:
-    """None if the Mosaic GPU backward runs on these shapes, else why not (the caller keeps the
-    Triton backward). Any T and S; both causal settings have the same rules."""
-    if is_causal and (version := forward.cuda_runtime_version()) in CAUSAL_MISCOMPILING_CUDA:
-        return f"is_causal=True on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles it)"
+    """Why the Mosaic GPU backward cannot run on these shapes, or None when it can (the caller
+    keeps the Triton backward). Any T and S; both causal settings have the same rules.
+    `cuda_runtime_version`: the target's, None when not known."""
+    if is_causal and cuda_runtime_version in CAUSAL_MISCOMPILING_CUDA:
+        return (
+            f"is_causal=True on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 "
+            "miscompiles it)"
+        )
     if reason := forward.check_shapes(q_shape, k_shape, dtype):
         return reason
     _, q_len, _, head_dim = q_shape
@@ -202,6 +213,7 @@ def flash_backward(
     scale: float,
     is_causal: bool,
     tiles: BackwardTiles | None = None,
+    device: Device | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU.
 
@@ -214,15 +226,25 @@ def flash_backward(
       scale: the forward's positive multiplier of q.k.
       is_causal: query i sees keys j <= i, top-left aligned (every row sees key 0).
       tiles: BackwardTiles; None picks `default_tiles(H)`.
+      device: the GPU it is compiled for (its CUDA runtime is checked); None: the visible
+        GPU's record (`Device.current()`).
 
     Returns:
       dq [B, T, N, H] and dk, dv [B, S, K, H] in q's dtype; dk and dv are summed over the query
       heads of each kv head's group.
 
     Raises:
-      ValueError: shapes, dtypes or tiles the kernels do not support (see `supports_backward`).
+      ValueError: shapes, dtypes or tiles the kernels do not support (see `why_not`).
     """
-    if reason := supports_backward(q.shape, k.shape, q.dtype, is_causal=is_causal, tiles=tiles):
+    device = Device.current() if device is None else device
+    if reason := why_not(
+        q.shape,
+        k.shape,
+        q.dtype,
+        is_causal=is_causal,
+        tiles=tiles,
+        cuda_runtime_version=None if device is None else device.cuda_runtime_version,
+    ):
         raise ValueError(reason)
     for name, x in (("v", v), ("out", out), ("d_out", d_out)):
         like = k if name == "v" else q

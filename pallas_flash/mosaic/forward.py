@@ -27,10 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import device, masks
+from pallas_flash import masks
 from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
-from pallas_flash.device import cuda_runtime_version  # noqa: F401  callers read forward.cuda_*
+from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import _module_names
+
+_module_names.install()
 
 # Head dims the kernel runs as they are: multiples of the 64-column tile of the 128-byte
 # swizzle, within wgmma's N limit of 256.
@@ -192,7 +195,7 @@ def check_shapes(q_shape, k_shape, dtype) -> str | None:
     return None
 
 
-def supports(
+def why_not(
     q_shape,
     k_shape,
     dtype,
@@ -202,10 +205,12 @@ def supports(
     soft_cap: float | None = None,
     segments: bool = False,
     tiles: ForwardTiles | None = None,
+    cuda_runtime_version: int | None = None,
 ) -> str | None:
-    """None if the kernel runs on these shapes and options, else why not (the caller falls back
-    to Triton). `window` and `soft_cap` as in `flash_forward`; `segments`: the call has segment
-    ids (or sequence lengths), whose id buffers take shared memory."""
+    """Why the kernel cannot run on these shapes and options, or None when it can (the caller
+    falls back to Triton). `window` and `soft_cap` as in `flash_forward`; `segments`: the call
+    has segment ids (or sequence lengths), whose id buffers take shared memory;
+    `cuda_runtime_version`: the target's (`Device.cuda_runtime_version`), None when not known."""
     if window is not None and (
         not isinstance(window, (tuple, list))
         or len(window) != 2
@@ -220,11 +225,12 @@ def supports(
         return f"{soft_cap=} must be a finite positive number"
     # A window's element-wise mask is the causal mask's comparison at other offsets: refused on
     # the same runtimes until it is shown to compile correctly there.
-    if (is_causal or window is not None) and (
-        version := cuda_runtime_version()
-    ) in CAUSAL_MISCOMPILING_CUDA:
+    if (is_causal or window is not None) and cuda_runtime_version in CAUSAL_MISCOMPILING_CUDA:
         what = "is_causal=True" if is_causal else f"{window=}"
-        return f"{what} on CUDA runtime {version} (ptxas 12.8.0-12.9.0 miscompiles its mask)"
+        return (
+            f"{what} on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 miscompiles its "
+            "mask)"
+        )
     if reason := check_shapes(q_shape, k_shape, dtype):
         return reason
     _, q_len, _, head_dim = q_shape
@@ -270,6 +276,7 @@ def flash_forward(
     soft_cap: float | None = None,
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
     tiles: ForwardTiles | None = None,
+    device: Device | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
 
@@ -302,6 +309,8 @@ def flash_forward(
         PAD_Q_SEGMENT / PAD_KV_SEGMENT, which equal nothing. KV tiles that no row of a
         consumer's block shares an id with are neither loaded for it nor multiplied.
       tiles: ForwardTiles; None picks `default_tiles` for the shapes and options.
+      device: the GPU it is compiled for (its SM count sizes a persistent grid, its CUDA
+        runtime is checked); None: the visible GPU's record (`Device.current()`).
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
@@ -310,9 +319,10 @@ def flash_forward(
       has out 0 and lse -inf.
 
     Raises:
-      ValueError: shapes, dtypes, options or tiles the kernel does not support (see `supports`).
+      ValueError: shapes, dtypes, options or tiles the kernel does not support (see `why_not`).
     """
-    if reason := supports(
+    device = Device.current() if device is None else device
+    if reason := why_not(
         q.shape,
         k.shape,
         q.dtype,
@@ -321,6 +331,7 @@ def flash_forward(
         soft_cap=soft_cap,
         segments=segment_ids is not None,
         tiles=tiles,
+        cuda_runtime_version=None if device is None else device.cuda_runtime_version,
     ):
         raise ValueError(reason)
     if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -363,7 +374,15 @@ def flash_forward(
         kv_ids = _pad_ids(kv_ids, kv_to, masks.PAD_KV_SEGMENT)
         segments = (q_ids, kv_ids, segment_tile_plan(spec, MaskArrays(q_ids, kv_ids), tiles))
     out, lse = _forward_call(
-        q, k, v, segments, spec=spec, scale=float(scale), soft_cap=soft_cap, tiles=tiles
+        q,
+        k,
+        v,
+        segments,
+        spec=spec,
+        scale=float(scale),
+        soft_cap=soft_cap,
+        tiles=tiles,
+        num_sms=num_sms() if device is None else device.num_sms,
     )
     if out.shape[1] != q_len or out.shape[3] != head_dim:
         out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
@@ -399,14 +418,15 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
 
 
 def num_sms() -> int:
-    """A persistent grid's size: the GPU's SM count."""
-    return device.gpu_core_count()
+    """A persistent grid's size without a GPU (the CPU interpreter, lowering on a CPU host)."""
+    return DEFAULT_NUM_SMS
 
 
 def _forward_call(
-    q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles
+    q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles, num_sms: int
 ):
-    """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan)."""
+    """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan);
+    num_sms: the GPU's SM count, the most CTAs a persistent grid launches."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     has_ids = segments is not None
@@ -456,7 +476,7 @@ def _forward_call(
         jax.ShapeDtypeStruct((batch, num_heads, q.shape[1]), jnp.float32),
     )
     if tiles.persistent:
-        grid = (min(batch * num_heads * num_q_tiles, num_sms()),)
+        grid = (min(batch * num_heads * num_q_tiles, num_sms),)
         grid_names = ("cta",)
     else:
         # The last grid axis is CUDA's x, launched first: neighbouring CTAs are query tiles of
@@ -478,6 +498,8 @@ def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, 
     and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
     return plgpu.kernel(
         body,
+        # A stable module name (see _module_names): the same kernel compiles once per process.
+        kernel_name=_module_names.name(body),
         out_type=out_type,
         scratch_types=scratch_types,
         grid=grid,

@@ -206,6 +206,68 @@ def finite_or_zero(x):
     return jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
 
 
+# -- online softmax (FA2 Algorithm 1), shared by the forward and decode kernels -------------------
+
+
+def softmax_init(rows: int, hp: int):
+    """The carry (acc, m_i, l_i) before the first KV tile. m_i starts at MIN_LOGIT, not -inf:
+    the first tile's m_i - m_new is then finite, never -inf - -inf."""
+    return (
+        jnp.zeros((rows, hp), jnp.float32),
+        jnp.full((rows,), MIN_LOGIT, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+    )
+
+
+def softmax_step(carry, u, v, unit: float, visible=None):
+    """One KV tile of the online softmax: m_i is the running max of u (the logits in the units
+    of `scores`), l_i the running sum of p, acc the unnormalised output (normalised once in
+    `softmax_store`, FA2 change 1). unit: `logit_unit`, the natural-log logit of one unit of u.
+
+    visible: None on a fully visible tile, else the [rows, block_kv] visibility of a boundary
+    tile. Hidden logits become -inf, so p is exactly 0 with no select on p (m_i is finite), also
+    for a NaN key; and V is zeroed where it is NaN or inf, since a row's hidden keys (padding,
+    another document, a later new token) would otherwise reach it through 0 * NaN in p.v.
+    """
+    acc, m_i, l_i = carry
+    unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
+    if visible is not None:
+        u = jnp.where(visible, u, -jnp.inf)
+        v = finite_or_zero(v)
+    m_new = jnp.maximum(m_i, jnp.max(u, axis=1))
+    alpha = jnp.exp2((m_i - m_new) * unit2)
+    p = jnp.exp2((u - m_new[:, None]) * unit2)
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    return acc, m_new, l_i
+
+
+def softmax_store(carry, unit: float, o_ref, lse_ref, block: int, rows, head_dim: int):
+    """The epilogue: stores out = acc / l_i and the natural-log lse of the first `rows` rows of
+    the tile. Rows that saw no key (l_i == 0) output 0 and have lse = -inf."""
+    acc, m_i, l_i = carry
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    store_rows(o_ref, acc / l_safe[:, None], 0, block, rows, head_dim)
+    lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
+    tile_rows = lax.broadcasted_iota(jnp.int32, (block,), 0)
+    plgpu.store(lse_ref, lse, mask=tile_rows < rows)
+
+
+def split_weights(lse, splits: int):
+    """The merge of split-KV partial results from their lse [B * splits, ...] (natural log):
+    (weights [B, splits, ...] = exp(lse_s - max_s lse_s), their sum [B, ...] (1 for rows no
+    split saw a key of), the combined lse [B, ...]). Splits that saw no key weigh 0; the sum is
+    >= 1 wherever any split saw a key."""
+    lse = lse.reshape(-1, splits, *lse.shape[1:])
+    total = jnp.max(lse, axis=1)
+    finite = jnp.isfinite(total)
+    safe_total = jnp.where(finite, total, 0.0)
+    weights = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_total[:, None]), 0.0)
+    l_sum = jnp.where(finite, jnp.sum(weights, axis=1), 1.0)
+    return weights, l_sum, jnp.where(finite, safe_total + jnp.log(l_sum), -jnp.inf)
+
+
 class Operands:
     """Named view of a kernel's optional refs, in the order the wrappers pass them:
     bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?."""

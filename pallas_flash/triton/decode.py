@@ -21,16 +21,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flash import masks
 from pallas_flash.config import DecodeBlockSizes, gpu_core_count, padded_head_dim
 from pallas_flash.triton._common import (
-    LN2,
-    LOG2E,
-    MIN_LOGIT,
     CompilerParams,
     dot,
-    finite_or_zero,
     load_rows,
     logit_unit,
     scores,
-    store_rows,
+    softmax_init,
+    softmax_step,
+    softmax_store,
+    split_weights,
     visit_tiles,
 )
 
@@ -84,10 +83,8 @@ def _decode_kernel(
         )
 
     unit = logit_unit(scale, False, soft_cap)
-    unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
 
     def body(j, carry, *, masked: bool):
-        acc, m_i, l_i = carry
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         # Keys past the sequence's length read as zero in the masked tiles: whatever the
         # cache holds there (stale values, NaN) never reaches a product.
@@ -95,41 +92,19 @@ def _decode_kernel(
         v = load_kv(v_ref, kv_start, masked)
         # -- compute the logits (in the units of `scores`, see there) --
         u, _ = scores(dot(q, k, trans_b=True), scale, None, soft_cap)
+        visible = None
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
             visible = kv_idx <= q_pos  # causal among the new tokens; also kv_idx < length
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
-            # -inf: p is exactly 0 with no select on p (m_i is finite), also for a NaN key.
-            u = jnp.where(visible, u, -jnp.inf)
-            # A new token's key may be hidden from the earlier new tokens: NaN in its V row
-            # would reach them through 0 * NaN in p.v.
-            v = finite_or_zero(v)
-        # -- online softmax: m_i is the running max of u, l_i the running sum --
-        m_new = jnp.maximum(m_i, jnp.max(u, axis=1))
-        alpha = jnp.exp2((m_i - m_new) * unit2)
-        p = jnp.exp2((u - m_new[:, None]) * unit2)
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-        return acc, m_new, l_i
+        return softmax_step(carry, u, v, unit, visible)
 
-    hp = q_ref.shape[-1]
-    carry = (
-        jnp.zeros((block_m, hp), jnp.float32),
-        jnp.full((block_m,), MIN_LOGIT, jnp.float32),
-        jnp.zeros((block_m,), jnp.float32),
-    )
-    acc, m_i, l_i = visit_tiles(
+    carry = softmax_init(block_m, q_ref.shape[-1])
+    carry = visit_tiles(
         _split_range(length, q_len, window_left, block_kv, split, kv_splits), body, carry
     )
-
-    # -- epilogue: rows that saw no key output 0 and have lse = -inf --
-    empty = l_i == 0.0
-    l_safe = jnp.where(empty, 1.0, l_i)
-    store_rows(o_ref, acc / l_safe[:, None], 0, block_m, m_rows, head_dim)
-    lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
-    tile_rows = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
-    plgpu.store(lse_ref, lse, mask=tile_rows < m_rows)
+    softmax_store(carry, unit, o_ref, lse_ref, block_m, m_rows, head_dim)
 
 
 def _split_range(length, q_len: int, window_left: int | None, block_kv: int, split, splits: int):
@@ -300,14 +275,8 @@ def decode_forward(
 
 def _combine_splits(out, lse, splits: int):
     """The result over all splits from per-split results ([B * splits, K, M, H] and
-    [B * splits, K, M]): weights exp(lse_s - lse); splits that saw no key weigh 0."""
+    [B * splits, K, M]): weights exp(lse_s - lse)."""
+    weights, l_sum, combined_lse = split_weights(lse, splits)
     out = out.reshape(-1, splits, *out.shape[1:])
-    lse = lse.reshape(-1, splits, *lse.shape[1:])
-    total = jnp.max(lse, axis=1)
-    finite = jnp.isfinite(total)
-    safe_total = jnp.where(finite, total, 0.0)
-    weights = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_total[:, None]), 0.0)
-    l_sum = jnp.where(finite, jnp.sum(weights, axis=1), 1.0)  # >= 1 where any split saw a key
-    combined_lse = jnp.where(finite, safe_total + jnp.log(l_sum), -jnp.inf)
     out = jnp.sum(weights[..., None] * out, axis=1) / l_sum[..., None]
     return out, combined_lse

@@ -7,26 +7,24 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
 from pallas_flash.config import BlockSizes, gpu_core_count, padded_head_dim
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
-    LN2,
-    LOG2E,
-    MIN_LOGIT,
     CompilerParams,
     Operands,
     dot,
-    finite_or_zero,
     load_pair_tile,
     load_range,
     load_rows,
     load_vector,
     logit_unit,
     scores,
-    store_rows,
+    softmax_init,
+    softmax_step,
+    softmax_store,
+    split_weights,
     visit_tiles,
 )
 
@@ -70,38 +68,20 @@ def _forward_kernel(
         )[:, None]
 
     unit = logit_unit(scale, ops.bias is not None, soft_cap)
-    unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
 
     def body(j, carry, *, masked: bool):
-        acc, m_i, l_i = carry
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
         # -- compute the logits (in the units of `scores`) --
         bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
         u, _ = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
+        visible = None
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
-            # -inf: p is exactly 0 with no select on p (m_i is finite), also for a NaN key.
-            u = jnp.where(visible, u, -jnp.inf)
-            # Some rows may not see some keys here: NaN or inf in their V rows (padding,
-            # another document) would reach them through 0 * NaN in p.v.
-            v = finite_or_zero(v)
-        # -- online softmax: m_i is the running max of u, l_i the running sum --
-        m_new = jnp.maximum(m_i, jnp.max(u, axis=1))
-        alpha = jnp.exp2((m_i - m_new) * unit2)
-        p = jnp.exp2((u - m_new[:, None]) * unit2)
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        # -- accumulate the unnormalised output; normalised once in the epilogue (FA2 change 1) --
-        acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
-        return acc, m_new, l_i
+        return softmax_step(carry, u, v, unit, visible)
 
-    hp = q_ref.shape[-1]
-    carry = (
-        jnp.zeros((block_q, hp), jnp.float32),
-        jnp.full((block_q,), MIN_LOGIT, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-    )
+    carry = softmax_init(block_q, q_ref.shape[-1])
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
@@ -109,15 +89,8 @@ def _forward_kernel(
         chunk = pl.cdiv(pl.cdiv(spec.kv_len, block_kv), kv_splits)
         split = pl.program_id(2) % kv_splits
         ranges = masks.intersect(ranges, (split * chunk,) * 2 + ((split + 1) * chunk,) * 2)
-    acc, m_i, l_i = visit_tiles(ranges, body, carry)
-
-    # -- epilogue: rows that saw no key output 0 and have lse = -inf --
-    empty = l_i == 0.0
-    l_safe = jnp.where(empty, 1.0, l_i)
-    store_rows(o_ref, acc / l_safe[:, None], 0, block_q, q_rows, head_dim)
-    lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
-    rows = jax.lax.broadcasted_iota(jnp.int32, (block_q,), 0)
-    plgpu.store(lse_ref, lse, mask=rows < q_rows)
+    carry = visit_tiles(ranges, body, carry)
+    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, head_dim)
 
 
 def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, block_kv: int):
@@ -221,11 +194,13 @@ def flash_forward(
     soft_cap,
     block_sizes: BlockSizes,
     interpret: bool,
+    num_sms: int | None = None,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
 
     q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0; bias None or [Bb, Nb, Tb, Sb] (each dim
-    full or 1); arrays: the mask's arrays (masks.MaskArrays).
+    full or 1); arrays: the mask's arrays (masks.MaskArrays); num_sms: the GPU's SM count, which
+    the automatic split-KV rule fills (None: the visible GPU's).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -245,7 +220,11 @@ def flash_forward(
     )
     num_q_tiles, num_kv_tiles = pl.cdiv(q_len, block_q), pl.cdiv(kv_len, block_kv)
     splits = choose_kv_splits(
-        block_sizes.kv_splits, num_q_tiles * num_heads * batch, num_kv_tiles, interpret
+        block_sizes.kv_splits,
+        num_q_tiles * num_heads * batch,
+        num_kv_tiles,
+        interpret,
+        num_sms=gpu_core_count() if num_sms is None else num_sms,
     )
     kernel = functools.partial(kernel, kv_splits=splits)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
@@ -282,15 +261,18 @@ def flash_forward(
     return _combine_splits(out, lse, splits, q.dtype)
 
 
-def choose_kv_splits(requested: int, programs: int, num_kv_tiles: int, interpret: bool) -> int:
+def choose_kv_splits(
+    requested: int, programs: int, num_kv_tiles: int, interpret: bool, *, num_sms: int
+) -> int:
     """How many programs share one query tile's KV loop: `requested`, or with 0 (auto) enough to
-    give the GPU about two programs per core -- only when the grid fills less than half of the
-    cores and each program keeps at least four KV tiles, so that the combine pays off."""
+    give the GPU (num_sms cores) about two programs per core -- only when the grid fills less
+    than half of the cores and each program keeps at least four KV tiles, so that the combine
+    pays off."""
     if requested:
         return max(1, min(requested, num_kv_tiles))
     if interpret:
         return 1
-    cores = gpu_core_count()
+    cores = num_sms
     if 2 * programs > cores or num_kv_tiles < 8:
         return 1
     return max(1, min(pl.cdiv(2 * cores, programs), num_kv_tiles // 4, 16))
@@ -307,15 +289,8 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
 
 def _combine_splits(out, lse, splits: int, dtype):
     """The result over all KV chunks from per-chunk results: weights exp(lse_s - lse)."""
-    batch = out.shape[0] // splits
-    out = out.reshape(batch, splits, *out.shape[1:])  # [B, splits, T, N, H]
-    lse = lse.reshape(batch, splits, *lse.shape[1:])  # [B, splits, N, T]
-    total = jnp.max(lse, axis=1)
-    finite = jnp.isfinite(total)
-    safe_total = jnp.where(finite, total, 0.0)
-    weights = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_total[:, None]), 0.0)
-    l_sum = jnp.sum(weights, axis=1)  # >= 1 where any chunk saw a key
-    combined_lse = jnp.where(finite, safe_total + jnp.log(jnp.where(finite, l_sum, 1.0)), -jnp.inf)
-    weights = weights / jnp.where(finite, l_sum, 1.0)[:, None]
+    weights, l_sum, combined_lse = split_weights(lse, splits)  # [B, splits, N, T]
+    out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
+    weights = weights / l_sum[:, None]
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
     return jnp.sum(weights * out, axis=1).astype(dtype), combined_lse

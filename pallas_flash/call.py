@@ -1,0 +1,47 @@
+"""`Call`: the static facts of one attention call that the choice of kernels reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_flash.masks import MaskSpec
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Call:
+    """Shapes, dtype and options of a canonical call (batched, validated by the API).
+
+    Attributes:
+      q_shape: (B, T, N, H) of the queries.
+      k_shape: (B, S, K, H) of the keys (and values).
+      dtype: the arrays' dtype.
+      spec: who sees whom (causal, window, segment ids or lengths, dense mask shape).
+      soft_cap: the logits' soft cap, or None.
+      has_bias: whether a bias is added to the logits.
+    """
+
+    q_shape: tuple[int, int, int, int]
+    k_shape: tuple[int, int, int, int]
+    dtype: jnp.dtype
+    spec: MaskSpec
+    soft_cap: float | None = None
+    has_bias: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "q_shape", tuple(int(d) for d in self.q_shape))
+        object.__setattr__(self, "k_shape", tuple(int(d) for d in self.k_shape))
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_shape[3]
+
+    @property
+    def q_len(self) -> int:
+        return self.q_shape[1]
+
+    @property
+    def kv_len(self) -> int:
+        return self.k_shape[1]

@@ -1,0 +1,213 @@
+"""The one choice of kernels: which forward and backward run a call on a device, with which tiles.
+
+`choose` reads the call (`Call`), the device it is compiled for (`Device`) and what the user
+asked for, asks each backend package why it cannot run the call (`why_not_*`, a reason or None),
+and returns the `KernelConfig` that `_vjp` runs, or None for the plain-jnp "xla" path. The public
+API, the tuner and the decode API all choose here.
+
+With backend=None on a GPU of compute capability >= 8.0:
+
+- Forward: the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
+  Triton's split-KV forward does better) and the user gave no `block_sizes`; else Triton.
+- Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs, unless
+  `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton measured faster
+  there); else Triton.
+- Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
+  class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
+  them on the call's shapes, else its defaults.
+"""
+
+from __future__ import annotations
+
+from pallas_flash import config as config_lib
+from pallas_flash import mosaic, triton
+from pallas_flash._vjp import KernelConfig
+from pallas_flash.call import Call
+from pallas_flash.config import BlockSizes, MosaicTiles, TunedEntry
+from pallas_flash.device import Device
+
+BACKENDS = ("triton", "mosaic", "xla")
+
+# Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
+# Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
+MOSAIC_BACKWARD_MIN_KV_LEN = 2048
+
+
+def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
+    """What `backend` runs on `device` (None: no NVIDIA GPU): "xla", "triton", "mosaic", or
+    "auto" (None on a capable GPU: `choose` picks the kernels per call). Raises ValueError for
+    a backend the device cannot run."""
+    if interpret:
+        return "triton"
+    triton_gap = triton.why_not_device(device)
+    if backend is None:
+        return "auto" if triton_gap is None else "xla"
+    if backend == "triton" and triton_gap:
+        raise ValueError(
+            f"backend='triton' {triton_gap}; pass interpret=True to run the kernels in the "
+            "Pallas interpreter, or backend='xla'"
+        )
+    if backend == "mosaic" and (mosaic_gap := mosaic.why_not_device(device)):
+        if triton_gap:
+            raise ValueError(
+                f"backend='mosaic' {mosaic_gap}; elsewhere pass backend='triton' with "
+                "interpret=True to run the Triton kernels in the Pallas interpreter, or "
+                "backend='xla'"
+            )
+        raise ValueError(
+            f"backend='mosaic' {mosaic_gap}: its kernel uses sm_90a's wgmma and TMA; use "
+            "backend='triton' or None"
+        )
+    return backend
+
+
+def choose(
+    call: Call,
+    device: Device | None,
+    *,
+    scale: float,
+    backend: str | None = None,
+    block_sizes: BlockSizes | None = None,
+    interpret: bool | None = None,
+    tuned: TunedEntry | None = None,
+) -> KernelConfig | None:
+    """The kernels and tiles that run `call` on `device`, or None for the "xla" path.
+
+    Args:
+      call: the canonical call.
+      device: the GPU it is compiled for (`device.target_device()`), None without one.
+      scale: the logits' scale (carried into the config).
+      backend, block_sizes, interpret: as the user passed them to `flash_attention`.
+      tuned: an autotune entry to use instead of the cache's (the tuner's candidates).
+
+    Raises:
+      ValueError: a backend the device cannot run, or block_sizes where "xla" runs.
+      NotImplementedError: backend="mosaic" for a call its forward does not run.
+    """
+    kind = kernel_backend(backend, device, interpret)
+    if kind == "xla":
+        if block_sizes is not None:
+            found = "none" if device is None else device.compute_capability
+            raise ValueError(
+                "block_sizes configures the Triton kernels, but backend=None runs the 'xla' "
+                f"backend here (no NVIDIA GPU of compute capability >= 8.0; found {found}): pass "
+                "interpret=True to run the kernels in the Pallas interpreter, or block_sizes=None"
+            )
+        return None
+    interpret = bool(interpret)
+    user_block_sizes = block_sizes
+    if block_sizes is None:
+        if tuned is not None and not interpret:
+            block_sizes = tuned.block_sizes
+        else:
+            block_sizes = triton.block_sizes(call, device, interpret=interpret)
+    tiles = MosaicTiles()
+    if kind in ("auto", "mosaic"):
+        tiles = _mosaic_tiles(call, device, tuned)
+    forward = _choose_forward(kind, call, device, tiles.forward, user_block_sizes)
+    backward = _choose_backward(kind, forward, call, device, tiles.backward, user_block_sizes)
+    return KernelConfig(
+        spec=call.spec,
+        scale=scale,
+        soft_cap=call.soft_cap,
+        block_sizes=block_sizes,
+        interpret=interpret,
+        forward=forward,
+        backward=backward,
+        mosaic_forward_tiles=(
+            (tiles.forward or mosaic.default_forward_tiles(call)) if forward == "mosaic" else None
+        ),
+        mosaic_backward_tiles=(
+            (tiles.backward or mosaic.default_backward_tiles(call))
+            if backward == "mosaic"
+            else None
+        ),
+        device=None if interpret else device,
+    )
+
+
+def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> MosaicTiles:
+    """The autotune entry's Mosaic tiles for this call, each kept only where its kernel runs the
+    call with it (a shape class spans many lengths); None: the kernel's defaults."""
+    if tuned is None:
+        found = config_lib.tuned_mosaic_tiles(
+            call.head_dim,
+            call.dtype,
+            is_causal=call.spec.is_causal,
+            q_len=call.q_len,
+            kv_len=call.kv_len,
+            narrow=config_lib.narrow_band(call.spec),
+            device_kind=device.kind,
+        )
+    else:
+        found = tuned.mosaic
+    forward, backward = found.forward, found.backward
+    if forward is not None and mosaic.why_not_forward(call, device, forward):
+        forward = None
+    if backward is not None and mosaic.why_not_backward(call, device, backward):
+        backward = None
+    return MosaicTiles(forward, backward)
+
+
+def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -> str:
+    """The forward kernel of a Pallas call: "mosaic" or "triton"."""
+    if kind == "triton":
+        return "triton"
+    gap = mosaic.why_not_forward(call, device, tiles)
+    if kind == "mosaic":
+        if gap is None and user_block_sizes is not None:
+            gap = _forward_block_sizes_gap(user_block_sizes)
+        if gap is not None:
+            raise NotImplementedError(
+                f"backend='mosaic' does not support this call ({gap}); backend='triton' or None "
+                "runs it"
+            )
+        return "mosaic"
+    if (
+        gap is None
+        and mosaic.why_not_device(device) is None
+        and user_block_sizes is None
+        and _mosaic_fills_gpu(call, device, tiles)
+    ):
+        return "mosaic"
+    return "triton"
+
+
+def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_block_sizes) -> str:
+    """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
+    with the Mosaic forward (it is Hopper code) for the calls it runs, unless the user's
+    block_sizes configure the Triton backward."""
+    if forward != "mosaic" or user_block_sizes is not None:
+        return "triton"
+    if mosaic.why_not_backward(call, device, tiles):
+        return "triton"
+    short = call.head_dim == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
+    if short and kind != "mosaic":
+        return "triton"
+    return "mosaic"
+
+
+def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:
+    """Whether the Mosaic forward's grid (one CTA per 128 or 256 query rows and head) fills the
+    GPU; when it does not, Triton's split-KV forward spreads the key loop over more programs.
+    tiles: the forward's tiles, None for its defaults."""
+    batch, q_len, num_heads, _ = call.q_shape
+    tiles = tiles or mosaic.default_forward_tiles(call)
+    ctas = batch * num_heads * -(-q_len // tiles.cta_rows)
+    kv_tiles = -(-call.kv_len // tiles.block_kv)
+    splits = triton.choose_kv_splits(0, ctas, kv_tiles, interpret=False, num_sms=device.num_sms)
+    return splits == 1
+
+
+def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:
+    """The Triton forward's fields of `block_sizes` that differ from their defaults: the Mosaic
+    forward has its own tiles, so these would be ignored."""
+    default = BlockSizes()
+    changed = [
+        f"{name}={getattr(block_sizes, name)}"
+        for name in ("block_q", "block_kv", "num_warps", "num_stages", "kv_splits")
+        if getattr(block_sizes, name) != getattr(default, name)
+    ]
+    if changed:
+        return f"block_sizes sets the Triton forward's {', '.join(changed)}"
+    return None

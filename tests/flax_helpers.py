@@ -1,0 +1,30 @@
+"""What the Flax layer tests (test_linen.py, test_nnx.py) share: sizes, inputs and the
+comparison with Flax's own attention. Imports no Flax (the tests skip without it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+KERNELS = {"backend": "triton", "interpret": True}
+B, T, FEATURES, HEADS = 2, 40, 32, 4  # T spans two 32-wide interpreter tiles
+TOL = 2e-5
+
+
+def assert_close(actual, expected, tol=TOL):
+    """Max abs difference over a pytree, relative to the largest magnitude (at least 1)."""
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+        assert a.shape == e.shape
+        scale = max(1.0, float(np.abs(e).max()))
+        np.testing.assert_array_less(np.abs(a - e).max(), tol * scale)
+
+
+def inputs(seed=0, shape=(B, T, FEATURES)):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def segment_ids():
+    """Two packed documents in row 0, three in row 1."""
+    return jnp.array([[0] * 25 + [1] * 15, [0] * 10 + [1] * 20 + [2] * 10], jnp.int32)

@@ -1,0 +1,541 @@
+"""The one dispatch (`pallas_flash.dispatch`): the kernels and tiles chosen per call and device,
+the `Device` record, and `jax.export` for CUDA from a CPU-only host.
+
+The tables below pin the choice for a real H200 and an A100: they were recorded from the API
+before the choice moved into `dispatch.choose` (forward, backward, the Triton tiles' fields that
+differ from `BlockSizes()`, the Mosaic tiles' fields that differ from their classes' defaults,
+and the Triton forward's split-KV count), so a change in any of them shows here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import has_gpu
+from jax.experimental import pallas as pl
+from jax.sharding import AbstractDevice, AbstractMesh
+
+import pallas_flash
+from pallas_flash import api, mosaic, tune
+from pallas_flash.config import BlockSizes
+from pallas_flash.device import Device, target_device
+from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
+
+bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+def qkv(q_shape, k_shape=None, dtype=bf16):
+    k_shape = k_shape or q_shape
+    return tuple(jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, k_shape, k_shape))
+
+
+def zeros(*shape, dtype=jnp.int32):
+    return jnp.zeros(shape, dtype)
+
+
+# name: (q, k, v, flash_attention kwargs)
+CALLS = {
+    "plain-h128": (qkv((2, 1024, 8, 128), (2, 1024, 2, 128)), {}),
+    "causal-h128": (qkv((2, 1024, 8, 128), (2, 1024, 2, 128)), dict(is_causal=True)),
+    "plain-h64-short": (qkv((4, 1024, 8, 64)), {}),
+    "causal-h64-short": (qkv((4, 1024, 8, 64)), dict(is_causal=True)),
+    "plain-h64-2k": (qkv((4, 2048, 8, 64)), {}),
+    "causal-h64-2k": (qkv((4, 2048, 8, 64)), dict(is_causal=True)),
+    "causal-h64-16k": (qkv((1, 16384, 32, 64)), dict(is_causal=True)),
+    "plain-h256": (qkv((2, 1024, 8, 256), (2, 1024, 2, 256)), {}),
+    "causal-h256-long": (qkv((1, 8192, 8, 256)), dict(is_causal=True)),
+    "causal-h128-long": (qkv((1, 8192, 16, 128)), dict(is_causal=True)),
+    "plain-h128-medium": (qkv((4, 4096, 16, 128)), {}),
+    "short-keys-h128": (qkv((2, 1024, 8, 128), (2, 512, 8, 128)), dict(is_causal=True)),
+    "short-keys-h64": (qkv((4, 1024, 8, 64), (4, 512, 8, 64)), {}),
+    "odd-q-h64": (qkv((4, 384, 8, 64), (4, 1024, 8, 64)), {}),
+    "small-grid-long-keys": (qkv((1, 128, 4, 128), (1, 32768, 4, 128)), {}),
+    "mqa": (qkv((2, 2048, 16, 128), (2, 2048, 1, 128)), dict(is_causal=True)),
+    "f16": (qkv((2, 1024, 8, 128), dtype=f16), dict(is_causal=True)),
+    "f32": (qkv((2, 1024, 8, 128), dtype=f32), dict(is_causal=True)),
+    "odd-lengths": (qkv((2, 1000, 8, 128), (2, 1000, 2, 128)), dict(is_causal=True)),
+    "head-dim-96": (qkv((2, 1024, 8, 96)), {}),
+    "head-dim-32": (qkv((2, 1024, 8, 32)), {}),
+    "bias": (qkv((2, 1024, 8, 128)), dict(bias=zeros(1, 8, 1024, 1024, dtype=bf16))),
+    "mask": (qkv((2, 1024, 8, 128)), dict(mask=jnp.ones((1, 1, 1024, 1024), bool))),
+    "mask-causal-f32": (
+        qkv((2, 1024, 8, 64), dtype=f32),
+        dict(is_causal=True, mask=jnp.ones((2, 1, 1024, 1024), bool)),
+    ),
+    "window": (qkv((2, 1024, 8, 128)), dict(is_causal=True, local_window_size=(256, 0))),
+    "window-wide": (qkv((1, 8192, 8, 128)), dict(local_window_size=4096)),
+    "soft-cap": (qkv((2, 1024, 8, 128)), dict(logits_soft_cap=30.0)),
+    "segments": (qkv((2, 1024, 8, 128)), dict(is_causal=True, q_segment_ids=zeros(2, 1024))),
+    "kv-lengths": (qkv((2, 1024, 8, 64)), dict(key_value_seq_lengths=jnp.array([5, 9]))),
+    "q-lengths": (
+        qkv((2, 2048, 8, 64)),
+        dict(is_causal=True, query_seq_lengths=jnp.array([5, 9])),
+    ),
+    "block-sizes": (qkv((2, 1024, 8, 128)), dict(block_sizes=BlockSizes(block_q=64))),
+    "triton": (qkv((2, 1024, 8, 128)), dict(backend="triton", is_causal=True)),
+    "mosaic-h64-short": (qkv((4, 1024, 8, 64)), dict(backend="mosaic")),
+    "mosaic-backward-tiles": (
+        qkv((2, 1024, 8, 128)),
+        dict(backend="mosaic", block_sizes=BlockSizes(block_q_dkv=64)),
+    ),
+    "mosaic-small-grid": (qkv((1, 128, 4, 128), (1, 32768, 4, 128)), dict(backend="mosaic")),
+    "unbatched": (qkv((2048, 16, 128), (2048, 4, 128)), dict(is_causal=True)),
+    "interpret": (qkv((2, 1024, 8, 128)), dict(interpret=True)),
+    "mosaic-bias": (
+        qkv((2, 1024, 8, 128)),
+        dict(backend="mosaic", bias=zeros(1, 8, 1024, 1024, dtype=bf16)),
+    ),
+    "mosaic-f32": (qkv((2, 1024, 8, 128), dtype=f32), dict(backend="mosaic")),
+    "mosaic-forward-tiles": (
+        qkv((2, 1024, 8, 128)),
+        dict(backend="mosaic", block_sizes=BlockSizes(block_q=64, kv_splits=2)),
+    ),
+}
+
+# name: (forward, backward, BlockSizes fields, Mosaic forward / backward tile fields, kv splits),
+# or (exception, message) where the call raises.
+MOSAIC_LACKS = "backend='mosaic' does not support this call ({}); backend='triton' or None runs it"
+HOPPER_ONLY = (
+    "backend='mosaic' needs a Hopper GPU (compute capability 9.0, found (8, 0)): its kernel uses "
+    "sm_90a's wgmma and TMA; use backend='triton' or None"
+)
+# The Triton tiles' fields that differ from BlockSizes() (shipped tables and heuristics).
+H128 = dict(
+    block_kv=128, num_warps=8, block_q_dkv=64, num_warps_dkv=8, block_kv_dq=64, num_warps_dq=8
+)
+H128_FULL_SHORT = dict(block_q=64, block_q_dkv=64, num_warps_dkv=8, block_kv_dq=64, num_warps_dq=8)
+H128_CAUSAL_SHORT = dict(block_q=64, block_kv_dkv=64, block_kv_dq=64, num_warps_dq=8)
+H64_FULL_SHORT = dict(block_q=64, num_stages_dkv=5, block_q_dq=64, block_kv_dq=64)
+H64 = dict(block_q=64, block_kv_dq=64, num_warps_dq=8)
+H256 = dict(
+    num_warps=8,
+    num_stages=2,
+    block_q_dkv=64,
+    block_kv_dkv=64,
+    num_warps_dkv=8,
+    num_stages_dkv=2,
+    block_q_dq=64,
+    num_stages_dq=1,
+)
+F32 = dict(
+    block_q=64, num_stages=2, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, num_stages_dq=2
+)
+H128_MASKED = dict(
+    block_kv=128,
+    num_warps=8,
+    num_stages=2,
+    block_q_dkv=64,
+    num_warps_dkv=8,
+    num_stages_dkv=2,
+    block_kv_dq=64,
+    num_warps_dq=8,
+    num_stages_dq=2,
+)
+INTERPRET = dict(block_q=32, block_kv=32, block_kv_dkv=32, block_q_dq=32)
+
+H200 = {
+    "plain-h128": ("mosaic", "mosaic", H128_FULL_SHORT, dict(persistent=True), {}, None),
+    "causal-h128": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
+    "plain-h64-short": (
+        "mosaic",
+        "triton",
+        H64_FULL_SHORT,
+        dict(block_q=128, persistent=True),
+        None,
+        None,
+    ),
+    "causal-h64-short": (
+        "mosaic",
+        "triton",
+        dict(block_q=64, block_q_dq=64, block_kv_dq=64),
+        dict(persistent=True),
+        None,
+        None,
+    ),
+    "plain-h64-2k": (
+        "mosaic",
+        "mosaic",
+        dict(block_q=64, num_stages_dkv=5, block_kv_dq=64, num_warps_dq=8),
+        dict(block_q=128, persistent=True),
+        {},
+        None,
+    ),
+    "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
+    "causal-h64-16k": ("mosaic", "mosaic", H64, dict(block_q=128), {}, None),
+    "plain-h256": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
+    "causal-h256-long": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
+    "causal-h128-long": ("mosaic", "mosaic", H128, {}, {}, None),
+    "plain-h128-medium": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
+    "short-keys-h128": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
+    "short-keys-h64": (
+        "mosaic",
+        "triton",
+        H64_FULL_SHORT,
+        dict(block_q=128, persistent=True),
+        None,
+        None,
+    ),
+    "odd-q-h64": ("mosaic", "triton", H64_FULL_SHORT, dict(persistent=True), None, None),
+    "small-grid-long-keys": ("triton", "triton", H128, None, None, 16),
+    "mqa": ("mosaic", "mosaic", H128, {}, {}, None),
+    "f16": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
+    "f32": ("triton", "triton", F32, None, None, 1),
+    "odd-lengths": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
+    "head-dim-96": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
+    "head-dim-32": ("triton", "triton", H64, None, None, 1),
+    "bias": ("triton", "triton", H128_MASKED, None, None, 1),
+    "mask": ("triton", "triton", H128_MASKED, None, None, 1),
+    "mask-causal-f32": ("triton", "triton", F32, None, None, 1),
+    "window": ("mosaic", "triton", H128_FULL_SHORT, {}, None, None),
+    "window-wide": ("mosaic", "triton", H128, {}, None, None),
+    "soft-cap": ("mosaic", "triton", H128_FULL_SHORT, {}, None, None),
+    "segments": ("mosaic", "triton", H128_FULL_SHORT, {}, None, None),
+    "kv-lengths": ("mosaic", "triton", H64, {}, None, None),
+    "q-lengths": ("mosaic", "triton", H64, {}, None, None),
+    "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
+    "triton": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
+    "mosaic-h64-short": (
+        "mosaic",
+        "mosaic",
+        H64_FULL_SHORT,
+        dict(block_q=128, persistent=True),
+        {},
+        None,
+    ),
+    "mosaic-backward-tiles": (
+        "mosaic",
+        "triton",
+        dict(block_q_dkv=64),
+        dict(persistent=True),
+        None,
+        None,
+    ),
+    "mosaic-small-grid": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
+    "unbatched": ("mosaic", "mosaic", H128, {}, {}, None),
+    "interpret": ("triton", "triton", INTERPRET, None, None, 1),
+    "mosaic-bias": (NotImplementedError, MOSAIC_LACKS.format("bias")),
+    "mosaic-f32": (
+        NotImplementedError,
+        MOSAIC_LACKS.format("dtype float32 is not bfloat16 or float16"),
+    ),
+    "mosaic-forward-tiles": (
+        NotImplementedError,
+        MOSAIC_LACKS.format("block_sizes sets the Triton forward's block_q=64, kv_splits=2"),
+    ),
+}
+A100 = {
+    "plain-h128": ("triton", "triton", H128, None, None, 1),
+    "causal-h128": ("triton", "triton", H128, None, None, 1),
+    "plain-h64-short": ("triton", "triton", H64, None, None, 1),
+    "causal-h64-short": ("triton", "triton", H64, None, None, 1),
+    "plain-h64-2k": ("triton", "triton", H64, None, None, 1),
+    "causal-h64-2k": ("triton", "triton", H64, None, None, 1),
+    "causal-h64-16k": ("triton", "triton", H64, None, None, 1),
+    "plain-h256": ("triton", "triton", H256, None, None, 1),
+    "causal-h256-long": ("triton", "triton", H256, None, None, 1),
+    "causal-h128-long": ("triton", "triton", H128, None, None, 1),
+    "plain-h128-medium": ("triton", "triton", H128, None, None, 1),
+    "short-keys-h128": ("triton", "triton", H128, None, None, 1),
+    "short-keys-h64": ("triton", "triton", H64, None, None, 1),
+    "odd-q-h64": ("triton", "triton", H64, None, None, 1),
+    "small-grid-long-keys": ("triton", "triton", H128, None, None, 16),
+    "mqa": ("triton", "triton", H128, None, None, 1),
+    "f16": ("triton", "triton", H128, None, None, 1),
+    "f32": ("triton", "triton", F32, None, None, 1),
+    "odd-lengths": ("triton", "triton", H128, None, None, 1),
+    "head-dim-96": ("triton", "triton", H128, None, None, 1),
+    "head-dim-32": ("triton", "triton", H64, None, None, 1),
+    "bias": ("triton", "triton", H128_MASKED, None, None, 1),
+    "mask": ("triton", "triton", H128_MASKED, None, None, 1),
+    "mask-causal-f32": ("triton", "triton", F32, None, None, 1),
+    "window": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
+    "window-wide": ("triton", "triton", H128, None, None, 1),
+    "soft-cap": ("triton", "triton", H128, None, None, 1),
+    "segments": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
+    "kv-lengths": ("triton", "triton", H64, None, None, 1),
+    "q-lengths": ("triton", "triton", H64, None, None, 1),
+    "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
+    "triton": ("triton", "triton", H128, None, None, 1),
+    "mosaic-h64-short": (ValueError, HOPPER_ONLY),
+    "mosaic-backward-tiles": (ValueError, HOPPER_ONLY),
+    "mosaic-small-grid": (ValueError, HOPPER_ONLY),
+    "unbatched": ("triton", "triton", H128, None, None, 1),
+    "interpret": ("triton", "triton", INTERPRET, None, None, 1),
+    "mosaic-bias": (ValueError, HOPPER_ONLY),
+    "mosaic-f32": (ValueError, HOPPER_ONLY),
+    "mosaic-forward-tiles": (ValueError, HOPPER_ONLY),
+}
+
+
+def changed_fields(tiles):
+    """The fields of a tile dataclass that differ from its defaults (None stays None)."""
+    if tiles is None:
+        return None
+    default = type(tiles)()
+    return {
+        f.name: getattr(tiles, f.name)
+        for f in dataclasses.fields(tiles)
+        if getattr(tiles, f.name) != getattr(default, f.name)
+    }
+
+
+def kv_splits(config, q_shape, k_shape):
+    """The Triton forward's split count for the unsharded call (None for the Mosaic forward)."""
+    if config.forward != "triton":
+        return None
+    bs = config.block_sizes
+    block_q, block_kv = tile_sizes(bs.block_q, q_shape[1], bs.block_kv, k_shape[1])
+    programs = pl.cdiv(q_shape[1], block_q) * q_shape[2] * q_shape[0]
+    num_sms = 132 if config.device is None else config.device.num_sms
+    return choose_kv_splits(
+        bs.kv_splits, programs, pl.cdiv(k_shape[1], block_kv), config.interpret, num_sms=num_sms
+    )
+
+
+@pytest.fixture
+def chosen(monkeypatch):
+    """chosen(device, name) -> the row of the tables for CALLS[name] through the public API
+    under `pallas_flash.target(device)` (None: for this host's GPU), recording the KernelConfig
+    instead of running."""
+    seen = []
+
+    def record(q, k, v, bias, arrays, config):
+        seen.append(config)
+        b, t, n, _ = q.shape
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
+
+    monkeypatch.setattr(api, "flash_attention_kernels", record)
+
+    def run(device, name):
+        args, kwargs = CALLS[name]
+        scope = contextlib.nullcontext() if device is None else pallas_flash.target(device)
+        with scope:
+            try:
+                jax.eval_shape(
+                    lambda q, k, v: pallas_flash.flash_attention(q, k, v, **kwargs), *args
+                )
+            except (ValueError, NotImplementedError) as e:
+                return type(e), str(e)
+        (config,) = seen
+        seen.clear()
+        q, k = args[0].shape, args[1].shape
+        if len(q) == 3:
+            q, k = (1, *q), (1, *k)
+        return (
+            config.forward,
+            config.backward,
+            changed_fields(config.block_sizes),
+            changed_fields(config.mosaic_forward_tiles),
+            changed_fields(config.mosaic_backward_tiles),
+            kv_splits(config, q, k),
+        )
+
+    return run
+
+
+@pytest.fixture
+def no_tune_cache(tmp_path, monkeypatch):
+    """The shipped table only: a user's cache file must not change the pinned choice."""
+    from pallas_flash import config as config_lib
+
+    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "none.json"))
+    config_lib._load_tune_cache.cache_clear()
+    yield
+    config_lib._load_tune_cache.cache_clear()
+
+
+def test_the_tables_cover_every_call():
+    assert set(H200) == set(A100) == set(CALLS)
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
+    assert chosen(Device.h200(), name) == H200[name]
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_a100_choice_is_pinned(chosen, no_tune_cache, name):
+    assert chosen(Device.a100(), name) == A100[name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CALLS))
+def test_this_gpu_chooses_as_its_record_says(chosen, no_tune_cache, name):
+    """On the GPU itself (no target): on an H200 the pinned table (causal Mosaic rows aside on
+    CUDA 12.8.0-12.9.0), and on any GPU what its record chooses."""
+    device = Device.current()
+    assert device is not None and target_device() == device
+    got = chosen(None, name)
+    assert got == chosen(device, name)
+    miscompiling = device.cuda_runtime_version in range(12080, 12091)
+    if device.kind == "NVIDIA H200" and not miscompiling:
+        assert device.compute_capability == (9, 0) and device.num_sms == 132
+        assert got == H200[name]
+
+
+# -- the Device record and the target --------------------------------------------------------------
+
+
+def test_device_records():
+    h200 = Device.h200()
+    assert (h200.kind, h200.compute_capability, h200.num_sms) == ("NVIDIA H200", (9, 0), 132)
+    assert h200.is_hopper and not Device.a100().is_hopper
+    assert Device.a100().compute_capability == (8, 0) and Device.a100().num_sms == 108
+    # A kind as jax spells it, with its part suffix; the SM count from the abstract device.
+    abstract = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    h100 = Device.from_abstract_device(abstract)
+    assert (h100.compute_capability, h100.num_sms) == ((9, 0), 132)
+    assert Device.from_mesh(AbstractMesh((2,), ("x",), abstract_device=abstract)) == h100
+    assert Device.of_kind("NVIDIA A10", num_sms=72).compute_capability == (8, 6)
+    with pytest.raises(ValueError, match="'NVIDIA H100 PCIe' is not known: pass num_sms"):
+        Device.of_kind("NVIDIA H100 PCIe")
+    with pytest.raises(ValueError, match="'Quantum 9000' is not known to pallas_flash"):
+        Device.of_kind("Quantum 9000")
+    with pytest.raises(ValueError, match="compute_capability='9.0' must be a"):
+        Device(kind="x", compute_capability="9.0", num_sms=1)
+    with pytest.raises(TypeError, match="target\\(\\) takes a pallas_flash.Device"):
+        with pallas_flash.target("NVIDIA H200"):
+            pass
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the target of a host without a GPU")
+def test_target_device_without_a_gpu():
+    assert Device.current() is None and target_device() is None
+    with pallas_flash.target(Device.a100()):
+        assert target_device() == Device.a100()
+        assert jax.sharding.get_abstract_mesh().abstract_device.device_kind == Device.a100().kind
+    assert target_device() is None
+    # jax's own AOT target, an abstract mesh on a GPU: the kernels are chosen for it.
+    abstract = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=abstract)):
+        assert target_device() == Device.h200()
+    for other in (
+        AbstractDevice(device_kind="cpu", num_cores=None, platform="cpu"),
+        AbstractDevice(device_kind="AMD Instinct MI300X", num_cores=304, platform="gpu"),
+    ):
+        with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=other)):
+            assert target_device() is None
+
+
+def test_the_target_keeps_the_mesh_axes():
+    mesh = AbstractMesh((1, 1), ("data", "model"))
+    with jax.sharding.use_abstract_mesh(mesh), pallas_flash.target(Device.h200()):
+        inner = jax.sharding.get_abstract_mesh()
+        assert inner.axis_names == ("data", "model") and inner.axis_sizes == (1, 1)
+        assert inner.abstract_device == Device.h200().abstract_device()
+
+
+# -- jax.export for CUDA from a CPU-only host ------------------------------------------------------
+
+
+def custom_calls(exported) -> list[str]:
+    text = re.sub(r'(ir|module) = "[^"]*"', r"\1 = ...", exported.mlir_module())
+    return sorted(re.findall(r"stablehlo\.custom_call @(\S+)\(", text))
+
+
+def triton_kernel_names(exported) -> list[str]:
+    text = re.sub(r'ir = "[^"]*"', "ir = ...", exported.mlir_module())
+    return sorted(re.findall(r'name = "(pallas_flash_\w+)"', text))
+
+
+def logits_shaped(exported, q_shape, k_shape) -> bool:
+    """Whether the module holds a [B, N, T, S] tensor: the quadratic XLA attention."""
+    batch, q_len, num_heads, _ = q_shape
+    return f"tensor<{batch}x{num_heads}x{q_len}x{k_shape[1]}x" in exported.mlir_module()
+
+
+def export_for_cuda(q_shape, k_shape, dtype=jnp.bfloat16, **kwargs):
+    """jax.export for CUDA of the forward and the gradients of a causal call."""
+
+    def loss(q, k, v):
+        out = pallas_flash.flash_attention(q, k, v, is_causal=True, **kwargs)
+        return out.astype(jnp.float32).sum()
+
+    shapes = [jax.ShapeDtypeStruct(s, dtype) for s in (q_shape, k_shape, k_shape)]
+    # Pallas' Triton custom call is not one of jax.export's stable targets: exporting one is
+    # the user's explicit choice.
+    checks = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    return jax.export.export(fn, platforms=["cuda"], disabled_checks=checks)(*shapes)
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+def test_export_for_an_h200_packages_the_mosaic_kernels():
+    q_shape, k_shape = (2, 1024, 8, 128), (2, 1024, 2, 128)
+    with pallas_flash.target(Device.h200()):
+        exported = export_for_cuda(q_shape, k_shape)
+    assert exported.platforms == ("cuda",)
+    # The forward, the dK/dV and the dQ kernels.
+    assert custom_calls(exported) == ["mosaic_gpu_v2"] * 3
+    assert not logits_shaped(exported, q_shape, k_shape)
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+def test_export_of_a_masked_call_packages_the_triton_kernels():
+    q_shape, k_shape = (2, 1024, 8, 128), (2, 1024, 2, 128)
+    mask = jnp.ones((1, 1, 1024, 1024), bool)
+    with pallas_flash.target(Device.h200()):
+        exported = export_for_cuda(q_shape, k_shape, mask=mask)
+    assert custom_calls(exported) == ["__gpu$xla.gpu.triton"] * 3
+    assert triton_kernel_names(exported) == [
+        "pallas_flash_backward_dkv",
+        "pallas_flash_backward_dq",
+        "pallas_flash_forward",
+    ]
+    assert not logits_shaped(exported, q_shape, k_shape)
+    # An A100 target: the Triton kernels for the plain call too.
+    with pallas_flash.target(Device.a100()):
+        exported = export_for_cuda(q_shape, k_shape)
+    assert custom_calls(exported) == ["__gpu$xla.gpu.triton"] * 3
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+def test_a_jitted_function_retraces_for_the_target():
+    """The target is part of jit's key (through the abstract mesh): the same jitted function
+    runs the reference on this host and lowers the kernels for the target."""
+    q_shape = (1, 256, 2, 128)
+    q = jnp.ones(q_shape, jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v: pallas_flash.flash_attention(q, k, v, is_causal=True))
+    fn(q, q, q)  # traced and run on this host: the reference
+    with pallas_flash.target(Device.h200()):
+        exported = jax.export.export(fn, platforms=["cuda"])(q, q, q)
+    assert custom_calls(exported) == ["mosaic_gpu_v2"]
+    assert fn(q, q, q).shape == q_shape
+
+
+# -- the tuner chooses through the dispatch ------------------------------------------------------
+
+
+def test_tuner_times_the_kernels_the_api_runs(monkeypatch):
+    """At H=64 below 2048 keys the default call runs the Mosaic forward with the Triton
+    backward; the tuner's kernels are the same, and Mosaic backward tiles do not apply there."""
+    seen = []
+
+    def record(q, k, v, bias, arrays, config):
+        seen.append(config)
+        return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+    monkeypatch.setattr(tune, "flash_attention_kernels", record)
+    shape = (16, 1024, 32, 64)
+    kwargs = dict(is_causal=True, block_sizes=BlockSizes(), device=Device.h200())
+    fn = tune.mosaic_kernels_fn(shape, jnp.bfloat16, **kwargs)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    jax.eval_shape(fn, q, q, q)
+    assert (seen[-1].forward, seen[-1].backward) == ("mosaic", "triton")
+    tiles = mosaic.BackwardTiles(num_stages=3)
+    assert tune.mosaic_kernels_fn(shape, jnp.bfloat16, backward_tiles=tiles, **kwargs) is None
+    # backend="mosaic" (what the tuner's error check and the experiments run): both Mosaic.
+    fn = tune.mosaic_kernels_fn(shape, jnp.bfloat16, backend="mosaic", **kwargs)
+    jax.eval_shape(fn, q, q, q)
+    assert (seen[-1].forward, seen[-1].backward) == ("mosaic", "mosaic")
+    # From 2048 keys the default call takes the Mosaic backward, with the candidate tiles.
+    long = (4, 4096, 32, 64)
+    fn = tune.mosaic_kernels_fn(long, jnp.bfloat16, backward_tiles=tiles, **kwargs)
+    q = jax.ShapeDtypeStruct(long, jnp.bfloat16)
+    jax.eval_shape(fn, q, q, q)
+    assert seen[-1].backward == "mosaic" and seen[-1].mosaic_backward_tiles == tiles

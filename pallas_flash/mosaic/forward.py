@@ -866,14 +866,22 @@ def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, t
 
     # Fill the empty ring; a CTA may see fewer tiles than there are slots (short S, causal
     # CTAs near the top, narrow windows), or none: copies nobody waits for would still be in
-    # flight at exit. A loop, not unrolled: a window with a static start that runs past the
-    # array's end fails the ref indexer's bound check at trace time.
-    @pl.loop(0, min(tiles.num_stages, cdiv(k_ref.shape[1], tiles.block_kv)))
-    def _fill(n):
+    # flight at exit.
+    def fill(n):
         @pl.when(first + n < cta_hi)
         def _copy():
             copy_k(first + n, n)
             copy(v_ref, ring.v_smem, ring.v_ready, first + n, n)
+
+    num_fills = min(tiles.num_stages, cdiv(k_ref.shape[1], tiles.block_kv))
+    if k_ref.shape[1] % tiles.block_kv == 0:
+        for n in range(num_fills):
+            fill(n)
+    else:
+        # A loop: unrolled, the ragged last tile's window would have a static start (without a
+        # left window the first tile is the int 0) that runs past the array's end, which the
+        # ref indexer refuses at trace time (NDIndexer's bound check).
+        pl.loop(0, num_fills)(fill)
 
     @pl.loop(first + tiles.num_stages, cta_hi)
     def _refill(tile):

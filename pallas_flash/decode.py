@@ -40,6 +40,7 @@ def decode_attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    sinks=None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: DecodeBlockSizes | None = None,
@@ -71,6 +72,8 @@ def decode_attention(
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c).
       local_window_size: w or (left, right): token i sees keys j >= i - left (right is moot
         under the causal rule).
+      sinks: None, or float (N,): attention sinks as in `flash_attention`, one learned logit
+        per query head in each row's softmax denominator (it attends to no value).
       return_residuals: also return lse, float32 (B, N, T), natural log.
       backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
         (the reference in plain jnp: materialises (B, N, T, S) logits) or None (Triton on such
@@ -90,6 +93,7 @@ def decode_attention(
     lengths = _check_lengths(
         "key_value_seq_lengths", key_value_seq_lengths, batch, capacity, "key_cache.shape[1]"
     )
+    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
         scale,
@@ -106,6 +110,8 @@ def decode_attention(
     else:
         kernel = functools.partial(_decode_forward, **options.kernel)
         out, lse = with_reference_vjp(kernel, reference, query, key_cache, value_cache, lengths)
+    if sinks is not None:
+        out, lse = api._with_sinks(out, lse, sinks)
     return (out, lse) if return_residuals else out
 
 
@@ -119,6 +125,7 @@ def paged_attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    sinks=None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: DecodeBlockSizes | None = None,
@@ -157,6 +164,7 @@ def paged_attention(
         "lengths", lengths, batch, capacity, "block_tables.shape[1] * page_size"
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
+    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
         scale,
@@ -176,6 +184,8 @@ def paged_attention(
         out, lse = with_reference_vjp(
             kernel, reference, query, key_pages, value_pages, lengths, block_tables
         )
+    if sinks is not None:
+        out, lse = api._with_sinks(out, lse, sinks)
     return (out, lse) if return_residuals else out
 
 

@@ -142,7 +142,8 @@ def _triton_block_sizes(
     call: Call, device: Device | None, interpret: bool, tuned: TunedEntry | None
 ) -> BlockSizes:
     """The Triton tiles of a call the user gave none for: the interpreter's; else the autotune
-    entry's (`tuned`, else the cache's); else the backend's heuristics."""
+    entry's (`tuned`, else the cache's); else the backend's heuristics. `device` is None only in
+    the interpreter."""
     if not interpret:
         entry = _tuned_entry(call, device, masked=call.masked) if tuned is None else tuned
         if entry is not None:

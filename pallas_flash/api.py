@@ -20,10 +20,10 @@ from pallas_flash._vjp import (
     reference_attention_vjp,
 )
 from pallas_flash.call import Call
-from pallas_flash.config import BlockSizes
 from pallas_flash.dispatch import BACKENDS
 from pallas_flash.masks import MaskSpec
 from pallas_flash.reference import reference_backward
+from pallas_flash.triton import BlockSizes
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256

@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import api, dispatch
-from pallas_flash import config as config_lib
 from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
-from pallas_flash.config import DecodeBlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention
+from pallas_flash.triton import DecodeBlockSizes, default_decode_block_sizes
 from pallas_flash.triton.decode import decode_forward
 
 _SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
@@ -345,7 +344,7 @@ class _Options:
         )
         interpret = bool(interpret)
         if block_sizes is None:
-            block_sizes = config_lib.default_decode_block_sizes(
+            block_sizes = default_decode_block_sizes(
                 head_dim, query.dtype, interpret=interpret, page_size=page_size
             )
         return cls(

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from pallas_flash import flax_common
-from pallas_flash.config import BlockSizes
 from pallas_flash.flax_common import FallbackWarning
+from pallas_flash.triton import BlockSizes
 
 __all__ = ["FallbackWarning", "MultiHeadDotProductAttention", "dot_product_attention"]
 

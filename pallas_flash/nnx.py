@@ -34,8 +34,8 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 
 from pallas_flash import flax_common
-from pallas_flash.config import BlockSizes
 from pallas_flash.flax_common import FallbackWarning
+from pallas_flash.triton import BlockSizes
 
 __all__ = ["FallbackWarning", "MultiHeadAttention", "dot_product_attention"]
 

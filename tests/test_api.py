@@ -16,7 +16,7 @@ from conftest import DTYPES, Problem, assert_bitwise_equal, has_gpu, random_inpu
 
 import pallas_flash
 from pallas_flash import api
-from pallas_flash import config as config_lib
+from pallas_flash import tune_cache as config_lib
 from pallas_flash.device import Device
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module

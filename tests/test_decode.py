@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pallas_flash
-from pallas_flash.config import DecodeBlockSizes
+from pallas_flash.triton import DecodeBlockSizes
 
 
 def call_kwargs(backend: str) -> dict:

@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash import bench, config, mosaic, tune
+from pallas_flash import bench, mosaic, tune, tune_cache
+from pallas_flash.device import gpu_device_kind
+from pallas_flash.triton.tiles import heuristic_block_sizes
 
 # (block_q, block_kv, num_warps, num_stages) of the forward kernel.
 MASKED_FORWARD_TILES = [
@@ -59,7 +61,7 @@ def tiles_masked(out, seq=16384, heads=16, head_dim=128):
         "causal window 1024": dict(is_causal=True, local_window_size=(1024, 0)),
         "packed 8x2048": dict(is_causal=True, q_segment_ids=seg),
     }
-    default = config.heuristic_block_sizes(head_dim, jnp.bfloat16)
+    default = heuristic_block_sizes(head_dim, jnp.bfloat16)
     for case, kwargs in cases.items():
         tiles = MASKED_FORWARD_TILES[:1] if case == "dense causal" else MASKED_FORWARD_TILES
         for bq, bk, w, st in tiles:
@@ -89,9 +91,7 @@ def split_kv(out):
         for impl, splits in (("pallas_flash", 1), ("pallas_flash", 0), ("cudnn", None)):
             bs = None
             if impl == "pallas_flash":
-                bs = dataclasses.replace(
-                    config.heuristic_block_sizes(h, jnp.bfloat16), kv_splits=splits
-                )
+                bs = dataclasses.replace(heuristic_block_sizes(h, jnp.bfloat16), kv_splits=splits)
             passes = ("fwd", "fwd+bwd") if t >= 16384 and splits != 0 else ("fwd",)
             for pass_ in passes:
                 row = bench.run_point(
@@ -141,6 +141,16 @@ def _grid_points(head_dims, seqs):
                 yield b, t, n, h, causal, args
 
 
+def _triton_tiles(h, causal, t):
+    """The Triton tiles of a plain bf16 call on this GPU: its autotune entry, else the
+    heuristics."""
+    shape_class = tune_cache.ShapeClass.of(
+        h, jnp.bfloat16, is_causal=causal, q_len=t, kv_len=t, masked=False
+    )
+    tuned = tune_cache.tuned_block_sizes(gpu_device_kind(), shape_class)
+    return tuned or heuristic_block_sizes(h, jnp.bfloat16)
+
+
 def _mosaic_fn(t, n, h, causal, pass_, **kwargs):
     """The Mosaic kernels (tune.mosaic_kernels_fn) timed for pass_, or None for tiles the
     shapes do not take."""
@@ -149,9 +159,7 @@ def _mosaic_fn(t, n, h, causal, pass_, **kwargs):
         jnp.bfloat16,
         is_causal=causal,
         backend="mosaic",
-        block_sizes=config.default_block_sizes(
-            h, jnp.bfloat16, interpret=False, is_causal=causal, q_len=t, kv_len=t
-        ),
+        block_sizes=_triton_tiles(h, causal, t),
         **kwargs,
     )
     return None if kernels is None else bench.timed_fn(lambda q, k, v: kernels(q, k, v)[0], pass_)

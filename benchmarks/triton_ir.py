@@ -29,9 +29,9 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_flash import config
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.triton.tiles import heuristic_block_sizes
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
@@ -161,7 +161,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     dtype = jnp.dtype(args.dtype)
     bias_shape = tuple(int(x) for x in args.bias_shape.split(",")) if args.bias_shape else None
-    bs = config.heuristic_block_sizes(args.head_dim, dtype, masked=bias_shape is not None)
+    bs = heuristic_block_sizes(args.head_dim, dtype, masked=bias_shape is not None)
     if args.block_sizes:
         bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
     print(bs, flush=True)

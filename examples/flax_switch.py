@@ -11,10 +11,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-import pallas_flash.config
+import pallas_flash.device
 import pallas_flash.linen  # pallas_flash (1/3)
 
-on_gpu = (pallas_flash.config.gpu_compute_capability() or (0, 0)) >= (8, 0)
+on_gpu = (pallas_flash.device.gpu_compute_capability() or (0, 0)) >= (8, 0)
 flash = functools.partial(  # pallas_flash (2/3)
     pallas_flash.linen.dot_product_attention, interpret=not on_gpu
 )

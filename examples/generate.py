@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_gpt  # noqa: E402  (the model and its presets)
 
 import pallas_flash  # noqa: E402
-from pallas_flash.config import gpu_compute_capability  # noqa: E402
+from pallas_flash.device import gpu_compute_capability  # noqa: E402
 
 
 def qkv(block: train_gpt.Block, x, positions):

@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-import pallas_flash.config
+import pallas_flash.device
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--interpret", action="store_true")
 args = parser.parse_args()
-on_gpu = (pallas_flash.config.gpu_compute_capability() or (0, 0)) >= (8, 0)
+on_gpu = (pallas_flash.device.gpu_compute_capability() or (0, 0)) >= (8, 0)
 interpret = args.interpret or not on_gpu
 
 B, T, N, K, H = 2, 256, 8, 2, 64  # 8 query heads share 2 key/value heads (GQA)

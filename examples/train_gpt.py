@@ -34,7 +34,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pallas_flash
-from pallas_flash.config import gpu_compute_capability
+from pallas_flash.device import gpu_compute_capability
 
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM datasheet, dense bf16
 

@@ -7,7 +7,6 @@ Flax users import the wrappers explicitly (this package itself does not import F
 """
 
 from pallas_flash.api import ForwardModeError, attention_reference, flash_attention
-from pallas_flash.config import BlockSizes, DecodeBlockSizes
 from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
 from pallas_flash.device import Device, target
 from pallas_flash.sharding import (
@@ -17,6 +16,7 @@ from pallas_flash.sharding import (
     to_zigzag,
     zigzag_indices,
 )
+from pallas_flash.triton import BlockSizes, DecodeBlockSizes
 
 __all__ = [
     "BlockSizes",

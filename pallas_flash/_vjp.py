@@ -22,12 +22,12 @@ import functools
 import jax
 
 from pallas_flash import _partition
-from pallas_flash.config import BlockSizes
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
 from pallas_flash.reference import reference_attention
+from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
 

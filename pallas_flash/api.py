@@ -20,10 +20,10 @@ from pallas_flash._vjp import (
     reference_attention_vjp,
 )
 from pallas_flash.call import Call
-from pallas_flash.config import BlockSizes
 from pallas_flash.dispatch import BACKENDS
 from pallas_flash.masks import MaskSpec
 from pallas_flash.reference import reference_backward
+from pallas_flash.triton import BlockSizes
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
 MAX_HEAD_DIM = 256
@@ -56,12 +56,14 @@ def flash_attention(
 
         query: (B, T, N, H)  or (T, N, H)
         key:   (B, S, K, H)  or (S, K, H)
-        value: (B, S, K, H)  or (S, K, H)
-        out:   (B, T, N, H)  in query's dtype
+        value: (B, S, K, Hv) or (S, K, Hv)
+        out:   (B, T, N, Hv) in query's dtype
 
     N must be a multiple of K: query head n reads key/value head n // (N // K). For example with
     N = 8 and K = 2 (GQA), heads 0-3 read kv head 0 and heads 4-7 read kv head 1; K = 1 is MQA.
-    T and S are any lengths >= 1 (T != S allowed); H is a multiple of 8 up to 256; dtypes are
+    T and S are any lengths >= 1 (T != S allowed); H and Hv are multiples of 8 up to 256 (Hv is
+    usually H; multi-head latent attention takes H = 192, Hv = 128: the kernels then run on
+    both zero-padded to the larger, which costs its FLOPs); dtypes are
     float16, bfloat16 or float32 (all three arrays the same). Softmax and accumulation run in
     float32.
 
@@ -196,6 +198,8 @@ def flash_attention(
         out, lse = flash_attention_kernels(
             call.query, call.key, call.value, call.bias, call.arrays, call.config
         )
+    if call.head_dims is not None:
+        out = out[..., : call.head_dims[1]]
     unbatched = call.unbatched
     if sinks is not None:
         out, lse = _with_sinks(out, lse, sinks)
@@ -258,17 +262,20 @@ def flash_attention_backward(
     batched = (lambda x: x[None]) if call.unbatched else (lambda x: x)
     q = call.query
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    head_dim, value_head_dim = call.head_dims or (q.shape[-1],) * 2
+    out_shape = (*q.shape[:3], value_head_dim)
     out, d_out, lse = batched(out), batched(d_out), batched(lse)
     d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
     for name, x, shape in (
-        ("out", out, q.shape),
-        ("d_out", d_out, q.shape),
+        ("out", out, out_shape),
+        ("d_out", d_out, out_shape),
         ("lse", lse, lse_shape),
         ("d_lse", d_lse, lse_shape),
     ):
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} for this query")
     lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
+    out, d_out = (_pad_head_dim(x, q.shape[-1]) for x in (out, d_out))
     args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
     if call.config is None:
         dq, dk, dv, _ = reference_backward(
@@ -276,6 +283,7 @@ def flash_attention_backward(
         )
     else:
         dq, dk, dv, _ = flash_backward_kernels(*args, d_out.astype(q.dtype), d_lse, call.config)
+    dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim]
     grads = (dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype))
     return tuple(g[0] for g in grads) if call.unbatched else grads
 
@@ -295,6 +303,9 @@ class _Call(NamedTuple):
     config: KernelConfig | None
     unbatched: bool
     traced_for_host: bool
+    # The head dims of q/k and of v when they differ: the operands above are zero-padded to the
+    # larger (q.k and P.V are unchanged), and the results are sliced back.
+    head_dims: tuple[int, int] | None = None
 
 
 def _plan(
@@ -335,6 +346,12 @@ def _plan(
     ):
         _check_lengths(name, lengths, batch, unbatched)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    head_dims = None
+    if value.shape[-1] != head_dim:
+        # Every kernel takes one head dim: zeros in the padded columns leave q.k unchanged and
+        # give P.V columns that are sliced off.
+        head_dims = (head_dim, value.shape[-1])
+        query, key, value = (_pad_head_dim(x, max(head_dims)) for x in (query, key, value))
     arrays = masks.make_arrays(
         batch,
         q_len,
@@ -382,7 +399,13 @@ def _plan(
         config=config,
         unbatched=unbatched,
         traced_for_host=traced_for_host,
+        head_dims=head_dims,
     )
+
+
+def _pad_head_dim(x, head_dim: int):
+    pad = head_dim - x.shape[-1]
+    return x if pad == 0 else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),))
 
 
 def _with_sinks(out, lse, sinks):
@@ -451,8 +474,17 @@ def _canonical_arrays(query, key, value):
         query, key, value = query[None], key[None], value[None]
     b, t, n, h = query.shape
     kb, s, kh, kd = key.shape
-    if key.shape != value.shape:
-        raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must be equal")
+    if key.shape[:3] != value.shape[:3]:
+        raise ValueError(
+            f"key.shape={key.shape} and value.shape={value.shape} must agree on [B, S, K] (the "
+            "value head dim may differ)"
+        )
+    hv = value.shape[3]
+    if hv % 8 or hv > MAX_HEAD_DIM:
+        raise ValueError(
+            f"value head_dim={hv} (value.shape={value.shape}) must be a multiple of 8 and at "
+            f"most {MAX_HEAD_DIM}"
+        )
     if kb != b:
         raise ValueError(f"batch sizes differ: query.shape={query.shape}, key.shape={key.shape}")
     if kd != h:

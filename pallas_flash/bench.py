@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash
-from pallas_flash import config as config_lib
+from pallas_flash import device as config_lib
 
 PASSES = ("fwd", "fwd+bwd")
 

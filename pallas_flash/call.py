@@ -45,3 +45,8 @@ class Call:
     @property
     def kv_len(self) -> int:
         return self.k_shape[1]
+
+    @property
+    def masked(self) -> bool:
+        """Whether a bias or dense mask adds a [T, S] operand tile to each pipeline stage."""
+        return self.has_bias or self.spec.mask_shape is not None

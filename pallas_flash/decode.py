@@ -11,12 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import api, dispatch
-from pallas_flash import config as config_lib
 from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
-from pallas_flash.config import DecodeBlockSizes
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention
+from pallas_flash.triton import DecodeBlockSizes, default_decode_block_sizes
 from pallas_flash.triton.decode import decode_forward
 
 _SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
@@ -40,6 +39,7 @@ def decode_attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    sinks=None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: DecodeBlockSizes | None = None,
@@ -71,6 +71,8 @@ def decode_attention(
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c).
       local_window_size: w or (left, right): token i sees keys j >= i - left (right is moot
         under the causal rule).
+      sinks: None, or float (N,): attention sinks as in `flash_attention`, one learned logit
+        per query head in each row's softmax denominator (it attends to no value).
       return_residuals: also return lse, float32 (B, N, T), natural log.
       backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
         (the reference in plain jnp: materialises (B, N, T, S) logits) or None (Triton on such
@@ -90,6 +92,7 @@ def decode_attention(
     lengths = _check_lengths(
         "key_value_seq_lengths", key_value_seq_lengths, batch, capacity, "key_cache.shape[1]"
     )
+    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
         scale,
@@ -106,6 +109,8 @@ def decode_attention(
     else:
         kernel = functools.partial(_decode_forward, **options.kernel)
         out, lse = with_reference_vjp(kernel, reference, query, key_cache, value_cache, lengths)
+    if sinks is not None:
+        out, lse = api._with_sinks(out, lse, sinks)
     return (out, lse) if return_residuals else out
 
 
@@ -119,6 +124,7 @@ def paged_attention(
     scale: float | None = None,
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    sinks=None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: DecodeBlockSizes | None = None,
@@ -157,6 +163,7 @@ def paged_attention(
         "lengths", lengths, batch, capacity, "block_tables.shape[1] * page_size"
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
+    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
         scale,
@@ -176,6 +183,8 @@ def paged_attention(
         out, lse = with_reference_vjp(
             kernel, reference, query, key_pages, value_pages, lengths, block_tables
         )
+    if sinks is not None:
+        out, lse = api._with_sinks(out, lse, sinks)
     return (out, lse) if return_residuals else out
 
 
@@ -335,7 +344,7 @@ class _Options:
         )
         interpret = bool(interpret)
         if block_sizes is None:
-            block_sizes = config_lib.default_decode_block_sizes(
+            block_sizes = default_decode_block_sizes(
                 head_dim, query.dtype, interpret=interpret, page_size=page_size
             )
         return cls(

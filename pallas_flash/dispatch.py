@@ -19,12 +19,12 @@ With backend=None on a GPU of compute capability >= 8.0:
 
 from __future__ import annotations
 
-from pallas_flash import config as config_lib
-from pallas_flash import mosaic, triton
+from pallas_flash import mosaic, triton, tune_cache
 from pallas_flash._vjp import KernelConfig
 from pallas_flash.call import Call
-from pallas_flash.config import BlockSizes, MosaicTiles, TunedEntry
 from pallas_flash.device import Device
+from pallas_flash.triton import BlockSizes
+from pallas_flash.tune_cache import MosaicTiles, ShapeClass, TunedEntry
 
 BACKENDS = ("triton", "mosaic", "xla")
 
@@ -97,10 +97,7 @@ def choose(
     interpret = bool(interpret)
     user_block_sizes = block_sizes
     if block_sizes is None:
-        if tuned is not None and not interpret:
-            block_sizes = tuned.block_sizes
-        else:
-            block_sizes = triton.block_sizes(call, device, interpret=interpret)
+        block_sizes = _triton_block_sizes(call, device, interpret, tuned)
     tiles = MosaicTiles()
     if kind in ("auto", "mosaic"):
         tiles = _mosaic_tiles(call, device, tuned)
@@ -126,19 +123,41 @@ def choose(
     )
 
 
+def _tuned_entry(call: Call, device: Device, *, masked: bool) -> TunedEntry | None:
+    """The autotune cache's entry (the user's file, else the shipped table) for the call's shape
+    class on `device`'s kind; `masked`: the class of calls with a bias or dense mask tile."""
+    shape_class = ShapeClass.of(
+        call.head_dim,
+        call.dtype,
+        is_causal=call.spec.is_causal,
+        q_len=call.q_len,
+        kv_len=call.kv_len,
+        masked=masked,
+        narrow=triton.narrow_band(call.spec),
+    )
+    return tune_cache.tuned_entry(device.kind, shape_class)
+
+
+def _triton_block_sizes(
+    call: Call, device: Device | None, interpret: bool, tuned: TunedEntry | None
+) -> BlockSizes:
+    """The Triton tiles of a call the user gave none for: the interpreter's; else the autotune
+    entry's (`tuned`, else the cache's); else the backend's heuristics. `device` is None only in
+    the interpreter."""
+    if not interpret:
+        entry = _tuned_entry(call, device, masked=call.masked) if tuned is None else tuned
+        if entry is not None:
+            return entry.block_sizes
+    return triton.block_sizes(call, interpret=interpret)
+
+
 def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> MosaicTiles:
     """The autotune entry's Mosaic tiles for this call, each kept only where its kernel runs the
     call with it (a shape class spans many lengths); None: the kernel's defaults."""
     if tuned is None:
-        found = config_lib.tuned_mosaic_tiles(
-            call.head_dim,
-            call.dtype,
-            is_causal=call.spec.is_causal,
-            q_len=call.q_len,
-            kv_len=call.kv_len,
-            narrow=config_lib.narrow_band(call.spec),
-            device_kind=device.kind,
-        )
+        # Mosaic calls carry no bias or dense mask: the unmasked shape class.
+        entry = _tuned_entry(call, device, masked=False)
+        found = MosaicTiles() if entry is None else entry.mosaic
     else:
         found = tuned.mosaic
     forward, backward = found.forward, found.backward

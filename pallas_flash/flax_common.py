@@ -71,6 +71,12 @@ _FALLBACK_MESSAGES = {
 }
 
 
+_FALLBACK_WHAT = {
+    "dropout": "active attention dropout",
+    "module": "sowing the attention weights",
+}
+
+
 def check_precision(precision) -> None:
     """Accepts what the kernels honour: None, a `jax.lax.Precision`, its name, or a pair of them.
 
@@ -206,6 +212,7 @@ def attention(
     fallback_reason,
     flax_attention,
     kv_cache_length=None,
+    sinks=None,
 ):
     """The shared body of both drop-in functions, after each has promoted the dtypes.
 
@@ -222,6 +229,7 @@ def attention(
         cache slots, the step's tokens included: key/value are the whole cache, the queries
         are its last tokens, and `mask` is Flax's cache-occupancy mask (`arange(S) < length`),
         which `decode_attention` replaces by reading the filled slots only.
+      sinks: None, or float `[N]`: attention sinks (see `flash_attention`).
 
     Returns:
       `[batch..., T, N, H]`. Query rows that see no key output zeros on both paths (Flax's own
@@ -240,6 +248,11 @@ def attention(
     q_ids, kv_ids = masks.pair_segment_ids(q_ids, kv_ids, q_len, kv_len)
 
     if fallback_reason is not None:
+        if sinks is not None:
+            raise NotImplementedError(
+                f"sinks with {_FALLBACK_WHAT[fallback_reason]}: such calls run Flax's own "
+                "attention, which has no sinks"
+            )
         _warn_once(fallback_reason, _FALLBACK_MESSAGES[fallback_reason])
         return _fallback(
             flax_attention, query, key, value, bias, mask4, is_causal, q_ids, kv_ids, batch_shape
@@ -255,6 +268,7 @@ def attention(
             flat(key),
             flat(value),
             key_value_seq_lengths=jnp.broadcast_to(lengths, (batch,)),
+            sinks=sinks,
             backend=backend,
             interpret=interpret,
         )
@@ -269,6 +283,7 @@ def attention(
         is_causal=is_causal,
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
+        sinks=sinks,
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,

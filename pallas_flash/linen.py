@@ -25,6 +25,7 @@ Importing this module imports Flax; `import pallas_flash` alone does not.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -33,8 +34,8 @@ import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
 from pallas_flash import flax_common
-from pallas_flash.config import BlockSizes
 from pallas_flash.flax_common import FallbackWarning
+from pallas_flash.triton import BlockSizes
 
 __all__ = ["FallbackWarning", "MultiHeadDotProductAttention", "dot_product_attention"]
 
@@ -64,6 +65,7 @@ def dot_product_attention(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     kv_cache_length=None,
+    sinks=None,
 ):
     """`flax.linen.dot_product_attention` computed by the pallas_flash kernels.
 
@@ -101,6 +103,10 @@ def dot_product_attention(
         int scalar, the filled slots of the KV cache that key/value are, the step's token
         included. The call then runs `pallas_flash.decode_attention` over those slots only,
         and `mask` must be Flax's cache-occupancy mask, which it replaces.
+      sinks: None, or float `[N]`: attention sinks, one learned logit per query head in each
+        row's softmax denominator (see `pallas_flash.flash_attention`); the modules pass their
+        `sinks` parameter when built with `attention_sinks=True`. Not with a fallback to Flax's
+        attention (active dropout, sown weights): NotImplementedError.
 
     Returns:
       `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
@@ -156,6 +162,7 @@ def dot_product_attention(
         fallback_reason="dropout" if dropout else ("module" if module is not None else None),
         flax_attention=flax_attention,
         kv_cache_length=kv_cache_length,
+        sinks=sinks,
     )
 
 
@@ -175,10 +182,14 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         takes `kv_cache_length`.
       backend, interpret, block_sizes: passed to the attention function (see
         `pallas_flash.flash_attention`); None leaves the function's own choice.
+      attention_sinks: adds the parameter `sinks` `[num_heads]` (initialised to zeros, in
+        `param_dtype`): one learned logit per head in each row's softmax denominator, as
+        gpt-oss has; passed to the attention function as `sinks`.
     """
 
     attention_fn: Callable[..., Any] = dot_product_attention
     is_causal: bool = False
+    attention_sinks: bool = False
     backend: str | None = None
     interpret: bool | None = None
     block_sizes: BlockSizes | None = None
@@ -225,6 +236,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
             interpret=self.interpret,
             block_sizes=self.block_sizes,
         )
+        if self.attention_sinks:
+            bound = self._with_sinks(bound)
         # Flax's __call__ reads self.attention_fn, and linen modules are frozen. `self` is the
         # instance bound for this call (apply() clones the module), so swapping the field for the
         # duration of the call is invisible elsewhere; the finally restores it even on errors.
@@ -234,3 +247,17 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
             return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
         finally:
             object.__setattr__(self, "attention_fn", original)
+
+    def _with_sinks(self, attention_fn):
+        """attention_fn with the `sinks` parameter bound. The parameter is made when Flax's
+        compact `__call__` calls the function, inside this module's scope; the wrapper keeps the
+        function's signature, from which linen picks the keywords it passes."""
+
+        @functools.wraps(attention_fn)
+        def attention(*args, **kwargs):
+            sinks = self.param(
+                "sinks", nn.initializers.zeros_init(), (self.num_heads,), self.param_dtype
+            )
+            return attention_fn(*args, sinks=sinks, **kwargs)
+
+        return attention

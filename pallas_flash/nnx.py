@@ -29,12 +29,13 @@ Importing this module imports Flax; `import pallas_flash` alone does not.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
 from pallas_flash import flax_common
-from pallas_flash.config import BlockSizes
 from pallas_flash.flax_common import FallbackWarning
+from pallas_flash.triton import BlockSizes
 
 __all__ = ["FallbackWarning", "MultiHeadAttention", "dot_product_attention"]
 
@@ -62,6 +63,7 @@ def dot_product_attention(
     interpret: bool | None = None,
     block_sizes: BlockSizes | None = None,
     kv_cache_length=None,
+    sinks=None,
 ):
     """`flax.nnx.dot_product_attention` computed by the pallas_flash kernels.
 
@@ -98,6 +100,10 @@ def dot_product_attention(
         the filled slots of the KV cache that key/value are, the step's token included. The
         call then runs `pallas_flash.decode_attention` over those slots only, and `mask`
         must be Flax's cache-occupancy mask, which it replaces.
+      sinks: None, or float `[N]`: attention sinks, one learned logit per query head in each
+        row's softmax denominator (see `pallas_flash.flash_attention`); the modules pass their
+        `sinks` parameter when built with `attention_sinks=True`. Not with a fallback to Flax's
+        attention (active dropout, sown weights): NotImplementedError.
 
     Returns:
       `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
@@ -141,6 +147,7 @@ def dot_product_attention(
         fallback_reason="dropout" if dropout else ("module" if module is not None else None),
         flax_attention=flax_attention,
         kv_cache_length=kv_cache_length,
+        sinks=sinks,
     )
 
 
@@ -165,6 +172,9 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
       backend, interpret, block_sizes: passed to the attention function (see
         `pallas_flash.flash_attention`); None leaves the function's own choice.
       attention_fn: defaults to `pallas_flash.nnx.dot_product_attention`.
+      attention_sinks: adds the parameter `sinks` `[num_heads]` (zeros, in `param_dtype`): one
+        learned logit per head in each row's softmax denominator, as gpt-oss has; passed to the
+        attention function as `sinks`.
     """
 
     def __init__(
@@ -175,9 +185,13 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         interpret: bool | None = None,
         block_sizes: BlockSizes | None = None,
         attention_fn=dot_product_attention,
+        attention_sinks: bool = False,
         **kwargs,
     ):
         super().__init__(*args, attention_fn=attention_fn, **kwargs)
+        self.sinks = (
+            nnx.Param(jnp.zeros((self.num_heads,), self.param_dtype)) if attention_sinks else None
+        )
         self.is_causal = is_causal
         self.backend = backend
         self.interpret = interpret
@@ -229,6 +243,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             interpret=self.interpret,
             block_sizes=self.block_sizes,
             kv_cache_length=kv_cache_length,
+            sinks=None if self.sinks is None else self.sinks[...],
         )
         # Flax's __call__ reads self.attention_fn; bind this call's options by swapping it for
         # the duration of the call (restored even on errors, so the module's static structure,

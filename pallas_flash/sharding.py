@@ -276,6 +276,11 @@ def ring_attention(
                 f"ring_attention takes batched {name} [B, T|S, N|K, H]; got "
                 f"{name}.shape={getattr(x, 'shape', None)}"
             )
+    if value.shape[-1] != query.shape[-1]:
+        raise NotImplementedError(
+            f"ring_attention: value.shape={value.shape} has another head dim than "
+            f"query.shape={query.shape}; the ring takes equal head dims"
+        )
     num_shards = jax.lax.axis_size(axis_name)
     if num_shards == 1:
         layout = "contiguous"  # the zig-zag order of one shard is the identity

@@ -6,7 +6,7 @@ space greedily -- the Triton kernels' BlockSizes: forward tiles on the forward p
 dK/dV tiles and the dQ tiles on forward+backward; on Hopper then the Mosaic GPU kernels' tiles:
 forward tiles, then backward tiles -- checks the winners against the reference, and stores them
 under the GPU's kind (`jax.devices()[0].device_kind`) in the cache file
-(`config.tune_cache_path()`). `flash_attention` uses a cache entry whenever its call falls in
+(`tune_cache.tune_cache_path()`). `flash_attention` uses a cache entry whenever its call falls in
 that class (Mosaic tiles only where the kernel supports the call's shapes); without one it uses
 the shipped heuristics and the Mosaic kernels' defaults.
 """
@@ -22,14 +22,14 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash import config as config_lib
 from pallas_flash import device as device_lib
-from pallas_flash import dispatch, mosaic
+from pallas_flash import dispatch, mosaic, triton, tune_cache
 from pallas_flash._vjp import flash_attention_kernels
 from pallas_flash.call import Call
-from pallas_flash.config import BlockSizes, MosaicTiles, ShapeClass, TunedEntry
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.triton import BlockSizes
+from pallas_flash.tune_cache import MosaicTiles, ShapeClass, TunedEntry
 
 KERNEL_FIELDS = ("block_q", "block_kv", "num_warps", "num_stages")
 
@@ -354,7 +354,7 @@ def tune_class(shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopp
     """The tuned entry of one shape class on this GPU, or None when the Triton winner's error
     exceeds `tolerance`. On Hopper the Mosaic tiles join the entry when their winner's error
     is within it (else the entry keeps the Mosaic kernels' defaults)."""
-    start = config_lib.heuristic_block_sizes(head_dim, shape_class.dtype)
+    start = triton.tiles.heuristic_block_sizes(head_dim, shape_class.dtype)
     best, best_ms = search(start, shape_class.head_dim, _gpu_measure(shape_class, log))
     err = max_error(best, shape_class)
     log(
@@ -378,7 +378,7 @@ def tune_class(shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopp
     log(
         dict(
             shape_class=shape_class.key(),
-            best_mosaic=entry.to_json().get(config_lib.MOSAIC_KEY, "defaults"),
+            best_mosaic=entry.to_json().get(tune_cache.MOSAIC_KEY, "defaults"),
             ms=tuned_ms,
             max_err=err,
             kept=err <= tolerance,
@@ -395,7 +395,7 @@ def main(argv=None):
     )
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--cache", help="cache file (default: config.tune_cache_path())")
+    parser.add_argument("--cache", help="cache file (default: tune_cache.tune_cache_path())")
     parser.add_argument("--log", help="JSONL file for every measurement")
     parser.add_argument(
         "--tolerance",
@@ -425,7 +425,7 @@ def main(argv=None):
             for causal in causals:
                 shape_class = ShapeClass(
                     dtype=args.dtype,
-                    head_dim=config_lib.padded_head_dim(h),
+                    head_dim=triton.padded_head_dim(h),
                     is_causal=causal,
                     masked=False,
                     seq=seq,
@@ -433,9 +433,9 @@ def main(argv=None):
                 entry = tune_class(shape_class, h, args.tolerance, hopper=hopper, log=log)
                 if entry is not None:
                     found[shape_class] = entry
-    config_lib.save_tuned(kind, found, args.cache)
+    tune_cache.save_tuned(kind, found, args.cache)
     print(
-        f"wrote {len(found)} entries for {kind!r} to {args.cache or config_lib.tune_cache_path()}"
+        f"wrote {len(found)} entries for {kind!r} to {args.cache or tune_cache.tune_cache_path()}"
     )
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import pallas_flash
 from pallas_flash import api, flax_common, masks
-from pallas_flash.config import gpu_compute_capability
+from pallas_flash.device import gpu_compute_capability
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 

@@ -28,3 +28,23 @@ def inputs(seed=0, shape=(B, T, FEATURES)):
 def segment_ids():
     """Two packed documents in row 0, three in row 1."""
     return jnp.array([[0] * 25 + [1] * 15, [0] * 10 + [1] * 20 + [2] * 10], jnp.int32)
+
+
+def sink_attention(sinks, is_causal):
+    """An attention_fn for Flax's own modules: softmax over the keys and one sink logit per head
+    (sinks [N]), materialised in float32 jnp: the reference of the modules' attention_sinks."""
+
+    def attention(query, key, value, bias=None, mask=None, **_):
+        logits = jnp.einsum("...tnh,...snh->...nts", query, key) / np.sqrt(query.shape[-1])
+        q_len, kv_len = logits.shape[-2:]
+        visible = jnp.ones((q_len, kv_len), bool)
+        if is_causal:
+            visible = jnp.arange(kv_len)[None, :] <= jnp.arange(q_len)[:, None]
+        if mask is not None:
+            visible = visible & mask
+        logits = jnp.where(visible, logits, -jnp.inf)
+        sink = jnp.broadcast_to(sinks[:, None, None], (*logits.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
+        return jnp.einsum("...nts,...snh->...tnh", probs, value)
+
+    return attention

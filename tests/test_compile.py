@@ -21,8 +21,8 @@ from test_lowering import lower_for_h200
 
 import pallas_flash
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
-from pallas_flash.config import default_block_sizes
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.triton.tiles import heuristic_block_sizes
 
 B, T, N, H = 1, 256, 2, 64
 
@@ -48,7 +48,7 @@ def config(forward, backward, **spec):
     return KernelConfig(
         spec=MaskSpec(q_len=T, kv_len=T, **spec),
         scale=H**-0.5,
-        block_sizes=default_block_sizes(H, jnp.bfloat16, interpret=False),
+        block_sizes=heuristic_block_sizes(H, jnp.bfloat16),
         interpret=False,
         forward=forward,
         backward=backward,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pallas_flash
-from pallas_flash.config import DecodeBlockSizes
+from pallas_flash.triton import DecodeBlockSizes
 
 
 def call_kwargs(backend: str) -> dict:
@@ -63,9 +63,10 @@ CASES = [
 ]
 
 
-def oracle(q, k, v, lengths, *, scale, soft_cap, window):
+def oracle(q, k, v, lengths, *, scale, soft_cap, window, sinks=None):
     """Float64 decode attention: out [B, T, N, H], lse [B, N, T]. Token t of sequence b sits at
-    position L_b - T + t and sees keys max(0, pos - window) <= j <= pos."""
+    position L_b - T + t and sees keys max(0, pos - window) <= j <= pos. With sinks [N], each
+    row's softmax also has the column sinks[n] (attending to no value)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, q_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
@@ -75,16 +76,20 @@ def oracle(q, k, v, lengths, *, scale, soft_cap, window):
         for t in range(q_len):
             pos = lengths[b] - q_len + t
             lo = 0 if window is None else max(0, pos - window)
-            if pos < lo:
-                continue
             for n in range(num_heads):
                 keys, values = k[b, lo : pos + 1, n // group], v[b, lo : pos + 1, n // group]
                 logits = scale * keys @ q[b, t, n]
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
-                m = logits.max()
-                p = np.exp(logits - m)
-                out[b, t, n] = p @ values / p.sum()
+                sink = [] if sinks is None else [float(sinks[n])]
+                if pos < lo:
+                    logits = np.zeros(0)
+                if not len(logits) + len(sink):
+                    continue
+                full = np.concatenate([logits, sink])
+                m = full.max()
+                p = np.exp(full - m)
+                out[b, t, n] = p[: len(logits)] @ values[: len(logits)] / p.sum()
                 lse[b, n, t] = m + np.log(p.sum())
     return out, lse
 
@@ -155,10 +160,17 @@ def run(c: Case, problem, *backends, **extra):
     return jax.jit(lambda *args: [fn(*args) for fn in fns])(*args)
 
 
-def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5):
+def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5, sinks=None):
     q, k, v = oracle_inputs
     want_out, want_lse = oracle(
-        q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
+        q,
+        k,
+        v,
+        c.lengths,
+        scale=c.head_dim**-0.5,
+        soft_cap=c.soft_cap,
+        window=c.window,
+        sinks=sinks,
     )
     for out, lse in results:
         assert out.shape == q.shape and out.dtype == jnp.dtype(c.dtype)
@@ -177,6 +189,24 @@ def test_matches_oracle(c):
     """backend="xla" and the kernel in the interpreter (three splits merged by lse)."""
     problem, oracle_inputs = make_problem(c)
     check_against_oracle(c, run(c, problem, "xla", "interpret"), oracle_inputs)
+
+
+@pytest.mark.parametrize("c", CASES[:2], ids=str)
+def test_sinks_match_oracle(c):
+    """Attention sinks on the contiguous and the paged cache: the float64 softmax with a sink
+    column; a token that sees no key outputs 0 with lse = its head's sink."""
+    problem, oracle_inputs = make_problem(c)
+    sinks = jnp.asarray(np.linspace(-2.0, 3.0, c.num_heads), jnp.float32)
+    results = run(c, problem, "xla", "interpret", sinks=sinks)
+    check_against_oracle(c, results, oracle_inputs, sinks=np.asarray(sinks, np.float64))
+    if 0 in c.lengths:
+        b = c.lengths.index(0)
+        for out, lse in results:
+            assert np.all(np.asarray(out)[b] == 0)
+            want = np.broadcast_to(np.asarray(sinks)[:, None], lse.shape[1:])
+            np.testing.assert_array_equal(np.asarray(lse)[b], want)
+    with pytest.raises(ValueError, match=r"sinks.shape=\(3,\) must be"):
+        run(c, problem, "xla", sinks=sinks[:3])
 
 
 @pytest.mark.gpu

@@ -22,8 +22,8 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_flash
 from pallas_flash import api, mosaic, tune
-from pallas_flash.config import BlockSizes
 from pallas_flash.device import Device, target_device
+from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
 
 bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -342,7 +342,7 @@ def chosen(monkeypatch):
 @pytest.fixture
 def no_tune_cache(tmp_path, monkeypatch):
     """The shipped table only: a user's cache file must not change the pinned choice."""
-    from pallas_flash import config as config_lib
+    from pallas_flash import tune_cache as config_lib
 
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "none.json"))
     config_lib._load_tune_cache.cache_clear()

@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles, and the Mosaic kernels do not import the Triton ones.
+"""The package's import graph: no cycles, the Mosaic kernels do not import the Triton ones, and
+each job sits in its module (tiles in the backend packages, the autotune cache apart).
 
 Read statically from the sources (every `import` and `from ... import`, at module level or inside
 a function), so that a cycle hidden behind a function-level import fails too, and no module is
@@ -49,6 +50,16 @@ def import_graph() -> dict[str, set[str]]:
     return {name: imported_modules(path, name, modules) for name, path in modules.items()}
 
 
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module that importing `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()] - seen:
+            seen.add(nxt)
+            todo.append(nxt)
+    return seen
+
+
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One cycle of the graph as a path [a, b, ..., a], or None."""
     state = {}  # 1: on the current path, 2: done
@@ -82,6 +93,12 @@ def test_the_graph_is_read():
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_reachable_follows_imports_through_others():
+    graph = {"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a"}}
+    assert reachable(graph, "a") == {"b", "c"}
+    assert reachable(graph, "c") == set()
 
 
 def test_no_import_cycles():
@@ -120,3 +137,25 @@ def test_the_dispatch_sits_above_the_backends():
             assert not imported & choosers, f"{name} imports {sorted(imported & choosers)}"
     assert graph["pallas_flash.device"] == set()
     assert graph["pallas_flash.call"] == {"pallas_flash.masks"}
+
+
+def test_tiles_and_the_autotune_cache_live_apart():
+    """The Triton tiles and heuristics live in the Triton package, the autotune cache in
+    `tune_cache`; neither asks the device anything (the Device record carries it)."""
+    graph = import_graph()
+    assert "pallas_flash.config" not in graph, (
+        "pallas_flash/config.py is back: Triton tiles belong in triton/tiles.py, the autotune "
+        "cache in tune_cache.py, device facts in device.py"
+    )
+    assert graph["pallas_flash.triton.tiles"] == set(), "the tile tables are data and heuristics"
+    assert "pallas_flash.device" not in graph["pallas_flash.tune_cache"]
+    assert "pallas_flash.tune_cache" in graph["pallas_flash.dispatch"]
+
+
+def test_kernels_do_not_read_the_autotune_cache():
+    """The dispatch looks the cache up and hands the tiles on; no module of a backend package
+    (kernels or the protocol) imports the cache, directly or through others."""
+    graph = import_graph()
+    for name in graph:
+        if name.startswith(("pallas_flash.mosaic", "pallas_flash.triton")):
+            assert "pallas_flash.tune_cache" not in reachable(graph, name), name

@@ -20,7 +20,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax_helpers import FEATURES, HEADS, KERNELS, B, T, assert_close, inputs, segment_ids
+from flax_helpers import (
+    FEATURES,
+    HEADS,
+    KERNELS,
+    B,
+    T,
+    assert_close,
+    inputs,
+    segment_ids,
+    sink_attention,
+)
 
 import pallas_flash.linen as pfl
 from pallas_flash import flax_common
@@ -294,3 +304,36 @@ def test_training_step_matches_flax():
     ours, ref = train(True), train(False)
     assert ref[-1] < ref[0]  # the model learns, so equal losses mean equal training
     np.testing.assert_allclose(ours, ref, rtol=5e-5)
+
+
+def test_attention_sinks_parameter():
+    """attention_sinks=True adds a learned `sinks` [num_heads] parameter: the module equals
+    Flax's with a sink-column softmax, the sinks get gradients, decode steps use them too."""
+    steps = 12
+    x = inputs(shape=(B, steps, FEATURES))
+    ours = pfl.MultiHeadDotProductAttention(num_heads=HEADS, is_causal=True, attention_sinks=True)
+    variables = ours.init(jax.random.key(1), x)
+    assert variables["params"]["sinks"].shape == (HEADS,)
+    sinks = jnp.linspace(-1.0, 2.0, HEADS)
+    params = {**variables["params"], "sinks": sinks}
+    others = {k: v for k, v in params.items() if k != "sinks"}
+    ref = flax_module(attention_fn=sink_attention(sinks, is_causal=True))
+    weights = inputs(seed=3, shape=(B, steps, FEATURES))
+    out, grads = loss_and_grads(ours, {"params": params}, x, weights)
+    assert_close(out, ref.apply({"params": others}, x))
+    assert np.abs(np.asarray(grads["sinks"])).min() > 0
+    decoder = pfl.MultiHeadDotProductAttention(
+        num_heads=HEADS, decode=True, is_causal=True, attention_sinks=True
+    )
+    cache = decoder.init(jax.random.key(1), x)["cache"]
+
+    @jax.jit
+    def step(cache, token):
+        y, updated = decoder.apply({"params": params, "cache": cache}, token, mutable=["cache"])
+        return updated["cache"], y
+
+    outs = []
+    for i in range(steps):
+        cache, y = step(cache, x[:, i : i + 1])
+        outs.append(y)
+    assert_close(jnp.concatenate(outs, axis=1), out)

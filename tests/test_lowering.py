@@ -24,10 +24,10 @@ from jax.sharding import AbstractDevice, AbstractMesh
 import pallas_flash
 from pallas_flash import dispatch
 from pallas_flash.call import Call
-from pallas_flash.config import heuristic_block_sizes
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
+from pallas_flash.triton.tiles import heuristic_block_sizes
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 DEPRECATION = "The Pallas Triton backend is deprecated"

@@ -41,8 +41,7 @@ from pallas_flash import device as device_lib
 from pallas_flash import dispatch, masks
 from pallas_flash._vjp import KernelConfig
 from pallas_flash.call import Call
-from pallas_flash.config import gpu_compute_capability
-from pallas_flash.device import Device
+from pallas_flash.device import Device, gpu_compute_capability
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.forward import (

@@ -32,18 +32,18 @@ from test_mosaic import GARBAGE, custom_call_targets, long_only, needs_hopper
 from test_mosaic import forward_fn as mosaic_forward_fn
 
 import pallas_flash
-from pallas_flash import config as config_lib
 from pallas_flash import device as device_lib
 from pallas_flash import dispatch
+from pallas_flash import tune_cache as config_lib
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.call import Call
-from pallas_flash.config import BlockSizes
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, flash_forward
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.backward import SMEM_BYTES, _q_tile_range, default_tiles
+from pallas_flash.triton import BlockSizes
 
 
 def backward_fn(p: Problem, tiles: BackwardTiles | None = None):

@@ -340,7 +340,7 @@ def test_mosaic_huge_logits_interpreted():
 @pytest.mark.parametrize("magnitude", [1e9, 1e30])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_mosaic_huge_logits_gpu(magnitude, is_causal):
-    if pallas_flash.config.gpu_compute_capability() != (9, 0):
+    if pallas_flash.device.gpu_compute_capability() != (9, 0):
         pytest.skip("the Mosaic GPU kernels need sm_90")
     fn, args, oracle = mosaic_huge_logits(magnitude, is_causal)
     check_huge_logits(jax.jit(functools.partial(outputs_and_grads, fn))(*args), oracle)
@@ -353,7 +353,7 @@ def test_mosaic_huge_logits_gpu(magnitude, is_causal):
     "tensor cores, so NaN there reaches the other rows of its key tile",
 )
 def test_mosaic_forward_nan_in_value_past_key_lengths_gpu():
-    if pallas_flash.config.gpu_compute_capability() != (9, 0):
+    if pallas_flash.device.gpu_compute_capability() != (9, 0):
         pytest.skip("the Mosaic GPU kernels need sm_90")
     rng = np.random.default_rng(8)
     q, k, v = (normal(rng, (1, 256, 2, 64), jnp.bfloat16) for _ in range(3))

@@ -20,7 +20,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax_helpers import FEATURES, HEADS, KERNELS, B, T, assert_close, inputs, segment_ids
+from flax_helpers import (
+    FEATURES,
+    HEADS,
+    KERNELS,
+    B,
+    T,
+    assert_close,
+    inputs,
+    segment_ids,
+    sink_attention,
+)
 
 import pallas_flash.nnx as pfn
 from pallas_flash import flax_common
@@ -259,3 +269,32 @@ def test_training_step_matches_flax():
     ours, ref = train(True), train(False)
     assert ref[-1] < ref[0]  # the model learns, so equal losses mean equal training
     np.testing.assert_allclose(ours, ref, rtol=5e-5)
+
+
+def test_attention_sinks_parameter():
+    """attention_sinks=True adds a learned `sinks` [num_heads] parameter: the module equals
+    Flax's with a sink-column softmax, the sinks get gradients, decode steps use them too,
+    and a Flax fallback (active dropout) refuses them."""
+    x = inputs(shape=(B, 12, FEATURES))
+    ours = pfn.MultiHeadAttention(
+        HEADS, FEATURES, is_causal=True, attention_sinks=True, decode=False, rngs=nnx.Rngs(0)
+    )
+    assert ours.sinks[...].shape == (HEADS,) and not ours.sinks[...].any()
+    ours.sinks[...] = jnp.linspace(-1.0, 2.0, HEADS)
+    ref = same_params(
+        flax_module(attention_fn=sink_attention(ours.sinks[...], is_causal=True)),
+        nnx.merge(*nnx.split(ours)),
+    )
+    weights = inputs(seed=3, shape=(B, 12, FEATURES))
+    out, grads = out_and_grads(ours, x, weights)
+    assert_close(out, ref(x))
+    assert np.abs(np.asarray(grads["sinks"][...])).min() > 0
+    ours.init_cache((B, 12, FEATURES))
+    step = nnx.jit(lambda model, token: model(token, decode=True))
+    steps = [step(ours, x[:, i : i + 1]) for i in range(12)]
+    assert_close(jnp.concatenate(steps, axis=1), out)
+    dropping = pfn.MultiHeadAttention(
+        HEADS, FEATURES, attention_sinks=True, dropout_rate=0.5, decode=False, rngs=nnx.Rngs(0)
+    )
+    with pytest.raises(NotImplementedError, match="sinks with active attention dropout"):
+        dropping(x, deterministic=False, rngs=nnx.Rngs(dropout=1))

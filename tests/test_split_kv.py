@@ -100,8 +100,8 @@ def test_split_forward_lowers_for_h200():
     from jax.sharding import AbstractDevice, AbstractMesh
 
     from pallas_flash._vjp import KernelConfig, flash_attention_kernels
-    from pallas_flash.config import heuristic_block_sizes
     from pallas_flash.masks import MaskArrays, MaskSpec
+    from pallas_flash.triton.tiles import heuristic_block_sizes
 
     bs = dataclasses.replace(heuristic_block_sizes(128, jnp.bfloat16), kv_splits=4)
     config = KernelConfig(

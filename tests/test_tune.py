@@ -6,10 +6,12 @@ import json
 import jax.numpy as jnp
 import pytest
 
-from pallas_flash import config, mosaic, tune
-from pallas_flash.config import BlockSizes, ShapeClass
+from pallas_flash import dispatch, mosaic, tune, tune_cache
+from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
+from pallas_flash.triton import BlockSizes, tiles
+from pallas_flash.tune_cache import ShapeClass
 
 KIND = "Fake GPU 9000"
 
@@ -18,9 +20,9 @@ KIND = "Fake GPU 9000"
 def cache_path(tmp_path, monkeypatch):
     path = tmp_path / "tune.json"
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(path))
-    config._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
     yield path
-    config._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
 
 
 def fake_measure(bs: BlockSizes, pass_: str):
@@ -34,7 +36,7 @@ def fake_measure(bs: BlockSizes, pass_: str):
 
 
 def test_search_picks_the_fastest_candidate_of_each_kernel():
-    start = config.heuristic_block_sizes(128, jnp.bfloat16)
+    start = tiles.heuristic_block_sizes(128, jnp.bfloat16)
     best, ms = tune.search(start, 128, fake_measure)
     expected_fwd = min(tune.FORWARD[128], key=lambda c: abs(c[0] - 64) + abs(c[1] - 128) + c[3])
     assert (best.block_q, best.block_kv, best.num_warps, best.num_stages) == expected_fwd
@@ -46,15 +48,23 @@ def test_search_picks_the_fastest_candidate_of_each_kernel():
 def test_cache_round_trip_and_lookup(cache_path):
     tuned = BlockSizes(block_q=64, block_kv=32, num_warps=2, num_stages=2)
     cls = ShapeClass.of(128, jnp.bfloat16, is_causal=True, q_len=8192, kv_len=8192, masked=False)
-    config.save_tuned_block_sizes(KIND, {cls: tuned})
+    tune_cache.save_tuned_block_sizes(KIND, {cls: tuned})
     assert json.loads(cache_path.read_text())[KIND][cls.key()]["block_q"] == 64
 
-    def lookup(**kw):
-        args = dict(interpret=False, is_causal=True, q_len=8000, kv_len=9000, device_kind=KIND)
-        return config.default_block_sizes(128, jnp.bfloat16, **(args | kw))
+    def lookup(interpret=False, is_causal=True, q_len=8000, kv_len=9000, device_kind=KIND):
+        # The Triton tiles the dispatch gives a call on a GPU of that kind.
+        call = Call(
+            q_shape=(1, q_len, 2, 128),
+            k_shape=(1, kv_len, 2, 128),
+            dtype=jnp.bfloat16,
+            spec=MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal),
+        )
+        device = Device(kind=device_kind, compute_capability=(8, 0), num_sms=108)
+        config = dispatch.choose(call, device, scale=0.1, backend="triton", interpret=interpret)
+        return config.block_sizes
 
     assert lookup() == tuned
-    heuristic = config.heuristic_block_sizes(128, jnp.bfloat16)
+    heuristic = tiles.heuristic_block_sizes(128, jnp.bfloat16)
     assert lookup(is_causal=False) == heuristic  # another class
     assert lookup(q_len=100, kv_len=100) == heuristic  # another sequence bucket
     assert lookup(device_kind="Other GPU") == heuristic  # another GPU
@@ -64,17 +74,17 @@ def test_cache_round_trip_and_lookup(cache_path):
 def test_save_merges_with_existing_entries(cache_path):
     a = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=False, masked=False, seq="short")
     b = dataclasses.replace(a, seq="long")
-    config.save_tuned_block_sizes(KIND, {a: BlockSizes(block_q=16)})
-    config.save_tuned_block_sizes(KIND, {b: BlockSizes(block_q=32)})
-    assert config.tuned_block_sizes(KIND, a).block_q == 16
-    assert config.tuned_block_sizes(KIND, b).block_q == 32
+    tune_cache.save_tuned_block_sizes(KIND, {a: BlockSizes(block_q=16)})
+    tune_cache.save_tuned_block_sizes(KIND, {b: BlockSizes(block_q=32)})
+    assert tune_cache.tuned_block_sizes(KIND, a).block_q == 16
+    assert tune_cache.tuned_block_sizes(KIND, b).block_q == 32
 
 
 def test_unreadable_cache_warns_and_falls_back(cache_path):
     cache_path.write_text("{not json")
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=False, masked=False, seq="short")
     with pytest.warns(UserWarning, match="ignoring the autotune cache"):
-        assert config.tuned_block_sizes(KIND, cls) is None
+        assert tune_cache.tuned_block_sizes(KIND, cls) is None
 
 
 def test_shape_class_buckets():
@@ -102,7 +112,7 @@ def test_narrow_band():
         spec = MaskSpec(
             q_len=8192, kv_len=8192, is_causal=is_causal, window=window, has_segments=has_segments
         )
-        return config.narrow_band(spec)
+        return tiles.narrow_band(spec)
 
     assert narrow(True, (1024, 0)) and narrow(False, (1000, 1000))
     assert narrow(True, (2047, 5000))  # the causal cut leaves 2048 keys
@@ -110,16 +120,14 @@ def test_narrow_band():
     assert not narrow(True, None) and narrow(False, None, has_segments=True)
 
 
-def test_narrow_band_takes_small_forward_tiles(cache_path):
-    def tiles(narrow, dtype=jnp.bfloat16, head_dim=128):
-        bs = config.default_block_sizes(
-            head_dim, dtype, interpret=False, narrow=narrow, q_len=16384, kv_len=16384
-        )
+def test_narrow_band_takes_small_forward_tiles():
+    def chosen(narrow, dtype=jnp.bfloat16, head_dim=128):
+        bs = tiles.default_block_sizes(head_dim, dtype, interpret=False, narrow=narrow)
         return bs.block_q, bs.block_kv, bs.num_warps, bs.block_q_dkv, bs.block_kv_dkv
 
-    assert tiles(False) == (128, 128, 8, 64, 128)
-    assert tiles(True) == (64, 64, 4, 64, 128)  # the backward's tiles stay
-    assert tiles(True, jnp.float32) == tiles(False, jnp.float32)
+    assert chosen(False) == (128, 128, 8, 64, 128)
+    assert chosen(True) == (64, 64, 4, 64, 128)  # the backward's tiles stay
+    assert chosen(True, jnp.float32) == chosen(False, jnp.float32)
     key = ShapeClass.of(
         128, jnp.bfloat16, is_causal=True, q_len=1, kv_len=1, masked=False, narrow=True
     ).key()
@@ -129,13 +137,13 @@ def test_narrow_band_takes_small_forward_tiles(cache_path):
 def test_api_passes_narrow_band_to_the_tile_choice(monkeypatch):
     import pallas_flash
 
-    seen, choose = [], config.default_block_sizes
+    seen, choose = [], tiles.default_block_sizes
 
     def spy(*args, **kwargs):
         seen.append(kwargs["narrow"])
         return choose(*args, **kwargs)
 
-    monkeypatch.setattr(config, "default_block_sizes", spy)
+    monkeypatch.setattr(tiles, "default_block_sizes", spy)
     q = jnp.ones((1, 64, 1, 16))
     seg = jnp.zeros((1, 64), jnp.int32)
     for kwargs in (dict(is_causal=True), dict(local_window_size=(16, 0)), dict(q_segment_ids=seg)):
@@ -144,7 +152,7 @@ def test_api_passes_narrow_band_to_the_tile_choice(monkeypatch):
 
 
 def test_shipped_h200_table_is_used_below_the_user_cache(cache_path):
-    shipped = json.loads(config.SHIPPED_TUNE_TABLE.read_text())["NVIDIA H200"]
+    shipped = json.loads(tune_cache.SHIPPED_TUNE_TABLE.read_text())["NVIDIA H200"]
     assert shipped  # the table ships with entries, each a valid BlockSizes
     key, fields = sorted(shipped.items())[0]
     dtype, head, causal, masked, seq = key.split("/")[:5]
@@ -155,11 +163,11 @@ def test_shipped_h200_table_is_used_below_the_user_cache(cache_path):
         masked=masked == "masked",
         seq=seq,
     )
-    assert config.tuned_block_sizes("NVIDIA H200", cls) == BlockSizes(**fields)
-    assert config.tuned_block_sizes(KIND, cls) is None  # other GPUs: heuristics
+    assert tune_cache.tuned_block_sizes("NVIDIA H200", cls) == BlockSizes(**fields)
+    assert tune_cache.tuned_block_sizes(KIND, cls) is None  # other GPUs: heuristics
     mine = BlockSizes(block_q=16)
-    config.save_tuned_block_sizes("NVIDIA H200", {cls: mine})
-    assert config.tuned_block_sizes("NVIDIA H200", cls) == mine
+    tune_cache.save_tuned_block_sizes("NVIDIA H200", {cls: mine})
+    assert tune_cache.tuned_block_sizes("NVIDIA H200", cls) == mine
 
 
 # -- the Mosaic GPU kernels' tiles (Hopper) --------------------------------------------------------
@@ -223,20 +231,20 @@ def test_mosaic_candidates_are_tiles_the_grid_shapes_take(head_dim, seq):
 
 def test_cache_round_trip_with_mosaic_tiles(cache_path):
     cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=True, masked=False, seq="long")
-    entry = config.TunedEntry(
+    entry = tune_cache.TunedEntry(
         BlockSizes(block_q=64),
         mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=3),
         mosaic.BackwardTiles(block_kv_dq=128),
     )
-    config.save_tuned(KIND, {cls: entry})
+    tune_cache.save_tuned(KIND, {cls: entry})
     raw = json.loads(cache_path.read_text())[KIND][cls.key()]
     assert raw["block_q"] == 64 and raw["mosaic"]["forward"]["num_stages"] == 3
-    assert config.tuned_entry(KIND, cls) == entry
-    assert config.tuned_block_sizes(KIND, cls) == BlockSizes(block_q=64)
+    assert tune_cache.tuned_entry(KIND, cls) == entry
+    assert tune_cache.tuned_block_sizes(KIND, cls) == BlockSizes(block_q=64)
     # Entries of the earlier format (Triton tiles only) still load, with the Mosaic defaults.
     other = dataclasses.replace(cls, seq="short")
-    config.save_tuned_block_sizes(KIND, {other: BlockSizes(block_q=32)})
-    assert config.tuned_entry(KIND, other) == config.TunedEntry(BlockSizes(block_q=32))
+    tune_cache.save_tuned_block_sizes(KIND, {other: BlockSizes(block_q=32)})
+    assert tune_cache.tuned_entry(KIND, other) == tune_cache.TunedEntry(BlockSizes(block_q=32))
 
 
 @pytest.mark.parametrize(
@@ -247,7 +255,7 @@ def test_bad_mosaic_tiles_in_the_cache_warn_and_fall_back(cache_path, mosaic_fie
     cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=True, masked=False, seq="long")
     cache_path.write_text(json.dumps({KIND: {cls.key(): {"mosaic": mosaic_fields}}}))
     with pytest.warns(UserWarning, match="ignoring the autotune cache"):
-        assert config.tuned_entry(KIND, cls) is None
+        assert tune_cache.tuned_entry(KIND, cls) is None
 
 
 def test_tune_class_adds_mosaic_tiles_on_hopper_within_tolerance(monkeypatch):
@@ -278,10 +286,10 @@ def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
     from mosaic_interpret import interpret_mosaic
 
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=True, masked=False, seq="short")
-    tuned = config.MosaicTiles(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))
+    tuned = tune_cache.MosaicTiles(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))
     h200 = Device.h200()
     with interpret_mosaic():
         err = tune.mosaic_max_error(tuned, cls, BlockSizes(), device=h200)
     assert 0 < err < 0.05
-    too_big = config.MosaicTiles(forward=mosaic.ForwardTiles(block_q=256, block_kv=128))
+    too_big = tune_cache.MosaicTiles(forward=mosaic.ForwardTiles(block_q=256, block_kv=128))
     assert tune.mosaic_max_error(too_big, cls, BlockSizes(), device=h200) == float("inf")

@@ -2,23 +2,35 @@
 interpreter on any host).
 
 What the dispatch (`pallas_flash.dispatch`) reads of this backend: why it cannot run on a device
-(it runs every call), its tiles (`BlockSizes`) for a call, and the two passes.
+(it runs every call), its tile classes and a call's default tiles (`tiles.py`: the shipped tables
+and heuristics; the dispatch looks the autotune cache up first), and the two passes.
 """
 
 from __future__ import annotations
 
-from pallas_flash import config
 from pallas_flash.call import Call
-from pallas_flash.config import BlockSizes
 from pallas_flash.device import Device
+from pallas_flash.triton import tiles
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import choose_kv_splits, flash_forward
+from pallas_flash.triton.tiles import (
+    BlockSizes,
+    DecodeBlockSizes,
+    default_decode_block_sizes,
+    narrow_band,
+    padded_head_dim,
+)
 
 __all__ = [
+    "BlockSizes",
+    "DecodeBlockSizes",
     "block_sizes",
     "choose_kv_splits",
+    "default_decode_block_sizes",
     "flash_backward",
     "flash_forward",
+    "narrow_band",
+    "padded_head_dim",
     "why_not_device",
 ]
 
@@ -33,18 +45,14 @@ def why_not_device(device: Device | None) -> str | None:
     return None
 
 
-def block_sizes(call: Call, device: Device | None, *, interpret: bool) -> BlockSizes:
-    """The tiles of a call: small ones in the interpreter; else the autotune cache's entry for
-    (device kind, shape class), else the shipped heuristics."""
-    return config.default_block_sizes(
+def block_sizes(call: Call, *, interpret: bool) -> BlockSizes:
+    """The tiles of a call without an autotune entry: small ones in the interpreter, else the
+    shipped heuristics (by head dim and dtype; fewer stages with a bias or dense mask tile,
+    smaller forward tiles for a narrow band of keys)."""
+    return tiles.default_block_sizes(
         call.head_dim,
         call.dtype,
         interpret=interpret,
-        has_bias=call.has_bias,
-        has_mask=call.spec.mask_shape is not None,
-        is_causal=call.spec.is_causal,
-        q_len=call.q_len,
-        kv_len=call.kv_len,
-        narrow=config.narrow_band(call.spec),
-        device_kind=None if device is None else device.kind,
+        masked=call.masked,
+        narrow=narrow_band(call.spec),
     )

@@ -18,7 +18,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash.config import BlockSizes, padded_head_dim
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -44,6 +43,7 @@ from pallas_flash.triton.forward import (
     tile_sizes,
     tile_visible,
 )
+from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
 
 
 def _dkv_kernel(

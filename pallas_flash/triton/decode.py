@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash.config import DecodeBlockSizes, gpu_core_count, padded_head_dim
+from pallas_flash.device import gpu_core_count
 from pallas_flash.triton._common import (
     CompilerParams,
     dot,
@@ -32,6 +32,7 @@ from pallas_flash.triton._common import (
     split_weights,
     visit_tiles,
 )
+from pallas_flash.triton.tiles import DecodeBlockSizes, padded_head_dim
 
 
 def _decode_kernel(

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import masks
-from pallas_flash.config import BlockSizes, gpu_core_count, padded_head_dim
+from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -27,6 +27,7 @@ from pallas_flash.triton._common import (
     split_weights,
     visit_tiles,
 )
+from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
 
 
 def _forward_kernel(

@@ -583,3 +583,95 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     for head_dim, tiles in ((192, forward), (256, defaults)):
         qkv = hopper_arrays((8, 1024, 8, head_dim), (8, 1024, 8, head_dim))
         assert chosen(*qkv) == ("mosaic", "triton", tiles, None)
+
+
+# -- the backward at given residuals (the ring's building block) --------------------------------
+
+
+def _backward_problem(seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (jnp.asarray(x) for x in arrays((B, 13, N, H), (B, 21, K, H)))
+    d_out = jnp.asarray(rng.standard_normal(q.shape), jnp.float32)
+    d_lse = jnp.asarray(rng.standard_normal((B, N, 13)), jnp.float32)
+    return q, k, v, d_out, d_lse
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(is_causal=True),
+        dict(local_window_size=(4, 2), key_value_seq_lengths=np.array([17, 21])),
+        dict(logits_soft_cap=2.0, q_segment_ids=np.array([[0] * 6 + [1] * 7] * B)),
+    ],
+    ids=["causal", "window-lengths", "softcap-segments"],
+)
+def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
+    """flash_attention_backward at the call's own (out, lse) gives its pullback's gradients."""
+    q, k, v, d_out, d_lse = _backward_problem()
+    if "q_segment_ids" in options:
+        options = dict(options, kv_segment_ids=np.array([[0] * 9 + [1] * 12] * B))
+    kw = dict(backend="triton", interpret=True) if backend == "interpret" else dict(backend="xla")
+    (out, lse), pullback = jax.vjp(
+        lambda q, k, v: api.flash_attention(q, k, v, return_residuals=True, **options, **kw),
+        q,
+        k,
+        v,
+    )
+    d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
+    want = pullback((d_out, d_lse))
+    got = api.flash_attention_backward(q, k, v, out, lse, d_out, d_lse, **options, **kw)
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_backward_of_key_blocks_at_the_merged_residuals_sums_to_the_whole(backend):
+    """The key blocks' backwards at the whole softmax's (out, lse) are its gradients' shares:
+    dq sums over the blocks, dk/dv are the blocks' rows (what ring attention's backward uses)."""
+    q, k, v, d_out, d_lse = _backward_problem(1)
+    kw = dict(backend="triton", interpret=True) if backend == "interpret" else dict(backend="xla")
+    (out, lse), pullback = jax.vjp(
+        lambda q, k, v: api.flash_attention(q, k, v, return_residuals=True, backend="xla"), q, k, v
+    )
+    dq, dk, dv = pullback((d_out, d_lse))
+    parts = [
+        api.flash_attention_backward(q, k[:, sl], v[:, sl], out, lse, d_out, d_lse, **kw)
+        for sl in (slice(0, 8), slice(8, None))
+    ]
+    np.testing.assert_allclose(parts[0][0] + parts[1][0], dq, atol=2e-6)
+    np.testing.assert_allclose(jnp.concatenate([parts[0][1], parts[1][1]], 1), dk, atol=2e-6)
+    np.testing.assert_allclose(jnp.concatenate([parts[0][2], parts[1][2]], 1), dv, atol=2e-6)
+
+
+def test_backward_at_residuals_checks_their_shapes(no_compute):
+    q, k, v, d_out, _ = _backward_problem()
+    lse = jnp.zeros((B, N, 13), jnp.float32)
+    with pytest.raises(ValueError, match=r"lse.shape=\(2, 13, 4\) must be \(2, 4, 13\)"):
+        api.flash_attention_backward(q, k, v, d_out, lse.transpose(0, 2, 1), d_out, backend="xla")
+    with pytest.raises(ValueError, match="d_out.shape"):
+        api.flash_attention_backward(q, k, v, d_out, lse, d_out[:, 1:], backend="xla")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(300, 0))])
+def test_backward_at_the_residuals_runs_the_calls_kernels_on_gpu(options):
+    """Compiled (Mosaic backward on Hopper for the causal call, Triton for the window): the
+    same kernels as the call's own backward. XLA may sum delta = rowsum(dO * out) in another
+    order in another program, so a few elements may differ in their last bf16 bit."""
+    rng = np.random.default_rng(0)
+    q, k, v, d_out = (
+        jnp.asarray(rng.standard_normal((2, 1024, 8, 128)), jnp.bfloat16) for _ in range(4)
+    )
+    (out, lse), pullback = jax.vjp(
+        lambda q, k, v: api.flash_attention(q, k, v, return_residuals=True, **options), q, k, v
+    )
+    d_lse = jnp.zeros_like(lse)
+    want = jax.jit(pullback)((d_out, d_lse))
+    got = jax.jit(functools.partial(api.flash_attention_backward, **options))(
+        q, k, v, out, lse, d_out, d_lse
+    )
+    for x, y in zip(got, want, strict=True):
+        x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+        assert (x == y).mean() > 0.99
+        np.testing.assert_allclose(x, y, rtol=2**-7, atol=2**-7 * np.abs(y).max())

@@ -186,7 +186,7 @@ H200 = {
     "f16": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
     "f32": ("triton", "triton", F32, None, None, 1),
     # Any T and S, and H=96 padded to 128: the Mosaic kernels.
-    "odd-lengths": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
+    "odd-lengths": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
     "head-dim-96": ("mosaic", "mosaic", H128_FULL_SHORT, dict(persistent=True), {}, None),
     "head-dim-32": ("triton", "triton", H64, None, None, 1),
     "bias": ("triton", "triton", H128_MASKED, None, None, 1),

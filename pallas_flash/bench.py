@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash
-from pallas_flash import device as config_lib
+from pallas_flash import device as device_lib
 
 PASSES = ("fwd", "fwd+bwd")
 
@@ -751,7 +751,7 @@ def main(argv=None):
         )
         print(json.dumps(row), flush=True)
         return
-    on_gpu = (config_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    on_gpu = (device_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
     if args.suite == "scale":
         run_scale_suite(args.out, args.repeats, args.seqs, on_gpu)
         return

@@ -15,8 +15,7 @@ import pytest
 from conftest import DTYPES, Problem, assert_bitwise_equal, has_gpu, random_inputs
 
 import pallas_flash
-from pallas_flash import api
-from pallas_flash import tune_cache as config_lib
+from pallas_flash import api, tune_cache
 from pallas_flash.device import Device
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
@@ -532,14 +531,14 @@ def tuned_cache(tmp_path, monkeypatch):
     """A user's autotune cache file for the H200 (over the shipped table): save(shape kwargs of
     ShapeClass.of, entry)."""
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
-    config_lib._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
 
     def save(entry, head_dim=128, dtype=jnp.bfloat16, **shape):
-        cls = config_lib.ShapeClass.of(head_dim, dtype, masked=False, **shape)
-        config_lib.save_tuned(Device.h200().kind, {cls: entry})
+        cls = tune_cache.ShapeClass.of(head_dim, dtype, masked=False, **shape)
+        tune_cache.save_tuned(Device.h200().kind, {cls: entry})
 
     yield save
-    config_lib._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
 
 
 @pytest.fixture
@@ -553,7 +552,7 @@ def chosen_tiles(monkeypatch):
 def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
     forward = mosaic_forward_module.ForwardTiles(block_q=64, block_kv=64, num_stages=3)
     backward = mosaic_backward_module.BackwardTiles(block_kv_dq=128)
-    entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
+    entry = tune_cache.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
     tuned_cache(entry, is_causal=False, q_len=1024, kv_len=1024)
     assert chosen_tiles(*hopper_arrays()) == (forward, backward)
     assert chosen_tiles(*hopper_arrays(), backend="mosaic") == (forward, backward)
@@ -583,14 +582,14 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     )
     forward = mosaic_forward_module.ForwardTiles(block_q=128, block_kv=64)
     backward = mosaic_backward_module.BackwardTiles(block_q_dq=128)
-    entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
+    entry = tune_cache.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
     tuned_cache(entry, is_causal=False, q_len=384, kv_len=384)
     qkv = hopper_arrays((8, 384, 8, 128), (8, 384, 8, 128))
     defaults = mosaic_forward_module.default_tiles(128, q_len=384, kv_len=384, is_causal=False)
     assert defaults != forward
     assert chosen(*qkv) == ("mosaic", "mosaic", defaults, mosaic_backward_module.BackwardTiles())
     forward = mosaic_forward_module.ForwardTiles(block_kv=64, num_stages=3)
-    entry = config_lib.TunedEntry(pallas_flash.BlockSizes(), forward, None)
+    entry = tune_cache.TunedEntry(pallas_flash.BlockSizes(), forward, None)
     tuned_cache(entry, head_dim=256, is_causal=False, q_len=1024, kv_len=1024)
     defaults = mosaic_forward_module.default_tiles(256, q_len=1024, kv_len=1024, is_causal=False)
     assert defaults != forward

@@ -342,12 +342,12 @@ def chosen(monkeypatch):
 @pytest.fixture
 def no_tune_cache(tmp_path, monkeypatch):
     """The shipped table only: a user's cache file must not change the pinned choice."""
-    from pallas_flash import tune_cache as config_lib
+    from pallas_flash import tune_cache
 
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "none.json"))
-    config_lib._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
     yield
-    config_lib._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
 
 
 def test_the_tables_cover_every_call():

@@ -33,8 +33,7 @@ from test_mosaic import forward_fn as mosaic_forward_fn
 
 import pallas_flash
 from pallas_flash import device as device_lib
-from pallas_flash import dispatch
-from pallas_flash import tune_cache as config_lib
+from pallas_flash import dispatch, tune_cache
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.call import Call
 from pallas_flash.device import Device
@@ -340,14 +339,14 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
     p = Problem(1, 256, 256, 2, 1, 64, True, "bf16")
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
     monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
-    config_lib._load_tune_cache.cache_clear()
+    tune_cache._load_tune_cache.cache_clear()
     forward = ForwardTiles(block_q=64, block_kv=64, num_stages=3)
     backward = BackwardTiles(num_stages=3, block_kv_dq=128)
-    shape_class = config_lib.ShapeClass.of(
+    shape_class = tune_cache.ShapeClass.of(
         64, jnp.bfloat16, is_causal=True, q_len=256, kv_len=256, masked=False
     )
-    entry = config_lib.TunedEntry(BlockSizes(), forward, backward)
-    config_lib.save_tuned(Device.h200().kind, {shape_class: entry})
+    entry = tune_cache.TunedEntry(BlockSizes(), forward, backward)
+    tune_cache.save_tuned(Device.h200().kind, {shape_class: entry})
     used = []
     for module, name in (
         (mosaic_forward_module, "flash_forward"),
@@ -372,7 +371,7 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
             )
             results = [np.asarray(x.astype(jnp.float32)) for x in results]
     finally:
-        config_lib._load_tune_cache.cache_clear()
+        tune_cache._load_tune_cache.cache_clear()
     assert used == [forward, backward]
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)

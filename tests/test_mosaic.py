@@ -135,6 +135,16 @@ def test_lowers_for_h200(p):
     assert (lse.shape, lse.dtype) == ((p.batch, p.num_heads, p.q_len), jnp.float32)
 
 
+def test_lse_rows_of_a_ragged_last_tile_stay_in_their_head():
+    """At T = 3000 the kernel writes lse [B, N, 3072] (whole tiles per head), sliced to T
+    outside: with T innermost, a tile's rows past T must not land on the next head's rows."""
+    p = Problem(1, 3000, 3000, 4, 2, 128, True, "bf16")
+    text = lower_for_h200(forward_fn(p), *abstract_inputs(p)[:3]).as_text()
+    call = next(line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line)
+    assert "tensor<1x4x3072xf32>" in call.split("->")[-1], call[-300:]
+    assert "tensor<1x4x3000xf32>" not in call.split("->")[-1]
+
+
 @pytest.mark.parametrize(
     "tiles",
     [

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -269,8 +270,12 @@ def flash_backward(
     h_to = kernel_head_dim(head_dim)
     q, d_out = pad_to(q, q_to, h_to), pad_to(d_out, q_to, h_to)
     k, v = pad_to(k, kv_to, h_to), pad_to(v, kv_to, h_to)
-    if q_to != q_len:
-        lse2, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, q_to - q_len))) for x in (lse2, delta))
+    # lse and delta keep T innermost: padded to whole query tiles of both kernels, so that no
+    # tile's load runs into the next head's rows (see the forward's lse).
+    rows = math.lcm(tiles.block_q_dkv, tiles.cta_q_rows)
+    lse_to = cdiv(q_len, rows) * rows
+    if lse_to != q_len:
+        lse2, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, lse_to - q_len))) for x in (lse2, delta))
     kwargs = dict(scale=float(scale), is_causal=is_causal, q_len=q_len, kv_len=kv_len, tiles=tiles)
     dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, **kwargs)
     dq = _dq_call(q, k, v, d_out, lse2, delta, **kwargs)

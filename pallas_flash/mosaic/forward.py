@@ -385,7 +385,9 @@ def flash_forward(
         num_sms=num_sms() if device is None else device.num_sms,
     )
     if out.shape[1] != q_len or out.shape[3] != head_dim:
-        out, lse = out[:, :q_len, :, :head_dim], lse[:, :, :q_len]
+        out = out[:, :q_len, :, :head_dim]
+    if lse.shape[2] != q_len:
+        lse = lse[:, :, :q_len]
     return out, lse
 
 
@@ -471,9 +473,12 @@ def _forward_call(
             q_ids_smem=plgpu.SMEM((q_buffers, tiles.block_q), jnp.int32),
             kv_ids_smem=plgpu.SMEM((tiles.num_stages, tiles.block_kv), jnp.int32),
         )
+    # lse [B, N, T] keeps T innermost, where Mosaic GPU may view the array as one run of
+    # B * N * T values: a last tile's rows past T would then land on the next head's first
+    # rows instead of past the end. Whole tiles per row keep every store in its own row.
     out_type = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
-        jax.ShapeDtypeStruct((batch, num_heads, q.shape[1]), jnp.float32),
+        jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * tiles.cta_rows), jnp.float32),
     )
     if tiles.persistent:
         grid = (min(batch * num_heads * num_q_tiles, num_sms),)

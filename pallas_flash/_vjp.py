@@ -26,6 +26,7 @@ from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
+from pallas_flash.mosaic.tiles import ForwardTiles
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.backward import flash_backward
@@ -47,7 +48,7 @@ class KernelConfig:
     # "triton", or "mosaic": the Mosaic GPU backward (Hopper; H 64/128, plain and causal calls).
     backward: str = "triton"
     # The Mosaic kernels' tiles (None: their defaults for the shapes).
-    mosaic_forward_tiles: mosaic.ForwardTiles | None = None
+    mosaic_forward_tiles: ForwardTiles | None = None
     mosaic_backward_tiles: mosaic_backward.BackwardTiles | None = None
     # The GPU the kernels are compiled for (its SM count sizes persistent and split-KV grids);
     # None: the visible GPU's (the interpreter needs none).

@@ -85,7 +85,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert "pallas_flash.mosaic.forward" in graph["pallas_flash.mosaic.backward"]
+    assert "pallas_flash.mosaic.tiles" in graph["pallas_flash.mosaic.backward"]
+    assert "pallas_flash.mosaic.schedule" in graph["pallas_flash.mosaic.forward"]
     assert "pallas_flash._numerics" in graph["pallas_flash.mosaic.forward"]
     assert "pallas_flash.api" in graph["pallas_flash"]
 
@@ -159,3 +160,13 @@ def test_kernels_do_not_read_the_autotune_cache():
     for name in graph:
         if name.startswith(("pallas_flash.mosaic", "pallas_flash.triton")):
             assert "pallas_flash.tune_cache" not in reachable(graph, name), name
+
+
+def test_mosaic_tiles_and_schedule_sit_below_the_kernels():
+    """The Mosaic package's tiles and budgets import nothing of the package; the schedule plans
+    from the tiles only; the kernels import both, never the other way."""
+    graph = import_graph()
+    assert not {n for n in graph["pallas_flash.mosaic.tiles"] if n.startswith("pallas_flash")}
+    kernels = {"pallas_flash.mosaic.forward", "pallas_flash.mosaic.backward"}
+    for name in ("pallas_flash.mosaic.schedule", "pallas_flash.mosaic.launch"):
+        assert not graph[name] & kernels, (name, graph[name])

@@ -28,14 +28,13 @@ from conftest import attention_oracle_f64, segment_arrays
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic.forward import (
-    NUM_CONSUMERS,
-    ForwardTiles,
+from pallas_flash.mosaic.schedule import (
     consumer_tile_range,
     cta_tile_range,
     mask_sides,
     segment_tile_plan,
 )
+from pallas_flash.mosaic.tiles import NUM_CONSUMERS, ForwardTiles
 
 f32 = np.float32
 

@@ -218,7 +218,7 @@ def test_mosaic_candidates_are_tiles_the_grid_shapes_take(head_dim, seq):
         None if f is None else mosaic.ForwardTiles(**f) for f in tune.MOSAIC_FORWARD[head_dim]
     ]
     taken = [
-        mosaic.forward.why_not(shape, shape, jnp.bfloat16, is_causal=True, tiles=t) is None
+        mosaic.tiles.why_not(shape, shape, jnp.bfloat16, is_causal=True, tiles=t) is None
         for t in forward
     ]
     assert taken[0] and sum(taken) >= len(taken) - 1, list(zip(forward, taken))

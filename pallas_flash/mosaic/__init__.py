@@ -10,9 +10,11 @@ import math
 
 from pallas_flash.call import Call
 from pallas_flash.device import Device
-from pallas_flash.mosaic import backward, forward
+from pallas_flash.mosaic import backward
+from pallas_flash.mosaic import tiles as forward_tiles
 from pallas_flash.mosaic.backward import BackwardTiles, flash_backward
-from pallas_flash.mosaic.forward import ForwardTiles, default_tiles, flash_forward
+from pallas_flash.mosaic.forward import flash_forward
+from pallas_flash.mosaic.tiles import ForwardTiles, default_tiles
 
 __all__ = [
     "BackwardTiles",
@@ -57,13 +59,13 @@ def _ragged(q_len: int, kv_len: int, q_rows: int, kv_rows: int) -> str | None:
 def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = None) -> str | None:
     """Why the forward cannot run `call` on `device` with `tiles` (None: its defaults), named as
     the API names the options; None when it can."""
-    if reason := forward.unsupported_options(call.spec, has_bias=call.has_bias):
+    if reason := forward_tiles.unsupported_options(call.spec, has_bias=call.has_bias):
         return reason
-    if call.head_dim in forward.HEAD_DIMS and call.q_len and call.kv_len:
+    if call.head_dim in forward_tiles.HEAD_DIMS and call.q_len and call.kv_len:
         chosen = default_forward_tiles(call) if tiles is None else tiles
         if reason := _ragged(call.q_len, call.kv_len, chosen.cta_rows, chosen.block_kv):
             return reason
-    return forward.why_not(
+    return forward_tiles.why_not(
         call.q_shape,
         call.k_shape,
         call.dtype,
@@ -100,7 +102,7 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
 
 
 def default_forward_tiles(call: Call) -> ForwardTiles:
-    return forward.default_tiles(
+    return forward_tiles.default_tiles(
         call.head_dim,
         q_len=call.q_len,
         kv_len=call.kv_len,

@@ -31,14 +31,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash._numerics import LOG2E
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
-from pallas_flash.mosaic import forward
-from pallas_flash.mosaic.forward import (
+from pallas_flash.mosaic import tiles as forward_tiles
+from pallas_flash.mosaic.launch import pad_to, warp_specialised_kernel
+from pallas_flash.mosaic.tiles import (
     CAUSAL_MISCOMPILING_CUDA,
     SMEM_BYTES,
     aligned_len,
     cdiv,
     kernel_head_dim,
-    pad_to,
 )
 
 # Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward). H=192 and
@@ -169,7 +169,7 @@ def why_not(
             f"is_causal=True on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 "
             "miscompiles it)"
         )
-    if reason := forward.check_shapes(q_shape, k_shape, dtype):
+    if reason := forward_tiles.check_shapes(q_shape, k_shape, dtype):
         return reason
     _, q_len, _, head_dim = q_shape
     kv_len = k_shape[1]
@@ -369,7 +369,7 @@ def _dkv_call(
     kv_type = jax.ShapeDtypeStruct(k.shape, k.dtype)
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
-    return forward.warp_specialised_kernel(
+    return warp_specialised_kernel(
         kernel,
         out_type=(kv_type, kv_type),
         scratch_types=scratch,
@@ -687,7 +687,7 @@ def _dq_call(
         k_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
         v_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
     )
-    return forward.warp_specialised_kernel(
+    return warp_specialised_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=scratch,

@@ -29,240 +29,27 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
-from pallas_flash.device import DEFAULT_NUM_SMS, Device
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import _module_names
-
-_module_names.install()
-
-# Head dims the kernel runs as they are: multiples of the 64-column tile of the 128-byte
-# swizzle, within wgmma's N limit of 256.
-KERNEL_HEAD_DIMS = (64, 128, 192, 256)
-# Head dims it takes: the others are zero-padded to the next kernel head dim by the wrapper
-# (zero columns leave q.k unchanged; the output's extra columns are sliced off). One copy of
-# q, k, v and out each.
-HEAD_DIMS = (64, 80, 96, 128, 192, 256)
-# Mosaic GPU tiles the sequence dim of every TMA window over [.., L, H] in GMEM by the 8-row
-# swizzle tile and refuses a length that is not a multiple of it (TileTransform.
-# transform_gmem_shape in jax/experimental/mosaic/gpu/launch_context.py): the wrapper pads T and
-# S up to it (a copy of q, k, v, out). Any multiple of 8 runs in place: the last tiles' windows
-# run past the arrays' ends, where TMA reads zeros and drops writes, and the kernels mask the
-# keys past S.
-ROW_ALIGN = 8
-DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-NUM_CONSUMERS = 2  # consumer warpgroups per CTA; the producer is warpgroup NUM_CONSUMERS
-# Shared memory one CTA may use on sm_90 (227 KiB), less 4 KiB for what Mosaic GPU adds to the
-# kernel's own buffers: its cross-warp reduction scratch (2 KiB by default) and the barriers.
-SMEM_BYTES = (227 - 4) * 1024
-# Registers per thread: 128 * (2 * 232 + 40) <= 65536, the register file of one SM. The
-# producer only issues TMA copies; the consumers hold a [block_q, H] f32 accumulator and a
-# [block_q, block_kv] tile of logits.
-PRODUCER_REGISTERS = 40
-CONSUMER_REGISTERS = 232
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ForwardTiles:
-    """Tiles of the Mosaic GPU forward.
-
-    Attributes:
-      block_q: query rows per consumer warpgroup (a CTA covers NUM_CONSUMERS * block_q rows).
-        wgmma works on 64-row slabs: a multiple of 64.
-      block_kv: keys per KV tile (one wgmma N dim for Q.K^T, K dim for P.V): a multiple of 64.
-      num_stages: KV tiles in flight in the shared-memory ring (>= 2 to overlap TMA and wgmma).
-      persistent: launch one CTA per SM (or per item, when there are fewer) that walks its
-        share of the (batch, head, query tile) work items in turn, instead of a CTA per item.
-        The K/V ring then runs on from one item into the next and the next item's Q loads
-        during this one (a second Q buffer), so that short rows (few KV steps per item) stop
-        paying a CTA's launch, Q load and ring fill per item.
-    """
-
-    block_q: int = 64
-    block_kv: int = 128
-    num_stages: int = 2
-    persistent: bool = False
-
-    def __post_init__(self):
-        for name in ("block_q", "block_kv"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0 or value % 64:
-                raise ValueError(f"ForwardTiles.{name}={value!r} must be a positive multiple of 64")
-        if not isinstance(self.num_stages, int) or self.num_stages < 2:
-            raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool")
-
-    @property
-    def cta_rows(self) -> int:
-        return NUM_CONSUMERS * self.block_q
-
-    @property
-    def q_buffers(self) -> int:
-        """Q buffers per consumer: a persistent CTA loads the next item's Q into the second."""
-        return 2 if self.persistent else 1
-
-    def smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
-        """Shared memory of one CTA: Q/out per consumer (twice when persistent), the K and V
-        rings, the lse rows and, with segment ids, the consumers' query ids (as Q) and a ring
-        of KV ids (int32)."""
-        q = self.q_buffers * self.cta_rows * head_dim * itemsize
-        kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
-        ids = (self.q_buffers * self.cta_rows + self.num_stages * self.block_kv) * 4
-        ids = ids if segments else 0
-        return q + kv + self.cta_rows * 4 + ids
-
-
-def kernel_head_dim(head_dim: int) -> int:
-    """The head dim the kernels run a call of `head_dim` (one of HEAD_DIMS) at."""
-    return next(h for h in KERNEL_HEAD_DIMS if h >= head_dim)
-
-
-def aligned_len(length: int) -> int:
-    """The sequence length the kernels run a call of `length` at (ROW_ALIGN)."""
-    return -(-length // ROW_ALIGN) * ROW_ALIGN
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def default_tiles(
-    head_dim: int,
-    *,
-    q_len: int,
-    kv_len: int,
-    is_causal: bool,
-    window=None,
-    soft_cap=None,
-    segments: bool = False,
-) -> ForwardTiles:
-    """Tiles per head dim and call, from tile probes on the H200 (benchmarks/NOTES.md, "Mosaic
-    forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
-    halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
-    At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
-    calls take 128 rows per consumer (they need T % 256 == 0); a window, soft cap or segment ids
-    keep 64 rows, whose registers leave room for the mask. Head dims run at their kernel head
-    dim (`kernel_head_dim`): 80 and 96 as 128; 192 as 256 (64-key tiles).
-    Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
-    per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
-    and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
-    faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent)."""
-    head_dim = kernel_head_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
-    masked = window is not None or soft_cap is not None or segments
-    short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
-    persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
-    wide = head_dim == 64 and not masked and q_len % (NUM_CONSUMERS * 128) == 0
-    if wide and not short_causal:
-        return ForwardTiles(block_q=128, block_kv=128, num_stages=2, persistent=persistent)
-    if head_dim <= 128:
-        return ForwardTiles(block_q=64, block_kv=128, num_stages=2, persistent=persistent)
-    return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
-
-
-# Per consumer thread, the f32 accumulator [block_q, H] and logits [block_q, block_kv] take
-# block_q * (H + block_kv) / 128 registers; beyond this the 232-register budget spills.
-MAX_TILE_REGISTERS = 192
-# CUDA runtimes whose ptxas miscompiles the causal mask of this kernel's shape (jax's own
-# Hopper attention refuses causal on them too: jax/experimental/pallas/ops/gpu/attention_mgpu.py).
-CAUSAL_MISCOMPILING_CUDA = range(12080, 12091)
-
-
-def unsupported_options(spec, *, soft_cap=None, has_bias: bool) -> str | None:
-    """The options of a call (spec: a masks.MaskSpec) that this kernel would drop, named as the
-    API names them; None if there are none. It takes windows, soft caps and segment ids
-    (soft_cap is accepted for the backward module's signature)."""
-    unsupported = [
-        name
-        for name, present in (("bias", has_bias), ("mask", spec.mask_shape is not None))
-        if present
-    ]
-    return " and ".join(unsupported) or None
-
-
-def check_shapes(q_shape, k_shape, dtype) -> str | None:
-    """The rules the Mosaic kernels share: q [B, T, N, H] and k [B, S, K, H] with K dividing N,
-    bfloat16 or float16; None if they hold, else why not."""
-    if len(q_shape) != 4 or len(k_shape) != 4:
-        return f"q {tuple(q_shape)} and k {tuple(k_shape)} must be [B, T, N, H] and [B, S, K, H]"
-    batch, _, num_heads, head_dim = q_shape
-    kv_batch, _, num_kv_heads, kv_head_dim = k_shape
-    if (kv_batch, kv_head_dim) != (batch, head_dim):
-        return f"k {tuple(k_shape)} does not match q {tuple(q_shape)} in batch or head dim"
-    if num_heads % num_kv_heads:
-        return f"{num_heads=} must be divisible by {num_kv_heads=}"
-    if jnp.dtype(dtype) not in DTYPES:
-        return f"dtype {jnp.dtype(dtype).name} is not bfloat16 or float16"
-    return None
-
-
-def why_not(
-    q_shape,
-    k_shape,
-    dtype,
-    *,
-    is_causal: bool,
-    window: tuple[int, int] | None = None,
-    soft_cap: float | None = None,
-    segments: bool = False,
-    tiles: ForwardTiles | None = None,
-    cuda_runtime_version: int | None = None,
-) -> str | None:
-    """Why the kernel cannot run on these shapes and options, or None when it can (the caller
-    falls back to Triton). `window` and `soft_cap` as in `flash_forward`; `segments`: the call
-    has segment ids (or sequence lengths), whose id buffers take shared memory;
-    `cuda_runtime_version`: the target's (`Device.cuda_runtime_version`), None when not known."""
-    if window is not None and (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
-    ):
-        return f"{window=} must be a (left, right) pair of ints >= 0"
-    if soft_cap is not None and not (
-        isinstance(soft_cap, (int, float))
-        and not isinstance(soft_cap, bool)
-        and 0 < soft_cap < float("inf")
-    ):
-        return f"{soft_cap=} must be a finite positive number"
-    # A window's element-wise mask is the causal mask's comparison at other offsets: refused on
-    # the same runtimes until it is shown to compile correctly there.
-    if (is_causal or window is not None) and cuda_runtime_version in CAUSAL_MISCOMPILING_CUDA:
-        what = "is_causal=True" if is_causal else f"{window=}"
-        return (
-            f"{what} on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 miscompiles its "
-            "mask)"
-        )
-    if reason := check_shapes(q_shape, k_shape, dtype):
-        return reason
-    _, q_len, _, head_dim = q_shape
-    kv_len = k_shape[1]
-    if head_dim not in HEAD_DIMS:
-        return f"{head_dim=} is not one of {HEAD_DIMS}"
-    if q_len == 0 or kv_len == 0:
-        return f"{q_len=} and {kv_len=} must be positive"
-    if tiles is None:
-        tiles = default_tiles(
-            head_dim,
-            q_len=q_len,
-            kv_len=kv_len,
-            is_causal=is_causal,
-            window=window,
-            soft_cap=soft_cap,
-            segments=segments,
-        )
-    # Registers and shared memory at the head dim the kernel runs (80 and 96 padded to 128).
-    head_dim = kernel_head_dim(head_dim)
-    if tiles.block_kv > 256:
-        return f"block_kv={tiles.block_kv} exceeds the wgmma N limit of 256"
-    registers = tiles.block_q * (head_dim + tiles.block_kv) // 128
-    if registers > MAX_TILE_REGISTERS:
-        return (
-            f"{tiles} needs {registers} registers per thread for the accumulator and logits at "
-            f"{head_dim=}, over {MAX_TILE_REGISTERS} (it would spill)"
-        )
-    smem = tiles.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, segments=segments)
-    if smem > SMEM_BYTES:
-        return f"{tiles} needs {smem} bytes of shared memory at {head_dim=}, over {SMEM_BYTES}"
-    return None
+from pallas_flash.mosaic.launch import num_sms, pad_ids, pad_to, warp_specialised_kernel
+from pallas_flash.mosaic.schedule import (
+    _Work,
+    consumer_tile_range,
+    cta_tile_range,
+    mask_sides,
+    segment_tile_plan,
+)
+from pallas_flash.mosaic.tiles import (
+    CONSUMER_REGISTERS,
+    NUM_CONSUMERS,
+    PRODUCER_REGISTERS,
+    ForwardTiles,
+    aligned_len,
+    cdiv,
+    default_tiles,
+    kernel_head_dim,
+    why_not,
+)
 
 
 def flash_forward(
@@ -370,8 +157,8 @@ def flash_forward(
     segments = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids
-        q_ids = _pad_ids(q_ids, q_to, masks.PAD_Q_SEGMENT)
-        kv_ids = _pad_ids(kv_ids, kv_to, masks.PAD_KV_SEGMENT)
+        q_ids = pad_ids(q_ids, q_to, masks.PAD_Q_SEGMENT)
+        kv_ids = pad_ids(kv_ids, kv_to, masks.PAD_KV_SEGMENT)
         segments = (q_ids, kv_ids, segment_tile_plan(spec, MaskArrays(q_ids, kv_ids), tiles))
     out, lse = _forward_call(
         q,
@@ -391,20 +178,6 @@ def flash_forward(
     return out, lse
 
 
-def pad_to(x, length: int, head_dim: int):
-    """x [B, L, heads, H] zero-padded to [B, length, heads, head_dim] (x itself when it fits)."""
-    _, x_len, _, x_head_dim = x.shape
-    if (x_len, x_head_dim) == (length, head_dim):
-        return x
-    return jnp.pad(x, ((0, 0), (0, length - x_len), (0, 0), (0, head_dim - x_head_dim)))
-
-
-def _pad_ids(ids, length: int, pad_id: int):
-    if ids.shape[1] == length:
-        return ids
-    return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=pad_id)
-
-
 def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
     if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
         raise ValueError(
@@ -417,11 +190,6 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
             raise ValueError(
                 f"{name} {tuple(ids.shape)} {ids.dtype} must be int32 of shape {tuple(shape)}"
             )
-
-
-def num_sms() -> int:
-    """A persistent grid's size without a GPU (the CPU interpreter, lowering on a CPU host)."""
-    return DEFAULT_NUM_SMS
 
 
 def _forward_call(
@@ -496,156 +264,6 @@ def _forward_call(
         grid_names=grid_names,
         num_consumers=NUM_CONSUMERS,
     )(q, k, v, *(segments or ()))
-
-
-def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, num_consumers):
-    """plgpu.kernel as this package's Mosaic kernels launch: num_consumers consumer warpgroups
-    and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
-    return plgpu.kernel(
-        body,
-        # A stable module name (see _module_names): the same kernel compiles once per process.
-        kernel_name=_module_names.name(body),
-        out_type=out_type,
-        scratch_types=scratch_types,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Work:
-    """The work items, one per (batch, head, query tile) of cta_rows rows, and which CTA takes
-    which. A CTA of the plain grid takes its own (batch, head, q_tile); the hardware launches
-    the query tiles of one head next to each other (they share K/V in L2). A persistent CTA c
-    of C takes items c, c + C, c + 2C, ... of a fixed order: (batch, head, q_tile) with q_tile
-    fastest, neighbours sharing K/V as in the grid, when every item costs the same; causal
-    items grow with their query tile, so there q_tile is slowest: each round of C items is of
-    one or two query tiles (when C <= B * N) and the CTAs stay balanced (with the tiles of a
-    head as neighbours, C even and two tiles per head, every other CTA would get only the
-    long ones). `reverse` (causal):
-    query tile q_tile maps to Q - 1 - q_tile, so that the longest rows start first and the
-    short ones fill in at the end."""
-
-    batch: int
-    num_heads: int
-    num_q_tiles: int
-    reverse: bool
-
-    def count(self, persistent: bool):
-        """Items this CTA walks: a Python int, or a traced int32 when persistent."""
-        if not persistent:
-            return 1
-        cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
-        total = self.batch * self.num_heads * self.num_q_tiles
-        return lax.div(total - cta + num_ctas - 1, num_ctas)
-
-    def item(self, n, persistent: bool):
-        """(batch, head, q_tile) of this CTA's n-th item."""
-        if persistent:
-            return self.persistent_item(lax.axis_index("cta") + n * lax.axis_size("cta"))
-        batch, head = lax.axis_index("batch"), lax.axis_index("head")
-        q_tile = lax.axis_index("q_tile")
-        if self.reverse:
-            q_tile = self.num_q_tiles - 1 - q_tile
-        return batch, head, q_tile
-
-    def persistent_item(self, w):
-        """(batch, head, q_tile) of item w of the persistent order (ints or int32 scalars)."""
-        if self.reverse:
-            heads = self.batch * self.num_heads
-            q_tile, batch_head = self.num_q_tiles - 1 - w // heads, w % heads
-        else:
-            q_tile, batch_head = w % self.num_q_tiles, w // self.num_q_tiles
-        return batch_head // self.num_heads, batch_head % self.num_heads, q_tile
-
-
-def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):
-    """(lo, hi): the KV tiles a CTA's producer streams, in order, for query rows
-    [cta_q_start, cta_q_start + cta_rows): the union of its consumers' ranges (every tile in
-    it is read by some consumer). Python ints or traced int32 scalars."""
-    lo, _, _, hi = spec.kv_tile_range(cta_q_start, tiles.cta_rows, tiles.block_kv)
-    return lo, hi
-
-
-def consumer_tile_range(spec: MaskSpec, q_start, cta_range, tiles: ForwardTiles):
-    """(lo, full_lo, full_hi, hi) of `MaskSpec.kv_tile_range` for a consumer's block_q rows
-    from q_start, clamped into the CTA's range (lo, hi): the drain scheme of `_consume` walks
-    [cta lo, lo) and [hi, cta hi). A consumer that sees keys has its range inside the CTA's
-    already; one that sees none may get an empty range past the CTA's (lo = hi beyond the
-    CTA's hi), which unclamped would drain steps that the producer never loads."""
-    first, end = cta_range
-    return tuple(
-        _clip(x, first, end) for x in spec.kv_tile_range(q_start, tiles.block_q, tiles.block_kv)
-    )
-
-
-def mask_sides(spec: MaskSpec, tiles: ForwardTiles) -> tuple[bool, bool]:
-    """(left, right): whether the window's left side (the right side, or causality) hides any
-    key from a row the kernel runs: rows i < R, R = T rounded up to the CTA's rows (rows past T
-    run the same loops, on zeros, and are not kept). Row i >= 0 sees keys j >= i - left, all of
-    them once left >= R - 1; keys j <= i + right, all j < S once right >= S - 1. Without a left
-    side every consumer range starts at the CTA's first tile and is whole from there; without
-    a right side it ends whole at the CTA's last (unless the last KV tile is ragged)."""
-    rows = cdiv(spec.q_len, tiles.cta_rows) * tiles.cta_rows
-    return spec.left < rows - 1, spec.right < spec.kv_len - 1
-
-
-def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -> jax.Array:
-    """KV tile ranges of every CTA and consumer with segment ids, computed by XLA before the
-    kernel: int32 [B, ceil(T / cta_rows), NUM_CONSUMERS + 1, 4], indexed by the CTA's query
-    tile. The arrays' ids past T and S (if any) are padding ids.
-
-    Row wg < NUM_CONSUMERS is consumer wg's (lo, full_lo, full_hi, hi): the geometry's range
-    (`MaskSpec.kv_tile_range`) intersected with the ids' (`masks.tile_ranges` over its block_q
-    rows), clamped into the CTA's range. Row NUM_CONSUMERS is (first, first, end, end), the
-    CTA's range: the hull of its consumers' non-empty ranges, (0, 0) when all are empty.
-
-    What the drain scheme of `_consume` rests on (tests check it against brute force):
-    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= ceil(S / block_kv) for every consumer
-    (each walks exactly the producer's steps [first, end), draining those outside [lo, hi));
-    every key a consumer's rows see lies in a tile of [lo, hi), and tiles in [full_lo, full_hi)
-    are seen whole by every row. A tile of the hull that no consumer visits (a gap between two
-    consumers' documents) is loaded and drained by both: correct, a little wasted bandwidth.
-    """
-    block_q, block_kv = tiles.block_q, tiles.block_kv
-    num_rows = cdiv(spec.q_len, tiles.cta_rows) * NUM_CONSUMERS
-    num_kv_tiles = cdiv(spec.kv_len, block_kv)
-    q_start = jnp.arange(num_rows, dtype=jnp.int32) * block_q
-    geometry = tuple(
-        jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_rows,))
-        for x in spec.kv_tile_range(q_start, block_q, block_kv)
-    )
-    # Rows past T (a ragged last CTA's) see nothing: padding ids, whose tiles visit no KV tile.
-    q_ids = _pad_ids(arrays.q_segment_ids, num_rows * block_q, masks.PAD_Q_SEGMENT)
-    rows_spec = dataclasses.replace(spec, q_len=num_rows * block_q)
-    by_ids = masks.tile_ranges(
-        rows_spec, arrays._replace(q_segment_ids=q_ids), block_q, block_kv, over="q"
-    )
-    by_ids = by_ids[:, 0]  # [B, rows, 4]
-    ranges = masks.intersect(geometry, tuple(by_ids[..., i] for i in range(4)))
-    shape = (by_ids.shape[0], num_rows // NUM_CONSUMERS, NUM_CONSUMERS)
-    lo, full_lo, full_hi, hi = (
-        jnp.broadcast_to(x, shape[:1] + x.shape[-1:]).reshape(shape) for x in ranges
-    )
-    visits = lo < hi
-    any_visit = visits.any(axis=-1)
-    first = jnp.where(any_visit, jnp.min(jnp.where(visits, lo, num_kv_tiles), axis=-1), 0)
-    end = jnp.where(any_visit, jnp.max(jnp.where(visits, hi, 0), axis=-1), 0)
-    consumers = jnp.stack(
-        [jnp.clip(x, first[..., None], end[..., None]) for x in (lo, full_lo, full_hi, hi)],
-        axis=-1,
-    )
-    cta = jnp.stack([first, first, end, end], axis=-1)[:, :, None]
-    return jnp.concatenate([consumers, cta], axis=2).astype(jnp.int32)
-
-
-def _clip(x, lo, hi):
-    if all(isinstance(v, int) for v in (x, lo, hi)):
-        return min(max(x, lo), hi)
-    return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
 def _forward_kernel(

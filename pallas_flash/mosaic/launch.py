@@ -1,0 +1,49 @@
+"""What every Mosaic GPU kernel of this package shares at launch: the warp-specialised
+`plgpu.kernel` call, the wrappers' zero-padding to the lengths and head dims the kernels run, and
+the SM count of a persistent grid without a GPU."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash.device import DEFAULT_NUM_SMS
+from pallas_flash.mosaic import _module_names
+
+_module_names.install()
+
+
+def pad_to(x, length: int, head_dim: int):
+    """x [B, L, heads, H] zero-padded to [B, length, heads, head_dim] (x itself when it fits)."""
+    _, x_len, _, x_head_dim = x.shape
+    if (x_len, x_head_dim) == (length, head_dim):
+        return x
+    return jnp.pad(x, ((0, 0), (0, length - x_len), (0, 0), (0, head_dim - x_head_dim)))
+
+
+def pad_ids(ids, length: int, pad_id: int):
+    if ids.shape[1] == length:
+        return ids
+    return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=pad_id)
+
+
+def num_sms() -> int:
+    """A persistent grid's size without a GPU (the CPU interpreter, lowering on a CPU host)."""
+    return DEFAULT_NUM_SMS
+
+
+def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, num_consumers):
+    """plgpu.kernel as this package's Mosaic kernels launch: num_consumers consumer warpgroups
+    and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
+    return plgpu.kernel(
+        body,
+        # A stable module name (see _module_names): the same kernel compiles once per process.
+        kernel_name=_module_names.name(body),
+        out_type=out_type,
+        scratch_types=scratch_types,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=num_consumers + 1,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )

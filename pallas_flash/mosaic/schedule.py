@@ -1,0 +1,149 @@
+"""The forward's work schedule, planned in Python and XLA before the kernel runs: which CTA takes
+which (batch, head, query tile), the KV tile ranges each CTA and consumer visits under the mask,
+which sides of a range need the element-wise mask, and the per-tile plan of segment ids."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_flash import masks
+from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic.launch import pad_ids
+from pallas_flash.mosaic.tiles import NUM_CONSUMERS, ForwardTiles, cdiv
+
+
+@dataclasses.dataclass(frozen=True)
+class _Work:
+    """The work items, one per (batch, head, query tile) of cta_rows rows, and which CTA takes
+    which. A CTA of the plain grid takes its own (batch, head, q_tile); the hardware launches
+    the query tiles of one head next to each other (they share K/V in L2). A persistent CTA c
+    of C takes items c, c + C, c + 2C, ... of a fixed order: (batch, head, q_tile) with q_tile
+    fastest, neighbours sharing K/V as in the grid, when every item costs the same; causal
+    items grow with their query tile, so there q_tile is slowest: each round of C items is of
+    one or two query tiles (when C <= B * N) and the CTAs stay balanced (with the tiles of a
+    head as neighbours, C even and two tiles per head, every other CTA would get only the
+    long ones). `reverse` (causal):
+    query tile q_tile maps to Q - 1 - q_tile, so that the longest rows start first and the
+    short ones fill in at the end."""
+
+    batch: int
+    num_heads: int
+    num_q_tiles: int
+    reverse: bool
+
+    def count(self, persistent: bool):
+        """Items this CTA walks: a Python int, or a traced int32 when persistent."""
+        if not persistent:
+            return 1
+        cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
+        total = self.batch * self.num_heads * self.num_q_tiles
+        return lax.div(total - cta + num_ctas - 1, num_ctas)
+
+    def item(self, n, persistent: bool):
+        """(batch, head, q_tile) of this CTA's n-th item."""
+        if persistent:
+            return self.persistent_item(lax.axis_index("cta") + n * lax.axis_size("cta"))
+        batch, head = lax.axis_index("batch"), lax.axis_index("head")
+        q_tile = lax.axis_index("q_tile")
+        if self.reverse:
+            q_tile = self.num_q_tiles - 1 - q_tile
+        return batch, head, q_tile
+
+    def persistent_item(self, w):
+        """(batch, head, q_tile) of item w of the persistent order (ints or int32 scalars)."""
+        if self.reverse:
+            heads = self.batch * self.num_heads
+            q_tile, batch_head = self.num_q_tiles - 1 - w // heads, w % heads
+        else:
+            q_tile, batch_head = w % self.num_q_tiles, w // self.num_q_tiles
+        return batch_head // self.num_heads, batch_head % self.num_heads, q_tile
+
+
+def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):
+    """(lo, hi): the KV tiles a CTA's producer streams, in order, for query rows
+    [cta_q_start, cta_q_start + cta_rows): the union of its consumers' ranges (every tile in
+    it is read by some consumer). Python ints or traced int32 scalars."""
+    lo, _, _, hi = spec.kv_tile_range(cta_q_start, tiles.cta_rows, tiles.block_kv)
+    return lo, hi
+
+
+def consumer_tile_range(spec: MaskSpec, q_start, cta_range, tiles: ForwardTiles):
+    """(lo, full_lo, full_hi, hi) of `MaskSpec.kv_tile_range` for a consumer's block_q rows
+    from q_start, clamped into the CTA's range (lo, hi): the drain scheme of `_consume` walks
+    [cta lo, lo) and [hi, cta hi). A consumer that sees keys has its range inside the CTA's
+    already; one that sees none may get an empty range past the CTA's (lo = hi beyond the
+    CTA's hi), which unclamped would drain steps that the producer never loads."""
+    first, end = cta_range
+    return tuple(
+        _clip(x, first, end) for x in spec.kv_tile_range(q_start, tiles.block_q, tiles.block_kv)
+    )
+
+
+def mask_sides(spec: MaskSpec, tiles: ForwardTiles) -> tuple[bool, bool]:
+    """(left, right): whether the window's left side (the right side, or causality) hides any
+    key from a row the kernel runs: rows i < R, R = T rounded up to the CTA's rows (rows past T
+    run the same loops, on zeros, and are not kept). Row i >= 0 sees keys j >= i - left, all of
+    them once left >= R - 1; keys j <= i + right, all j < S once right >= S - 1. Without a left
+    side every consumer range starts at the CTA's first tile and is whole from there; without
+    a right side it ends whole at the CTA's last (unless the last KV tile is ragged)."""
+    rows = cdiv(spec.q_len, tiles.cta_rows) * tiles.cta_rows
+    return spec.left < rows - 1, spec.right < spec.kv_len - 1
+
+
+def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -> jax.Array:
+    """KV tile ranges of every CTA and consumer with segment ids, computed by XLA before the
+    kernel: int32 [B, ceil(T / cta_rows), NUM_CONSUMERS + 1, 4], indexed by the CTA's query
+    tile. The arrays' ids past T and S (if any) are padding ids.
+
+    Row wg < NUM_CONSUMERS is consumer wg's (lo, full_lo, full_hi, hi): the geometry's range
+    (`MaskSpec.kv_tile_range`) intersected with the ids' (`masks.tile_ranges` over its block_q
+    rows), clamped into the CTA's range. Row NUM_CONSUMERS is (first, first, end, end), the
+    CTA's range: the hull of its consumers' non-empty ranges, (0, 0) when all are empty.
+
+    What the drain scheme of `_consume` rests on (tests check it against brute force):
+    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= ceil(S / block_kv) for every consumer
+    (each walks exactly the producer's steps [first, end), draining those outside [lo, hi));
+    every key a consumer's rows see lies in a tile of [lo, hi), and tiles in [full_lo, full_hi)
+    are seen whole by every row. A tile of the hull that no consumer visits (a gap between two
+    consumers' documents) is loaded and drained by both: correct, a little wasted bandwidth.
+    """
+    block_q, block_kv = tiles.block_q, tiles.block_kv
+    num_rows = cdiv(spec.q_len, tiles.cta_rows) * NUM_CONSUMERS
+    num_kv_tiles = cdiv(spec.kv_len, block_kv)
+    q_start = jnp.arange(num_rows, dtype=jnp.int32) * block_q
+    geometry = tuple(
+        jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_rows,))
+        for x in spec.kv_tile_range(q_start, block_q, block_kv)
+    )
+    # Rows past T (a ragged last CTA's) see nothing: padding ids, whose tiles visit no KV tile.
+    q_ids = pad_ids(arrays.q_segment_ids, num_rows * block_q, masks.PAD_Q_SEGMENT)
+    rows_spec = dataclasses.replace(spec, q_len=num_rows * block_q)
+    by_ids = masks.tile_ranges(
+        rows_spec, arrays._replace(q_segment_ids=q_ids), block_q, block_kv, over="q"
+    )
+    by_ids = by_ids[:, 0]  # [B, rows, 4]
+    ranges = masks.intersect(geometry, tuple(by_ids[..., i] for i in range(4)))
+    shape = (by_ids.shape[0], num_rows // NUM_CONSUMERS, NUM_CONSUMERS)
+    lo, full_lo, full_hi, hi = (
+        jnp.broadcast_to(x, shape[:1] + x.shape[-1:]).reshape(shape) for x in ranges
+    )
+    visits = lo < hi
+    any_visit = visits.any(axis=-1)
+    first = jnp.where(any_visit, jnp.min(jnp.where(visits, lo, num_kv_tiles), axis=-1), 0)
+    end = jnp.where(any_visit, jnp.max(jnp.where(visits, hi, 0), axis=-1), 0)
+    consumers = jnp.stack(
+        [jnp.clip(x, first[..., None], end[..., None]) for x in (lo, full_lo, full_hi, hi)],
+        axis=-1,
+    )
+    cta = jnp.stack([first, first, end, end], axis=-1)[:, :, None]
+    return jnp.concatenate([consumers, cta], axis=2).astype(jnp.int32)
+
+
+def _clip(x, lo, hi):
+    if all(isinstance(v, int) for v in (x, lo, hi)):
+        return min(max(x, lo), hi)
+    return jnp.minimum(jnp.maximum(x, lo), hi)

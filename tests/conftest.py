@@ -30,7 +30,7 @@ from pallas_flash.device import Device, gpu_compute_capability
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 
 # Added to 2 x (plain attention error). Small against the errors a wrong kernel makes (see
-# test_forward.py::test_wrong_scale_fails_the_tolerance_rule), large against rounding noise.
+# test_triton_forward.py::test_wrong_scale_fails_the_tolerance_rule), large against rounding noise.
 FLOOR = {jnp.float32: 1e-5, jnp.bfloat16: 1e-3, jnp.float16: 1e-3}
 
 
@@ -61,8 +61,9 @@ def mode(request) -> str:
 
 
 def kernel_kwargs(mode: str) -> dict:
-    """Keyword arguments of `flash_attention` that run the Triton kernels in `mode`."""
-    return {"backend": "triton", "interpret": mode == "interpret"}
+    """Keyword arguments of `flash_attention` that run the Triton kernels in `mode` (the
+    Triton paths of the backend matrix, BACKEND_PATHS)."""
+    return BACKEND_PATHS["triton-interpret" if mode == "interpret" else "triton"].call_kwargs()
 
 
 @pytest.fixture

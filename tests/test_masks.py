@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    BACKEND_PATHS,
     BLOCK_SIZES,
     attention_oracle_f64,
     backend_paths,
@@ -216,14 +217,13 @@ def oracle(c: Case, x64, scale: float | None = None):
 
 # -- running flash_attention ----------------------------------------------------------------------
 
-KERNEL = "kernel"  # the Triton kernels in the Pallas interpreter
-XLA = "xla"  # the plain jnp backend
+KERNEL = "triton-interpret"  # the Triton kernels in the Pallas interpreter
+XLA = "xla"  # the plain jnp backend: the tolerance rule's baseline
 
 
 def call_kwargs(c: Case, which: str) -> dict:
-    if which == KERNEL:
-        return dict(backend="triton", interpret=True, block_sizes=BLOCKS[c.block])
-    return dict(backend="xla")
+    """The call kwargs of the backend matrix's path `which`, with the case's tiles."""
+    return BACKEND_PATHS[which].call_kwargs(BLOCKS[c.block])
 
 
 def unbatch(xs):

@@ -54,3 +54,29 @@ def test_every_cpu_path_is_checked_here():
 def test_unknown_paths_are_refused():
     with pytest.raises(ValueError, match=r"unknown paths \['interpret'\]"):
         backend_paths(skip={"interpret": "no such path"})
+
+
+def test_refusals_and_sweeps_mark_their_paths():
+    params = {
+        param.id: param
+        for param in backend_paths(
+            mosaic=True, refuses={"mosaic-interpret": "bias"}, sweep=("triton-interpret",)
+        )
+    }
+    refused = params["mosaic-interpret"]
+    assert refused.values[0].refuses == "bias"
+    assert any(
+        mark.name == "xfail"
+        and mark.kwargs["raises"] is NotImplementedError
+        and mark.kwargs["strict"]
+        for mark in refused.marks
+    )
+    assert any(
+        mark.name == "skipif" and "PALLAS_FLASH_SWEEP" in mark.kwargs["reason"]
+        for mark in params["triton-interpret"].marks
+    )
+    assert all(
+        param.values[0].refuses is None
+        for name, param in params.items()
+        if name != "mosaic-interpret"
+    )

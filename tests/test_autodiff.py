@@ -17,24 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64, has_gpu
+from conftest import BACKEND_PATHS, attention_oracle_f64, backend_paths, has_gpu
 from jax.test_util import check_grads
 
 import pallas_flash
 
-# "interpret": the Triton kernels in the Pallas interpreter; "triton" and "default" (backend=None)
-# compiled for the GPU.
-PATHS = {
-    "xla": dict(backend="xla"),
-    "interpret": dict(backend="triton", interpret=True),
-    "triton": dict(backend="triton"),
-    "default": dict(),
-}
-GPU_PATH_PARAMS = [
-    pytest.param("triton", marks=pytest.mark.gpu),
-    pytest.param("default", marks=pytest.mark.gpu),
-]
-PATH_PARAMS = ["xla", "interpret", *GPU_PATH_PARAMS]
+XLA = BACKEND_PATHS["xla"]
 # The slower checks (check_grads evaluates many transformed calls eagerly, ~10 s on 2 cores) run
 # on the GPU, and on CPU with PALLAS_FLASH_SWEEP set (the long property sweep's switch).
 LONG = bool(os.environ.get("PALLAS_FLASH_SWEEP")) or has_gpu()
@@ -156,9 +144,9 @@ def central_difference(f, x, u, eps=1e-4):
         return jax.tree.map(lambda p, m: (p - m) / (2 * eps), plus, minus)
 
 
-def attention_fn(c: Case, extra, path: str):
-    """(q, k, v, bias) -> (out, lse) on `path`."""
-    kwargs = dict(PATHS[path])
+def attention_fn(c: Case, extra, path):
+    """(q, k, v, bias) -> (out, lse) on `path` (a conftest.BackendPath)."""
+    kwargs = dict(path.kwargs)
     kwargs.update({name: jnp.asarray(a) for name, a in extra.items()})
 
     def attention(q, k, v, bias):
@@ -202,12 +190,12 @@ SECOND_ORDER_RTOL = 1e-3
 
 
 def _second_order_params():
-    params = [pytest.param(CASES[1], "xla", id=f"{CASES[1]}-xla")]
-    for c in CASES:
-        params.append(pytest.param(c, "interpret", id=f"{c}-interpret"))
-        for path in ("triton", "default"):
-            params.append(pytest.param(c, path, id=f"{c}-{path}", marks=pytest.mark.gpu))
-    return params
+    """Every case on every path but xla, which runs one (its derivatives are jax's own)."""
+    return [
+        pytest.param(c, *path.values, id=f"{c}-{path.id}", marks=path.marks)
+        for path in backend_paths()
+        for c in (CASES[1:2] if path.id == "xla" else CASES)
+    ]
 
 
 @pytest.mark.parametrize("c, path", _second_order_params())
@@ -252,7 +240,7 @@ def test_second_order_matches_float64_differences(c, path):
 
 
 @pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_SWEEP to run")
-@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("path", backend_paths())
 def test_check_grads_second_order(path):
     """`jax.test_util.check_grads(order=2)` (reverse mode; the VJP of the VJP, the cotangents
     included) with GQA, a bias, causal masking and key lengths."""
@@ -262,7 +250,7 @@ def test_check_grads_second_order(path):
     check_grads(attention, as_f32(x), order=2, modes=("rev",), eps=1e-3, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("path", ["interpret", *GPU_PATH_PARAMS])
+@pytest.mark.parametrize("path", backend_paths(exclude=("xla",)))
 def test_hessian_matches_between_paths(path):
     """`jax.hessian` (forward over reverse) of a scalar of the output in q, against the xla
     path's: the same second derivative whatever runs the first."""
@@ -277,7 +265,7 @@ def test_hessian_matches_between_paths(path):
 
     got = hessian(path)
     assert got.shape == q.shape * 2
-    want = np.asarray(hessian("xla"), np.float64)
+    want = np.asarray(hessian(XLA), np.float64)
     assert max_relative_error(got, want) < SECOND_ORDER_RTOL
 
 
@@ -289,13 +277,13 @@ FORWARD_MODE = {
 
 
 @pytest.mark.parametrize("how", sorted(FORWARD_MODE))
-@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("path", backend_paths())
 def test_forward_mode_raises_the_same_error_on_every_path(path, how):
     q = jnp.ones((1, 5, 2, 8)) / 3
     k = v = jnp.ones((1, 3, 1, 8)) / 5
 
     def attention(q):
-        return pallas_flash.flash_attention(q, k, v, is_causal=True, **PATHS[path])
+        return pallas_flash.flash_attention(q, k, v, is_causal=True, **path.kwargs)
 
     if how == "linearize":  # linearize traces with linearize tracers: JAX's own error
         error, match = TypeError, "can't apply forward-mode autodiff"
@@ -315,7 +303,12 @@ def test_first_order_backward_runs_only_the_kernels():
 
     def loss(q, k, v):
         out, lse = pallas_flash.flash_attention(
-            q, k, v, is_causal=True, return_residuals=True, **PATHS["interpret"]
+            q,
+            k,
+            v,
+            is_causal=True,
+            return_residuals=True,
+            **BACKEND_PATHS["triton-interpret"].kwargs,
         )
         return jnp.sum(out) + jnp.sum(lse)
 
@@ -345,7 +338,7 @@ def _outer_eqns(jaxpr):
                     yield from _outer_eqns(inner)
 
 
-@pytest.mark.parametrize("path", ["interpret", *GPU_PATH_PARAMS])
+@pytest.mark.parametrize("path", backend_paths(exclude=("xla",)))
 def test_decode_second_order_matches_xla(path):
     """decode_attention's kernel (differentiated through its reference): grad of grad and
     `jax.hessian` equal the xla backend's."""
@@ -357,7 +350,7 @@ def test_decode_second_order_matches_xla(path):
     def second_order(path):
         def f(q, k):
             return pallas_flash.decode_attention(
-                q, k, v, key_value_seq_lengths=lengths, **PATHS[path]
+                q, k, v, key_value_seq_lengths=lengths, **path.kwargs
             )
 
         def grad_k(q, k):
@@ -367,5 +360,5 @@ def test_decode_second_order_matches_xla(path):
         hessian = jax.hessian(lambda q: jnp.sum(jnp.sin(f(q, k))))
         return jax.jit(lambda q, k: (grad_of_grad(q, k), hessian(q)))(q, k)
 
-    want = jax.tree.map(lambda x: np.asarray(x, np.float64), second_order("xla"))
+    want = jax.tree.map(lambda x: np.asarray(x, np.float64), second_order(XLA))
     assert max_relative_error(second_order(path), want) < SECOND_ORDER_RTOL

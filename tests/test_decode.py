@@ -1,6 +1,7 @@
 """decode_attention / paged_attention against a float64 oracle (ragged lengths, new tokens
 aligned to the end of the cache, GQA, windows, soft caps, pages shuffled and partly filled, NaN in
-unused cache slots), on backend="xla", in the interpreter and compiled; write_to_pages; the
+unused cache slots), on the backend matrix (conftest.backend_paths: backend="xla", the
+interpreter, and compiled); write_to_pages; the
 reference gradient; validation."""
 
 from __future__ import annotations
@@ -12,15 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import BACKEND_PATHS, backend_paths
 
 import pallas_flash
 from pallas_flash.triton import DecodeBlockSizes
 
-
-def call_kwargs(backend: str) -> dict:
-    if backend == "xla":
-        return dict(backend="xla")
-    return dict(backend="triton", interpret=backend == "interpret")
+XLA = BACKEND_PATHS["xla"]
+GPU = BACKEND_PATHS["triton"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,15 +133,15 @@ def make_problem(c: Case, seed=0):
     return problem, (q, k, v)
 
 
-def run(c: Case, problem, *backends, **extra):
-    """[(out, lse)] of each backend, computed in one jit."""
+def run(c: Case, problem, *paths, **extra):
+    """[(out, lse)] of each path (conftest.BackendPath), computed in one jit."""
 
-    def call(backend):
+    def call(path):
         kwargs = dict(
             logits_soft_cap=c.soft_cap,
             local_window_size=c.window,
             return_residuals=True,
-            **call_kwargs(backend),
+            **path.kwargs,
             **extra,
         )
         if c.page is None:
@@ -156,7 +155,7 @@ def run(c: Case, problem, *backends, **extra):
     else:
         keys = ("q", "k_pages", "v_pages", "tables", "lengths")
         args = tuple(problem[key] for key in keys)
-    fns = [call(b) for b in backends]
+    fns = [call(path) for path in paths]
     return jax.jit(lambda *args: [fn(*args) for fn in fns])(*args)
 
 
@@ -185,19 +184,21 @@ def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5, sinks=None)
 
 
 @pytest.mark.parametrize("c", CASES, ids=str)
-def test_matches_oracle(c):
-    """backend="xla" and the kernel in the interpreter (three splits merged by lse)."""
+@pytest.mark.parametrize("path", backend_paths())
+def test_matches_oracle(path, c):
+    """Each path (in the interpreter: three splits merged by lse)."""
     problem, oracle_inputs = make_problem(c)
-    check_against_oracle(c, run(c, problem, "xla", "interpret"), oracle_inputs)
+    check_against_oracle(c, run(c, problem, path), oracle_inputs)
 
 
 @pytest.mark.parametrize("c", CASES[:2], ids=str)
-def test_sinks_match_oracle(c):
+@pytest.mark.parametrize("path", backend_paths())
+def test_sinks_match_oracle(path, c):
     """Attention sinks on the contiguous and the paged cache: the float64 softmax with a sink
     column; a token that sees no key outputs 0 with lse = its head's sink."""
     problem, oracle_inputs = make_problem(c)
     sinks = jnp.asarray(np.linspace(-2.0, 3.0, c.num_heads), jnp.float32)
-    results = run(c, problem, "xla", "interpret", sinks=sinks)
+    results = run(c, problem, path, sinks=sinks)
     check_against_oracle(c, results, oracle_inputs, sinks=np.asarray(sinks, np.float64))
     if 0 in c.lengths:
         b = c.lengths.index(0)
@@ -206,23 +207,15 @@ def test_sinks_match_oracle(c):
             want = np.broadcast_to(np.asarray(sinks)[:, None], lse.shape[1:])
             np.testing.assert_array_equal(np.asarray(lse)[b], want)
     with pytest.raises(ValueError, match=r"sinks.shape=\(3,\) must be"):
-        run(c, problem, "xla", sinks=sinks[:3])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("c", CASES, ids=str)
-def test_gpu_small_cases_match_oracle(c):
-    problem, oracle_inputs = make_problem(c)
-    check_against_oracle(c, run(c, problem, "gpu"), oracle_inputs)
+        run(c, problem, path, sinks=sinks[:3])
 
 
 @pytest.mark.gpu
 def test_bf16_within_twice_the_xla_error():
-    backend = "gpu"
     c = Case((60, 23), 3, 8, 2, 64, 64, page=16, dtype="bfloat16")
     problem, (q, k, v) = make_problem(c, seed=3)
     want, _ = oracle(q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=None, window=None)
-    (xla, _), (ours, _) = run(c, problem, "xla", backend)
+    (xla, _), (ours, _) = run(c, problem, XLA, GPU)
     xla_err = np.max(np.abs(np.asarray(xla.astype(jnp.float32)) - want))
     assert np.max(np.abs(np.asarray(ours.astype(jnp.float32)) - want)) <= 2 * xla_err + 1e-3
 
@@ -262,16 +255,17 @@ def test_gradient_through_the_reference():
     k, v = problem["k"], problem["v"]  # NaN past the lengths: their gradient must stay 0
     d_out = jnp.asarray(np.random.default_rng(1).standard_normal(problem["q"].shape), jnp.float32)
 
-    def grads(backend):
+    def grads(path):
         def loss(q, k, v):
             out = pallas_flash.decode_attention(
-                q, k, v, key_value_seq_lengths=problem["lengths"], **call_kwargs(backend)
+                q, k, v, key_value_seq_lengths=problem["lengths"], **path.kwargs
             )
             return jnp.sum(out * d_out)
 
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    both = jax.jit(lambda *args: (grads("interpret")(*args), grads("xla")(*args)))
+    interpret = BACKEND_PATHS["triton-interpret"]
+    both = jax.jit(lambda *args: (grads(interpret)(*args), grads(XLA)(*args)))
     ours, ref = both(problem["q"], k, v)
     for a, b in zip(ours, ref, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
@@ -421,7 +415,7 @@ def test_gpu_matches_oracle(c):
     want, _ = oracle(
         q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
     )
-    (xla, _), (ours, _) = run(c, problem, "xla", "gpu")
+    (xla, _), (ours, _) = run(c, problem, XLA, GPU)
     xla, ours = (np.asarray(x.astype(jnp.float32)) for x in (xla, ours))
     assert np.all(np.isfinite(ours))
     assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3

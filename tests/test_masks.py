@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    BACKEND_PATHS,
     BLOCK_SIZES,
     attention_oracle_f64,
+    backend_paths,
     masked_outputs_and_grads,
     rounded,
     sum_to_shape,
@@ -215,14 +217,13 @@ def oracle(c: Case, x64, scale: float | None = None):
 
 # -- running flash_attention ----------------------------------------------------------------------
 
-KERNEL = "kernel"  # the Triton kernels in the Pallas interpreter
-XLA = "xla"  # the plain jnp backend
+KERNEL = "triton-interpret"  # the Triton kernels in the Pallas interpreter
+XLA = "xla"  # the plain jnp backend: the tolerance rule's baseline
 
 
 def call_kwargs(c: Case, which: str) -> dict:
-    if which == KERNEL:
-        return dict(backend="triton", interpret=True, block_sizes=BLOCKS[c.block])
-    return dict(backend="xla")
+    """The call kwargs of the backend matrix's path `which`, with the case's tiles."""
+    return BACKEND_PATHS[which].call_kwargs(BLOCKS[c.block])
 
 
 def unbatch(xs):
@@ -785,18 +786,18 @@ INVALID = [
 
 
 @pytest.mark.usefixtures("no_compute")
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("path", backend_paths(mosaic=True))
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [pytest.param(*rest, id=name) for name, *rest in INVALID],
 )
-def test_invalid_mask_arguments(kwargs, error, match, backend):
+def test_invalid_mask_arguments(kwargs, error, match, path):
+    """The same error on every path, before any backend is chosen or run."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, T, N, H)).astype(np.float32)
     k, v = (rng.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
-    call = dict(backend="triton", interpret=True) if backend == "interpret" else dict(backend="xla")
-    with pytest.raises(error, match=match):
-        pallas_flash.flash_attention(q, k, v, **kwargs, **call)
+    with path.scope(), pytest.raises(error, match=match):
+        pallas_flash.flash_attention(q, k, v, **kwargs, **path.kwargs)
 
 
 @pytest.mark.usefixtures("no_compute")

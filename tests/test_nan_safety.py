@@ -1,6 +1,7 @@
 """NaN safety: out, lse and every gradient are finite wherever float64 attention of the same
-inputs is finite, on every path (backend="xla", the Triton kernels interpreted on CPU or compiled,
-the Mosaic GPU kernels in jax's Mosaic GPU interpreter or compiled).
+inputs is finite, on every path of the backend matrix (conftest.backend_paths: backend="xla", the
+Triton kernels interpreted on CPU or compiled, the default call; the Mosaic GPU kernels in jax's
+Mosaic GPU interpreter or compiled, which refuse a bias or a dense mask).
 
 - Large finite biases (-1e10, -1e30, finfo.min) on whole rows: a finite bias is not a mask, the
   row gets the softmax of its logits (the mean of V when they are all equal), as backend="xla"
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BLOCK_SIZES, attention_oracle_f64, has_gpu, to64
+from conftest import BACKEND_PATHS, BLOCK_SIZES, attention_oracle_f64, backend_paths, has_gpu, to64
 from mosaic_interpret import interpret_mosaic
 
 import pallas_flash
@@ -26,17 +27,13 @@ from pallas_flash import masks
 
 F32_MIN = float(np.finfo(np.float32).min)
 
-# "xla": plain jnp; "interpret": the Triton kernels in the Pallas interpreter; "gpu": compiled.
-PATHS = ["xla", "interpret", pytest.param("gpu", marks=pytest.mark.gpu)]
+# The checks with a bias or a dense mask run on the Mosaic paths too, which must refuse them.
+REFUSE_BIAS = backend_paths(mosaic=True, refuses={"mosaic-interpret": "bias", "mosaic": "bias"})
+REFUSE_MASK = backend_paths(mosaic=True, refuses={"mosaic-interpret": "mask", "mosaic": "mask"})
 
 
-def path_kwargs(path: str, blocks: str | None = None) -> dict:
-    if path == "xla":
-        return {"backend": "xla"}
-    kwargs = {"backend": "triton", "interpret": path == "interpret"}
-    if blocks is not None:
-        kwargs["block_sizes"] = BLOCK_SIZES[blocks]
-    return kwargs
+def path_kwargs(path, blocks: str | None = None) -> dict:
+    return path.call_kwargs(None if blocks is None else BLOCK_SIZES[blocks])
 
 
 def normal(rng, shape, dtype=jnp.float32):
@@ -78,7 +75,7 @@ def assert_close(name, got, want, *, atol, rtol=0.0, where=None):
 BIASED_ROWS = {slice(0, 3): -1e10, slice(3, 6): -1e30, slice(6, 9): F32_MIN}
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", REFUSE_BIAS)
 def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
     """Rows whose keys all carry the same large finite bias (-1e10, -1e30, finfo.min) get the
     mean of V (their logits are equal in float32: the softmax of backend="xla") and lse = bias +
@@ -95,7 +92,8 @@ def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
         bias = bias.at[:, :, rows].set(value)
     n_biased = 3 * len(BIASED_ROWS)
     kwargs = dict(bias=bias, **path_kwargs(path, "q32kv16"))
-    ((out, lse, dq, dk, dv, dbias),) = run(q, k, v, [(d_out, d_lse)], **kwargs)
+    with path.scope():
+        ((out, lse, dq, dk, dv, dbias),) = run(q, k, v, [(d_out, d_lse)], **kwargs)
 
     mean_v = np.repeat(to64(v).mean(axis=1), heads // kv_heads, axis=1)[:, None]  # [B, 1, N, H]
     for rows, value in BIASED_ROWS.items():
@@ -121,7 +119,7 @@ def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
         assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite"
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", REFUSE_BIAS)
 def test_finfo_min_bias_in_bfloat16(path):
     """bfloat16 inputs with a bfloat16 bias of finfo(bfloat16).min on whole rows (the usual
     additive padding mask) and on some keys of the other rows."""
@@ -132,12 +130,13 @@ def test_finfo_min_bias_in_bfloat16(path):
     big_neg = jnp.finfo(jnp.bfloat16).min
     bias = jnp.zeros((batch, 1, q_len, kv_len), jnp.bfloat16)
     bias = bias.at[:, :, :3].set(big_neg).at[1, :, :, 29:].set(big_neg)
-    out, lse = jax.jit(
-        functools.partial(
-            pallas_flash.flash_attention, return_residuals=True, **path_kwargs(path, "all16")
-        )
-    )(q, k, v, bias)
-    out, lse = to64(out), to64(lse)
+    with path.scope():
+        out, lse = jax.jit(
+            functools.partial(
+                pallas_flash.flash_attention, return_residuals=True, **path_kwargs(path, "all16")
+            )
+        )(q, k, v, bias)
+        out, lse = to64(out), to64(lse)
     mean_v = np.broadcast_to(to64(v).mean(1)[:, None], out[:, :3].shape)
     assert_close("out (biased rows)", out[:, :3], mean_v, atol=2e-2)
     oracle = attention_oracle_f64(
@@ -152,7 +151,7 @@ def test_finfo_min_bias_in_bfloat16(path):
     assert_close("lse", lse[..., 3:], oracle["lse"][..., 3:], atol=2e-2)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", backend_paths())
 def test_huge_logits(path):
     """Logits of |s| ~ 1e9 (head 0) and 1e30 (head 1): the softmax is one-hot at each row's
     largest logit, as in float64; lse matches to float32 precision and every gradient is finite."""
@@ -162,9 +161,10 @@ def test_huge_logits(path):
     k, v = (normal(rng, (batch, kv_len, heads, head_dim)) for _ in range(2))
     q = q * jnp.asarray([1e9, 1e30], jnp.float32)[:, None]
     d_lse = normal(rng, (batch, heads, q_len))
-    ((out, lse, *grads),) = run(
-        q, k, v, [(d_out, d_lse)], scale=0.25, **path_kwargs(path, "q16kv64")
-    )
+    with path.scope():
+        ((out, lse, *grads),) = run(
+            q, k, v, [(d_out, d_lse)], scale=0.25, **path_kwargs(path, "q16kv64")
+        )
     oracle = attention_oracle_f64(
         to64(q), to64(k), to64(v), scale=0.25, visible=np.ones((q_len, kv_len), bool)
     )
@@ -187,7 +187,7 @@ def poison(x, keys, values):
     return jnp.asarray(out, x.dtype)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", REFUSE_MASK)
 def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
     """NaN and +-inf in K and V at keys no row sees (past key lengths 37 and 20, not on a tile
     boundary; of a segment id no query has; hidden by a dense bool mask): out, lse and the
@@ -209,24 +209,25 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
         q_segment_ids=jnp.asarray(q_ids),
         kv_segment_ids=jnp.asarray(kv_ids),
         mask=jnp.asarray(mask),
-        **path_kwargs(path),
+        **path.call_kwargs(
+            pallas_flash.BlockSizes(
+                block_q=16,
+                block_kv=16,
+                block_q_dkv=16,
+                block_kv_dkv=16,
+                block_q_dq=16,
+                block_kv_dq=16,
+                kv_splits=2,
+            )
+        ),
     )
-    if path != "xla":
-        kwargs["block_sizes"] = pallas_flash.BlockSizes(
-            block_q=16,
-            block_kv=16,
-            block_q_dkv=16,
-            block_kv_dkv=16,
-            block_q_dq=16,
-            block_kv_dq=16,
-            kv_splits=2,
-        )
     q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
     k, v = (normal(rng, (batch, kv_len, kv_heads, head_dim)) for _ in range(2))
     d_lse = normal(rng, (batch, heads, q_len))
     k_bad = poison(k, hidden, [np.inf, np.nan, -np.inf])
     v_bad = poison(v, hidden, [np.nan, -np.inf, np.inf])
-    (results,) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
+    with path.scope():
+        (results,) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
     oracle = attention_oracle_f64(
         to64(q), to64(k), to64(v), to64(d_out), to64(d_lse), scale=head_dim**-0.5, visible=visible
     )
@@ -241,7 +242,7 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
         assert_close(name, got, want, atol=1e-4)
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", backend_paths())
 def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path):
     """Causal with a window of 9 keys to the left: NaN and inf at key 24 of 50 (K and V) is
     seen by rows 24-33; the rows before and after match the float64 oracle in out, lse, dq."""
@@ -255,14 +256,15 @@ def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path):
     k_bad = k.at[:, bad].set(jnp.nan)
     v_bad = v.at[:, bad].set(jnp.inf).at[:, bad, :, 0].set(jnp.nan)
     kwargs = dict(is_causal=True, local_window_size=(9, 0), **path_kwargs(path, "q32kv16"))
-    ((out, lse, dq, _, _),) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
+    with path.scope():
+        ((out, lse, dq, _, _),) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
     oracle = attention_oracle_f64(
         to64(q), to64(k), to64(v), to64(d_out), to64(d_lse), scale=head_dim**-0.5, visible=visible
     )
     assert_close("out", out[:, hidden_rows], oracle["out"][:, hidden_rows], atol=1e-5)
     assert_close("lse", lse[..., hidden_rows], oracle["lse"][..., hidden_rows], atol=1e-5)
     assert_close("dq", dq[:, hidden_rows], oracle["dq"][:, hidden_rows], atol=1e-4)
-    if path == "xla":  # the reference propagates NaN to the rows that see the key, as float64
+    if path.name == "xla":  # the reference propagates NaN to the rows that see the key, as float64
         assert np.all(np.isnan(out[:, ~hidden_rows]))
 
 
@@ -379,7 +381,11 @@ def test_gradients_with_a_bias_under_x64():
         bias = normal(rng, (batch, 1, q_len, q_len))
         ids_np = np.array([[0] * 9 + [1] * 8] * batch)
         ids = jnp.asarray(ids_np, jnp.int64)
-        kwargs = dict(is_causal=True, q_segment_ids=ids, **path_kwargs("interpret", "all16"))
+        kwargs = dict(
+            is_causal=True,
+            q_segment_ids=ids,
+            **path_kwargs(BACKEND_PATHS["triton-interpret"], "all16"),
+        )
         (results,) = run(q, k, v, [(d_out, d_lse)], bias=bias, **kwargs)
     visible = np.tril(np.ones((q_len, q_len), bool)) & (ids_np[0][:, None] == ids_np[0])
     oracle = attention_oracle_f64(

@@ -11,8 +11,9 @@ a plain attention computed in the input dtype (capped, so that a poor baseline c
 bar without limit), plus a floor, both relative to the output's magnitude; non-finite values only
 where the oracle has them (the -inf lse of rows that see no key).
 
-Paths: backend="xla" and the Triton kernels in the Pallas interpreter on CPU; on the GPU (the
-`gpu` marker) the compiled Triton kernels and backend=None. CI runs a fixed-seed slice;
+Paths: the backend matrix (conftest.backend_paths): backend="xla" and the Triton kernels in the
+Pallas interpreter on CPU; on the GPU (the `gpu` marker) the compiled Triton kernels and
+backend=None. CI runs a fixed-seed slice;
 PALLAS_FLASH_SWEEP=N runs N examples per path with fresh seeds; with PALLAS_FLASH_SWEEP_LOG=path
 each example appends one JSON line (configuration, path, violations) there instead of failing, so
 that a long sweep counts every failure.
@@ -31,6 +32,7 @@ import pytest
 from conftest import (
     MASKED_OUTPUT_NAMES,
     attention_oracle_f64,
+    backend_paths,
     masked_outputs_and_grads,
     rounded,
     sum_to_shape,
@@ -48,24 +50,11 @@ FLOOR = {"f32": 1e-5, "bf16": 1e-3, "f16": 1e-3}
 # The baseline term counts at most this much (times the magnitude).
 BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2, "f16": 1e-2}
 
-PATHS = {
-    "xla": dict(backend="xla"),
-    "interpret": dict(backend="triton", interpret=True),
-    "triton": dict(backend="triton"),
-    "default": dict(),
-}
-KERNEL_PATHS = ("interpret", "triton")  # the paths that take block_sizes
-PATH_PARAMS = [
-    "xla",
-    "interpret",
-    pytest.param("triton", marks=pytest.mark.gpu),
-    pytest.param("default", marks=pytest.mark.gpu),
-]
 
 SWEEP = int(os.environ.get("PALLAS_FLASH_SWEEP", "0"))
 SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
 # Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP.
-CI_EXAMPLES = {"xla": 8, "interpret": 4}
+CI_EXAMPLES = {"xla": 8, "triton-interpret": 4}
 GPU_EXAMPLES = 100
 
 
@@ -318,11 +307,10 @@ def oracle(c: Config, x64, vis):
 # -- the paths and the baseline -------------------------------------------------------------------
 
 
-def run_path(c: Config, xs, path: str):
-    """out, lse, dq, dk, dv, dbias of one jitted flash_attention call and its VJP."""
-    kwargs = dict(PATHS[path])
-    if path in KERNEL_PATHS and c.block is not None:
-        kwargs["block_sizes"] = BLOCKS[c.block]
+def run_path(c: Config, xs, path):
+    """out, lse, dq, dk, dv, dbias of one jitted flash_attention call and its VJP on `path` (a
+    conftest.BackendPath; the case's tiles where it takes them)."""
+    kwargs = path.call_kwargs(None if c.block is None else BLOCKS[c.block])
     return masked_outputs_and_grads(
         pallas_flash.flash_attention,
         xs,
@@ -424,7 +412,7 @@ def violations(c: Config, results, baselines, oracles) -> list[str]:
     return msgs
 
 
-def check(c: Config, seed: int, path: str):
+def check(c: Config, seed: int, path):
     xs, x64, vis = make_inputs(c, seed)
     try:
         results = run_path(c, xs, path)
@@ -444,15 +432,15 @@ def check(c: Config, seed: int, path: str):
         msgs = [f"raised {type(e).__name__}: {str(e)[:300]}"]
     if SWEEP_LOG:
         with open(SWEEP_LOG, "a") as log:
-            row = dict(path=path, seed=seed, config=dataclasses.asdict(c), violations=msgs)
+            row = dict(path=path.name, seed=seed, config=dataclasses.asdict(c), violations=msgs)
             log.write(json.dumps(row) + "\n")
         return
-    assert not msgs, f"{c} seed={seed} on {path}: " + "; ".join(msgs)
+    assert not msgs, f"{c} seed={seed} on {path.name}: " + "; ".join(msgs)
 
 
-def sweep_settings(path: str, examples: int | None = None):
+def sweep_settings(path, examples: int | None = None):
     if examples is None:
-        examples = SWEEP or CI_EXAMPLES.get(path, GPU_EXAMPLES)
+        examples = SWEEP or CI_EXAMPLES.get(path.name, GPU_EXAMPLES)
     return settings(
         max_examples=examples,
         derandomize=not SWEEP,
@@ -465,7 +453,7 @@ def sweep_settings(path: str, examples: int | None = None):
     )
 
 
-@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("path", backend_paths())
 def test_property_sweep(path):
     @sweep_settings(path)
     @given(c=configs(), seed=st.integers(0, 2**32 - 1))
@@ -490,7 +478,7 @@ def known_failing_configs(kind: str):
         for kind, reason in sorted(KNOWN_FAILING.items())
     ],
 )
-@pytest.mark.parametrize("path", PATH_PARAMS)
+@pytest.mark.parametrize("path", backend_paths())
 def test_property_known_failing(path, kind):
     """Configurations of each kind the kernels do not handle yet (skipped until they do)."""
 

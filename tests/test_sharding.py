@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import BACKEND_PATHS
 
 import pallas_flash
 from pallas_flash import sharding
@@ -218,7 +219,7 @@ def _assert_close(got, want, atol=2e-5):
         np.testing.assert_allclose(x[finite], y[finite], atol=atol, rtol=2e-5)
 
 
-INTERPRET = dict(backend="triton", interpret=True)
+INTERPRET = BACKEND_PATHS["triton-interpret"].kwargs
 
 if CHILD:
     from jax.sharding import AxisType, NamedSharding

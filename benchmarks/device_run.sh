@@ -27,7 +27,7 @@ for stage in ${@:-tests masks grid}; do
       # The float64 numpy oracle, not the GPU, is the bottleneck: the groups (';'-separated pytest
       # arguments, TEST_GROUPS) run side by side, sharing the GPU without preallocation.
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
-      groups=${TEST_GROUPS:-"tests/test_triton_forward.py;tests/test_triton_backward.py;tests/test_mosaic.py;tests --ignore=tests/test_triton_forward.py --ignore=tests/test_triton_backward.py --ignore=tests/test_mosaic.py"}
+      groups=${TEST_GROUPS:-"tests/test_triton_forward.py;tests/test_triton_backward.py;tests/test_mosaic_forward.py;tests --ignore=tests/test_triton_forward.py --ignore=tests/test_triton_backward.py --ignore=tests/test_mosaic_forward.py"}
       IFS=';' read -ra group_list <<< "$groups"
       i=0
       gpus=$(nvidia-smi -L | wc -l)

@@ -28,8 +28,8 @@ from conftest import (
 )
 from mosaic_interpret import interpret_mosaic
 from test_lowering import abstract_inputs, lower_for_h200
-from test_mosaic import GARBAGE, custom_call_targets, long_only, needs_hopper
-from test_mosaic import forward_fn as mosaic_forward_fn
+from test_mosaic_forward import GARBAGE, custom_call_targets, long_only, needs_hopper
+from test_mosaic_forward import forward_fn as mosaic_forward_fn
 
 import pallas_flash
 from pallas_flash import device as device_lib

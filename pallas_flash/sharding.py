@@ -319,49 +319,31 @@ def ring_attention(
             keys = positions[1][None, :] < jnp.asarray(key_value_seq_lengths)[:, None]
             kv_seg = jnp.where(keys, kv_seg, masks.PAD_KV_SEGMENT)
 
-    def attend(q, k, v, qs, ks, window_):
-        # A window closed on the right at the diagonal is the causal mask (and, unbounded on the
-        # left, nothing else): the kernels' causal paths, not their window paths, run it.
+    def block_options(qs, ks, window_):
+        """flash_attention's options for one block's mask. A window closed on the right at the
+        diagonal is the causal mask (and, unbounded on the left, nothing else): the kernels'
+        causal paths, not their window paths, run it."""
         causal = window_ is not None and window_[1] == 0
         if causal and window_[0] >= _UNBOUNDED:
             window_ = None
-        return flash_attention(
-            q,
-            k,
-            v,
+        return dict(
             scale=scale,
             is_causal=causal,
             q_segment_ids=qs,
             kv_segment_ids=ks,
             local_window_size=window_,
             logits_soft_cap=logits_soft_cap,
-            return_residuals=True,
             backend=backend,
             block_sizes=block_sizes,
             interpret=interpret,
         )
 
+    def attend(q, k, v, qs, ks, window_):
+        return flash_attention(q, k, v, return_residuals=True, **block_options(qs, ks, window_))
+
     def attend_backward(q, k, v, qs, ks, window_, out, lse, d_out, d_lse):
-        causal = window_ is not None and window_[1] == 0
-        if causal and window_[0] >= _UNBOUNDED:
-            window_ = None
         return flash_attention_backward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            d_out,
-            d_lse,
-            scale=scale,
-            is_causal=causal,
-            q_segment_ids=qs,
-            kv_segment_ids=ks,
-            local_window_size=window_,
-            logits_soft_cap=logits_soft_cap,
-            backend=backend,
-            block_sizes=block_sizes,
-            interpret=interpret,
+            q, k, v, out, lse, d_out, d_lse, **block_options(qs, ks, window_)
         )
 
     ring = _Ring(

@@ -231,9 +231,43 @@ def test_mosaic_refuses_and_default_runs_triton():
     assert plain.forward == "mosaic"  # the call itself is Mosaic's: dropout is what moves it
 
 
+def test_decode_refuses_dropout():
+    from pallas_flash import decode_attention, paged_attention
+
+    x = jnp.zeros((1, 1, 1, 8))
+    with pytest.raises(NotImplementedError, match="dropout_rate"):
+        decode_attention(x, x, x, key_value_seq_lengths=jnp.ones(1, jnp.int32), dropout_rate=0.1)
+    tables, lengths = jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32)
+    with pytest.raises(NotImplementedError, match="dropout_rate"):
+        paged_attention(x, x, x, tables, lengths, dropout_rate=0.1)
+
+
 @pytest.mark.gpu
 def test_compiled_mask_is_the_interpreters():
     rng = jax.random.key(4)
     want = _keep(rng, 1, 2, 40, 64, RATE)
     for name in ("triton", "default"):
         np.testing.assert_array_equal(_mask_of_kernel(BACKEND_PATHS[name], rng, None), want)
+
+
+@pytest.mark.gpu
+def test_default_path_runs_dropout_on_a_mosaic_shaped_call():
+    """bf16, H=64, whole tiles: a call the Mosaic kernels would take on Hopper without dropout;
+    with dropout the default path runs Triton and matches the reference's mask."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    shape = (2, 256, 4, 64)
+    q, k, v, d_out = (jax.random.normal(x, shape, jnp.bfloat16) for x in keys)
+    rng = jax.random.key(2)
+
+    def run(**kwargs):
+        f = lambda q, k, v: flash_attention(  # noqa: E731
+            q, k, v, is_causal=True, dropout_rate=RATE, dropout_rng=rng, **kwargs
+        )
+        out, vjp = jax.vjp(f, q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *vjp(d_out))]
+
+    got, want = run(), run(backend="xla")
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(
+            x, y, rtol=0, atol=3e-2 * max(1.0, np.abs(y).max()), err_msg=name
+        )

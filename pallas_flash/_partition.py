@@ -65,6 +65,8 @@ class _Plan:
             return P(batch, heads, None)
         if kind in ("q_seg", "kv_seg"):
             return P(batch, None)
+        if kind == "seeds":
+            return P(batch, heads)
         return P(batch if shape[0] > 1 else None, heads if shape[1] > 1 else None, None, None)
 
     def reduced_axes(self, pair_shape) -> tuple[str, ...]:
@@ -128,6 +130,7 @@ _RULES = {
     "lse": "b {n} t",
     "q_seg": "b t",
     "kv_seg": "b s",
+    "seeds": "b {n}",
 }
 
 
@@ -139,7 +142,7 @@ def leaf_kinds(values, kinds) -> tuple[str, ...]:
         if kind == "arrays":
             flat += [
                 name
-                for name, a in zip(("q_seg", "kv_seg", "pair"), x, strict=True)
+                for name, a in zip(("q_seg", "kv_seg", "pair", "seeds"), x, strict=True)
                 if a is not None
             ]
         elif x is not None:

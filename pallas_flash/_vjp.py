@@ -41,6 +41,8 @@ class KernelConfig:
     spec: MaskSpec
     scale: float
     soft_cap: float | None = None
+    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds); Triton kernels only.
+    dropout_rate: float = 0.0
     block_sizes: BlockSizes
     interpret: bool
     # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask).
@@ -61,6 +63,11 @@ class KernelConfig:
                 raise ValueError(
                     f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
                 )
+            if kernel == "mosaic" and self.dropout_rate:
+                raise NotImplementedError(
+                    f"the Mosaic GPU {pass_name} does not support dropout_rate="
+                    f"{self.dropout_rate}: the Triton kernels run dropout"
+                )
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -68,6 +75,7 @@ class KernelConfig:
             spec=self.spec,
             scale=self.scale,
             soft_cap=self.soft_cap,
+            dropout_rate=self.dropout_rate,
             block_sizes=self.block_sizes,
             interpret=self.interpret,
         )
@@ -223,7 +231,15 @@ with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
 
 def _reference(q, k, v, bias, arrays, config: KernelConfig):
     return reference_attention(
-        q, k, v, bias, arrays, spec=config.spec, scale=config.scale, soft_cap=config.soft_cap
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+        spec=config.spec,
+        scale=config.scale,
+        soft_cap=config.soft_cap,
+        dropout_rate=config.dropout_rate,
     )
 
 
@@ -273,17 +289,37 @@ def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
 # -- the "xla" path -------------------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def reference_attention_vjp(q, k, v, bias, arrays: MaskArrays, spec: MaskSpec, scale, soft_cap):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def reference_attention_vjp(
+    q, k, v, bias, arrays: MaskArrays, spec: MaskSpec, scale, soft_cap, dropout_rate=0.0
+):
     """`reference_attention` behind the same custom_vjp rule as the kernels: its gradients are
     jax's of the reference, and forward mode fails as it does on the kernels."""
-    return reference_attention(q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap)
+    return reference_attention(
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        dropout_rate=dropout_rate,
+    )
 
 
-def _reference_fwd_rule(q, k, v, bias, arrays, spec, scale, soft_cap):
+def _reference_fwd_rule(q, k, v, bias, arrays, spec, scale, soft_cap, dropout_rate):
     out_lse, vjp = jax.vjp(
         lambda q, k, v, bias: reference_attention(
-            q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
+            q,
+            k,
+            v,
+            bias,
+            arrays,
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
+            dropout_rate=dropout_rate,
         ),
         q,
         k,
@@ -293,8 +329,8 @@ def _reference_fwd_rule(q, k, v, bias, arrays, spec, scale, soft_cap):
     return out_lse, (vjp, arrays)
 
 
-def _reference_bwd_rule(spec, scale, soft_cap, residuals, cotangents):
-    del spec, scale, soft_cap
+def _reference_bwd_rule(spec, scale, soft_cap, dropout_rate, residuals, cotangents):
+    del spec, scale, soft_cap, dropout_rate
     vjp, arrays = residuals
     return *vjp(cotangents), jax.tree.map(lambda _: None, arrays)
 

@@ -20,6 +20,7 @@ class Call:
       spec: who sees whom (causal, window, segment ids or lengths, dense mask shape).
       soft_cap: the logits' soft cap, or None.
       has_bias: whether a bias is added to the logits.
+      dropout_rate: the attention dropout's rate (0: none); only the Triton kernels run it.
     """
 
     q_shape: tuple[int, int, int, int]
@@ -28,6 +29,7 @@ class Call:
     spec: MaskSpec
     soft_cap: float | None = None
     has_bias: bool = False
+    dropout_rate: float = 0.0
 
     def __post_init__(self):
         object.__setattr__(self, "q_shape", tuple(int(d) for d in self.q_shape))

@@ -30,6 +30,14 @@ _SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: w
 """
 
 
+def _refuse_dropout(dropout_rate):
+    if dropout_rate:
+        raise NotImplementedError(
+            f"dropout_rate={dropout_rate!r}: decode_attention and paged_attention have no "
+            "attention dropout; flash_attention runs it"
+        )
+
+
 def decode_attention(
     query,
     key_cache,
@@ -44,6 +52,7 @@ def decode_attention(
     backend: str | None = None,
     block_sizes: DecodeBlockSizes | None = None,
     interpret: bool | None = None,
+    dropout_rate: float = 0.0,
 ):
     """Attention of a few new tokens per sequence over a KV cache (flash-decoding).
 
@@ -79,12 +88,15 @@ def decode_attention(
         a GPU or with interpret=True, else "xla").
       block_sizes: the kernel's tiles (`DecodeBlockSizes`); None picks them.
       interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
+      dropout_rate: only 0: decoding has no attention dropout (NotImplementedError otherwise;
+        `flash_attention` has it).
 
     Returns:
       out, or (out, lse) when return_residuals. A token that sees no key (L = 0) outputs
       zeros with lse = -inf. Differentiable in query, key_cache and value_cache: the kernel
       has no backward of its own, and gradients come from the reference (backend="xla").
     """
+    _refuse_dropout(dropout_rate)
     query, key_cache, value_cache = _check_arrays(
         query, key_cache, value_cache, ("key_cache", "value_cache")
     )
@@ -129,6 +141,7 @@ def paged_attention(
     backend: str | None = None,
     block_sizes: DecodeBlockSizes | None = None,
     interpret: bool | None = None,
+    dropout_rate: float = 0.0,
 ):
     """`decode_attention` over a paged KV cache (vLLM's layout).
 
@@ -152,6 +165,7 @@ def paged_attention(
 
     Args and returns as `decode_attention` (lengths is its key_value_seq_lengths).
     """
+    _refuse_dropout(dropout_rate)
     query, key_pages, value_pages = _check_arrays(
         query, key_pages, value_pages, ("key_pages", "value_pages")
     )

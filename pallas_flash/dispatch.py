@@ -8,7 +8,8 @@ API, the tuner and the decode API all choose here.
 With backend=None on a GPU of compute capability >= 8.0:
 
 - Forward: the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
-  Triton's split-KV forward does better) and the user gave no `block_sizes`; else Triton.
+  Triton's split-KV forward does better), the user gave no `block_sizes` and the call has no
+  dropout; else Triton.
 - Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs, unless
   `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton measured faster
   there); else Triton.
@@ -107,6 +108,7 @@ def choose(
         spec=call.spec,
         scale=scale,
         soft_cap=call.soft_cap,
+        dropout_rate=call.dropout_rate,
         block_sizes=block_sizes,
         interpret=interpret,
         forward=forward,
@@ -171,6 +173,13 @@ def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> Mosai
 def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -> str:
     """The forward kernel of a Pallas call: "mosaic" or "triton"."""
     if kind == "triton":
+        return "triton"
+    if call.dropout_rate:
+        if kind == "mosaic":
+            raise NotImplementedError(
+                f"backend='mosaic' does not support dropout_rate={call.dropout_rate}; "
+                "backend='triton' or None runs it"
+            )
         return "triton"
     gap = mosaic.why_not_forward(call, device, tiles)
     if kind == "mosaic":

@@ -3,14 +3,15 @@
 
 Flax hands an `attention_fn` arrays of shape `[batch..., length, heads, features]` (any number of
 batch dims, including none), masks that may be float and that broadcast to
-`[batch..., heads, q_length, kv_length]`, and dropout / weight-sowing requests that the kernels
-cannot serve. This module
+`[batch..., heads, q_length, kv_length]`, attention dropout, and weight-sowing requests that the
+kernels cannot serve. This module
 
 * flattens the batch dims into the one batch dim of the kernels (and back);
 * turns masks into the boolean masks of the kernels' mask path (nonzero = attend, as Flax's
   `jnp.where(mask, ...)` reads them);
-* routes a call with active dropout, or one that must sow its attention weights, to Flax's own
-  attention (warning once per process and reason), so that dropout is never skipped;
+* runs active dropout in the kernels (their keep-mask, drawn from Flax's dropout rng);
+* routes a call that must sow its attention weights to Flax's own attention (warning once per
+  process);
 * binds the options of the pallas_flash modules (`is_causal`, segment ids, backend, ...) into
   their `attention_fn`;
 * runs the modules' decode steps through `decode_attention` over the cache's filled slots
@@ -38,8 +39,8 @@ from pallas_flash.decode import decode_attention
 class FallbackWarning(UserWarning):
     """A call ran Flax's own attention instead of the pallas_flash kernels.
 
-    Emitted once per process and reason: for attention dropout (the kernels have no dropout
-    yet) and for sowing the attention weights (the kernels never materialise them).
+    Emitted once per process and reason: for sowing the attention weights (the kernels never
+    materialise them).
     """
 
 
@@ -57,12 +58,6 @@ def _warn_once(reason: str, message: str) -> None:
 
 
 _FALLBACK_MESSAGES = {
-    "dropout": (
-        "pallas_flash: attention dropout (dropout_rate > 0, deterministic=False) has no kernel "
-        "yet; calls with active dropout run Flax's own dot_product_attention, which "
-        "materialises the [B, N, T, S] weights. Deterministic calls use the kernels. "
-        "(Warned once per process.)"
-    ),
     "module": (
         "pallas_flash: sowing the attention weights (sow_weights=True / module=...) needs the "
         "materialised weights; such calls run Flax's own dot_product_attention. "
@@ -72,7 +67,6 @@ _FALLBACK_MESSAGES = {
 
 
 _FALLBACK_WHAT = {
-    "dropout": "active attention dropout",
     "module": "sowing the attention weights",
 }
 
@@ -213,6 +207,8 @@ def attention(
     flax_attention,
     kv_cache_length=None,
     sinks=None,
+    dropout_rate: float = 0.0,
+    dropout_rng=None,
 ):
     """The shared body of both drop-in functions, after each has promoted the dtypes.
 
@@ -221,7 +217,7 @@ def attention(
       bias, mask: broadcastable to `[batch..., N, T, S]`; mask of any dtype, nonzero = attend.
       is_causal, q_segment_ids, kv_segment_ids, backend, interpret, block_sizes: as in
         `flash_attention` (segment ids with the batch dims: `[batch..., T]`, `[batch..., S]`).
-      fallback_reason: None, "dropout" or "module": why this call cannot use the kernels.
+      fallback_reason: None or "module": why this call cannot use the kernels.
       flax_attention: `f(query, key, value, bias, mask) -> out`, Flax's own attention with the
         call's dropout/module arguments bound, taking a bool mask of rank `query.ndim`; called
         only for a fallback.
@@ -230,6 +226,9 @@ def attention(
         are its last tokens, and `mask` is Flax's cache-occupancy mask (`arange(S) < length`),
         which `decode_attention` replaces by reading the filled slots only.
       sinks: None, or float `[N]`: attention sinks (see `flash_attention`).
+      dropout_rate, dropout_rng: the kernels' attention dropout (see `flash_attention`); the
+        callers pass a rate of 0 unless dropout is active. A decode step with active dropout
+        runs `flash_attention` with the cache mask.
 
     Returns:
       `[batch..., T, N, H]`. Query rows that see no key output zeros on both paths (Flax's own
@@ -261,7 +260,13 @@ def attention(
     def flat(x):
         return jnp.reshape(x, (batch, *x.shape[-3:]))
 
-    if kv_cache_length is not None and bias is None and not is_causal and q_ids is None:
+    if (
+        kv_cache_length is not None
+        and bias is None
+        and not is_causal
+        and q_ids is None
+        and not dropout_rate
+    ):
         lengths = jnp.minimum(jnp.asarray(kv_cache_length, jnp.int32), kv_len)
         out = decode_attention(
             flat(query),
@@ -284,6 +289,8 @@ def attention(
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
         sinks=sinks,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,

@@ -165,12 +165,14 @@ class MaskArrays(NamedTuple):
 
     q_segment_ids [B, T], kv_segment_ids [B, S]: int32, with sequence lengths folded in (rows and
     keys past their length carry PAD_Q_SEGMENT / PAD_KV_SEGMENT). mask: int8 (0/1), 4-D with
-    broadcast dims of size 1.
+    broadcast dims of size 1. dropout_seeds [B, N]: int32, the dropout hash's seed of each
+    (batch entry, query head) (see `pallas_flash._dropout`), present when dropout is on.
     """
 
     q_segment_ids: jax.Array | None = None
     kv_segment_ids: jax.Array | None = None
     mask: jax.Array | None = None
+    dropout_seeds: jax.Array | None = None
 
 
 def pair_segment_ids(q_segment_ids, kv_segment_ids, q_len: int, kv_len: int):

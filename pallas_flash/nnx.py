@@ -81,8 +81,10 @@ def dot_product_attention(
       mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
         as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.
       broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
-        Active dropout (`dropout_rate > 0` and not `deterministic`) runs this call through
-        Flax's own attention, with its dropout, and warns once (`FallbackWarning`).
+        Active dropout (`dropout_rate > 0` and not `deterministic`) runs in the kernels
+        (`flash_attention`'s dropout_rate and dropout_rng): the same rate, a different mask
+        sample than Flax's (a hash of dropout_rng and the positions). The mask is drawn per
+        batch entry and head whatever `broadcast_dropout` says.
       dtype: the computation dtype; None infers it from the inputs.
       precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
         at full precision. An explicit dot algorithm raises NotImplementedError.
@@ -103,7 +105,7 @@ def dot_product_attention(
       sinks: None, or float `[N]`: attention sinks, one learned logit per query head in each
         row's softmax denominator (see `pallas_flash.flash_attention`); the modules pass their
         `sinks` parameter when built with `attention_sinks=True`. Not with a fallback to Flax's
-        attention (active dropout, sown weights): NotImplementedError.
+        attention (sown weights): NotImplementedError.
 
     Returns:
       `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
@@ -144,10 +146,12 @@ def dot_product_attention(
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,
-        fallback_reason="dropout" if dropout else ("module" if module is not None else None),
+        fallback_reason="module" if module is not None else None,
         flax_attention=flax_attention,
         kv_cache_length=kv_cache_length,
         sinks=sinks,
+        dropout_rate=dropout_rate if dropout else 0.0,
+        dropout_rng=dropout_rng if dropout else None,
     )
 
 

@@ -5,14 +5,27 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import masks
+from pallas_flash import _dropout, masks
 from pallas_flash.masks import MaskArrays, MaskSpec
 
 
 def reference_attention(
-    q, k, v, bias, arrays: MaskArrays, *, spec: MaskSpec, scale: float, soft_cap=None
+    q,
+    k,
+    v,
+    bias,
+    arrays: MaskArrays,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap=None,
+    dropout_rate: float = 0.0,
 ):
     """(out [B, T, N, H], lse [B, N, T]) by materialising the [B, N, T, S] logits.
+
+    With dropout_rate > 0, P.V uses P with the entries `_dropout.keep` drops set to 0 and the
+    others scaled by 1 / (1 - dropout_rate) (seeds in arrays.dropout_seeds); lse is the
+    un-dropped softmax's.
 
     Logits and softmax in f32, P cast to the value dtype for the second product (as the kernels
     do). Rows that see no key output 0 with lse = -inf, and their gradients are 0, not NaN.
@@ -29,6 +42,12 @@ def reference_attention(
     empty = row_sum == 0.0
     row_sum_safe = jnp.where(empty, 1.0, row_sum)
     probs = unnormalised / row_sum_safe
+    if dropout_rate:
+        seeds = arrays.dropout_seeds.reshape(batch, num_kv_heads, group, 1, 1)
+        rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
+        cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :]
+        kept = _dropout.keep(seeds, rows, cols, dropout_rate)
+        probs = probs * _dropout.kept_scale(kept, dropout_rate)
     out = jnp.einsum(
         "bkgts,bskh->btkgh",
         probs.astype(v.dtype),

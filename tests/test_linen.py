@@ -32,6 +32,7 @@ from flax_helpers import (
     sink_attention,
 )
 
+import pallas_flash
 import pallas_flash.linen as pfl
 from pallas_flash import flax_common
 
@@ -153,23 +154,48 @@ def test_decode_with_cache(monkeypatch):
     assert_close(jnp.concatenate(outs, axis=1), full)
 
 
-def test_dropout_takes_flax_path_and_warns_once(fresh_warnings):
+def _reference_dropout_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    deterministic=False,
+    **kwargs,
+):
+    """Flax's attention_fn on pallas_flash's "xla" reference with its dropout: the mask the
+    kernels must apply (Flax's own dropout draws another one)."""
+    active = dropout_rate > 0 and not deterministic
+    return pallas_flash.flash_attention(
+        query,
+        key,
+        value,
+        is_causal=True,
+        dropout_rate=dropout_rate if active else 0.0,
+        dropout_rng=dropout_rng if active else None,
+        backend="xla",
+    )
+
+
+def test_dropout_runs_in_the_kernels():
     x = inputs()
-    ours = pfl.MultiHeadDotProductAttention(num_heads=HEADS, dropout_rate=0.5, is_causal=True)
-    ref = flax_module(dropout_rate=0.5)
+    ours = pfl.MultiHeadDotProductAttention(
+        num_heads=HEADS, dropout_rate=0.5, is_causal=True, **KERNELS
+    )
+    ref = flax_module(dropout_rate=0.5, attention_fn=_reference_dropout_attention)
     variables = ref.init(jax.random.key(1), x, deterministic=True)
-    mask = nn.make_causal_mask(jnp.ones((B, T)))
     rng = jax.random.key(7)
-    with pytest.warns(pfl.FallbackWarning, match="dropout"):
-        dropped = ours.apply(variables, x, deterministic=False, dropout_rng=rng)
-    # Once per process: a second call is silent (pytest turns warnings into errors).
-    dropped_again = ours.apply(variables, x, deterministic=False, dropout_rng=rng)
-    kept = ref.apply(variables, x, mask=mask, deterministic=True)
+    # No FallbackWarning (pytest turns warnings into errors).
+    dropped = ours.apply(variables, x, deterministic=False, dropout_rng=rng)
+    assert_close(dropped, ref.apply(variables, x, deterministic=False, dropout_rng=rng))
+    kept = ours.apply(variables, x, deterministic=True)
+    assert_close(kept, ref.apply(variables, x, deterministic=True))
     assert np.abs(np.asarray(dropped - kept)).max() > 1e-2
-    # Flax's dropout semantics exactly: same rng, same mask of dropped weights.
-    ref_dropped = ref.apply(variables, x, mask=mask, deterministic=False, dropout_rng=rng)
-    assert_close(dropped, ref_dropped)
-    assert_close(dropped_again, ref_dropped)
+    other = ours.apply(variables, x, deterministic=False, dropout_rng=jax.random.key(8))
+    assert np.abs(np.asarray(dropped - other)).max() > 1e-2
 
 
 def test_sow_weights_takes_flax_path(fresh_warnings):

@@ -32,6 +32,7 @@ from flax_helpers import (
     sink_attention,
 )
 
+import pallas_flash
 import pallas_flash.nnx as pfn
 from pallas_flash import flax_common
 
@@ -148,25 +149,55 @@ def test_decode_with_cache_gqa(monkeypatch):
     assert_close(jnp.concatenate(outs, axis=1), ref(x, is_causal=True, decode=False))
 
 
-def test_dropout_takes_flax_path_and_warns_once(fresh_warnings):
+def _reference_dropout_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    deterministic=False,
+    **kwargs,
+):
+    """Flax's attention_fn on pallas_flash's "xla" reference with its dropout: the mask the
+    kernels must apply (Flax's own dropout draws another one)."""
+    active = dropout_rate > 0 and not deterministic
+    return pallas_flash.flash_attention(
+        query,
+        key,
+        value,
+        is_causal=True,
+        dropout_rate=dropout_rate if active else 0.0,
+        dropout_rng=dropout_rng if active else None,
+        backend="xla",
+    )
+
+
+def test_dropout_runs_in_the_kernels():
     x = inputs()
-    ref = flax_module(dropout_rate=0.5)
+    ref = flax_module(dropout_rate=0.5, attention_fn=_reference_dropout_attention)
     ours = same_params(
         pfn.MultiHeadAttention(
-            HEADS, FEATURES, dropout_rate=0.5, is_causal=True, decode=False, rngs=nnx.Rngs(5)
+            HEADS,
+            FEATURES,
+            dropout_rate=0.5,
+            is_causal=True,
+            decode=False,
+            rngs=nnx.Rngs(5),
+            **KERNELS,
         ),
         ref,
     )
-    with pytest.warns(pfn.FallbackWarning, match="dropout"):
-        dropped = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
-    # Once per process: a second call is silent (pytest turns warnings into errors).
-    dropped_again = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
-    kept = ref(x, deterministic=True, is_causal=True)
+    # No FallbackWarning (pytest turns warnings into errors).
+    dropped = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=7))
+    assert_close(dropped, ref(x, deterministic=False, rngs=nnx.Rngs(dropout=7)))
+    kept = ours(x, deterministic=True)
+    assert_close(kept, ref(x, deterministic=True))
     assert np.abs(np.asarray(dropped - kept)).max() > 1e-2
-    # Flax's dropout semantics exactly: same rng, same mask of dropped weights.
-    ref_dropped = ref(x, deterministic=False, is_causal=True, rngs=nnx.Rngs(dropout=7))
-    assert_close(dropped, ref_dropped)
-    assert_close(dropped_again, ref_dropped)
+    other = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=8))
+    assert np.abs(np.asarray(dropped - other)).max() > 1e-2
 
 
 def test_sow_weights_takes_flax_path(fresh_warnings):
@@ -274,7 +305,7 @@ def test_training_step_matches_flax():
 def test_attention_sinks_parameter():
     """attention_sinks=True adds a learned `sinks` [num_heads] parameter: the module equals
     Flax's with a sink-column softmax, the sinks get gradients, decode steps use them too,
-    and a Flax fallback (active dropout) refuses them."""
+    and they combine with the kernels' dropout."""
     x = inputs(shape=(B, 12, FEATURES))
     ours = pfn.MultiHeadAttention(
         HEADS, FEATURES, is_causal=True, attention_sinks=True, decode=False, rngs=nnx.Rngs(0)
@@ -296,5 +327,7 @@ def test_attention_sinks_parameter():
     dropping = pfn.MultiHeadAttention(
         HEADS, FEATURES, attention_sinks=True, dropout_rate=0.5, decode=False, rngs=nnx.Rngs(0)
     )
-    with pytest.raises(NotImplementedError, match="sinks with active attention dropout"):
-        dropping(x, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    dropping.sinks[...] = ours.sinks[...]
+    dropped = dropping(x, deterministic=False, rngs=nnx.Rngs(dropout=1))
+    assert np.isfinite(np.asarray(dropped)).all()
+    assert np.abs(np.asarray(dropped - dropping(x, deterministic=True))).max() > 1e-2

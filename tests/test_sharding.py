@@ -322,6 +322,27 @@ if CHILD:
         want = jax.jit(_value_and_grads(args, d_out, backend="xla"))(*args)
         _assert_close((value, grads), want, atol=1e-4)
 
+    def test_dropout_mask_is_global_under_sharding():
+        """Batch and head sharding: every shard reads its own (batch, head) seeds, so the
+        sharded kernels apply the unsharded call's keep-mask (values and gradients)."""
+        (q, k, v, _, _), d_out = _batch_head_problem()
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+        rng = jax.random.key(5)
+
+        def value_and_grads(**kwargs):
+            def loss(q, k, v):
+                out = pallas_flash.flash_attention(
+                    q, k, v, is_causal=True, dropout_rate=0.3, dropout_rng=rng, **kwargs
+                )
+                return jnp.sum(out * d_out)
+
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+        got = jax.jit(value_and_grads(**INTERPRET), in_shardings=(qkv,) * 3)(q, k, v)
+        want = jax.jit(value_and_grads(backend="xla"))(q, k, v)
+        _assert_close(got, want, atol=1e-4)
+
     def test_vmapped_call_stays_partitioned():
         """Under jax.vmap (the mapped axis leading, sharded operands inside) the kernels still
         run per shard: the mapped axis folds into the batch. Forward and backward."""

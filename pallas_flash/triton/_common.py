@@ -219,7 +219,7 @@ def softmax_init(rows: int, hp: int):
     )
 
 
-def softmax_step(carry, u, v, unit: float, visible=None):
+def softmax_step(carry, u, v, unit: float, visible=None, keep=None):
     """One KV tile of the online softmax: m_i is the running max of u (the logits in the units
     of `scores`), l_i the running sum of p, acc the unnormalised output (normalised once in
     `softmax_store`, FA2 change 1). unit: `logit_unit`, the natural-log logit of one unit of u.
@@ -228,6 +228,9 @@ def softmax_step(carry, u, v, unit: float, visible=None):
     tile. Hidden logits become -inf, so p is exactly 0 with no select on p (m_i is finite), also
     for a NaN key; and V is zeroed where it is NaN or inf, since a row's hidden keys (padding,
     another document, a later new token) would otherwise reach it through 0 * NaN in p.v.
+
+    keep: None, or the dropout keep-mask of the tile: dropped p leave p.v but stay in l_i (the
+    softmax's sum), whose 1 / (1 - rate) `softmax_store` applies.
     """
     acc, m_i, l_i = carry
     unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
@@ -238,17 +241,24 @@ def softmax_step(carry, u, v, unit: float, visible=None):
     alpha = jnp.exp2((m_i - m_new) * unit2)
     p = jnp.exp2((u - m_new[:, None]) * unit2)
     l_i = l_i * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
+    p_v = p if keep is None else jnp.where(keep, p, 0.0)
+    acc = acc * alpha[:, None] + dot(p_v.astype(v.dtype), v)
     return acc, m_new, l_i
 
 
-def softmax_store(carry, unit: float, o_ref, lse_ref, block: int, rows, head_dim: int):
-    """The epilogue: stores out = acc / l_i and the natural-log lse of the first `rows` rows of
-    the tile. Rows that saw no key (l_i == 0) output 0 and have lse = -inf."""
+def softmax_store(
+    carry, unit: float, o_ref, lse_ref, block: int, rows, head_dim: int, out_scale: float = 1.0
+):
+    """The epilogue: stores out = acc / l_i (times out_scale, dropout's 1 / (1 - rate)) and the
+    natural-log lse of the first `rows` rows of the tile. Rows that saw no key (l_i == 0) output
+    0 and have lse = -inf."""
     acc, m_i, l_i = carry
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
-    store_rows(o_ref, acc / l_safe[:, None], 0, block, rows, head_dim)
+    out = acc / l_safe[:, None]
+    if out_scale != 1.0:
+        out = out * out_scale
+    store_rows(o_ref, out, 0, block, rows, head_dim)
     lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
     tile_rows = lax.broadcasted_iota(jnp.int32, (block,), 0)
     plgpu.store(lse_ref, lse, mask=tile_rows < rows)
@@ -270,9 +280,9 @@ def split_weights(lse, splits: int):
 
 class Operands:
     """Named view of a kernel's optional refs, in the order the wrappers pass them:
-    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?."""
+    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?, dropout seeds?."""
 
-    def __init__(self, refs, spec, *, has_bias: bool):
+    def __init__(self, refs, spec, *, has_bias: bool, has_dropout: bool = False):
         refs = list(refs)
         take = lambda present: refs.pop(0) if present else None  # noqa: E731
         self.bias = take(has_bias)
@@ -280,4 +290,5 @@ class Operands:
         self.kv_seg = take(spec.has_segments)
         self.mask = take(spec.mask_shape is not None)
         self.ranges = take(spec.has_arrays)
+        self.seeds = take(has_dropout)
         assert not refs, "unexpected extra refs"

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flash import masks
+from pallas_flash import _dropout, masks
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -42,6 +42,7 @@ from pallas_flash.triton.forward import (
     tile_bias,
     tile_sizes,
     tile_visible,
+    with_seeds,
 )
 from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
 
@@ -62,6 +63,7 @@ def _dkv_kernel(
     block_q: int,
     block_kv: int,
     has_bias: bool,
+    dropout_rate: float = 0.0,
 ):
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
@@ -69,10 +71,11 @@ def _dkv_kernel(
     lse_ref holds lse / logit_unit (see `scores`), +inf for rows that see no key (P == 0 there).
     Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
     Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
-    transposing P and dS.
+    transposing P and dS. With dropout, the dropout seeds [B, N] come last; the keep-mask is
+    regenerated from the same global indices as in the forward.
     """
     *refs, dk_ref, dv_ref = refs
-    ops = Operands(refs, spec, has_bias=has_bias)
+    ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0)
     kv_tile, kv_head, batch = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kv_start = kv_tile * block_kv
     kv_rows = spec.kv_len - kv_start
@@ -94,7 +97,7 @@ def _dkv_kernel(
 
     unit = logit_unit(scale, has_bias, soft_cap)
 
-    def body(i, carry, *, head, masked: bool):
+    def body(i, carry, *, head, seed, masked: bool):
         dk, dv = carry
         q_start = pl.multiple_of(i * block_q, block_q)
         q = load_rows(q_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
@@ -118,9 +121,19 @@ def _dkv_kernel(
             p_t = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p_t, 0.0)
             # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dS.
             v_tile = finite_or_zero(v)
-        dv = dv + dot(p_t.astype(do.dtype), do)
+        dp_t = dot(v_tile, do, trans_b=True)
+        if seed is None:
+            dv = dv + dot(p_t.astype(do.dtype), do)
+        else:
+            # O = (P * Z) V with Z = keep / (1 - rate): dV = (P * Z)^T dO, dP = Z * (dO V^T).
+            q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
+            z_t = _dropout.kept_scale(
+                _dropout.keep(seed, q_idx, kv_idx, dropout_rate), dropout_rate
+            )
+            dv = dv + dot((p_t * z_t).astype(do.dtype), do)
+            dp_t = dp_t * z_t
         # -- dS^T = P^T * (dP^T - delta), through the soft cap --
-        ds_t = p_t * (dot(v_tile, do, trans_b=True) - delta[None, :])
+        ds_t = p_t * (dp_t - delta[None, :])
         if dcap_t is not None:
             ds_t = ds_t * dcap_t
         dk = dk + dot(ds_t.astype(q.dtype), q)
@@ -130,10 +143,11 @@ def _dkv_kernel(
 
     def head_body(head, carry):
         ranges = static_range
+        n = kv_head * group + head
         if ops.ranges is not None:
-            n = kv_head * group + head
             ranges = masks.intersect(ranges, load_range(ops.ranges, batch, n, kv_tile))
-        return visit_tiles(ranges, functools.partial(body, head=head), carry)
+        seed = None if ops.seeds is None else ops.seeds[batch, n]
+        return visit_tiles(ranges, functools.partial(body, head=head, seed=seed), carry)
 
     hp = k_ref.shape[-1]
     zeros = jnp.zeros((block_kv, hp), jnp.float32)
@@ -142,16 +156,22 @@ def _dkv_kernel(
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
 
 
-def tile_d_logits(q, k, v, do, lse_u, delta, bias, visible, *, scale: float, soft_cap):
+def tile_d_logits(
+    q, k, v, do, lse_u, delta, bias, visible, *, scale: float, soft_cap, kept_scale=None
+):
     """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
-    from lse_u (lse / logit_unit), zero where `visible` (None: everywhere visible) is False."""
+    from lse_u (lse / logit_unit), zero where `visible` (None: everywhere visible) is False.
+    kept_scale: None, or dropout's Z (1 / (1 - rate) where kept, else 0): dP = Z * (dO V^T)."""
     u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
     p = recomputed_probs(u, lse_u[:, None], logit_unit(scale, bias is not None, soft_cap))
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
         # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dP.
         v = finite_or_zero(v)
-    ds = p * (dot(do, v, trans_b=True) - delta[:, None])
+    dp = dot(do, v, trans_b=True)
+    if kept_scale is not None:
+        dp = dp * kept_scale
+    ds = p * (dp - delta[:, None])
     return ds if dcap is None else ds * dcap
 
 
@@ -170,6 +190,7 @@ def _dq_kernel(
     block_q: int,
     block_kv: int,
     has_bias: bool,
+    dropout_rate: float = 0.0,
 ):
     """dQ of one query tile of one head: loop over KV tiles.
 
@@ -177,9 +198,10 @@ def _dq_kernel(
     Optional operands as in the forward kernel.
     """
     *refs, dq_ref = refs
-    ops = Operands(refs, spec, has_bias=has_bias)
+    ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2)
+    seed = None if ops.seeds is None else ops.seeds[batch, head]
     q_start = tile * block_q
     q_rows = spec.q_len - q_start
     ragged_q = spec.q_len % block_q != 0
@@ -203,7 +225,13 @@ def _dq_kernel(
         visible = None
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
-        ds = tile_d_logits(q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap)
+        z = None
+        if seed is not None:
+            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            z = _dropout.kept_scale(_dropout.keep(seed, q_idx, kv_idx, dropout_rate), dropout_rate)
+        ds = tile_d_logits(
+            q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
+        )
         if masked:
             # dS is 0 at hidden keys, but 0 * NaN in dS.K is not.
             k = finite_or_zero(k)
@@ -236,6 +264,7 @@ def _dbias_kernel(
     heads: int,
     sum_rows: bool,
     sum_cols: bool,
+    dropout_rate: float = 0.0,
 ):
     """dBias of one query tile of one (bias batch, bias head), summed over the bias's broadcast
     dims in registers: the loop over KV tiles sums, inside, over the `batches` x `heads` (batch,
@@ -251,7 +280,7 @@ def _dbias_kernel(
     [block_q|1, S|1].
     """
     *refs, out_ref = refs
-    ops = Operands(refs, spec, has_bias=True)
+    ops = Operands(refs, spec, has_bias=True, has_dropout=dropout_rate > 0)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     bias_head, bias_batch = pl.program_id(1), pl.program_id(2)
     q_start = tile * block_q
@@ -320,8 +349,14 @@ def _dbias_kernel(
                 seg_lead=(bi,),
                 mask_lead=mask_lead,
             )
+        z = None
+        if ops.seeds is not None:
+            # The global (batch, head) of pair m: blocks of `batches` x `heads` pairs.
+            seed = ops.seeds[bias_batch * batches + bi, bias_head * heads + ni]
+            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            z = _dropout.kept_scale(_dropout.keep(seed, q_idx, kv_idx, dropout_rate), dropout_rate)
         return tile_d_logits(
-            q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap
+            q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
         )
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -405,6 +440,7 @@ def flash_backward(
     soft_cap,
     block_sizes: BlockSizes,
     interpret: bool,
+    dropout_rate: float = 0.0,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
@@ -435,6 +471,7 @@ def flash_backward(
         block_q=block_q,
         block_kv=block_kv,
         has_bias=has_bias,
+        dropout_rate=dropout_rate,
     )
     kv_tile = pl.BlockSpec((None, block_kv, None, hp), lambda j, h, b: (b, j, h, 0))
     q_group = pl.BlockSpec((None, q_len, group, hp), lambda j, h, b: (b, 0, h, 0))
@@ -465,6 +502,7 @@ def flash_backward(
     if ranges is not None:
         operands.append(ranges)
         in_specs.append(pl.BlockSpec(ranges.shape, lambda j, h, b: (0, 0, 0, 0)))
+    operands, in_specs = with_seeds(operands, in_specs, arrays, dropout_rate)
     dk, dv = pl.pallas_call(
         dkv_kernel,
         grid=(pl.cdiv(kv_len, block_kv), num_kv_heads, batch),
@@ -491,6 +529,7 @@ def flash_backward(
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
+    extra, extra_specs = with_seeds(extra, extra_specs, arrays, dropout_rate)
 
     dq = pl.pallas_call(
         functools.partial(
@@ -502,6 +541,7 @@ def flash_backward(
             block_q=block_q,
             block_kv=block_kv,
             has_bias=has_bias,
+            dropout_rate=dropout_rate,
         ),
         grid=(pl.cdiv(q_len, block_q), num_heads, batch),
         in_specs=in_specs + extra_specs,
@@ -531,6 +571,7 @@ def flash_backward(
             block_kv=block_kv,
             block_sizes=block_sizes,
             interpret=interpret,
+            dropout_rate=dropout_rate,
         )
     return dq, dk, dv, dbias
 
@@ -552,6 +593,7 @@ def _dbias(
     block_kv,
     block_sizes,
     interpret,
+    dropout_rate=0.0,
 ):
     """dBias with the bias's shape [Bb, Nb, Tb, Sb], summed over its broadcast dims in the kernel
     (_dbias_kernel); over queries, the per-query-tile sums are added here (in float32)."""
@@ -612,6 +654,7 @@ def _dbias(
     if ranges is not None:
         operands.append(ranges)
         in_specs.append(pl.BlockSpec(ranges.shape, lambda i, n, b: (0, 0, 0, 0)))
+    operands, in_specs = with_seeds(operands, in_specs, arrays, dropout_rate)
     kernel = functools.partial(
         _dbias_kernel,
         spec=spec,
@@ -625,6 +668,7 @@ def _dbias(
         heads=heads,
         sum_rows=sum_rows,
         sum_cols=sum_cols,
+        dropout_rate=dropout_rate,
     )
     num_q_tiles = pl.cdiv(q_len, block_q)
     out_rows, out_cols = (1 if sum_rows else block_q), (1 if sum_cols else kv_len)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_flash import masks
+from pallas_flash import _dropout, masks
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
@@ -43,6 +43,7 @@ def _forward_kernel(
     block_kv: int,
     has_bias: bool,
     kv_splits: int,
+    dropout_rate: float = 0.0,
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
@@ -50,9 +51,10 @@ def _forward_kernel(
     (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
     With kv_splits > 1 the third grid axis is batch * kv_splits and the program covers one
     contiguous chunk of the KV tiles; o_ref and lse_ref then hold that chunk's partial result.
+    With dropout_rate > 0 the last optional operand is the dropout seeds [B, N].
     """
     *refs, o_ref, lse_ref = refs
-    ops = Operands(refs, spec, has_bias=has_bias)
+    ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2) // kv_splits
     q_start = tile * block_q
@@ -69,6 +71,7 @@ def _forward_kernel(
         )[:, None]
 
     unit = logit_unit(scale, ops.bias is not None, soft_cap)
+    seed = None if ops.seeds is None else ops.seeds[batch, head]
 
     def body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
@@ -80,7 +83,11 @@ def _forward_kernel(
         visible = None
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
-        return softmax_step(carry, u, v, unit, visible)
+        keep = None
+        if seed is not None:
+            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+            keep = _dropout.keep(seed, q_idx, kv_idx, dropout_rate)
+        return softmax_step(carry, u, v, unit, visible, keep)
 
     carry = softmax_init(block_q, q_ref.shape[-1])
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -91,7 +98,8 @@ def _forward_kernel(
         split = pl.program_id(2) % kv_splits
         ranges = masks.intersect(ranges, (split * chunk,) * 2 + ((split + 1) * chunk,) * 2)
     carry = visit_tiles(ranges, body, carry)
-    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, head_dim)
+    out_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
+    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, head_dim, out_scale)
 
 
 def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, block_kv: int):
@@ -183,6 +191,15 @@ def mask_operands(spec: MaskSpec, arrays: MaskArrays, block_q: int, q_tile, rang
     return operands, in_specs
 
 
+def with_seeds(operands, in_specs, arrays: MaskArrays, dropout_rate: float):
+    """operands and in_specs, with the dropout seeds [B, N] (whole, read one scalar per program)
+    appended when dropout_rate > 0."""
+    if not dropout_rate:
+        return operands, in_specs
+    seeds = arrays.dropout_seeds
+    return [*operands, seeds], [*in_specs, pl.BlockSpec(seeds.shape, lambda *_: (0, 0))]
+
+
 def flash_forward(
     q,
     k,
@@ -196,11 +213,13 @@ def flash_forward(
     block_sizes: BlockSizes,
     interpret: bool,
     num_sms: int | None = None,
+    dropout_rate: float = 0.0,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
 
     q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0; bias None or [Bb, Nb, Tb, Sb] (each dim
-    full or 1); arrays: the mask's arrays (masks.MaskArrays); num_sms: the GPU's SM count, which
+    full or 1); arrays: the mask's arrays (masks.MaskArrays, with the dropout seeds when
+    dropout_rate > 0); num_sms: the GPU's SM count, which
     the automatic split-KV rule fills (None: the visible GPU's).
     """
     batch, q_len, num_heads, head_dim = q.shape
@@ -218,6 +237,7 @@ def flash_forward(
         block_q=block_q,
         block_kv=block_kv,
         has_bias=bias is not None,
+        dropout_rate=dropout_rate,
     )
     num_q_tiles, num_kv_tiles = pl.cdiv(q_len, block_q), pl.cdiv(kv_len, block_kv)
     splits = choose_kv_splits(
@@ -236,6 +256,7 @@ def flash_forward(
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
+    extra, extra_specs = with_seeds(extra, extra_specs, arrays, dropout_rate)
     in_specs = [_per_batch(s, splits) for s in in_specs + extra_specs]
     out, lse = pl.pallas_call(
         kernel,

@@ -1,0 +1,296 @@
+"""Attention dropout: the kernels against a float64 oracle that applies the same keep-mask, the
+mask's statistics and tiling independence, argument checks, and the Mosaic refusal."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import BACKEND_PATHS, assert_bitwise_equal, backend_paths
+
+from pallas_flash import BlockSizes, _dropout, dispatch, flash_attention
+from pallas_flash import device as device_lib
+from pallas_flash.call import Call
+from pallas_flash.device import Device
+from pallas_flash.masks import MaskSpec
+
+RATE = 0.3
+
+
+def _expand(x, num_heads):
+    return np.repeat(x, num_heads // x.shape[2], axis=2)
+
+
+def dropout_oracle_f64(q, k, v, d_out, d_lse, *, scale, visible, keep, rate, bias=None):
+    """float64 out, lse, dq, dk, dv, dbias of softmax attention whose P.V uses P * Z, Z = keep /
+    (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's."""
+    q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
+    num_heads, num_kv_heads = q.shape[2], k.shape[2]
+    k_n, v_n = _expand(k, num_heads), _expand(v, num_heads)
+    logits = scale * np.einsum("btnh,bsnh->bnts", q, k_n)
+    if bias is not None:
+        logits = logits + np.asarray(bias, np.float64)
+    logits = np.where(visible, logits, -np.inf)
+    row_max = logits.max(-1, keepdims=True)
+    p = np.where(visible, np.exp(logits - row_max), 0.0)
+    row_sum = p.sum(-1, keepdims=True)
+    p = p / row_sum
+    lse = (row_max + np.log(row_sum))[..., 0]
+    z = np.where(keep, 1.0 / (1.0 - rate), 0.0)
+    out = np.einsum("bnts,bsnh->btnh", p * z, v_n)
+    dp = z * np.einsum("btnh,bsnh->bnts", d_out, v_n)
+    delta = np.einsum("btnh,btnh->bnt", d_out, out) - d_lse
+    ds = p * (dp - delta[..., None])
+
+    def group_sum(x):
+        b, s, n, h = x.shape
+        return x.reshape(b, s, num_kv_heads, n // num_kv_heads, h).sum(3)
+
+    dq = scale * np.einsum("bnts,bsnh->btnh", ds, k_n)
+    dk = group_sum(scale * np.einsum("bnts,btnh->bsnh", ds, q))
+    dv = group_sum(np.einsum("bnts,btnh->bsnh", p * z, d_out))
+    return out, lse, dq, dk, dv, ds
+
+
+def _keep(rng, batch, num_heads, q_len, kv_len, rate):
+    seeds = _dropout.head_seeds(rng, batch, num_heads)
+    return np.asarray(_dropout.dense_keep(seeds, q_len, kv_len, rate))
+
+
+# (B, T, S, N, K, H, causal, window, with bias): GQA and odd lengths; the second case adds a
+# bias broadcast over the batch (the dBias kernel's sum) and a window.
+CASES = [
+    (2, 37, 45, 4, 2, 16, True, None, False),
+    (2, 19, 33, 2, 1, 8, False, (9, 4), True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["gqa-causal", "bias-window"])
+@pytest.mark.parametrize("path", backend_paths(exclude=("default",)))
+def test_matches_float64_oracle_with_the_same_mask(path, case):
+    b, t, s, n, kh, h, causal, window, with_bias = case
+    keys = jax.random.split(jax.random.key(0), 6)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.float32)
+    k = jax.random.normal(keys[1], (b, s, kh, h), jnp.float32)
+    v = jax.random.normal(keys[2], (b, s, kh, h), jnp.float32)
+    d_out = jax.random.normal(keys[3], (b, t, n, h), jnp.float32)
+    d_lse = 0.5 * jax.random.normal(keys[4], (b, n, t), jnp.float32)
+    bias = jax.random.normal(keys[5], (1, n, t, s), jnp.float32) if with_bias else None
+    rng = jax.random.key(42)
+    kwargs = dict(
+        is_causal=causal,
+        local_window_size=window,
+        dropout_rate=RATE,
+        dropout_rng=rng,
+        return_residuals=True,
+        **path.call_kwargs(BlockSizes(block_q=16, block_kv=16, block_q_dkv=16, block_kv_dkv=16)),
+    )
+
+    def f(q, k, v, bias):
+        return flash_attention(q, k, v, bias, **kwargs)
+
+    @jax.jit
+    def run(q, k, v, bias, d_out, d_lse):
+        (out, lse), vjp = jax.vjp(f, q, k, v, bias)
+        return (out, lse, *vjp((d_out, d_lse)))
+
+    with path.scope():
+        out, lse, dq, dk, dv, dbias = run(q, k, v, bias, d_out, d_lse)
+        got = [np.asarray(x) for x in (out, lse, dq, dk, dv)]
+        dbias = None if dbias is None else np.asarray(dbias)
+
+    visible = np.ones((t, s), bool)
+    rows, cols = np.arange(t)[:, None], np.arange(s)[None, :]
+    if causal:
+        visible &= cols <= rows
+    if window is not None:
+        visible &= (cols >= rows - window[0]) & (cols <= rows + window[1])
+    keep = _keep(rng, b, n, t, s, RATE)
+    assert 0.5 < keep.mean() < 0.9
+    want = dropout_oracle_f64(
+        q, k, v, d_out, d_lse, scale=h**-0.5, visible=visible, keep=keep, rate=RATE, bias=bias
+    )
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), got, want[:5]):
+        np.testing.assert_allclose(
+            x, y, rtol=0, atol=2e-5 * max(1.0, np.abs(y).max()), err_msg=name
+        )
+    if with_bias:
+        want_dbias = want[5].sum(0, keepdims=True)
+        np.testing.assert_allclose(dbias, want_dbias, rtol=0, atol=2e-5, err_msg="dbias")
+
+
+def _mask_of_kernel(path, rng, block_sizes, *, q_len=40, kv_len=64, heads=2):
+    """The keep-mask the path applies, read exactly from its output: with q = k = 0 every row's
+    softmax is uniform and with value = identity (per key), out[:, i, n, j] = Z_ij / S, which is
+    0 exactly where (i, j) is dropped."""
+    q = jnp.zeros((1, q_len, heads, kv_len), jnp.float32)
+    k = jnp.zeros((1, kv_len, 1, kv_len), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(kv_len, dtype=jnp.float32)[None, :, None], (1, kv_len, 1, kv_len))
+    kwargs = path.call_kwargs(block_sizes)
+    with path.scope():
+        out = flash_attention(q, k, v, dropout_rate=RATE, dropout_rng=rng, **kwargs)
+        out = np.asarray(out)
+    kept = out != 0.0
+    np.testing.assert_allclose(out[kept], 1.0 / (1.0 - RATE) / kv_len, rtol=1e-6)
+    return np.transpose(kept, (0, 2, 1, 3))  # [B, N, T, S]
+
+
+@pytest.mark.parametrize("path", backend_paths(exclude=("default",)))
+def test_mask_is_the_shared_function_for_every_tiling(path):
+    rng = jax.random.key(3)
+    want = _keep(rng, 1, 2, 40, 64, RATE)
+    tilings = [
+        BlockSizes(block_q=16, block_kv=16),
+        BlockSizes(block_q=32, block_kv=64, kv_splits=2),
+    ]
+    for tiles in tilings if path.tiles else [None]:
+        np.testing.assert_array_equal(_mask_of_kernel(path, rng, tiles), want)
+
+
+def test_keep_rate_and_independence():
+    rate = 0.3
+    keep = _keep(jax.random.key(11), 2, 4, 111, 113, rate)  # ~1e5 entries
+    m = keep.size
+    sigma = np.sqrt(rate * (1 - rate) / m)
+    assert abs(keep.mean() - (1 - rate)) < 4 * sigma
+    # Rows, columns and heads do not share a pattern: neighbours agree as often as chance says.
+    for a, b in ((keep[..., 1:, :], keep[..., :-1, :]), (keep[..., 1:], keep[..., :-1])):
+        agree = (a == b).mean()
+        p_agree = rate**2 + (1 - rate) ** 2
+        assert abs(agree - p_agree) < 4 * np.sqrt(p_agree * (1 - p_agree) / a.size)
+    assert (keep[:, 0] != keep[:, 1]).mean() > 0.3
+    other = _keep(jax.random.key(12), 2, 4, 111, 113, rate)
+    assert (keep != other).mean() > 0.3
+    # A raw uint32[2] key gives the typed key's mask.
+    raw = jax.random.key_data(jax.random.key(11))
+    np.testing.assert_array_equal(_keep(raw, 2, 4, 111, 113, rate), keep)
+
+
+@pytest.mark.parametrize("path", backend_paths(gpu=False, exclude=("mosaic-interpret",)))
+def test_rate_zero_is_the_plain_call_and_a_key_reproduces(path):
+    keys = jax.random.split(jax.random.key(5), 3)
+    q = jax.random.normal(keys[0], (1, 21, 2, 8))
+    k = jax.random.normal(keys[1], (1, 27, 1, 8))
+    v = jax.random.normal(keys[2], (1, 27, 1, 8))
+    kwargs = path.call_kwargs()
+    rng = jax.random.key(9)
+    plain = flash_attention(q, k, v, **kwargs)
+    assert_bitwise_equal(
+        flash_attention(q, k, v, dropout_rate=0.0, dropout_rng=rng, **kwargs), plain
+    )
+    assert_bitwise_equal(flash_attention(q, k, v, dropout_rate=0.0, **kwargs), plain)
+    run = jax.jit(lambda rng: flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=rng, **kwargs))
+    first = run(rng)
+    assert_bitwise_equal(run(rng), first)
+    # Eager and jit differ in XLA's fusion (rounding), not in the mask.
+    eager = flash_attention(q, k, v, dropout_rate=0.5, dropout_rng=rng, **kwargs)
+    np.testing.assert_allclose(np.asarray(eager), np.asarray(first), rtol=0, atol=1e-6)
+    assert not np.array_equal(np.asarray(run(jax.random.key(10))), np.asarray(first))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(dropout_rate=1.0, dropout_rng=jax.random.key(0)), ValueError, "[0, 1)"),
+        (dict(dropout_rate=-0.1, dropout_rng=jax.random.key(0)), ValueError, "[0, 1)"),
+        (dict(dropout_rate=True, dropout_rng=jax.random.key(0)), TypeError, "dropout_rate"),
+        (dict(dropout_rate="0.1", dropout_rng=jax.random.key(0)), TypeError, "dropout_rate"),
+        (dict(dropout_rate=0.1), ValueError, "needs dropout_rng"),
+        (dict(dropout_rate=0.1, dropout_rng=3), TypeError, "dropout_rng"),
+        (dict(dropout_rate=0.1, dropout_rng=jnp.zeros(2, jnp.int32)), ValueError, "uint32[2]"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0))), ValueError, "()"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error, words):
+    x = jnp.zeros((1, 8, 1, 8))
+    with pytest.raises(error, match=None) as info:
+        flash_attention(x, x, x, backend="xla", **kwargs)
+    assert words in str(info.value)
+
+
+def test_mosaic_refuses_and_default_runs_triton():
+    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    with mock.patch.object(device_lib, "target_device", Device.h200):
+        with pytest.raises(NotImplementedError, match="dropout_rate"):
+            flash_attention(
+                x, x, x, backend="mosaic", dropout_rate=0.1, dropout_rng=jax.random.key(0)
+            )
+    call = Call(
+        q_shape=(4, 4096, 16, 64),
+        k_shape=(4, 4096, 16, 64),
+        dtype=jnp.bfloat16,
+        spec=MaskSpec(q_len=4096, kv_len=4096, is_causal=True),
+        dropout_rate=0.1,
+    )
+    config = dispatch.choose(call, Device.h200(), scale=0.125)
+    assert (config.forward, config.backward, config.dropout_rate) == ("triton", "triton", 0.1)
+    plain = dispatch.choose(
+        Call(q_shape=call.q_shape, k_shape=call.k_shape, dtype=call.dtype, spec=call.spec),
+        Device.h200(),
+        scale=0.125,
+    )
+    assert plain.forward == "mosaic"  # the call itself is Mosaic's: dropout is what moves it
+
+
+def test_decode_refuses_dropout():
+    from pallas_flash import decode_attention, paged_attention
+
+    x = jnp.zeros((1, 1, 1, 8))
+    with pytest.raises(NotImplementedError, match="dropout_rate"):
+        decode_attention(x, x, x, key_value_seq_lengths=jnp.ones(1, jnp.int32), dropout_rate=0.1)
+    tables, lengths = jnp.zeros((1, 1), jnp.int32), jnp.ones(1, jnp.int32)
+    with pytest.raises(NotImplementedError, match="dropout_rate"):
+        paged_attention(x, x, x, tables, lengths, dropout_rate=0.1)
+
+
+@pytest.mark.gpu
+def test_compiled_mask_is_the_interpreters():
+    rng = jax.random.key(4)
+    want = _keep(rng, 1, 2, 40, 64, RATE)
+    for name in ("triton", "default"):
+        np.testing.assert_array_equal(_mask_of_kernel(BACKEND_PATHS[name], rng, None), want)
+
+
+@pytest.mark.gpu
+def test_default_path_runs_dropout_on_a_mosaic_shaped_call():
+    """bf16, H=64, whole tiles: a call the Mosaic kernels would take on Hopper without dropout;
+    with dropout the default path runs Triton and matches the reference's mask."""
+    keys = jax.random.split(jax.random.key(1), 4)
+    shape = (2, 256, 4, 64)
+    q, k, v, d_out = (jax.random.normal(x, shape, jnp.bfloat16) for x in keys)
+    rng = jax.random.key(2)
+
+    def run(**kwargs):
+        f = lambda q, k, v: flash_attention(  # noqa: E731
+            q, k, v, is_causal=True, dropout_rate=RATE, dropout_rng=rng, **kwargs
+        )
+        out, vjp = jax.vjp(f, q, k, v)
+        return [np.asarray(x, np.float32) for x in (out, *vjp(d_out))]
+
+    got, want = run(), run(backend="xla")
+    for name, x, y in zip(("out", "dq", "dk", "dv"), got, want):
+        np.testing.assert_allclose(
+            x, y, rtol=0, atol=3e-2 * max(1.0, np.abs(y).max()), err_msg=name
+        )
+
+
+def test_second_order_keeps_the_mask():
+    """grad of grad: the kernels' derivative rules differentiate the reference with the same
+    dropout mask."""
+    q = jax.random.normal(jax.random.key(1), (1, 9, 2, 8))
+    k = jax.random.normal(jax.random.key(2), (1, 11, 1, 8))
+    rng = jax.random.key(3)
+
+    def grad_of_grad(**kwargs):
+        def f(q):
+            out = flash_attention(q, k, k, dropout_rate=0.4, dropout_rng=rng, **kwargs)
+            return jnp.sum(out**2)
+
+        return jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(f)(q) ** 2)))(q)
+
+    want = np.asarray(grad_of_grad(backend="xla"))
+    got = np.asarray(grad_of_grad(**BACKEND_PATHS["triton-interpret"].call_kwargs()))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -229,17 +229,24 @@ with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
 # outer differentiation these are plain calls of `_forward` and `_backward`.
 
 
-def _reference(q, k, v, bias, arrays, config: KernelConfig):
-    return reference_attention(
+def _reference_of(arrays, spec: MaskSpec, scale, soft_cap, dropout_rate):
+    """(q, k, v, bias) -> (out, lse) of the plain-jnp reference for one call's static options."""
+    return lambda q, k, v, bias: reference_attention(
         q,
         k,
         v,
         bias,
         arrays,
-        spec=config.spec,
-        scale=config.scale,
-        soft_cap=config.soft_cap,
-        dropout_rate=config.dropout_rate,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        dropout_rate=dropout_rate,
+    )
+
+
+def _reference(q, k, v, bias, arrays, config: KernelConfig):
+    return _reference_of(arrays, config.spec, config.scale, config.soft_cap, config.dropout_rate)(
+        q, k, v, bias
     )
 
 
@@ -295,37 +302,12 @@ def reference_attention_vjp(
 ):
     """`reference_attention` behind the same custom_vjp rule as the kernels: its gradients are
     jax's of the reference, and forward mode fails as it does on the kernels."""
-    return reference_attention(
-        q,
-        k,
-        v,
-        bias,
-        arrays,
-        spec=spec,
-        scale=scale,
-        soft_cap=soft_cap,
-        dropout_rate=dropout_rate,
-    )
+    return _reference_of(arrays, spec, scale, soft_cap, dropout_rate)(q, k, v, bias)
 
 
 def _reference_fwd_rule(q, k, v, bias, arrays, spec, scale, soft_cap, dropout_rate):
-    out_lse, vjp = jax.vjp(
-        lambda q, k, v, bias: reference_attention(
-            q,
-            k,
-            v,
-            bias,
-            arrays,
-            spec=spec,
-            scale=scale,
-            soft_cap=soft_cap,
-            dropout_rate=dropout_rate,
-        ),
-        q,
-        k,
-        v,
-        bias,
-    )
+    reference = _reference_of(arrays, spec, scale, soft_cap, dropout_rate)
+    out_lse, vjp = jax.vjp(reference, q, k, v, bias)
     return out_lse, (vjp, arrays)
 
 

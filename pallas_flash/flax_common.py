@@ -66,11 +66,6 @@ _FALLBACK_MESSAGES = {
 }
 
 
-_FALLBACK_WHAT = {
-    "module": "sowing the attention weights",
-}
-
-
 def check_precision(precision) -> None:
     """Accepts what the kernels honour: None, a `jax.lax.Precision`, its name, or a pair of them.
 
@@ -249,8 +244,8 @@ def attention(
     if fallback_reason is not None:
         if sinks is not None:
             raise NotImplementedError(
-                f"sinks with {_FALLBACK_WHAT[fallback_reason]}: such calls run Flax's own "
-                "attention, which has no sinks"
+                "sinks with sown attention weights (sow_weights=True / module=...): such "
+                "calls run Flax's own attention, which has no sinks"
             )
         _warn_once(fallback_reason, _FALLBACK_MESSAGES[fallback_reason])
         return _fallback(

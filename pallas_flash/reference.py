@@ -43,10 +43,8 @@ def reference_attention(
     row_sum_safe = jnp.where(empty, 1.0, row_sum)
     probs = unnormalised / row_sum_safe
     if dropout_rate:
-        seeds = arrays.dropout_seeds.reshape(batch, num_kv_heads, group, 1, 1)
-        rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
-        cols = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :]
-        kept = _dropout.keep(seeds, rows, cols, dropout_rate)
+        kept = _dropout.dense_keep(arrays.dropout_seeds, q_len, logits.shape[-1], dropout_rate)
+        kept = kept.reshape(probs.shape)  # [B, N, T, S] -> [B, K, G, T, S]
         probs = probs * _dropout.kept_scale(kept, dropout_rate)
     out = jnp.einsum(
         "bkgts,bskh->btkgh",

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import pallas_flash
+
 KERNELS = {"backend": "triton", "interpret": True}
 B, T, FEATURES, HEADS = 2, 40, 32, 4  # T spans two 32-wide interpreter tiles
 TOL = 2e-5
@@ -48,3 +50,29 @@ def sink_attention(sinks, is_causal):
         return jnp.einsum("...nts,...snh->...tnh", probs, value)
 
     return attention
+
+
+def reference_dropout_attention(
+    query,
+    key,
+    value,
+    bias=None,
+    mask=None,
+    *,
+    dropout_rng=None,
+    dropout_rate=0.0,
+    deterministic=False,
+    **kwargs,
+):
+    """Flax's attention_fn on pallas_flash's "xla" reference with its dropout: the mask the
+    kernels must apply (Flax's own dropout draws another one)."""
+    active = dropout_rate > 0 and not deterministic
+    return pallas_flash.flash_attention(
+        query,
+        key,
+        value,
+        is_causal=True,
+        dropout_rate=dropout_rate if active else 0.0,
+        dropout_rng=dropout_rng if active else None,
+        backend="xla",
+    )

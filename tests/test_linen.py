@@ -28,11 +28,11 @@ from flax_helpers import (
     T,
     assert_close,
     inputs,
+    reference_dropout_attention,
     segment_ids,
     sink_attention,
 )
 
-import pallas_flash
 import pallas_flash.linen as pfl
 from pallas_flash import flax_common
 
@@ -154,38 +154,12 @@ def test_decode_with_cache(monkeypatch):
     assert_close(jnp.concatenate(outs, axis=1), full)
 
 
-def _reference_dropout_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    *,
-    dropout_rng=None,
-    dropout_rate=0.0,
-    deterministic=False,
-    **kwargs,
-):
-    """Flax's attention_fn on pallas_flash's "xla" reference with its dropout: the mask the
-    kernels must apply (Flax's own dropout draws another one)."""
-    active = dropout_rate > 0 and not deterministic
-    return pallas_flash.flash_attention(
-        query,
-        key,
-        value,
-        is_causal=True,
-        dropout_rate=dropout_rate if active else 0.0,
-        dropout_rng=dropout_rng if active else None,
-        backend="xla",
-    )
-
-
 def test_dropout_runs_in_the_kernels():
     x = inputs()
     ours = pfl.MultiHeadDotProductAttention(
         num_heads=HEADS, dropout_rate=0.5, is_causal=True, **KERNELS
     )
-    ref = flax_module(dropout_rate=0.5, attention_fn=_reference_dropout_attention)
+    ref = flax_module(dropout_rate=0.5, attention_fn=reference_dropout_attention)
     variables = ref.init(jax.random.key(1), x, deterministic=True)
     rng = jax.random.key(7)
     # No FallbackWarning (pytest turns warnings into errors).

@@ -28,11 +28,11 @@ from flax_helpers import (
     T,
     assert_close,
     inputs,
+    reference_dropout_attention,
     segment_ids,
     sink_attention,
 )
 
-import pallas_flash
 import pallas_flash.nnx as pfn
 from pallas_flash import flax_common
 
@@ -149,35 +149,9 @@ def test_decode_with_cache_gqa(monkeypatch):
     assert_close(jnp.concatenate(outs, axis=1), ref(x, is_causal=True, decode=False))
 
 
-def _reference_dropout_attention(
-    query,
-    key,
-    value,
-    bias=None,
-    mask=None,
-    *,
-    dropout_rng=None,
-    dropout_rate=0.0,
-    deterministic=False,
-    **kwargs,
-):
-    """Flax's attention_fn on pallas_flash's "xla" reference with its dropout: the mask the
-    kernels must apply (Flax's own dropout draws another one)."""
-    active = dropout_rate > 0 and not deterministic
-    return pallas_flash.flash_attention(
-        query,
-        key,
-        value,
-        is_causal=True,
-        dropout_rate=dropout_rate if active else 0.0,
-        dropout_rng=dropout_rng if active else None,
-        backend="xla",
-    )
-
-
 def test_dropout_runs_in_the_kernels():
     x = inputs()
-    ref = flax_module(dropout_rate=0.5, attention_fn=_reference_dropout_attention)
+    ref = flax_module(dropout_rate=0.5, attention_fn=reference_dropout_attention)
     ours = same_params(
         pfn.MultiHeadAttention(
             HEADS,

@@ -44,17 +44,20 @@ def key_words(rng):
     return jnp.ravel(rng).astype(jnp.uint32)
 
 
-def head_seeds(rng, batch: int, num_heads: int):
-    """int32 [batch, num_heads]: the seed of each (batch entry, query head) for `keep`."""
+def head_seeds(rng, batch: int, num_heads: int, *, shared: bool = False):
+    """int32 [batch, num_heads]: the seed of each (batch entry, query head) for `keep`; with
+    `shared`, one seed for all of them (one keep-mask over [T, S], as Flax's broadcast_dropout)."""
     words = key_words(rng)
     h = _fmix(words[0] ^ _HEAD)  # a nonzero start: the all-zero key must mix too
     for i in range(1, words.shape[0]):
         h = _fmix(h ^ words[i])
     b = _u32(jnp.arange(batch, dtype=jnp.int32))[:, None]
     n = _u32(jnp.arange(num_heads, dtype=jnp.int32))[None, :]
+    if shared:  # every (batch entry, head) hashes as (0, 0)
+        b, n = jnp.zeros_like(b), jnp.zeros_like(n)
     h = _fmix(h ^ (b * _ROW))
     h = _fmix(h ^ (n * _HEAD))
-    return lax.bitcast_convert_type(h, jnp.int32)
+    return jnp.broadcast_to(lax.bitcast_convert_type(h, jnp.int32), (batch, num_heads))
 
 
 def threshold(rate: float) -> int:

@@ -47,6 +47,7 @@ def flash_attention(
     sinks=None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    dropout_broadcast: bool = False,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: BlockSizes | None = None,
@@ -117,6 +118,8 @@ def flash_attention(
         Triton).
       dropout_rng: a jax PRNG key (`jax.random.key`, or a raw uint32[2] `PRNGKey`), required
         when dropout_rate > 0; with dropout_rate 0 it is checked and unused.
+      dropout_broadcast: one keep-mask over (query, key) shared by every batch entry and head
+        (Flax's `broadcast_dropout`); False (the default) draws one per batch entry and head.
       return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of each
         query row's logits (scaled, biased, soft-capped, masked; the sink included). Gradients
         flow through both outputs.
@@ -199,6 +202,7 @@ def flash_attention(
         interpret=interpret,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        dropout_broadcast=dropout_broadcast,
     )
     _check_sinks(sinks, call.query.shape[2])
     if call.config is None:
@@ -344,11 +348,14 @@ def _plan(
     interpret,
     dropout_rate=0.0,
     dropout_rng=None,
+    dropout_broadcast=False,
 ) -> _Call:
     """Validates and canonicalises a call's arguments and chooses its kernels."""
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
     dropout_rate = _canonical_dropout(dropout_rate, dropout_rng)
+    if not isinstance(dropout_broadcast, bool):
+        raise TypeError(f"dropout_broadcast={dropout_broadcast!r} must be a bool")
     batch, q_len, num_heads, head_dim = query.shape
     kv_len = key.shape[1]
     window = _canonical_window(local_window_size)
@@ -382,7 +389,9 @@ def _plan(
     )
     if dropout_rate:
         arrays = arrays._replace(
-            dropout_seeds=_dropout.head_seeds(dropout_rng, batch, query.shape[2])
+            dropout_seeds=_dropout.head_seeds(
+                dropout_rng, batch, query.shape[2], shared=bool(dropout_broadcast)
+            )
         )
     spec = MaskSpec(
         q_len=q_len,

@@ -204,6 +204,7 @@ def attention(
     sinks=None,
     dropout_rate: float = 0.0,
     dropout_rng=None,
+    dropout_broadcast: bool = False,
 ):
     """The shared body of both drop-in functions, after each has promoted the dtypes.
 
@@ -221,7 +222,8 @@ def attention(
         are its last tokens, and `mask` is Flax's cache-occupancy mask (`arange(S) < length`),
         which `decode_attention` replaces by reading the filled slots only.
       sinks: None, or float `[N]`: attention sinks (see `flash_attention`).
-      dropout_rate, dropout_rng: the kernels' attention dropout (see `flash_attention`); the
+      dropout_rate, dropout_rng, dropout_broadcast: the kernels' attention dropout (see
+        `flash_attention`); the
         callers pass a rate of 0 unless dropout is active. A decode step with active dropout
         runs `flash_attention` with the cache mask.
 
@@ -286,6 +288,7 @@ def attention(
         sinks=sinks,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        dropout_broadcast=dropout_broadcast,
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,

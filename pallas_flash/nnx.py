@@ -83,8 +83,8 @@ def dot_product_attention(
       broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
         Active dropout (`dropout_rate > 0` and not `deterministic`) runs in the kernels
         (`flash_attention`'s dropout_rate and dropout_rng): the same rate, a different mask
-        sample than Flax's (a hash of dropout_rng and the positions). The mask is drawn per
-        batch entry and head whatever `broadcast_dropout` says.
+        sample than Flax's (a hash of dropout_rng and the positions); `broadcast_dropout`
+        shares one mask over (query, key) among every batch entry and head, as in Flax.
       dtype: the computation dtype; None infers it from the inputs.
       precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
         at full precision. An explicit dot algorithm raises NotImplementedError.
@@ -152,6 +152,7 @@ def dot_product_attention(
         sinks=sinks,
         dropout_rate=dropout_rate if dropout else 0.0,
         dropout_rng=dropout_rng if dropout else None,
+        dropout_broadcast=bool(broadcast_dropout),
     )
 
 

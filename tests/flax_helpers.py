@@ -62,6 +62,7 @@ def reference_dropout_attention(
     dropout_rng=None,
     dropout_rate=0.0,
     deterministic=False,
+    broadcast_dropout=True,
     **kwargs,
 ):
     """Flax's attention_fn on pallas_flash's "xla" reference with its dropout: the mask the
@@ -74,5 +75,6 @@ def reference_dropout_attention(
         is_causal=True,
         dropout_rate=dropout_rate if active else 0.0,
         dropout_rng=dropout_rng if active else None,
+        dropout_broadcast=broadcast_dropout,
         backend="xla",
     )

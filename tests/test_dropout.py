@@ -138,6 +138,33 @@ def _mask_of_kernel(path, rng, block_sizes, *, q_len=40, kv_len=64, heads=2):
     return np.transpose(kept, (0, 2, 1, 3))  # [B, N, T, S]
 
 
+@pytest.mark.parametrize("interpret", [False, True], ids=["xla", "triton-interpret"])
+def test_broadcast_mask_is_one_for_every_batch_entry_and_head(interpret):
+    """dropout_broadcast=True (Flax's broadcast_dropout): the kernels apply one [T, S] keep-mask
+    to every (batch entry, head), the shared seeds' mask; without it the heads' masks differ."""
+    kv_len, q_len, batch, heads = 32, 24, 2, 3
+    q = jnp.zeros((batch, q_len, heads, kv_len), jnp.float32)
+    k = jnp.zeros((batch, kv_len, 1, kv_len), jnp.float32)
+    v = jnp.broadcast_to(jnp.eye(kv_len, dtype=jnp.float32)[None, :, None], k.shape)
+    kwargs = dict(backend="triton", interpret=True) if interpret else dict(backend="xla")
+    rng = jax.random.key(5)
+
+    def mask(broadcast):
+        out = flash_attention(
+            q, k, v, dropout_rate=RATE, dropout_rng=rng, dropout_broadcast=broadcast, **kwargs
+        )
+        return np.transpose(np.asarray(out) != 0.0, (0, 2, 1, 3))  # [B, N, T, S]
+
+    shared = mask(True)
+    seeds = _dropout.head_seeds(rng, batch, heads, shared=True)
+    np.testing.assert_array_equal(
+        shared, np.asarray(_dropout.dense_keep(seeds, q_len, kv_len, RATE))
+    )
+    assert (shared == shared[:1, :1]).all()
+    separate = mask(False)
+    assert (separate != separate[:1, :1]).any()
+
+
 @pytest.mark.parametrize("path", backend_paths(exclude=("default",)))
 def test_mask_is_the_shared_function_for_every_tiling(path):
     rng = jax.random.key(3)
@@ -202,6 +229,11 @@ def test_rate_zero_is_the_plain_call_and_a_key_reproduces(path):
         (dict(dropout_rate=0.1, dropout_rng=3), TypeError, "dropout_rng"),
         (dict(dropout_rate=0.1, dropout_rng=jnp.zeros(2, jnp.int32)), ValueError, "uint32[2]"),
         (dict(dropout_rate=0.1, dropout_rng=jax.random.split(jax.random.key(0))), ValueError, "()"),
+        (
+            dict(dropout_rate=0.1, dropout_rng=jax.random.key(0), dropout_broadcast=1),
+            TypeError,
+            "dropout_broadcast",
+        ),
     ],
 )
 def test_bad_arguments_raise(kwargs, error, words):

@@ -515,6 +515,7 @@ RAGGED_INTERPRET_PROBLEMS = [
 ]
 
 
+@long_only  # ragged last tiles are off by default (RAGGED_ON_GPU): outside CI
 @pytest.mark.parametrize("p, tiles, oob_fill", RAGGED_INTERPRET_PROBLEMS, ids=str)
 def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
     """The Mosaic forward and backward at ragged lengths and padded head dims, with garbage

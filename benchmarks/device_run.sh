@@ -31,8 +31,10 @@ for stage in ${@:-tests masks grid}; do
       if [ -n "${TEST_WORKERS:-}" ]; then
         # One pytest spread over TEST_WORKERS processes (pytest-xdist), every group's arguments
         # together; SIGINT at the cap still prints the summary of what ran.
-        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} python3 -m pytest -q -n $TEST_WORKERS -v \
-          -m "${TEST_MARK:-gpu}" -p no:cacheprovider -rfE --tb=line ${TEST_GROUPS//;/ } \
+        # One BLAS thread per worker: the oracle's einsums oversubscribe the cores otherwise.
+        OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} python3 -m pytest -n $TEST_WORKERS -v \
+          -m "${TEST_MARK:-gpu}" -p no:cacheprovider -p no:benchmark -rfE --tb=line ${TEST_GROUPS//;/ } \
           > $OUT/gpu_tests.log 2>&1
         unset XLA_PYTHON_CLIENT_PREALLOCATE
         grep -E "FAILED|ERROR|XPASS|passed|failed" $OUT/gpu_tests.log | tail -n 40

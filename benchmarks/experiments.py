@@ -348,6 +348,9 @@ def main():
     )
     parser.add_argument("--quick", action="store_true", help="decode: six shapes only")
     parser.add_argument(
+        "--calls-per-jit", type=int, default=4, help="decode: calls timed in one jit"
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="decode: tiny interpreted shapes (a CPU check)"
     )
     parser.add_argument("--out", required=True)
@@ -359,7 +362,7 @@ def main():
         if args.experiment == "mosaic-tiles":
             mosaic_tiles(out, args.head_dims, args.seqs)
         elif args.experiment == "decode":
-            decode(out, quick=args.quick, smoke=args.smoke)
+            decode(out, args.quick, args.calls_per_jit, smoke=args.smoke)
         elif args.experiment == "mosaic-backward":
             mosaic_backward(out, [h for h in args.head_dims if h <= 128], args.seqs)
         else:

@@ -340,6 +340,14 @@ def test_validation_contiguous():
         call(q, k, v, logits_soft_cap=-1.0)
     with pytest.raises(ValueError, match="block_kv=24 must be a power of two"):
         DecodeBlockSizes(block_kv=24)
+    with pytest.raises(ValueError, match="schedule='batch' must be 'balanced' or 'sequence'"):
+        DecodeBlockSizes(schedule="batch")
+    with pytest.raises(ValueError, match="merge='xla' needs schedule='sequence'"):
+        DecodeBlockSizes(merge="xla")
+    with pytest.raises(ValueError, match="waves=0 must be an int >= 1"):
+        DecodeBlockSizes(waves=0)
+    with pytest.raises(ValueError, match="ctas_per_sm=-1 must be an int >= 0"):
+        DecodeBlockSizes(ctas_per_sm=-1)
 
 
 def test_validation_paged():
@@ -461,13 +469,15 @@ def test_choose_decode_splits():
 
     split = functools.partial(choose_decode_splits, slots=528)
     assert split(5, 64, 3, 64) == 3  # asked for: never more than the tiles
-    assert split(0, 64, 512, 64) == 8  # one full wave: 512 programs for 528 slots
+    assert split(0, 64, 512, 64) == 8  # one wave: 512 programs for 528 slots
     assert split(0, 64, 512, 64, waves=2) == 16
-    assert split(0, 8, 512, 64) == 64  # B=1: 66 would leave two runs empty; 64 runs of 8 tiles
-    assert split(0, 64, 16, 64) == 4  # 1k keys: at least 256 keys per split
+    assert split(0, 8, 512, 64) == 64  # B=1: 60 runs would leave 8 tiles in the last; 64 of 8
+    assert split(0, 64, 16, 64) == 4  # 1k keys: at least 256 keys per split (the fullest)
     assert split(0, 64, 16, 64, min_split_keys=1024) == 1
-    assert split(0, 600, 512, 64) == 1  # a full grid needs none
-    assert split(0, 300, 512, 64) == 1  # 2 splits would take two waves
+    assert split(0, 512, 512, 64) == 1  # a full wave needs none
+    assert split(0, 2048, 128, 64) == 1  # nor 3.9 full waves
+    assert split(0, 600, 512, 64) == 4  # 600 alone: a wave and 72 programs; 2400 fill 4.5
+    assert split(0, 300, 512, 64) == 5  # 1500 programs fill 2.8 waves
 
 
 def test_decode_plan_fills_the_gpu():

@@ -326,22 +326,29 @@ def choose_decode_splits(
     """Programs per sequence's key loop: `requested`, or with 0 (auto) from occupancy.
 
     Decode streams memory: it runs at the bandwidth only while the GPU's CTA slots (`slots` =
-    SMs x programs per SM) are busy, and each program keeps about one K/V tile in flight. The
-    grid is cut into `waves` full waves of slots: splits = floor(waves * slots / programs), so
-    that the last wave is full -- a partly filled last wave runs a few programs alone at the
-    latency-bound rate of one program (at B=8, 32k keys, the 17 splits of the former rule gave
-    1088 programs for 528 slots: two waves and a tail of 32 programs). Each split keeps at
-    least `min_split_keys` keys; no split is left without tiles."""
+    SMs x programs per SM) are busy, and each program keeps about one K/V tile in flight, so a
+    partly filled last wave runs its few programs alone, at one program's latency-bound rate
+    (the former rule's 17 splits at B=8, 32k keys made 1088 programs for 528 slots: two full
+    waves and 32 programs after them). The rule finds the fewest splits whose programs fill
+    at least `waves` waves and their last wave to 90%, then takes as many as those waves hold
+    (or, when no count fills 90%, the fullest), each split keeping at least `min_split_keys`
+    keys; no split is left without tiles."""
     if requested:
         return max(1, min(requested, num_kv_tiles))
-    if programs >= slots:
-        return 1
-    splits = (waves * slots) // programs
-    splits = min(splits, max(1, num_kv_tiles * block_kv // min_split_keys), num_kv_tiles)
-    if splits <= 1:
-        return 1
-    # As many runs as cutting the tiles into `splits` equal runs leaves non-empty.
-    return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, splits))
+    most = min(max(1, num_kv_tiles * block_kv // min_split_keys), num_kv_tiles)
+    best, best_fill = 1, 0.0
+    for splits in range(1, most + 1):
+        ctas = programs * splits
+        full_waves = max(waves, pl.cdiv(ctas, slots))
+        fill = ctas / (full_waves * slots)
+        if fill >= 0.9:
+            # The most splits that these waves hold: their last wave as full as it gets.
+            best = min(most, full_waves * slots // programs)
+            break
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    # As many runs as cutting the tiles into `best` equal runs leaves non-empty.
+    return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, best))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -214,8 +214,8 @@ class DecodeBlockSizes:
         are cut into kv_splits runs, whatever its length.
       merge: where split results are combined: "kernel" (one small Pallas kernel) or "xla"
         (jnp reductions; schedule="sequence" only).
-      waves: with kv_splits=0, the programs fill this many waves of the GPU's CTA slots (SMs
-        times `ctas_per_sm`), the last wave full.
+      waves: with kv_splits=0, the programs fill at least this many waves of the GPU's CTA
+        slots (SMs times `ctas_per_sm`), the last one at least 90% full.
       min_split_keys: with kv_splits=0, the fewest keys a split keeps (fewer splits otherwise).
       ctas_per_sm: programs one SM holds at once; 0 estimates it from the tiles (registers and
         shared memory, `decode_ctas_per_sm`).

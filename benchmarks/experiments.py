@@ -8,10 +8,11 @@ python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
     (decode, chunked prefill) with kv_splits 1 (off) and 0 (auto), beside cuDNN.
 python benchmarks/experiments.py decode --out $OUT/decode.jsonl [--quick]
     decode_attention's split-KV and tile levers (DecodeBlockSizes) on the shapes short of
-    3.8 TB/s (ragged lengths, T=16, 8k cache, GQA 16, B=1) and the headline shape: the former
-    rule (17 splits per sequence, XLA merge), the default, and candidates. ms is device time
-    per call (several calls in one jit: the host's dispatch of one call is not counted);
-    ms_call (defaults only) times one call per dispatch, as the bench does.
+    3.8 TB/s (ragged lengths, T=16, 8k cache, GQA 16, B=1), on the headline shape, and in pages
+    of 128: the former rule (17 splits per sequence, XLA merge), the default, and candidates,
+    with memcpy of the same bytes. ms is device time per call (several calls in one jit: the
+    host's dispatch of one call is not counted); ms_call (defaults only) times one call per
+    dispatch, as the bench does.
 python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-dims 64 --seqs 512]
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
@@ -119,6 +120,7 @@ DECODE_SHAPES = {
     "B1": dict(B=1),
     "S1k": dict(S=1024),
     "G16xT16": dict(K=2, T=16),
+    "P128": dict(page=128),
 }
 # Candidates over the defaults (DecodeBlockSizes fields), per shape; every shape also runs
 # "former" (the rule before occupancy: ceil(1056 / programs) splits of >= 1024 keys, capped at
@@ -146,8 +148,9 @@ DECODE_CANDIDATES = {
     ),
     "S1k": dict(s8=dict(kv_splits=8), unsplit=dict(kv_splits=1)),
     "G16xT16": dict(m128w8=dict(block_m=128, num_warps=8), m32=dict(block_m=32)),
+    "P128": {},
 }
-DECODE_QUICK = ("head", "ragged", "T16", "S8k", "G16", "B1")
+DECODE_QUICK = ("head", "ragged", "T16", "S8k", "G16", "B1", "P128")
 
 
 def _former_splits(programs, num_kv_tiles, block_kv=64):
@@ -173,10 +176,10 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False):
         case = {**base, **DECODE_SHAPES[name]}
         if smoke:
             case.update(S=min(case["S"], 256), K=max(1, case["K"] // 4))
-        q, k, v, lengths, _ = bench.decode_inputs(case, dtype)
+        q, k, v, lengths, tables = bench.decode_inputs(case, dtype)
         qs = [q] + [q * (1 + i / 64) for i in range(1, calls_per_jit)]  # no CSE across calls
         nbytes = bench.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
-        default = DecodeBlockSizes(block_kv=16) if smoke else DecodeBlockSizes()
+        default = DecodeBlockSizes(block_kv=16 if smoke else 128 if case["page"] else 64)
         plan = decode_plan(q.shape, case["K"], case["S"], dtype, default, num_sms=num_sms)
         former = _former_splits(plan.programs, case["S"] // plan.block_kv, plan.block_kv)
         candidates = {
@@ -198,13 +201,14 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False):
                 slots=plan.slots,
                 block_m=plan.block_m,
                 block_kv=plan.block_kv,
-                **{x: case[x] for x in ("B", "S", "K", "T", "ragged")},
+                **{x: case[x] for x in ("B", "S", "K", "T", "ragged", "page")},
             )
 
             def one(q, k, v, lengths, bs=bs):
-                return pallas_flash.decode_attention(
-                    q, k, v, key_value_seq_lengths=lengths, block_sizes=bs, interpret=smoke
-                )
+                kw = dict(block_sizes=bs, interpret=smoke)
+                if tables is not None:
+                    return pallas_flash.paged_attention(q, k, v, tables, lengths, **kw)
+                return pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths, **kw)
 
             many = jax.jit(lambda qs, k, v, lengths, one=one: [one(x, k, v, lengths) for x in qs])
             try:

@@ -716,7 +716,8 @@ def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
 @dataclasses.dataclass(frozen=True)
 class MaskCase:
     """A masked call: `kind` a conftest.segment_arrays kind (segment ids with lengths folded in)
-    or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites)."""
+    or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites); poison:
+    the kernels get K and V with NaN and inf at the keys that no row sees."""
 
     p: Problem
     window: tuple[int, int] | None = None
@@ -724,6 +725,7 @@ class MaskCase:
     kind: str | None = None
     scale: float | None = None
     tiles: BackwardTiles | None = None
+    poison: bool = False
 
     @property
     def spec(self) -> MaskSpec:
@@ -751,6 +753,8 @@ class MaskCase:
                 parts.append(f"{name}={getattr(self, name)}")
         if self.tiles is not None:
             parts.append(str(self.tiles).replace("BackwardTiles", ""))
+        if self.poison:
+            parts.append("nan-at-hidden-keys")
         return "-".join(parts)
 
 
@@ -781,19 +785,16 @@ def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None):
     return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
 
 
-def check_masked_backward(
-    c: MaskCase, *, interpreted: bool, mosaic_forward: bool, k=None, v=None, oob_fill=0
-):
+def check_masked_backward(c: MaskCase, *, interpreted: bool, mosaic_forward: bool):
     """The Mosaic backward of case c against the float64 oracle, with plain attention in the
     input dtype as the tolerance baseline. Residuals from the Mosaic forward (checked too) or,
     to keep the interpreter's time to the backward, from the library's "xla" reference (f32
-    softmax, out in the input dtype). k, v: replacements of the random K and V for the kernels
-    only (NaN at hidden keys). Rows that see no key have dq exactly 0, keys that no row sees dk
-    and dv exactly 0."""
+    softmax, out in the input dtype). With c.poison the kernels get K and V with NaN and inf
+    at the keys that no row sees and must give the gradients of the clean inputs. Rows that see
+    no key have dq exactly 0, keys that no row sees dk and dv exactly 0."""
     p, scale, spec, arrays = c.p, c.logit_scale, c.spec, c.arrays()
     (q, k_clean, v_clean, d_out, d_lse), f64 = random_inputs(p)
-    k = k_clean if k is None else k
-    v = v_clean if v is None else v
+    k, v = hidden_key_poison(c) if c.poison else (k_clean, v_clean)
     options = mask_options(c, arrays)
     visible = np.asarray(masks.dense(spec, arrays))  # [B|1, 1, T, S]
     oracle = attention_oracle_f64(*f64, scale=scale, visible=visible, soft_cap=c.soft_cap)
@@ -811,7 +812,7 @@ def check_masked_backward(
     backward = functools.partial(
         flash_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
     )
-    with interpret_mosaic(oob_fill=oob_fill) if interpreted else contextlib.nullcontext():
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
         if mosaic_forward:
             out, lse = jax.jit(forward)(q, k, v)
             out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
@@ -837,7 +838,7 @@ def check_masked_backward(
 
 
 # In CI: two small backward-only cases through most of the new paths (windows causal and not,
-# a soft cap, packed documents with q and kv lengths, GQA, T != S, a ragged last KV tile, one
+# a soft cap, packed documents with q and kv lengths, NaN at hidden keys, GQA, T != S, one
 # consumer). The rest, with the Mosaic forward's residuals too, runs with PALLAS_FLASH_SWEEP.
 MASK_CI_CASES = [
     MaskCase(
@@ -846,19 +847,32 @@ MASK_CI_CASES = [
         soft_cap=10.0,
         scale=1.0,
     ),
+    # Keys 67-255 of entry 0 (in a tile that rows of its second document see) and all keys of
+    # entry 1 hold NaN and inf.
+    MaskCase(
+        Problem(2, 192, 256, 2, 1, 64, False, "bf16"),
+        window=(30, 60),
+        kind="packed-lengths",
+        tiles=BackwardTiles(num_consumers=1),
+        poison=True,
+    ),
+]
+
+# A ragged last KV tile; NaN at hidden keys with causal and a window; windows left-only /
+# right-only / both, narrow ones leaving rows and whole CTAs without keys
+# (T > S), wider than S; soft caps alone and causal; every segment kind (q lengths, kv lengths
+# with a batch entry without keys, unsorted ids, a gap both consumers drain); H 64 and 128, f16,
+# MQA and GQA; 1 consumer, 3 stages, 128-row streamed tiles.
+MASK_SWEEP_CASES = [
     MaskCase(
         Problem(2, 256, 200, 2, 1, 64, False, "bf16"),
         window=(30, 60),
         kind="packed-lengths",
         tiles=BackwardTiles(num_consumers=1),
     ),
-]
-
-# Windows left-only / right-only / both, narrow ones leaving rows and whole CTAs without keys
-# (T > S), wider than S; soft caps alone and causal; every segment kind (q lengths, kv lengths
-# with a batch entry without keys, unsorted ids, a gap both consumers drain); H 64 and 128, f16,
-# MQA and GQA; 1 consumer, 3 stages, 128-row streamed tiles.
-MASK_SWEEP_CASES = [
+    MaskCase(
+        Problem(2, 256, 256, 2, 1, 64, True, "bf16"), window=(80, 0), kind="lengths", poison=True
+    ),
     MaskCase(Problem(1, 256, 512, 2, 1, 128, False, "bf16"), window=(64, 32)),
     MaskCase(Problem(1, 256, 512, 2, 2, 64, False, "f16"), window=(70, 10**6)),
     MaskCase(Problem(1, 256, 256, 2, 1, 128, False, "bf16"), window=(10**6, 40)),
@@ -902,13 +916,15 @@ def test_masked_matches_oracle_interpreted(c):
 @long_only
 @pytest.mark.parametrize("c", MASK_CI_CASES + MASK_SWEEP_CASES, ids=str)
 def test_masked_forward_and_backward_match_oracle_interpreted(c):
-    """The Mosaic forward, then the Mosaic backward on its out and lse."""
-    check_masked_backward(c, interpreted=True, mosaic_forward=True)
+    """The Mosaic forward, then the Mosaic backward on its out and lse (the reference's
+    residuals where K and V hold NaN: the Mosaic forward lets NaN in V at a hidden key reach
+    the rows of its tile, test_nan_safety.py)."""
+    check_masked_backward(c, interpreted=True, mosaic_forward=not c.poison)
 
 
 def hidden_key_poison(c: MaskCase):
-    """K and V of case c with NaN and +-inf at keys that no row sees (past the kv lengths, of a
-    segment no query has), and those keys as [B, S] booleans."""
+    """K and V of case c with NaN and +-inf at the keys that no row sees (past the kv lengths,
+    of a segment no query has)."""
     p, arrays = c.p, c.arrays()
     visible = np.asarray(masks.dense(c.spec, arrays))
     hidden = np.broadcast_to(~visible.any(axis=-2)[:, 0], (p.batch, p.kv_len))
@@ -919,20 +935,7 @@ def hidden_key_poison(c: MaskCase):
     for j, (b, s) in enumerate(zip(b_idx, s_idx)):
         k_bad[b, s, :, j % 3 :: 5] = values[j % 3]
         v_bad[b, s, :, (j + 1) % 3 :: 7] = values[(j + 1) % 3]
-    return jnp.asarray(k_bad, k.dtype), jnp.asarray(v_bad, v.dtype), hidden
-
-
-NAN_CASE = MaskCase(Problem(2, 256, 200, 2, 1, 64, True, "bf16"), window=(80, 0), kind="lengths")
-
-
-@long_only
-def test_nan_at_hidden_keys_reaches_no_gradient_interpreted():
-    """NaN and inf in K and V at keys past the kv lengths (one batch entry has none): the
-    backward, from clean residuals, gives the oracle's gradients of the clean inputs, with
-    dk and dv exactly 0 at those keys."""
-    k, v, hidden = hidden_key_poison(NAN_CASE)
-    assert hidden.sum() > 64
-    check_masked_backward(NAN_CASE, interpreted=True, mosaic_forward=False, k=k, v=v)
+    return jnp.asarray(k_bad, k.dtype), jnp.asarray(v_bad, v.dtype)
 
 
 # Through the public call as a Hopper runs it: three Mosaic GPU calls (the forward, dK/dV, dQ)
@@ -1050,11 +1053,24 @@ def test_masked_matches_oracle(c):
 
 
 @pytest.mark.gpu
-def test_nan_at_hidden_keys_reaches_no_gradient():
+@pytest.mark.parametrize(
+    "c",
+    [
+        MaskCase(
+            Problem(2, 512, 512, 4, 2, 128, True, "bf16"),
+            window=(200, 0),
+            kind="lengths",
+            poison=True,
+        ),
+        MaskCase(Problem(2, 384, 512, 4, 2, 64, False, "bf16"), kind="packed-lengths", poison=True),
+    ],
+    ids=str,
+)
+def test_nan_at_hidden_keys_reaches_no_gradient(c):
+    """Backward only, from the reference's residuals of the clean inputs (the Mosaic forward
+    lets NaN in V at a hidden key reach the rows of its tile: test_nan_safety.py)."""
     needs_hopper()
-    c = MaskCase(Problem(2, 512, 512, 4, 2, 128, True, "bf16"), window=(200, 0), kind="lengths")
-    k, v, _ = hidden_key_poison(c)
-    check_masked_backward(c, interpreted=False, mosaic_forward=False, k=k, v=v)
+    check_masked_backward(c, interpreted=False, mosaic_forward=False)
 
 
 @pytest.mark.gpu

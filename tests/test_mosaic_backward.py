@@ -32,7 +32,13 @@ from conftest import (
 )
 from mosaic_interpret import interpret_mosaic
 from test_lowering import abstract_inputs, lower_for_h200
-from test_mosaic_forward import GARBAGE, custom_call_targets, long_only, needs_hopper
+from test_mosaic_forward import (
+    GARBAGE,
+    abstract_ids,
+    custom_call_targets,
+    long_only,
+    needs_hopper,
+)
 from test_mosaic_forward import forward_fn as mosaic_forward_fn
 
 import pallas_flash
@@ -112,6 +118,62 @@ def test_lowers_for_h200(p):
     q, k = abstract_inputs(p)[:2]
     assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
+
+
+# Masks: windows causal and not, soft caps, segment ids, combined; T != S; one consumer, three
+# stages, 128-row streamed tiles. Lowering runs Mosaic GPU's layout inference on the masks' id
+# vectors and selects, which the interpreter does not.
+MASKED_LOWERING_CASES = [
+    pytest.param(
+        Problem(2, 256, 512, 4, 2, 128, True, "bf16"),
+        dict(window=(64, 0), soft_cap=20.0, segments=True),
+        None,
+    ),
+    pytest.param(
+        Problem(1, 512, 256, 4, 1, 64, False, "f16"),
+        dict(window=(30, 90)),
+        BackwardTiles(num_consumers=1, num_stages=3),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(2, 256, 256, 4, 2, 128, False, "bf16"),
+        dict(soft_cap=30.0),
+        BackwardTiles(block_kv_dq=128),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(2, 512, 512, 4, 2, 64, True, "bf16"),
+        dict(segments=True),
+        BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+        marks=long_only,
+    ),
+]
+
+
+@pytest.mark.parametrize("p, options, tiles", MASKED_LOWERING_CASES, ids=str)
+def test_lowers_with_masks(p, options, tiles):
+    options = dict(options)
+    segments = options.pop("segments", False)
+
+    def backward(q, k, v, out, lse, d_out, d_lse, *ids):
+        return flash_backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            scale=p.scale,
+            is_causal=p.is_causal,
+            segment_ids=ids or None,
+            tiles=tiles,
+            **options,
+        )
+
+    ids = abstract_ids(p) if segments else ()
+    lowered = lower_for_h200(backward, *abstract_backward_args(p), *ids)
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
 
 
 # Tiles other than the defaults that fit the register budget of `mosaic.backward.why_not`.

@@ -366,6 +366,8 @@ def _wgmma_zeros(shape):
 
 
 def _clip(x, lo, hi):
+    if all(isinstance(v, int) for v in (x, lo, hi)):
+        return min(max(x, lo), hi)
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 

@@ -47,7 +47,7 @@ class KernelConfig:
     interpret: bool
     # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask).
     forward: str = "triton"
-    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; H 64/128, plain and causal calls).
+    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; the Mosaic forward's masks).
     backward: str = "triton"
     # The Mosaic kernels' tiles (None: their defaults for the shapes).
     mosaic_forward_tiles: ForwardTiles | None = None
@@ -117,14 +117,17 @@ def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
             is_causal=config.spec.is_causal,
             window=config.spec.window,
             soft_cap=config.soft_cap,
-            segment_ids=(
-                (arrays.q_segment_ids, arrays.kv_segment_ids) if config.spec.has_segments else None
-            ),
+            segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_forward_tiles,
             device=config.device,
         )
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms)
+
+
+def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
+    """The Mosaic kernels' segment_ids argument: (q ids, kv ids) with lengths folded in, or None."""
+    return (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
@@ -172,6 +175,9 @@ def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: Ke
             d_lse,
             scale=config.scale,
             is_causal=config.spec.is_causal,
+            window=config.spec.window,
+            soft_cap=config.soft_cap,
+            segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_backward_tiles,
             device=config.device,
         )

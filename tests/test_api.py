@@ -492,9 +492,18 @@ def test_mosaic_backend_needs_hopper(chosen_forward):
         chosen_forward(*hopper_arrays(), backend="mosaic", interpret=True)
 
 
-def test_mosaic_backward_goes_with_the_mosaic_forward_on_plain_and_causal_calls(chosen_kernels):
+def test_mosaic_backward_goes_with_the_mosaic_forward(chosen_kernels):
     for is_causal in (False, True):
         assert chosen_kernels(*hopper_arrays(), is_causal=is_causal) == ("mosaic", "mosaic")
+    # Every mask of the Mosaic forward: windows, soft caps, segment ids and lengths.
+    for kwargs in (
+        dict(local_window_size=256),
+        dict(is_causal=True, local_window_size=(256, 0)),
+        dict(logits_soft_cap=30.0),
+        dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)),
+        dict(key_value_seq_lengths=jnp.array([1000, 17]), query_seq_lengths=jnp.array([9, 1024])),
+    ):
+        assert chosen_kernels(*hopper_arrays(), **kwargs) == ("mosaic", "mosaic"), kwargs
     # H=64 below 2k keys: the Triton backward, measured faster there; asked for: Mosaic.
     short_h64 = hopper_arrays((4, 1024, 8, 64), (4, 1024, 8, 64))
     assert chosen_kernels(*short_h64) == ("mosaic", "triton")
@@ -504,15 +513,9 @@ def test_mosaic_backward_goes_with_the_mosaic_forward_on_plain_and_causal_calls(
 
 
 def test_triton_backward_serves_what_the_mosaic_backward_lacks(chosen_kernels):
-    # H=256 (registers), windows, soft caps, segment ids: the Mosaic forward, the Triton backward.
+    # H=256 (registers): the Mosaic forward, the Triton backward.
     h256 = hopper_arrays((2, 1024, 8, 256), (2, 1024, 2, 256))
     assert chosen_kernels(*h256) == ("mosaic", "triton")
-    for kwargs in (
-        dict(local_window_size=256),
-        dict(logits_soft_cap=30.0),
-        dict(q_segment_ids=jnp.zeros((2, 1024), jnp.int32)),
-    ):
-        assert chosen_kernels(*hopper_arrays(), **kwargs) == ("mosaic", "triton"), kwargs
     # The user's Triton tiles configure the backward; a Triton forward takes a Triton backward.
     tiles = pallas_flash.BlockSizes(block_q_dkv=64)
     assert chosen_kernels(*hopper_arrays(), backend="mosaic", block_sizes=tiles) == (
@@ -666,7 +669,7 @@ def test_backward_at_residuals_checks_their_shapes(no_compute):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(is_causal=True), dict(local_window_size=(300, 0))])
 def test_backward_at_the_residuals_runs_the_calls_kernels_on_gpu(options):
-    """Compiled (Mosaic backward on Hopper for the causal call, Triton for the window): the
+    """Compiled (the Mosaic backward on Hopper, for the causal call and the window): the
     same kernels as the call's own backward. XLA may sum delta = rowsum(dO * out) in another
     order in another program, so a few elements may differ in their last bf16 bit."""
     rng = np.random.default_rng(0)

@@ -192,12 +192,14 @@ H200 = {
     "bias": ("triton", "triton", H128_MASKED, None, None, 1),
     "mask": ("triton", "triton", H128_MASKED, None, None, 1),
     "mask-causal-f32": ("triton", "triton", F32, None, None, 1),
-    "window": ("mosaic", "triton", H128_FULL_SHORT, {}, None, None),
-    "window-wide": ("mosaic", "triton", H128, {}, None, None),
-    "soft-cap": ("mosaic", "triton", H128_FULL_SHORT, {}, None, None),
-    "segments": ("mosaic", "triton", H128_FULL_SHORT, {}, None, None),
+    # The Mosaic backward takes every mask of the Mosaic forward; H=64 below 2048 keys keeps
+    # the Triton backward (kv-lengths).
+    "window": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
+    "window-wide": ("mosaic", "mosaic", H128, {}, {}, None),
+    "soft-cap": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
+    "segments": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
     "kv-lengths": ("mosaic", "triton", H64, {}, None, None),
-    "q-lengths": ("mosaic", "triton", H64, {}, None, None),
+    "q-lengths": ("mosaic", "mosaic", H64, {}, {}, None),
     "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
     "triton": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
     "mosaic-h64-short": (

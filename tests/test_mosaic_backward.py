@@ -9,6 +9,7 @@ generation waits for a real GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -18,22 +19,31 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    OUTPUT_NAMES,
     Problem,
     assert_bitwise_equal,
     assert_within_tolerance,
+    attention_oracle_f64,
     oracle_outputs_and_grads,
     outputs_and_grads,
     plain_fn,
     random_inputs,
+    segment_arrays,
 )
 from mosaic_interpret import interpret_mosaic
 from test_lowering import abstract_inputs, lower_for_h200
-from test_mosaic_forward import GARBAGE, custom_call_targets, long_only, needs_hopper
+from test_mosaic_forward import (
+    GARBAGE,
+    abstract_ids,
+    custom_call_targets,
+    long_only,
+    needs_hopper,
+)
 from test_mosaic_forward import forward_fn as mosaic_forward_fn
 
 import pallas_flash
 from pallas_flash import device as device_lib
-from pallas_flash import dispatch, tune_cache
+from pallas_flash import dispatch, masks, tune_cache
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.call import Call
 from pallas_flash.device import Device
@@ -41,7 +51,15 @@ from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, flash_forward
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
-from pallas_flash.mosaic.backward import SMEM_BYTES, _q_tile_range, default_tiles
+from pallas_flash.mosaic.backward import (
+    SMEM_BYTES,
+    _dkv_mask_sides,
+    _dq_mask_sides,
+    _kv_tile_ranges,
+    _q_tile_ranges,
+    default_tiles,
+)
+from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
 
 
@@ -102,6 +120,62 @@ def test_lowers_for_h200(p):
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
 
 
+# Masks: windows causal and not, soft caps, segment ids, combined; T != S; one consumer, three
+# stages, 128-row streamed tiles. Lowering runs Mosaic GPU's layout inference on the masks' id
+# vectors and selects, which the interpreter does not.
+MASKED_LOWERING_CASES = [
+    pytest.param(
+        Problem(2, 256, 512, 4, 2, 128, True, "bf16"),
+        dict(window=(64, 0), soft_cap=20.0, segments=True),
+        None,
+    ),
+    pytest.param(
+        Problem(1, 512, 256, 4, 1, 64, False, "f16"),
+        dict(window=(30, 90)),
+        BackwardTiles(num_consumers=1, num_stages=3),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(2, 256, 256, 4, 2, 128, False, "bf16"),
+        dict(soft_cap=30.0),
+        BackwardTiles(block_kv_dq=128),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(2, 512, 512, 4, 2, 64, True, "bf16"),
+        dict(segments=True),
+        BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+        marks=long_only,
+    ),
+]
+
+
+@pytest.mark.parametrize("p, options, tiles", MASKED_LOWERING_CASES, ids=str)
+def test_lowers_with_masks(p, options, tiles):
+    options = dict(options)
+    segments = options.pop("segments", False)
+
+    def backward(q, k, v, out, lse, d_out, d_lse, *ids):
+        return flash_backward(
+            q,
+            k,
+            v,
+            out,
+            lse,
+            d_out,
+            d_lse,
+            scale=p.scale,
+            is_causal=p.is_causal,
+            segment_ids=ids or None,
+            tiles=tiles,
+            **options,
+        )
+
+    ids = abstract_ids(p) if segments else ()
+    lowered = lower_for_h200(backward, *abstract_backward_args(p), *ids)
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
+
+
 # Tiles other than the defaults that fit the register budget of `mosaic.backward.why_not`.
 OTHER_TILES = [
     (64, BackwardTiles(num_consumers=1)),
@@ -155,21 +229,89 @@ def test_kernel_config_opt_in_lowers_to_mosaic_only():
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"] * 3
 
 
-@pytest.mark.parametrize("q_len, kv_len", [(256, 256), (256, 512), (512, 256), (128, 1024)])
-@pytest.mark.parametrize("block_q, rows", [(64, 64), (128, 64), (64, 128)])
-def test_causal_q_tile_range_matches_the_mask(q_len, kv_len, block_q, rows):
-    """Per block of keys: query tiles [first, end) are exactly those holding a row that sees
-    some of the keys, and tiles [whole, end) see all of them in every row."""
-    visible_keys = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
-    for kv_start in range(0, kv_len, rows):
-        tiles = visible_keys[:, kv_start : kv_start + rows].reshape(-1, block_q, rows)
-        seen, whole_tiles = tiles.any(axis=(1, 2)), tiles.all(axis=(1, 2))
-        first, whole = _q_tile_range(
-            jnp.int32(kv_start), rows, q_len=q_len, block_q=block_q, is_causal=True
-        )
-        num_tiles = q_len // block_q
-        assert int(first) == num_tiles - seen.sum() and seen[int(first) :].all()
-        assert int(whole) == num_tiles - whole_tiles.sum() and whole_tiles[int(whole) :].all()
+# (T, S) and windows for the range checks below: T == S, T < S, T > S, ragged lengths; windows
+# one-sided, two-sided, narrow (rows without keys when T > S) and wider than the sequences.
+RANGE_LENGTHS = [(256, 256), (256, 512), (512, 256), (200, 136), (136, 328)]
+RANGE_WINDOWS = [None, (0, 0), (5, 3), (100, 30), (127, 0), (0, 90), (10**6, 40)]
+RANGE_TILES = [
+    BackwardTiles(),
+    BackwardTiles(num_consumers=1),
+    BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+]
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, tiles",
+    [
+        # A fixed slice in CI, the rest with PALLAS_FLASH_SWEEP.
+        pytest.param(q_len, kv_len, tiles, marks=() if (i + j) % 5 == 0 else long_only)
+        for i, (q_len, kv_len) in enumerate(RANGE_LENGTHS)
+        for j, tiles in enumerate(RANGE_TILES)
+    ],
+    ids=str,
+)
+def test_geometry_tile_ranges_match_the_mask(q_len, kv_len, tiles):
+    """The ranges the kernels compute from the geometry (no segment ids), against brute force
+    over causal and windows. dK/dV: per consumer's keys, the query tiles holding a row (< T)
+    that sees some of them lie in [lo, hi), tiles in [full_lo, full_hi) are seen whole by every
+    row < T, the CTA streams the hull of its consumers' ranges; without a side that
+    `_dkv_mask_sides` reports, the masked and drained loops of that side are empty. dQ the
+    same per consumer's rows over KV tiles, where keys past S count as hidden."""
+    rows_q, rows_kv = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    for is_causal in (False, True):
+        for window in RANGE_WINDOWS:
+            spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window)
+            seen = np.asarray(spec.geometry(rows_q, rows_kv)) & np.ones((q_len, kv_len), bool)
+            case = (is_causal, window)
+            # -- dK/dV: per consumer's keys, over query tiles of block_q_dkv rows --
+            block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
+            num_q = -(-q_len // block_q)
+            before, after = _dkv_mask_sides(spec, tiles)
+            for cta_start in range(0, kv_len, tiles.cta_kv_rows):
+                hull = set()
+                for kv_start in range(cta_start, cta_start + tiles.cta_kv_rows, block_kv):
+                    (first, end), ranges = _q_tile_ranges(spec, tiles, cta_start, kv_start)
+                    first, end = int(first), int(end)
+                    lo, full_lo, full_hi, hi = (int(x) for x in ranges)
+                    assert first <= lo <= full_lo <= full_hi <= hi <= end <= max(num_q, first)
+                    keys = seen[:, kv_start : kv_start + block_kv]
+                    padded = np.zeros((num_q * block_q, keys.shape[1]), bool)
+                    padded[:q_len] = keys
+                    by_tile = padded.reshape(num_q, block_q, -1)
+                    visited = np.flatnonzero(by_tile.any(axis=(1, 2)))
+                    assert all(lo <= t < hi for t in visited), (case, kv_start, ranges)
+                    for t in range(full_lo, full_hi):
+                        rows = min(block_q, q_len - t * block_q)
+                        assert by_tile[t, :rows].all(), (case, kv_start, t)
+                    assert before or lo == full_lo == first, (case, kv_start)
+                    assert after or full_hi == hi == end, (case, kv_start)
+                    hull |= set(range(lo, hi))
+                assert hull <= set(range(first, end)), (case, cta_start)
+                assert not hull or (min(hull), max(hull) + 1) == (first, end), (case, cta_start)
+            # -- dQ: per consumer's rows, over KV tiles of block_kv_dq keys --
+            block_q, block_kv = tiles.block_q_dq, tiles.block_kv_dq
+            num_kv = -(-kv_len // block_kv)
+            before, after = _dq_mask_sides(spec, tiles)
+            for cta_start in range(0, q_len, tiles.cta_q_rows):
+                hull = set()
+                for q_start in range(cta_start, cta_start + tiles.cta_q_rows, block_q):
+                    (first, end), ranges = _kv_tile_ranges(spec, tiles, cta_start, q_start)
+                    first, end = int(first), int(end)
+                    lo, full_lo, full_hi, hi = (int(x) for x in ranges)
+                    assert first <= lo <= full_lo <= full_hi <= hi <= end <= max(num_kv, first)
+                    rows = seen[q_start : q_start + block_q]
+                    padded = np.zeros((rows.shape[0], num_kv * block_kv), bool)
+                    padded[:, :kv_len] = rows
+                    by_tile = padded.reshape(rows.shape[0], num_kv, block_kv)
+                    visited = np.flatnonzero(by_tile.any(axis=(0, 2)))
+                    assert all(lo <= t < hi for t in visited), (case, q_start, ranges)
+                    for t in range(full_lo, full_hi):
+                        assert by_tile[:, t].all(), (case, q_start, t)
+                    assert before or lo == full_lo == first, (case, q_start)
+                    assert after or full_hi == hi == end, (case, q_start)
+                    hull |= set(range(lo, hi))
+                assert hull <= set(range(first, end)), (case, cta_start)
+                assert not hull or (min(hull), max(hull) + 1) == (first, end), (case, cta_start)
 
 
 # -- why_not / validation ---------------------------------------------------------------
@@ -438,41 +580,48 @@ def test_deterministic():
 
 
 @pytest.mark.parametrize(
-    "spec_options, soft_cap, has_bias",
+    "spec_options, soft_cap",
     [
-        (dict(window=(8, 8)), None, False),
-        (dict(has_segments=True), None, False),
-        ({}, 30.0, False),
-        ({}, None, True),
-        (dict(mask_shape=(1, 1, 256, 256)), None, False),
+        (dict(window=(8, 8)), None),
+        (dict(window=(100, 0)), None),
+        (dict(has_segments=True), None),
+        ({}, 30.0),
+        (dict(window=(64, 0), has_segments=True), 20.0),
     ],
 )
-def test_the_dispatch_never_gives_the_mosaic_backward_what_it_would_drop(
-    spec_options, soft_cap, has_bias
-):
-    """The Mosaic backward takes only the causal flag: windows, segment ids, soft caps keep the
-    Triton backward also with backend="mosaic"; a bias or dense mask keeps the whole call on
-    Triton (None) or is refused (backend="mosaic")."""
+def test_the_dispatch_gives_the_mosaic_backward_every_mask_of_the_forward(spec_options, soft_cap):
+    """Windows, segment ids (and lengths), soft caps: the Mosaic forward and backward, with
+    backend=None and backend="mosaic"."""
+    call = Call(
+        q_shape=(1, 256, 2, 128),
+        k_shape=(1, 256, 2, 128),
+        dtype=jnp.bfloat16,
+        spec=MaskSpec(q_len=256, kv_len=256, is_causal=True, **spec_options),
+        soft_cap=soft_cap,
+    )
+    for backend in (None, "mosaic"):
+        config = dispatch.choose(call, Device.h200(), scale=0.1, backend=backend)
+        assert (config.forward, config.backward) == ("mosaic", "mosaic")
+
+
+@pytest.mark.parametrize(
+    "spec_options, has_bias", [({}, True), (dict(mask_shape=(1, 1, 256, 256)), False)]
+)
+def test_the_dispatch_never_gives_the_mosaic_backward_what_it_would_drop(spec_options, has_bias):
+    """A bias or dense mask keeps the whole call on Triton (None) or is refused
+    (backend="mosaic")."""
     spec = MaskSpec(q_len=256, kv_len=256, is_causal=True, **spec_options)
     call = Call(
         q_shape=(1, 256, 2, 128),
         k_shape=(1, 256, 2, 128),
         dtype=jnp.bfloat16,
         spec=spec,
-        soft_cap=soft_cap,
         has_bias=has_bias,
     )
+    assert mosaic_backward_module.unsupported_options(spec, soft_cap=None, has_bias=has_bias)
     assert dispatch.choose(call, Device.h200(), scale=0.1).backward == "triton"
-    if has_bias or spec.mask_shape is not None:
-        with pytest.raises(NotImplementedError, match="backend='mosaic' does not support"):
-            dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")
-    else:
-        config = dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")
-        assert (config.forward, config.backward) == ("mosaic", "triton")
-    plain = dataclasses.replace(
-        call, spec=MaskSpec(q_len=256, kv_len=256, is_causal=True), soft_cap=None, has_bias=False
-    )
-    assert dispatch.choose(plain, Device.h200(), scale=0.1, backend="mosaic").backward == "mosaic"
+    with pytest.raises(NotImplementedError, match="backend='mosaic' does not support"):
+        dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")
 
 
 # -- any T and S, head dims 80 and 96 -------------------------------------------------------------
@@ -621,3 +770,422 @@ def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
     results = run(q, k, v, d_out, d_lse)
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+# -- windows, soft caps, segment ids and lengths --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskCase:
+    """A masked call: `kind` a conftest.segment_arrays kind (segment ids with lengths folded in)
+    or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites); poison:
+    the kernels get K and V with NaN and inf at the keys that no row sees."""
+
+    p: Problem
+    window: tuple[int, int] | None = None
+    soft_cap: float | None = None
+    kind: str | None = None
+    scale: float | None = None
+    tiles: BackwardTiles | None = None
+    poison: bool = False
+
+    @property
+    def spec(self) -> MaskSpec:
+        return MaskSpec(
+            q_len=self.p.q_len,
+            kv_len=self.p.kv_len,
+            is_causal=self.p.is_causal,
+            window=self.window,
+            has_segments=self.kind is not None,
+        )
+
+    @property
+    def logit_scale(self) -> float:
+        return self.p.scale if self.scale is None else self.scale
+
+    def arrays(self) -> MaskArrays:
+        if self.kind is None:
+            return MaskArrays()
+        return segment_arrays(self.kind, self.p.batch, self.p.q_len, self.p.kv_len)
+
+    def __str__(self):
+        parts = [str(self.p)]
+        for name in ("window", "soft_cap", "kind", "scale"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.tiles is not None:
+            parts.append(str(self.tiles).replace("BackwardTiles", ""))
+        if self.poison:
+            parts.append("nan-at-hidden-keys")
+        return "-".join(parts)
+
+
+def mask_options(c: MaskCase, arrays: MaskArrays) -> dict:
+    """The mask keywords of flash_forward and flash_backward for case c."""
+    segment_ids = (arrays.q_segment_ids, arrays.kv_segment_ids) if c.kind is not None else None
+    return dict(window=c.window, soft_cap=c.soft_cap, segment_ids=segment_ids)
+
+
+def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None):
+    """Plain attention with every step in the input dtype over a visibility broadcastable to
+    [B, N, T, S] and an optional soft cap: the tolerance baseline of values and gradients. Rows
+    that see no key: out 0, lse -inf, gradients 0 (no NaN through their empty softmax)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalised = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    empty = row_sum == 0.0
+    row_sum = jnp.where(empty, 1.0, row_sum)
+    probs = unnormalised / row_sum
+    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum))[..., 0]
+    return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
+
+
+def check_masked_backward(c: MaskCase, *, interpreted: bool, mosaic_forward: bool):
+    """The Mosaic backward of case c against the float64 oracle, with plain attention in the
+    input dtype as the tolerance baseline. Residuals from the Mosaic forward (checked too) or,
+    to keep the interpreter's time to the backward, from the library's "xla" reference (f32
+    softmax, out in the input dtype). With c.poison the kernels get K and V with NaN and inf
+    at the keys that no row sees and must give the gradients of the clean inputs. Rows that see
+    no key have dq exactly 0, keys that no row sees dk and dv exactly 0."""
+    p, scale, spec, arrays = c.p, c.logit_scale, c.spec, c.arrays()
+    (q, k_clean, v_clean, d_out, d_lse), f64 = random_inputs(p)
+    k, v = hidden_key_poison(c) if c.poison else (k_clean, v_clean)
+    options = mask_options(c, arrays)
+    visible = np.asarray(masks.dense(spec, arrays))  # [B|1, 1, T, S]
+    oracle = attention_oracle_f64(*f64, scale=scale, visible=visible, soft_cap=c.soft_cap)
+
+    def reference(q, k, v):
+        return reference_attention(
+            q, k, v, None, arrays, spec=spec, scale=scale, soft_cap=c.soft_cap
+        )
+
+    plain = functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=c.soft_cap)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(
+        q, k_clean, v_clean, d_out, d_lse
+    )
+    forward = functools.partial(flash_forward, scale=scale, is_causal=p.is_causal, **options)
+    backward = functools.partial(
+        flash_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
+    )
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        if mosaic_forward:
+            out, lse = jax.jit(forward)(q, k, v)
+            out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
+        else:
+            out, lse = jax.jit(reference)(q, k_clean, v_clean)
+        grads = jax.jit(backward)(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
+    names = ("dq", "dk", "dv")
+    results = grads
+    if mosaic_forward:
+        names = ("out", "lse", *names)
+        results = [np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads]
+    for name, x in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert np.isfinite(x).all(), f"{name}: {np.sum(~np.isfinite(x))} non-finite values"
+    dq, dk, dv = grads
+    empty_rows = np.broadcast_to(~visible.any(axis=-1)[:, 0], (p.batch, p.q_len))  # [B, T]
+    hidden_keys = np.broadcast_to(~visible.any(axis=-2)[:, 0], (p.batch, p.kv_len))  # [B, S]
+    assert (dq[empty_rows] == 0).all(), "rows that see no key must have dq exactly 0"
+    assert (dk[hidden_keys] == 0).all() and (dv[hidden_keys] == 0).all(), "hidden keys"
+    oracles = [oracle[name] for name in names]
+    baselines = [baselines[OUTPUT_NAMES.index(name)] for name in names]
+    assert_within_tolerance(results, baselines, oracles, floor=p.floor, names=names)
+
+
+# In CI: two small backward-only cases through most of the new paths (windows causal and not,
+# a soft cap, packed documents with q and kv lengths, NaN at hidden keys, GQA, T != S, one
+# consumer). The rest, with the Mosaic forward's residuals too, runs with PALLAS_FLASH_SWEEP.
+MASK_CI_CASES = [
+    MaskCase(
+        Problem(1, 256, 384, 2, 1, 64, True, "bf16"),
+        window=(100, 0),
+        soft_cap=10.0,
+        scale=1.0,
+    ),
+    # Keys 67-255 of entry 0 (in a tile that rows of its second document see) and all keys of
+    # entry 1 hold NaN and inf.
+    MaskCase(
+        Problem(2, 192, 256, 2, 1, 64, False, "bf16"),
+        window=(30, 60),
+        kind="packed-lengths",
+        tiles=BackwardTiles(num_consumers=1),
+        poison=True,
+    ),
+]
+
+# A ragged last KV tile; NaN at hidden keys with causal and a window; windows left-only /
+# right-only / both, narrow ones leaving rows and whole CTAs without keys
+# (T > S), wider than S; soft caps alone and causal; every segment kind (q lengths, kv lengths
+# with a batch entry without keys, unsorted ids, a gap both consumers drain); H 64 and 128, f16,
+# MQA and GQA; 1 consumer, 3 stages, 128-row streamed tiles.
+MASK_SWEEP_CASES = [
+    MaskCase(
+        Problem(2, 256, 200, 2, 1, 64, False, "bf16"),
+        window=(30, 60),
+        kind="packed-lengths",
+        tiles=BackwardTiles(num_consumers=1),
+    ),
+    MaskCase(
+        Problem(2, 256, 256, 2, 1, 64, True, "bf16"), window=(80, 0), kind="lengths", poison=True
+    ),
+    MaskCase(Problem(1, 256, 512, 2, 1, 128, False, "bf16"), window=(64, 32)),
+    MaskCase(Problem(1, 256, 512, 2, 2, 64, False, "f16"), window=(70, 10**6)),
+    MaskCase(Problem(1, 256, 256, 2, 1, 128, False, "bf16"), window=(10**6, 40)),
+    MaskCase(Problem(1, 512, 128, 2, 1, 64, True, "bf16"), window=(1, 0)),
+    MaskCase(Problem(1, 384, 128, 2, 1, 128, False, "f16"), window=(10, 3)),
+    MaskCase(Problem(1, 256, 256, 2, 1, 128, False, "bf16"), soft_cap=5.0, scale=1.0),
+    MaskCase(Problem(1, 256, 512, 4, 2, 64, True, "f16"), soft_cap=30.0, scale=1.0),
+    MaskCase(Problem(2, 256, 256, 2, 1, 128, True, "bf16"), kind="packed"),
+    MaskCase(Problem(2, 256, 384, 2, 2, 64, False, "bf16"), kind="lengths"),
+    MaskCase(Problem(2, 384, 256, 2, 1, 64, True, "bf16"), kind="packed-lengths"),
+    MaskCase(Problem(1, 256, 256, 2, 1, 64, False, "bf16"), kind="unsorted"),
+    MaskCase(
+        Problem(1, 256, 512, 2, 1, 64, False, "bf16"),
+        kind="gap",
+        tiles=BackwardTiles(num_stages=3),
+    ),
+    MaskCase(
+        Problem(1, 512, 512, 2, 1, 64, True, "bf16"),
+        window=(70, 0),
+        tiles=BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+    ),
+    MaskCase(
+        Problem(2, 512, 256, 2, 1, 128, True, "bf16"),
+        window=(64, 0),
+        soft_cap=10.0,
+        kind="packed-lengths",
+        scale=1.0,
+        tiles=BackwardTiles(num_consumers=1, num_stages=3),
+    ),
+]
+
+
+@pytest.mark.parametrize("c", MASK_CI_CASES, ids=str)
+def test_masked_matches_oracle_interpreted(c):
+    """Windows, soft caps, segment ids and lengths in the Mosaic GPU interpreter (race
+    detector on): the tile ranges and plans, drain steps, element-wise masks, the soft cap's
+    derivative, rows without keys (dq 0) and keys no row sees (dk, dv 0)."""
+    check_masked_backward(c, interpreted=True, mosaic_forward=False)
+
+
+@long_only
+@pytest.mark.parametrize("c", MASK_CI_CASES + MASK_SWEEP_CASES, ids=str)
+def test_masked_forward_and_backward_match_oracle_interpreted(c):
+    """The Mosaic forward, then the Mosaic backward on its out and lse (the reference's
+    residuals where K and V hold NaN: the Mosaic forward lets NaN in V at a hidden key reach
+    the rows of its tile, test_nan_safety.py)."""
+    check_masked_backward(c, interpreted=True, mosaic_forward=not c.poison)
+
+
+def hidden_key_poison(c: MaskCase):
+    """K and V of case c with NaN and +-inf at the keys that no row sees (past the kv lengths,
+    of a segment no query has)."""
+    p, arrays = c.p, c.arrays()
+    visible = np.asarray(masks.dense(c.spec, arrays))
+    hidden = np.broadcast_to(~visible.any(axis=-2)[:, 0], (p.batch, p.kv_len))
+    (_, k, v, _, _), _ = random_inputs(p)
+    values = np.array([np.nan, np.inf, -np.inf])
+    k_bad, v_bad = np.asarray(k, np.float32).copy(), np.asarray(v, np.float32).copy()
+    b_idx, s_idx = np.nonzero(hidden)
+    for j, (b, s) in enumerate(zip(b_idx, s_idx)):
+        k_bad[b, s, :, j % 3 :: 5] = values[j % 3]
+        v_bad[b, s, :, (j + 1) % 3 :: 7] = values[(j + 1) % 3]
+    return jnp.asarray(k_bad, k.dtype), jnp.asarray(v_bad, v.dtype)
+
+
+# Through the public call as a Hopper runs it: three Mosaic GPU calls (the forward, dK/dV, dQ)
+# for each mask the Mosaic forward takes.
+PUBLIC_MASKED_CALLS = [
+    (Problem(1, 256, 256, 4, 2, 128, True, "bf16"), dict(local_window_size=(100, 0))),
+    (Problem(1, 256, 512, 4, 2, 128, False, "bf16"), dict(logits_soft_cap=20.0)),
+    (
+        Problem(2, 256, 256, 4, 2, 128, True, "bf16"),
+        dict(key_value_seq_lengths=np.array([200, 37]), query_seq_lengths=np.array([256, 99])),
+    ),
+]
+
+
+def public_masked_fn(p: Problem, options: dict):
+    return functools.partial(
+        pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True, **options
+    )
+
+
+@long_only
+@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=str)
+def test_default_masked_call_on_hopper_lowers_to_mosaic(monkeypatch, p, options):
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
+    fn = functools.partial(outputs_and_grads, public_masked_fn(p, options))
+    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+
+
+@long_only
+@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=str)
+def test_default_masked_call_on_hopper_matches_oracle_interpreted(monkeypatch, p, options):
+    """backend=None on a Hopper with a window, a soft cap, lengths: validation, dispatch,
+    residuals and the mask arrays through the custom_vjp to the Mosaic kernels."""
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
+    fn = functools.partial(outputs_and_grads, public_masked_fn(p, options))
+    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        results = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fn)(q, k, v, d_out, d_lse)]
+    xla = functools.partial(outputs_and_grads, public_masked_fn(p, {**options, "backend": "xla"}))
+    baselines = jax.jit(xla)(q, k, v, d_out, d_lse)
+    arrays = masks.make_arrays(
+        p.batch,
+        p.q_len,
+        p.kv_len,
+        query_seq_lengths=options.get("query_seq_lengths"),
+        key_value_seq_lengths=options.get("key_value_seq_lengths"),
+    )
+    spec = MaskSpec(
+        q_len=p.q_len,
+        kv_len=p.kv_len,
+        is_causal=p.is_causal,
+        window=options.get("local_window_size"),
+        has_segments=arrays.q_segment_ids is not None,
+    )
+    visible = np.asarray(masks.dense(spec, arrays))
+    oracle = attention_oracle_f64(
+        *f64, scale=p.scale, visible=visible, soft_cap=options.get("logits_soft_cap")
+    )
+    oracles = [oracle[name] for name in OUTPUT_NAMES]
+    assert_within_tolerance(results, baselines, oracles, floor=p.floor)
+
+
+# -- on a Hopper GPU --
+
+# B=2, GQA and MQA, H 64 and 128, T == S, T < S, T > S; windows causal and not (rows and CTAs
+# without keys), soft caps, every segment kind, combinations; other tiles.
+MASK_GPU_CASES = [
+    MaskCase(Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"), window=(300, 0)),
+    MaskCase(Problem(2, 512, 1024, 4, 2, 128, False, "bf16"), window=(200, 300)),
+    MaskCase(Problem(2, 1024, 256, 4, 1, 64, False, "bf16"), window=(1, 0)),
+    MaskCase(Problem(2, 512, 512, 4, 2, 64, True, "f16"), window=(100, 0)),
+    MaskCase(Problem(2, 512, 512, 4, 2, 128, False, "bf16"), soft_cap=5.0, scale=1.0),
+    MaskCase(Problem(2, 1024, 1024, 4, 2, 64, True, "bf16"), soft_cap=30.0, scale=1.0),
+    MaskCase(Problem(2, 512, 512, 4, 2, 128, False, "bf16"), kind="packed"),
+    MaskCase(Problem(2, 1024, 1024, 4, 2, 64, True, "bf16"), kind="packed-lengths"),
+    MaskCase(Problem(2, 512, 1024, 4, 2, 128, True, "f16"), kind="lengths"),
+    MaskCase(Problem(2, 512, 512, 4, 1, 128, False, "bf16"), kind="unsorted"),
+    MaskCase(Problem(2, 512, 1024, 4, 2, 64, False, "bf16"), kind="gap"),
+    MaskCase(
+        Problem(2, 1024, 512, 4, 2, 128, True, "bf16"),
+        window=(128, 0),
+        soft_cap=20.0,
+        kind="packed-lengths",
+        scale=1.0,
+    ),
+    MaskCase(
+        Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"),
+        window=(300, 0),
+        tiles=BackwardTiles(num_stages=3),
+    ),
+    MaskCase(
+        Problem(2, 1024, 1024, 4, 2, 64, True, "bf16"),
+        window=(70, 0),
+        kind="packed",
+        tiles=BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+    ),
+    MaskCase(
+        Problem(2, 512, 512, 4, 2, 128, False, "bf16"),
+        window=(30, 90),
+        soft_cap=10.0,
+        scale=1.0,
+        tiles=BackwardTiles(num_consumers=1),
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", MASK_GPU_CASES, ids=str)
+def test_masked_matches_oracle(c):
+    needs_hopper()
+    check_masked_backward(c, interpreted=False, mosaic_forward=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "c",
+    [
+        MaskCase(
+            Problem(2, 512, 512, 4, 2, 128, True, "bf16"),
+            window=(200, 0),
+            kind="lengths",
+            poison=True,
+        ),
+        MaskCase(Problem(2, 384, 512, 4, 2, 64, False, "bf16"), kind="packed-lengths", poison=True),
+    ],
+    ids=str,
+)
+def test_nan_at_hidden_keys_reaches_no_gradient(c):
+    """Backward only, from the reference's residuals of the clean inputs (the Mosaic forward
+    lets NaN in V at a hidden key reach the rows of its tile: test_nan_safety.py)."""
+    needs_hopper()
+    check_masked_backward(c, interpreted=False, mosaic_forward=False)
+
+
+@pytest.mark.gpu
+def test_masked_deterministic():
+    needs_hopper()
+    c = MASK_GPU_CASES[11]
+    (q, k, v, d_out, d_lse), _ = random_inputs(c.p)
+    options = mask_options(c, c.arrays())
+    out, lse = flash_forward(q, k, v, scale=c.logit_scale, is_causal=c.p.is_causal, **options)
+    backward = jax.jit(
+        functools.partial(flash_backward, scale=c.logit_scale, is_causal=c.p.is_causal, **options)
+    )
+    args = (q, k, v, out, lse, d_out, d_lse)
+    assert_bitwise_equal(backward(*args), backward(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p, options",
+    [
+        *PUBLIC_MASKED_CALLS,
+        (Problem(2, 2048, 2048, 8, 2, 128, True, "bf16"), dict(local_window_size=(512, 0))),
+        (Problem(4, 2048, 2048, 8, 8, 64, False, "bf16"), dict(logits_soft_cap=30.0)),
+    ],
+    ids=str,
+)
+def test_default_masked_call_takes_mosaic_and_matches_oracle(p, options):
+    """backend=None on the H200: three Mosaic calls, values and gradients against the
+    float64 oracle."""
+    needs_hopper()
+    fn = jax.jit(functools.partial(outputs_and_grads, public_masked_fn(p, options)))
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    targets = custom_call_targets(fn.lower(q, k, v, d_out, d_lse).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+    results = fn(q, k, v, d_out, d_lse)
+    xla = functools.partial(outputs_and_grads, public_masked_fn(p, {**options, "backend": "xla"}))
+    baselines = jax.jit(xla)(q, k, v, d_out, d_lse)
+    arrays = masks.make_arrays(
+        p.batch,
+        p.q_len,
+        p.kv_len,
+        query_seq_lengths=options.get("query_seq_lengths"),
+        key_value_seq_lengths=options.get("key_value_seq_lengths"),
+    )
+    spec = MaskSpec(
+        q_len=p.q_len,
+        kv_len=p.kv_len,
+        is_causal=p.is_causal,
+        window=options.get("local_window_size"),
+        has_segments=arrays.q_segment_ids is not None,
+    )
+    visible = np.asarray(masks.dense(spec, arrays))
+    oracle = attention_oracle_f64(
+        *f64, scale=p.scale, visible=visible, soft_cap=options.get("logits_soft_cap")
+    )
+    assert_within_tolerance(results, baselines, [oracle[n] for n in OUTPUT_NAMES], floor=p.floor)

@@ -1212,7 +1212,7 @@ def test_segments_through_the_api_match_oracle(monkeypatch):
 def test_masked_default_call_on_hopper_matches_oracle_interpreted(monkeypatch):
     """The public forward as a Hopper runs it (backend=None) with segment ids, lengths and a
     causal window, in the interpreter: the API's mask arrays reach the Mosaic forward; out and
-    lse against the float64 oracle (the Triton backward cannot run in the Mosaic interpreter)."""
+    lse against the float64 oracle (the gradients: test_mosaic_backward.py)."""
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
     p = Problem(2, 256, 256, 4, 2, 128, True, "bf16")
     (q, k, v, d_out, d_lse), (q64, k64, v64, d_out64, d_lse64) = random_inputs(p)
@@ -1531,9 +1531,9 @@ def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
 
 
 @pytest.mark.parametrize("option", ["window", "soft_cap", "segments"])
-def test_masked_default_call_lowers_to_the_mosaic_forward_and_triton_backward(monkeypatch, option):
-    """backend=None on Hopper: windows, soft caps and segment ids take the Mosaic forward (one
-    Mosaic call) and the Triton backward (which the Mosaic backward leaves them to)."""
+def test_masked_default_call_lowers_to_the_mosaic_forward_and_backward(monkeypatch, option):
+    """backend=None on Hopper: windows, soft caps and segment ids take the Mosaic forward and
+    the Mosaic backward (three Mosaic calls, no Triton kernel)."""
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
     p = Problem(2, 1024, 1024, 8, 2, 128, True, "bf16")
     kwargs = {
@@ -1548,11 +1548,8 @@ def test_masked_default_call_lowers_to_the_mosaic_forward_and_triton_backward(mo
 
     fn = functools.partial(outputs_and_grads, public_fn(p, **kwargs[option]))
     lowered = lower_for_h200(fn, q, k, v, q, abstract_lse(p))
-    assert custom_call_targets(lowered.as_text()).count("mosaic_gpu_v2") == 1
-    assert sorted(triton_calls(lowered)) == [
-        "pallas_flash_backward_dkv",
-        "pallas_flash_backward_dq",
-    ]
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"] * 3
+    assert triton_calls(lowered) == {}
 
 
 @pytest.mark.gpu

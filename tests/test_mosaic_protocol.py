@@ -19,6 +19,7 @@ in step with the kernel.
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -111,9 +112,11 @@ class ProtocolError(AssertionError):
 
 def simulate(producer, consumers, *, stages: int, seed: int) -> None:
     """Run the threads (op lists) under a random interleaving; raise ProtocolError on a hang,
-    parity aliasing, a slot race, a wrong tile, or a copy left in flight or unobserved."""
+    parity aliasing, a slot race, a wrong tile, or a copy left in flight or unobserved. Free
+    and schedule barriers count one arrival per consumer."""
     rng = random.Random(seed)
-    arrivals = {"k_free": NUM_CONSUMERS, "v_free": NUM_CONSUMERS, "schedule": NUM_CONSUMERS}
+    n_c = len(consumers)
+    arrivals = {"k_free": n_c, "v_free": n_c, "schedule": n_c}
     completed: dict = {}  # (barrier, index) -> phases completed
     pending: dict = {}  # (barrier, index) -> arrivals in the current phase
     waits: dict = {}  # (thread, barrier, index) -> waits done (the thread's phase bit is & 1)
@@ -354,6 +357,145 @@ def test_the_model_catches_a_broken_drain(broken, match):
             assert np.any([s in str(e) for s in match.split("|")]), e
             failures += 1
     assert failures > 0
+
+
+# -- the backward (pallas_flash.mosaic.backward) ---------------------------------------------------
+# Its two kernels stream a ring of two buffers per step, freed separately: dQ streams KV tiles
+# (V as "v", K as "k"), dK/dV streams (query head, query tile) steps (dO as "v", Q as "k").
+# A consumer walks every step of the CTA, computing those of its range and draining the others;
+# there is no schedule barrier. The op sequences mirror `_produce_dkv`, `_dq_kernel._producer`,
+# `_consume_dkv.q_step / drain_step` and `_consume_dq.kv_step / drain_step`.
+
+
+def backward_producer_ops(num_steps: int, stages: int):
+    """Both producers: step n into slot n % stages, "v" waited for and loaded first."""
+    for n in range(num_steps):
+        slot = n % stages
+        if n >= stages:
+            yield ("wait", FREE["v"], slot)
+        yield ("issue", "v", slot, n)
+        if n >= stages:
+            yield ("wait", FREE["k"], slot)
+        yield ("issue", "k", slot, n)
+
+
+def backward_compute_step(kernel: str, n: int, slot: int):
+    if kernel == "dkv":  # S^T = K Q^T, then dV, dP^T (dO), free dO, dK (Q), free Q
+        yield ("wait", READY["k"], slot)
+        yield ("read", "k", slot, n)
+        yield ("wait", READY["v"], slot)
+    else:  # S = Q K^T and dP = dO V^T together, free V, dQ += dS K, free K
+        yield ("wait", READY["k"], slot)
+        yield ("wait", READY["v"], slot)
+        yield ("read", "k", slot, n)
+    yield ("read", "v", slot, n)
+    yield ("done", "v", slot)
+    yield ("arrive", FREE["v"], slot)
+    yield ("done", "k", slot)
+    yield ("arrive", FREE["k"], slot)
+
+
+def backward_drain_step(kernel: str, slot: int):
+    if kernel == "dkv":
+        yield ("wait", READY["k"], slot)
+        yield ("wait", READY["v"], slot)
+        yield ("arrive", FREE["v"], slot)
+        yield ("arrive", FREE["k"], slot)
+    else:
+        yield ("wait", READY["v"], slot)
+        yield ("arrive", FREE["v"], slot)
+        yield ("wait", READY["k"], slot)
+        yield ("arrive", FREE["k"], slot)
+
+
+def backward_consumer_ops(kernel: str, first, end, lo, hi, stages: int, group: int):
+    """Per query head of the group (dK/dV; dQ has one): drain [first, lo), compute [lo, hi),
+    drain [hi, end)."""
+    for h in range(group):
+        for tile in range(first, end):
+            n = h * (end - first) + tile - first
+            if lo <= tile < hi:
+                yield from backward_compute_step(kernel, n, n % stages)
+            else:
+                yield from backward_drain_step(kernel, n % stages)
+
+
+def backward_plans(shapes):
+    """Distinct (kernel, first, end, ranges, stages, group) of both backward kernels: from the
+    kernels' geometry range functions over shapes, tiles, causal and windows, and from the
+    segment-id plans (`schedule.tile_plan`) over random ids."""
+    from pallas_flash.mosaic.backward import BackwardTiles, _kv_tile_ranges, _q_tile_ranges
+    from pallas_flash.mosaic.schedule import tile_plan
+
+    plans = set()
+    for q_len, kv_len in shapes:
+        for n_c, block_q, block_kv in ((2, 64, 64), (1, 64, 64), (2, 128, 128)):
+            tiles = BackwardTiles(block_q_dkv=block_q, block_kv_dq=block_kv, num_consumers=n_c)
+            for is_causal, window in (
+                (False, None),
+                (True, None),
+                (True, (70, 0)),
+                (False, (5, 60)),
+            ):
+                spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window)
+                for kernel, cta_rows, rows, ranges_of, length in (
+                    ("dkv", tiles.cta_kv_rows, tiles.block_kv_dkv, _q_tile_ranges, kv_len),
+                    ("dq", tiles.cta_q_rows, tiles.block_q_dq, _kv_tile_ranges, q_len),
+                ):
+                    for cta_start in range(0, length, cta_rows):
+                        ranges = []
+                        for wg in range(n_c):
+                            cta, mine = ranges_of(spec, tiles, cta_start, cta_start + wg * rows)
+                            ranges.append((int(mine[0]), int(mine[3])))
+                        first, end = int(cta[0]), int(cta[1])
+                        for stages in (2, 3):
+                            plans.add((kernel, first, end, tuple(ranges), stages, 2))
+            if block_q != 64:
+                continue  # the segment plans' tiles: 64 x 64 with one and two consumers
+            spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=True, has_segments=True)
+            for kind in ("packed-lengths", "gap"):
+                arrays = segment_arrays(kind, 2, q_len, kv_len, seed=q_len + block_kv)
+                for kernel, over, rows, cols in (
+                    ("dkv", "kv", tiles.block_kv_dkv, tiles.block_q_dkv),
+                    ("dq", "q", tiles.block_q_dq, tiles.block_kv_dq),
+                ):
+                    plan = tile_plan(
+                        spec, arrays, block_rows=rows, block_cols=cols, num_consumers=n_c, over=over
+                    )
+                    for cta in np.asarray(plan).reshape(-1, n_c + 1, 4).tolist():
+                        ranges = tuple((c[0], c[3]) for c in cta[:n_c])
+                        plans.add((kernel, cta[n_c][0], cta[n_c][3], ranges, 2, 2))
+    return sorted(plans)
+
+
+# A fixed slice in CI; all of them with PALLAS_FLASH_SWEEP.
+BACKWARD_SHAPES = [(256, 512), (200, 328)]
+if os.environ.get("PALLAS_FLASH_SWEEP"):
+    BACKWARD_SHAPES += [(512, 256), (128, 1024), (1000, 40)]
+
+
+def test_backward_protocol_never_hangs_or_races():
+    plans = backward_plans(BACKWARD_SHAPES)
+    # The hard cases: CTAs without steps, idle consumers, leading and trailing drains.
+    assert any(first == end for _, first, end, *_ in plans)
+    assert any(lo == hi and first < end for _, first, end, ranges, *_ in plans for lo, hi in ranges)
+    assert any(first < lo < hi for _, first, _, ranges, *_ in plans for lo, hi in ranges)
+    assert any(lo < hi < end for _, _, end, ranges, *_ in plans for lo, hi in ranges)
+    for i, (kernel, first, end, ranges, stages, group) in enumerate(plans):
+        steps = group * (end - first) if kernel == "dkv" else end - first
+        if kernel == "dq":
+            group = 1
+        for seed in range(2):
+            consumers = [
+                backward_consumer_ops(kernel, first, end, lo, hi, stages, group)
+                for lo, hi in ranges
+            ]
+            try:
+                simulate(
+                    backward_producer_ops(steps, stages), consumers, stages=stages, seed=i + seed
+                )
+            except ProtocolError as e:
+                raise ProtocolError(f"{kernel, first, end, ranges, stages}: {e}") from None
 
 
 # -- the consumer's arithmetic ---------------------------------------------------------------------

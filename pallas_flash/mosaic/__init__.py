@@ -67,6 +67,9 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
         call.k_shape,
         call.dtype,
         is_causal=call.spec.is_causal,
+        window=call.spec.window,
+        soft_cap=call.soft_cap,
+        segments=call.spec.has_segments,
         tiles=tiles,
         cuda_runtime_version=device.cuda_runtime_version,
     )

@@ -14,6 +14,13 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
 
 Both write their gradients once, so the result is bitwise deterministic. The residuals are those
 of `pallas_flash.mosaic.forward` (and of the Triton forward): out, and lse natural-log f32.
+
+Masks are the forward's (causal, local windows, segment ids with sequence lengths folded in, a
+soft cap), from `pallas_flash.masks`: a CTA's producer streams the tiles of the hull of its
+consumers' tile ranges, each consumer computes the tiles of its own range (masking element-wise
+the ones that are not fully visible) and drains the other steps, as the forward's consumers do.
+Without segment ids the ranges come from the geometry in the kernel; with them from a plan that
+XLA computes first (`schedule.tile_plan`). Tiles that no row of a CTA sees are never loaded.
 """
 
 from __future__ import annotations
@@ -28,18 +35,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash import masks
 from pallas_flash._numerics import LOG2E
 from pallas_flash.device import Device
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
-from pallas_flash.mosaic.launch import pad_to, warp_specialised_kernel
-from pallas_flash.mosaic.tiles import (
-    CAUSAL_MISCOMPILING_CUDA,
-    SMEM_BYTES,
-    aligned_len,
-    cdiv,
-    kernel_head_dim,
-)
+from pallas_flash.mosaic.launch import check_segment_ids, pad_ids, pad_to, warp_specialised_kernel
+from pallas_flash.mosaic.schedule import tile_plan
+from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv, kernel_head_dim
 
 # Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward). H=192 and
 # 256 are left to the Triton backward: a consumer's dK and dV accumulators, [64, H] f32 each,
@@ -115,17 +118,21 @@ class BackwardTiles:
             "dQ": self.block_q_dq * (head_dim + 2 * self.block_kv_dq) // 128,
         }
 
-    def smem_bytes_dkv(self, head_dim: int, itemsize: int) -> int:
-        """K, V per consumer, the Q and dO ring, the lse and delta rows of the ring."""
+    def smem_bytes_dkv(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
+        """K, V per consumer, the Q and dO ring, the lse and delta rows of the ring; with
+        segment ids, the consumers' key ids and a ring of query ids (int32)."""
         kv = 2 * self.cta_kv_rows * head_dim * itemsize
         ring = 2 * self.num_stages * self.block_q_dkv * (head_dim * itemsize + 4)
-        return kv + ring
+        ids = (self.cta_kv_rows + self.num_stages * self.block_q_dkv) * 4 if segments else 0
+        return kv + ring + ids
 
-    def smem_bytes_dq(self, head_dim: int, itemsize: int) -> int:
-        """Q, dO and the lse and delta rows per consumer, the K and V ring."""
+    def smem_bytes_dq(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
+        """Q, dO and the lse and delta rows per consumer, the K and V ring; with segment ids,
+        the consumers' query ids and a ring of key ids (int32)."""
         q = 2 * self.cta_q_rows * (head_dim * itemsize + 4)
         ring = 2 * self.num_stages * self.block_kv_dq * head_dim * itemsize
-        return q + ring
+        ids = (self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4 if segments else 0
+        return q + ring + ids
 
 
 def default_tiles(head_dim: int) -> BackwardTiles:
@@ -136,20 +143,11 @@ def default_tiles(head_dim: int) -> BackwardTiles:
 
 
 def unsupported_options(spec, *, soft_cap, has_bias: bool) -> str | None:
-    """The options of a call (spec: a masks.MaskSpec) that this backward, which takes only the
-    causal flag, would drop, named as the API names them; None if there are none."""
-    unsupported = [
-        name
-        for name, present in (
-            ("bias", has_bias),
-            ("mask", spec.mask_shape is not None),
-            ("segment ids or sequence lengths", spec.has_segments),
-            ("local_window_size", spec.window is not None),
-            ("logits_soft_cap", soft_cap is not None),
-        )
-        if present
-    ]
-    return " and ".join(unsupported) or None
+    """The options of a call (spec: a masks.MaskSpec) that this backward would drop, named as
+    the API names them; None if there are none. It takes the forward's masks: causal, windows,
+    segment ids and sequence lengths, and soft caps."""
+    del soft_cap
+    return forward_tiles.unsupported_options(spec, has_bias=has_bias)
 
 
 def why_not(
@@ -158,17 +156,23 @@ def why_not(
     dtype,
     *,
     is_causal: bool,
+    window: tuple[int, int] | None = None,
+    soft_cap: float | None = None,
+    segments: bool = False,
     tiles: BackwardTiles | None = None,
     cuda_runtime_version: int | None = None,
 ) -> str | None:
-    """Why the Mosaic GPU backward cannot run on these shapes, or None when it can (the caller
-    keeps the Triton backward). Any T and S; both causal settings have the same rules.
-    `cuda_runtime_version`: the target's, None when not known."""
-    if is_causal and cuda_runtime_version in CAUSAL_MISCOMPILING_CUDA:
-        return (
-            f"is_causal=True on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 "
-            "miscompiles it)"
-        )
+    """Why the Mosaic GPU backward cannot run on these shapes and options, or None when it can
+    (the caller keeps the Triton backward). Any T and S; `window` and `soft_cap` as in
+    `flash_backward`, `segments`: the call has segment ids (or sequence lengths), whose id
+    buffers take shared memory; `cuda_runtime_version`: the target's, None when not known."""
+    if reason := forward_tiles.check_options(
+        is_causal=is_causal,
+        window=window,
+        soft_cap=soft_cap,
+        cuda_runtime_version=cuda_runtime_version,
+    ):
+        return reason
     if reason := forward_tiles.check_shapes(q_shape, k_shape, dtype):
         return reason
     _, q_len, _, head_dim = q_shape
@@ -194,8 +198,8 @@ def why_not(
             )
     itemsize = jnp.dtype(dtype).itemsize
     for kernel, smem in (
-        ("dK/dV", tiles.smem_bytes_dkv(head_dim, itemsize)),
-        ("dQ", tiles.smem_bytes_dq(head_dim, itemsize)),
+        ("dK/dV", tiles.smem_bytes_dkv(head_dim, itemsize, segments=segments)),
+        ("dQ", tiles.smem_bytes_dq(head_dim, itemsize, segments=segments)),
     ):
         if smem > SMEM_BYTES:
             return f"{tiles} needs {smem} bytes of shared memory in {kernel} at {head_dim=}"
@@ -213,6 +217,9 @@ def flash_backward(
     *,
     scale: float,
     is_causal: bool,
+    window: tuple[int, int] | None = None,
+    soft_cap: float | None = None,
+    segment_ids: tuple[jax.Array, jax.Array] | None = None,
     tiles: BackwardTiles | None = None,
     device: Device | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -222,20 +229,31 @@ def flash_backward(
       q, out, d_out: [B, T, N, H], bfloat16 or float16 (out and d_out in q's dtype); any T and
         S, H one of HEAD_DIMS.
       k, v: [B, S, K, H] in q's dtype; query head n reads kv head n // (N // K).
-      lse: float32 [B, N, T], the natural-log log-sum-exp of scale * q.k saved by the forward.
+      lse: float32 [B, N, T], the natural-log log-sum-exp of the (soft-capped) logits saved by
+        the forward; -inf for rows that see no key.
       d_lse: float32 [B, N, T], the cotangent of lse, or None for zero.
       scale: the forward's positive multiplier of q.k.
-      is_causal: query i sees keys j <= i, top-left aligned (every row sees key 0).
+      is_causal: query i sees keys j <= i, top-left aligned.
+      window: (left, right) ints >= 0, or None: query i sees keys j with
+        i - left <= j <= i + right (and j <= i when causal). Query tiles that none of a CTA's
+        keys' rows see (dK/dV), and KV tiles that none of its rows see (dQ), are not loaded.
+      soft_cap: c > 0 or None: the forward's logits c * tanh(scale * q.k / c); the gradients
+        carry its derivative 1 - tanh^2.
+      segment_ids: (q_segment_ids int32 [B, T], kv_segment_ids int32 [B, S]) or None, as in
+        `pallas_flash.mosaic.forward.flash_forward` (sequence lengths folded in as padding
+        ids): query i sees key j only when their ids are equal.
       tiles: BackwardTiles; None picks `default_tiles(H)`.
       device: the GPU it is compiled for (its CUDA runtime is checked); None: the visible
         GPU's record (`Device.current()`).
 
     Returns:
       dq [B, T, N, H] and dk, dv [B, S, K, H] in q's dtype; dk and dv are summed over the query
-      heads of each kv head's group.
+      heads of each kv head's group. Rows that see no key have dq 0, keys that no row sees dk
+      and dv 0; with segment ids, NaN or inf in K or V at keys a row does not see does not reach
+      that row's gradients.
 
     Raises:
-      ValueError: shapes, dtypes or tiles the kernels do not support (see `why_not`).
+      ValueError: shapes, dtypes, options or tiles the kernels do not support (see `why_not`).
     """
     device = Device.current() if device is None else device
     if reason := why_not(
@@ -243,6 +261,9 @@ def flash_backward(
         k.shape,
         q.dtype,
         is_causal=is_causal,
+        window=window,
+        soft_cap=soft_cap,
+        segments=segment_ids is not None,
         tiles=tiles,
         cuda_runtime_version=None if device is None else device.cuda_runtime_version,
     ):
@@ -255,30 +276,62 @@ def flash_backward(
             )
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive")
+    if segment_ids is not None:
+        check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
     tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
     (_, q_len, _, head_dim), kv_len = q.shape, k.shape[1]
+    spec = MaskSpec(
+        q_len=q_len,
+        kv_len=kv_len,
+        is_causal=is_causal,
+        window=None if window is None else (int(window[0]), int(window[1])),
+        has_segments=segment_ids is not None,
+    )
     # delta folds the lse cotangent in: dS = P * (dP - rowsum(dO * O) + dlse).
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
-    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)).
-    lse2 = lse.astype(jnp.float32) * LOG2E
+    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)). Rows that saw no key
+    # (lse = -inf) get +inf, which makes their P exactly 0 whatever their logits.
+    lse = lse.astype(jnp.float32)
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
+    if segment_ids is not None:
+        # Keys that no row sees (padding, documents without queries) may hold anything, and
+        # dQ += dS K multiplies their zero dS by their K on the tensor cores: 0 * NaN would
+        # reach every row of the tile. Costs one pass over K.
+        k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     # As in the forward: T and S padded to ROW_ALIGN, H to the kernel head dim (zero columns
     # add nothing to q.k, dO.v or the gradients' kept columns). The kernels read the true T and
-    # S from q_len and kv_len; rows and keys past them are computed on zeros and not kept.
+    # S from spec; rows and keys past them are computed and not kept.
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
     h_to = kernel_head_dim(head_dim)
     q, d_out = pad_to(q, q_to, h_to), pad_to(d_out, q_to, h_to)
     k, v = pad_to(k, kv_to, h_to), pad_to(v, kv_to, h_to)
     # lse and delta keep T innermost: padded to whole query tiles of both kernels, so that no
-    # tile's load runs into the next head's rows (see the forward's lse).
+    # tile's load runs into the next head's rows (see the forward's lse). The rows past T get
+    # lse = +inf: P = 0 there, so they add nothing to dK and dV whatever their Q and dO.
     rows = math.lcm(tiles.block_q_dkv, tiles.cta_q_rows)
     lse_to = cdiv(q_len, rows) * rows
     if lse_to != q_len:
-        lse2, delta = (jnp.pad(x, ((0, 0), (0, 0), (0, lse_to - q_len))) for x in (lse2, delta))
-    kwargs = dict(scale=float(scale), is_causal=is_causal, q_len=q_len, kv_len=kv_len, tiles=tiles)
-    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, **kwargs)
-    dq = _dq_call(q, k, v, d_out, lse2, delta, **kwargs)
+        pad = ((0, 0), (0, 0), (0, lse_to - q_len))
+        lse2, delta = jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
+    dkv_ids = dq_ids = None
+    if segment_ids is not None:
+        q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
+        kv_ids = pad_ids(segment_ids[1], kv_to, masks.PAD_KV_SEGMENT)
+        arrays = MaskArrays(q_ids, kv_ids)
+        plan = functools.partial(tile_plan, spec, arrays, num_consumers=tiles.num_consumers)
+        dkv_plan = plan(block_rows=tiles.block_kv_dkv, block_cols=tiles.block_q_dkv, over="kv")
+        dq_plan = plan(block_rows=tiles.block_q_dq, block_cols=tiles.block_kv_dq, over="q")
+        dkv_ids, dq_ids = (q_ids, kv_ids, dkv_plan), (q_ids, kv_ids, dq_plan)
+    kwargs = dict(
+        spec=spec,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        tiles=tiles,
+    )
+    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, **kwargs)
+    dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, **kwargs)
     if (q_to, kv_to, h_to) != (q_len, kv_len, head_dim):
         dq = dq[:, :q_len, :, :head_dim]
         dk, dv = dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
@@ -312,42 +365,80 @@ def _wgmma_zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
+def _clip(x, lo, hi):
+    if all(isinstance(v, int) for v in (x, lo, hi)):
+        return min(max(x, lo), hi)
+    return jnp.minimum(jnp.maximum(x, lo), hi)
+
+
+def _probs(s, lse2, broadcast, *, qk_scale: float, scale: float, soft_cap):
+    """(P, P * dcap) of an f32 tile of logits s = q.k from lse2 = lse * log2(e) per query:
+    P = exp2(logit * log2(e) - lse2), dcap the soft cap's derivative 1 - tanh^2 (P itself
+    without a cap).
+
+    P <= 1: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2. lse2 is
+    +inf for rows that see no key and rows past T: P = 0 there. The capped logits are the
+    forward's (`forward._capped_logits`): tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1), whose
+    1 - tanh^2 = 4r(1 - r) stays exact as tanh nears +-1 (where 1 - tanh * tanh would cancel),
+    and is 0, not NaN, where exp2 overflows (r = 0) or underflows (r = 1).
+    """
+    if soft_cap is None:
+        p = jnp.exp2(jnp.minimum(s * qk_scale - broadcast(lse2, s.shape), 0.0))
+        return p, p
+    cap2 = soft_cap * LOG2E
+    r = 1.0 / (jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)) + 1.0)
+    p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - broadcast(lse2, s.shape), 0.0))
+    return p, p * (4.0 * r * (1.0 - r))
+
+
 # -- dK / dV --------------------------------------------------------------------------------------
 
 
-def _kv_tile_counts(q_start, rows: int, *, kv_len: int, block_kv: int, is_causal: bool):
-    """(visible, unmasked): the KV tiles that query rows [q_start, q_start + rows) see at all,
-    and how many leading ones they see whole (tiles in [unmasked, visible) straddle the causal
-    diagonal). MaskSpec.kv_tile_range's hi and full_hi; its q_len plays no part in them."""
-    spec = MaskSpec(q_len=rows, kv_len=kv_len, is_causal=is_causal)
-    _, _, unmasked, visible = spec.kv_tile_range(q_start, rows, block_kv)
-    return visible, unmasked
+def _dkv_geometry(spec: MaskSpec, tiles: BackwardTiles) -> MaskSpec:
+    """spec with S rounded up to whole dK/dV CTAs: each key is a row of dK and dV there, and the
+    rows past S are computed and not kept, so no query tile needs a mask for them."""
+    cta_rows = tiles.cta_kv_rows
+    return dataclasses.replace(spec, kv_len=cdiv(spec.kv_len, cta_rows) * cta_rows)
 
 
-def _q_tile_range(kv_start, rows: int, *, q_len: int, block_q: int, is_causal: bool):
-    """(first, whole): keys [kv_start, kv_start + rows) are seen by query tiles [first, Q) and
-    by every row of tiles [whole, Q), Q = ceil(T / block_q); tiles in [first, whole) straddle
-    the causal diagonal and need the mask. MaskSpec.q_tile_range's lo and full_lo (its kv_len
-    plays no part in them), clamped to Q: keys past the last query (S > T) are seen by no
-    tile."""
-    num_tiles = jnp.int32(cdiv(q_len, block_q))
-    spec = MaskSpec(q_len=q_len, kv_len=rows, is_causal=is_causal)
-    lo, full_lo, _, _ = spec.q_tile_range(jnp.asarray(kv_start, jnp.int32), block_q, rows)
-    return jnp.minimum(lo, num_tiles), jnp.minimum(full_lo, num_tiles)
+def _q_tile_ranges(spec: MaskSpec, tiles: BackwardTiles, cta_kv_start, kv_start):
+    """((first, end), (lo, full_lo, full_hi, hi)) from the geometry: the query tiles (of
+    block_q_dkv rows) that the dK/dV CTA whose keys start at cta_kv_start streams, and
+    `MaskSpec.q_tile_range` of a consumer's keys from kv_start, clamped into them (a consumer
+    whose keys no row sees gets an empty range inside the CTA's, and drains its steps)."""
+    geometry = _dkv_geometry(spec, tiles)
+    block_q = tiles.block_q_dkv
+    first, _, _, end = geometry.q_tile_range(cta_kv_start, block_q, tiles.cta_kv_rows)
+    ranges = geometry.q_tile_range(kv_start, block_q, tiles.block_kv_dkv)
+    return (first, end), tuple(_clip(x, first, end) for x in ranges)
 
 
-def _dkv_call(
-    q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, q_len: int, kv_len: int, tiles
-):
+def _dkv_mask_sides(spec: MaskSpec, tiles: BackwardTiles) -> tuple[bool, bool]:
+    """(before, after): whether a dK/dV consumer's range may hold masked query tiles before its
+    whole ones (keys hidden from earlier rows: causal, or the window's right side) and after
+    them (keys hidden from later rows: the window's left side). Row i sees key j >= 0 once
+    i >= j - right, for every key the kernel runs (j < S rounded up to its CTAs) once right >=
+    that - 1; and once left >= R - 1 for every row i < R, R = T rounded up to block_q_dkv. With
+    segment ids any tile may need the mask."""
+    if spec.has_segments:
+        return True, True
+    keys = _dkv_geometry(spec, tiles).kv_len
+    rows = cdiv(spec.q_len, tiles.block_q_dkv) * tiles.block_q_dkv
+    return spec.right < keys - 1, spec.left < rows - 1
+
+
+def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, soft_cap, tiles):
+    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan)."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dkv
+    has_ids = ids is not None
     kernel = functools.partial(
         _dkv_kernel,
+        spec=spec,
         qk_scale=scale * LOG2E,
         scale=scale,
-        is_causal=is_causal,
-        q_len=q_len,
+        soft_cap=soft_cap,
         group=num_heads // num_kv_heads,
         tiles=tiles,
     )
@@ -359,13 +450,19 @@ def _dkv_call(
         lse_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         # Two TMA copies arrive on each: K and V; Q and its lse rows; dO and its delta rows.
-        kv_loaded=plgpu.Barrier(num_arrivals=2, num_barriers=n_c),
-        q_ready=plgpu.Barrier(num_arrivals=2, num_barriers=n_s),
+        # With segment ids the keys' ids land with K and V, and the rows' ids with Q: one more.
+        kv_loaded=plgpu.Barrier(num_arrivals=2 + has_ids, num_barriers=n_c),
+        q_ready=plgpu.Barrier(num_arrivals=2 + has_ids, num_barriers=n_s),
         do_ready=plgpu.Barrier(num_arrivals=2, num_barriers=n_s),
         # A slot is free again once every consumer is done with it.
         q_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
         do_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
     )
+    if has_ids:
+        scratch.update(
+            kv_ids_smem=plgpu.SMEM((n_c, tiles.block_kv_dkv), jnp.int32),
+            q_ids_smem=plgpu.SMEM((n_s, block_q), jnp.int32),
+        )
     kv_type = jax.ShapeDtypeStruct(k.shape, k.dtype)
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
@@ -373,10 +470,10 @@ def _dkv_call(
         kernel,
         out_type=(kv_type, kv_type),
         scratch_types=scratch,
-        grid=(batch, num_kv_heads, cdiv(kv_len, tiles.cta_kv_rows)),
+        grid=(batch, num_kv_heads, cdiv(spec.kv_len, tiles.cta_kv_rows)),
         grid_names=("batch", "kv_head", "kv_tile"),
         num_consumers=n_c,
-    )(q, k, v, d_out, lse2, delta)
+    )(q, k, v, d_out, lse2, delta, *(ids or ()))
 
 
 def _dkv_kernel(
@@ -386,9 +483,7 @@ def _dkv_kernel(
     do_ref,
     lse2_ref,
     delta_ref,
-    dk_ref,
-    dv_ref,
-    *,
+    *refs,
     k_smem,
     v_smem,
     q_smem,
@@ -400,32 +495,45 @@ def _dkv_kernel(
     do_ready,
     q_free,
     do_free,
+    kv_ids_smem=None,
+    q_ids_smem=None,
+    spec: MaskSpec,
     qk_scale: float,
     scale: float,
-    is_causal: bool,
-    q_len: int,
+    soft_cap,
     group: int,
     tiles: BackwardTiles,
 ):
     """One CTA: num_consumers * block_kv_dkv keys of one KV head (FA2 Algorithm 2, outer loop).
 
-    q_ref, do_ref: [B, T, N, H]; k/v/dk/dv_ref: [B, S, K, H]; lse2_ref (lse * log2(e)) and
-    delta_ref: f32 [B, N, T]. The producer's step s loads query head kv_head * group +
-    s // cta_tiles, query tile cta_first + s % cta_tiles into ring slot s % num_stages.
+    q_ref, do_ref: [B, T', N, H]; k/v/dk/dv_ref: [B, S', K, H]; lse2_ref (lse * log2(e), +inf
+    for rows without keys) and delta_ref: f32 [B, N, T'']. With segment ids, refs starts with
+    q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S / cta_kv_rows),
+    num_consumers + 1, 4] (`schedule.tile_plan` over="kv"). The CTA streams query tiles
+    [first, end): the producer's step s loads query head kv_head * group + s // (end - first),
+    query tile first + s % (end - first) into ring slot s % num_stages.
     """
+    *id_refs, dk_ref, dv_ref = refs
+    q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_head")
-    cta_kv_start = lax.axis_index("kv_tile") * tiles.cta_kv_rows
-    block_q = tiles.block_q_dkv
-    # The first consumer's keys start the CTA's, so it sees the most query tiles.
-    cta_first, _ = _q_tile_range(
-        cta_kv_start, tiles.cta_kv_rows, q_len=q_len, block_q=block_q, is_causal=is_causal
-    )
-    cta_tiles = cdiv(q_len, block_q) - cta_first
+    kv_tile = lax.axis_index("kv_tile")
+    cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
-    ring = _QRing(q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_free, do_free)
-    common = dict(
-        batch=batch, kv_head=kv_head, cta_first=cta_first, cta_tiles=cta_tiles, group=group
+    kv_start = cta_kv_start + wg * tiles.block_kv_dkv
+
+    def tile_ranges():
+        """(first, end) of the CTA and (lo, full_lo, full_hi, hi) of consumer wg."""
+        if plan_ref is None:
+            return _q_tile_ranges(spec, tiles, cta_kv_start, kv_start)
+        # Every thread of the CTA loads the same words: a broadcast from L2.
+        cta = tuple(plan_ref[batch, kv_tile, tiles.num_consumers, i] for i in (0, 3))
+        return cta, tuple(plan_ref[batch, kv_tile, wg, i] for i in range(4))
+
+    cta_range, _ = tile_ranges()
+    ring = _QRing(
+        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_free, do_free, q_ids_smem
     )
+    common = dict(batch=batch, kv_head=kv_head, cta_range=cta_range, group=group)
 
     @pl.when(wg < tiles.num_consumers)
     def _consumer():
@@ -433,17 +541,20 @@ def _dkv_kernel(
         _consume_dkv(
             k_ref,
             v_ref,
+            kv_ids_ref,
             dk_ref,
             dv_ref,
             k_smem.at[wg],
             v_smem.at[wg],
+            None if kv_ids_smem is None else kv_ids_smem.at[wg],
             kv_loaded.at[wg],
             ring,
-            kv_start=cta_kv_start + wg * tiles.block_kv_dkv,
+            kv_start=kv_start,
+            ranges=tile_ranges()[1],
+            spec=spec,
             qk_scale=qk_scale,
             scale=scale,
-            is_causal=is_causal,
-            q_len=q_len,
+            soft_cap=soft_cap,
             tiles=tiles,
             **common,
         )
@@ -451,14 +562,14 @@ def _dkv_kernel(
     @pl.when(wg == tiles.num_consumers)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        _produce_dkv(q_ref, do_ref, lse2_ref, delta_ref, ring, tiles=tiles, **common)
+        _produce_dkv(q_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, ring, tiles=tiles, **common)
 
 
 @dataclasses.dataclass(frozen=True)
 class _QRing:
     """The Q/dO shared-memory ring of the dK/dV kernel: step s lives in slot s % num_stages.
-    q_ready completes when Q and its lse rows have landed, do_ready when dO and its delta rows
-    have; q_free and do_free when every consumer is done reading them."""
+    q_ready completes when Q and its lse rows (and query ids) have landed, do_ready when dO and
+    its delta rows have; q_free and do_free when every consumer is done reading them."""
 
     q_smem: object
     do_smem: object
@@ -468,16 +579,10 @@ class _QRing:
     do_ready: object
     q_free: object
     do_free: object
+    q_ids_smem: object = None
 
     def slot(self, step):
         return lax.rem(step, jnp.int32(self.q_smem.shape[0]))
-
-
-def _step_rows(step, *, kv_head, cta_first, cta_tiles, group: int, block_q: int):
-    """(query head, first query row) of producer step `step`."""
-    head = kv_head * group + lax.div(step, cta_tiles)
-    q_start = (cta_first + lax.rem(step, cta_tiles)) * block_q
-    return head, q_start
 
 
 def _produce_dkv(
@@ -485,29 +590,26 @@ def _produce_dkv(
     do_ref,
     lse2_ref,
     delta_ref,
+    q_ids_ref,
     ring: _QRing,
     *,
     batch,
     kv_head,
-    cta_first,
-    cta_tiles,
+    cta_range,
     group: int,
     tiles: BackwardTiles,
 ):
-    """Producer warpgroup: TMA Q, lse, dO, delta of every (head, query tile) step, in order."""
+    """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids) of every (head,
+    query tile) step, in order."""
     block_q, num_stages = tiles.block_q_dkv, tiles.num_stages
+    first, end = cta_range
+    cta_tiles = end - first
 
     @pl.loop(0, group * cta_tiles)
     def _step(step):
         slot = ring.slot(step)
-        head, q_start = _step_rows(
-            step,
-            kv_head=kv_head,
-            cta_first=cta_first,
-            cta_tiles=cta_tiles,
-            group=group,
-            block_q=block_q,
-        )
+        head = kv_head * group + lax.div(step, cta_tiles)
+        q_start = (first + lax.rem(step, cta_tiles)) * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
         # The first num_stages steps fill empty slots; later ones wait for the consumers. Q and
@@ -521,53 +623,72 @@ def _produce_dkv(
         pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(ring.q_free.at[slot]))
         plgpu.copy_gmem_to_smem(q_ref.at[rows], ring.q_smem.at[slot], ring.q_ready.at[slot])
         plgpu.copy_gmem_to_smem(lse2_ref.at[vector], ring.lse_smem.at[slot], ring.q_ready.at[slot])
+        if q_ids_ref is not None:
+            ids = q_ids_ref.at[batch, pl.ds(q_start, block_q)]
+            plgpu.copy_gmem_to_smem(ids, ring.q_ids_smem.at[slot], ring.q_ready.at[slot])
 
 
 def _consume_dkv(
     k_ref,
     v_ref,
+    kv_ids_ref,
     dk_ref,
     dv_ref,
     k_smem,
     v_smem,
+    kv_ids_smem,
     kv_loaded,
     ring: _QRing,
     *,
     batch,
     kv_head,
     kv_start,
-    cta_first,
-    cta_tiles,
+    cta_range,
+    ranges,
     group: int,
+    spec: MaskSpec,
     qk_scale: float,
     scale: float,
-    is_causal: bool,
-    q_len: int,
+    soft_cap,
     tiles: BackwardTiles,
 ):
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
-    every query tile that sees them. A consumer whose keys start later than the CTA's (causal)
-    skips the leading tiles of each head: it waits for them and frees them unread, which keeps
-    its barrier phases in step with the ring and counts its arrival on their free barriers."""
+    every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
+    end): it computes the tiles of its own range (lo, full_lo, full_hi, hi), masking element-wise
+    those outside [full_lo, full_hi), and drains the others (see drain_step)."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, dtype = k_smem.shape[-1], k_smem.dtype
-    num_q_tiles = cdiv(q_len, block_q)
-    # A ragged last query tile holds rows past T (zeros, or whatever lies past the array's
-    # end): masked, so that they add nothing to dK and dV. Keys past S need no mask: each key
-    # is a row of dK and dV here, and those rows are not kept.
-    ragged_q = q_len % block_q != 0
-    full_end = q_len // block_q  # tiles [full_end, num_q_tiles) hold rows past T
+    first, end = cta_range
+    cta_tiles = end - first
+    lo, full_lo, full_hi, hi = ranges
+    before, after = _dkv_mask_sides(spec, tiles)
     kv_rows = (batch, pl.ds(kv_start, block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_loaded)
     plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_loaded)
-    first, whole = _q_tile_range(
-        kv_start, block_kv, q_len=q_len, block_q=block_q, is_causal=is_causal
-    )
+    if kv_ids_ref is not None:
+        ids = kv_ids_ref.at[batch, pl.ds(kv_start, block_kv)]
+        plgpu.copy_gmem_to_smem(ids, kv_ids_smem, kv_loaded)
     tile_shape = (block_kv, block_q)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+    # The keys' segment ids [block_kv] (row layout): loaded once kv_loaded completes, before the
+    # loops trace visible_in, which reads them.
+    kv_seg = None
+
+    def visible_in(i, slot):
+        # Keys are rows here, query rows are columns. Rows past T need no mask: P = 0 there.
+        q_pos = i * block_q + _iota(tile_shape, 1)
+        kv_pos = kv_start + _iota(tile_shape, 0)
+        if kv_seg is None:
+            return masks.visible(spec, q_pos, kv_pos)
+        # The query tile's ids ride in Q's slot: read before the slot is released.
+        q_seg = plgpu.load(ring.q_ids_smem.at[slot], layout=col_layout)
+        return masks.visible(
+            spec, q_pos, kv_pos, _cols(q_seg, tile_shape), _rows(kv_seg, tile_shape)
+        )
 
     def q_step(i, carry, *, base, masked: bool):
         dk, dv = carry
-        slot = ring.slot(base + i - cta_first)
+        slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.q_ready.at[slot])
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
@@ -576,20 +697,14 @@ def _consume_dkv(
             return acc_ref[...]
 
         s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
-        lse2 = plgpu.load(ring.lse_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
-        # lse is finite (every row sees key 0), so masked entries are exactly 0, never NaN.
-        # P <= 1: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2.
-        p_t = jnp.exp2(jnp.minimum(s_t * qk_scale - _cols(lse2, tile_shape), 0.0))
+        lse2 = plgpu.load(ring.lse_smem.at[slot], layout=col_layout)
+        # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
+        p_t, pd_t = _probs(s_t, lse2, _cols, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
         if masked:
-            q_pos = i * block_q + _iota(tile_shape, 1)
-            conditions = []
-            if is_causal:
-                conditions.append(q_pos >= kv_start + _iota(tile_shape, 0))
-            if ragged_q:
-                conditions.append(q_pos < q_len)
-            # dV += P^T dO and dK += (P^T * (dP^T - delta)) Q: P^T = 0 keeps a hidden row out of
-            # both as long as its Q, dO and delta are finite (TMA reads zeros past T).
-            p_t = jnp.where(functools.reduce(jnp.logical_and, conditions), p_t, 0.0)
+            # A select, not a product: NaN in K at a hidden key is in S^T.
+            visible = visible_in(i, slot)
+            p_t = jnp.where(visible, p_t, 0.0)
+            pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
 
         # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -603,11 +718,15 @@ def _consume_dkv(
         dv, dp_t = pl.run_state(dv_dpt_into)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(_wgmma_zeros(tile_shape)))
         )
-        delta = plgpu.load(ring.delta_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
 
-        # -- dS^T = P^T * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
-        ds_in = (p_t * (dp_t - _cols(delta, tile_shape))).astype(dtype)
+        # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
+        ds_t = pd_t * (dp_t - _cols(delta, tile_shape))
+        if masked:
+            # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN.
+            ds_t = jnp.where(visible_in(i, slot), ds_t, 0.0)
+        ds_in = ds_t.astype(dtype)
 
         def dk_into(acc_ref):
             plgpu.wgmma(acc_ref, ds_in, ring.q_smem.at[slot])
@@ -616,33 +735,37 @@ def _consume_dkv(
         plgpu.barrier_arrive(ring.q_free.at[slot])
         return dk, dv
 
-    def skip_step(i, _, *, base):
-        slot = ring.slot(base + i - cta_first)
+    def drain_step(i, carry, *, base):
+        # A CTA step outside this consumer's range: waited for (each barrier's phase is
+        # tracked per thread and flips on every wait) and freed unread, so that the ring moves
+        # on for the other consumer.
+        slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         plgpu.barrier_wait(ring.do_ready.at[slot])
         plgpu.barrier_arrive(ring.do_free.at[slot])
         plgpu.barrier_arrive(ring.q_free.at[slot])
+        return carry
 
     def head_loop(h, carry):
-        base = h * cta_tiles  # the producer's step of this head's tile cta_first
+        base = h * cta_tiles  # the producer's step of this head's tile `first`
         masked_step = functools.partial(q_step, base=base, masked=True)
-        # In the producer's order: skipped tiles, the diagonal's masked ones, whole ones, and
-        # the ragged last tile (masked; it may also be on the diagonal, or the only tile).
-        whole_end = jnp.maximum(first, jnp.minimum(whole, full_end)) if ragged_q else whole
-        if is_causal:
-            lax.fori_loop(cta_first, first, functools.partial(skip_step, base=base), None)
-            carry = lax.fori_loop(first, whole_end, masked_step, carry)
-        if not ragged_q:
-            return lax.fori_loop(
-                whole_end, num_q_tiles, functools.partial(q_step, base=base, masked=False), carry
-            )
+        drain = functools.partial(drain_step, base=base)
+        # In the producer's order. Without a side its loops are empty: not emitted.
+        if before:
+            lax.fori_loop(first, lo, drain, None)
+            carry = lax.fori_loop(lo, full_lo, masked_step, carry)
         carry = lax.fori_loop(
-            whole_end, full_end, functools.partial(q_step, base=base, masked=False), carry
+            full_lo, full_hi, functools.partial(q_step, base=base, masked=False), carry
         )
-        return lax.fori_loop(jnp.maximum(whole_end, full_end), num_q_tiles, masked_step, carry)
+        if after:
+            carry = lax.fori_loop(full_hi, hi, masked_step, carry)
+            lax.fori_loop(hi, end, drain, None)
+        return carry
 
     zeros = _wgmma_zeros((block_kv, head_dim))
     plgpu.barrier_wait(kv_loaded)
+    if kv_ids_smem is not None:
+        kv_seg = plgpu.load(kv_ids_smem, layout=plgpu.Layout.WGMMA.reduce(1))
     dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
@@ -657,20 +780,44 @@ def _consume_dkv(
 # -- dQ -------------------------------------------------------------------------------------------
 
 
-def _dq_call(
-    q, k, v, d_out, lse2, delta, *, scale: float, is_causal: bool, q_len: int, kv_len: int, tiles
-):
+def _kv_tile_ranges(spec: MaskSpec, tiles: BackwardTiles, cta_q_start, q_start):
+    """((first, end), (lo, full_lo, full_hi, hi)) from the geometry: the KV tiles (of
+    block_kv_dq keys) that the dQ CTA whose rows start at cta_q_start streams, and
+    `MaskSpec.kv_tile_range` of a consumer's rows from q_start, clamped into them."""
+    block_kv = tiles.block_kv_dq
+    first, _, _, end = spec.kv_tile_range(cta_q_start, tiles.cta_q_rows, block_kv)
+    ranges = spec.kv_tile_range(q_start, tiles.block_q_dq, block_kv)
+    return (first, end), tuple(_clip(x, first, end) for x in ranges)
+
+
+def _dq_mask_sides(spec: MaskSpec, tiles: BackwardTiles) -> tuple[bool, bool]:
+    """(before, after): whether a dQ consumer's range may hold masked KV tiles before its whole
+    ones (the window's left side hides keys from some row i < R, R = T rounded up to the CTAs,
+    unless left >= R - 1) and after them (causal or the window's right side, unless right >=
+    S - 1; a ragged last KV tile, whose keys past S are masked). With segment ids any tile may
+    need the mask."""
+    if spec.has_segments:
+        return True, True
+    rows = cdiv(spec.q_len, tiles.cta_q_rows) * tiles.cta_q_rows
+    ragged_kv = spec.kv_len % tiles.block_kv_dq != 0
+    return spec.left < rows - 1, spec.right < spec.kv_len - 1 or ragged_kv
+
+
+def _dq_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, soft_cap, tiles):
+    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dQ tile plan)."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dq
+    has_ids = ids is not None
+    num_q_tiles = cdiv(spec.q_len, tiles.cta_q_rows)
     kernel = functools.partial(
         _dq_kernel,
+        spec=spec,
         qk_scale=scale * LOG2E,
         scale=scale,
-        is_causal=is_causal,
-        kv_len=kv_len,
+        soft_cap=soft_cap,
         group=num_heads // num_kv_heads,
-        num_q_tiles=cdiv(q_len, tiles.cta_q_rows),
+        num_q_tiles=num_q_tiles,
         tiles=tiles,
     )
     scratch = dict(
@@ -680,21 +827,46 @@ def _dq_call(
         delta_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
         k_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
         v_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
-        # Four TMA copies arrive on it: Q, dO, lse rows, delta rows.
-        q_loaded=plgpu.Barrier(num_arrivals=4, num_barriers=n_c),
-        k_ready=plgpu.Barrier(num_barriers=n_s),
+        # Four TMA copies arrive on it: Q, dO, lse rows, delta rows (and the rows' segment ids).
+        q_loaded=plgpu.Barrier(num_arrivals=4 + has_ids, num_barriers=n_c),
+        # With segment ids a KV tile's ids ride in K's ring slot: two copies.
+        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=n_s),
         v_ready=plgpu.Barrier(num_barriers=n_s),
         k_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
         v_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
     )
+    if has_ids:
+        scratch.update(
+            q_ids_smem=plgpu.SMEM((n_c, block_q), jnp.int32),
+            kv_ids_smem=plgpu.SMEM((n_s, tiles.block_kv_dq), jnp.int32),
+        )
     return warp_specialised_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
         scratch_types=scratch,
-        grid=(batch, num_heads, cdiv(q_len, tiles.cta_q_rows)),
+        grid=(batch, num_heads, num_q_tiles),
         grid_names=("batch", "head", "q_tile"),
         num_consumers=n_c,
-    )(q, k, v, d_out, lse2, delta)
+    )(q, k, v, d_out, lse2, delta, *(ids or ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVRing:
+    """The K/V shared-memory ring of the dQ kernel: KV tile `first + s` lives in slot
+    s % num_stages. *_ready complete when TMA has landed a tile (K's with its segment ids),
+    *_free when every consumer is done reading it."""
+
+    k_smem: object
+    v_smem: object
+    k_ready: object
+    v_ready: object
+    k_free: object
+    v_free: object
+    first: object  # the CTA's first KV tile
+    kv_ids_smem: object = None
+
+    def slot(self, tile):
+        return lax.rem(tile - self.first, jnp.int32(self.k_smem.shape[0]))
 
 
 def _dq_kernel(
@@ -704,8 +876,7 @@ def _dq_kernel(
     do_ref,
     lse2_ref,
     delta_ref,
-    dq_ref,
-    *,
+    *refs,
     q_smem,
     do_smem,
     lse_smem,
@@ -717,33 +888,48 @@ def _dq_kernel(
     v_ready,
     k_free,
     v_free,
+    q_ids_smem=None,
+    kv_ids_smem=None,
+    spec: MaskSpec,
     qk_scale: float,
     scale: float,
-    is_causal: bool,
-    kv_len: int,
+    soft_cap,
     group: int,
     num_q_tiles: int,
     tiles: BackwardTiles,
 ):
     """One CTA: num_consumers * block_q_dq query rows of one head against its keys (FA2
-    Algorithm 2's dQ, as its own kernel: no atomics). The producer's step j loads KV tile j into
-    ring slot j % num_stages."""
+    Algorithm 2's dQ, as its own kernel: no atomics). The CTA streams KV tiles [first, end),
+    tile first + s into ring slot s % num_stages. With segment ids, refs starts with q_ids_ref
+    [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_q_rows), num_consumers + 1, 4]
+    (`schedule.tile_plan` over="q")."""
+    *id_refs, dq_ref = refs
+    q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     q_tile = lax.axis_index("q_tile")
-    if is_causal:
+    if spec.is_causal:
         # The last query tiles see the most keys: launch them first (as in the forward).
         q_tile = num_q_tiles - 1 - q_tile
     cta_q_start = q_tile * tiles.cta_q_rows
     block_kv = tiles.block_kv_dq
-    cta_tiles, _ = _kv_tile_counts(
-        cta_q_start, tiles.cta_q_rows, kv_len=kv_len, block_kv=block_kv, is_causal=is_causal
-    )
     wg = lax.axis_index("wg")
+    q_start = cta_q_start + wg * tiles.block_q_dq
+
+    def tile_ranges():
+        """(first, end) of the CTA and (lo, full_lo, full_hi, hi) of consumer wg."""
+        if plan_ref is None:
+            return _kv_tile_ranges(spec, tiles, cta_q_start, q_start)
+        # Every thread of the CTA loads the same words: a broadcast from L2.
+        cta = tuple(plan_ref[batch, q_tile, tiles.num_consumers, i] for i in (0, 3))
+        return cta, tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
+
+    cta_range, _ = tile_ranges()
+    first, end = cta_range
+    ring = _KVRing(k_smem, v_smem, k_ready, v_ready, k_free, v_free, first, kv_ids_smem)
 
     @pl.when(wg < tiles.num_consumers)
     def _consumer():
         plgpu.set_max_registers(consumer_registers(tiles.num_consumers), action="increase")
-        q_start = cta_q_start + wg * tiles.block_q_dq
         q_rows = (batch, pl.ds(q_start, tiles.block_q_dq), head)
         vector = (batch, head, pl.ds(q_start, tiles.block_q_dq))
         q_smem_c, do_smem_c = q_smem.at[wg], do_smem.at[wg]
@@ -752,18 +938,26 @@ def _dq_kernel(
         plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem_c, q_loaded.at[wg])
         plgpu.copy_gmem_to_smem(lse2_ref.at[vector], lse_smem_c, q_loaded.at[wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem_c, q_loaded.at[wg])
+        q_ids_smem_c = None
+        if q_ids_ref is not None:
+            q_ids_smem_c = q_ids_smem.at[wg]
+            ids = q_ids_ref.at[batch, pl.ds(q_start, tiles.block_q_dq)]
+            plgpu.copy_gmem_to_smem(ids, q_ids_smem_c, q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
         dq = _consume_dq(
             q_smem_c,
             do_smem_c,
             lse_smem_c,
             delta_smem_c,
-            (k_smem, v_smem, k_ready, v_ready, k_free, v_free),
+            q_ids_smem_c,
+            ring,
             q_start=q_start,
-            cta_tiles=cta_tiles,
+            cta_range=cta_range,
+            ranges=tile_ranges()[1],
+            spec=spec,
             qk_scale=qk_scale,
-            is_causal=is_causal,
-            kv_len=kv_len,
+            scale=scale,
+            soft_cap=soft_cap,
             tiles=tiles,
         )
         # -- epilogue: Q is dead (its last reader, the final S = Q K^T, is done) --
@@ -777,16 +971,20 @@ def _dq_kernel(
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
-        @pl.loop(0, cta_tiles)
-        def _step(step):
-            slot = lax.rem(step, jnp.int32(tiles.num_stages))
-            rows = (batch, pl.ds(step * block_kv, block_kv), kv_head)
+        @pl.loop(first, end)
+        def _step(tile):
+            slot = ring.slot(tile)
+            refill = tile - first >= tiles.num_stages
+            rows = (batch, pl.ds(tile * block_kv, block_kv), kv_head)
             # K and V are freed separately and V first: dP = dO V^T is done before dQ += dS K,
             # so V is waited for and loaded first, K after.
-            pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
+            pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
-            pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+            pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            if kv_ids_ref is not None:
+                ids = kv_ids_ref.at[batch, pl.ds(tile * block_kv, block_kv)]
+                plgpu.copy_gmem_to_smem(ids, kv_ids_smem.at[slot], k_ready.at[slot])
 
 
 def _consume_dq(
@@ -794,41 +992,53 @@ def _consume_dq(
     do_smem,
     lse_smem,
     delta_smem,
-    kv_ring,
+    q_ids_smem,
+    ring: _KVRing,
     *,
     q_start,
-    cta_tiles,
+    cta_range,
+    ranges,
+    spec: MaskSpec,
     qk_scale: float,
-    is_causal: bool,
-    kv_len: int,
+    scale: float,
+    soft_cap,
     tiles: BackwardTiles,
 ):
-    """Consumer warpgroup: dQ / scale of block_q_dq query rows over every KV tile they see.
-    A consumer that sees fewer tiles than the CTA (the first one on the causal diagonal) waits
-    for the rest and frees them unread, so the other consumer's tiles can land in their slots."""
-    k_smem, v_smem, k_ready, v_ready, k_free, v_free = kv_ring
-    block_q, block_kv, num_stages = tiles.block_q_dq, tiles.block_kv_dq, tiles.num_stages
+    """Consumer warpgroup: dQ / scale of block_q_dq query rows. It walks every CTA step of
+    cta_range = (first, end): it computes the tiles of its own range (lo, full_lo, full_hi, hi),
+    masking element-wise those outside [full_lo, full_hi), and drains the others (waits for
+    them and frees them unread, so that the other consumer's tiles can land in their slots)."""
+    block_q, block_kv = tiles.block_q_dq, tiles.block_kv_dq
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     tile_shape = (block_q, block_kv)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     lse2 = plgpu.load(lse_smem, layout=row_layout)
     delta = plgpu.load(delta_smem, layout=row_layout)
-    num_tiles, num_unmasked = _kv_tile_counts(
-        q_start, block_q, kv_len=kv_len, block_kv=block_kv, is_causal=is_causal
-    )
-    # A ragged last KV tile holds keys past S (zeros, or whatever lies past the array's end):
-    # it lies past num_unmasked and is masked there. Rows past T need no mask (not kept).
-    ragged_kv = kv_len % block_kv != 0
+    q_seg = None if q_ids_smem is None else plgpu.load(q_ids_smem, layout=row_layout)
+    first, end = cta_range
+    lo, full_lo, full_hi, hi = ranges
+    before, after = _dq_mask_sides(spec, tiles)
 
-    def kv_step(step, dq, *, masked: bool):
-        slot = lax.rem(step, jnp.int32(num_stages))
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
+    def visible_in(tile, slot):
+        q_pos = q_start + _iota(tile_shape, 0)
+        kv_pos = tile * block_kv + _iota(tile_shape, 1)
+        if q_seg is None:
+            return masks.visible(spec, q_pos, kv_pos)
+        # The KV tile's ids ride in K's slot, released after dQ += dS K.
+        kv_seg = plgpu.load(ring.kv_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+        return masks.visible(
+            spec, q_pos, kv_pos, _rows(q_seg, tile_shape), _cols(kv_seg, tile_shape)
+        )
+
+    def kv_step(tile, dq, *, masked: bool):
+        slot = ring.slot(tile)
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+        plgpu.barrier_wait(ring.v_ready.at[slot])
 
         # -- S = Q K^T and dP = dO V^T, issued together: one wgmma wait for both --
         def s_dp_into(s_ref, dp_ref):
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].T)
-            plgpu.wgmma(dp_ref, do_smem, v_smem.at[slot].T)
+            plgpu.wgmma(s_ref, q_smem, ring.k_smem.at[slot].T)
+            plgpu.wgmma(dp_ref, do_smem, ring.v_smem.at[slot].T)
             return s_ref[...], dp_ref[...]
 
         s, dp = pl.run_scoped(
@@ -836,39 +1046,39 @@ def _consume_dq(
             plgpu.ACC(tile_shape, jnp.float32),
             plgpu.ACC(tile_shape, jnp.float32),
         )
-        plgpu.barrier_arrive(v_free.at[slot])
-        p = jnp.exp2(jnp.minimum(s * qk_scale - _rows(lse2, tile_shape), 0.0))  # as in dK/dV
-        ds = p * (dp - _rows(delta, tile_shape))
+        plgpu.barrier_arrive(ring.v_free.at[slot])
+        # dS = P * dcap * (dP - delta): only P * dcap is needed here.
+        _, pd = _probs(s, lse2, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
+        ds = pd * (dp - _rows(delta, tile_shape))
         if masked:
             # Select dS, not P: NaN in V at a key a row cannot see is in dP, and 0 * NaN is NaN.
-            kv_pos = step * block_kv + _iota(tile_shape, 1)
-            conditions = []
-            if is_causal:
-                conditions.append(q_start + _iota(tile_shape, 0) >= kv_pos)
-            if ragged_kv:
-                conditions.append(kv_pos < kv_len)
-            ds = jnp.where(functools.reduce(jnp.logical_and, conditions), ds, 0.0)
+            ds = jnp.where(visible_in(tile, slot), ds, 0.0)
         ds_in = ds.astype(dtype)
 
         # -- dQ += dS K --
         def dq_into(acc_ref):
-            plgpu.wgmma(acc_ref, ds_in, k_smem.at[slot])
+            plgpu.wgmma(acc_ref, ds_in, ring.k_smem.at[slot])
 
         dq = pl.run_state(dq_into)(plgpu.ACC.init(dq))
-        plgpu.barrier_arrive(k_free.at[slot])
+        plgpu.barrier_arrive(ring.k_free.at[slot])
         return dq
 
-    def skip_step(step, _):
-        slot = lax.rem(step, jnp.int32(num_stages))
-        plgpu.barrier_wait(v_ready.at[slot])
-        plgpu.barrier_arrive(v_free.at[slot])
-        plgpu.barrier_wait(k_ready.at[slot])
-        plgpu.barrier_arrive(k_free.at[slot])
+    def drain_step(tile, carry):
+        slot = ring.slot(tile)
+        plgpu.barrier_wait(ring.v_ready.at[slot])
+        plgpu.barrier_arrive(ring.v_free.at[slot])
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+        plgpu.barrier_arrive(ring.k_free.at[slot])
+        return carry
 
+    masked_step = functools.partial(kv_step, masked=True)
     dq = _wgmma_zeros((block_q, head_dim))
-    dq = lax.fori_loop(0, num_unmasked, functools.partial(kv_step, masked=False), dq)
-    if is_causal or ragged_kv:
-        dq = lax.fori_loop(num_unmasked, num_tiles, functools.partial(kv_step, masked=True), dq)
-    if is_causal:
-        lax.fori_loop(num_tiles, cta_tiles, skip_step, None)
+    # In the producer's order. Without a side its loops are empty: not emitted.
+    if before:
+        lax.fori_loop(first, lo, drain_step, None)
+        dq = lax.fori_loop(lo, full_lo, masked_step, dq)
+    dq = lax.fori_loop(full_lo, full_hi, functools.partial(kv_step, masked=False), dq)
+    if after:
+        dq = lax.fori_loop(full_hi, hi, masked_step, dq)
+        lax.fori_loop(hi, end, drain_step, None)
     return dq

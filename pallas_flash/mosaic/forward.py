@@ -31,7 +31,13 @@ from pallas_flash import masks
 from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic.launch import num_sms, pad_ids, pad_to, warp_specialised_kernel
+from pallas_flash.mosaic.launch import (
+    check_segment_ids,
+    num_sms,
+    pad_ids,
+    pad_to,
+    warp_specialised_kernel,
+)
 from pallas_flash.mosaic.schedule import (
     _Work,
     consumer_tile_range,
@@ -128,7 +134,7 @@ def flash_forward(
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
     if segment_ids is not None:
-        _check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
+        check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
     if tiles is None:
         tiles = default_tiles(
             q.shape[-1],
@@ -176,20 +182,6 @@ def flash_forward(
     if lse.shape[2] != q_len:
         lse = lse[:, :, :q_len]
     return out, lse
-
-
-def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
-    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
-        raise ValueError(
-            f"segment_ids must be a (q_segment_ids, kv_segment_ids) pair, got {type(segment_ids)}"
-        )
-    for name, ids, shape in zip(
-        ("q_segment_ids", "kv_segment_ids"), segment_ids, (q_batch_len, kv_batch_len), strict=True
-    ):
-        if tuple(ids.shape) != tuple(shape) or ids.dtype != jnp.int32:
-            raise ValueError(
-                f"{name} {tuple(ids.shape)} {ids.dtype} must be int32 of shape {tuple(shape)}"
-            )
 
 
 def _forward_call(

@@ -95,45 +95,89 @@ def mask_sides(spec: MaskSpec, tiles: ForwardTiles) -> tuple[bool, bool]:
 
 
 def segment_tile_plan(spec: MaskSpec, arrays: MaskArrays, tiles: ForwardTiles) -> jax.Array:
-    """KV tile ranges of every CTA and consumer with segment ids, computed by XLA before the
-    kernel: int32 [B, ceil(T / cta_rows), NUM_CONSUMERS + 1, 4], indexed by the CTA's query
-    tile. The arrays' ids past T and S (if any) are padding ids.
+    """KV tile ranges of every CTA and consumer of the forward with segment ids: `tile_plan`
+    over query rows, int32 [B, ceil(T / cta_rows), NUM_CONSUMERS + 1, 4]."""
+    return tile_plan(
+        spec,
+        arrays,
+        block_rows=tiles.block_q,
+        block_cols=tiles.block_kv,
+        num_consumers=NUM_CONSUMERS,
+        over="q",
+    )
 
-    Row wg < NUM_CONSUMERS is consumer wg's (lo, full_lo, full_hi, hi): the geometry's range
-    (`MaskSpec.kv_tile_range`) intersected with the ids' (`masks.tile_ranges` over its block_q
-    rows), clamped into the CTA's range. Row NUM_CONSUMERS is (first, first, end, end), the
-    CTA's range: the hull of its consumers' non-empty ranges, (0, 0) when all are empty.
 
-    What the drain scheme of `_consume` rests on (tests check it against brute force):
-    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= ceil(S / block_kv) for every consumer
+def tile_plan(
+    spec: MaskSpec,
+    arrays: MaskArrays,
+    *,
+    block_rows: int,
+    block_cols: int,
+    num_consumers: int,
+    over: str,
+) -> jax.Array:
+    """Tile ranges of every CTA and consumer with segment ids, computed by XLA before a kernel:
+    int32 [B, num_ctas, num_consumers + 1, 4], indexed by the CTA's tile. The arrays' ids past T
+    and S (if any) are padding ids.
+
+    over="q" (the forward, dQ): a CTA owns num_consumers * block_rows query rows, a consumer
+    block_rows of them, and ranges are of KV tiles of block_cols keys. over="kv" (dK/dV): a CTA
+    owns num_consumers * block_rows keys, a consumer block_rows of them, and ranges are of query
+    tiles of block_cols rows.
+
+    Row wg < num_consumers is consumer wg's (lo, full_lo, full_hi, hi): the geometry's range
+    (`MaskSpec.kv_tile_range` or `q_tile_range`) intersected with the ids' (`masks.tile_ranges`
+    over its block_rows), clamped into the CTA's range. Row num_consumers is (first, first, end,
+    end), the CTA's range: the hull of its consumers' non-empty ranges, (0, 0) when all are
+    empty.
+
+    What the drain scheme of the consumers rests on (tests check it against brute force):
+    0 <= first <= lo <= full_lo <= full_hi <= hi <= end <= number of tiles for every consumer
     (each walks exactly the producer's steps [first, end), draining those outside [lo, hi));
-    every key a consumer's rows see lies in a tile of [lo, hi), and tiles in [full_lo, full_hi)
+    every pair a consumer's rows see lies in a tile of [lo, hi), and tiles in [full_lo, full_hi)
     are seen whole by every row. A tile of the hull that no consumer visits (a gap between two
     consumers' documents) is loaded and drained by both: correct, a little wasted bandwidth.
+    With over="kv", keys past S count as seen (the kernel computes their rows of dK and dV and
+    does not keep them).
     """
-    block_q, block_kv = tiles.block_q, tiles.block_kv
-    num_rows = cdiv(spec.q_len, tiles.cta_rows) * NUM_CONSUMERS
-    num_kv_tiles = cdiv(spec.kv_len, block_kv)
-    q_start = jnp.arange(num_rows, dtype=jnp.int32) * block_q
-    geometry = tuple(
-        jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_rows,))
-        for x in spec.kv_tile_range(q_start, block_q, block_kv)
-    )
-    # Rows past T (a ragged last CTA's) see nothing: padding ids, whose tiles visit no KV tile.
-    q_ids = pad_ids(arrays.q_segment_ids, num_rows * block_q, masks.PAD_Q_SEGMENT)
-    rows_spec = dataclasses.replace(spec, q_len=num_rows * block_q)
-    by_ids = masks.tile_ranges(
-        rows_spec, arrays._replace(q_segment_ids=q_ids), block_q, block_kv, over="q"
-    )
+    if over == "q":
+        own_len, num_tiles, pad = spec.q_len, cdiv(spec.kv_len, block_cols), masks.PAD_Q_SEGMENT
+    elif over == "kv":
+        own_len, num_tiles, pad = spec.kv_len, cdiv(spec.q_len, block_cols), masks.PAD_KV_SEGMENT
+    else:
+        raise ValueError(f"{over=} must be 'q' or 'kv'")
+    num_rows = cdiv(own_len, num_consumers * block_rows) * num_consumers
+    starts = jnp.arange(num_rows, dtype=jnp.int32) * block_rows
+    # Rows past the CTAs' own length (a ragged last CTA's) see nothing: padding ids, whose tiles
+    # visit no tile.
+    own_to = num_rows * block_rows
+    if over == "q":
+        geometry = spec.kv_tile_range(starts, block_rows, block_cols)
+        ids = pad_ids(arrays.q_segment_ids, own_to, pad)
+        by_ids = masks.tile_ranges(
+            dataclasses.replace(spec, q_len=own_to),
+            arrays._replace(q_segment_ids=ids),
+            block_rows,
+            block_cols,
+            over="q",
+        )
+    else:
+        rows_spec = dataclasses.replace(spec, kv_len=own_to)
+        geometry = rows_spec.q_tile_range(starts, block_cols, block_rows)
+        ids = pad_ids(arrays.kv_segment_ids, own_to, pad)
+        by_ids = masks.tile_ranges(
+            rows_spec, arrays._replace(kv_segment_ids=ids), block_cols, block_rows, over="kv"
+        )
+    geometry = tuple(jnp.broadcast_to(jnp.asarray(x, jnp.int32), (num_rows,)) for x in geometry)
     by_ids = by_ids[:, 0]  # [B, rows, 4]
     ranges = masks.intersect(geometry, tuple(by_ids[..., i] for i in range(4)))
-    shape = (by_ids.shape[0], num_rows // NUM_CONSUMERS, NUM_CONSUMERS)
+    shape = (by_ids.shape[0], num_rows // num_consumers, num_consumers)
     lo, full_lo, full_hi, hi = (
         jnp.broadcast_to(x, shape[:1] + x.shape[-1:]).reshape(shape) for x in ranges
     )
     visits = lo < hi
     any_visit = visits.any(axis=-1)
-    first = jnp.where(any_visit, jnp.min(jnp.where(visits, lo, num_kv_tiles), axis=-1), 0)
+    first = jnp.where(any_visit, jnp.min(jnp.where(visits, lo, num_tiles), axis=-1), 0)
     end = jnp.where(any_visit, jnp.max(jnp.where(visits, hi, 0), axis=-1), 0)
     consumers = jnp.stack(
         [jnp.clip(x, first[..., None], end[..., None]) for x in (lo, full_lo, full_hi, hi)],

@@ -152,6 +152,34 @@ def unsupported_options(spec, *, soft_cap=None, has_bias: bool) -> str | None:
     return " and ".join(unsupported) or None
 
 
+def check_options(
+    *, is_causal: bool, window, soft_cap, cuda_runtime_version: int | None
+) -> str | None:
+    """The rules on the mask options that the Mosaic kernels share (windows and soft caps as in
+    `flash_forward`); None if they hold, else why not."""
+    if window is not None and (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+    ):
+        return f"{window=} must be a (left, right) pair of ints >= 0"
+    if soft_cap is not None and not (
+        isinstance(soft_cap, (int, float))
+        and not isinstance(soft_cap, bool)
+        and 0 < soft_cap < float("inf")
+    ):
+        return f"{soft_cap=} must be a finite positive number"
+    # A window's element-wise mask is the causal mask's comparison at other offsets: refused on
+    # the same runtimes until it is shown to compile correctly there.
+    if (is_causal or window is not None) and cuda_runtime_version in CAUSAL_MISCOMPILING_CUDA:
+        what = "is_causal=True" if is_causal else f"{window=}"
+        return (
+            f"{what} on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 miscompiles its "
+            "mask)"
+        )
+    return None
+
+
 def check_shapes(q_shape, k_shape, dtype) -> str | None:
     """The rules the Mosaic kernels share: q [B, T, N, H] and k [B, S, K, H] with K dividing N,
     bfloat16 or float16; None if they hold, else why not."""
@@ -184,26 +212,13 @@ def why_not(
     falls back to Triton). `window` and `soft_cap` as in `flash_forward`; `segments`: the call
     has segment ids (or sequence lengths), whose id buffers take shared memory;
     `cuda_runtime_version`: the target's (`Device.cuda_runtime_version`), None when not known."""
-    if window is not None and (
-        not isinstance(window, (tuple, list))
-        or len(window) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+    if reason := check_options(
+        is_causal=is_causal,
+        window=window,
+        soft_cap=soft_cap,
+        cuda_runtime_version=cuda_runtime_version,
     ):
-        return f"{window=} must be a (left, right) pair of ints >= 0"
-    if soft_cap is not None and not (
-        isinstance(soft_cap, (int, float))
-        and not isinstance(soft_cap, bool)
-        and 0 < soft_cap < float("inf")
-    ):
-        return f"{soft_cap=} must be a finite positive number"
-    # A window's element-wise mask is the causal mask's comparison at other offsets: refused on
-    # the same runtimes until it is shown to compile correctly there.
-    if (is_causal or window is not None) and cuda_runtime_version in CAUSAL_MISCOMPILING_CUDA:
-        what = "is_causal=True" if is_causal else f"{window=}"
-        return (
-            f"{what} on CUDA runtime {cuda_runtime_version} (ptxas 12.8.0-12.9.0 miscompiles its "
-            "mask)"
-        )
+        return reason
     if reason := check_shapes(q_shape, k_shape, dtype):
         return reason
     _, q_len, _, head_dim = q_shape

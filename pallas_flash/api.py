@@ -22,7 +22,7 @@ from pallas_flash._vjp import (
 from pallas_flash.call import Call
 from pallas_flash.dispatch import BACKENDS
 from pallas_flash.masks import MaskSpec
-from pallas_flash.reference import reference_backward
+from pallas_flash.reference import reference_backward, with_sinks
 from pallas_flash.triton import BlockSizes
 
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
@@ -106,8 +106,9 @@ def flash_attention(
       sinks: float array (N,) or None: attention sinks, one learned logit per query head added
         to every row's softmax denominator (as gpt-oss does): out = sum_j e^{s_j} v_j /
         (e^{sink} + sum_j e^{s_j}). Differentiable. A row that sees no key still outputs 0, and
-        its lse is its sink. Applied to the kernels' (out, lse) through the lse, so it works on
-        every backend and mask; it costs an elementwise pass over out.
+        its lse is its sink. Works on every backend and mask: the kernels add it to the
+        softmax's denominator in their epilogue (split-KV forwards and the "xla" reference
+        rescale out and lse afterwards).
       dropout_rate: attention dropout, as in FlashAttention-2: each probability P_ij is kept
         with probability 1 - dropout_rate and scaled by 1 / (1 - dropout_rate), else zeroed,
         before P.V. A float in [0, 1); 0 (the default) is no dropout. The keep-mask is a hash of
@@ -212,15 +213,22 @@ def flash_attention(
         )  # fmt: skip
         if call.traced_for_host:
             out, lse = _host_only.host_only(out), _host_only.host_only(lse)
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
     else:
+        # The kernels add the sink to each row's denominator in their epilogue: one float32
+        # logit per (batch entry, head), so that the sinks split over devices and vmapped axes
+        # as the batch and heads do.
+        sink_args = ()
+        if sinks is not None:
+            b, _, n, _ = call.query.shape
+            sink_args = (jnp.broadcast_to(jnp.asarray(sinks).astype(jnp.float32), (b, n)),)
         out, lse = flash_attention_kernels(
-            call.query, call.key, call.value, call.bias, call.arrays, call.config
+            call.query, call.key, call.value, call.bias, call.arrays, call.config, *sink_args
         )
     if call.head_dims is not None:
         out = out[..., : call.head_dims[1]]
     unbatched = call.unbatched
-    if sinks is not None:
-        out, lse = _with_sinks(out, lse, sinks)
     if unbatched:
         out, lse = out[0], lse[0]
     return (out, lse) if return_residuals else out
@@ -439,20 +447,6 @@ def _plan(
 def _pad_head_dim(x, head_dim: int):
     pad = head_dim - x.shape[-1]
     return x if pad == 0 else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),))
-
-
-def _with_sinks(out, lse, sinks):
-    """(out, lse) of the softmax with one more logit per head, `sinks` [N], whose value is 0: the
-    sink takes its share e^{sink} / (e^{sink} + e^{lse}) of each row away from the keys'. A row
-    that sees no key (lse = -inf) keeps out 0 and gets lse = sink."""
-    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[:, None], lse.shape)
-    # Rows that see no key (lse = -inf) take lse = sink; the inner wheres keep -inf - -inf (also
-    # with a sink of -inf) out of the values and the gradients.
-    empty = lse == -jnp.inf
-    new_lse = jnp.where(empty, sinks, jnp.logaddexp(jnp.where(empty, 0.0, lse), sinks))
-    keys_share = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse - new_lse)))
-    scaled = out.astype(jnp.float32) * jnp.swapaxes(keys_share, 1, 2)[..., None]
-    return scaled.astype(out.dtype), new_lse
 
 
 class ForwardModeError(NotImplementedError, TypeError):

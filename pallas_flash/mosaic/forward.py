@@ -64,6 +64,7 @@ def flash_forward(
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
     tiles: ForwardTiles | None = None,
     device: Device | None = None,
+    sinks: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
 
@@ -98,12 +99,14 @@ def flash_forward(
       tiles: ForwardTiles; None picks `default_tiles` for the shapes and options.
       device: the GPU it is compiled for (its SM count sizes a persistent grid, its CUDA
         runtime is checked); None: the visible GPU's record (`Device.current()`).
+      sinks: None, or float32 [B, N]: attention sinks, one more natural-log logit per row of
+        head n of batch entry b in the softmax's denominator, with no value.
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
-      log-sum-exp of the (soft-capped) logits over the visible keys. A row that sees no key
-      (a window past the last key, possible when T > S; a padding row; a segment with no key)
-      has out 0 and lse -inf.
+      log-sum-exp of the (soft-capped) logits over the visible keys (and the sink). A row that
+      sees no key (a window past the last key, possible when T > S; a padding row; a segment
+      with no key) has out 0 and lse -inf, or lse = its sink.
 
     Raises:
       ValueError: shapes, dtypes, options or tiles the kernel does not support (see `why_not`).
@@ -129,6 +132,13 @@ def flash_forward(
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
     if segment_ids is not None:
         _check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
+    if sinks is not None and (
+        tuple(sinks.shape) != (q.shape[0], q.shape[2]) or sinks.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"sinks {tuple(sinks.shape)} {sinks.dtype} must be float32 of shape "
+            f"{(q.shape[0], q.shape[2])}"
+        )
     if tiles is None:
         tiles = default_tiles(
             q.shape[-1],
@@ -165,6 +175,7 @@ def flash_forward(
         k,
         v,
         segments,
+        sinks,
         spec=spec,
         scale=float(scale),
         soft_cap=soft_cap,
@@ -193,10 +204,21 @@ def _check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
 
 
 def _forward_call(
-    q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles, num_sms: int
+    q,
+    k,
+    v,
+    segments,
+    sinks,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    tiles: ForwardTiles,
+    num_sms: int,
 ):
     """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan);
-    num_sms: the GPU's SM count, the most CTAs a persistent grid launches."""
+    sinks: None or float32 [B, N]; num_sms: the GPU's SM count, the most CTAs a persistent grid
+    launches."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     has_ids = segments is not None
@@ -209,6 +231,7 @@ def _forward_call(
         group=num_heads // num_kv_heads,
         work=_Work(batch, num_heads, num_q_tiles, reverse=spec.is_causal),
         tiles=tiles,
+        has_sinks=sinks is not None,
     )
     # A 128-byte swizzle over 64-element column tiles (one 128-byte row of 16-bit values) is
     # what TMA and wgmma both read without bank conflicts; it needs H and block_kv % 64 == 0.
@@ -263,7 +286,7 @@ def _forward_call(
         grid=grid,
         grid_names=grid_names,
         num_consumers=NUM_CONSUMERS,
-    )(q, k, v, *(segments or ()))
+    )(q, k, v, *(segments or ()), *(() if sinks is None else (sinks,)))
 
 
 def _forward_kernel(
@@ -289,6 +312,7 @@ def _forward_kernel(
     group: int,
     work: _Work,
     tiles: ForwardTiles,
+    has_sinks: bool = False,
 ):
     """One CTA: its work items (`_Work`) in turn, each NUM_CONSUMERS * block_q query rows of
     one head against that head's keys; one item unless tiles.persistent.
@@ -296,7 +320,8 @@ def _forward_kernel(
     q_ref, out_ref: [B, T', N, H] and k_ref, v_ref: [B, S', K, H] in GMEM; lse_ref [B, N, T'],
     T' >= T and S' >= S (spec's) multiples of ROW_ALIGN. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_rows), NUM_CONSUMERS + 1,
-    4] (`segment_tile_plan`), read with scalar loads.
+    4] (`segment_tile_plan`), read with scalar loads; with has_sinks, sinks_ref [B, N] float32
+    follows them (one scalar load per item).
     q_smem [q_buffers * NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output
     tile (buffer b of consumer wg at b * NUM_CONSUMERS + wg; item n uses buffer n % q_buffers);
     k_smem, v_smem [num_stages, block_kv, H] are the ring (kv_ids_smem [num_stages, block_kv]
@@ -304,6 +329,7 @@ def _forward_kernel(
     their completion means.
     """
     *id_refs, out_ref, lse_ref = refs
+    sinks_ref = id_refs.pop() if has_sinks else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     persistent = tiles.persistent
     num_items = work.count(persistent)
@@ -397,6 +423,7 @@ def _forward_kernel(
                 cta_range=cta_range,
                 ranges=ranges,
                 q_ids_smem=None if q_ids_smem is None else q_ids_smem.at[b],
+                sink=None if sinks_ref is None else sinks_ref[batch, head],
                 spec=spec,
                 scale=scale,
                 soft_cap=soft_cap,
@@ -563,6 +590,7 @@ def _consume(
     cta_range,
     ranges,
     q_ids_smem,
+    sink=None,
     spec: MaskSpec,
     scale: float,
     soft_cap,
@@ -583,6 +611,9 @@ def _consume(
     q_ids_smem: None, or the SMEM [block_q] ref of the rows' segment ids: copied with Q, then
     kept in registers as a row vector; a masked step compares it with the KV tile's ids, read
     from the ring slot before K's slot is released.
+
+    sink: None, or the float32 scalar natural-log logit of the rows' attention sink, added to
+    their denominators in the epilogue.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
@@ -719,10 +750,20 @@ def _consume(
     acc, m_i, l_i = carry
 
     # -- epilogue: out = acc / l, lse back to natural log; rows that saw no key: 0 and -inf --
+    keys_share = None
+    if sink is not None:
+        # The sink's e^{sink} joins l, both relative to the larger of the row max and the sink
+        # (log2 units; m_i >= MASK_VALUE is finite, so a sink of -inf leaves the row as it is).
+        sink2 = sink * LOG2E
+        m_all = jnp.maximum(m_i, sink2)
+        keys_share = jnp.exp2(m_i - m_all)
+        l_i = l_i * keys_share + jnp.exp2(sink2 - m_all)
+        m_i = m_all
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     # One reciprocal per row instead of a divide per element.
-    out = acc * _rows(1.0 / l_safe, acc.shape)
+    row_scale = 1.0 / l_safe if keys_share is None else keys_share / l_safe
+    out = acc * _rows(row_scale, acc.shape)
     q_smem[...] = out.astype(dtype)  # Q is dead: its last reader, the final Q.K^T, is done
     lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()

@@ -281,6 +281,14 @@ def _explicit_mesh(x):
     return mesh
 
 
+def with_sharding_of(g, x):
+    """g (a gradient computed outside the kernels) in the sharding type of its primal x, under
+    sharding in types, where XLA's propagation may have given it another."""
+    if _explicit_mesh(x) is None and _explicit_mesh(g) is None:
+        return g
+    return jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+
+
 def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     """`kernel(*args, config=config)` (one pass of the kernels) split over the batch and head axes
     of a device mesh: each device runs it on its shard.

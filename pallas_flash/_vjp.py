@@ -146,7 +146,9 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     dq, dk, dv, dbias = _differentiable_backward(
         q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse, config
     )
-    d_sinks = None if sinks is None else sink_gradient(sinks, out, lse, d_out, d_lse)
+    d_sinks = None
+    if sinks is not None:
+        d_sinks = _partition.with_sharding_of(sink_gradient(sinks, out, lse, d_out, d_lse), sinks)
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays), d_sinks
 
 

@@ -196,6 +196,73 @@ def test_keep_rate_and_independence():
     np.testing.assert_array_equal(_keep(raw, 2, 4, 111, 113, rate), keep)
 
 
+def binomial_checks(keep, rate: float) -> list[str]:
+    """What a poor hash would show in one head's keep-mask [T, S], against independent
+    Bernoulli(1 - rate) entries (bounds at about 5 standard deviations, so that a fair mask
+    passes at any seed): each row's and column's keep count within binomial bounds, and their
+    spread as wide as the binomial's (a too-regular sequence keeps too evenly); the correlation
+    of neighbouring rows' and columns' masks, and of all pairs of the first 128 rows, near 0."""
+    t, s = keep.shape
+    failures = []
+    for axis, n, what in ((1, s, "row"), (0, t, "column")):
+        counts = keep.sum(axis)
+        mean, var = n * (1 - rate), n * rate * (1 - rate)
+        worst = float(np.abs(counts - mean).max() / np.sqrt(var))
+        if worst > 5.5:
+            failures.append(f"a {what}'s keep count is {worst:.1f} sigma off")
+        # The sample variance of m counts has relative std sqrt(2 / m).
+        spread = float(counts.var() / var)
+        if abs(spread - 1.0) > 5 * np.sqrt(2.0 / counts.size):
+            failures.append(f"{what} keep counts spread {spread:.2f} x the binomial's variance")
+    z = (keep - keep.mean()) / keep.std()
+    for name, a, b, n in (
+        ("rows", z[1:], z[:-1], s),
+        ("columns", z[:, 1:].T, z[:, :-1].T, t),
+    ):
+        corr = np.sqrt(n) * (a * b).mean(axis=1)  # ~ N(0, 1) per neighbouring pair
+        if np.abs(corr).max() > 5.5 or abs(float((corr**2).mean()) - 1.0) > 0.5:
+            failures.append(f"neighbouring {name} correlate: max |z| {np.abs(corr).max():.1f}")
+    rows = z[:128]
+    pairs = np.sqrt(s) * (rows @ rows.T / s)[np.triu_indices(128, 1)]
+    if np.abs(pairs).max() > 6.0:
+        failures.append(f"some row pair correlates: max |z| {np.abs(pairs).max():.1f}")
+    return failures
+
+
+def test_mask_statistics_look_like_independent_draws():
+    """The keep-mask of `_dropout` (the kernels' and the reference's one implementation) at
+    several rates and seeds passes `binomial_checks`, and masks built to be poor fail them."""
+    for rate, seed in ((0.1, 0), (0.5, 1), (0.9, 2)):
+        keep = _keep(jax.random.key(seed), 1, 2, 512, 640, rate)
+        for head in keep[0]:
+            assert not binomial_checks(head, rate), (rate, seed)
+    rng = np.random.default_rng(0)
+    fair = rng.random((512, 640)) >= 0.1
+    assert not binomial_checks(fair, 0.1)
+    cols = np.arange(640)
+    weyl = ((cols * 0.6180339887 + rng.random((512, 1))) % 1.0) >= 0.1  # too even per row
+    shared = np.broadcast_to(rng.random(640) >= 0.1, (512, 640)) ^ (rng.random((512, 640)) < 0.05)
+    shifted = np.stack([np.roll(fair[0], i) for i in range(512)])  # rows are shifted copies
+    # The tables combined by a sum or a xor instead of the multiply-add, or the multiply-add on
+    # column keys without their finaliser (c * odd: each row a Weyl sequence).
+    row_mul, row_add, col = (
+        np.asarray(x)[0, 0].view(np.uint32)
+        for x in _dropout.tables(_dropout.head_seeds(jax.random.key(0), 1, 1), 512, 640)
+    )
+    linear_keys = np.arange(640, dtype=np.uint32) * np.uint32(0x27D4EB2F)
+    threshold = _dropout.threshold(0.1)
+    poor_masks = {
+        "weyl": weyl,
+        "shared": shared,
+        "shifted": shifted,
+        "sum": row_mul[:, None] + col[None, :] >= threshold,
+        "xor": row_mul[:, None] ^ col[None, :] >= threshold,
+        "linear keys": row_mul[:, None] * linear_keys[None, :] + row_add[:, None] >= threshold,
+    }
+    for name, poor in poor_masks.items():
+        assert binomial_checks(poor, 0.1), name
+
+
 @pytest.mark.parametrize("path", backend_paths(gpu=False, exclude=("mosaic-interpret",)))
 def test_rate_zero_is_the_plain_call_and_a_key_reproduces(path):
     keys = jax.random.split(jax.random.key(5), 3)

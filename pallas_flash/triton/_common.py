@@ -305,7 +305,10 @@ def split_weights(lse, splits: int):
 
 class Operands:
     """Named view of a kernel's optional refs, in the order the wrappers pass them:
-    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?, dropout seeds?, sinks?."""
+    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?, dropout tables (3)?, sinks?.
+
+    dropout: None, or the whole `_dropout.tables` refs (row_mul [B, N, T], row_add [B, N, T],
+    col [B, N, S], int32), read at the program's global (batch, head)."""
 
     def __init__(
         self, refs, spec, *, has_bias: bool, has_dropout: bool = False, has_sinks: bool = False
@@ -317,6 +320,23 @@ class Operands:
         self.kv_seg = take(spec.has_segments)
         self.mask = take(spec.mask_shape is not None)
         self.ranges = take(spec.has_arrays)
-        self.seeds = take(has_dropout)
+        self.dropout = tuple(take(has_dropout) for _ in range(3)) if has_dropout else None
         self.sinks = take(has_sinks)
         assert not refs, "unexpected extra refs"
+
+
+def dropout_rows(tables, batch, head, start, block: int, length, *, ragged: bool):
+    """(row_mul, row_add) [block] of the dropout tables (Operands.dropout) for rows [start,
+    start + block) of (batch, head): the row side of `_dropout.keep`."""
+    row_mul, row_add, _ = tables
+    rows = dict(ragged=ragged, other=0, lead=(batch, head))
+    return (
+        load_vector(row_mul, start, block, length, **rows),
+        load_vector(row_add, start, block, length, **rows),
+    )
+
+
+def dropout_cols(tables, batch, head, start, block: int, length, *, ragged: bool):
+    """col [block] of the dropout tables for key columns [start, start + block) of (batch,
+    head): the column side of `_dropout.keep`."""
+    return load_vector(tables[2], start, block, length, ragged=ragged, other=0, lead=(batch, head))

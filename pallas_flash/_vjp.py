@@ -42,7 +42,8 @@ class KernelConfig:
     spec: MaskSpec
     scale: float
     soft_cap: float | None = None
-    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds); Triton kernels only.
+    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds); the Triton kernels and the Mosaic
+    # forward.
     dropout_rate: float = 0.0
     block_sizes: BlockSizes
     interpret: bool
@@ -64,11 +65,11 @@ class KernelConfig:
                 raise ValueError(
                     f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
                 )
-            if kernel == "mosaic" and self.dropout_rate:
-                raise NotImplementedError(
-                    f"the Mosaic GPU {pass_name} does not support dropout_rate="
-                    f"{self.dropout_rate}: the Triton kernels run dropout"
-                )
+        if self.backward == "mosaic" and self.dropout_rate:
+            raise NotImplementedError(
+                f"the Mosaic GPU backward does not support dropout_rate={self.dropout_rate}: "
+                "the Triton backward runs dropout"
+            )
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -128,6 +129,7 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             tiles=config.mosaic_forward_tiles,
             device=config.device,
             sinks=sinks,
+            dropout=((config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None),
         )
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)

@@ -14,7 +14,8 @@
 #   mesh   examples/train_gpt.py on a mesh of the host's GPUs: MESHES holds MESH:BATCH entries
 #          (e.g. "context=2:1 data=2:2 none:1"; none = one GPU, no mesh), MESH_ARGS adds flags
 # TEST_SPREAD=1 gives each test group one GPU of the host in turn (CUDA_VISIBLE_DEVICES), except
-# groups written all:ARGS.
+# groups written all:ARGS. TEST_WORKERS=N runs the groups in one pytest over N processes instead
+# (TEST_MARK: its marker expression, default gpu).  TEST_GROUPS entries written any:ARGS run unmarked tests too.
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -27,6 +28,18 @@ for stage in ${@:-tests masks grid}; do
       # The float64 numpy oracle, not the GPU, is the bottleneck: the groups (';'-separated pytest
       # arguments, TEST_GROUPS) run side by side, sharing the GPU without preallocation.
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      if [ -n "${TEST_WORKERS:-}" ]; then
+        # One pytest spread over TEST_WORKERS processes (pytest-xdist), every group's arguments
+        # together; SIGINT at the cap still prints the summary of what ran.
+        # One BLAS thread per worker: the oracle's einsums oversubscribe the cores otherwise.
+        OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} python3 -m pytest -n $TEST_WORKERS -v \
+          -m "${TEST_MARK:-gpu}" -p no:cacheprovider -p no:benchmark -rfE --tb=line ${TEST_GROUPS//;/ } \
+          > $OUT/gpu_tests.log 2>&1
+        unset XLA_PYTHON_CLIENT_PREALLOCATE
+        grep -E "FAILED|ERROR|XPASS|passed|failed" $OUT/gpu_tests.log | tail -n 40
+        continue
+      fi
       groups=${TEST_GROUPS:-"tests/test_triton_forward.py;tests/test_triton_backward.py;tests/test_mosaic_forward.py;tests --ignore=tests/test_triton_forward.py --ignore=tests/test_triton_backward.py --ignore=tests/test_mosaic_forward.py"}
       IFS=';' read -ra group_list <<< "$groups"
       i=0
@@ -36,8 +49,12 @@ for stage in ${@:-tests masks grid}; do
         # A group written "all:ARGS" sees every GPU (multi-GPU tests).
         visible=$(( (i - 1) % gpus )); [ "${g#all:}" != "$g" ] && visible=$(seq -s, 0 $((gpus - 1)))
         [ "${TEST_SPREAD:-0}" = 1 ] && export CUDA_VISIBLE_DEVICES=$visible
-        timeout ${TEST_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider -rf \
-          --tb=line ${g#all:} > $OUT/gpu_tests_$i.log 2>&1 &
+        # A group written "any:ARGS" runs its tests whatever their marker (CPU tests on the GPU's
+        # default backend, e.g. the Flax modules' training steps).
+        mark="gpu"; [ "${g#any:}" != "$g" ] && mark="gpu or not gpu"
+        g=${g#all:}; g=${g#any:}
+        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} python3 -m pytest -q -m "$mark" -p no:cacheprovider -rf \
+          --tb=line $g > $OUT/gpu_tests_$i.log 2>&1 &
       done
       wait
       unset XLA_PYTHON_CLIENT_PREALLOCATE CUDA_VISIBLE_DEVICES

@@ -6,6 +6,13 @@ python benchmarks/experiments.py tiles-masked --out $OUT/tiles.jsonl
 python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
     B=1, N=8 at 32k (the anchors' small-grid point) and short query blocks over long keys
     (decode, chunked prefill) with kv_splits 1 (off) and 0 (auto), beside cuDNN.
+python benchmarks/experiments.py decode --out $OUT/decode.jsonl [--quick]
+    decode_attention's split-KV and tile levers (DecodeBlockSizes) on the shapes short of
+    3.8 TB/s (ragged lengths, T=16, 8k cache, GQA 16, B=1), on the headline shape, and in pages
+    of 128: the former rule (17 splits per sequence, XLA merge), the default, and candidates,
+    with memcpy of the same bytes. ms is device time per call (several calls in one jit: the
+    host's dispatch of one call is not counted); ms_call (defaults only) times one call per
+    dispatch, as the bench does.
 python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-dims 64 --seqs 512]
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
@@ -99,6 +106,128 @@ def split_kv(out):
                 )
                 row.update(exp="split-kv", kv_splits=splits, pass_=pass_)
                 _record(out, row)
+
+
+# -- decode ------------------------------------------------------------------------------------
+
+# name: dict(B, S, K, T, ragged) over B=8, S=32k, N=32, K=8, H=128, T=1, contiguous.
+DECODE_SHAPES = {
+    "head": {},
+    "ragged": dict(ragged=True),
+    "T16": dict(T=16),
+    "S8k": dict(S=8192),
+    "G16": dict(K=2),
+    "B1": dict(B=1),
+    "S1k": dict(S=1024),
+    "G16xT16": dict(K=2, T=16),
+    "P128": dict(page=128),
+}
+# Candidates over the defaults (DecodeBlockSizes fields), per shape; every shape also runs
+# "former" (the rule before occupancy: ceil(1056 / programs) splits of >= 1024 keys, capped at
+# 64, cut per sequence, merged in XLA), "default" and "waves2".
+DECODE_CANDIDATES = {
+    "head": dict(
+        sequence=dict(schedule="sequence"),
+        xla_merge=dict(schedule="sequence", merge="xla"),
+        s16=dict(kv_splits=16),
+        stages3=dict(num_stages=3),
+    ),
+    "ragged": dict(sequence=dict(schedule="sequence"), s16=dict(kv_splits=16)),
+    "T16": dict(
+        s8=dict(kv_splits=8),
+        m32=dict(block_m=32),
+        m16=dict(block_m=16),
+        stages1=dict(num_stages=1),
+    ),
+    "S8k": dict(s4=dict(kv_splits=4), s16=dict(kv_splits=16), stages3=dict(num_stages=3)),
+    "G16": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
+    "B1": dict(
+        xla_merge=dict(schedule="sequence", merge="xla"),
+        s128=dict(kv_splits=128),
+        stages3=dict(num_stages=3),
+    ),
+    "S1k": dict(s8=dict(kv_splits=8), unsplit=dict(kv_splits=1)),
+    "G16xT16": dict(m128w8=dict(block_m=128, num_warps=8), m32=dict(block_m=32)),
+    "P128": {},
+}
+DECODE_QUICK = ("head", "ragged", "T16", "S8k", "G16", "B1", "P128")
+
+
+def _former_splits(programs, num_kv_tiles, block_kv=64):
+    if programs >= 8 * 132:
+        return 1
+    return max(1, min(-(-8 * 132 // programs), num_kv_tiles * block_kv // 1024, 64))
+
+
+def decode(out, quick=False, calls_per_jit=4, smoke=False):
+    """smoke: tiny shapes in the interpreter, to check this code on a CPU."""
+    from pallas_flash.device import DEFAULT_NUM_SMS
+    from pallas_flash.triton import DecodeBlockSizes
+    from pallas_flash.triton.decode import decode_plan
+
+    device = pallas_flash.Device.current()
+    num_sms = device.num_sms if device is not None else DEFAULT_NUM_SMS
+    base = dict(B=8, S=32768, N=32, K=8, H=128, T=1, ragged=False, page=None)
+    dtype, repeats = jnp.bfloat16, 5
+    if smoke:
+        base.update(S=256, N=8, K=2, H=64)
+        dtype, repeats, calls_per_jit = jnp.float32, 1, 2
+    for name in DECODE_QUICK if quick else DECODE_SHAPES:
+        case = {**base, **DECODE_SHAPES[name]}
+        if smoke:
+            case.update(S=min(case["S"], 256), K=max(1, case["K"] // 4))
+        q, k, v, lengths, tables = bench.decode_inputs(case, dtype)
+        qs = [q] + [q * (1 + i / 64) for i in range(1, calls_per_jit)]  # no CSE across calls
+        nbytes = bench.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
+        default = DecodeBlockSizes(block_kv=16 if smoke else 128 if case["page"] else 64)
+        plan = decode_plan(q.shape, case["K"], case["S"], dtype, default, num_sms=num_sms)
+        former = _former_splits(plan.programs, case["S"] // plan.block_kv, plan.block_kv)
+        candidates = {
+            "former": dict(kv_splits=former, schedule="sequence", merge="xla"),
+            "default": {},
+            "waves2": dict(waves=2),
+            **DECODE_CANDIDATES[name],
+        }
+        for cand, fields in candidates.items():
+            bs = dataclasses.replace(default, **fields)
+            plan = decode_plan(q.shape, case["K"], case["S"], dtype, bs, num_sms=num_sms)
+            row = dict(
+                exp="decode",
+                case=name,
+                cand=cand,
+                fields=fields,
+                splits=plan.schedule.splits,
+                ctas=plan.programs * plan.schedule.splits,
+                slots=plan.slots,
+                block_m=plan.block_m,
+                block_kv=plan.block_kv,
+                **{x: case[x] for x in ("B", "S", "K", "T", "ragged", "page")},
+            )
+
+            def one(q, k, v, lengths, bs=bs):
+                kw = dict(block_sizes=bs, interpret=smoke)
+                if tables is not None:
+                    return pallas_flash.paged_attention(q, k, v, tables, lengths, **kw)
+                return pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths, **kw)
+
+            many = jax.jit(lambda qs, k, v, lengths, one=one: [one(x, k, v, lengths) for x in qs])
+            try:
+                ms = bench.median_ms(many, (qs, k, v, lengths), calls=3, repeats=repeats)
+                row["ms"] = round(ms / calls_per_jit, 4)
+                row["tbps"] = round(nbytes / row["ms"] / 1e9, 3)
+                if cand == "default":
+                    ms_call = bench.median_ms(jax.jit(one), (q, k, v, lengths), repeats=repeats)
+                    row["ms_call"] = round(ms_call, 4)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            _record(out, row)
+        # The ceiling: copies of the same bytes (TB/s counts bytes read and written).
+        flat = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+        copies = jax.jit(lambda x: [x + i for i in range(calls_per_jit)])
+        ms = bench.median_ms(copies, (flat,), calls=3, repeats=repeats) / calls_per_jit
+        row = dict(exp="decode", case=name, cand="memcpy", ms=round(ms, 4))
+        _record(out, dict(row, tbps=round(2 * nbytes / ms / 1e9, 3)))
+        del q, k, v, qs, flat
 
 
 # (block_q, block_kv, num_stages[, persistent]) of the Mosaic forward, per head dim.
@@ -218,7 +347,15 @@ def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 1024, 2048, 16384)):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "experiment", choices=["tiles-masked", "split-kv", "mosaic-tiles", "mosaic-backward"]
+        "experiment",
+        choices=["tiles-masked", "split-kv", "mosaic-tiles", "mosaic-backward", "decode"],
+    )
+    parser.add_argument("--quick", action="store_true", help="decode: six shapes only")
+    parser.add_argument(
+        "--calls-per-jit", type=int, default=4, help="decode: calls timed in one jit"
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="decode: tiny interpreted shapes (a CPU check)"
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
@@ -228,6 +365,8 @@ def main():
     with open(args.out, "a") as out:
         if args.experiment == "mosaic-tiles":
             mosaic_tiles(out, args.head_dims, args.seqs)
+        elif args.experiment == "decode":
+            decode(out, args.quick, args.calls_per_jit, smoke=args.smoke)
         elif args.experiment == "mosaic-backward":
             mosaic_backward(out, [h for h in args.head_dims if h <= 128], args.seqs)
         else:

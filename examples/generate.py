@@ -6,10 +6,10 @@
 The prompt is prefilled in one causal `flash_attention` call per layer, its keys and values
 written into a [B, cache, K, H] cache per layer; each new token then runs one jit-compiled step
 whose attention is `pallas_flash.decode_attention` over the cache's filled slots (or its
-backend="xla" reference, with --attention xla). Weights are random (or --steps trains them
-briefly with train_gpt.py): the point is the cache and the step, not the text. Reports tokens/s
-and the attention's share of the step (the step timed again with the attention replaced by a
-copy of the queries).
+backend="xla" reference, with --attention xla). Weights are random (or --steps N trains them
+first, with train_gpt.py's loss and learning rate): the point is the cache and the step, not the
+text. Reports tokens/s and the attention's share of the step (the step timed again with the
+attention replaced by a copy of the queries).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -129,6 +130,31 @@ def generate(model, prompt, new_tokens: int, cache_len: int, attention: str, int
     return jnp.stack(tokens, axis=1), seconds, jnp.stack(all_logits)
 
 
+def train_briefly(model, cfg, data, steps: int, batch: int, seed: int):
+    """`steps` AdamW steps of next-byte prediction on the corpus (train_gpt.py's loss and
+    learning rate), so that greedy generation follows something; returns the losses."""
+    optimizer = nnx.Optimizer(model, optax.adamw(cfg.lr, weight_decay=0.1), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, tokens):
+        def loss_fn(model):
+            logits = model(tokens[:, :-1])
+            labels = tokens[:, 1:]
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    rng = np.random.default_rng(seed + 1)
+    losses = []
+    for _ in range(steps):
+        starts = rng.integers(0, len(data) - cfg.seq - 1, batch)
+        tokens = jnp.asarray(np.stack([data[s : s + cfg.seq + 1] for s in starts]), jnp.int32)
+        losses.append(float(train_step(model, optimizer, tokens)))
+    return losses
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--preset", choices=list(train_gpt.PRESETS), default="tiny")
@@ -139,6 +165,9 @@ def main(argv=None):
     parser.add_argument("--new", type=int, default=16, help="tokens to generate (at least 3)")
     parser.add_argument("--cache", type=int, help="cache capacity (default: prompt + new)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--steps", type=int, default=0, help="train this many steps first (default: random weights)"
+    )
     args = parser.parse_args(argv)
 
     cfg = train_gpt.PRESETS[args.preset]
@@ -153,6 +182,7 @@ def main(argv=None):
     train_attention = train_gpt.attention_fn("pallas_flash", interpret)
     model = train_gpt.GPT(cfg, train_attention, dtype, nnx.Rngs(args.seed))
     data = train_gpt.corpus_bytes(1 << 20)
+    losses = train_briefly(model, cfg, data, args.steps, args.batch, args.seed)
     starts = np.random.default_rng(args.seed).integers(0, len(data) - args.prompt, args.batch)
     prompt = jnp.asarray(np.stack([data[s : s + args.prompt] for s in starts]), jnp.int32)
 
@@ -169,6 +199,8 @@ def main(argv=None):
         step_ms=round(step_s * 1e3, 3),
         tokens_per_s=round(args.batch / step_s, 1),
         attention_share=round(max(0.0, 1.0 - bare_s / step_s), 3),
+        train_steps=args.steps,
+        train_loss=[round(x, 4) for x in losses[:1] + losses[-1:]],
     )
     print(
         f"GPT {args.preset} ({cfg.layers} layers, {cfg.heads} heads, {cfg.kv_heads} kv) on "

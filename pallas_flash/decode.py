@@ -306,7 +306,9 @@ def paged_reference(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_c
 # Each path is one jit'd function of its static options: eager calls (a Python generation loop)
 # compile the kernel once, not at every call.
 _MATH = ("scale", "soft_cap", "window_left")
-_decode_forward = jax.jit(decode_forward, static_argnames=(*_MATH, "block_sizes", "interpret"))
+_decode_forward = jax.jit(
+    decode_forward, static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms")
+)
 _decode_reference = jax.jit(decode_reference, static_argnames=_MATH)
 _paged_reference = jax.jit(paged_reference, static_argnames=_MATH)
 
@@ -361,9 +363,12 @@ class _Options:
             block_sizes = default_decode_block_sizes(
                 head_dim, query.dtype, interpret=interpret, page_size=page_size
             )
-        return cls(
-            backend, math_kwargs, dict(math_kwargs, block_sizes=block_sizes, interpret=interpret)
+        # The split count fills the SMs of the GPU the call is traced for.
+        num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
+        kernel_kwargs = dict(
+            math_kwargs, block_sizes=block_sizes, interpret=interpret, num_sms=num_sms
         )
+        return cls(backend, math_kwargs, kernel_kwargs)
 
 
 def _shape(x):

@@ -8,7 +8,8 @@ API, the tuner and the decode API all choose here.
 With backend=None on a GPU of compute capability >= 8.0:
 
 - Forward: the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
-  Triton's split-KV forward does better) and the user gave no `block_sizes`; else Triton.
+  Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
+  whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
 - Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs, unless
   `block_sizes` configure the Triton backward, H=64 below 2048 keys (Triton measured faster
   there) or the call has dropout; else Triton.
@@ -31,6 +32,12 @@ BACKENDS = ("triton", "mosaic", "xla")
 # Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
 # Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
 MOSAIC_BACKWARD_MIN_KV_LEN = 2048
+
+# Calls whose last query or key tile is ragged take the Mosaic kernels from this length of both
+# sequences: below it the masked last tile is a large share of the work and Triton's smaller
+# tiles win (ViT's 197 and 577 tokens at H=64: Triton 150 and 247 TFLOP/s, Mosaic 82 and 183);
+# at 3000 tokens Mosaic is 1.6x Triton (benchmarks/NOTES.md, "Any length").
+MOSAIC_RAGGED_MIN_LEN = 1024
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -162,7 +169,11 @@ def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> Mosai
     else:
         found = tuned.mosaic
     forward, backward = found.forward, found.backward
-    if forward is not None and mosaic.why_not_forward(call, device, forward):
+    # Tiles that would leave a short call a ragged last tile would send it to Triton: the
+    # defaults may not.
+    if forward is not None and (
+        mosaic.why_not_forward(call, device, forward) or _short_and_ragged(call, forward)
+    ):
         forward = None
     if backward is not None and mosaic.why_not_backward(call, device, backward):
         backward = None
@@ -188,6 +199,7 @@ def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -
         and mosaic.why_not_device(device) is None
         and user_block_sizes is None
         and _mosaic_fills_gpu(call, device, tiles)
+        and not _short_and_ragged(call, tiles)
     ):
         return "mosaic"
     return "triton"
@@ -217,6 +229,14 @@ def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:
     kv_tiles = -(-call.kv_len // tiles.block_kv)
     splits = triton.choose_kv_splits(0, ctas, kv_tiles, interpret=False, num_sms=device.num_sms)
     return splits == 1
+
+
+def _short_and_ragged(call: Call, tiles) -> bool:
+    """Whether the call's last query or key tile is ragged (T or S not a multiple of the
+    forward's tiles) while T or S is below MOSAIC_RAGGED_MIN_LEN."""
+    tiles = tiles or mosaic.default_forward_tiles(call)
+    ragged = call.q_len % tiles.cta_rows or call.kv_len % tiles.block_kv
+    return bool(ragged) and min(call.q_len, call.kv_len) < MOSAIC_RAGGED_MIN_LEN
 
 
 def _forward_block_sizes_gap(block_sizes: BlockSizes) -> str | None:

@@ -437,21 +437,18 @@ def test_auto_forward_keeps_triton_when_it_should(chosen_forward):
 
 
 @pytest.mark.parametrize("head_dim", [80, 96, 128, 192])
-def test_padded_head_dims_take_the_mosaic_forward_and_ragged_lengths_triton(
-    chosen_forward, head_dim
-):
-    """Head dims 80/96 (padded to 128) and 192 at whole tiles run the Mosaic forward; ragged
-    last tiles stay on Triton (their lse is wrong compiled on the H200: mosaic.RAGGED_ON_GPU),
-    and asking for Mosaic there raises naming why."""
-    for q_len, kv_len in ((2048, 2048), (1024, 4096)):
+def test_padded_head_dims_and_ragged_lengths_take_the_mosaic_forward(chosen_forward, head_dim):
+    """Head dims 80/96 (padded to 128) and 192 run the Mosaic forward, at whole tiles and at
+    ragged last tiles from MOSAIC_RAGGED_MIN_LEN tokens; shorter ragged calls take Triton unless
+    Mosaic is asked for."""
+    for q_len, kv_len in ((2048, 2048), (1024, 4096), (3000, 3000), (1031, 2047)):
         qkv = hopper_arrays((4, q_len, 8, head_dim), (4, kv_len, 2, head_dim))
         assert chosen_forward(*qkv) == "mosaic"
         assert chosen_forward(*qkv, is_causal=True) == "mosaic"
-    for q_len, kv_len in ((3000, 3000), (1000, 777), (1021, 2047)):
-        qkv = hopper_arrays((4, q_len, 8, head_dim), (4, kv_len, 2, head_dim))
+    for q_len, kv_len in ((1000, 777), (197, 197), (577, 577), (3000, 1000)):
+        qkv = hopper_arrays((64, q_len, 8, head_dim), (64, kv_len, 2, head_dim))
         assert chosen_forward(*qkv) == "triton"
-        with pytest.raises(NotImplementedError, match="ragged last tiles stay on Triton"):
-            chosen_forward(*qkv, backend="mosaic")
+        assert chosen_forward(*qkv, backend="mosaic") == "mosaic"  # asked for: honoured
 
 
 def test_h64_takes_the_mosaic_forward_at_short_and_odd_lengths(chosen_forward):
@@ -571,8 +568,8 @@ def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
 def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     tuned_cache, monkeypatch
 ):
-    # 128-row consumers would leave a ragged last tile at T=384 (kept off the Mosaic kernels,
-    # mosaic.RAGGED_ON_GPU): the forward keeps its default tiles (and stays on Mosaic); 128-row
+    # 128-row consumers would leave a ragged last tile at T=384 (short ragged calls are faster
+    # on Triton): the forward keeps its default tiles (and stays on Mosaic); 128-row
     # dQ consumers would spill at H=128: the backward keeps its own. The h256 class spans H=192
     # and 256: a ring of three 64-key stages fits shared memory at H=192 but not at 256, where
     # the forward keeps its default tiles.

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, backend_paths
+from conftest import BACKEND_PATHS, SWEEP, backend_paths
 
 import pallas_flash
 from pallas_flash.triton import DecodeBlockSizes
@@ -340,6 +340,14 @@ def test_validation_contiguous():
         call(q, k, v, logits_soft_cap=-1.0)
     with pytest.raises(ValueError, match="block_kv=24 must be a power of two"):
         DecodeBlockSizes(block_kv=24)
+    with pytest.raises(ValueError, match="schedule='batch' must be 'balanced' or 'sequence'"):
+        DecodeBlockSizes(schedule="batch")
+    with pytest.raises(ValueError, match="merge='xla' needs schedule='sequence'"):
+        DecodeBlockSizes(merge="xla")
+    with pytest.raises(ValueError, match="waves=0 must be an int >= 1"):
+        DecodeBlockSizes(waves=0)
+    with pytest.raises(ValueError, match="ctas_per_sm=-1 must be an int >= 0"):
+        DecodeBlockSizes(ctas_per_sm=-1)
 
 
 def test_validation_paged():
@@ -389,11 +397,19 @@ def test_lowers_for_h200():
             for page in (16, 128)
         ),
     ]
+    # The per-sequence schedule, with the merge kernel and with XLA's.
+    contiguous = calls[0][1]
+    calls += [
+        (DecodeBlockSizes(schedule="sequence"), contiguous),
+        (DecodeBlockSizes(schedule="sequence", merge="xla"), contiguous),
+    ]
     with jax.sharding.use_abstract_mesh(mesh):
         for bs, args in calls:
             f = functools.partial(decode_forward, block_sizes=bs, **kw)
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "pallas_flash_decode" in text
+            # B=2 fills no GPU: every call splits, and merges in the kernel unless told not to.
+            assert ("pallas_flash_decode_merge" in text) == (bs.merge == "kernel")
 
 
 # -- compiled, larger ----------------------------------------------------------------------------
@@ -421,12 +437,166 @@ def test_gpu_matches_oracle(c):
     assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(kv_splits=1),
+        dict(kv_splits=7),
+        dict(schedule="sequence"),
+        dict(schedule="sequence", merge="xla"),
+        dict(waves=2, num_stages=3),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("c", [GPU_CASES[0], GPU_CASES[2]], ids=str)
+def test_gpu_schedules_match_oracle(c, fields):
+    """Every split lever compiled: unsplit, a forced split count, both schedules and merges."""
+    problem, (q, k, v) = make_problem(c)
+    want, _ = oracle(
+        q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
+    )
+    bs = DecodeBlockSizes(block_kv=32 if c.head_dim > 128 else 64, **fields)
+    # block_sizes is the kernel's: the XLA reference runs apart.
+    [(xla, _)], [(ours, _)] = run(c, problem, XLA), run(c, problem, GPU, block_sizes=bs)
+    xla, ours = (np.asarray(x.astype(jnp.float32)) for x in (xla, ours))
+    assert np.all(np.isfinite(ours))
+    assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3
+
+
 def test_choose_decode_splits():
     from pallas_flash.triton.decode import choose_decode_splits
 
-    assert choose_decode_splits(5, 64, 3, 64) == 3  # asked for: never more than the tiles
-    assert choose_decode_splits(0, 64, 512, 64) == 17  # 8 programs per core of 132
-    assert choose_decode_splits(0, 64, 128, 64) == 8  # at least 1024 keys each
-    assert choose_decode_splits(0, 64, 16, 64) == 1  # 1k keys: unsplit
-    assert choose_decode_splits(0, 2048, 512, 64) == 1  # a full grid needs none
-    assert choose_decode_splits(0, 8, 4096, 64) == 64  # at most 64
+    split = functools.partial(choose_decode_splits, slots=528)
+    assert split(5, 64, 3, 64) == 3  # asked for: never more than the tiles
+    assert split(0, 64, 512, 64) == 8  # one wave: 512 programs for 528 slots
+    assert split(0, 64, 512, 64, waves=2) == 16
+    assert split(0, 8, 512, 64) == 64  # B=1: 60 runs would leave 8 tiles in the last; 64 of 8
+    assert split(0, 64, 16, 64) == 4  # 1k keys: at least 256 keys per split (the fullest)
+    assert split(0, 64, 16, 64, min_split_keys=1024) == 1
+    assert split(0, 512, 512, 64) == 1  # a full wave needs none
+    assert split(0, 2048, 128, 64) == 1  # nor 3.9 full waves
+    assert split(0, 600, 512, 64) == 4  # 600 alone: a wave and 72 programs; 2400 fill 4.5
+    assert split(0, 300, 512, 64) == 5  # 1500 programs fill 2.8 waves
+
+
+def test_decode_plan_fills_the_gpu():
+    """The bench's shapes on an H200: the CTAs fill one wave of the slots (132 SMs x the
+    tiles' CTAs per SM: 4 for 16-row tiles, 2 for 64-row ones), and the merge runs only when
+    split; the former rule's 17 splits per sequence (1088 CTAs for 528 slots) is gone."""
+    from pallas_flash.triton.decode import decode_plan
+
+    def plan(b, t, k, s, **fields):
+        return decode_plan((b, t, 32, 128), k, s, jnp.bfloat16, DecodeBlockSizes(**fields))
+
+    p = plan(8, 1, 8, 32768)
+    assert (p.block_m, p.slots, p.schedule.splits, p.schedule.items) == (16, 528, 8, 64)
+    p = plan(8, 16, 8, 32768)
+    assert (p.block_m, p.slots, p.schedule.splits) == (64, 264, 4)
+    assert plan(1, 1, 8, 32768).schedule.splits == 64
+    assert plan(256, 1, 8, 8192).schedule.splits == 1
+    assert plan(8, 1, 8, 32768, ctas_per_sm=8).schedule.splits == 16
+    p = plan(8, 1, 8, 32768, kv_splits=5, schedule="sequence")
+    assert (p.schedule.kind, p.schedule.splits, p.schedule.items) == ("sequence", 5, 40)
+
+
+def test_ctas_per_sm_estimate():
+    """The occupancy estimate against ptxas' reading of the Triton kernels for sm_90a (H=128,
+    bf16; benchmarks/triton_ir.py): (block_m, block_kv, warps, stages) -> CTAs per SM."""
+    from pallas_flash.triton.tiles import decode_ctas_per_sm
+
+    read = {(16, 64, 4, 2): 4, (16, 64, 4, 3): 3, (16, 128, 4, 2): 2, (32, 32, 4, 2): 4}
+    read |= {(32, 64, 4, 2): 3, (64, 64, 4, 2): 2, (64, 64, 4, 1): 3, (16, 32, 4, 4): 4}
+    for (m, kv, w, st), ctas in read.items():
+        bs = DecodeBlockSizes(block_m=m, block_kv=kv, num_warps=w, num_stages=st)
+        assert decode_ctas_per_sm(bs, m, 128, 2) == ctas, (m, kv, w, st)
+    assert decode_ctas_per_sm(DecodeBlockSizes(ctas_per_sm=7), 16, 128, 2) == 7
+
+
+def _schedule_items(lengths, capacity, splits, *, q_len=1, window_left=None, kind="balanced"):
+    """(sequence, first tile, end tile) of each item of a schedule, read from a kernel in the
+    interpreter, and the schedule."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import triton as plgpu
+
+    from pallas_flash.triton.decode import Schedule
+
+    block_kv = 16
+    schedule = Schedule(
+        kind=kind,
+        batch=len(lengths),
+        splits=splits,
+        items=len(lengths) * splits,
+        capacity=capacity,
+        q_len=q_len,
+        window_left=window_left,
+        block_kv=block_kv,
+        min_chunk=1,
+        max_tiles=-(-capacity // block_kv),
+    )
+
+    def kernel(lengths_ref, o_ref):
+        batch, length, (first, end) = schedule.item(lengths_ref, pl.program_id(0))
+        plgpu.store(o_ref, jnp.stack([batch, length, first, end]))
+
+    out = pl.pallas_call(
+        kernel,
+        grid=(schedule.items,),
+        in_specs=[pl.BlockSpec((len(lengths),), lambda i: (0,))],
+        out_specs=pl.BlockSpec((None, 4), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((schedule.items, 4), jnp.int32),
+        interpret=True,
+    )(jnp.asarray(lengths, jnp.int32))
+    return np.asarray(out), schedule
+
+
+def test_balanced_schedule_covers_each_sequence_once():
+    """Ragged lengths (one sequence long, one empty, one past the capacity): every item runs
+    at most `chunk` tiles, the items of a sequence tile its keys once, in order, and a sequence
+    takes items in proportion to its length (the former per-sequence cut gave every sequence
+    the same number of runs, so the long one's runs were each as long as an unsplit short
+    sequence)."""
+    lengths, capacity, splits = (1000, 40, 0, 300, 9999), 1024, 4
+    items, _ = _schedule_items(lengths, capacity, splits)
+    tiles = [-(-min(n, capacity) // 16) for n in lengths]
+    runs = {b: [] for b in range(len(lengths))}
+    for b, length, first, end in items:
+        assert length == min(lengths[b], capacity)
+        end = min(end, tiles[b])
+        if end > first:
+            runs[b].append((first, end))
+    # The runs are as short as fit in the items: 8 tiles (149 tiles, 20 items; 7 would take 23).
+    chunk = max(e - f for r in runs.values() for f, e in r)
+    fits = lambda c: sum(-(-t // c) for t in tiles) <= len(lengths) * splits  # noqa: E731
+    assert chunk == 8 and fits(chunk) and not fits(chunk - 1)
+    for b, r in runs.items():
+        covered = [t for f, e in r for t in range(f, e)]
+        assert covered == list(range(tiles[b])), b
+    assert [len(runs[b]) for b in range(len(lengths))] == [8, 1, 0, 3, 8]
+    # With a window, a sequence's runs start at its window's first tile.
+    items, _ = _schedule_items(lengths, capacity, splits, q_len=3, window_left=100)
+    for b, _, first, end in items:
+        if end > first and lengths[b] > 200:
+            assert first >= (min(lengths[b], capacity) - 3 - 100) // 16
+
+
+def test_sequence_schedule_cuts_each_sequence_alike():
+    items, _ = _schedule_items((64, 16), 64, 2, kind="sequence")
+    np.testing.assert_array_equal(
+        items, [[0, 64, 0, 2], [0, 64, 2, 4], [1, 16, 0, 1], [1, 16, 1, 2]]
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [dict(schedule="sequence"), dict(schedule="sequence", merge="xla")],
+    ids=["sequence-kernel-merge", "sequence-xla-merge"],
+)
+def test_schedules_match_oracle(fields):
+    """The per-sequence schedule with either merge (the default interpreter tiles run the
+    balanced schedule and the merge kernel), on the ragged contiguous case and a paged one."""
+    path = BACKEND_PATHS["triton-interpret"]
+    bs = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, kv_splits=3, **fields)
+    for c in (CASES[2], CASES[0]) if SWEEP else (CASES[2],):
+        problem, oracle_inputs = make_problem(c)
+        check_against_oracle(c, run(c, problem, path, block_sizes=bs), oracle_inputs)

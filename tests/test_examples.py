@@ -5,6 +5,7 @@ import pathlib
 import sys
 
 import pytest
+from conftest import SWEEP
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -71,6 +72,26 @@ def test_generate_matches_the_full_forward():
     model = train_gpt.GPT(cfg, train_gpt.attention_fn("xla", False), jnp.float32, nnx.Rngs(0))
     seq = jnp.concatenate([result["prompt"], jnp.asarray(result["tokens"][:, :-1])], axis=1)
     full = nnx.jit(lambda model, seq: model(seq))(model, seq)
+    prompt_len = result["prompt"].shape[1]
+    for i in range(3):
+        np.testing.assert_allclose(result["logits"][i], full[:, prompt_len - 1 + i], atol=1e-4)
+
+
+@pytest.mark.skipif(not SWEEP, reason="trains in the interpreter (~20 s): PALLAS_FLASH_SWEEP=1")
+def test_generate_after_brief_training():
+    """--steps trains before generating (the loss falls), and the trained model's decode steps
+    still equal its full forward."""
+    pytest.importorskip("flax")
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    generate = load("generate")
+    result = generate.main(["--batch", "2", "--prompt", "20", "--new", "3", "--steps", "3"])
+    first, last = result["train_loss"]
+    assert result["train_steps"] == 3 and last < first
+    seq = jnp.concatenate([result["prompt"], jnp.asarray(result["tokens"][:, :-1])], axis=1)
+    full = nnx.jit(lambda model, seq: model(seq))(result["model"], seq)
     prompt_len = result["prompt"].shape[1]
     for i in range(3):
         np.testing.assert_allclose(result["logits"][i], full[:, prompt_len - 1 + i], atol=1e-4)

@@ -515,7 +515,7 @@ RAGGED_INTERPRET_PROBLEMS = [
 ]
 
 
-@long_only  # ragged last tiles are off by default (RAGGED_ON_GPU): outside CI
+@long_only  # slow in the interpreter: outside CI
 @pytest.mark.parametrize("p, tiles, oob_fill", RAGGED_INTERPRET_PROBLEMS, ids=str)
 def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
     """The Mosaic forward and backward at ragged lengths and padded head dims, with garbage
@@ -536,11 +536,11 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
 @pytest.mark.parametrize(
     "p, mosaic_calls",
     [
-        # Ragged last tiles stay on Triton (mosaic.RAGGED_ON_GPU).
-        (Problem(1, 3000, 3000, 16, 8, 128, True, "bf16"), 0),
+        # A ragged last tile at 3000 tokens: Mosaic.
+        (Problem(1, 3000, 3000, 16, 8, 128, True, "bf16"), 3),
         (Problem(4, 2048, 2048, 16, 16, 96, False, "bf16"), 3),
         pytest.param(Problem(4, 2048, 2048, 16, 16, 80, True, "bf16"), 3, marks=long_only),
-        # H=64 below 2k keys: the Triton backward.
+        # Ragged below 1024 tokens (dispatch.MOSAIC_RAGGED_MIN_LEN): Triton.
         pytest.param(Problem(64, 197, 197, 12, 12, 64, False, "bf16"), 0, marks=long_only),
         pytest.param(Problem(16, 577, 577, 16, 16, 128, False, "bf16"), 0, marks=long_only),
         pytest.param(Problem(2, 1024, 1024, 16, 4, 192, True, "bf16"), 1, marks=long_only),
@@ -584,18 +584,15 @@ def test_default_call_at_any_lengths_matches_oracle_interpreted(monkeypatch, p):
 
 # Shapes that real models use (Llama at an odd length, Phi at H 80 / 96, ViT at 197 and 577
 # tokens), T != S, a few queries.
-RAGGED_ON_GPU = pytest.mark.xfail(
-    strict=True, reason="ragged last tiles: lse wrong compiled on the H200 (mosaic.RAGGED_ON_GPU)"
-)
 RAGGED_GPU_PROBLEMS = [
-    pytest.param(Problem(1, 3000, 3000, 2, 1, 128, True, "bf16"), marks=RAGGED_ON_GPU),
+    Problem(1, 3000, 3000, 2, 1, 128, True, "bf16"),
     Problem(2, 2048, 2048, 4, 2, 96, True, "bf16"),
     Problem(2, 2048, 2048, 4, 4, 80, False, "f16"),
-    pytest.param(Problem(4, 197, 197, 4, 4, 64, False, "bf16"), marks=RAGGED_ON_GPU),
-    pytest.param(Problem(2, 577, 577, 4, 4, 128, False, "bf16"), marks=RAGGED_ON_GPU),
-    pytest.param(Problem(2, 577, 300, 4, 2, 64, True, "bf16"), marks=RAGGED_ON_GPU),
-    pytest.param(Problem(2, 130, 333, 4, 2, 128, False, "bf16"), marks=RAGGED_ON_GPU),
-    pytest.param(Problem(2, 3, 5, 4, 2, 96, False, "bf16"), marks=RAGGED_ON_GPU),
+    Problem(4, 197, 197, 4, 4, 64, False, "bf16"),
+    Problem(2, 577, 577, 4, 4, 128, False, "bf16"),
+    Problem(2, 577, 300, 4, 2, 64, True, "bf16"),
+    Problem(2, 130, 333, 4, 2, 128, False, "bf16"),
+    Problem(2, 3, 5, 4, 2, 96, False, "bf16"),
 ]
 
 
@@ -603,16 +600,15 @@ RAGGED_GPU_PROBLEMS = [
 @pytest.mark.parametrize("p", RAGGED_GPU_PROBLEMS, ids=str)
 def test_any_lengths_and_head_dims_match_oracle(p):
     """out, lse (Mosaic forward) and dq, dk, dv (Mosaic backward) against the float64 oracle.
-    The kernels are called directly: ragged cases are strict xfails (the dispatch keeps them
-    on Triton)."""
+    The kernels are called directly."""
     needs_hopper()
     check_against_oracle(p)
 
 
 @pytest.mark.gpu
-def test_default_call_at_3000_tokens_takes_triton_and_matches_oracle():
-    """backend=None at T = S = 3000, causal, H=128: ragged last tiles, so the Triton forward and
-    backward (no Mosaic call in the lowered program), against the float64 oracle."""
+def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
+    """backend=None at T = S = 3000, causal, H=128: ragged last tiles on the Mosaic forward and
+    backward (three Mosaic calls in the lowered program), against the float64 oracle."""
     needs_hopper()
     p = Problem(1, 3000, 3000, 4, 2, 128, True, "bf16")
     attention = functools.partial(
@@ -621,7 +617,7 @@ def test_default_call_at_3000_tokens_takes_triton_and_matches_oracle():
     run = jax.jit(functools.partial(outputs_and_grads, attention))
     (q, k, v, d_out, d_lse), f64 = random_inputs(p)
     targets = custom_call_targets(run.lower(q, k, v, d_out, d_lse).as_text())
-    assert targets.count("mosaic_gpu_v2") == 0, targets
+    assert targets.count("mosaic_gpu_v2") == 3, targets
     results = run(q, k, v, d_out, d_lse)
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)

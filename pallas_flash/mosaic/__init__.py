@@ -6,8 +6,6 @@ or a call (a reason, or None when it can), its default tiles, and the two passes
 
 from __future__ import annotations
 
-import math
-
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.mosaic import backward
@@ -39,32 +37,11 @@ def why_not_device(device: Device | None) -> str | None:
     return None
 
 
-# The kernels take ragged last tiles (T or S not a multiple of their tiles) and match the
-# float64 oracle in the Mosaic GPU interpreter, but compiled on the H200 their lse is wrong on such
-# calls (errors of 0.4-8, the outputs within the rule; the backward follows the lse). The
-# dispatch keeps those calls on Triton until that is found; padded head dims (80, 96, and 192 in
-# the forward) at whole tiles passed on the H200.
-RAGGED_ON_GPU = "lse wrong on the H200, calls with ragged last tiles stay on Triton"
-
-
-def _ragged(q_len: int, kv_len: int, q_rows: int, kv_rows: int) -> str | None:
-    if q_len % q_rows or kv_len % kv_rows:
-        return (
-            f"q_len={q_len} and kv_len={kv_len} must be multiples of {q_rows} and {kv_rows} "
-            f"(the Mosaic tiles): {RAGGED_ON_GPU}"
-        )
-    return None
-
-
 def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = None) -> str | None:
     """Why the forward cannot run `call` on `device` with `tiles` (None: its defaults), named as
     the API names the options; None when it can."""
     if reason := forward_tiles.unsupported_options(call.spec, has_bias=call.has_bias):
         return reason
-    if call.head_dim in forward_tiles.HEAD_DIMS and call.q_len and call.kv_len:
-        chosen = default_forward_tiles(call) if tiles is None else tiles
-        if reason := _ragged(call.q_len, call.kv_len, chosen.cta_rows, chosen.block_kv):
-            return reason
     return forward_tiles.why_not(
         call.q_shape,
         call.k_shape,
@@ -85,12 +62,6 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
         call.spec, soft_cap=call.soft_cap, has_bias=call.has_bias
     ):
         return reason
-    if call.head_dim in backward.HEAD_DIMS and call.q_len and call.kv_len:
-        chosen = default_backward_tiles(call) if tiles is None else tiles
-        q_rows = math.lcm(chosen.cta_q_rows, chosen.block_q_dkv)
-        kv_rows = math.lcm(chosen.cta_kv_rows, chosen.block_kv_dq)
-        if reason := _ragged(call.q_len, call.kv_len, q_rows, kv_rows):
-            return reason
     return backward.why_not(
         call.q_shape,
         call.k_shape,

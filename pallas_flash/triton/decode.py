@@ -11,6 +11,7 @@ only the keys a sequence has.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -19,11 +20,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash.device import gpu_core_count
+from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
+    MIN_LOGIT,
     CompilerParams,
     dot,
+    fold,
     load_rows,
+    load_vector,
     logit_unit,
     scores,
     softmax_init,
@@ -32,7 +36,7 @@ from pallas_flash.triton._common import (
     split_weights,
     visit_tiles,
 )
-from pallas_flash.triton.tiles import DecodeBlockSizes, padded_head_dim
+from pallas_flash.triton.tiles import DecodeBlockSizes, decode_ctas_per_sm, padded_head_dim
 
 
 def _decode_kernel(
@@ -49,28 +53,32 @@ def _decode_kernel(
     group: int,
     block_m: int,
     block_kv: int,
-    kv_splits: int,
+    schedule: Schedule,
     page_size: int | None,
 ):
-    """One row tile of one (sequence, KV head, split): stream the split's key tiles with an
-    online softmax.
+    """One row tile of one (KV head, work item): stream the item's key tiles of its sequence
+    with an online softmax.
 
-    lengths_ref: [B] keys of each sequence (the new tokens included); q_ref, o_ref: [block_m, Hp]
-    packed rows r = t * group + g (new token t, query head g of the group); lse_ref: [block_m].
-    Contiguous cache: k_ref, v_ref [S, Hp]. Paged (page_size given): k_ref, v_ref
-    [num_pages * page_size, Hp], the pages of this KV head end to end, and a table_ref
-    [max_pages] before the outputs: key j of the sequence is row table[j // page_size] *
-    page_size + j % page_size.
+    lengths_ref: [B] keys of each sequence (the new tokens included); q_ref: [B, block_m, Hp]
+    packed rows r = t * group + g (new token t, query head g of the group); o_ref: [block_m,
+    Hp] and lse_ref: [block_m], the item's (partial, when split) result. Contiguous cache:
+    k_ref, v_ref [B, S, Hp]. Paged (page_size given): k_ref, v_ref [num_pages * page_size, Hp],
+    the pages of this KV head end to end, and a table_ref [B * max_pages] (the block table,
+    flat) before the outputs: key j of sequence b is row table[b * max_pages + j // page_size]
+    * page_size + j % page_size. Which sequence and which of its tiles the item reads comes
+    from `schedule` (the batch is not in the grid, so that a balanced schedule can give a
+    sequence as many items as its length needs).
     """
     table_ref = refs[0] if page_size is not None else None
     o_ref, lse_ref = refs[-2:]
     num_rows = q_len * group
     m_start = pl.program_id(0) * block_m
-    batch, split = pl.program_id(2) // kv_splits, pl.program_id(2) % kv_splits
-    length = lengths_ref[batch]
+    batch, length, (item_lo, item_hi) = schedule.item(lengths_ref, pl.program_id(2))
 
     m_rows = num_rows - m_start  # rows of this tile that exist
-    q = load_rows(q_ref, 0, block_m, m_rows, head_dim, ragged=num_rows % block_m != 0)
+    q = load_rows(
+        q_ref, 0, block_m, m_rows, head_dim, ragged=num_rows % block_m != 0, lead=(batch,)
+    )
     # New token t of a sequence of `length` keys sits at position length - q_len + t (the new
     # tokens are the cache's last keys); rows past the packed rows take the last token's.
     rows = m_start + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
@@ -78,9 +86,21 @@ def _decode_kernel(
 
     def load_kv(ref, kv_start, masked: bool):
         if page_size is None:
-            return load_rows(ref, kv_start, block_kv, length, head_dim, ragged=masked)
+            return load_rows(
+                ref, kv_start, block_kv, length, head_dim, ragged=masked, lead=(batch,)
+            )
+        max_pages = table_ref.shape[0] // lengths_ref.shape[0]
+        table_start = batch * max_pages
         return _load_paged(
-            ref, table_ref, kv_start, length, head_dim, block_kv, page_size, masked=masked
+            ref,
+            table_ref,
+            table_start,
+            kv_start,
+            length,
+            head_dim,
+            block_kv,
+            page_size,
+            masked=masked,
         )
 
     unit = logit_unit(scale, False, soft_cap)
@@ -102,18 +122,18 @@ def _decode_kernel(
         return softmax_step(carry, u, v, unit, visible)
 
     carry = softmax_init(block_m, q_ref.shape[-1])
-    carry = visit_tiles(
-        _split_range(length, q_len, window_left, block_kv, split, kv_splits), body, carry
+    tiles = masks.intersect(
+        _sequence_tiles(length, q_len, window_left, block_kv), (item_lo, item_lo, item_hi, item_hi)
     )
+    carry = visit_tiles(tiles, body, carry)
     softmax_store(carry, unit, o_ref, lse_ref, block_m, m_rows, head_dim)
 
 
-def _split_range(length, q_len: int, window_left: int | None, block_kv: int, split, splits: int):
-    """The key tiles (lo, full_lo, full_hi, hi) of one split of a sequence of `length` keys.
+def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int):
+    """The key tiles (lo, full_lo, full_hi, hi) a sequence of `length` keys reads.
 
     Tiles past the length are never visited. Fully visible: the tiles every new token sees
-    whole (keys <= the first new token's position, and inside the last one's window). The
-    sequence's tiles are cut into `splits` equal runs, so its cost follows its own length.
+    whole (keys <= the first new token's position, and inside the last one's window).
     """
     hi = pl.cdiv(length, block_kv)
     full_hi = jax.lax.div(jnp.maximum(length - q_len + 1, 0), block_kv)
@@ -121,17 +141,105 @@ def _split_range(length, q_len: int, window_left: int | None, block_kv: int, spl
     if window_left is not None:
         lo = jax.lax.div(jnp.maximum(length - q_len - window_left, 0), block_kv)
         full_lo = pl.cdiv(jnp.maximum(length - 1 - window_left, 0), block_kv)
-    tiles = (lo, full_lo, full_hi, hi)
-    if splits == 1:
-        return masks.intersect(tiles, (lo, lo, hi, hi))
-    chunk = pl.cdiv(jnp.maximum(hi - lo, 0), splits)
-    start = lo + split * chunk
-    end = jnp.minimum(start + chunk, hi)
-    return masks.intersect(tiles, (start, start, end, end))
+    return lo, full_lo, full_hi, hi
 
 
-def _load_paged(ref, table_ref, kv_start, length, head_dim, block_kv, page_size, *, masked):
-    """Keys [kv_start, kv_start + block_kv) of a paged sequence as a [block_kv, Hp] tile."""
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Which sequence, and which run of its key tiles, each work item (the grid's last axis)
+    reads; shared by the decode kernel and the merge kernel, which recompute it from the
+    lengths (a few vector operations over the batch per program: no extra launch).
+
+    splits == 1: item b is sequence b, whole. kind "sequence": item b * splits + s is run s of
+    sequence b's tiles cut into `splits` equal runs. kind "balanced": `items` items share the
+    batch's tiles in runs of `chunk` tiles, chunk the smallest (at least `min_chunk`) for which
+    the runs fit (sum_b ceil(tiles_b / chunk) <= items); sequence b takes items
+    [start_b, start_b + count_b) in batch order, and items past the last are empty.
+    """
+
+    kind: str
+    batch: int
+    splits: int
+    items: int
+    capacity: int
+    q_len: int
+    window_left: int | None
+    block_kv: int
+    min_chunk: int
+    max_tiles: int
+
+    def length(self, lengths_ref, batch):
+        return jnp.clip(lengths_ref[batch], 0, self.capacity)
+
+    def _tiles(self, lengths):
+        lo, _, _, hi = _sequence_tiles(lengths, self.q_len, self.window_left, self.block_kv)
+        return jnp.maximum(hi - lo, 0), lo
+
+    def _runs(self, lengths_ref):
+        """(chunk, count [Bp], end [Bp]) of the balanced schedule: the tiles per run, and per
+        sequence its runs and the end of its items (the inclusive cumulative count)."""
+        bp = max(2, 1 << (self.batch - 1).bit_length())
+        lengths = load_vector(lengths_ref, 0, bp, self.batch, ragged=bp != self.batch, other=0)
+        tiles, _ = self._tiles(jnp.clip(lengths, 0, self.capacity))
+
+        def fits(chunk):
+            return jnp.sum(jax.lax.div(tiles + chunk - 1, chunk)) <= self.items
+
+        def bisect(_, bounds):
+            lo, hi = bounds
+            mid = jax.lax.div(lo + hi, 2)
+            ok = fits(mid)
+            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+
+        # The smallest chunk in [1, max_tiles] that fits; max_tiles always fits (items >= B).
+        steps = max(1, self.max_tiles.bit_length())
+        bounds = (jnp.full((), 1, jnp.int32), jnp.full((), max(self.max_tiles, 1), jnp.int32))
+        _, chunk = jax.lax.fori_loop(0, steps, bisect, bounds)
+        chunk = jnp.maximum(chunk, self.min_chunk)
+        count = jax.lax.div(tiles + chunk - 1, chunk)
+        return chunk, count, jnp.cumsum(count)
+
+    def item(self, lengths_ref, item):
+        """(sequence, its length, (first tile, end tile)) of one item; the tile run may be
+        empty (an unused item) or reach past the sequence's tiles (clipped by the caller)."""
+        if self.splits == 1:
+            return item, self.length(lengths_ref, item), (0, self.max_tiles)
+        if self.kind == "sequence":
+            batch, split = jax.lax.div(item, self.splits), jax.lax.rem(item, self.splits)
+            length = self.length(lengths_ref, batch)
+            tiles, lo = self._tiles(length)
+            chunk = jax.lax.div(tiles + self.splits - 1, self.splits)
+            start = lo + split * chunk
+            return batch, length, (start, start + chunk)
+        chunk, count, end = self._runs(lengths_ref)
+        # Sequences whose items all lie before this one; an item past every sequence's items
+        # is empty.
+        batch = jnp.sum((end <= item).astype(jnp.int32))
+        batch = jnp.minimum(batch, self.batch - 1)
+        index = jax.lax.broadcasted_iota(jnp.int32, end.shape, 0)
+        start = jnp.sum(jnp.where(index == batch, end - count, 0))
+        mine = jnp.sum(jnp.where(index == batch, count, 0))
+        run = item - start
+        length = self.length(lengths_ref, batch)
+        _, lo = self._tiles(length)
+        first = lo + run * chunk
+        return batch, length, (first, jnp.where(run < mine, first + chunk, first))
+
+    def items_of(self, lengths_ref, batch):
+        """(first item, item count) of a sequence, for the merge."""
+        if self.kind == "sequence":
+            return batch * self.splits, self.splits
+        _, count, end = self._runs(lengths_ref)
+        index = jax.lax.broadcasted_iota(jnp.int32, end.shape, 0)
+        mine = jnp.sum(jnp.where(index == batch, count, 0))
+        return jnp.sum(jnp.where(index == batch, end, 0)) - mine, mine
+
+
+def _load_paged(
+    ref, table_ref, table_start, kv_start, length, head_dim, block_kv, page_size, *, masked
+):
+    """Keys [kv_start, kv_start + block_kv) of a paged sequence as a [block_kv, Hp] tile; the
+    sequence's table entries start at table_ref[table_start]."""
     hp = ref.shape[-1]
     num_pages = ref.shape[0] // page_size
     col_mask = None
@@ -139,13 +247,15 @@ def _load_paged(ref, table_ref, kv_start, length, head_dim, block_kv, page_size,
         col_mask = jax.lax.broadcasted_iota(jnp.int32, (1, hp), 1) < head_dim
     if page_size % block_kv == 0:
         # The tile lies in one page: one table entry, and a contiguous load.
-        page = jnp.clip(table_ref[jax.lax.div(kv_start, page_size)], 0, num_pages - 1)
+        entry = table_ref[table_start + jax.lax.div(kv_start, page_size)]
+        page = jnp.clip(entry, 0, num_pages - 1)
         start = page * page_size + jax.lax.rem(kv_start, page_size)
         return load_rows(ref, start, block_kv, start + length - kv_start, head_dim, ragged=masked)
     # The tile spans several pages: a table entry per key, and a load gathered by rows.
     keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     in_seq = keys < length
-    pages = plgpu.load(table_ref.at[jax.lax.div(keys, page_size)], mask=in_seq, other=0)
+    entries = table_start + jax.lax.div(keys, page_size)
+    pages = plgpu.load(table_ref.at[entries], mask=in_seq, other=0)
     rows = jnp.clip(pages, 0, num_pages - 1) * page_size + jax.lax.rem(keys, page_size)
     mask = in_seq[:, None] if masked else None
     if col_mask is not None:
@@ -159,19 +269,149 @@ def _load_paged(ref, table_ref, kv_start, length, head_dim, block_kv, page_size,
     return plgpu.load(tile, mask=jnp.broadcast_to(mask, (block_kv, hp)), other=0.0)
 
 
-def choose_decode_splits(requested: int, programs: int, num_kv_tiles: int, block_kv: int) -> int:
-    """Programs per sequence's key loop: `requested`, or with 0 (auto) enough for about eight
-    programs per core -- a program streams one tile at a time, and several per core keep
-    enough loads in flight to saturate memory -- each keeping at least 1024 keys, below which
-    the merge costs more than the parallelism gains. On the H200 at 8 KV heads: B=8 with 32k
-    keys reads 3.9 TB/s with 16 splits (3.7 with 9); 8k keys 3.3 TB/s with 8 (3.0 with 17);
-    1k keys is fastest unsplit."""
+def _merge_kernel(
+    lengths_ref,
+    o_parts_ref,
+    lse_parts_ref,
+    o_ref,
+    lse_ref,
+    *,
+    schedule: Schedule,
+    num_rows: int,
+    head_dim: int,
+    block_r: int,
+):
+    """A tile of `block_r` packed rows of one (sequence, KV head): the logsumexp-weighted sum
+    of the rows' partial results over the sequence's items (Flash-Decoding's reduction), one
+    item per step. o_parts_ref: [items, block_r, Hp] f32, lse_parts_ref: [items, block_r];
+    o_ref: [block_r, Hp], lse_ref: [block_r]. A row no item saw a key of outputs 0 with
+    lse = -inf."""
+    r_rows = num_rows - pl.program_id(0) * block_r  # rows of this tile that exist
+    ragged = num_rows % block_r != 0
+    first, count = schedule.items_of(lengths_ref, pl.program_id(2))
+
+    def body(j, carry):
+        acc, m_i, l_i = carry
+        item = (first + j,)
+        lse = load_vector(
+            lse_parts_ref, 0, block_r, r_rows, ragged=ragged, other=-jnp.inf, lead=item
+        )
+        part = load_rows(o_parts_ref, 0, block_r, r_rows, head_dim, ragged=ragged, lead=item)
+        m_new = jnp.maximum(m_i, lse)
+        weight = jnp.exp(lse - m_new)  # 0 where the item saw no key of the row
+        alpha = jnp.exp(m_i - m_new)
+        acc = acc * alpha[:, None] + weight[:, None] * part
+        return acc, m_new, l_i * alpha + weight
+
+    init = (
+        jnp.zeros((block_r, o_parts_ref.shape[-1]), jnp.float32),
+        jnp.full((block_r,), MIN_LOGIT, jnp.float32),
+        jnp.zeros((block_r,), jnp.float32),
+    )
+    carry = fold(0, count, body, init)
+    # The partial lse are natural logs: the logit unit is 1.
+    softmax_store(carry, 1.0, o_ref, lse_ref, block_r, r_rows, head_dim)
+
+
+def choose_decode_splits(
+    requested: int,
+    programs: int,
+    num_kv_tiles: int,
+    block_kv: int,
+    *,
+    slots: int,
+    waves: int = 1,
+    min_split_keys: int = 256,
+) -> int:
+    """Programs per sequence's key loop: `requested`, or with 0 (auto) from occupancy.
+
+    Decode streams memory: it runs at the bandwidth only while the GPU's CTA slots (`slots` =
+    SMs x programs per SM) are busy, and each program keeps about one K/V tile in flight, so a
+    partly filled last wave runs its few programs alone, at one program's latency-bound rate
+    (the former rule's 17 splits at B=8, 32k keys made 1088 programs for 528 slots: two full
+    waves and 32 programs after them). The rule finds the fewest splits whose programs fill
+    at least `waves` waves and their last wave to 90%, then takes as many as those waves hold
+    (or, when no count fills 90%, the fullest), each split keeping at least `min_split_keys`
+    keys; no split is left without tiles."""
     if requested:
         return max(1, min(requested, num_kv_tiles))
-    target = 8 * gpu_core_count()
-    if programs >= target:
-        return 1
-    return max(1, min(pl.cdiv(target, programs), num_kv_tiles * block_kv // 1024, 64))
+    most = min(max(1, num_kv_tiles * block_kv // min_split_keys), num_kv_tiles)
+    best, best_fill = 1, 0.0
+    for splits in range(1, most + 1):
+        ctas = programs * splits
+        full_waves = max(waves, pl.cdiv(ctas, slots))
+        fill = ctas / (full_waves * slots)
+        if fill >= 0.9:
+            # The most splits that these waves hold: their last wave as full as it gets.
+            best = min(most, full_waves * slots // programs)
+            break
+        if fill > best_fill:
+            best, best_fill = splits, fill
+    # As many runs as cutting the tiles into `best` equal runs leaves non-empty.
+    return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, best))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """The launch of one decode call: tiles, the programs before splitting, the GPU's CTA
+    slots for them, and the schedule of work items (its `splits`, `items`)."""
+
+    block_m: int
+    block_kv: int
+    num_m_tiles: int
+    programs: int
+    slots: int
+    schedule: Schedule
+
+
+def decode_plan(
+    q_shape,
+    num_kv_heads: int,
+    capacity: int,
+    dtype,
+    block_sizes: DecodeBlockSizes,
+    *,
+    window_left: int | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> DecodePlan:
+    """The `DecodePlan` of a call with queries of `q_shape` [B, T, N, H] over a cache of
+    `capacity` keys per sequence on a GPU of `num_sms` SMs."""
+    batch, q_len, num_heads, head_dim = q_shape
+    num_rows = q_len * (num_heads // num_kv_heads)
+    block_m = min(block_sizes.block_m, max(16, 1 << (num_rows - 1).bit_length()))
+    num_m_tiles = pl.cdiv(num_rows, block_m)
+    block_kv = min(block_sizes.block_kv, max(16, 1 << (capacity - 1).bit_length()))
+    max_tiles = pl.cdiv(capacity, block_kv)
+    num_kv_tiles = max_tiles
+    if window_left is not None:
+        num_kv_tiles = min(num_kv_tiles, pl.cdiv(window_left + q_len, block_kv) + 1)
+    programs = num_m_tiles * num_kv_heads * batch
+    hp = padded_head_dim(head_dim)
+    slots = num_sms * decode_ctas_per_sm(block_sizes, block_m, hp, jnp.dtype(dtype).itemsize)
+    splits = choose_decode_splits(
+        block_sizes.kv_splits,
+        programs,
+        num_kv_tiles,
+        block_kv,
+        slots=slots,
+        waves=block_sizes.waves,
+        min_split_keys=block_sizes.min_split_keys,
+    )
+    # A requested split count is met; the automatic one keeps min_split_keys per run.
+    min_chunk = 1 if block_sizes.kv_splits else max(1, block_sizes.min_split_keys // block_kv)
+    schedule = Schedule(
+        kind=block_sizes.schedule,
+        batch=batch,
+        splits=splits,
+        items=batch * splits,
+        capacity=capacity,
+        q_len=q_len,
+        window_left=window_left,
+        block_kv=block_kv,
+        min_chunk=min_chunk,
+        max_tiles=max_tiles,
+    )
+    return DecodePlan(block_m, block_kv, num_m_tiles, programs, slots, schedule)
 
 
 def decode_forward(
@@ -186,20 +426,20 @@ def decode_forward(
     window_left: int | None,
     block_sizes: DecodeBlockSizes,
     interpret: bool,
+    num_sms: int = DEFAULT_NUM_SMS,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
 
-    q: [B, T, N, H]; lengths: int32 [B], 0 <= length <= capacity. Contiguous cache (block_tables
-    None): k, v [B, S, K, H]. Paged: k, v [num_pages, page_size, K, H] and block_tables int32
-    [B, max_pages].
+    q: [B, T, N, H]; lengths: int32 [B] (clipped to [0, capacity]). Contiguous cache
+    (block_tables None): k, v [B, S, K, H]. Paged: k, v [num_pages, page_size, K, H] and
+    block_tables int32 [B, max_pages]. num_sms: the target GPU's SMs (`Device.num_sms`), for
+    the split count.
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     hp = padded_head_dim(head_dim)
     num_rows = q_len * group
-    block_m = min(block_sizes.block_m, max(16, 1 << (num_rows - 1).bit_length()))
-    num_m_tiles = pl.cdiv(num_rows, block_m)
     paged = block_tables is not None
     if paged:
         page_size = k.shape[1]
@@ -209,17 +449,21 @@ def decode_forward(
     else:
         page_size = None
         capacity = k.shape[1]
-    block_kv = min(block_sizes.block_kv, max(16, 1 << (capacity - 1).bit_length()))
-    num_kv_tiles = pl.cdiv(capacity, block_kv)
-    if window_left is not None:
-        num_kv_tiles = min(num_kv_tiles, pl.cdiv(window_left + q_len, block_kv) + 1)
-    splits = choose_decode_splits(
-        block_sizes.kv_splits, num_m_tiles * num_kv_heads * batch, num_kv_tiles, block_kv
+    plan = decode_plan(
+        q.shape,
+        num_kv_heads,
+        capacity,
+        q.dtype,
+        block_sizes,
+        window_left=window_left,
+        num_sms=num_sms,
     )
+    block_m, block_kv, schedule = plan.block_m, plan.block_kv, plan.schedule
+    num_m_tiles, splits = plan.num_m_tiles, schedule.splits
     # Packed rows: [B, K, T * G, H], row t * G + g = token t of query head k * G + g.
     q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
-    lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, capacity)
+    lengths = jnp.asarray(lengths, jnp.int32)
 
     kernel = functools.partial(
         _decode_kernel,
@@ -231,23 +475,26 @@ def decode_forward(
         group=group,
         block_m=block_m,
         block_kv=block_kv,
-        kv_splits=splits,
+        schedule=schedule,
         page_size=page_size,
     )
+    # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
     lengths_spec = pl.BlockSpec((batch,), lambda m, h, z: (0,))
-    q_spec = pl.BlockSpec((None, None, block_m, hp), lambda m, h, z: (z // splits, h, m, 0))
+    q_spec = pl.BlockSpec((batch, None, block_m, hp), lambda m, h, z: (0, h, m, 0))
     operands = [lengths, q_rows, k, v]
     if paged:
         kv_spec = pl.BlockSpec((k.shape[0], None, hp), lambda m, h, z: (0, h, 0))
-        table_spec = pl.BlockSpec((None, block_tables.shape[1]), lambda m, h, z: (z // splits, 0))
+        table = jnp.asarray(block_tables, jnp.int32).reshape(-1)
+        table_spec = pl.BlockSpec((table.shape[0],), lambda m, h, z: (0,))
         in_specs = [lengths_spec, q_spec, kv_spec, kv_spec, table_spec]
-        operands.append(jnp.asarray(block_tables, jnp.int32))
+        operands.append(table)
     else:
-        kv_spec = pl.BlockSpec((None, capacity, None, hp), lambda m, h, z: (z // splits, 0, h, 0))
+        kv_spec = pl.BlockSpec((batch, capacity, None, hp), lambda m, h, z: (0, 0, h, 0))
         in_specs = [lengths_spec, q_spec, kv_spec, kv_spec]
+    items = schedule.items
     out, lse = pl.pallas_call(
         kernel,
-        grid=(num_m_tiles, num_kv_heads, batch * splits),
+        grid=(num_m_tiles, num_kv_heads, items),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, block_m, hp), lambda m, h, z: (z, h, m, 0)),
@@ -255,10 +502,10 @@ def decode_forward(
         ],
         out_shape=[
             jax.ShapeDtypeStruct(
-                (batch * splits, num_kv_heads, num_rows, head_dim),
+                (items, num_kv_heads, num_rows, head_dim),
                 q.dtype if splits == 1 else jnp.float32,
             ),
-            jax.ShapeDtypeStruct((batch * splits, num_kv_heads, num_rows), jnp.float32),
+            jax.ShapeDtypeStruct((items, num_kv_heads, num_rows), jnp.float32),
         ],
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
@@ -266,12 +513,47 @@ def decode_forward(
         interpret=interpret,
         name="pallas_flash_decode",
     )(*operands)
-    if splits > 1:
+    if splits > 1 and block_sizes.merge == "xla":
         out, lse = _combine_splits(out, lse, splits)
+    elif splits > 1:
+        out, lse = _merge(lengths, out, lse, schedule, q.dtype, interpret)
     out = out.astype(q.dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
     lse = lse.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)
     return out, lse.reshape(batch, num_heads, q_len)
+
+
+def _merge(lengths, out, lse, schedule: Schedule, dtype, interpret: bool):
+    """The merge kernel over per-item results ([items, K, M, H] f32 and [items, K, M]):
+    ([B, K, M, H] in dtype, [B, K, M])."""
+    items, num_kv_heads, num_rows, head_dim = out.shape
+    batch = schedule.batch
+    hp = padded_head_dim(head_dim)
+    block_r = min(16, max(2, 1 << (num_rows - 1).bit_length()))
+    kernel = functools.partial(
+        _merge_kernel, schedule=schedule, num_rows=num_rows, head_dim=head_dim, block_r=block_r
+    )
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(num_rows, block_r), num_kv_heads, batch),
+        in_specs=[
+            pl.BlockSpec((batch,), lambda r, h, b: (0,)),
+            pl.BlockSpec((items, None, block_r, hp), lambda r, h, b: (0, h, r, 0)),
+            pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, block_r, hp), lambda r, h, b: (b, h, r, 0)),
+            pl.BlockSpec((None, None, block_r), lambda r, h, b: (b, h, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim), dtype),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
+        ],
+        # Two stages: the next item's partial results load while this one is added.
+        compiler_params=CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="pallas_flash_decode_merge",
+    )(lengths, out, lse)
 
 
 def _combine_splits(out, lse, splits: int):

@@ -197,15 +197,28 @@ def narrow_band(spec) -> bool:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DecodeBlockSizes:
-    """Tiles and launch parameters of the decode kernel (`decode_attention`, `paged_attention`).
+    """Tiles, launch parameters and split-KV choices of the decode kernel (`decode_attention`,
+    `paged_attention`).
 
     Attributes:
       block_m: the most packed query rows (a KV head's group of query heads times the new
         tokens) one program holds; more rows take more programs, each reading the group's K/V.
       block_kv: keys per step of a program's loop; independent of a paged cache's page size.
       num_warps, num_stages: Triton launch parameters.
-      kv_splits: programs that share one sequence's keys, combined by logsumexp; 0 (the
-        default) picks it from the grid size and the GPU's core count; 1 turns it off.
+      kv_splits: programs per sequence (on average, with schedule="balanced") that share the
+        keys, combined by logsumexp; 0 (the default) picks it from occupancy (see `waves`);
+        1 turns splitting off.
+      schedule: how split programs share the keys. "balanced": the key tiles of the whole batch
+        are cut into equal runs, a sequence taking as many runs as its length needs, so a batch
+        of ragged lengths keeps every program equally busy; "sequence": each sequence's tiles
+        are cut into kv_splits runs, whatever its length.
+      merge: where split results are combined: "kernel" (one small Pallas kernel) or "xla"
+        (jnp reductions; schedule="sequence" only).
+      waves: with kv_splits=0, the programs fill at least this many waves of the GPU's CTA
+        slots (SMs times `ctas_per_sm`), the last one at least 90% full.
+      min_split_keys: with kv_splits=0, the fewest keys a split keeps (fewer splits otherwise).
+      ctas_per_sm: programs one SM holds at once; 0 estimates it from the tiles (registers and
+        shared memory, `decode_ctas_per_sm`).
     """
 
     block_m: int = 64
@@ -213,6 +226,11 @@ class DecodeBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     kv_splits: int = 0
+    schedule: str = "balanced"
+    merge: str = "kernel"
+    waves: int = 1
+    min_split_keys: int = 256
+    ctas_per_sm: int = 0
 
     def __post_init__(self):
         for name in ("block_m", "block_kv"):
@@ -223,12 +241,55 @@ class DecodeBlockSizes:
             raise ValueError(
                 f"DecodeBlockSizes.num_warps={self.num_warps!r} must be a power of two"
             )
-        if not isinstance(self.num_stages, int) or self.num_stages < 1:
-            raise ValueError(f"DecodeBlockSizes.num_stages={self.num_stages!r} must be an int >= 1")
-        if not isinstance(self.kv_splits, int) or isinstance(self.kv_splits, bool):
-            raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
-        if self.kv_splits < 0:
-            raise ValueError(f"DecodeBlockSizes.kv_splits={self.kv_splits!r} must be an int >= 0")
+        for name, least in (
+            ("num_stages", 1),
+            ("kv_splits", 0),
+            ("waves", 1),
+            ("min_split_keys", 1),
+            ("ctas_per_sm", 0),
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"DecodeBlockSizes.{name}={value!r} must be an int >= {least}")
+        if self.schedule not in ("balanced", "sequence"):
+            raise ValueError(
+                f"DecodeBlockSizes.schedule={self.schedule!r} must be 'balanced' or 'sequence'"
+            )
+        if self.merge not in ("kernel", "xla"):
+            raise ValueError(f"DecodeBlockSizes.merge={self.merge!r} must be 'kernel' or 'xla'")
+        if self.merge == "xla" and self.schedule != "sequence":
+            raise ValueError(
+                "DecodeBlockSizes.merge='xla' needs schedule='sequence' (a balanced schedule's "
+                "runs are merged by the kernel)"
+            )
+
+
+def decode_ctas_per_sm(block_sizes: DecodeBlockSizes, block_m: int, hp: int, itemsize: int) -> int:
+    """Decode programs one Hopper SM holds at once (64K registers, 227 KiB of shared memory,
+    2048 threads), estimated from the tiles; `block_m` is the tile's rows after the clamp to
+    the packed rows. The estimate follows ptxas' reading of the Triton kernel for sm_90a
+    (benchmarks/triton_ir.py; H=128 bf16: 16-row tiles of 64 keys, 4 warps, 2 stages use ~128
+    registers and 38 KiB: 4 per SM; 64-row tiles, 176 registers and 80 KiB: 2): a thread holds
+    its share of the f32 accumulator and of two score tiles, and under mma.sync (fewer than 64
+    rows) its fragments of a K and a V tile; shared memory holds num_stages - 1 K/V tile pairs
+    under mma.sync, num_stages pairs and the query tile under wgmma (64 or more rows)."""
+    if block_sizes.ctas_per_sm:
+        return block_sizes.ctas_per_sm
+    threads = 32 * block_sizes.num_warps
+    bkv, stages = block_sizes.block_kv, block_sizes.num_stages
+    wgmma = block_m >= 64 and block_sizes.num_warps % 4 == 0
+    kv_pair = 2 * bkv * hp * itemsize
+    words = block_m * hp + 2 * block_m * bkv  # f32 accumulator and score tiles
+    if wgmma:
+        smem = block_m * hp * itemsize + kv_pair * stages
+    else:
+        words += kv_pair // 4
+        smem = kv_pair * max(stages - 1, 0.5)
+    regs = min(255, 32 + -(-words // threads))
+    regs = -(-regs // 8) * 8
+    by_regs = 65536 // (regs * threads)
+    by_smem = (227 * 1024) // (smem + 7 * 1024)
+    return max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
 # Small key tiles keep the interpreter fast and give several tiles at test sizes; three splits

@@ -314,27 +314,34 @@ MOSAIC_PATHS = backend_paths(
 )
 
 
+@pytest.mark.parametrize("segments", [False, pytest.param(True, marks=SWEEP_ONLY)])
 @pytest.mark.parametrize("path", MOSAIC_PATHS)
-def test_mosaic_forward_applies_the_shared_mask(path):
-    """The Mosaic GPU forward (bfloat16, GQA) drops exactly the reference's entries, read back
-    from its output: with q = k = 0 every row's softmax is uniform and with value = identity
-    out[:, i, n, j] = Z_ij / S, 0 exactly where dropped."""
+def test_mosaic_forward_applies_the_shared_mask(path, segments):
+    """The Mosaic GPU forward (bfloat16, GQA; with segment ids, whose copies share the barriers
+    with the dropout hashes') drops exactly the reference's entries, read back from its output:
+    with q = k = 0 every row's softmax is uniform over the n_i keys it sees and with value =
+    identity out[:, i, n, j] = Z_ij / n_i, 0 exactly where dropped or hidden."""
     rng, q_len, kv_len, heads = jax.random.key(6), 128, 128, 2
     q = jnp.zeros((1, q_len, heads, kv_len), jnp.bfloat16)
     k = jnp.zeros((1, kv_len, 1, kv_len), jnp.bfloat16)
     v = jnp.broadcast_to(jnp.eye(kv_len, dtype=jnp.bfloat16)[None, :, None], k.shape)
+    ids = np.repeat(np.arange(4), 32)[None] if segments else np.zeros((1, q_len), np.int32)
+    extra = dict(q_segment_ids=jnp.asarray(ids, jnp.int32)) if segments else {}
     with path.scope():
         out, lse = jax.jit(
             lambda q, k, v: flash_attention(
                 q, k, v, dropout_rate=RATE, dropout_rng=rng, return_residuals=True,
-                **path.kwargs,
+                **extra, **path.kwargs,
             )
         )(q, k, v)  # fmt: skip
         out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    visible = ids[0][:, None] == ids[0][None, :]  # [T, S]
     kept = np.transpose(out != 0.0, (0, 2, 1, 3))
-    np.testing.assert_array_equal(kept, _keep(rng, 1, heads, q_len, kv_len, RATE))
-    np.testing.assert_allclose(out[out != 0], 1.0 / (1.0 - RATE) / kv_len, rtol=1e-2)
-    np.testing.assert_allclose(lse, np.log(kv_len), rtol=1e-6)  # the un-dropped softmax's
+    np.testing.assert_array_equal(kept, _keep(rng, 1, heads, q_len, kv_len, RATE) & visible)
+    seen = visible.sum(1)  # [T]
+    want = np.broadcast_to((1.0 / (1.0 - RATE) / seen)[None, :, None, None], out.shape)
+    np.testing.assert_allclose(out[out != 0], want[out != 0], rtol=1e-2)
+    np.testing.assert_allclose(lse[0], np.broadcast_to(np.log(seen), (heads, q_len)), rtol=1e-6)
 
 
 def test_mosaic_runs_the_forward_and_triton_the_backward():

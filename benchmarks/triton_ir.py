@@ -68,6 +68,15 @@ COMPILE = textwrap.dedent(
                    regs=int(regs.group(1)) if regs else None,
                    spill_bytes=int(spills.group(1)) if spills else None,
                    smem_kib=k.metadata.shared // 1024)
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass",
+                               base + ".cubin"], capture_output=True, text=True).stdout
+        open(base + ".sass", "w").write(sass)
+        ops = re.findall(
+            r"^\\s+/\\*[0-9a-f]{4}\\*/\\s+(?:@!?U?P\\w+\\s+)?([A-Z][A-Z0-9_]*)", sass, re.M
+        )
+        row["sass"] = len(ops)
+        for op in ("IMAD", "LOP3", "SHF", "ISETP", "IADD3", "SEL", "FSEL", "MUFU", "FFMA", "PRMT"):
+            row["sass_" + op.lower()] = sum(o == op for o in ops)
         for key, pat in [("wgmma", "wgmma.mma_async"), ("wgmma_wait", "wgmma.wait_group"),
                          ("mma_sync", "mma.sync"), ("ex2", "ex2.approx"),
                          ("cp_async", "cp.async.cg"), ("tma", "cp.async.bulk.tensor"),
@@ -79,10 +88,18 @@ COMPILE = textwrap.dedent(
 
 
 def capture_ttir(
-    head_dim: int, seq: int, causal: bool, dtype, out: pathlib.Path, block_sizes, bias_shape=None
+    head_dim: int,
+    seq: int,
+    causal: bool,
+    dtype,
+    out: pathlib.Path,
+    block_sizes,
+    bias_shape=None,
+    dropout_rate: float = 0.0,
 ):
     """Writes <out>/<kernel>.ttir for the forward, dK/dV and dQ kernels (and dBias with a bias
-    of `bias_shape`, batch 2); returns [{name, ttir, num_warps, num_stages}] per kernel."""
+    of `bias_shape`, batch 2; with dropout at `dropout_rate`); returns [{name, ttir, num_warps,
+    num_stages}] per kernel."""
 
     heads = max(1, 2048 // head_dim)
     batch = 1 if bias_shape is None else 2
@@ -94,11 +111,14 @@ def capture_ttir(
         scale=head_dim**-0.5,
         block_sizes=block_sizes,
         interpret=False,
+        dropout_rate=dropout_rate,
     )
+    seeds = jax.ShapeDtypeStruct((batch, heads), jnp.int32) if dropout_rate else None
 
-    def fwd_bwd(q, k, v, bias, d_out, d_lse):
+    def fwd_bwd(q, k, v, bias, d_out, d_lse, seeds):
+        arrays = MaskArrays(dropout_seeds=seeds)
         (o, lse_), vjp = jax.vjp(
-            lambda q, k, v, b: flash_attention_kernels(q, k, v, b, MaskArrays(), kernel_config),
+            lambda q, k, v, b: flash_attention_kernels(q, k, v, b, arrays, kernel_config),
             q,
             k,
             v,
@@ -121,7 +141,9 @@ def capture_ttir(
         with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             lowered = (
-                jax.jit(fwd_bwd).trace(q, q, q, bias, q, lse).lower(lowering_platforms=("cuda",))
+                jax.jit(fwd_bwd)
+                .trace(q, q, q, bias, q, lse, seeds)
+                .lower(lowering_platforms=("cuda",))
             )
     finally:
         triton_lowering.lower_jaxpr_to_triton_module = stock
@@ -152,6 +174,7 @@ def main():
     parser.add_argument("--out", default="/tmp/pallas_flash_ttir")
     parser.add_argument("--triton-python", help="a Python with the triton package, for step 2")
     parser.add_argument("--bias-shape", help="e.g. 1,16,4096,4096: add a bias (batch 2)")
+    parser.add_argument("--dropout-rate", type=float, default=0.0)
     parser.add_argument(
         "--block-sizes",
         help="JSON of BlockSizes fields over the H200 defaults, e.g. '{\"block_kv\": 64}'",
@@ -165,7 +188,9 @@ def main():
     if args.block_sizes:
         bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
     print(bs, flush=True)
-    kernels = capture_ttir(args.head_dim, args.seq, args.causal, dtype, out, bs, bias_shape)
+    kernels = capture_ttir(
+        args.head_dim, args.seq, args.causal, dtype, out, bs, bias_shape, args.dropout_rate
+    )
     for k in kernels:
         print(f"wrote {k['ttir']} (num_warps={k['num_warps']}, num_stages={k['num_stages']})")
     if args.triton_python:

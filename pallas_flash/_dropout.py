@@ -1,10 +1,19 @@
 """The dropout keep-mask: a stateless hash of (seed, batch, head, query row, key column).
 
-One implementation for the kernels and the plain-jnp reference: `head_seeds` (outside the
-kernels) turns the PRNG key into one 32-bit seed per (batch, head); `keep` (inside the kernels,
-or in jnp on whole arrays) hashes that seed with a row and a column index. Only uint32
-multiplies, xors and logical shifts, which Triton lowers; the mask depends on the global
-indices only, so it is the same for every tiling, and the backward regenerates it.
+One implementation for the kernels and the plain-jnp reference. `head_seeds` (outside the
+kernels) turns the PRNG key into one 32-bit seed per (batch, head). `tables` (outside the kernels,
+in XLA: a few operations per row and column) hashes each seed with every row and every column
+index: a multiplier R (odd) and an addend D per query row, a key C per key column, each a full
+32-bit finaliser of (seed, index). `keep` combines them per element with one multiply-add,
+
+    x = R[row] * C[col] + D[row]  (mod 2**32),   kept iff x >= rate * 2**32,
+
+which is one integer instruction and a compare per element in the kernels (the finalisers run
+once per row and column, not per element). For one row, (R, D) is a random multiply-add hash
+function applied to the columns' keys, whose top bits are (nearly) pairwise independent over
+distinct keys (multiply-add-shift hashing, Dietzfelbinger 1996); two rows share the keys but draw
+independent (R, D). The mask depends on the global indices only, so it is the same for every
+tiling, and the backward regenerates it.
 """
 
 from __future__ import annotations
@@ -14,15 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# murmur3's 32-bit finaliser constants, and two odd multipliers that spread the row and column
-# counters over all 32 bits before mixing.
+# murmur3's 32-bit finaliser constants, and odd multipliers that spread the row and column
+# counters over all 32 bits before mixing (and tell the tables' hashes apart).
 _FMIX1 = np.uint32(0x85EBCA6B)
 _FMIX2 = np.uint32(0xC2B2AE35)
 _ROW = np.uint32(0x9E3779B1)
 _COL = np.uint32(0x27D4EB2F)
 _HEAD = np.uint32(0x165667B1)
-# The keep test compares the hash's top 24 bits with the rate: u = (h >> 8) / 2**24.
-_BITS = 24
+_ADD = np.uint32(0x61C88647)
 
 
 def _fmix(h):
@@ -45,7 +53,7 @@ def key_words(rng):
 
 
 def head_seeds(rng, batch: int, num_heads: int, *, shared: bool = False):
-    """int32 [batch, num_heads]: the seed of each (batch entry, query head) for `keep`; with
+    """int32 [batch, num_heads]: the seed of each (batch entry, query head) for `tables`; with
     `shared`, one seed for all of them (one keep-mask over [T, S], as Flax's broadcast_dropout)."""
     words = key_words(rng)
     h = _fmix(words[0] ^ _HEAD)  # a nonzero start: the all-zero key must mix too
@@ -60,20 +68,29 @@ def head_seeds(rng, batch: int, num_heads: int, *, shared: bool = False):
     return jnp.broadcast_to(lax.bitcast_convert_type(h, jnp.int32), (batch, num_heads))
 
 
-def threshold(rate: float) -> int:
-    """The keep test's threshold: keep when the hash's top 24 bits are >= it."""
-    return int(round(float(rate) * (1 << _BITS)))
+def threshold(rate: float) -> np.uint32:
+    """The keep test's threshold: keep when the 32-bit x of `keep` is >= it."""
+    return np.uint32(min(round(float(rate) * 2**32), 2**32 - 1))
 
 
-def keep(seed, rows, cols, rate: float):
-    """bool, broadcast of rows and cols: whether P[row, col] is kept. seed: an int32 scalar or an
-    array broadcasting against rows and cols (`head_seeds`); rows, cols: int32 global query and
-    key positions. The row is mixed first, so a tile pays one finaliser per row and one per
-    element."""
-    h = _fmix(_u32(seed) ^ (_u32(rows) * _ROW))
-    h = _fmix(h ^ (_u32(cols) * _COL))
-    u = lax.convert_element_type(lax.shift_right_logical(h, np.uint32(32 - _BITS)), jnp.int32)
-    return u >= threshold(rate)
+def tables(seeds, q_len: int, kv_len: int):
+    """int32 (row_mul [B, N, T], row_add [B, N, T], col [B, N, S]) of seeds [B, N]: the hashes
+    `keep` combines (as uint32 bits). row_mul is odd, so that R * C spreads C over all 32 bits."""
+    s = _u32(seeds)[..., None]
+    rows = _u32(jnp.arange(q_len, dtype=jnp.int32)) * _ROW
+    cols = _u32(jnp.arange(kv_len, dtype=jnp.int32)) * _COL
+    row_mul = _fmix(s ^ rows) | np.uint32(1)
+    row_add = _fmix(row_mul ^ _ADD)
+    col = _fmix(_fmix(s ^ _COL) ^ cols)
+    return tuple(lax.bitcast_convert_type(x, jnp.int32) for x in (row_mul, row_add, col))
+
+
+def keep(row_mul, row_add, col, rate: float):
+    """bool, broadcast of the arguments: whether P[row, col] is kept. row_mul, row_add: the
+    rows' entries of `tables` (int32), col the columns', shaped to broadcast (a tile: [rows, 1]
+    and [1, cols], or transposed)."""
+    x = _u32(row_mul) * _u32(col) + _u32(row_add)
+    return x >= threshold(rate)
 
 
 def kept_scale(keep_mask, rate: float):
@@ -83,6 +100,5 @@ def kept_scale(keep_mask, rate: float):
 
 def dense_keep(seeds, q_len: int, kv_len: int, rate: float):
     """bool [B, N, T, S]: the whole keep-mask of seeds [B, N] (for the reference and tests)."""
-    rows = jnp.arange(q_len, dtype=jnp.int32)[:, None]
-    cols = jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-    return keep(seeds[:, :, None, None], rows, cols, rate)
+    row_mul, row_add, col = tables(seeds, q_len, kv_len)
+    return keep(row_mul[..., :, None], row_add[..., :, None], col[..., None, :], rate)

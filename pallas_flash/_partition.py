@@ -65,7 +65,7 @@ class _Plan:
             return P(batch, heads, None)
         if kind in ("q_seg", "kv_seg"):
             return P(batch, None)
-        if kind == "seeds":
+        if kind in ("seeds", "sinks"):
             return P(batch, heads)
         return P(batch if shape[0] > 1 else None, heads if shape[1] > 1 else None, None, None)
 
@@ -131,6 +131,7 @@ _RULES = {
     "q_seg": "b t",
     "kv_seg": "b s",
     "seeds": "b {n}",
+    "sinks": "b {n}",
 }
 
 
@@ -280,12 +281,21 @@ def _explicit_mesh(x):
     return mesh
 
 
+def with_sharding_of(g, x):
+    """g (a gradient computed outside the kernels) in the sharding type of its primal x, under
+    sharding in types, where XLA's propagation may have given it another."""
+    if _explicit_mesh(x) is None and _explicit_mesh(g) is None:
+        return g
+    return jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+
+
 def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     """`kernel(*args, config=config)` (one pass of the kernels) split over the batch and head axes
     of a device mesh: each device runs it on its shard.
 
     kinds: the kind of each top-level argument ("q", "kv", "lse", "pair" for a bias (may be
-    None), "arrays" for MaskArrays); out_kinds: the same for the results (dbias: "pair").
+    None), "arrays" for MaskArrays, "sinks" for [B, N] sink logits (may be None)); out_kinds:
+    the same for the results (dbias: "pair").
     lead: leading vmapped dims on every operand (the batching rule's own recursion).
     """
     if jax.device_count() == 1 or _all_manual():

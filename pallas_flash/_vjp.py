@@ -20,6 +20,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from pallas_flash import _partition
 from pallas_flash.device import Device
@@ -27,7 +28,7 @@ from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
 from pallas_flash.mosaic.tiles import ForwardTiles
-from pallas_flash.reference import reference_attention
+from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.forward import flash_forward
@@ -41,7 +42,8 @@ class KernelConfig:
     spec: MaskSpec
     scale: float
     soft_cap: float | None = None
-    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds); Triton kernels only.
+    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds); the Triton kernels and the Mosaic
+    # forward.
     dropout_rate: float = 0.0
     block_sizes: BlockSizes
     interpret: bool
@@ -63,11 +65,11 @@ class KernelConfig:
                 raise ValueError(
                     f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
                 )
-            if kernel == "mosaic" and self.dropout_rate:
-                raise NotImplementedError(
-                    f"the Mosaic GPU {pass_name} does not support dropout_rate="
-                    f"{self.dropout_rate}: the Triton kernels run dropout"
-                )
+        if self.backward == "mosaic" and self.dropout_rate:
+            raise NotImplementedError(
+                f"the Mosaic GPU backward does not support dropout_rate={self.dropout_rate}: "
+                "the Triton backward runs dropout"
+            )
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -82,9 +84,12 @@ class KernelConfig:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig):
-    """(out, lse) through the kernels, differentiable in q, k, v and bias."""
-    return _forward(q, k, v, bias, arrays, config=config)
+def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
+    """(out, lse) through the kernels, differentiable in q, k, v, bias and sinks.
+
+    sinks: None, or float32 [B, N]: one more logit per row of head n of batch entry b, with no
+    value, in the softmax's denominator (attention sinks); lse then includes it."""
+    return _forward(q, k, v, bias, arrays, sinks, config=config)
 
 
 # Each pass is one jit'd function of the static config: a model that repeats a layer traces and
@@ -93,21 +98,22 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 # On a device mesh, `_partition.partitioned` runs each pass on every device's batch entries and
 # heads.
 @functools.partial(jax.jit, static_argnames="config")
-def _forward(q, k, v, bias, arrays, *, config: KernelConfig):
+def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     return _partition.partitioned(
         _forward_shard,
         config,
-        ("q", "kv", "kv", "pair", "arrays"),
+        ("q", "kv", "kv", "pair", "arrays", "sinks"),
         ("q", "lse"),
         q,
         k,
         v,
         bias,
         arrays,
+        sinks,
     )
 
 
-def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
+def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     if config.forward == "mosaic":
         return mosaic.flash_forward(
             q,
@@ -120,9 +126,11 @@ def _forward_shard(q, k, v, bias, arrays, *, config: KernelConfig):
             segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_forward_tiles,
             device=config.device,
+            sinks=sinks,
+            dropout=((config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None),
         )
     num_sms = None if config.device is None else config.device.num_sms
-    return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms)
+    return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
 
 
 def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
@@ -130,18 +138,36 @@ def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
     return (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
 
 
-def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig):
-    out, lse = _differentiable_forward(q, k, v, bias, arrays, config)
-    return (out, lse), (q, k, v, bias, arrays, out, lse)
+def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig, sinks):
+    out, lse = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
+    return (out, lse), (q, k, v, bias, arrays, sinks, out, lse)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
-    q, k, v, bias, arrays, out, lse = residuals
+    # With sinks, lse includes them: the kernels' P = exp(logits - lse) and delta = rowsum(dO *
+    # out) are then those of the softmax over keys and sink, and so are dq, dk, dv and dbias.
+    q, k, v, bias, arrays, sinks, out, lse = residuals
     d_out, d_lse = cotangents
     dq, dk, dv, dbias = _differentiable_backward(
-        q, k, v, bias, arrays, out, lse, d_out, d_lse, config
+        q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse, config
     )
-    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays)
+    d_sinks = None
+    if sinks is not None:
+        d_sinks = _partition.with_sharding_of(sink_gradient(sinks, out, lse, d_out, d_lse), sinks)
+    return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays), d_sinks
+
+
+def sink_gradient(sinks, out, lse, d_out, d_lse):
+    """d sinks [B, N] of a softmax whose lse [B, N, T] includes the sinks [B, N]: the sink's
+    probability P_sink = exp(sink - lse) gives d lse / d sink = P_sink and d out / d sink =
+    -P_sink out, so d sink = -sum over rows of P_sink (rowsum(dO * out) - d_lse). A row that sees
+    no key has lse = sink and P_sink = 1 (also for a sink of -inf, whose lse is -inf)."""
+    f32 = jnp.float32
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32)) - d_lse
+    sinks = sinks[..., None]
+    alone = lse == sinks  # no key, or keys whose share rounds to 0: P_sink is 1 either way
+    p_sink = jnp.where(alone, 1.0, jnp.exp(jnp.where(alone, 0.0, sinks - lse)))
+    return -jnp.sum(p_sink * delta, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -191,7 +217,7 @@ flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
 def flash_backward_kernels(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
     """(dq, dk, dv, dbias) of the kernels' backward at the given residuals (out, lse), which
     may be those of a larger softmax (a ring's merged blocks); differentiable as the rule's."""
-    return _differentiable_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config)
+    return _differentiable_backward(q, k, v, bias, arrays, None, out, lse, d_out, d_lse, config)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -250,51 +276,59 @@ def _reference_of(arrays, spec: MaskSpec, scale, soft_cap, dropout_rate):
     )
 
 
-def _reference(q, k, v, bias, arrays, config: KernelConfig):
-    return _reference_of(arrays, config.spec, config.scale, config.soft_cap, config.dropout_rate)(
-        q, k, v, bias
-    )
+def _reference(q, k, v, bias, sinks, arrays, config: KernelConfig):
+    out, lse = _reference_of(
+        arrays, config.spec, config.scale, config.soft_cap, config.dropout_rate
+    )(q, k, v, bias)
+    return (out, lse) if sinks is None else with_sinks(out, lse, sinks)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(5,))
-def _differentiable_forward(q, k, v, bias, arrays, config: KernelConfig):
-    return _forward(q, k, v, bias, arrays, config=config)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
+def _differentiable_forward(q, k, v, bias, arrays, sinks, config: KernelConfig):
+    return _forward(q, k, v, bias, arrays, sinks, config=config)
 
 
 @_differentiable_forward.defjvp
 def _differentiable_forward_jvp(config: KernelConfig, primals, tangents):
-    q, k, v, bias, arrays = primals
-    out_lse = _differentiable_forward(q, k, v, bias, arrays, config)
+    q, k, v, bias, arrays, sinks = primals
+    out_lse = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
     _, tangents_out = jax.jvp(
-        lambda q, k, v, bias: _reference(q, k, v, bias, arrays, config),
-        (q, k, v, bias),
-        tangents[:4],
+        lambda q, k, v, bias, sinks: _reference(q, k, v, bias, sinks, arrays, config),
+        (q, k, v, bias, sinks),
+        (*tangents[:4], tangents[5]),
     )
     return out_lse, tangents_out
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(9,))
-def _differentiable_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
+def _differentiable_backward(
+    q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse, config: KernelConfig
+):
+    """(dq, dk, dv, dbias) of the kernels' backward; `sinks` (those lse includes, or None) is
+    read only by the derivative, whose reference recomputes (out, lse)."""
+    del sinks
     return _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
 
 
 @_differentiable_backward.defjvp
 def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
-    q, k, v, bias, arrays, out, lse, d_out, d_lse = primals
+    q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse = primals
     grads = _differentiable_backward(*primals, config)
 
-    def reference_grads(q, k, v, bias, d_out, d_lse):
+    def reference_grads(q, k, v, bias, sinks, d_out, d_lse):
         _, vjp = jax.vjp(
-            lambda q, k, v, bias: _reference(q, k, v, bias, arrays, config), q, k, v, bias
+            lambda q, k, v, bias: _reference(q, k, v, bias, sinks, arrays, config), q, k, v, bias
         )
         return vjp((d_out, d_lse))
 
-    # The reference recomputes (out, lse) from (q, k, v, bias), so their tangents reach the
-    # result through those of q, k, v and bias; the residuals' own tangents (always those of
-    # the forward at the same point) would count them twice and are left out.
-    tq, tk, tv, tbias, _, _, _, td_out, td_lse = tangents
+    # The reference recomputes (out, lse) from (q, k, v, bias, sinks), so their tangents reach
+    # the result through those of q, k, v, bias and sinks; the residuals' own tangents (always
+    # those of the forward at the same point) would count them twice and are left out.
+    tq, tk, tv, tbias, _, tsinks, _, _, td_out, td_lse = tangents
     _, grads_tangent = jax.jvp(
-        reference_grads, (q, k, v, bias, d_out, d_lse), (tq, tk, tv, tbias, td_out, td_lse)
+        reference_grads,
+        (q, k, v, bias, sinks, d_out, d_lse),
+        (tq, tk, tv, tbias, tsinks, td_out, td_lse),
     )
     return grads, grads_tangent
 

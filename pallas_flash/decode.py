@@ -14,7 +14,7 @@ from pallas_flash import api, dispatch
 from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.reference import reference_attention
+from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton import DecodeBlockSizes, default_decode_block_sizes
 from pallas_flash.triton.decode import decode_forward
 
@@ -122,7 +122,7 @@ def decode_attention(
         kernel = functools.partial(_decode_forward, **options.kernel)
         out, lse = with_reference_vjp(kernel, reference, query, key_cache, value_cache, lengths)
     if sinks is not None:
-        out, lse = api._with_sinks(out, lse, sinks)
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_residuals else out
 
 
@@ -198,7 +198,7 @@ def paged_attention(
             kernel, reference, query, key_pages, value_pages, lengths, block_tables
         )
     if sinks is not None:
-        out, lse = api._with_sinks(out, lse, sinks)
+        out, lse = with_sinks(out, lse, sinks)
     return (out, lse) if return_residuals else out
 
 

@@ -8,11 +8,11 @@ API, the tuner and the decode API all choose here.
 With backend=None on a GPU of compute capability >= 8.0:
 
 - Forward: the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
-  Triton's split-KV forward does better), the user gave no `block_sizes`, the call has no
-  dropout, and its lengths are whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
+  Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
+  whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
 - Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs, unless
-  `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton measured faster
-  there); else Triton.
+  `block_sizes` configure the Triton backward, H=64 below 2048 keys (Triton measured faster
+  there) or the call has dropout; else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults.
@@ -184,13 +184,6 @@ def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -
     """The forward kernel of a Pallas call: "mosaic" or "triton"."""
     if kind == "triton":
         return "triton"
-    if call.dropout_rate:
-        if kind == "mosaic":
-            raise NotImplementedError(
-                f"backend='mosaic' does not support dropout_rate={call.dropout_rate}; "
-                "backend='triton' or None runs it"
-            )
-        return "triton"
     gap = mosaic.why_not_forward(call, device, tiles)
     if kind == "mosaic":
         if gap is None and user_block_sizes is not None:
@@ -216,7 +209,7 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
     """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
     with the Mosaic forward (it is Hopper code) for the calls it runs, unless the user's
     block_sizes configure the Triton backward."""
-    if forward != "mosaic" or user_block_sizes is not None:
+    if forward != "mosaic" or user_block_sizes is not None or call.dropout_rate:
         return "triton"
     if mosaic.why_not_backward(call, device, tiles):
         return "triton"

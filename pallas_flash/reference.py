@@ -60,6 +60,21 @@ def reference_attention(
     )
 
 
+def with_sinks(out, lse, sinks):
+    """(out, lse) of the softmax with one more logit per head, `sinks` ([N], or [B, N]), whose
+    value is 0: the sink takes its share e^{sink} / (e^{sink} + e^{lse}) of each row away from
+    the keys'. A row that sees no key (lse = -inf) keeps out 0 and gets lse = sink. The kernels
+    apply the sink in their epilogue instead; this is the reference's and the decode path's."""
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
+    # Rows that see no key (lse = -inf) take lse = sink; the inner wheres keep -inf - -inf (also
+    # with a sink of -inf) out of the values and the gradients.
+    empty = lse == -jnp.inf
+    new_lse = jnp.where(empty, sinks, jnp.logaddexp(jnp.where(empty, 0.0, lse), sinks))
+    keys_share = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse - new_lse)))
+    scaled = out.astype(jnp.float32) * jnp.swapaxes(keys_share, 1, 2)[..., None]
+    return scaled.astype(out.dtype), new_lse
+
+
 def _precision(q):
     return jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 

@@ -3,21 +3,20 @@ mask's statistics and tiling independence, argument checks, and the Mosaic refus
 
 from __future__ import annotations
 
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, assert_bitwise_equal, backend_paths
+from conftest import BACKEND_PATHS, SWEEP, assert_bitwise_equal, backend_paths
 
 from pallas_flash import BlockSizes, _dropout, dispatch, flash_attention
-from pallas_flash import device as device_lib
+from pallas_flash._vjp import KernelConfig
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 
 RATE = 0.3
+SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
 
 
 def _expand(x, num_heads):
@@ -196,6 +195,73 @@ def test_keep_rate_and_independence():
     np.testing.assert_array_equal(_keep(raw, 2, 4, 111, 113, rate), keep)
 
 
+def binomial_checks(keep, rate: float) -> list[str]:
+    """What a poor hash would show in one head's keep-mask [T, S], against independent
+    Bernoulli(1 - rate) entries (bounds at about 5 standard deviations, so that a fair mask
+    passes at any seed): each row's and column's keep count within binomial bounds, and their
+    spread as wide as the binomial's (a too-regular sequence keeps too evenly); the correlation
+    of neighbouring rows' and columns' masks, and of all pairs of the first 128 rows, near 0."""
+    t, s = keep.shape
+    failures = []
+    for axis, n, what in ((1, s, "row"), (0, t, "column")):
+        counts = keep.sum(axis)
+        mean, var = n * (1 - rate), n * rate * (1 - rate)
+        worst = float(np.abs(counts - mean).max() / np.sqrt(var))
+        if worst > 5.5:
+            failures.append(f"a {what}'s keep count is {worst:.1f} sigma off")
+        # The sample variance of m counts has relative std sqrt(2 / m).
+        spread = float(counts.var() / var)
+        if abs(spread - 1.0) > 5 * np.sqrt(2.0 / counts.size):
+            failures.append(f"{what} keep counts spread {spread:.2f} x the binomial's variance")
+    z = (keep - keep.mean()) / keep.std()
+    for name, a, b, n in (
+        ("rows", z[1:], z[:-1], s),
+        ("columns", z[:, 1:].T, z[:, :-1].T, t),
+    ):
+        corr = np.sqrt(n) * (a * b).mean(axis=1)  # ~ N(0, 1) per neighbouring pair
+        if np.abs(corr).max() > 5.5 or abs(float((corr**2).mean()) - 1.0) > 0.5:
+            failures.append(f"neighbouring {name} correlate: max |z| {np.abs(corr).max():.1f}")
+    rows = z[:128]
+    pairs = np.sqrt(s) * (rows @ rows.T / s)[np.triu_indices(128, 1)]
+    if np.abs(pairs).max() > 6.0:
+        failures.append(f"some row pair correlates: max |z| {np.abs(pairs).max():.1f}")
+    return failures
+
+
+def test_mask_statistics_look_like_independent_draws():
+    """The keep-mask of `_dropout` (the kernels' and the reference's one implementation) at
+    several rates and seeds passes `binomial_checks`, and masks built to be poor fail them."""
+    for rate, seed in ((0.1, 0), (0.7, 1)):
+        keep = _keep(jax.random.key(seed), 1, 2, 512, 640, rate)
+        for head in keep[0]:
+            assert not binomial_checks(head, rate), (rate, seed)
+    rng = np.random.default_rng(0)
+    fair = rng.random((512, 640)) >= 0.1
+    assert not binomial_checks(fair, 0.1)
+    cols = np.arange(640)
+    weyl = ((cols * 0.6180339887 + rng.random((512, 1))) % 1.0) >= 0.1  # too even per row
+    shared = np.broadcast_to(rng.random(640) >= 0.1, (512, 640)) ^ (rng.random((512, 640)) < 0.05)
+    shifted = np.stack([np.roll(fair[0], i) for i in range(512)])  # rows are shifted copies
+    # The tables combined by a sum or a xor instead of the multiply-add, or the multiply-add on
+    # column keys without their finaliser (c * odd: each row a Weyl sequence).
+    row_mul, row_add, col = (
+        np.asarray(x)[0, 0].view(np.uint32)
+        for x in _dropout.tables(_dropout.head_seeds(jax.random.key(0), 1, 1), 512, 640)
+    )
+    linear_keys = np.arange(640, dtype=np.uint32) * np.uint32(0x27D4EB2F)
+    threshold = _dropout.threshold(0.1)
+    poor_masks = {
+        "weyl": weyl,
+        "shared": shared,
+        "shifted": shifted,
+        "sum": row_mul[:, None] + col[None, :] >= threshold,
+        "xor": row_mul[:, None] ^ col[None, :] >= threshold,
+        "linear keys": row_mul[:, None] * linear_keys[None, :] + row_add[:, None] >= threshold,
+    }
+    for name, poor in poor_masks.items():
+        assert binomial_checks(poor, 0.1), name
+
+
 @pytest.mark.parametrize("path", backend_paths(gpu=False, exclude=("mosaic-interpret",)))
 def test_rate_zero_is_the_plain_call_and_a_key_reproduces(path):
     keys = jax.random.split(jax.random.key(5), 3)
@@ -243,13 +309,54 @@ def test_bad_arguments_raise(kwargs, error, words):
     assert words in str(info.value)
 
 
-def test_mosaic_refuses_and_default_runs_triton():
-    x = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
-    with mock.patch.object(device_lib, "target_device", Device.h200):
-        with pytest.raises(NotImplementedError, match="dropout_rate"):
-            flash_attention(
-                x, x, x, backend="mosaic", dropout_rate=0.1, dropout_rng=jax.random.key(0)
+MOSAIC_PATHS = backend_paths(
+    mosaic=True, exclude=tuple(n for n, p in BACKEND_PATHS.items() if not p.mosaic)
+)
+
+
+@pytest.mark.parametrize("segments", [False, pytest.param(True, marks=SWEEP_ONLY)])
+@pytest.mark.parametrize("path", MOSAIC_PATHS)
+def test_mosaic_forward_applies_the_shared_mask(path, segments):
+    """The Mosaic GPU forward (bfloat16, GQA; with segment ids, whose copies share the barriers
+    with the dropout hashes') drops exactly the reference's entries, read back from its output:
+    with q = k = 0 every row's softmax is uniform over the n_i keys it sees and with value =
+    identity out[:, i, n, j] = Z_ij / n_i, 0 exactly where dropped or hidden."""
+    rng, q_len, kv_len, heads = jax.random.key(6), 128, 128, 2
+    q = jnp.zeros((1, q_len, heads, kv_len), jnp.bfloat16)
+    k = jnp.zeros((1, kv_len, 1, kv_len), jnp.bfloat16)
+    v = jnp.broadcast_to(jnp.eye(kv_len, dtype=jnp.bfloat16)[None, :, None], k.shape)
+    ids = np.repeat(np.arange(4), 32)[None] if segments else np.zeros((1, q_len), np.int32)
+    extra = dict(q_segment_ids=jnp.asarray(ids, jnp.int32)) if segments else {}
+    with path.scope():
+        out, lse = jax.jit(
+            lambda q, k, v: flash_attention(
+                q, k, v, dropout_rate=RATE, dropout_rng=rng, return_residuals=True,
+                **extra, **path.kwargs,
             )
+        )(q, k, v)  # fmt: skip
+        out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    visible = ids[0][:, None] == ids[0][None, :]  # [T, S]
+    kept = np.transpose(out != 0.0, (0, 2, 1, 3))
+    np.testing.assert_array_equal(kept, _keep(rng, 1, heads, q_len, kv_len, RATE) & visible)
+    seen = visible.sum(1)  # [T]
+    want = np.broadcast_to((1.0 / (1.0 - RATE) / seen)[None, :, None, None], out.shape)
+    np.testing.assert_allclose(out[out != 0], want[out != 0], rtol=1e-2)
+    np.testing.assert_allclose(lse[0], np.broadcast_to(np.log(seen), (heads, q_len)), rtol=1e-6)
+
+
+def test_mosaic_runs_the_forward_and_triton_the_backward():
+    """With dropout the Mosaic forward runs on Hopper (asked for or by default), the backward
+    is Triton's (the Mosaic backward refuses dropout)."""
+    with pytest.raises(NotImplementedError, match="dropout_rate"):
+        KernelConfig(
+            spec=MaskSpec(q_len=256, kv_len=256),
+            scale=0.125,
+            dropout_rate=0.1,
+            block_sizes=BlockSizes(),
+            interpret=False,
+            forward="mosaic",
+            backward="mosaic",
+        )
     call = Call(
         q_shape=(4, 4096, 16, 64),
         k_shape=(4, 4096, 16, 64),
@@ -257,14 +364,15 @@ def test_mosaic_refuses_and_default_runs_triton():
         spec=MaskSpec(q_len=4096, kv_len=4096, is_causal=True),
         dropout_rate=0.1,
     )
-    config = dispatch.choose(call, Device.h200(), scale=0.125)
-    assert (config.forward, config.backward, config.dropout_rate) == ("triton", "triton", 0.1)
+    for backend in (None, "mosaic"):
+        config = dispatch.choose(call, Device.h200(), scale=0.125, backend=backend)
+        assert (config.forward, config.backward, config.dropout_rate) == ("mosaic", "triton", 0.1)
     plain = dispatch.choose(
         Call(q_shape=call.q_shape, k_shape=call.k_shape, dtype=call.dtype, spec=call.spec),
         Device.h200(),
         scale=0.125,
     )
-    assert plain.forward == "mosaic"  # the call itself is Mosaic's: dropout is what moves it
+    assert (plain.forward, plain.backward) == ("mosaic", "mosaic")
 
 
 def test_decode_refuses_dropout():
@@ -288,8 +396,8 @@ def test_compiled_mask_is_the_interpreters():
 
 @pytest.mark.gpu
 def test_default_path_runs_dropout_on_a_mosaic_shaped_call():
-    """bf16, H=64, whole tiles: a call the Mosaic kernels would take on Hopper without dropout;
-    with dropout the default path runs Triton and matches the reference's mask."""
+    """bf16, H=64, whole tiles: on Hopper the default path runs the Mosaic forward and the
+    Triton backward with dropout, and matches the reference's mask."""
     keys = jax.random.split(jax.random.key(1), 4)
     shape = (2, 256, 4, 64)
     q, k, v, d_out = (jax.random.normal(x, shape, jnp.bfloat16) for x in keys)
@@ -326,3 +434,35 @@ def test_second_order_keeps_the_mask():
     want = np.asarray(grad_of_grad(backend="xla"))
     got = np.asarray(grad_of_grad(**BACKEND_PATHS["triton-interpret"].call_kwargs()))
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    "is_causal, persistent",
+    [(True, True)]
+    + [pytest.param(c, p, marks=SWEEP_ONLY) for c, p in ((False, False), (True, False))],
+)
+def test_mosaic_forward_with_dropout_lowers_for_h200(is_causal, persistent):
+    """Mosaic GPU's layout inference takes the hash's uint32 multiply-add and compare on the
+    WGMMA fragments (the interpreter does not check layouts), with segment ids riding in the
+    same ring slots, and a persistent grid."""
+    import dataclasses
+
+    from test_lowering import lower_for_h200
+
+    from pallas_flash.mosaic import flash_forward
+    from pallas_flash.mosaic.tiles import default_tiles
+
+    q = jax.ShapeDtypeStruct((2, 512, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 512), jnp.int32)
+    seeds = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    tiles = default_tiles(128, q_len=512, kv_len=512, is_causal=is_causal, segments=True)
+    tiles = dataclasses.replace(tiles, persistent=persistent)
+
+    def forward(q, k, v, q_ids, kv_ids, seeds):
+        return flash_forward(
+            q, k, v, scale=0.1, is_causal=is_causal, segment_ids=(q_ids, kv_ids), tiles=tiles,
+            dropout=(0.1, seeds),
+        )  # fmt: skip
+
+    assert "mosaic_gpu" in lower_for_h200(forward, q, kv, kv, ids, ids, seeds).as_text()

@@ -232,6 +232,8 @@ if CHILD:
 
     # A dense mask per head, broadcast over the batch: [1, N, T, S].
     HEAD_MASK = np.random.default_rng(3).random((1, 8, 24, 24)) < 0.8
+    # Attention sinks [N]: the kernels take them per (batch entry, head), sharded as those are.
+    SINKS = np.linspace(-1.0, 2.0, 8, dtype=np.float32)
 
     def _masked_call(q, k, v, bias, q_seg, **kwargs):
         return pallas_flash.flash_attention(
@@ -242,13 +244,15 @@ if CHILD:
             jnp.asarray(HEAD_MASK),
             is_causal=True,
             q_segment_ids=q_seg,
+            sinks=jnp.asarray(SINKS),
             return_residuals=True,
             **kwargs,
         )
 
     def _batch_head_problem():
         """GQA (8 query heads on 4 kv heads), causal, packed documents, a bias broadcast over
-        the heads [B, 1, T, S] and a dense mask broadcast over the batch [1, N, T, S]."""
+        the heads [B, 1, T, S], a dense mask broadcast over the batch [1, N, T, S] and
+        attention sinks."""
         q, k, v, d_out = _inputs(4, 24, 24, 8, 4)
         rng = np.random.default_rng(1)
         bias = jnp.asarray(rng.standard_normal((4, 1, 24, 24)), jnp.float32)
@@ -274,8 +278,9 @@ if CHILD:
             interpret=True,
         )
         unpartitioned = functools.partial(_vjp._forward_shard, config=config)
+        arrays = pallas_flash.masks.MaskArrays()
         hlo = (
-            jax.jit(lambda q, k, v: unpartitioned(q, k, v, None, pallas_flash.masks.MaskArrays()))
+            jax.jit(lambda q, k, v: unpartitioned(q, k, v, None, arrays, None))
             .lower(*(jax.device_put(x, qkv) for x in (q, k, v)))
             .compile()
             .as_text()
@@ -353,7 +358,11 @@ if CHILD:
 
         def loss(q, k, v, **kwargs):
             attn = functools.partial(
-                pallas_flash.flash_attention, is_causal=True, q_segment_ids=q_seg, **kwargs
+                pallas_flash.flash_attention,
+                is_causal=True,
+                q_segment_ids=q_seg,
+                sinks=jnp.asarray(SINKS),
+                **kwargs,
             )
             return jnp.sum(jax.vmap(attn)(q, k, v) * d_out)
 

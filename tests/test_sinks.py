@@ -1,9 +1,12 @@
 """Attention sinks: one learned logit per query head in every row's softmax denominator.
 
-Checked against two independent formulations: a float64 numpy softmax over the keys plus a sink
-column (values, lse), and a float32 jnp softmax with the sink column concatenated (gradients in
-q, k, v, bias and the sinks), on every path of the backend matrix (conftest.backend_paths), with
-masks that leave rows empty, GQA and odd sizes (the Mosaic paths at their bfloat16 tile sizes).
+The kernels add the sink to each row's denominator in their forward epilogue; the backward
+kernels take the lse that includes it, and dsinks is computed from (out, lse) in XLA. Checked
+against a float64 numpy softmax over the keys plus a sink column (values, lse) and its analytic
+backward (gradients in q, k, v and the sinks), on every path of the backend matrix
+(conftest.backend_paths), with masks that leave rows empty (lengths, segment ids, windows), a
+soft cap, GQA, split KV and odd sizes (the Mosaic paths at their bfloat16 tile sizes); second
+order against the xla path.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import backend_paths
+from conftest import BACKEND_PATHS, SWEEP, backend_paths
 
 import pallas_flash
 
@@ -71,6 +74,42 @@ def sink_softmax_attention(q, k, v, sinks, visible, *, xp):
     return out, lse
 
 
+def sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse, *, soft_cap=None):
+    """The float64 oracle with its analytic backward: (out, lse, dq, dk, dv, dsinks) of the
+    softmax over [visible keys..., sink] (sinks [N] finite; visible [B|1, N|1, T, S]), logits
+    scale * q.k (soft-capped: cap * tanh(. / cap)), for the cotangents d_out and d_lse."""
+    q, k, v, sinks, d_out, d_lse = (
+        np.asarray(x, np.float64) for x in (q, k, v, sinks, d_out, d_lse)
+    )
+    (b, _, n, h), kv_heads = q.shape, k.shape[2]
+    group = n // kv_heads
+    kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    scale = 1.0 / np.sqrt(h)
+    raw = np.einsum("btnh,bsnh->bnts", q, kr) * scale
+    tanh = None if soft_cap is None else np.tanh(raw / soft_cap)
+    logits = raw if soft_cap is None else soft_cap * tanh
+    logits = np.where(visible, logits, -np.inf)
+    sink = sinks[None, :, None]  # [1, N, 1]
+    m = np.maximum(logits.max(axis=-1), sink)  # finite: the sinks are
+    e = np.exp(logits - m[..., None])
+    e_sink = np.exp(sink - m)
+    denom = e.sum(axis=-1) + e_sink
+    p, p_sink = e / denom[..., None], e_sink / denom
+    out = np.einsum("bnts,bsnh->btnh", p, vr)
+    lse = m + np.log(denom)
+    # dS = P (dP - delta + dlse) in the logits; the sink's column has dP = 0.
+    delta = np.einsum("btnh,btnh->bnt", d_out, out) - d_lse
+    ds = p * (np.einsum("btnh,bsnh->bnts", d_out, vr) - delta[..., None])
+    if soft_cap is not None:
+        ds = ds * (1.0 - tanh * tanh)
+    dq = np.einsum("bnts,bsnh->btnh", ds, kr) * scale
+    dk = np.einsum("bnts,btnh->bsnh", ds, q) * scale
+    dv = np.einsum("bnts,btnh->bsnh", p, d_out)
+    dk, dv = (x.reshape(b, -1, kv_heads, group, h).sum(axis=3) for x in (dk, dv))
+    d_sinks = -(p_sink * delta).sum(axis=(0, 2))
+    return out, lse, dq, dk, dv, d_sinks
+
+
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
 def test_values_match_float64(path):
     size = sizes(path)
@@ -97,6 +136,30 @@ def test_values_match_float64(path):
         np.asarray(sinks), (int(empty.sum()), size["N"])), rtol=1e-6)  # fmt: skip
 
 
+def outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse):
+    """(out, lse, dq, dk, dv, dsinks) of fn(q, k, v, sinks) -> (out, lse), jit'd, as float64."""
+
+    def run(q, k, v, sinks):
+        (out, lse), vjp = jax.vjp(fn, q, k, v, sinks)
+        return (out, lse, *vjp((d_out, d_lse)))
+
+    return [np.asarray(x, np.float64) for x in jax.jit(run)(q, k, v, sinks)]
+
+
+# Gradients' max abs error against float64: float32 rounding; bfloat16's grows with the sums over
+# 128 rows or keys. A wrong dsinks (sign, a missing row's term) is off by ~0.1 or more.
+GRAD_ATOL = {jnp.float32: 1e-4, jnp.bfloat16: 0.1}
+NAMES = ("out", "lse", "dq", "dk", "dv", "dsinks")
+
+
+def assert_close_to_oracle(got, want, dtype):
+    """got and want: (out, lse, dq, dk, dv, dsinks), or got their first len(got)."""
+    for name, g, w in zip(NAMES, got, want[: len(got)]):
+        assert np.all(np.isfinite(g)), name
+        atol = ATOL[dtype] if name in ("out", "lse") else GRAD_ATOL[dtype]
+        np.testing.assert_allclose(g, w, atol=atol, err_msg=name)
+
+
 @pytest.mark.parametrize(
     "path",
     backend_paths(
@@ -104,10 +167,13 @@ def test_values_match_float64(path):
         sweep=("mosaic-interpret",),
     ),
 )
-def test_gradients_match_the_sink_column_softmax(path):
+def test_gradients_match_float64(path):
+    """Values and gradients (dsinks included) against the float64 oracle's analytic backward,
+    with causal masking and lengths that leave rows empty; on "xla" this also checks the
+    oracle against jax's autodiff of the reference."""
     size = sizes(path)
     q, k, v, sinks, d_out, d_lse, q_lengths, kv_lengths = inputs(1, **size)
-    visible = jnp.asarray(visible_keys(q_lengths, kv_lengths, size["T"], size["S"]))
+    visible = visible_keys(q_lengths, kv_lengths, size["T"], size["S"])[:, None]
 
     def ours(q, k, v, s):
         return pallas_flash.flash_attention(
@@ -115,46 +181,168 @@ def test_gradients_match_the_sink_column_softmax(path):
             key_value_seq_lengths=kv_lengths, return_residuals=True, **path.kwargs,
         )  # fmt: skip
 
-    def column(q, k, v, s):
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-        out, lse = sink_softmax_attention(q, k, v, s, visible, xp=jnp)
-        rows = visible.any(-1)  # rows without keys: out 0 (and no gradient), as in the kernels
-        return jnp.where(rows[:, :, None, None], out, 0.0), lse
+    with path.scope():
+        got = outputs_and_grads(ours, q, k, v, sinks, d_out, d_lse)
+    want = sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse)
+    assert_close_to_oracle(got, want, size["dtype"])
 
-    def grads(fn):
-        # Cotangents in the dtypes of fn's outputs (the reference's are float32).
-        (out, lse), vjp = jax.vjp(fn, q, k, v, sinks)
-        return vjp((d_out.astype(out.dtype), d_lse.astype(lse.dtype)))
+
+# The checks of the Mosaic kernels alone.
+NOT_MOSAIC = tuple(name for name, path in BACKEND_PATHS.items() if not path.mosaic)
+
+
+@pytest.mark.parametrize(
+    "path",
+    backend_paths(mosaic=True, exclude=NOT_MOSAIC, sweep=("mosaic-interpret",)),
+)
+def test_mosaic_gradients_match_float64(path):
+    """The Mosaic forward's epilogue sink and the Mosaic backward on its lse (plain causal, no
+    lengths: the calls the Mosaic backward takes), in the Mosaic interpreter and on the GPU."""
+    q, k, v, sinks, d_out, d_lse, *_ = inputs(3, **MOSAIC_SIZES)
+    visible = np.tril(np.ones((MOSAIC_SIZES["T"], MOSAIC_SIZES["S"]), bool))
+
+    def ours(q, k, v, s):
+        return pallas_flash.flash_attention(
+            q, k, v, is_causal=True, sinks=s, return_residuals=True, **path.kwargs
+        )
 
     with path.scope():
-        got = [np.asarray(g, np.float32) for g in jax.jit(lambda: grads(ours))()]
-    want = jax.jit(lambda: grads(column))()
-    # bfloat16: the gradients' rounding grows with the sum over 128 rows or keys.
-    atol = 1e-4 if size["dtype"] == jnp.float32 else 0.1
-    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got, want, strict=True):
-        assert np.all(np.isfinite(g)), name
-        np.testing.assert_allclose(g, np.asarray(w, np.float32), atol=atol, err_msg=name)
+        got = outputs_and_grads(ours, q, k, v, sinks, d_out, d_lse)
+    want = sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse)
+    assert_close_to_oracle(got, want, MOSAIC_SIZES["dtype"])
 
 
-def test_a_sink_of_minus_infinity_is_no_sink_and_stays_finite():
+def segment_ids(length, ids):
+    """int32 [B, length]: batch entry b split into len(ids[b]) documents of near-equal length."""
+    rows = [np.repeat(np.asarray(i), -(-length // len(i)))[:length] for i in ids]
+    return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+@pytest.mark.parametrize(
+    "path",
+    backend_paths(mosaic=True, sweep=("mosaic-interpret",)),
+)
+def test_window_segments_and_soft_cap_match_float64(path):
+    """Sinks with a local window, packed documents (a query document with no key document:
+    empty rows) and a soft cap, GQA: values, lse and gradients against float64."""
+    check_window_segments_and_soft_cap(path, gradients=True)
+
+
+@pytest.mark.parametrize(
+    "path",
+    backend_paths(mosaic=True, exclude=NOT_MOSAIC, sweep=("mosaic-interpret",)),
+)
+def test_values_with_window_segments_and_soft_cap(path):
+    """The same, values and lse only, on the Mosaic forward (the gradients' Mosaic interpreter
+    run is slow: it runs with PALLAS_FLASH_SWEEP)."""
+    check_window_segments_and_soft_cap(path, gradients=False)
+
+
+def check_window_segments_and_soft_cap(path, *, gradients: bool):
+    size = sizes(path)
+    q, k, v, sinks, d_out, d_lse, *_ = inputs(4, **size)
+    t, s = size["T"], size["S"]
+    # Document 7 of the first sequence's queries has no keys: its rows are empty.
+    q_seg = segment_ids(t, [[1, 2, 7], [4, 5]])
+    kv_seg = segment_ids(s, [[1, 2, 3], [4, 5]])
+    window, cap = (9, 3), 4.0
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    visible = (j >= i - window[0]) & (j <= i + window[1])
+    visible = visible & (np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :])
+    visible = visible[:, None]  # [B, 1, T, S]
+    assert (~visible.any(-1)).any()
+
+    def ours(q, k, v, sinks):
+        return pallas_flash.flash_attention(
+            q, k, v, sinks=sinks, local_window_size=window, logits_soft_cap=cap,
+            q_segment_ids=q_seg, kv_segment_ids=kv_seg, return_residuals=True, **path.kwargs,
+        )  # fmt: skip
+
+    want = sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse, soft_cap=cap)
+    with path.scope():
+        if gradients:
+            got = outputs_and_grads(ours, q, k, v, sinks, d_out, d_lse)
+        else:
+            got = [np.asarray(x, np.float64) for x in jax.jit(ours)(q, k, v, sinks)]
+    assert_close_to_oracle(got, want, size["dtype"])
+
+
+@pytest.mark.parametrize("path", backend_paths(exclude=("xla", "default")))
+def test_split_kv_matches_float64(path):
+    """Split KV (the chunks merged in XLA, which adds the sinks there): values and lse; the
+    gradients too on the GPU and with PALLAS_FLASH_SWEEP (the backward is the plain one)."""
+    q, k, v, sinks, d_out, d_lse, q_lengths, kv_lengths = inputs(5)
+    visible = visible_keys(q_lengths, kv_lengths)[:, None]
+    tiles = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=2)
+
+    def ours(q, k, v, s):
+        return pallas_flash.flash_attention(
+            q, k, v, is_causal=True, sinks=s, query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths, return_residuals=True,
+            **path.call_kwargs(block_sizes=tiles),
+        )  # fmt: skip
+
+    with path.scope():
+        if path.gpu or SWEEP:
+            got = outputs_and_grads(ours, q, k, v, sinks, d_out, d_lse)
+        else:
+            got = [np.asarray(x, np.float64) for x in jax.jit(ours)(q, k, v, sinks)]
+    assert_close_to_oracle(got, sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse), DTYPE)
+
+
+@pytest.mark.parametrize("path", backend_paths(exclude=("xla",), sweep=("triton-interpret",)))
+def test_second_order_matches_xla(path):
+    """Reverse over reverse through the sinks (the kernels' passes are differentiated through
+    the reference with the sinks): the gradient in (q, sinks) of <VJP, u>, against the xla
+    path's."""
+    q, k, v, sinks, d_out, d_lse, q_lengths, kv_lengths = inputs(6)
+    u = jax.random.normal(jax.random.key(7), q.shape)
+
+    def second(path):
+        def inner(q, s):
+            def attention(q, s):
+                return pallas_flash.flash_attention(
+                    q, k, v, is_causal=True, sinks=s, key_value_seq_lengths=kv_lengths,
+                    return_residuals=True, **path.kwargs,
+                )  # fmt: skip
+
+            (out, lse), vjp = jax.vjp(attention, q, s)
+            dq, ds = vjp((d_out, d_lse))
+            return jnp.vdot(dq, u) + jnp.sum(ds * s) + jnp.vdot(out, d_out)
+
+        with path.scope():
+            return [np.asarray(x) for x in jax.jit(jax.grad(inner, argnums=(0, 1)))(q, sinks)]
+
+    for got, want in zip(second(path), second(BACKEND_PATHS["xla"]), strict=True):
+        np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("path", backend_paths(sweep=("triton-interpret",)))
+def test_a_sink_of_minus_infinity_is_no_sink_and_stays_finite(path):
     q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(2)
     kwargs = dict(
         is_causal=True, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
-        return_residuals=True, backend="xla",
+        return_residuals=True, **path.kwargs,
     )  # fmt: skip
-    with_none = pallas_flash.flash_attention(q, k, v, sinks=jnp.full((N,), -jnp.inf), **kwargs)
-    plain = pallas_flash.flash_attention(q, k, v, **kwargs)
-    np.testing.assert_array_equal(np.asarray(with_none[0]), np.asarray(plain[0]))
-    _, vjp = jax.vjp(
-        lambda q, s: pallas_flash.flash_attention(q, k, v, sinks=s, **kwargs),
-        q, jnp.full((N,), -jnp.inf),
-    )  # fmt: skip
-    dq, dsinks = vjp((d_out, d_lse))
-    assert np.all(np.isfinite(np.asarray(dq)))
+    no_sink = jnp.full((N,), -jnp.inf)
+
+    def run(q, s):
+        with_none = pallas_flash.flash_attention(q, k, v, sinks=s, **kwargs)
+        plain = pallas_flash.flash_attention(q, k, v, **kwargs)
+        _, vjp = jax.vjp(
+            lambda q, s: pallas_flash.flash_attention(q, k, v, sinks=s, **kwargs), q, s
+        )
+        return with_none, plain, vjp((d_out, d_lse))
+
+    with path.scope():
+        with_none, plain, (dq, dsinks) = jax.tree.map(np.asarray, jax.jit(run)(q, no_sink))
+    np.testing.assert_array_equal(with_none[0], plain[0])
+    np.testing.assert_array_equal(with_none[1], plain[1])
+    assert np.all(np.isfinite(dq))
     # A sink of -inf takes no share of any row; only the empty rows' lse (= the sink) depends on it.
     empty = ~visible_keys(q_lengths, kv_lengths).any(-1)  # [B, T]
     want = np.where(empty[:, None, :], np.asarray(d_lse), 0.0).sum(axis=(0, 2))
-    np.testing.assert_allclose(np.asarray(dsinks), want, rtol=1e-6)
+    np.testing.assert_allclose(dsinks, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -169,3 +357,24 @@ def test_bad_sinks_are_refused(sinks, error, match):
     q, k, v, *_ = inputs()
     with pytest.raises(error, match=match):
         pallas_flash.flash_attention(q, k, v, sinks=sinks)
+
+
+@pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
+@pytest.mark.parametrize("soft_cap", [None, 30.0])
+def test_mosaic_forward_with_sinks_lowers_for_h200(soft_cap):
+    """The Mosaic forward's epilogue with a sink lowers through Mosaic GPU's layout inference
+    for an abstract H200 (the interpreter does not check layouts): a scalar per row block
+    against row vectors in the WGMMA row layout."""
+    from test_lowering import lower_for_h200
+
+    from pallas_flash.mosaic import flash_forward
+
+    q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
+    sinks = jax.ShapeDtypeStruct((2, 4), jnp.float32)
+
+    def forward(q, k, v, sinks):
+        return flash_forward(q, k, v, scale=0.1, is_causal=True, soft_cap=soft_cap, sinks=sinks)
+
+    lowered = lower_for_h200(forward, q, kv, kv, sinks)
+    assert "mosaic_gpu" in lowered.as_text()

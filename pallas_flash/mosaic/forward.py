@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import masks
+from pallas_flash import _dropout, masks
 from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -70,6 +70,8 @@ def flash_forward(
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
     tiles: ForwardTiles | None = None,
     device: Device | None = None,
+    sinks: jax.Array | None = None,
+    dropout: tuple[float, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
 
@@ -104,12 +106,17 @@ def flash_forward(
       tiles: ForwardTiles; None picks `default_tiles` for the shapes and options.
       device: the GPU it is compiled for (its SM count sizes a persistent grid, its CUDA
         runtime is checked); None: the visible GPU's record (`Device.current()`).
+      sinks: None, or float32 [B, N]: attention sinks, one more natural-log logit per row of
+        head n of batch entry b in the softmax's denominator, with no value.
+      dropout: None, or (rate, seeds int32 [B, N]): attention dropout on P before P.V, the
+        keep-mask of `pallas_flash._dropout` (the Triton kernels' and the reference's); lse
+        stays the un-dropped softmax's.
 
     Returns:
       out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
-      log-sum-exp of the (soft-capped) logits over the visible keys. A row that sees no key
-      (a window past the last key, possible when T > S; a padding row; a segment with no key)
-      has out 0 and lse -inf.
+      log-sum-exp of the (soft-capped) logits over the visible keys (and the sink). A row that
+      sees no key (a window past the last key, possible when T > S; a padding row; a segment
+      with no key) has out 0 and lse -inf, or lse = its sink.
 
     Raises:
       ValueError: shapes, dtypes, options or tiles the kernel does not support (see `why_not`).
@@ -135,6 +142,13 @@ def flash_forward(
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
     if segment_ids is not None:
         check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
+    if sinks is not None and (
+        tuple(sinks.shape) != (q.shape[0], q.shape[2]) or sinks.dtype != jnp.float32
+    ):
+        raise ValueError(
+            f"sinks {tuple(sinks.shape)} {sinks.dtype} must be float32 of shape "
+            f"{(q.shape[0], q.shape[2])}"
+        )
     if tiles is None:
         tiles = default_tiles(
             q.shape[-1],
@@ -166,11 +180,23 @@ def flash_forward(
         q_ids = pad_ids(q_ids, q_to, masks.PAD_Q_SEGMENT)
         kv_ids = pad_ids(kv_ids, kv_to, masks.PAD_KV_SEGMENT)
         segments = (q_ids, kv_ids, segment_tile_plan(spec, MaskArrays(q_ids, kv_ids), tiles))
+    drop = None
+    if dropout is not None:
+        rate, seeds = dropout
+        row_mul, row_add, col = _dropout.tables(seeds, q_len, kv_len)
+        # [B, N, 2, T'] (one TMA copy per consumer's rows) and [B, N, S']; the padding rows and
+        # keys are masked or dropped with the rows past T.
+        rows = jnp.stack([row_mul, row_add], axis=2)
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, q_to - q_len)))
+        col = jnp.pad(col, ((0, 0), (0, 0), (0, kv_to - kv_len)))
+        drop = (float(rate), rows, col)
     out, lse = _forward_call(
         q,
         k,
         v,
         segments,
+        sinks,
+        drop,
         spec=spec,
         scale=float(scale),
         soft_cap=soft_cap,
@@ -185,13 +211,26 @@ def flash_forward(
 
 
 def _forward_call(
-    q, k, v, segments, *, spec: MaskSpec, scale: float, soft_cap, tiles: ForwardTiles, num_sms: int
+    q,
+    k,
+    v,
+    segments,
+    sinks,
+    drop,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    tiles: ForwardTiles,
+    num_sms: int,
 ):
     """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan);
-    num_sms: the GPU's SM count, the most CTAs a persistent grid launches."""
+    sinks: None or float32 [B, N]; drop: None or (rate, rows [B, N, 2, T'], col [B, N, S']), the
+    dropout tables; num_sms: the GPU's SM count, the most CTAs a persistent grid launches."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     has_ids = segments is not None
+    has_drop = drop is not None
     num_q_tiles = cdiv(spec.q_len, tiles.cta_rows)
     kernel = functools.partial(
         _forward_kernel,
@@ -201,6 +240,8 @@ def _forward_call(
         group=num_heads // num_kv_heads,
         work=_Work(batch, num_heads, num_q_tiles, reverse=spec.is_causal),
         tiles=tiles,
+        has_sinks=sinks is not None,
+        dropout_rate=drop[0] if has_drop else 0.0,
     )
     # A 128-byte swizzle over 64-element column tiles (one 128-byte row of 16-bit values) is
     # what TMA and wgmma both read without bank conflicts; it needs H and block_kv % 64 == 0.
@@ -220,8 +261,9 @@ def _forward_call(
         # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in
         # K's ring slot: each such barrier then counts two copies (one arrival per copy, with
         # its bytes), and the phase completes once both have landed.
-        q_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=q_buffers),
-        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=tiles.num_stages),
+        # Dropout's row hashes land with Q and a KV tile's column hashes ride in K's slot too.
+        q_ready=plgpu.Barrier(num_arrivals=1 + has_ids + has_drop, num_barriers=q_buffers),
+        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids + has_drop, num_barriers=tiles.num_stages),
         v_ready=plgpu.Barrier(num_barriers=tiles.num_stages),
         # A slot is free again once both consumers are done with it.
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
@@ -232,6 +274,11 @@ def _forward_call(
         scratch.update(
             q_ids_smem=plgpu.SMEM((q_buffers, tiles.block_q), jnp.int32),
             kv_ids_smem=plgpu.SMEM((tiles.num_stages, tiles.block_kv), jnp.int32),
+        )
+    if has_drop:
+        scratch.update(
+            drop_rows_smem=plgpu.SMEM((q_buffers, 2, tiles.block_q), jnp.int32),
+            drop_col_smem=plgpu.SMEM((tiles.num_stages, tiles.block_kv), jnp.int32),
         )
     # lse [B, N, T] keeps T innermost, where Mosaic GPU may view the array as one run of
     # B * N * T values: a last tile's rows past T would then land on the next head's first
@@ -255,7 +302,14 @@ def _forward_call(
         grid=grid,
         grid_names=grid_names,
         num_consumers=NUM_CONSUMERS,
-    )(q, k, v, *(segments or ()))
+    )(
+        q,
+        k,
+        v,
+        *(segments or ()),
+        *(drop[1:] if has_drop else ()),
+        *([] if sinks is None else [sinks]),
+    )
 
 
 def _forward_kernel(
@@ -275,12 +329,16 @@ def _forward_kernel(
     schedule,
     q_ids_smem=None,
     kv_ids_smem=None,
+    drop_rows_smem=None,
+    drop_col_smem=None,
     spec: MaskSpec,
     scale: float,
     soft_cap,
     group: int,
     work: _Work,
     tiles: ForwardTiles,
+    has_sinks: bool = False,
+    dropout_rate: float = 0.0,
 ):
     """One CTA: its work items (`_Work`) in turn, each NUM_CONSUMERS * block_q query rows of
     one head against that head's keys; one item unless tiles.persistent.
@@ -288,7 +346,10 @@ def _forward_kernel(
     q_ref, out_ref: [B, T', N, H] and k_ref, v_ref: [B, S', K, H] in GMEM; lse_ref [B, N, T'],
     T' >= T and S' >= S (spec's) multiples of ROW_ALIGN. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_rows), NUM_CONSUMERS + 1,
-    4] (`segment_tile_plan`), read with scalar loads.
+    4] (`segment_tile_plan`), read with scalar loads; with has_sinks, sinks_ref [B, N] float32
+    follows them (one scalar load per item); with dropout_rate > 0, the dropout tables
+    drop_rows_ref [B, N, 2, T'] and drop_col_ref [B, N, S'] come before sinks_ref, copied with Q
+    (drop_rows_smem, like q_smem) and with K (drop_col_smem, like kv_ids_smem).
     q_smem [q_buffers * NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output
     tile (buffer b of consumer wg at b * NUM_CONSUMERS + wg; item n uses buffer n % q_buffers);
     k_smem, v_smem [num_stages, block_kv, H] are the ring (kv_ids_smem [num_stages, block_kv]
@@ -296,6 +357,9 @@ def _forward_kernel(
     their completion means.
     """
     *id_refs, out_ref, lse_ref = refs
+    sinks_ref = id_refs.pop() if has_sinks else None
+    drop_col_ref = id_refs.pop() if dropout_rate else None
+    drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     persistent = tiles.persistent
     num_items = work.count(persistent)
@@ -323,6 +387,7 @@ def _forward_kernel(
             first_tile=cta_range[0],
             steps_before=steps_before,
             kv_ids_smem=kv_ids_smem,
+            drop_col_smem=drop_col_smem,
         )
 
     def over_items(body):
@@ -359,6 +424,9 @@ def _forward_kernel(
             if q_ids_smem is not None:
                 ids = q_ids_ref.at[batch, pl.ds(q_start, tiles.block_q)]
                 plgpu.copy_gmem_to_smem(ids, q_ids_smem.at[b], q_ready.at[b])
+            if drop_rows_smem is not None:
+                hashes = drop_rows_ref.at[batch, head, :, pl.ds(q_start, tiles.block_q)]
+                plgpu.copy_gmem_to_smem(hashes, drop_rows_smem.at[b], q_ready.at[b])
 
         load_q(0)
 
@@ -389,6 +457,9 @@ def _forward_kernel(
                 cta_range=cta_range,
                 ranges=ranges,
                 q_ids_smem=None if q_ids_smem is None else q_ids_smem.at[b],
+                drop_rows_smem=None if drop_rows_smem is None else drop_rows_smem.at[b],
+                dropout_rate=dropout_rate,
+                sink=None if sinks_ref is None else sinks_ref[batch, head],
                 spec=spec,
                 scale=scale,
                 soft_cap=soft_cap,
@@ -413,6 +484,8 @@ def _forward_kernel(
                 ring(cta_range, steps_before),
                 batch=batch,
                 kv_head=kv_head,
+                head=head,
+                drop_col_ref=drop_col_ref,
                 cta_hi=cta_range[1],
                 tiles=tiles,
             )
@@ -438,6 +511,7 @@ class _Ring:
     first_tile: object  # the item's first KV tile (an int32 scalar or a Python int)
     steps_before: object = 0  # KV steps of the CTA's earlier items (persistent CTAs)
     kv_ids_smem: object = None
+    drop_col_smem: object = None  # dropout's column hashes, in K's slots as kv_ids_smem
 
     def step(self, tile):
         return jnp.asarray(self.steps_before + tile - self.first_tile, jnp.int32)
@@ -446,7 +520,19 @@ class _Ring:
         return lax.rem(self.step(tile), jnp.int32(self.num_stages))
 
 
-def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: ForwardTiles):
+def _produce(
+    k_ref,
+    v_ref,
+    kv_ids_ref,
+    ring: _Ring,
+    *,
+    batch,
+    kv_head,
+    cta_hi,
+    tiles: ForwardTiles,
+    head=None,
+    drop_col_ref=None,
+):
     """Producer warpgroup: TMA every KV tile of the item, [first_tile, cta_hi), into the ring,
     in order (with its KV segment ids next to K when kv_ids_ref is not None)."""
 
@@ -463,6 +549,9 @@ def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, t
         if kv_ids_ref is not None:
             ids = kv_ids_ref.at[batch, pl.ds(tile * tiles.block_kv, tiles.block_kv)]
             plgpu.copy_gmem_to_smem(ids, ring.kv_ids_smem.at[slot], ring.k_ready.at[slot])
+        if drop_col_ref is not None:  # the query head's column hashes (not the kv head's)
+            cols = drop_col_ref.at[batch, head, pl.ds(tile * tiles.block_kv, tiles.block_kv)]
+            plgpu.copy_gmem_to_smem(cols, ring.drop_col_smem.at[slot], ring.k_ready.at[slot])
 
     first = ring.first_tile
     if tiles.persistent:
@@ -555,6 +644,9 @@ def _consume(
     cta_range,
     ranges,
     q_ids_smem,
+    sink=None,
+    drop_rows_smem=None,
+    dropout_rate: float = 0.0,
     spec: MaskSpec,
     scale: float,
     soft_cap,
@@ -575,6 +667,13 @@ def _consume(
     q_ids_smem: None, or the SMEM [block_q] ref of the rows' segment ids: copied with Q, then
     kept in registers as a row vector; a masked step compares it with the KV tile's ids, read
     from the ring slot before K's slot is released.
+
+    sink: None, or the float32 scalar natural-log logit of the rows' attention sink, added to
+    their denominators in the epilogue.
+
+    drop_rows_smem: None, or the SMEM [2, block_q] ref of the rows' dropout hashes (row_mul,
+    row_add of `_dropout.tables`), copied with Q; a step then reads the KV tile's column hashes
+    from the ring slot (before K's slot is released) and zeroes the dropped P before P.V.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
@@ -633,6 +732,16 @@ def _consume(
         qk = pl.run_scoped(qk_into, plgpu.ACC((block_q, block_kv), jnp.float32))
         # The KV ids share K's slot: read them before releasing it.
         visible = visible_in(tile, slot) if masked else None
+        keep = None
+        if drop_rows is not None:
+            col = plgpu.load(ring.drop_col_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            shape = (block_q, block_kv)
+            keep = _dropout.keep(
+                _rows(drop_rows[0], shape),
+                _rows(drop_rows[1], shape),
+                lax.broadcast_in_dim(col, shape, [1]),
+                dropout_rate,
+            )
         plgpu.barrier_arrive(ring.k_free.at[slot])
 
         # -- online softmax in base 2; log2(e) is folded into the scale --
@@ -657,6 +766,8 @@ def _consume(
         alpha = jnp.exp2(m_i - m_new)
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * _rows(alpha, acc.shape)
+        if keep is not None:  # l_i keeps the dropped p: lse is the un-dropped softmax's
+            p = jnp.where(keep, p, 0.0)
         p_in = p.astype(dtype)  # wgmma takes A from registers in the input dtype
         plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the MMAs
         plgpu.barrier_wait(ring.v_ready.at[slot])
@@ -697,6 +808,9 @@ def _consume(
     plgpu.barrier_wait(q_ready)
     if q_ids_smem is not None:
         q_seg = plgpu.load(q_ids_smem, layout=row_layout)
+    drop_rows = None
+    if drop_rows_smem is not None:
+        drop_rows = tuple(plgpu.load(drop_rows_smem.at[i], layout=row_layout) for i in range(2))
     pl.when(wg == 1)(functools.partial(_schedule_sync, schedule))
     # Without a left (right) side and segment ids the loops before full_lo (after full_hi) are
     # empty: not emitted.
@@ -711,10 +825,22 @@ def _consume(
     acc, m_i, l_i = carry
 
     # -- epilogue: out = acc / l, lse back to natural log; rows that saw no key: 0 and -inf --
+    keys_share = None
+    if sink is not None:
+        # The sink's e^{sink} joins l, both relative to the larger of the row max and the sink
+        # (log2 units; m_i >= MASK_VALUE is finite, so a sink of -inf leaves the row as it is).
+        sink2 = sink * LOG2E
+        m_all = jnp.maximum(m_i, sink2)
+        keys_share = jnp.exp2(m_i - m_all)
+        l_i = l_i * keys_share + jnp.exp2(sink2 - m_all)
+        m_i = m_all
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     # One reciprocal per row instead of a divide per element.
-    out = acc * _rows(1.0 / l_safe, acc.shape)
+    row_scale = 1.0 / l_safe if keys_share is None else keys_share / l_safe
+    if dropout_rate:
+        row_scale = row_scale * (1.0 / (1.0 - dropout_rate))
+    out = acc * _rows(row_scale, acc.shape)
     q_smem[...] = out.astype(dtype)  # Q is dead: its last reader, the final Q.K^T, is done
     lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
     plgpu.commit_smem()

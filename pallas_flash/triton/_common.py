@@ -247,15 +247,40 @@ def softmax_step(carry, u, v, unit: float, visible=None, keep=None):
 
 
 def softmax_store(
-    carry, unit: float, o_ref, lse_ref, block: int, rows, head_dim: int, out_scale: float = 1.0
+    carry,
+    unit: float,
+    o_ref,
+    lse_ref,
+    block: int,
+    rows,
+    head_dim: int,
+    out_scale: float = 1.0,
+    sink=None,
 ):
     """The epilogue: stores out = acc / l_i (times out_scale, dropout's 1 / (1 - rate)) and the
     natural-log lse of the first `rows` rows of the tile. Rows that saw no key (l_i == 0) output
-    0 and have lse = -inf."""
+    0 and have lse = -inf.
+
+    sink: None, or a float32 scalar, the natural-log logit of an attention sink: one more term
+    e^{sink} in every row's denominator, with no value. A row that saw no key then outputs 0
+    with lse = sink (-inf for a sink of -inf)."""
     acc, m_i, l_i = carry
+    keys_share = None
+    if sink is not None:
+        # Both terms relative to the larger of the row max and the sink (in the units of u;
+        # m_i >= MIN_LOGIT is finite, so a sink of -inf leaves the row as it is): neither exp2
+        # overflows.
+        sink_u = sink * (1.0 / unit)
+        m_all = jnp.maximum(m_i, sink_u)
+        keys_share = jnp.exp2((m_i - m_all) * (unit * LOG2E))
+        l_i = l_i * keys_share + jnp.exp2((sink_u - m_all) * (unit * LOG2E))
+        m_i = m_all
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    if keys_share is None:
+        out = acc / l_safe[:, None]
+    else:
+        out = acc * (keys_share / l_safe)[:, None]
     if out_scale != 1.0:
         out = out * out_scale
     store_rows(o_ref, out, 0, block, rows, head_dim)
@@ -280,9 +305,14 @@ def split_weights(lse, splits: int):
 
 class Operands:
     """Named view of a kernel's optional refs, in the order the wrappers pass them:
-    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?, dropout seeds?."""
+    bias?, q_segment_ids?, kv_segment_ids?, mask?, ranges?, dropout tables (3)?, sinks?.
 
-    def __init__(self, refs, spec, *, has_bias: bool, has_dropout: bool = False):
+    dropout: None, or the whole `_dropout.tables` refs (row_mul [B, N, T], row_add [B, N, T],
+    col [B, N, S], int32), read at the program's global (batch, head)."""
+
+    def __init__(
+        self, refs, spec, *, has_bias: bool, has_dropout: bool = False, has_sinks: bool = False
+    ):
         refs = list(refs)
         take = lambda present: refs.pop(0) if present else None  # noqa: E731
         self.bias = take(has_bias)
@@ -290,5 +320,23 @@ class Operands:
         self.kv_seg = take(spec.has_segments)
         self.mask = take(spec.mask_shape is not None)
         self.ranges = take(spec.has_arrays)
-        self.seeds = take(has_dropout)
+        self.dropout = tuple(take(has_dropout) for _ in range(3)) if has_dropout else None
+        self.sinks = take(has_sinks)
         assert not refs, "unexpected extra refs"
+
+
+def dropout_rows(tables, batch, head, start, block: int, length, *, ragged: bool):
+    """(row_mul, row_add) [block] of the dropout tables (Operands.dropout) for rows [start,
+    start + block) of (batch, head): the row side of `_dropout.keep`."""
+    row_mul, row_add, _ = tables
+    rows = dict(ragged=ragged, other=0, lead=(batch, head))
+    return (
+        load_vector(row_mul, start, block, length, **rows),
+        load_vector(row_add, start, block, length, **rows),
+    )
+
+
+def dropout_cols(tables, batch, head, start, block: int, length, *, ragged: bool):
+    """col [block] of the dropout tables for key columns [start, start + block) of (batch,
+    head): the column side of `_dropout.keep`."""
+    return load_vector(tables[2], start, block, length, ragged=ragged, other=0, lead=(batch, head))

@@ -23,6 +23,8 @@ from pallas_flash.triton._common import (
     CompilerParams,
     Operands,
     dot,
+    dropout_cols,
+    dropout_rows,
     finite_or_zero,
     fold,
     load_pair_tile,
@@ -42,7 +44,7 @@ from pallas_flash.triton.forward import (
     tile_bias,
     tile_sizes,
     tile_visible,
-    with_seeds,
+    with_dropout_tables,
 )
 from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
 
@@ -71,7 +73,7 @@ def _dkv_kernel(
     lse_ref holds lse / logit_unit (see `scores`), +inf for rows that see no key (P == 0 there).
     Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
     Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
-    transposing P and dS. With dropout, the dropout seeds [B, N] come last; the keep-mask is
+    transposing P and dS. With dropout, the dropout tables come last; the keep-mask is
     regenerated from the same global indices as in the forward.
     """
     *refs, dk_ref, dv_ref = refs
@@ -97,7 +99,7 @@ def _dkv_kernel(
 
     unit = logit_unit(scale, has_bias, soft_cap)
 
-    def body(i, carry, *, head, seed, masked: bool):
+    def body(i, carry, *, head, drop_col, masked: bool):
         dk, dv = carry
         q_start = pl.multiple_of(i * block_q, block_q)
         q = load_rows(q_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
@@ -122,14 +124,16 @@ def _dkv_kernel(
             # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dS.
             v_tile = finite_or_zero(v)
         dp_t = dot(v_tile, do, trans_b=True)
-        if seed is None:
+        if drop_col is None:
             dv = dv + dot(p_t.astype(do.dtype), do)
         else:
             # O = (P * Z) V with Z = keep / (1 - rate): dV = (P * Z)^T dO, dP = Z * (dO V^T).
-            q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
-            z_t = _dropout.kept_scale(
-                _dropout.keep(seed, q_idx, kv_idx, dropout_rate), dropout_rate
+            n = kv_head * group + head
+            row_mul, row_add = dropout_rows(
+                ops.dropout, batch, n, q_start, block_q, spec.q_len, ragged=ragged_q
             )
+            keep_t = _dropout.keep(row_mul[None, :], row_add[None, :], drop_col, dropout_rate)
+            z_t = _dropout.kept_scale(keep_t, dropout_rate)
             dv = dv + dot((p_t * z_t).astype(do.dtype), do)
             dp_t = dp_t * z_t
         # -- dS^T = P^T * (dP^T - delta), through the soft cap --
@@ -146,8 +150,12 @@ def _dkv_kernel(
         n = kv_head * group + head
         if ops.ranges is not None:
             ranges = masks.intersect(ranges, load_range(ops.ranges, batch, n, kv_tile))
-        seed = None if ops.seeds is None else ops.seeds[batch, n]
-        return visit_tiles(ranges, functools.partial(body, head=head, seed=seed), carry)
+        drop_col = None
+        if ops.dropout is not None:  # this head's key columns, once per head
+            drop_col = dropout_cols(
+                ops.dropout, batch, n, kv_start, block_kv, spec.kv_len, ragged=ragged_kv
+            )[:, None]
+        return visit_tiles(ranges, functools.partial(body, head=head, drop_col=drop_col), carry)
 
     hp = k_ref.shape[-1]
     zeros = jnp.zeros((block_kv, hp), jnp.float32)
@@ -201,11 +209,16 @@ def _dq_kernel(
     ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2)
-    seed = None if ops.seeds is None else ops.seeds[batch, head]
     q_start = tile * block_q
     q_rows = spec.q_len - q_start
     ragged_q = spec.q_len % block_q != 0
     ragged_kv = spec.kv_len % block_kv != 0
+    drop_rows = None
+    if ops.dropout is not None:  # the rows' hashes, once per program
+        row_mul, row_add = dropout_rows(
+            ops.dropout, batch, head, q_start, block_q, spec.q_len, ragged=ragged_q
+        )
+        drop_rows = (row_mul[:, None], row_add[:, None])
     q = load_rows(q_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     do = load_rows(do_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     lse_u = load_vector(lse_ref, 0, block_q, q_rows, ragged=ragged_q)
@@ -226,9 +239,19 @@ def _dq_kernel(
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
         z = None
-        if seed is not None:
-            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            z = _dropout.kept_scale(_dropout.keep(seed, q_idx, kv_idx, dropout_rate), dropout_rate)
+        if drop_rows is not None:
+            col = dropout_cols(
+                ops.dropout,
+                batch,
+                head,
+                kv_start,
+                block_kv,
+                spec.kv_len,
+                ragged=masked and ragged_kv,
+            )
+            z = _dropout.kept_scale(
+                _dropout.keep(*drop_rows, col[None, :], dropout_rate), dropout_rate
+            )
         ds = tile_d_logits(
             q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
         )
@@ -350,11 +373,16 @@ def _dbias_kernel(
                 mask_lead=mask_lead,
             )
         z = None
-        if ops.seeds is not None:
+        if ops.dropout is not None:
             # The global (batch, head) of pair m: blocks of `batches` x `heads` pairs.
-            seed = ops.seeds[bias_batch * batches + bi, bias_head * heads + ni]
-            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            z = _dropout.kept_scale(_dropout.keep(seed, q_idx, kv_idx, dropout_rate), dropout_rate)
+            b, n = bias_batch * batches + bi, bias_head * heads + ni
+            tile = dict(ragged=ragged_q)
+            row_mul, row_add = dropout_rows(ops.dropout, b, n, q_start, block_q, spec.q_len, **tile)
+            col = dropout_cols(
+                ops.dropout, b, n, kv_start, block_kv, spec.kv_len, ragged=masked and ragged_kv
+            )
+            keep = _dropout.keep(row_mul[:, None], row_add[:, None], col[None, :], dropout_rate)
+            z = _dropout.kept_scale(keep, dropout_rate)
         return tile_d_logits(
             q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
         )
@@ -502,7 +530,7 @@ def flash_backward(
     if ranges is not None:
         operands.append(ranges)
         in_specs.append(pl.BlockSpec(ranges.shape, lambda j, h, b: (0, 0, 0, 0)))
-    operands, in_specs = with_seeds(operands, in_specs, arrays, dropout_rate)
+    operands, in_specs = with_dropout_tables(operands, in_specs, arrays, dropout_rate, spec)
     dk, dv = pl.pallas_call(
         dkv_kernel,
         grid=(pl.cdiv(kv_len, block_kv), num_kv_heads, batch),
@@ -529,7 +557,7 @@ def flash_backward(
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
-    extra, extra_specs = with_seeds(extra, extra_specs, arrays, dropout_rate)
+    extra, extra_specs = with_dropout_tables(extra, extra_specs, arrays, dropout_rate, spec)
 
     dq = pl.pallas_call(
         functools.partial(
@@ -654,7 +682,7 @@ def _dbias(
     if ranges is not None:
         operands.append(ranges)
         in_specs.append(pl.BlockSpec(ranges.shape, lambda i, n, b: (0, 0, 0, 0)))
-    operands, in_specs = with_seeds(operands, in_specs, arrays, dropout_rate)
+    operands, in_specs = with_dropout_tables(operands, in_specs, arrays, dropout_rate, spec)
     kernel = functools.partial(
         _dbias_kernel,
         spec=spec,

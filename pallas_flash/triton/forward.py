@@ -11,10 +11,13 @@ from jax.experimental import pallas as pl
 from pallas_flash import _dropout, masks
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.reference import with_sinks
 from pallas_flash.triton._common import (
     CompilerParams,
     Operands,
     dot,
+    dropout_cols,
+    dropout_rows,
     load_pair_tile,
     load_range,
     load_rows,
@@ -44,6 +47,7 @@ def _forward_kernel(
     has_bias: bool,
     kv_splits: int,
     dropout_rate: float = 0.0,
+    has_sinks: bool = False,
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
@@ -51,10 +55,11 @@ def _forward_kernel(
     (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
     With kv_splits > 1 the third grid axis is batch * kv_splits and the program covers one
     contiguous chunk of the KV tiles; o_ref and lse_ref then hold that chunk's partial result.
-    With dropout_rate > 0 the last optional operand is the dropout seeds [B, N].
+    With dropout_rate > 0 the dropout tables (`_dropout.tables`, whole) follow the optional
+    operands, and with has_sinks the sink logits [B, N] (float32, natural log) come last.
     """
     *refs, o_ref, lse_ref = refs
-    ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0)
+    ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0, has_sinks=has_sinks)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2) // kv_splits
     q_start = tile * block_q
@@ -71,7 +76,12 @@ def _forward_kernel(
         )[:, None]
 
     unit = logit_unit(scale, ops.bias is not None, soft_cap)
-    seed = None if ops.seeds is None else ops.seeds[batch, head]
+    drop_rows = None
+    if ops.dropout is not None:  # the rows' hashes, once per program
+        row_mul, row_add = dropout_rows(
+            ops.dropout, batch, head, q_start, block_q, spec.q_len, ragged=ragged_q
+        )
+        drop_rows = (row_mul[:, None], row_add[:, None])
 
     def body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
@@ -84,9 +94,17 @@ def _forward_kernel(
         if masked:
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
         keep = None
-        if seed is not None:
-            kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-            keep = _dropout.keep(seed, q_idx, kv_idx, dropout_rate)
+        if drop_rows is not None:
+            col = dropout_cols(
+                ops.dropout,
+                batch,
+                head,
+                kv_start,
+                block_kv,
+                spec.kv_len,
+                ragged=masked and ragged_kv,
+            )
+            keep = _dropout.keep(*drop_rows, col[None, :], dropout_rate)
         return softmax_step(carry, u, v, unit, visible, keep)
 
     carry = softmax_init(block_q, q_ref.shape[-1])
@@ -99,7 +117,8 @@ def _forward_kernel(
         ranges = masks.intersect(ranges, (split * chunk,) * 2 + ((split + 1) * chunk,) * 2)
     carry = visit_tiles(ranges, body, carry)
     out_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
-    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, head_dim, out_scale)
+    sink = None if ops.sinks is None else ops.sinks[batch, head]
+    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, head_dim, out_scale, sink)
 
 
 def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, block_kv: int):
@@ -191,13 +210,14 @@ def mask_operands(spec: MaskSpec, arrays: MaskArrays, block_q: int, q_tile, rang
     return operands, in_specs
 
 
-def with_seeds(operands, in_specs, arrays: MaskArrays, dropout_rate: float):
-    """operands and in_specs, with the dropout seeds [B, N] (whole, read one scalar per program)
-    appended when dropout_rate > 0."""
+def with_dropout_tables(operands, in_specs, arrays: MaskArrays, dropout_rate: float, spec):
+    """operands and in_specs, with the dropout tables of the seeds (`_dropout.tables`, whole:
+    the kernels read their rows and columns at global indices) appended when dropout_rate > 0."""
     if not dropout_rate:
         return operands, in_specs
-    seeds = arrays.dropout_seeds
-    return [*operands, seeds], [*in_specs, pl.BlockSpec(seeds.shape, lambda *_: (0, 0))]
+    tables = _dropout.tables(arrays.dropout_seeds, spec.q_len, spec.kv_len)
+    specs = [pl.BlockSpec(x.shape, lambda *_: (0, 0, 0)) for x in tables]
+    return [*operands, *tables], [*in_specs, *specs]
 
 
 def flash_forward(
@@ -214,13 +234,16 @@ def flash_forward(
     interpret: bool,
     num_sms: int | None = None,
     dropout_rate: float = 0.0,
+    sinks=None,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
 
     q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0; bias None or [Bb, Nb, Tb, Sb] (each dim
-    full or 1); arrays: the mask's arrays (masks.MaskArrays, with the dropout seeds when
+    full or 1); arrays: the mask's arrays (masks.MaskArrays, with the dropout seeds, whose
+    `_dropout.tables` the kernels read, when
     dropout_rate > 0); num_sms: the GPU's SM count, which
-    the automatic split-KV rule fills (None: the visible GPU's).
+    the automatic split-KV rule fills (None: the visible GPU's); sinks: None or float32 [B, N],
+    attention sinks (`softmax_store`), included in out and lse.
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -247,7 +270,9 @@ def flash_forward(
         interpret,
         num_sms=gpu_core_count() if num_sms is None else num_sms,
     )
-    kernel = functools.partial(kernel, kv_splits=splits)
+    # Split KV: the chunks' merge (in XLA) adds the sinks, the kernel does not.
+    in_kernel_sinks = sinks is not None and splits == 1
+    kernel = functools.partial(kernel, kv_splits=splits, has_sinks=in_kernel_sinks)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     operands, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
@@ -256,7 +281,10 @@ def flash_forward(
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     ranges = masks.tile_ranges(spec, arrays, block_q, block_kv, over="q")
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
-    extra, extra_specs = with_seeds(extra, extra_specs, arrays, dropout_rate)
+    extra, extra_specs = with_dropout_tables(extra, extra_specs, arrays, dropout_rate, spec)
+    if in_kernel_sinks:
+        extra.append(sinks)
+        extra_specs.append(pl.BlockSpec(sinks.shape, lambda *_: (0, 0)))
     in_specs = [_per_batch(s, splits) for s in in_specs + extra_specs]
     out, lse = pl.pallas_call(
         kernel,
@@ -280,7 +308,8 @@ def flash_forward(
     )(*operands, *extra)
     if splits == 1:
         return out, lse
-    return _combine_splits(out, lse, splits, q.dtype)
+    out, lse = _combine_splits(out, lse, splits, q.dtype)
+    return (out, lse) if sinks is None else with_sinks(out, lse, sinks)
 
 
 def choose_kv_splits(

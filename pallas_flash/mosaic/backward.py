@@ -28,11 +28,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash._numerics import LOG2E
+from pallas_flash._numerics import LOG2E, lowered_reference
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
-from pallas_flash.mosaic.launch import pad_to, warp_specialised_kernel
+from pallas_flash.mosaic.launch import pad_to, warp_specialised_kernel, zero_non_finite
 from pallas_flash.mosaic.tiles import (
     CAUSAL_MISCOMPILING_CUDA,
     SMEM_BYTES,
@@ -261,8 +261,9 @@ def flash_backward(
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
-    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)).
-    lse2 = lse.astype(jnp.float32) * LOG2E
+    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)), clamped at 1; the
+    # lowered reference keeps P of a row's dominant logit exact at any magnitude.
+    lse2 = lowered_reference(lse.astype(jnp.float32) * LOG2E)
     # As in the forward: T and S padded to ROW_ALIGN, H to the kernel head dim (zero columns
     # add nothing to q.k, dO.v or the gradients' kept columns). The kernels read the true T and
     # S from q_len and kv_len; rows and keys past them are computed on zeros and not kept.
@@ -686,6 +687,8 @@ def _dq_call(
         v_ready=plgpu.Barrier(num_barriers=n_s),
         k_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
         v_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
+        # Causal: K of a diagonal tile lands here; the producer cleans it, then arrives k_ready.
+        k_landed=plgpu.Barrier(num_barriers=n_s),
     )
     return warp_specialised_kernel(
         kernel,
@@ -717,6 +720,7 @@ def _dq_kernel(
     v_ready,
     k_free,
     v_free,
+    k_landed,
     qk_scale: float,
     scale: float,
     is_causal: bool,
@@ -735,7 +739,7 @@ def _dq_kernel(
         q_tile = num_q_tiles - 1 - q_tile
     cta_q_start = q_tile * tiles.cta_q_rows
     block_kv = tiles.block_kv_dq
-    cta_tiles, _ = _kv_tile_counts(
+    cta_tiles, cta_whole = _kv_tile_counts(
         cta_q_start, tiles.cta_q_rows, kv_len=kv_len, block_kv=block_kv, is_causal=is_causal
     )
     wg = lax.axis_index("wg")
@@ -786,7 +790,24 @@ def _dq_kernel(
             pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
             pl.when(step >= tiles.num_stages)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            if not is_causal:
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+                return
+            # Keys on the CTA's diagonal are hidden from some of its rows: dS = 0 there, but NaN
+            # or inf in K would reach those rows through 0 * NaN in dQ += dS K. The producer
+            # zeroes them once for both consumers (which read the slot concurrently) before
+            # signalling the slot ready; tiles every row sees whole load as they are.
+            whole = step < cta_whole
+            pl.when(whole)(
+                lambda: plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            )
+
+            @pl.when(jnp.logical_not(whole))
+            def _diagonal():
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_landed.at[slot])
+                plgpu.barrier_wait(k_landed.at[slot])
+                zero_non_finite(k_smem.at[slot])
+                plgpu.barrier_arrive(k_ready.at[slot])
 
 
 def _consume_dq(

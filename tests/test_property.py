@@ -26,10 +26,12 @@ import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    MASK_ARGUMENTS,
     MASKED_OUTPUT_NAMES,
     attention_oracle_f64,
     backend_paths,
@@ -54,7 +56,7 @@ BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2, "f16": 1e-2}
 SWEEP = int(os.environ.get("PALLAS_FLASH_SWEEP", "0"))
 SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
 # Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP.
-CI_EXAMPLES = {"xla": 8, "triton-interpret": 4}
+CI_EXAMPLES = {"xla": 8, "triton-interpret": 4, "mosaic-interpret": 1}
 GPU_EXAMPLES = 100
 
 
@@ -376,11 +378,11 @@ def plain_in_dtype(c: Config, x64, vis):
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
-def violations(c: Config, results, baselines, oracles) -> list[str]:
+def violations(c: Config, results, baselines, oracles, names=MASKED_OUTPUT_NAMES) -> list[str]:
     """Messages for outputs beyond 2 x (plain error, capped) + floor, relative to the magnitude;
     non-finite values where the oracle is finite; -inf entries that differ from the oracle's."""
     msgs = []
-    for name in MASKED_OUTPUT_NAMES:
+    for name in names:
         want, got = oracles[name], results[name]
         if want is None:
             if got is not None:
@@ -430,6 +432,11 @@ def check(c: Config, seed: int, path):
         if not SWEEP_LOG:
             raise
         msgs = [f"raised {type(e).__name__}: {str(e)[:300]}"]
+    report(c, seed, path, msgs)
+
+
+def report(c: Config, seed: int, path, msgs: list[str]):
+    """Appends the example to SWEEP_LOG, or fails on its violations."""
     if SWEEP_LOG:
         with open(SWEEP_LOG, "a") as log:
             row = dict(path=path.name, seed=seed, config=dataclasses.asdict(c), violations=msgs)
@@ -459,6 +466,111 @@ def test_property_sweep(path):
     @given(c=configs(), seed=st.integers(0, 2**32 - 1))
     def sweep(c, seed):
         check(c, seed, path)
+
+    sweep()
+
+
+# -- the Mosaic GPU kernels ------------------------------------------------------------------------
+
+# The extremes a call without a bias can carry.
+MOSAIC_EXTREMES = ("none", "large-logits", "huge-logits", "nan-hidden-keys")
+
+
+@st.composite
+def mosaic_configs(draw):
+    """Calls the Mosaic GPU kernels take (backend="mosaic"): 16-bit, whole tiles (T a multiple
+    of 128 query rows, S of 128 keys), every head dim they run (80, 96 padded to 128; the
+    backward of 192 and 256 is Triton's), GQA, causal, windows, soft caps, segment ids and
+    lengths (their backward is Triton's too), no bias or dense mask, and the extremes of
+    MOSAIC_EXTREMES. Few shapes, so that a long sweep reuses compiled kernels."""
+    num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
+    q_len = draw(st.sampled_from([128, 256]))
+    kv_len = draw(st.sampled_from([128, 256, 384]))
+    extreme = draw(st.sampled_from(MOSAIC_EXTREMES))
+    return Config(
+        batch=draw(st.integers(1, 2)),
+        q_len=q_len,
+        kv_len=kv_len,
+        num_heads=num_kv_heads * group,
+        num_kv_heads=num_kv_heads,
+        head_dim=draw(st.sampled_from([64, 64, 80, 96, 128, 128, 192, 256])),
+        dtype=draw(st.sampled_from(["bf16", "f16"])),
+        is_causal=draw(st.booleans()),
+        window=draw(
+            st.one_of(st.none(), st.tuples(st.integers(0, 200), st.integers(0, 200)))
+            if draw(st.integers(0, 3)) == 0
+            else st.none()
+        ),
+        soft_cap=draw(st.one_of(st.none(), st.none(), st.sampled_from([5.0, 30.0]))),
+        scale=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.3]))),
+        q_lengths=draw(st.integers(0, 4)) == 0,
+        kv_lengths=draw(st.integers(0, 3)) == 0 or extreme == "nan-hidden-keys",
+        segments=draw(st.sampled_from([None, None, "qkv"] + ["q"] * (q_len == kv_len))),
+        num_segments=draw(st.integers(1, 3)),
+        sorted_segments=draw(st.booleans()),
+        extreme=extreme,
+    )
+
+
+def runs_mosaic_backward(c: Config) -> bool:
+    """Whether backend="mosaic" differentiates `c` with the Mosaic backward (plain causal or
+    full calls at head dims up to 128), not Triton's."""
+    plain = c.window is None and c.soft_cap is None and c.segments is None
+    return plain and not (c.q_lengths or c.kv_lengths) and c.head_dim <= 128
+
+
+def check_forward(c: Config, seed: int, path):
+    """`check` of out and lse only: jax's Mosaic GPU interpreter runs the Mosaic kernels, not the
+    Triton backward that backend="mosaic" takes for the calls its own backward does not run."""
+    xs, x64, vis = make_inputs(c, seed)
+    try:
+        out, lse = jax.jit(
+            lambda q, k, v, extra: pallas_flash.flash_attention(
+                q,
+                k,
+                v,
+                None,
+                extra["mask"],
+                query_seq_lengths=extra["q_lens"],
+                key_value_seq_lengths=extra["kv_lens"],
+                q_segment_ids=extra["q_seg"],
+                kv_segment_ids=extra["kv_seg"],
+                return_residuals=True,
+                scale=c.scale,
+                is_causal=c.is_causal,
+                local_window_size=c.window,
+                logits_soft_cap=c.soft_cap,
+                **path.call_kwargs(),
+            )
+        )(xs["q"], xs["k"], xs["v"], {name: xs[name] for name in MASK_ARGUMENTS})
+        forward = dict(out=out, lse=lse)
+        want = {name: oracle(c, x64, vis)[name] for name in forward}
+        base = plain_in_dtype(c, x64, vis)
+        msgs = violations(c, forward, base, want, names=("out", "lse"))
+    except Exception as e:
+        if not SWEEP_LOG:
+            raise
+        msgs = [f"raised {type(e).__name__}: {str(e)[:300]}"]
+    report(c, seed, path, msgs)
+
+
+MOSAIC_PATHS = backend_paths(mosaic=True, exclude=("xla", "triton-interpret", "triton", "default"))
+
+
+@pytest.mark.parametrize("path", MOSAIC_PATHS)
+def test_property_sweep_mosaic(path):
+    """The sweep on the Mosaic GPU kernels (backend="mosaic"): interpreted, values and
+    gradients where the Mosaic backward runs the call, values elsewhere; compiled, all of
+    them."""
+
+    @sweep_settings(path)
+    @given(c=mosaic_configs(), seed=st.integers(0, 2**32 - 1))
+    def sweep(c, seed):
+        with path.scope():
+            if path.interpreted and not runs_mosaic_backward(c):
+                check_forward(c, seed, path)
+            else:
+                check(c, seed, path)
 
     sweep()
 

@@ -13,7 +13,10 @@ where the oracle has them (the -inf lse of rows that see no key).
 
 Paths: the backend matrix (conftest.backend_paths): backend="xla" and the Triton kernels in the
 Pallas interpreter on CPU; on the GPU (the `gpu` marker) the compiled Triton kernels and
-backend=None. CI runs a fixed-seed slice;
+backend=None. The Mosaic GPU kernels (backend="mosaic": jax's Mosaic GPU interpreter on CPU, the
+compiled kernels on Hopper) get their own sweep (`test_property_sweep_mosaic`) over the calls
+they take, drawn from a fixed pool of static configurations with drawn data, so that a long
+GPU run compiles each pool entry once. CI runs a fixed-seed slice;
 PALLAS_FLASH_SWEEP=N runs N examples per path with fresh seeds; with PALLAS_FLASH_SWEEP_LOG=path
 each example appends one JSON line (configuration, path, violations) there instead of failing, so
 that a long sweep counts every failure.
@@ -22,6 +25,7 @@ that a long sweep counts every failure.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -31,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    BACKEND_PATHS,
     MASK_ARGUMENTS,
     MASKED_OUTPUT_NAMES,
     attention_oracle_f64,
@@ -474,41 +479,79 @@ def test_property_sweep(path):
 
 # The extremes a call without a bias can carry.
 MOSAIC_EXTREMES = ("none", "large-logits", "huge-logits", "nan-hidden-keys")
+# Config fields that shape the compiled program; the rest (extremes, segment layouts, values of
+# lengths and ids, seeds) are data.
+STATIC_FIELDS = (
+    "batch",
+    "q_len",
+    "kv_len",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "is_causal",
+    "window",
+    "soft_cap",
+    "scale",
+    "q_lengths",
+    "kv_lengths",
+    "segments",
+)
+
+
+def mosaic_static_pool(size: int = 48, seed: int = 0) -> list[dict]:
+    """`size` static configurations of calls the Mosaic GPU kernels take (backend="mosaic"):
+    16-bit, whole tiles (T a multiple of 128 query rows, S of 128 keys), every head dim they run
+    (80, 96 padded to 128; the backward of 192 and 256 is Triton's), GQA, causal, windows, soft
+    caps, segment ids and lengths (their backward is Triton's too), no bias or dense mask. A
+    fixed pool: a long sweep draws its examples from it and compiles each entry once."""
+    rng = np.random.default_rng(seed)
+    pool = []
+    for i in range(size):
+        num_kv_heads, group = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)][rng.integers(5)]
+        q_len = int(rng.choice([128, 256]))
+        kv_len = int(rng.choice([128, 256, 384]))
+        masked = i % 2  # every other entry: a window, a soft cap, segment ids or lengths
+        pool.append(
+            dict(
+                batch=int(rng.integers(1, 3)),
+                q_len=q_len,
+                kv_len=kv_len,
+                num_heads=num_kv_heads * group,
+                num_kv_heads=num_kv_heads,
+                head_dim=int([64, 80, 96, 128, 192, 256][i % 6]),
+                dtype=["bf16", "f16"][rng.integers(2)],
+                is_causal=bool(rng.integers(2)),
+                window=(int(rng.integers(0, 200)), int(rng.integers(0, 200)))
+                if masked and rng.random() < 0.4
+                else None,
+                soft_cap=float(rng.choice([5.0, 30.0])) if masked and rng.random() < 0.3 else None,
+                scale=[None, 0.05, 0.3][rng.integers(3)],
+                q_lengths=bool(masked and rng.random() < 0.3),
+                kv_lengths=bool(masked and rng.random() < 0.5),
+                segments=(["qkv"] + ["q"] * (q_len == kv_len))[rng.integers(1 + (q_len == kv_len))]
+                if masked and rng.random() < 0.5
+                else None,
+            )
+        )
+    return pool
+
+
+MOSAIC_POOL = mosaic_static_pool()
 
 
 @st.composite
 def mosaic_configs(draw):
-    """Calls the Mosaic GPU kernels take (backend="mosaic"): 16-bit, whole tiles (T a multiple
-    of 128 query rows, S of 128 keys), every head dim they run (80, 96 padded to 128; the
-    backward of 192 and 256 is Triton's), GQA, causal, windows, soft caps, segment ids and
-    lengths (their backward is Triton's too), no bias or dense mask, and the extremes of
-    MOSAIC_EXTREMES. Few shapes, so that a long sweep reuses compiled kernels."""
-    num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)]))
-    q_len = draw(st.sampled_from([128, 256]))
-    kv_len = draw(st.sampled_from([128, 256, 384]))
-    extreme = draw(st.sampled_from(MOSAIC_EXTREMES))
+    """Configurations of MOSAIC_POOL with drawn data: the extremes of MOSAIC_EXTREMES (NaN at
+    hidden keys brings key lengths: such entries draw another extreme when they have none),
+    segment layouts."""
+    static = draw(st.sampled_from(MOSAIC_POOL))
+    extremes = MOSAIC_EXTREMES if static["kv_lengths"] else MOSAIC_EXTREMES[:-1]
     return Config(
-        batch=draw(st.integers(1, 2)),
-        q_len=q_len,
-        kv_len=kv_len,
-        num_heads=num_kv_heads * group,
-        num_kv_heads=num_kv_heads,
-        head_dim=draw(st.sampled_from([64, 64, 80, 96, 128, 128, 192, 256])),
-        dtype=draw(st.sampled_from(["bf16", "f16"])),
-        is_causal=draw(st.booleans()),
-        window=draw(
-            st.one_of(st.none(), st.tuples(st.integers(0, 200), st.integers(0, 200)))
-            if draw(st.integers(0, 3)) == 0
-            else st.none()
-        ),
-        soft_cap=draw(st.one_of(st.none(), st.none(), st.sampled_from([5.0, 30.0]))),
-        scale=draw(st.one_of(st.none(), st.sampled_from([0.05, 0.3]))),
-        q_lengths=draw(st.integers(0, 4)) == 0,
-        kv_lengths=draw(st.integers(0, 3)) == 0 or extreme == "nan-hidden-keys",
-        segments=draw(st.sampled_from([None, None, "qkv"] + ["q"] * (q_len == kv_len))),
+        **static,
         num_segments=draw(st.integers(1, 3)),
         sorted_segments=draw(st.booleans()),
-        extreme=extreme,
+        extreme=draw(st.sampled_from(extremes)),
     )
 
 
@@ -519,34 +562,58 @@ def runs_mosaic_backward(c: Config) -> bool:
     return plain and not (c.q_lengths or c.kv_lengths) and c.head_dim <= 128
 
 
-def check_forward(c: Config, seed: int, path):
-    """`check` of out and lse only: jax's Mosaic GPU interpreter runs the Mosaic kernels, not the
-    Triton backward that backend="mosaic" takes for the calls its own backward does not run."""
+@functools.cache
+def mosaic_program(static: tuple, path_name: str, grads: bool):
+    """The jitted call of one static configuration on a path: (q, k, v, d_out, d_lse, mask
+    arguments) -> out, lse and, with grads, dq, dk, dv (dbias None). Cached, so that examples
+    of one pool entry reuse its compiled program."""
+    c = dict(zip(STATIC_FIELDS, static, strict=True))
+
+    def call(q, k, v, extra):
+        return pallas_flash.flash_attention(
+            q,
+            k,
+            v,
+            query_seq_lengths=extra["q_lens"],
+            key_value_seq_lengths=extra["kv_lens"],
+            q_segment_ids=extra["q_seg"],
+            kv_segment_ids=extra["kv_seg"],
+            return_residuals=True,
+            scale=c["scale"],
+            is_causal=c["is_causal"],
+            local_window_size=c["window"],
+            logits_soft_cap=c["soft_cap"],
+            **BACKEND_PATHS[path_name].call_kwargs(),
+        )
+
+    def program(q, k, v, d_out, d_lse, extra):
+        if not grads:
+            out, lse = call(q, k, v, extra)
+            return dict(out=out, lse=lse)
+        (out, lse), vjp = jax.vjp(lambda q, k, v: call(q, k, v, extra), q, k, v)
+        dq, dk, dv = vjp((d_out, d_lse))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=None)
+
+    return jax.jit(program)
+
+
+def check_mosaic(c: Config, seed: int, path):
+    """`check` through `mosaic_program`; values and gradients, or out and lse only where jax's
+    Mosaic GPU interpreter would meet the Triton backward (which it cannot run), that
+    backend="mosaic" takes for the calls its own backward does not run."""
+    grads = not (path.interpreted and not runs_mosaic_backward(c))
+    names = MASKED_OUTPUT_NAMES if grads else ("out", "lse")
     xs, x64, vis = make_inputs(c, seed)
     try:
-        out, lse = jax.jit(
-            lambda q, k, v, extra: pallas_flash.flash_attention(
-                q,
-                k,
-                v,
-                None,
-                extra["mask"],
-                query_seq_lengths=extra["q_lens"],
-                key_value_seq_lengths=extra["kv_lens"],
-                q_segment_ids=extra["q_seg"],
-                kv_segment_ids=extra["kv_seg"],
-                return_residuals=True,
-                scale=c.scale,
-                is_causal=c.is_causal,
-                local_window_size=c.window,
-                logits_soft_cap=c.soft_cap,
-                **path.call_kwargs(),
-            )
-        )(xs["q"], xs["k"], xs["v"], {name: xs[name] for name in MASK_ARGUMENTS})
-        forward = dict(out=out, lse=lse)
-        want = {name: oracle(c, x64, vis)[name] for name in forward}
-        base = plain_in_dtype(c, x64, vis)
-        msgs = violations(c, forward, base, want, names=("out", "lse"))
+        static = tuple(getattr(c, name) for name in STATIC_FIELDS)
+        # The interpreter's state is reset per scope: a program traced in another is not reused.
+        make = mosaic_program.__wrapped__ if path.interpreted else mosaic_program
+        program = make(static, path.name, grads)
+        extra = {name: xs[name] for name in MASK_ARGUMENTS if name != "mask"}
+        results = program(xs["q"], xs["k"], xs["v"], xs["d_out"], xs["d_lse"], extra)
+        results = {name: results[name] for name in names}
+        wanted = oracle(c, x64, vis)
+        msgs = violations(c, results, plain_in_dtype(c, x64, vis), wanted, names=names)
     except Exception as e:
         if not SWEEP_LOG:
             raise
@@ -559,18 +626,15 @@ MOSAIC_PATHS = backend_paths(mosaic=True, exclude=("xla", "triton-interpret", "t
 
 @pytest.mark.parametrize("path", MOSAIC_PATHS)
 def test_property_sweep_mosaic(path):
-    """The sweep on the Mosaic GPU kernels (backend="mosaic"): interpreted, values and
-    gradients where the Mosaic backward runs the call, values elsewhere; compiled, all of
-    them."""
+    """The sweep on the Mosaic GPU kernels (backend="mosaic"), against the float64 oracle as
+    the other paths' sweep: interpreted, values and gradients where the Mosaic backward runs
+    the call, values elsewhere; compiled, all of them."""
 
     @sweep_settings(path)
     @given(c=mosaic_configs(), seed=st.integers(0, 2**32 - 1))
     def sweep(c, seed):
         with path.scope():
-            if path.interpreted and not runs_mosaic_backward(c):
-                check_forward(c, seed, path)
-            else:
-                check(c, seed, path)
+            check_mosaic(c, seed, path)
 
     sweep()
 

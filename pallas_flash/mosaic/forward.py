@@ -241,7 +241,6 @@ def _forward_call(
         k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
         schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
-        v_landed=plgpu.Barrier(num_barriers=tiles.num_stages),
     )
     if has_ids:
         scratch.update(
@@ -288,7 +287,6 @@ def _forward_kernel(
     k_free,
     v_free,
     schedule,
-    v_landed,
     q_ids_smem=None,
     kv_ids_smem=None,
     spec: MaskSpec,
@@ -339,7 +337,6 @@ def _forward_kernel(
             first_tile=cta_range[0],
             steps_before=steps_before,
             kv_ids_smem=kv_ids_smem,
-            v_landed=v_landed,
         )
 
     def over_items(body):
@@ -421,25 +418,8 @@ def _forward_kernel(
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
         def produce_item(n, steps_before):
-            batch, head, q_tile, cta_range = item(n)
+            batch, head, _, cta_range = item(n)
             kv_head = lax.div(head, jnp.int32(group))
-            hides_keys = None
-            # Keys a row cannot see, in a tile it sees in part, may hold NaN or inf in V
-            # (padding, another document, a later token): p = 0 there, but 0 * NaN in P.V is
-            # NaN. Keys past S need nothing: zeros from the wrapper's padding or from TMA.
-            if any(mask_sides(spec, tiles)) or plan_ref is not None:
-                if plan_ref is None:
-                    q_start = q_tile * tiles.cta_rows
-                    ranges = [
-                        consumer_tile_range(spec, q_start + c * tiles.block_q, cta_range, tiles)
-                        for c in range(NUM_CONSUMERS)
-                    ]
-                else:
-                    ranges = [
-                        tuple(plan_ref[batch, q_tile, c, i] for i in range(4))
-                        for c in range(NUM_CONSUMERS)
-                    ]
-                hides_keys = functools.partial(_masked_for_some_consumer, ranges)
             _produce(
                 k_ref,
                 v_ref,
@@ -449,7 +429,6 @@ def _forward_kernel(
                 kv_head=kv_head,
                 cta_hi=cta_range[1],
                 tiles=tiles,
-                hides_keys=hides_keys,
             )
             return steps_before + cta_range[1] - cta_range[0]
 
@@ -473,8 +452,6 @@ class _Ring:
     first_tile: object  # the item's first KV tile (an int32 scalar or a Python int)
     steps_before: object = 0  # KV steps of the CTA's earlier items (persistent CTAs)
     kv_ids_smem: object = None
-    # V tiles that the producer cleans (`_produce`) land here before it completes v_ready.
-    v_landed: object = None
 
     def step(self, tile):
         return jnp.asarray(self.steps_before + tile - self.first_tile, jnp.int32)
@@ -483,25 +460,9 @@ class _Ring:
         return lax.rem(self.step(tile), jnp.int32(self.num_stages))
 
 
-def _produce(
-    k_ref,
-    v_ref,
-    kv_ids_ref,
-    ring: _Ring,
-    *,
-    batch,
-    kv_head,
-    cta_hi,
-    tiles: ForwardTiles,
-    hides_keys=None,
-):
+def _produce(k_ref, v_ref, kv_ids_ref, ring: _Ring, *, batch, kv_head, cta_hi, tiles: ForwardTiles):
     """Producer warpgroup: TMA every KV tile of the item, [first_tile, cta_hi), into the ring,
-    in order (with its KV segment ids next to K when kv_ids_ref is not None).
-
-    hides_keys: None, or tile -> whether a consumer masks that tile (some of its rows do not
-    see some of its keys). Such a V tile lands on v_landed; the producer zeroes its NaN and inf
-    (`zero_non_finite`) and then completes v_ready, once for both consumers and off their path.
-    K needs nothing: the consumers select the logits of hidden keys."""
+    in order (with its KV segment ids next to K when kv_ids_ref is not None)."""
 
     def copy(gmem_ref, smem, ready, tile, slot):
         # The last tile's window may run past S: TMA fills those rows with zeros, which the
@@ -517,20 +478,6 @@ def _produce(
             ids = kv_ids_ref.at[batch, pl.ds(tile * tiles.block_kv, tiles.block_kv)]
             plgpu.copy_gmem_to_smem(ids, ring.kv_ids_smem.at[slot], ring.k_ready.at[slot])
 
-    def copy_v(tile, slot):
-        if hides_keys is None:
-            copy(v_ref, ring.v_smem, ring.v_ready, tile, slot)
-            return
-        hidden = hides_keys(tile)
-        pl.when(jnp.logical_not(hidden))(lambda: copy(v_ref, ring.v_smem, ring.v_ready, tile, slot))
-
-        @pl.when(hidden)
-        def _clean():
-            copy(v_ref, ring.v_smem, ring.v_landed, tile, slot)
-            plgpu.barrier_wait(ring.v_landed.at[slot])
-            zero_non_finite(ring.v_smem.at[slot])
-            plgpu.barrier_arrive(ring.v_ready.at[slot])
-
     first = ring.first_tile
     if tiles.persistent:
         # The ring runs on across items: a step waits for its slot unless it is one of the
@@ -542,7 +489,7 @@ def _produce(
             pl.when(refill)(lambda: plgpu.barrier_wait(ring.k_free.at[slot]))
             copy_k(tile, slot)
             pl.when(refill)(lambda: plgpu.barrier_wait(ring.v_free.at[slot]))
-            copy_v(tile, slot)
+            copy(v_ref, ring.v_smem, ring.v_ready, tile, slot)
 
         return
 
@@ -553,7 +500,7 @@ def _produce(
         @pl.when(first + n < cta_hi)
         def _copy():
             copy_k(first + n, n)
-            copy_v(first + n, n)
+            copy(v_ref, ring.v_smem, ring.v_ready, first + n, n)
 
     num_fills = min(tiles.num_stages, cdiv(k_ref.shape[1], tiles.block_kv))
     if k_ref.shape[1] % tiles.block_kv == 0:
@@ -572,17 +519,7 @@ def _produce(
         plgpu.barrier_wait(ring.k_free.at[slot])
         copy_k(tile, slot)
         plgpu.barrier_wait(ring.v_free.at[slot])
-        copy_v(tile, slot)
-
-
-def _masked_for_some_consumer(ranges, tile):
-    """Whether KV tile `tile` lies in a masked part of some consumer's range (lo, full_lo,
-    full_hi, hi): [lo, full_lo) or [full_hi, hi)."""
-    masked = [
-        ((lo <= tile) & (tile < full_lo)) | ((full_hi <= tile) & (tile < hi))
-        for lo, full_lo, full_hi, hi in ranges
-    ]
-    return functools.reduce(jnp.logical_or, masked)
+        copy(v_ref, ring.v_smem, ring.v_ready, tile, slot)
 
 
 def _schedule_sync(schedule):
@@ -670,6 +607,10 @@ def _consume(
     # A ragged last KV tile holds keys past S: it lies past full_hi and is masked there.
     ragged_kv = spec.kv_len % block_kv != 0
     mask_right = mask_right or ragged_kv
+    # Keys a row cannot see, inside a tile it partly sees, may hold NaN or inf in V (padding,
+    # another document, a later token): p = 0 there, but 0 * NaN in P.V is NaN. Keys past S
+    # need nothing: the wrapper pads with zeros and TMA reads zeros past the array's end.
+    sanitise_v = geometry_left or geometry_right or q_ids_smem is not None
     # s: the logits in units where exp2((s - m) * unit2) is exp(logit - max logit): q.k itself,
     # or the capped logits, already in log2 units (tanh does not commute with a scaled max);
     # `unit` converts s to a natural-log logit.
@@ -735,6 +676,10 @@ def _consume(
         plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the MMAs
         plgpu.barrier_wait(ring.v_ready.at[slot])
         plgpu.barrier_wait(schedule)  # ... and has issued them
+        if masked and sanitise_v:
+            # Here, between the schedule syncs, consumer 0's P.V of this slot happens before
+            # consumer 1's (the schedule barrier orders them), so the two never touch it at once.
+            zero_non_finite(ring.v_smem.at[slot])
 
         # -- accumulate p.v, unnormalised (normalised once in the epilogue: FA2 change 1) --
         def pv_into(acc_ref):

@@ -19,7 +19,8 @@ they take, drawn from a fixed pool of static configurations with drawn data, so 
 GPU run compiles each pool entry once. CI runs a fixed-seed slice;
 PALLAS_FLASH_SWEEP=N runs N examples per path with fresh seeds; with PALLAS_FLASH_SWEEP_LOG=path
 each example appends one JSON line (configuration, path, violations) there instead of failing, so
-that a long sweep counts every failure.
+that a long sweep counts every failure; PALLAS_FLASH_SWEEP_SHARD=i/n splits the Mosaic sweep's
+pool between n processes.
 """
 
 from __future__ import annotations
@@ -537,7 +538,10 @@ def mosaic_static_pool(size: int = 48, seed: int = 0) -> list[dict]:
     return pool
 
 
-MOSAIC_POOL = mosaic_static_pool()
+# PALLAS_FLASH_SWEEP_SHARD=i/n keeps the pool entries j with j % n == i: n processes (one per GPU)
+# share a long sweep, each compiling its own entries only.
+_SHARD, _SHARDS = map(int, os.environ.get("PALLAS_FLASH_SWEEP_SHARD", "0/1").split("/"))
+MOSAIC_POOL = mosaic_static_pool()[_SHARD::_SHARDS]
 
 
 @st.composite

@@ -61,8 +61,10 @@ BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2, "f16": 1e-2}
 
 SWEEP = int(os.environ.get("PALLAS_FLASH_SWEEP", "0"))
 SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
-# Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP.
-CI_EXAMPLES = {"xla": 8, "triton-interpret": 4, "mosaic-interpret": 1}
+# Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP. The
+# Mosaic sweep's: none in the interpreter in CI (the NaN-safety and Mosaic tests cover the
+# kernels there), 24 on the GPU (each new pool entry compiles three kernels).
+CI_EXAMPLES = {"xla": 8, "triton-interpret": 4, "mosaic-interpret": 1, "mosaic": 24}
 GPU_EXAMPLES = 100
 
 
@@ -625,7 +627,11 @@ def check_mosaic(c: Config, seed: int, path):
     report(c, seed, path, msgs)
 
 
-MOSAIC_PATHS = backend_paths(mosaic=True, exclude=("xla", "triton-interpret", "triton", "default"))
+MOSAIC_PATHS = backend_paths(
+    mosaic=True,
+    exclude=("xla", "triton-interpret", "triton", "default"),
+    sweep=("mosaic-interpret",),
+)
 
 
 @pytest.mark.parametrize("path", MOSAIC_PATHS)

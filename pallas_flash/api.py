@@ -151,10 +151,6 @@ def flash_attention(
       cannot see (masked, past its length, another segment, outside the window, in the
       future) does not reach that row's output, lse or gradients; a row that sees such a key
       gets NaN or, where the kernels zero the key on a partially masked tile, a finite value.
-      The Mosaic GPU kernels (Hopper) are the exception: there NaN or inf in value at a hidden
-      key reaches the other rows of its key tile in the forward, and in key at a future key
-      the dq of the rows of its tile in the backward; and the Mosaic forward, which keeps one
-      fused multiply-add per logit for speed, distorts or overflows beyond |logit| ~ 1e8.
 
     Sharding: under `jax.jit` with the inputs sharded over their batch and/or head axes (by
     `in_shardings`/`NamedSharding`, or by explicit sharding in types), every device runs the

@@ -27,7 +27,7 @@ import pytest
 from conftest import attention_oracle_f64, segment_arrays
 
 from pallas_flash import masks
-from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
+from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.schedule import (
     consumer_tile_range,
@@ -503,7 +503,7 @@ def test_backward_protocol_never_hangs_or_races():
 
 ARITHMETIC_CASES = [
     # (T, S, causal, window, soft cap, scale): rows without keys, scales whose qk_scale takes
-    # MASK_VALUE past float32's range, soft caps that bite.
+    # MIN_LOGIT past float32's range, soft caps that bite.
     (512, 256, True, (10, 3), None, 0.09),
     (1024, 128, False, (1, 0), None, 0.125),
     (512, 256, False, (0, 0), None, 2.0),
@@ -516,9 +516,10 @@ ARITHMETIC_CASES = [
 
 @pytest.mark.parametrize("case", ARITHMETIC_CASES, ids=str)
 def test_consumer_arithmetic_matches_oracle(case):
-    """The kernel's float32 arithmetic (MASK_VALUE start, zeroed masked probabilities, exp2
-    soft cap, guarded epilogue) replayed in numpy: no NaN, rows without keys give exactly 0
-    and -inf, the rest is within float32 rounding of the float64 oracle."""
+    """The kernel's float32 arithmetic (MIN_LOGIT start, -inf hidden logits, the row max
+    subtracted before scaling, exp2 soft cap, guarded epilogue) replayed in numpy: no NaN, rows
+    without keys give exactly 0 and -inf, the rest is within float32 rounding of the float64
+    oracle."""
     q_len, kv_len, is_causal, window, soft_cap, scale = case
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((n, 64)).astype(f32) for n in (q_len, kv_len, kv_len))
@@ -586,6 +587,8 @@ def consumer_arithmetic(
     q_len, head_dim = q.shape
     block_q, block_kv = tiles.block_q, tiles.block_kv
     qk_scale = f32(scale * LOG2E)
+    # The logits' units: q.k, or the capped logits in log2 units; unit converts to natural log.
+    unit2, unit = (qk_scale, f32(scale)) if soft_cap is None else (f32(1.0), f32(LN2))
     out, lse = np.zeros((q_len, head_dim), f32), np.zeros(q_len, f32)
     mask_left, mask_right = mask_sides(spec, tiles)
     if ids is not None:
@@ -600,7 +603,7 @@ def consumer_arithmetic(
             else:
                 lo, full_lo, full_hi, hi = plan[cta_start // tiles.cta_rows, wg]
             acc = np.zeros((block_q, head_dim), f32)
-            m_i, l_i = np.full(block_q, MASK_VALUE, f32), np.zeros(block_q, f32)
+            m_i, l_i = np.full(block_q, MIN_LOGIT, f32), np.zeros(block_q, f32)
             for tile in range(lo, hi):
                 keys = slice(tile * block_kv, (tile + 1) * block_kv)
                 qk = q[q_start : q_start + block_q] @ k[keys].T
@@ -616,30 +619,24 @@ def consumer_arithmetic(
                     if ids is not None:
                         rows, keys_ids = ids[0][q_start : q_start + block_q], ids[1][keys]
                         visible &= rows[:, None] == keys_ids[None, :]
-                with np.errstate(over="ignore"):  # MASK_VALUE * qk_scale may round to -inf
-                    if soft_cap is None:
-                        if visible is not None:
-                            qk = np.where(visible, qk, f32(MASK_VALUE))
-                        m_new = np.maximum(m_i, qk.max(axis=1) * qk_scale)
-                        p = np.exp2(qk * qk_scale - m_new[:, None])
-                    else:
-                        cap2 = f32(soft_cap * LOG2E)
-                        e = np.exp2(qk * f32(2.0 * LOG2E * scale / soft_cap))
-                        s = cap2 - f32(2.0 * cap2) / (e + f32(1.0))
-                        if visible is not None:
-                            s = np.where(visible, s, f32(MASK_VALUE))
-                        m_new = np.maximum(m_i, s.max(axis=1))
-                        p = np.exp2(s - m_new[:, None])
+                s = qk
+                if soft_cap is not None:
+                    cap2 = f32(soft_cap * LOG2E)
+                    e = np.exp2(qk * f32(2.0 * LOG2E * scale / soft_cap))
+                    s = cap2 - f32(2.0 * cap2) / (e + f32(1.0))
                 if visible is not None:
-                    p = np.where(visible, p, f32(0.0))
-                alpha = np.exp2(m_i - m_new)
+                    s = np.where(visible, s, f32(-np.inf))
+                m_new = np.maximum(m_i, s.max(axis=1))
+                with np.errstate(over="ignore"):  # MIN_LOGIT - m may round to -inf
+                    p = np.exp2((s - m_new[:, None]) * unit2)
+                    alpha = np.exp2((m_i - m_new) * unit2)
                 l_i = l_i * alpha + p.sum(axis=1)
                 acc = acc * alpha[:, None] + p @ v[keys]
                 m_i = m_new
             empty = l_i == 0.0
             l_safe = np.where(empty, f32(1.0), l_i)
             out[q_start : q_start + block_q] = acc * (f32(1.0) / l_safe)[:, None]
-            with np.errstate(divide="ignore"):
-                row_lse = np.where(empty, -np.inf, m_i * f32(LN2) + np.log(l_safe))
+            with np.errstate(divide="ignore", over="ignore"):  # empty rows: MIN_LOGIT * unit
+                row_lse = np.where(empty, -np.inf, m_i * unit + np.log(l_safe))
             lse[q_start : q_start + block_q] = row_lse
     return out, lse

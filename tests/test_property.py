@@ -13,23 +13,31 @@ where the oracle has them (the -inf lse of rows that see no key).
 
 Paths: the backend matrix (conftest.backend_paths): backend="xla" and the Triton kernels in the
 Pallas interpreter on CPU; on the GPU (the `gpu` marker) the compiled Triton kernels and
-backend=None. CI runs a fixed-seed slice;
+backend=None. The Mosaic GPU kernels (backend="mosaic": jax's Mosaic GPU interpreter on CPU, the
+compiled kernels on Hopper) get their own sweep (`test_property_sweep_mosaic`) over the calls
+they take, drawn from a fixed pool of static configurations with drawn data, so that a long
+GPU run compiles each pool entry once. CI runs a fixed-seed slice;
 PALLAS_FLASH_SWEEP=N runs N examples per path with fresh seeds; with PALLAS_FLASH_SWEEP_LOG=path
 each example appends one JSON line (configuration, path, violations) there instead of failing, so
-that a long sweep counts every failure.
+that a long sweep counts every failure; PALLAS_FLASH_SWEEP_SHARD=i/n splits the Mosaic sweep's
+pool between n processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    BACKEND_PATHS,
+    MASK_ARGUMENTS,
     MASKED_OUTPUT_NAMES,
     attention_oracle_f64,
     backend_paths,
@@ -53,8 +61,10 @@ BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2, "f16": 1e-2}
 
 SWEEP = int(os.environ.get("PALLAS_FLASH_SWEEP", "0"))
 SWEEP_LOG = os.environ.get("PALLAS_FLASH_SWEEP_LOG")
-# Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP.
-CI_EXAMPLES = {"xla": 8, "triton-interpret": 4}
+# Examples per path: the fixed-seed CI slice, the GPU suite's default, or PALLAS_FLASH_SWEEP. The
+# Mosaic sweep's: none in the interpreter in CI (the NaN-safety and Mosaic tests cover the
+# kernels there), 24 on the GPU (each new pool entry compiles three kernels).
+CI_EXAMPLES = {"xla": 8, "triton-interpret": 4, "mosaic-interpret": 1, "mosaic": 24}
 GPU_EXAMPLES = 100
 
 
@@ -376,11 +386,11 @@ def plain_in_dtype(c: Config, x64, vis):
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
-def violations(c: Config, results, baselines, oracles) -> list[str]:
+def violations(c: Config, results, baselines, oracles, names=MASKED_OUTPUT_NAMES) -> list[str]:
     """Messages for outputs beyond 2 x (plain error, capped) + floor, relative to the magnitude;
     non-finite values where the oracle is finite; -inf entries that differ from the oracle's."""
     msgs = []
-    for name in MASKED_OUTPUT_NAMES:
+    for name in names:
         want, got = oracles[name], results[name]
         if want is None:
             if got is not None:
@@ -430,6 +440,11 @@ def check(c: Config, seed: int, path):
         if not SWEEP_LOG:
             raise
         msgs = [f"raised {type(e).__name__}: {str(e)[:300]}"]
+    report(c, seed, path, msgs)
+
+
+def report(c: Config, seed: int, path, msgs: list[str]):
+    """Appends the example to SWEEP_LOG, or fails on its violations."""
     if SWEEP_LOG:
         with open(SWEEP_LOG, "a") as log:
             row = dict(path=path.name, seed=seed, config=dataclasses.asdict(c), violations=msgs)
@@ -459,6 +474,177 @@ def test_property_sweep(path):
     @given(c=configs(), seed=st.integers(0, 2**32 - 1))
     def sweep(c, seed):
         check(c, seed, path)
+
+    sweep()
+
+
+# -- the Mosaic GPU kernels ------------------------------------------------------------------------
+
+# The extremes a call without a bias can carry.
+MOSAIC_EXTREMES = ("none", "large-logits", "huge-logits", "nan-hidden-keys")
+# Config fields that shape the compiled program; the rest (extremes, segment layouts, values of
+# lengths and ids, seeds) are data.
+STATIC_FIELDS = (
+    "batch",
+    "q_len",
+    "kv_len",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "dtype",
+    "is_causal",
+    "window",
+    "soft_cap",
+    "scale",
+    "q_lengths",
+    "kv_lengths",
+    "segments",
+)
+
+
+def mosaic_static_pool(size: int = 48, seed: int = 0) -> list[dict]:
+    """`size` static configurations of calls the Mosaic GPU kernels take (backend="mosaic"):
+    16-bit, whole tiles (T a multiple of 128 query rows, S of 128 keys), every head dim they run
+    (80, 96 padded to 128; the backward of 192 and 256 is Triton's), GQA, causal, windows, soft
+    caps, segment ids and lengths (their backward is Triton's too), no bias or dense mask. A
+    fixed pool: a long sweep draws its examples from it and compiles each entry once."""
+    rng = np.random.default_rng(seed)
+    pool = []
+    for i in range(size):
+        num_kv_heads, group = [(1, 1), (2, 1), (1, 2), (2, 2), (1, 4)][rng.integers(5)]
+        q_len = int(rng.choice([128, 256]))
+        kv_len = int(rng.choice([128, 256, 384]))
+        masked = i % 2  # every other entry: a window, a soft cap, segment ids or lengths
+        pool.append(
+            dict(
+                batch=int(rng.integers(1, 3)),
+                q_len=q_len,
+                kv_len=kv_len,
+                num_heads=num_kv_heads * group,
+                num_kv_heads=num_kv_heads,
+                head_dim=int([64, 80, 96, 128, 192, 256][i % 6]),
+                dtype=["bf16", "f16"][rng.integers(2)],
+                is_causal=bool(rng.integers(2)),
+                window=(int(rng.integers(0, 200)), int(rng.integers(0, 200)))
+                if masked and rng.random() < 0.4
+                else None,
+                soft_cap=float(rng.choice([5.0, 30.0])) if masked and rng.random() < 0.3 else None,
+                scale=[None, 0.05, 0.3][rng.integers(3)],
+                q_lengths=bool(masked and rng.random() < 0.3),
+                kv_lengths=bool(masked and rng.random() < 0.5),
+                segments=(["qkv"] + ["q"] * (q_len == kv_len))[rng.integers(1 + (q_len == kv_len))]
+                if masked and rng.random() < 0.5
+                else None,
+            )
+        )
+    return pool
+
+
+# PALLAS_FLASH_SWEEP_SHARD=i/n keeps the pool entries j with j % n == i: n processes (one per GPU)
+# share a long sweep, each compiling its own entries only.
+_SHARD, _SHARDS = map(int, os.environ.get("PALLAS_FLASH_SWEEP_SHARD", "0/1").split("/"))
+MOSAIC_POOL = mosaic_static_pool()[_SHARD::_SHARDS]
+
+
+@st.composite
+def mosaic_configs(draw):
+    """Configurations of MOSAIC_POOL with drawn data: the extremes of MOSAIC_EXTREMES (NaN at
+    hidden keys brings key lengths: such entries draw another extreme when they have none),
+    segment layouts."""
+    static = draw(st.sampled_from(MOSAIC_POOL))
+    extremes = MOSAIC_EXTREMES if static["kv_lengths"] else MOSAIC_EXTREMES[:-1]
+    return Config(
+        **static,
+        num_segments=draw(st.integers(1, 3)),
+        sorted_segments=draw(st.booleans()),
+        extreme=draw(st.sampled_from(extremes)),
+    )
+
+
+def runs_mosaic_backward(c: Config) -> bool:
+    """Whether backend="mosaic" differentiates `c` with the Mosaic backward (plain causal or
+    full calls at head dims up to 128), not Triton's."""
+    plain = c.window is None and c.soft_cap is None and c.segments is None
+    return plain and not (c.q_lengths or c.kv_lengths) and c.head_dim <= 128
+
+
+@functools.cache
+def mosaic_program(static: tuple, path_name: str, grads: bool):
+    """The jitted call of one static configuration on a path: (q, k, v, d_out, d_lse, mask
+    arguments) -> out, lse and, with grads, dq, dk, dv (dbias None). Cached, so that examples
+    of one pool entry reuse its compiled program."""
+    c = dict(zip(STATIC_FIELDS, static, strict=True))
+
+    def call(q, k, v, extra):
+        return pallas_flash.flash_attention(
+            q,
+            k,
+            v,
+            query_seq_lengths=extra["q_lens"],
+            key_value_seq_lengths=extra["kv_lens"],
+            q_segment_ids=extra["q_seg"],
+            kv_segment_ids=extra["kv_seg"],
+            return_residuals=True,
+            scale=c["scale"],
+            is_causal=c["is_causal"],
+            local_window_size=c["window"],
+            logits_soft_cap=c["soft_cap"],
+            **BACKEND_PATHS[path_name].call_kwargs(),
+        )
+
+    def program(q, k, v, d_out, d_lse, extra):
+        if not grads:
+            out, lse = call(q, k, v, extra)
+            return dict(out=out, lse=lse)
+        (out, lse), vjp = jax.vjp(lambda q, k, v: call(q, k, v, extra), q, k, v)
+        dq, dk, dv = vjp((d_out, d_lse))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=None)
+
+    return jax.jit(program)
+
+
+def check_mosaic(c: Config, seed: int, path):
+    """`check` through `mosaic_program`; values and gradients, or out and lse only where jax's
+    Mosaic GPU interpreter would meet the Triton backward (which it cannot run), that
+    backend="mosaic" takes for the calls its own backward does not run."""
+    grads = not (path.interpreted and not runs_mosaic_backward(c))
+    names = MASKED_OUTPUT_NAMES if grads else ("out", "lse")
+    xs, x64, vis = make_inputs(c, seed)
+    try:
+        static = tuple(getattr(c, name) for name in STATIC_FIELDS)
+        # The interpreter's state is reset per scope: a program traced in another is not reused.
+        make = mosaic_program.__wrapped__ if path.interpreted else mosaic_program
+        program = make(static, path.name, grads)
+        extra = {name: xs[name] for name in MASK_ARGUMENTS if name != "mask"}
+        results = program(xs["q"], xs["k"], xs["v"], xs["d_out"], xs["d_lse"], extra)
+        results = {name: results[name] for name in names}
+        wanted = oracle(c, x64, vis)
+        msgs = violations(c, results, plain_in_dtype(c, x64, vis), wanted, names=names)
+    except Exception as e:
+        if not SWEEP_LOG:
+            raise
+        msgs = [f"raised {type(e).__name__}: {str(e)[:300]}"]
+    report(c, seed, path, msgs)
+
+
+MOSAIC_PATHS = backend_paths(
+    mosaic=True,
+    exclude=("xla", "triton-interpret", "triton", "default"),
+    sweep=("mosaic-interpret",),
+)
+
+
+@pytest.mark.parametrize("path", MOSAIC_PATHS)
+def test_property_sweep_mosaic(path):
+    """The sweep on the Mosaic GPU kernels (backend="mosaic"), against the float64 oracle as
+    the other paths' sweep: interpreted, values and gradients where the Mosaic backward runs
+    the call, values elsewhere; compiled, all of them."""
+
+    @sweep_settings(path)
+    @given(c=mosaic_configs(), seed=st.integers(0, 2**32 - 1))
+    def sweep(c, seed):
+        with path.scope():
+            check_mosaic(c, seed, path)
 
     sweep()
 

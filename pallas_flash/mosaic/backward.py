@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import masks
-from pallas_flash._numerics import LOG2E
+from pallas_flash._numerics import LOG2E, lowered_reference
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
@@ -291,14 +291,15 @@ def flash_backward(
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
-    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)). Rows that saw no key
-    # (lse = -inf) get +inf, which makes their P exactly 0 whatever their logits.
+    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)), clamped at 1; the
+    # lowered reference keeps P of a row's dominant logit exact at any magnitude. Rows that saw
+    # no key (lse = -inf) get +inf, which makes their P exactly 0 whatever their logits.
     lse = lse.astype(jnp.float32)
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * LOG2E)
-    if segment_ids is not None:
-        # Keys that no row sees (padding, documents without queries) may hold anything, and
-        # dQ += dS K multiplies their zero dS by their K on the tensor cores: 0 * NaN would
-        # reach every row of the tile. Costs one pass over K.
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse * LOG2E))
+    if segment_ids is not None or spec.is_causal or spec.window is not None:
+        # Keys hidden from some rows (padding, other documents, past the diagonal or the
+        # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the
+        # tensor cores: 0 * NaN would reach every row of the tile. Costs one pass over K.
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     # As in the forward: T and S padded to ROW_ALIGN, H to the kernel head dim (zero columns
     # add nothing to q.k, dO.v or the gradients' kept columns). The kernels read the true T and

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LN2, LOG2E, MASK_VALUE
+from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.launch import (
@@ -37,6 +37,7 @@ from pallas_flash.mosaic.launch import (
     pad_ids,
     pad_to,
     warp_specialised_kernel,
+    zero_non_finite,
 )
 from pallas_flash.mosaic.schedule import (
     _Work,
@@ -608,6 +609,11 @@ def _rows(x, shape):
     return lax.broadcast_in_dim(x, shape, [0])
 
 
+def _times(x, factor: float):
+    """x * factor, without the multiply when factor is 1."""
+    return x if factor == 1.0 else x * factor
+
+
 def _loop(lo, hi, body, carry):
     """fori_loop over [lo, hi), elided when the bounds are Python ints and the range is empty."""
     if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
@@ -687,11 +693,14 @@ def _consume(
     # A ragged last KV tile holds keys past S: it lies past full_hi and is masked there.
     ragged_kv = spec.kv_len % block_kv != 0
     mask_right = mask_right or ragged_kv
-    # Without a left side or segment ids every row sees key 0, in the consumer's first tile
-    # (tile 0): its row max is then a real logit and masked logits give p = 0 by themselves.
-    # Skipping the select keeps the mask out of the registers across the exp2 (which costs a
-    # large share of the causal forward at H=64 with 128-row consumers: benchmarks/NOTES.md).
-    rows_may_start_empty = mask_left
+    # Keys a row cannot see, inside a tile it partly sees, may hold NaN or inf in V (padding,
+    # another document, a later token): p = 0 there, but 0 * NaN in P.V is NaN. Keys past S
+    # need nothing: the wrapper pads with zeros and TMA reads zeros past the array's end.
+    sanitise_v = geometry_left or geometry_right or q_ids_smem is not None
+    # s: the logits in units where exp2((s - m) * unit2) is exp(logit - max logit): q.k itself,
+    # or the capped logits, already in log2 units (tanh does not commute with a scaled max);
+    # `unit` converts s to a natural-log logit.
+    unit2, unit = (qk_scale, scale) if soft_cap is None else (1.0, LN2)
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     # The rows' segment ids [block_q] (row layout): loaded below once q_ready completes, before
     # the loops trace visible_in, which reads them.
@@ -744,26 +753,19 @@ def _consume(
             )
         plgpu.barrier_arrive(ring.k_free.at[slot])
 
-        # -- online softmax in base 2; log2(e) is folded into the scale --
-        if soft_cap is None:
-            # Scaling the row max instead of every logit is exact for qk_scale > 0, and leaves
-            # one fused multiply-add per logit.
-            if visible is not None:
-                qk = jnp.where(visible, qk, MASK_VALUE)
-            m_new = jnp.maximum(m_i, jnp.max(qk, axis=1) * qk_scale)
-            p = jnp.exp2(qk * qk_scale - _rows(m_new, qk.shape))
-        else:
-            # tanh is not monotone in a way that commutes with a scaled max: cap every logit.
-            s = _capped_logits(qk, scale=scale, soft_cap=soft_cap)
-            if visible is not None:
-                s = jnp.where(visible, s, MASK_VALUE)
-            m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-            p = jnp.exp2(s - _rows(m_new, s.shape))
-        if visible is not None and rows_may_start_empty:
-            # A row that has seen no key yet keeps m_new at MASK_VALUE (or MASK_VALUE times
-            # qk_scale), where a masked logit would give p = 1: zero it, so l_i stays 0.
-            p = jnp.where(visible, p, 0.0)
-        alpha = jnp.exp2(m_i - m_new)
+        # -- online softmax in base 2; log2(e) is folded into unit2 --
+        s = qk if soft_cap is None else _capped_logits(qk, scale=scale, soft_cap=soft_cap)
+        if visible is not None:
+            # A select, not a multiply: hidden logits may be NaN (NaN or inf in K there). -inf
+            # gives p == 0 exactly, also in a row that has seen no key yet (m_i is finite).
+            s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        # Subtract before scaling: the row's largest logit gives exp2(0) == 1 at any magnitude.
+        # A fused s * unit2 - m * unit2 subtracts an unrounded product from a rounded one, an
+        # error of up to half an ulp of m * unit2 in the exponent: exp2 overflows or vanishes
+        # once |logit| passes ~1e9.
+        p = jnp.exp2(_times(s - _rows(m_new, s.shape), unit2))
+        alpha = jnp.exp2(_times(m_i - m_new, unit2))
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * _rows(alpha, acc.shape)
         if keep is not None:  # l_i keeps the dropped p: lse is the un-dropped softmax's
@@ -772,6 +774,10 @@ def _consume(
         plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the MMAs
         plgpu.barrier_wait(ring.v_ready.at[slot])
         plgpu.barrier_wait(schedule)  # ... and has issued them
+        if masked and sanitise_v:
+            # Here, between the schedule syncs, consumer 0's P.V of this slot happens before
+            # consumer 1's (the schedule barrier orders them), so the two never touch it at once.
+            zero_non_finite(ring.v_smem.at[slot])
 
         # -- accumulate p.v, unnormalised (normalised once in the epilogue: FA2 change 1) --
         def pv_into(acc_ref):
@@ -799,9 +805,9 @@ def _consume(
         return carry
 
     acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-    # m_i starts at MASK_VALUE, finite: once a row sees a key alpha = exp2(MASK_VALUE - m) = 0
-    # scales the empty start away; masked probabilities are zeroed, so l_i counts only keys.
-    m_i = plgpu.layout_cast(jnp.full((block_q,), MASK_VALUE, jnp.float32), row_layout)
+    # m_i starts at MIN_LOGIT, finite: (-inf - m_i) is -inf, never -inf - -inf; once a row
+    # sees a key, alpha scales the empty start (acc = 0, l_i = 0) away.
+    m_i = plgpu.layout_cast(jnp.full((block_q,), MIN_LOGIT, jnp.float32), row_layout)
     l_i = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), row_layout)
     carry = (acc, m_i, l_i)
     masked_step = functools.partial(kv_step, masked=True)
@@ -828,11 +834,12 @@ def _consume(
     keys_share = None
     if sink is not None:
         # The sink's e^{sink} joins l, both relative to the larger of the row max and the sink
-        # (log2 units; m_i >= MASK_VALUE is finite, so a sink of -inf leaves the row as it is).
-        sink2 = sink * LOG2E
-        m_all = jnp.maximum(m_i, sink2)
-        keys_share = jnp.exp2(m_i - m_all)
-        l_i = l_i * keys_share + jnp.exp2(sink2 - m_all)
+        # (in the units of s: sink / unit; m_i >= MIN_LOGIT is finite, so a sink of -inf
+        # leaves the row as it is).
+        sink_s = sink * (1.0 / unit)
+        m_all = jnp.maximum(m_i, sink_s)
+        keys_share = jnp.exp2(_times(m_i - m_all, unit2))
+        l_i = l_i * keys_share + jnp.exp2(_times(sink_s - m_all, unit2))
         m_i = m_all
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
@@ -842,7 +849,7 @@ def _consume(
         row_scale = row_scale * (1.0 / (1.0 - dropout_rate))
     out = acc * _rows(row_scale, acc.shape)
     q_smem[...] = out.astype(dtype)  # Q is dead: its last reader, the final Q.K^T, is done
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * LN2 + jnp.log(l_safe))
+    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log(l_safe))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])

@@ -1,10 +1,12 @@
 """What every Mosaic GPU kernel of this package shares at launch: the warp-specialised
 `plgpu.kernel` call, the wrappers' zero-padding to the lengths and head dims the kernels run, the
-check of the segment ids they take, and the SM count of a persistent grid without a GPU."""
+check of the segment ids they take, the SM count of a persistent grid without a GPU, and the
+pass that zeroes NaN and inf in a tile of keys or values that some rows must not see."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.device import DEFAULT_NUM_SMS
@@ -63,3 +65,19 @@ def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
+
+
+def zero_non_finite(ref):
+    """Replaces NaN and +-inf in a [rows, H] tile of shared memory (rows and H multiples of 64)
+    by 0, and fences the writes for the wgmma that reads the tile next.
+
+    A key that a row cannot see gets P = 0 (or dS = 0) in its tile, but 0 * NaN on the tensor
+    cores is NaN: the tile's other rows would see it. 64 x 64 pieces (the swizzle's tile) keep
+    the registers few, next to a consumer's accumulators or within a producer's budget."""
+    rows, cols = ref.shape
+    for r in range(0, rows, 64):
+        for c in range(0, cols, 64):
+            piece = ref.at[pl.ds(r, 64), pl.ds(c, 64)]
+            x = piece[...]
+            piece[...] = jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
+    plgpu.commit_smem()

@@ -127,25 +127,22 @@ DECODE_SHAPES = {
 # 64, cut per sequence, merged in XLA), "default" and "waves2".
 DECODE_CANDIDATES = {
     "head": dict(
-        sequence=dict(schedule="sequence"),
-        xla_merge=dict(schedule="sequence", merge="xla"),
+        occupancy_kernel_merge=dict(split_rule="occupancy", merge="kernel"),
         s16=dict(kv_splits=16),
         stages3=dict(num_stages=3),
     ),
-    "ragged": dict(sequence=dict(schedule="sequence"), s16=dict(kv_splits=16)),
+    "ragged": dict(s16=dict(kv_splits=16), s32=dict(kv_splits=32)),
     "T16": dict(
         s8=dict(kv_splits=8),
         m32=dict(block_m=32),
-        m16=dict(block_m=16),
         stages1=dict(num_stages=1),
+        balanced_stages1=dict(
+            split_rule="occupancy", schedule="balanced", merge="kernel", num_stages=1
+        ),
     ),
     "S8k": dict(s4=dict(kv_splits=4), s16=dict(kv_splits=16), stages3=dict(num_stages=3)),
     "G16": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
-    "B1": dict(
-        xla_merge=dict(schedule="sequence", merge="xla"),
-        s128=dict(kv_splits=128),
-        stages3=dict(num_stages=3),
-    ),
+    "B1": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
     "S1k": dict(s8=dict(kv_splits=8), unsplit=dict(kv_splits=1)),
     "G16xT16": dict(m128w8=dict(block_m=128, num_warps=8), m32=dict(block_m=32)),
     "P128": {},
@@ -153,14 +150,9 @@ DECODE_CANDIDATES = {
 DECODE_QUICK = ("head", "ragged", "T16", "S8k", "G16", "B1", "P128")
 
 
-def _former_splits(programs, num_kv_tiles, block_kv=64):
-    if programs >= 8 * 132:
-        return 1
-    return max(1, min(-(-8 * 132 // programs), num_kv_tiles * block_kv // 1024, 64))
-
-
-def decode(out, quick=False, calls_per_jit=4, smoke=False):
-    """smoke: tiny shapes in the interpreter, to check this code on a CPU."""
+def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None):
+    """smoke: tiny shapes in the interpreter, to check this code on a CPU; only: the candidate
+    names to time (None: all)."""
     from pallas_flash.device import DEFAULT_NUM_SMS
     from pallas_flash.triton import DecodeBlockSizes
     from pallas_flash.triton.decode import decode_plan
@@ -180,14 +172,15 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False):
         qs = [q] + [q * (1 + i / 64) for i in range(1, calls_per_jit)]  # no CSE across calls
         nbytes = bench.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
         default = DecodeBlockSizes(block_kv=16 if smoke else 128 if case["page"] else 64)
-        plan = decode_plan(q.shape, case["K"], case["S"], dtype, default, num_sms=num_sms)
-        former = _former_splits(plan.programs, case["S"] // plan.block_kv, plan.block_kv)
         candidates = {
-            "former": dict(kv_splits=former, schedule="sequence", merge="xla"),
             "default": {},
-            "waves2": dict(waves=2),
+            "occupancy": dict(split_rule="occupancy"),
+            "balanced": dict(split_rule="occupancy", schedule="balanced", merge="kernel"),
+            "waves2": dict(split_rule="occupancy", waves=2),
             **DECODE_CANDIDATES[name],
         }
+        if only:
+            candidates = {c: f for c, f in candidates.items() if c in only}
         for cand, fields in candidates.items():
             bs = dataclasses.replace(default, **fields)
             plan = decode_plan(q.shape, case["K"], case["S"], dtype, bs, num_sms=num_sms)
@@ -355,6 +348,9 @@ def main():
         "--calls-per-jit", type=int, default=4, help="decode: calls timed in one jit"
     )
     parser.add_argument(
+        "--only", nargs="+", help="decode: time only these candidates (former, default, ...)"
+    )
+    parser.add_argument(
         "--smoke", action="store_true", help="decode: tiny interpreted shapes (a CPU check)"
     )
     parser.add_argument("--out", required=True)
@@ -366,7 +362,7 @@ def main():
         if args.experiment == "mosaic-tiles":
             mosaic_tiles(out, args.head_dims, args.seqs)
         elif args.experiment == "decode":
-            decode(out, args.quick, args.calls_per_jit, smoke=args.smoke)
+            decode(out, args.quick, args.calls_per_jit, smoke=args.smoke, only=args.only)
         elif args.experiment == "mosaic-backward":
             mosaic_backward(out, [h for h in args.head_dims if h <= 128], args.seqs)
         else:

@@ -17,6 +17,7 @@ from conftest import BACKEND_PATHS, SWEEP, backend_paths
 
 import pallas_flash
 from pallas_flash.triton import DecodeBlockSizes
+from pallas_flash.triton.tiles import decode_merge
 
 XLA = BACKEND_PATHS["xla"]
 GPU = BACKEND_PATHS["triton"]
@@ -343,7 +344,9 @@ def test_validation_contiguous():
     with pytest.raises(ValueError, match="schedule='batch' must be 'balanced' or 'sequence'"):
         DecodeBlockSizes(schedule="batch")
     with pytest.raises(ValueError, match="merge='xla' needs schedule='sequence'"):
-        DecodeBlockSizes(merge="xla")
+        DecodeBlockSizes(schedule="balanced", merge="xla")
+    with pytest.raises(ValueError, match="split_rule='waves' must be 'cores' or 'occupancy'"):
+        DecodeBlockSizes(split_rule="waves")
     with pytest.raises(ValueError, match="waves=0 must be an int >= 1"):
         DecodeBlockSizes(waves=0)
     with pytest.raises(ValueError, match="ctas_per_sm=-1 must be an int >= 0"):
@@ -397,19 +400,19 @@ def test_lowers_for_h200():
             for page in (16, 128)
         ),
     ]
-    # The per-sequence schedule, with the merge kernel and with XLA's.
+    # The per-sequence schedule with the merge kernel, the balanced one (merged in the kernel).
     contiguous = calls[0][1]
     calls += [
-        (DecodeBlockSizes(schedule="sequence"), contiguous),
-        (DecodeBlockSizes(schedule="sequence", merge="xla"), contiguous),
+        (DecodeBlockSizes(merge="kernel"), contiguous),
+        (DecodeBlockSizes(split_rule="occupancy", schedule="balanced"), contiguous),
     ]
     with jax.sharding.use_abstract_mesh(mesh):
         for bs, args in calls:
             f = functools.partial(decode_forward, block_sizes=bs, **kw)
             text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             assert "pallas_flash_decode" in text
-            # B=2 fills no GPU: every call splits, and merges in the kernel unless told not to.
-            assert ("pallas_flash_decode_merge" in text) == (bs.merge == "kernel")
+            # B=2 fills no GPU: every call splits, and merges as its block sizes say.
+            assert ("pallas_flash_decode_merge" in text) == (decode_merge(bs) == "kernel")
 
 
 # -- compiled, larger ----------------------------------------------------------------------------
@@ -443,9 +446,9 @@ def test_gpu_matches_oracle(c):
     [
         dict(kv_splits=1),
         dict(kv_splits=7),
-        dict(schedule="sequence"),
-        dict(schedule="sequence", merge="xla"),
-        dict(waves=2, num_stages=3),
+        dict(merge="kernel"),
+        dict(split_rule="occupancy", schedule="balanced"),
+        dict(split_rule="occupancy", waves=2, num_stages=3),
     ],
     ids=str,
 )
@@ -481,12 +484,12 @@ def test_choose_decode_splits():
 
 
 def test_decode_plan_fills_the_gpu():
-    """The bench's shapes on an H200: the CTAs fill one wave of the slots (132 SMs x the
-    tiles' CTAs per SM: 4 for 16-row tiles, 2 for 64-row ones), and the merge runs only when
-    split; the former rule's 17 splits per sequence (1088 CTAs for 528 slots) is gone."""
+    """The bench's shapes on an H200 with the occupancy rule: the CTAs fill one wave of the
+    slots (132 SMs x the tiles' CTAs per SM: 4 for 16-row tiles, 2 for 64-row ones)."""
     from pallas_flash.triton.decode import decode_plan
 
     def plan(b, t, k, s, **fields):
+        fields = {"split_rule": "occupancy", "schedule": "balanced", **fields}
         return decode_plan((b, t, 32, 128), k, s, jnp.bfloat16, DecodeBlockSizes(**fields))
 
     p = plan(8, 1, 8, 32768)
@@ -498,6 +501,24 @@ def test_decode_plan_fills_the_gpu():
     assert plan(8, 1, 8, 32768, ctas_per_sm=8).schedule.splits == 16
     p = plan(8, 1, 8, 32768, kv_splits=5, schedule="sequence")
     assert (p.schedule.kind, p.schedule.splits, p.schedule.items) == ("sequence", 5, 40)
+
+
+def test_default_decode_plan_splits_per_core():
+    """The default "cores" rule: about eight programs per SM, at least 1024 keys per split, at
+    most 64 splits; the per-sequence schedule, merged in XLA."""
+    from pallas_flash.triton.decode import decode_plan
+
+    def plan(b, t, k, s, num_sms=132):
+        return decode_plan((b, t, 32, 128), k, s, jnp.bfloat16, DecodeBlockSizes(), num_sms=num_sms)
+
+    p = plan(8, 1, 8, 32768)
+    assert (p.programs, p.schedule.kind, p.schedule.splits) == (64, "sequence", 17)
+    assert decode_merge(DecodeBlockSizes()) == "xla"
+    assert plan(1, 1, 8, 32768).schedule.splits == 32  # 1056 / 8 programs, capped at 32 runs
+    assert plan(8, 1, 8, 8192).schedule.splits == 8  # 1024 keys per split
+    assert plan(8, 1, 8, 1024).schedule.splits == 1
+    assert plan(256, 1, 8, 32768).schedule.splits == 1  # 2048 programs already
+    assert plan(8, 1, 8, 32768, num_sms=108).schedule.splits == 14  # an A100
 
 
 def test_ctas_per_sm_estimate():
@@ -589,12 +610,13 @@ def test_sequence_schedule_cuts_each_sequence_alike():
 
 @pytest.mark.parametrize(
     "fields",
-    [dict(schedule="sequence"), dict(schedule="sequence", merge="xla")],
-    ids=["sequence-kernel-merge", "sequence-xla-merge"],
+    [dict(merge="kernel"), dict(schedule="balanced")],
+    ids=["sequence-kernel-merge", "balanced"],
 )
 def test_schedules_match_oracle(fields):
-    """The per-sequence schedule with either merge (the default interpreter tiles run the
-    balanced schedule and the merge kernel), on the ragged contiguous case and a paged one."""
+    """The per-sequence schedule with the merge kernel and the balanced schedule (the default
+    tiles run the per-sequence schedule and XLA's merge), on the ragged contiguous case and a
+    paged one."""
     path = BACKEND_PATHS["triton-interpret"]
     bs = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, kv_splits=3, **fields)
     for c in (CASES[2], CASES[0]) if SWEEP else (CASES[2],):

@@ -36,7 +36,12 @@ from pallas_flash.triton._common import (
     split_weights,
     visit_tiles,
 )
-from pallas_flash.triton.tiles import DecodeBlockSizes, decode_ctas_per_sm, padded_head_dim
+from pallas_flash.triton.tiles import (
+    DecodeBlockSizes,
+    decode_ctas_per_sm,
+    decode_merge,
+    padded_head_dim,
+)
 
 
 def _decode_kernel(
@@ -351,6 +356,19 @@ def choose_decode_splits(
     return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, best))
 
 
+def splits_per_core(programs: int, num_kv_tiles: int, block_kv: int, *, num_sms: int) -> int:
+    """The "cores" rule: enough splits for about eight programs per SM (a program streams one
+    tile at a time; several per SM keep enough loads in flight), each keeping at least 1024
+    keys (below that the merge costs more than the parallelism gains), at most 64. On the H200
+    (benchmarks/NOTES.md, "Decode") it beats the occupancy rule with either schedule on ragged
+    lengths, 16 new tokens, B=1, GQA 16 and 8k caches; the occupancy rule's 8 splits win at
+    B=8 with 32k keys (3.90 against 3.59 TB/s)."""
+    target = 8 * num_sms
+    if programs >= target:
+        return 1
+    return max(1, min(pl.cdiv(target, programs), num_kv_tiles * block_kv // 1024, 64))
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodePlan:
     """The launch of one decode call: tiles, the programs before splitting, the GPU's CTA
@@ -388,17 +406,22 @@ def decode_plan(
     programs = num_m_tiles * num_kv_heads * batch
     hp = padded_head_dim(head_dim)
     slots = num_sms * decode_ctas_per_sm(block_sizes, block_m, hp, jnp.dtype(dtype).itemsize)
-    splits = choose_decode_splits(
-        block_sizes.kv_splits,
-        programs,
-        num_kv_tiles,
-        block_kv,
-        slots=slots,
-        waves=block_sizes.waves,
-        min_split_keys=block_sizes.min_split_keys,
-    )
-    # A requested split count is met; the automatic one keeps min_split_keys per run.
-    min_chunk = 1 if block_sizes.kv_splits else max(1, block_sizes.min_split_keys // block_kv)
+    if block_sizes.kv_splits or block_sizes.split_rule == "occupancy":
+        splits = choose_decode_splits(
+            block_sizes.kv_splits,
+            programs,
+            num_kv_tiles,
+            block_kv,
+            slots=slots,
+            waves=block_sizes.waves,
+            min_split_keys=block_sizes.min_split_keys,
+        )
+    else:
+        splits = splits_per_core(programs, num_kv_tiles, block_kv, num_sms=num_sms)
+    # A requested split count is met, and so is the "cores" rule's; the occupancy rule keeps
+    # min_split_keys per run.
+    auto = not block_sizes.kv_splits and block_sizes.split_rule == "occupancy"
+    min_chunk = max(1, block_sizes.min_split_keys // block_kv) if auto else 1
     schedule = Schedule(
         kind=block_sizes.schedule,
         batch=batch,
@@ -513,7 +536,7 @@ def decode_forward(
         interpret=interpret,
         name="pallas_flash_decode",
     )(*operands)
-    if splits > 1 and block_sizes.merge == "xla":
+    if splits > 1 and decode_merge(block_sizes) == "xla":
         out, lse = _combine_splits(out, lse, splits)
     elif splits > 1:
         out, lse = _merge(lengths, out, lse, schedule, q.dtype, interpret)

@@ -206,14 +206,19 @@ class DecodeBlockSizes:
       block_kv: keys per step of a program's loop; independent of a paged cache's page size.
       num_warps, num_stages: Triton launch parameters.
       kv_splits: programs per sequence (on average, with schedule="balanced") that share the
-        keys, combined by logsumexp; 0 (the default) picks it from occupancy (see `waves`);
-        1 turns splitting off.
+        keys, combined by logsumexp; 0 (the default) picks it by `split_rule`; 1 turns
+        splitting off.
+      split_rule: with kv_splits=0, "cores": about eight programs per SM, each split keeping
+        at least 1024 keys, at most 64 splits (the rule measured best across the decode
+        shapes on the H200); "occupancy": from the CTA slots (see `waves`, `min_split_keys`).
       schedule: how split programs share the keys. "balanced": the key tiles of the whole batch
         are cut into equal runs, a sequence taking as many runs as its length needs, so a batch
         of ragged lengths keeps every program equally busy; "sequence": each sequence's tiles
         are cut into kv_splits runs, whatever its length.
-      merge: where split results are combined: "kernel" (one small Pallas kernel) or "xla"
-        (jnp reductions; schedule="sequence" only).
+      merge: where split results are combined: "kernel" (one small Pallas kernel), "xla" (jnp
+        reductions; schedule="sequence" only) or None: "xla" with schedule="sequence" (as
+        fast as the kernel at B=8, 32k keys on the H200, and measured on every decode shape),
+        "kernel" with "balanced".
       waves: with kv_splits=0, the programs fill at least this many waves of the GPU's CTA
         slots (SMs times `ctas_per_sm`), the last one at least 90% full.
       min_split_keys: with kv_splits=0, the fewest keys a split keeps (fewer splits otherwise).
@@ -226,8 +231,9 @@ class DecodeBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     kv_splits: int = 0
-    schedule: str = "balanced"
-    merge: str = "kernel"
+    split_rule: str = "cores"
+    schedule: str = "sequence"
+    merge: str | None = None
     waves: int = 1
     min_split_keys: int = 256
     ctas_per_sm: int = 0
@@ -251,17 +257,30 @@ class DecodeBlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"DecodeBlockSizes.{name}={value!r} must be an int >= {least}")
+        if self.split_rule not in ("cores", "occupancy"):
+            raise ValueError(
+                f"DecodeBlockSizes.split_rule={self.split_rule!r} must be 'cores' or 'occupancy'"
+            )
         if self.schedule not in ("balanced", "sequence"):
             raise ValueError(
                 f"DecodeBlockSizes.schedule={self.schedule!r} must be 'balanced' or 'sequence'"
             )
-        if self.merge not in ("kernel", "xla"):
-            raise ValueError(f"DecodeBlockSizes.merge={self.merge!r} must be 'kernel' or 'xla'")
+        if self.merge not in (None, "kernel", "xla"):
+            raise ValueError(
+                f"DecodeBlockSizes.merge={self.merge!r} must be None, 'kernel' or 'xla'"
+            )
         if self.merge == "xla" and self.schedule != "sequence":
             raise ValueError(
                 "DecodeBlockSizes.merge='xla' needs schedule='sequence' (a balanced schedule's "
                 "runs are merged by the kernel)"
             )
+
+
+def decode_merge(block_sizes: DecodeBlockSizes) -> str:
+    """Where a split call's partial results are combined ("kernel" or "xla")."""
+    if block_sizes.merge is not None:
+        return block_sizes.merge
+    return "xla" if block_sizes.schedule == "sequence" else "kernel"
 
 
 def decode_ctas_per_sm(block_sizes: DecodeBlockSizes, block_m: int, hp: int, itemsize: int) -> int:

@@ -309,6 +309,7 @@ def run_mask_suite(out_path, repeats):
                     row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
                 rows.append(row)
                 f.write(json.dumps(row) + "\n")
+                f.flush()
                 print(
                     f"{case:22s} {impl:22s} {pass_:7s} {row['ms']} ms {row.get('error', '')}",
                     flush=True,

@@ -432,6 +432,30 @@ INTERPRET_PROBLEMS = [
     (Problem(1, 384, 256, 2, 1, 64, True, "bf16"), BackwardTiles(num_consumers=1, num_stages=3)),
     (Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3)),
     (Problem(1, 512, 512, 1, 1, 64, True, "bf16"), BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
+    # H 192 and 256 (split dK/dV consumers): one tiny causal GQA case in CI, the rest with
+    # PALLAS_FLASH_SWEEP: T < S and T > S, rings that wrap, the split at H 64 and 128 with
+    # 128-row streamed tiles, one dQ consumer with three stages at H=192.
+    (Problem(1, 128, 128, 2, 1, 256, True, "bf16"), None),
+    pytest.param(Problem(1, 128, 192, 2, 1, 192, False, "bf16"), None, marks=long_only),
+    pytest.param(Problem(1, 128, 256, 4, 2, 256, False, "bf16"), None, marks=long_only),
+    pytest.param(Problem(1, 256, 128, 2, 1, 256, True, "f16"), None, marks=long_only),
+    pytest.param(Problem(1, 256, 256, 4, 1, 192, True, "bf16"), None, marks=long_only),
+    pytest.param(Problem(2, 128, 192, 2, 2, 192, False, "f16"), None, marks=long_only),
+    pytest.param(
+        Problem(1, 256, 256, 2, 1, 128, True, "bf16"),
+        BackwardTiles(split_dkv=True, block_q_dkv=128),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(1, 256, 256, 2, 1, 64, True, "bf16"),
+        BackwardTiles(split_dkv=True, block_q_dkv=128, num_consumers=1),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(1, 384, 256, 2, 1, 192, True, "bf16"),
+        BackwardTiles(split_dkv=True, num_consumers=1, num_stages=3),
+        marks=long_only,
+    ),
 ]
 
 
@@ -916,6 +940,18 @@ MASK_CI_CASES = [
         window=(30, 60),
         kind="packed-lengths",
         tiles=BackwardTiles(num_consumers=1),
+        poison=True,
+    ),
+    # The dK/dV consumers split by accumulator (as at H 192 and 256, here at H=64 to keep the
+    # interpreter's time): P^T * dcap handed over, the dK consumer's own mask on dS^T (NaN in
+    # V at hidden keys), one tile range for both, the plan of one key block per CTA.
+    MaskCase(
+        Problem(2, 192, 256, 2, 1, 64, False, "bf16"),
+        window=(30, 60),
+        soft_cap=10.0,
+        kind="packed-lengths",
+        scale=1.0,
+        tiles=BackwardTiles(split_dkv=True, num_consumers=1),
         poison=True,
     ),
 ]

@@ -264,6 +264,8 @@ RANGE_TILES = [
     BackwardTiles(),
     BackwardTiles(num_consumers=1),
     BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+    # Split dK/dV consumers: one key block per CTA, one range for both.
+    BackwardTiles(split_dkv=True, block_q_dkv=128),
 ]
 
 
@@ -483,10 +485,11 @@ INTERPRET_PROBLEMS = [
     (Problem(1, 384, 256, 2, 1, 64, True, "bf16"), BackwardTiles(num_consumers=1, num_stages=3)),
     (Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3)),
     (Problem(1, 512, 512, 1, 1, 64, True, "bf16"), BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
-    # H 192 and 256 (split dK/dV consumers): one tiny causal GQA case in CI, the rest with
-    # PALLAS_FLASH_SWEEP: T < S and T > S, rings that wrap, the split at H 64 and 128 with
-    # 128-row streamed tiles, one dQ consumer with three stages at H=192.
-    (Problem(1, 128, 128, 2, 1, 256, True, "bf16"), None),
+    # H 192 and 256 (split dK/dV consumers; in CI through a masked case,
+    # MASK_CI_CASES), with PALLAS_FLASH_SWEEP: causal GQA, T < S and T > S, rings that wrap,
+    # the split at H 64 and 128 with 128-row streamed tiles, one dQ consumer with three stages
+    # at H=192.
+    pytest.param(Problem(1, 128, 128, 2, 1, 256, True, "bf16"), None, marks=long_only),
     pytest.param(Problem(1, 128, 192, 2, 1, 192, False, "bf16"), None, marks=long_only),
     pytest.param(Problem(1, 128, 256, 4, 2, 256, False, "bf16"), None, marks=long_only),
     pytest.param(Problem(1, 256, 128, 2, 1, 256, True, "f16"), None, marks=long_only),
@@ -1008,16 +1011,15 @@ MASK_CI_CASES = [
         tiles=BackwardTiles(num_consumers=1),
         poison=True,
     ),
-    # The dK/dV consumers split by accumulator (as at H 192 and 256, here at H=64 to keep the
-    # interpreter's time): P^T * dcap handed over, the dK consumer's own mask on dS^T (NaN in
-    # V at hidden keys), one tile range for both, the plan of one key block per CTA.
+    # H=256, its defaults: the dK/dV consumers split by accumulator (P^T * dcap handed over,
+    # the dK consumer's own mask on dS^T against NaN in V at hidden keys, one tile range for
+    # both, the plan of one key block per CTA) and one dQ consumer.
     MaskCase(
-        Problem(2, 192, 256, 2, 1, 64, False, "bf16"),
+        Problem(2, 128, 192, 1, 1, 256, False, "bf16"),
         window=(30, 60),
         soft_cap=10.0,
         kind="packed-lengths",
         scale=1.0,
-        tiles=BackwardTiles(split_dkv=True, num_consumers=1),
         poison=True,
     ),
 ]

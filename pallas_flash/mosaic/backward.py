@@ -509,8 +509,8 @@ def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float,
         do_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
         lse_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
-        # Two TMA copies arrive on each: K and V; Q and its lse rows; dO and its delta rows.
-        # With segment ids the keys' ids land with K and V, and the rows' ids with Q: one more.
+        # Two TMA copies arrive on each: K and V (split: K or V); Q and its lse rows; dO and its
+        # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q.
         kv_loaded=plgpu.Barrier(num_arrivals=kv_copies + has_ids, num_barriers=n_c),
         q_ready=plgpu.Barrier(num_arrivals=2 + has_ids, num_barriers=n_s),
         do_ready=plgpu.Barrier(num_arrivals=2, num_barriers=n_s),

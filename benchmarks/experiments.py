@@ -17,8 +17,11 @@ python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-di
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
 python benchmarks/experiments.py mosaic-backward --out $OUT/mosaic-bwd.jsonl [--head-dims 64]
-    forward+backward with the Mosaic backward's default tiles and candidate BackwardTiles,
-    beside the default call, the Mosaic forward with the Triton backward, and cuDNN.
+    forward+backward with the Mosaic backward's default tiles (`mosaic.backward.default_tiles`)
+    and candidate BackwardTiles, beside the default call, the Mosaic forward with the Triton
+    backward, and cuDNN. At H 192 and 256 (e.g. `--head-dims 192 256 --seqs 1024 4096`) the
+    candidates that fit are the dK/dV consumers split by accumulator with one or two dQ
+    consumers, and a third stage at H=192; at H 64 and 128 the split is a candidate too.
 """
 
 from __future__ import annotations
@@ -305,8 +308,10 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
 
 
 # BackwardTiles fields of the candidates (besides the defaults); `mosaic.why_not_backward` drops
-# those that would spill or overflow shared memory at a head dim.
+# those that would spill or overflow shared memory at a head dim, and a candidate equal to the
+# head dim's defaults is not timed twice.
 MOSAIC_BACKWARD_TILES = {
+    "plain": {},
     "stages3": dict(num_stages=3),
     "kvdq128": dict(block_kv_dq=128),
     "kvdq128_stages3": dict(block_kv_dq=128, num_stages=3),
@@ -314,6 +319,11 @@ MOSAIC_BACKWARD_TILES = {
     "qdq128": dict(block_q_dq=128),
     "qdkv128_qdq128": dict(block_q_dkv=128, block_q_dq=128),
     "one_consumer": dict(num_consumers=1),
+    "split": dict(split_dkv=True),
+    "split_qdkv128": dict(split_dkv=True, block_q_dkv=128),
+    "split_qdkv128_kvdq128": dict(split_dkv=True, block_q_dkv=128, block_kv_dq=128),
+    "split_one_dq_consumer": dict(split_dkv=True, num_consumers=1),
+    "split_one_dq_consumer_stages3": dict(split_dkv=True, num_consumers=1, num_stages=3),
 }
 
 
@@ -326,9 +336,11 @@ def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 1024, 2048, 16384)):
             for impl in ("pallas_flash", "cudnn")
         }
         fns["triton_bwd"] = _mosaic_fn(t, n, h, causal, "fwd+bwd", backward="triton")
-        candidates = {"default": mosaic.BackwardTiles()}
+        candidates = {"default": mosaic.backward.default_tiles(h)}
         for name, fields in MOSAIC_BACKWARD_TILES.items():
-            candidates[name] = mosaic.BackwardTiles(**fields)
+            tiles = mosaic.BackwardTiles(**fields)
+            if tiles not in candidates.values():
+                candidates[name] = tiles
         for name, tiles in candidates.items():
             fn = _mosaic_fn(t, n, h, causal, "fwd+bwd", backward_tiles=tiles)
             if fn is not None:
@@ -364,7 +376,7 @@ def main():
         elif args.experiment == "decode":
             decode(out, args.quick, args.calls_per_jit, smoke=args.smoke, only=args.only)
         elif args.experiment == "mosaic-backward":
-            mosaic_backward(out, [h for h in args.head_dims if h <= 128], args.seqs)
+            mosaic_backward(out, args.head_dims, args.seqs)
         else:
             {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
 

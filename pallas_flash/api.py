@@ -125,8 +125,8 @@ def flash_attention(
         flow through both outputs.
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
         capability >= 8.0), "mosaic" (Hopper only: the warp-specialised Pallas Mosaic GPU
-        forward, and the Mosaic GPU backward where it applies (H 64/80/96/128, no window, soft
-        cap, segment ids, lengths or dropout, block_sizes not given), else the Triton
+        forward, and the Mosaic GPU backward where it applies (H 64/80/96/128/192/256, the
+        forward's masks, no dropout, block_sizes not given), else the Triton
         backward; raises NotImplementedError for a call the forward does not support: bias,
         dense mask, float32, head dims other than 64/80/96/128/192/256, causal or windowed
         calls on CUDA runtimes 12.8.0-12.9.0, whose ptxas miscompiles the mask) or "xla" (plain

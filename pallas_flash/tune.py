@@ -154,7 +154,8 @@ def search(start: BlockSizes, head_dim: int, measure) -> tuple[BlockSizes, dict]
 
 def search_mosaic(head_dim: int, measure) -> tuple[MosaicTiles, dict]:
     """Greedy search of the Mosaic kernels' tiles (Hopper): forward tiles on "fwd", then, at
-    the head dims the Mosaic backward takes, backward tiles on "fwd+bwd" with the best forward.
+    the head dims with backward candidates (MOSAIC_BACKWARD), backward tiles on "fwd+bwd" with
+    the best forward.
 
     measure(forward_tiles, backward_tiles, pass_) -> milliseconds, or None when the candidate
     fails or does not apply. Returns the best tiles (None fields: the kernel's defaults) and

@@ -128,8 +128,8 @@ class BackendPath:
 
     tiles: the path takes `block_sizes` (the Triton kernels); mosaic: it runs the Mosaic GPU
     kernels, which take bfloat16/float16, head dims 64/128/256 and lengths in whole tiles, and
-    whose backward runs at H 64/128 with the forward's masks (else the Triton backward runs,
-    which the Mosaic interpreter cannot: forward-only checks there).
+    whose backward runs at every head dim with the forward's masks (else the Triton backward
+    runs, which the Mosaic interpreter cannot: forward-only checks there).
     """
 
     name: str

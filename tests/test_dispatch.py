@@ -49,6 +49,7 @@ CALLS = {
     "causal-h64-16k": (qkv((1, 16384, 32, 64)), dict(is_causal=True)),
     "plain-h256": (qkv((2, 1024, 8, 256), (2, 1024, 2, 256)), {}),
     "causal-h256-long": (qkv((1, 8192, 8, 256)), dict(is_causal=True)),
+    "causal-h192": (qkv((2, 1024, 8, 192), (2, 1024, 2, 192)), dict(is_causal=True)),
     "causal-h128-long": (qkv((1, 8192, 16, 128)), dict(is_causal=True)),
     "plain-h128-medium": (qkv((4, 4096, 16, 128)), {}),
     "short-keys-h128": (qkv((2, 1024, 8, 128), (2, 512, 8, 128)), dict(is_causal=True)),
@@ -122,6 +123,7 @@ H256 = dict(
     block_q_dq=64,
     num_stages_dq=1,
 )
+MOSAIC_H256 = dict(num_consumers=1, split_dkv=True)
 F32 = dict(
     block_q=64, num_stages=2, block_kv_dkv=64, num_stages_dkv=2, block_q_dq=64, num_stages_dq=2
 )
@@ -167,8 +169,10 @@ H200 = {
     ),
     "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
     "causal-h64-16k": ("mosaic", "mosaic", H64, dict(block_q=128), {}, None),
-    "plain-h256": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
-    "causal-h256-long": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
+    # H 192 and 256: the Mosaic backward with its dK/dV consumers split by accumulator.
+    "plain-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
+    "causal-h256-long": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
+    "causal-h192": ("mosaic", "mosaic", H256, dict(block_kv=64), dict(split_dkv=True), None),
     "causal-h128-long": ("mosaic", "mosaic", H128, {}, {}, None),
     "plain-h128-medium": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
     "short-keys-h128": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
@@ -241,6 +245,7 @@ A100 = {
     "causal-h64-16k": ("triton", "triton", H64, None, None, 1),
     "plain-h256": ("triton", "triton", H256, None, None, 1),
     "causal-h256-long": ("triton", "triton", H256, None, None, 1),
+    "causal-h192": ("triton", "triton", H256, None, None, 1),
     "causal-h128-long": ("triton", "triton", H128, None, None, 1),
     "plain-h128-medium": ("triton", "triton", H128, None, None, 1),
     "short-keys-h128": ("triton", "triton", H128, None, None, 1),

@@ -93,7 +93,7 @@ def abstract_backward_args(p: Problem):
 
 # -- lowering for an abstract H200 (CPU) ----------------------------------------------------------
 
-# H 64 and 128, causal and not, MHA / GQA / MQA, T == S, T < S and T > S, both dtypes.
+# H 64, 128, 192 and 256, causal and not, MHA / GQA / MQA, T == S, T < S and T > S, both dtypes.
 LOWERING_PROBLEMS = [
     Problem(2, 256, 256, 4, 2, 64, False, "bf16"),
     Problem(1, 256, 512, 4, 1, 64, True, "f16"),
@@ -103,6 +103,10 @@ LOWERING_PROBLEMS = [
     Problem(2, 512, 256, 4, 2, 128, True, "f16"),
     Problem(1, 128, 128, 2, 2, 128, True, "bf16"),
     Problem(1, 1024, 1024, 8, 1, 128, True, "bf16"),
+    Problem(2, 256, 512, 4, 2, 256, True, "bf16"),
+    Problem(1, 512, 256, 4, 1, 192, False, "f16"),
+    pytest.param(Problem(2, 256, 256, 4, 4, 256, False, "f16"), marks=long_only),
+    pytest.param(Problem(2, 512, 256, 4, 2, 192, True, "bf16"), marks=long_only),
 ]
 
 
@@ -147,6 +151,18 @@ MASKED_LOWERING_CASES = [
         BackwardTiles(block_q_dkv=128, block_kv_dq=128),
         marks=long_only,
     ),
+    # The split dK/dV consumers (defaults at H 192 and 256) with every mask.
+    pytest.param(
+        Problem(2, 256, 512, 4, 2, 256, True, "bf16"),
+        dict(window=(64, 0), soft_cap=20.0, segments=True),
+        None,
+    ),
+    pytest.param(
+        Problem(1, 512, 256, 4, 1, 192, False, "f16"),
+        dict(window=(30, 90), segments=True),
+        None,
+        marks=long_only,
+    ),
 ]
 
 
@@ -176,7 +192,9 @@ def test_lowers_with_masks(p, options, tiles):
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
 
 
-# Tiles other than the defaults that fit the register budget of `mosaic.backward.why_not`.
+# Tiles other than the defaults that fit the register budget of `mosaic.backward.why_not`;
+# dK/dV consumers split by accumulator at H 64 and 128 too (128-row streamed tiles fit there),
+# and at H=192 with one dQ consumer and a third stage.
 OTHER_TILES = [
     (64, BackwardTiles(num_consumers=1)),
     (128, BackwardTiles(num_consumers=1)),
@@ -184,10 +202,19 @@ OTHER_TILES = [
     (128, BackwardTiles(num_stages=3)),
     (64, BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
     (128, BackwardTiles(block_kv_dq=128)),
+    (128, BackwardTiles(split_dkv=True, block_q_dkv=128)),
+    (64, BackwardTiles(split_dkv=True, block_q_dkv=128, num_consumers=1)),
+    (192, BackwardTiles(split_dkv=True, num_consumers=1, num_stages=3)),
 ]
+# Lowered with PALLAS_FLASH_SWEEP only (CI lowers one split tile).
+SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8)]
 
 
-@pytest.mark.parametrize("head_dim, tiles", OTHER_TILES, ids=str)
+@pytest.mark.parametrize(
+    "head_dim, tiles",
+    [x if x not in SWEEP_ONLY_TILES else pytest.param(*x, marks=long_only) for x in OTHER_TILES],
+    ids=str,
+)
 def test_lowers_with_other_tiles(head_dim, tiles):
     p = Problem(1, 512, 512, 4, 2, head_dim, True, "bf16")
     lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
@@ -237,6 +264,8 @@ RANGE_TILES = [
     BackwardTiles(),
     BackwardTiles(num_consumers=1),
     BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+    # Split dK/dV consumers: one key block per CTA, one range for both.
+    BackwardTiles(split_dkv=True, block_q_dkv=128),
 ]
 
 
@@ -319,7 +348,7 @@ def test_geometry_tile_ranges_match_the_mask(q_len, kv_len, tiles):
 BF16 = jnp.bfloat16
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 192, 256])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_supports_accepts(head_dim, is_causal):
     # Any lengths: ragged last tiles, lengths below one tile, lengths that are not multiples of 8.
@@ -343,12 +372,14 @@ def test_supports_accepts(head_dim, is_causal):
 @pytest.mark.parametrize(
     "q_shape, k_shape, dtype, reason",
     [
-        ((1, 256, 4, 256), (1, 256, 4, 256), BF16, "head_dim=256: a consumer's dK and dV"),
-        ((1, 256, 4, 256), (1, 256, 4, 256), BF16, "left to the Triton backward"),
-        ((1, 256, 4, 192), (1, 256, 4, 192), BF16, "head_dim=192: a consumer's dK and dV"),
         ((1, 0, 4, 128), (1, 1024, 4, 128), BF16, "q_len=0 and kv_len=1024 must be positive"),
         ((1, 256, 4, 128), (1, 0, 4, 128), BF16, "kv_len=0 must be positive"),
-        ((1, 256, 4, 112), (1, 256, 4, 112), BF16, "head_dim=112 is not one of (64, 80, 96, 128)"),
+        (
+            (1, 256, 4, 112),
+            (1, 256, 4, 112),
+            BF16,
+            "head_dim=112 is not one of (64, 80, 96, 128, 192",
+        ),
         ((1, 256, 4, 128), (1, 256, 4, 128), jnp.float32, "dtype float32"),
         ((1, 256, 6, 128), (1, 256, 4, 128), BF16, "num_heads=6 must be divisible by"),
         ((1, 256, 4, 128), (2, 256, 4, 128), BF16, "batch or head dim"),
@@ -375,6 +406,11 @@ def test_supports_rejects_tiles_over_shared_memory():
         (128, BackwardTiles(block_q_dkv=128), "256 f32 registers per thread in dK/dV"),
         (128, BackwardTiles(block_q_dq=128, num_consumers=1), "256 f32 registers per thread in dQ"),
         (64, BackwardTiles(block_kv_dkv=128, num_consumers=1), "in dK/dV at head_dim=64"),
+        # dK and dV of one consumer at H 192 and 256; the dK consumer with 128-row tiles.
+        (192, BackwardTiles(), "256 f32 registers per thread in dK/dV"),
+        (256, BackwardTiles(num_consumers=1), "320 f32 registers per thread in dK/dV"),
+        (256, BackwardTiles(split_dkv=True, block_q_dkv=128), "256 f32 registers per thread"),
+        (192, BackwardTiles(split_dkv=True, block_kv_dq=128), "224 f32 registers per thread in dQ"),
     ],
 )
 def test_supports_rejects_tiles_that_would_spill(head_dim, tiles, kernel):
@@ -384,10 +420,26 @@ def test_supports_rejects_tiles_that_would_spill(head_dim, tiles, kernel):
 
 
 def test_default_tiles_fit_shared_memory():
-    for head_dim in (64, 128):
+    for head_dim in (64, 128, 192, 256):
         tiles = default_tiles(head_dim)
-        assert tiles.smem_bytes_dkv(head_dim, 2) <= SMEM_BYTES
-        assert tiles.smem_bytes_dq(head_dim, 2) <= SMEM_BYTES
+        for segments in (False, True):
+            assert tiles.smem_bytes_dkv(head_dim, 2, segments=segments) <= SMEM_BYTES
+            assert tiles.smem_bytes_dq(head_dim, 2, segments=segments) <= SMEM_BYTES
+
+
+@pytest.mark.parametrize(
+    "head_dim, tiles, kernel",
+    [
+        # Two dQ consumers' Q and dO beside two 64-key K/V stages at H=256.
+        (256, BackwardTiles(split_dkv=True), "shared memory in dQ"),
+        # A third stage of the split dK/dV ring at H=256.
+        (256, BackwardTiles(split_dkv=True, num_consumers=1, num_stages=3), "in dK/dV"),
+    ],
+)
+def test_supports_rejects_split_tiles_over_shared_memory(head_dim, tiles, kernel):
+    q_shape, k_shape = (1, 512, 4, head_dim), (1, 512, 2, head_dim)
+    got = mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=False, tiles=tiles)
+    assert got is not None and kernel in got, got
 
 
 @pytest.mark.parametrize(
@@ -398,6 +450,7 @@ def test_default_tiles_fit_shared_memory():
         (dict(block_kv_dkv=320), "block_kv_dkv=320 exceeds the wgmma limit of 256"),
         (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
         (dict(num_consumers=3), "num_consumers=3 must be 1 or 2"),
+        (dict(split_dkv=1), "split_dkv=1 must be a bool"),
     ],
 )
 def test_tiles_validate(kwargs, match):
@@ -409,9 +462,9 @@ def test_flash_backward_raises_before_tracing():
     q = jnp.zeros((1, 128, 2, 128), BF16)
     k = jnp.zeros((1, 128, 2, 128), BF16)
     lse = jnp.zeros((1, 2, 128), jnp.float32)
-    with pytest.raises(ValueError, match="head_dim=256"):
-        q256 = jnp.zeros((1, 128, 2, 256), BF16)
-        flash_backward(q256, q256, q256, q256, lse, q256, lse, scale=0.1, is_causal=False)
+    with pytest.raises(ValueError, match="head_dim=112"):
+        q112 = jnp.zeros((1, 128, 2, 112), BF16)
+        flash_backward(q112, q112, q112, q112, lse, q112, lse, scale=0.1, is_causal=False)
     with pytest.raises(ValueError, match="d_out"):
         flash_backward(q, k, k, q, lse, q.astype(jnp.float16), lse, scale=0.1, is_causal=False)
     with pytest.raises(ValueError, match="scale=0.0 must be positive"):
@@ -432,6 +485,31 @@ INTERPRET_PROBLEMS = [
     (Problem(1, 384, 256, 2, 1, 64, True, "bf16"), BackwardTiles(num_consumers=1, num_stages=3)),
     (Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3)),
     (Problem(1, 512, 512, 1, 1, 64, True, "bf16"), BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
+    # H 192 and 256 (split dK/dV consumers; in CI through a masked case,
+    # MASK_CI_CASES), with PALLAS_FLASH_SWEEP: causal GQA, T < S and T > S, rings that wrap,
+    # the split at H 64 and 128 with 128-row streamed tiles, one dQ consumer with three stages
+    # at H=192.
+    pytest.param(Problem(1, 128, 128, 2, 1, 256, True, "bf16"), None, marks=long_only),
+    pytest.param(Problem(1, 128, 192, 2, 1, 192, False, "bf16"), None, marks=long_only),
+    pytest.param(Problem(1, 128, 256, 4, 2, 256, False, "bf16"), None, marks=long_only),
+    pytest.param(Problem(1, 256, 128, 2, 1, 256, True, "f16"), None, marks=long_only),
+    pytest.param(Problem(1, 256, 256, 4, 1, 192, True, "bf16"), None, marks=long_only),
+    pytest.param(Problem(2, 128, 192, 2, 2, 192, False, "f16"), None, marks=long_only),
+    pytest.param(
+        Problem(1, 256, 256, 2, 1, 128, True, "bf16"),
+        BackwardTiles(split_dkv=True, block_q_dkv=128),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(1, 256, 256, 2, 1, 64, True, "bf16"),
+        BackwardTiles(split_dkv=True, block_q_dkv=128, num_consumers=1),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(1, 384, 256, 2, 1, 192, True, "bf16"),
+        BackwardTiles(split_dkv=True, num_consumers=1, num_stages=3),
+        marks=long_only,
+    ),
 ]
 
 
@@ -454,7 +532,12 @@ def test_matches_oracle_interpreted(p, tiles):
 
 @pytest.mark.parametrize(
     "p",
-    [Problem(1, 256, 256, 4, 2, 128, True, "bf16"), Problem(2, 256, 512, 2, 1, 128, False, "f16")],
+    [
+        Problem(1, 256, 256, 4, 2, 128, True, "bf16"),
+        Problem(2, 256, 512, 2, 1, 128, False, "f16"),
+        pytest.param(Problem(1, 128, 256, 4, 2, 256, True, "bf16"), marks=long_only),
+        pytest.param(Problem(1, 256, 128, 2, 1, 192, False, "bf16"), marks=long_only),
+    ],
     ids=str,
 )
 def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
@@ -521,7 +604,7 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
 
 # -- numerics on a Hopper GPU ---------------------------------------------------------------------
 
-# B=2, GQA (N=4, K=2) and MQA, H 64 and 128, causal and not; T < S and T > S.
+# B=2, GQA (N=4, K=2) and MQA, H 64, 128, 192 and 256, causal and not; T < S and T > S.
 GPU_PROBLEMS = [
     Problem(2, 256, 256, 4, 2, 64, False, "bf16"),
     Problem(2, 256, 256, 4, 2, 64, True, "f16"),
@@ -533,6 +616,15 @@ GPU_PROBLEMS = [
     Problem(2, 512, 256, 4, 2, 128, True, "bf16"),
     Problem(2, 512, 256, 4, 2, 64, False, "f16"),
     Problem(2, 1024, 1024, 4, 1, 128, True, "bf16"),
+    Problem(2, 256, 256, 4, 2, 256, False, "bf16"),
+    Problem(2, 256, 256, 4, 2, 256, True, "bf16"),
+    Problem(2, 256, 512, 4, 2, 256, True, "f16"),
+    Problem(2, 512, 256, 4, 1, 256, True, "bf16"),
+    Problem(2, 1024, 1024, 4, 2, 256, True, "bf16"),
+    Problem(2, 256, 256, 4, 2, 192, True, "bf16"),
+    Problem(2, 256, 512, 4, 2, 192, False, "bf16"),
+    Problem(2, 512, 256, 4, 1, 192, True, "f16"),
+    Problem(2, 1024, 1024, 4, 4, 192, True, "bf16"),
 ]
 
 
@@ -571,9 +663,10 @@ def test_kernel_config_opt_in_matches_oracle():
 
 
 @pytest.mark.gpu
-def test_deterministic():
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_deterministic(head_dim):
     needs_hopper()
-    p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
+    p = Problem(2, 512, 512, 8, 2, head_dim, True, "bf16")
     args, _ = random_inputs(p)
     fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))
     assert_bitwise_equal(fn(*args), fn(*args))
@@ -681,7 +774,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
 
 
 # Through the public call as a Hopper runs it: the forward and both backward kernels are Mosaic
-# at these shapes (and H=192 takes the Mosaic forward with the Triton backward).
+# at these shapes.
 @pytest.mark.parametrize(
     "p, mosaic_calls",
     [
@@ -692,7 +785,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
         # Ragged below 1024 tokens (dispatch.MOSAIC_RAGGED_MIN_LEN): Triton.
         pytest.param(Problem(64, 197, 197, 12, 12, 64, False, "bf16"), 0, marks=long_only),
         pytest.param(Problem(16, 577, 577, 16, 16, 128, False, "bf16"), 0, marks=long_only),
-        pytest.param(Problem(2, 1024, 1024, 16, 4, 192, True, "bf16"), 1, marks=long_only),
+        pytest.param(Problem(2, 1024, 1024, 16, 4, 192, True, "bf16"), 3, marks=long_only),
     ],
     ids=str,
 )
@@ -918,6 +1011,17 @@ MASK_CI_CASES = [
         tiles=BackwardTiles(num_consumers=1),
         poison=True,
     ),
+    # H=256, its defaults: the dK/dV consumers split by accumulator (P^T * dcap handed over,
+    # the dK consumer's own mask on dS^T against NaN in V at hidden keys, one tile range for
+    # both, the plan of one key block per CTA) and one dQ consumer.
+    MaskCase(
+        Problem(2, 128, 192, 1, 1, 256, False, "bf16"),
+        window=(30, 60),
+        soft_cap=10.0,
+        kind="packed-lengths",
+        scale=1.0,
+        poison=True,
+    ),
 ]
 
 # A ragged last KV tile; NaN at hidden keys with causal and a window; windows left-only /
@@ -963,6 +1067,23 @@ MASK_SWEEP_CASES = [
         kind="packed-lengths",
         scale=1.0,
         tiles=BackwardTiles(num_consumers=1, num_stages=3),
+    ),
+    # The split dK/dV consumers: the defaults at H 192 and 256 with windows, soft caps and
+    # segment ids (NaN at hidden keys), at H=64 with 128-row streamed tiles and 3 stages.
+    MaskCase(
+        Problem(1, 192, 256, 2, 1, 256, True, "bf16"),
+        window=(40, 0),
+        soft_cap=10.0,
+        kind="packed-lengths",
+        scale=1.0,
+        poison=True,
+    ),
+    MaskCase(Problem(1, 256, 128, 2, 1, 192, False, "bf16"), window=(20, 70), kind="gap"),
+    MaskCase(
+        Problem(1, 384, 256, 2, 1, 64, True, "bf16"),
+        window=(90, 0),
+        kind="unsorted",
+        tiles=BackwardTiles(split_dkv=True, block_q_dkv=128, num_stages=3),
     ),
 ]
 
@@ -1065,8 +1186,9 @@ def test_default_masked_call_on_hopper_matches_oracle_interpreted(monkeypatch, p
 
 # -- on a Hopper GPU --
 
-# B=2, GQA and MQA, H 64 and 128, T == S, T < S, T > S; windows causal and not (rows and CTAs
-# without keys), soft caps, every segment kind, combinations; other tiles.
+# B=2, GQA and MQA, H 64, 128, 192 and 256, T == S, T < S, T > S; windows causal and not (rows
+# and CTAs without keys), soft caps, every segment kind, combinations; other tiles (the split
+# dK/dV consumers at H 192 and 256 by default, and at H=128).
 MASK_GPU_CASES = [
     MaskCase(Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"), window=(300, 0)),
     MaskCase(Problem(2, 512, 1024, 4, 2, 128, False, "bf16"), window=(200, 300)),
@@ -1104,6 +1226,22 @@ MASK_GPU_CASES = [
         scale=1.0,
         tiles=BackwardTiles(num_consumers=1),
     ),
+    MaskCase(
+        Problem(2, 1024, 512, 4, 2, 256, True, "bf16"),
+        window=(128, 0),
+        soft_cap=20.0,
+        kind="packed-lengths",
+        scale=1.0,
+    ),
+    MaskCase(Problem(2, 512, 1024, 4, 1, 256, False, "f16"), window=(200, 300)),
+    MaskCase(Problem(2, 512, 512, 4, 2, 192, True, "bf16"), kind="lengths", soft_cap=10.0),
+    MaskCase(Problem(2, 512, 1024, 4, 2, 192, False, "bf16"), kind="gap"),
+    MaskCase(
+        Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"),
+        window=(70, 0),
+        kind="packed",
+        tiles=BackwardTiles(split_dkv=True, block_q_dkv=128),
+    ),
 ]
 
 
@@ -1125,6 +1263,14 @@ def test_masked_matches_oracle(c):
             poison=True,
         ),
         MaskCase(Problem(2, 384, 512, 4, 2, 64, False, "bf16"), kind="packed-lengths", poison=True),
+        MaskCase(
+            Problem(2, 384, 512, 4, 2, 256, True, "bf16"),
+            window=(100, 0),
+            soft_cap=10.0,
+            kind="packed-lengths",
+            scale=1.0,
+            poison=True,
+        ),
     ],
     ids=str,
 )
@@ -1136,9 +1282,10 @@ def test_nan_at_hidden_keys_reaches_no_gradient(c):
 
 
 @pytest.mark.gpu
-def test_masked_deterministic():
+@pytest.mark.parametrize("index", [11, 15])
+def test_masked_deterministic(index):
     needs_hopper()
-    c = MASK_GPU_CASES[11]
+    c = MASK_GPU_CASES[index]
     (q, k, v, d_out, d_lse), _ = random_inputs(c.p)
     options = mask_options(c, c.arrays())
     out, lse = flash_forward(q, k, v, scale=c.logit_scale, is_causal=c.p.is_causal, **options)

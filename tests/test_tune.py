@@ -193,7 +193,8 @@ def test_search_mosaic_picks_forward_then_backward_tiles(monkeypatch):
     assert best.forward == mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=3)
     assert best.backward == mosaic.BackwardTiles(block_kv_dq=128)
     assert ms == {"fwd": 1, "fwd+bwd": 2}
-    # H=256 has no Mosaic backward: only the forward is searched.
+    # H=256 has no Mosaic backward candidates (its defaults are the only tiles that fit): only
+    # the forward is searched.
     best, ms = tune.search_mosaic(256, fake_mosaic_measure)
     assert best.backward is None and set(ms) == {"fwd"}
 

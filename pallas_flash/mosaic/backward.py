@@ -9,6 +9,10 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
   query head of the GQA group and every query tile that sees the CTA's keys through a TMA ring.
   The tiles are computed transposed (keys on rows: S^T = K Q^T), so that P^T and dS^T are
   register A operands of dV += P^T dO and dK += dS^T Q.
+  With `split_dkv` (H 192 and 256, where one warpgroup cannot hold both accumulators) a CTA
+  owns `block_kv_dkv` keys and its two consumers split the work by accumulator: one computes
+  P^T and keeps dV, the other computes dP^T and dS^T and keeps dK; P^T (times the soft cap's
+  derivative) passes between them through shared memory.
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
 
@@ -44,11 +48,11 @@ from pallas_flash.mosaic.launch import check_segment_ids, pad_ids, pad_to, warp_
 from pallas_flash.mosaic.schedule import tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv, kernel_head_dim
 
-# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward). H=192 and
-# 256 are left to the Triton backward: a consumer's dK and dV accumulators, [64, H] f32 each,
-# with S^T and dP^T would take 256 registers per thread at H=192 (the most a thread can have),
-# and the accumulators alone 256 at H=256.
-HEAD_DIMS = (64, 80, 96, 128)
+# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward; 192 runs
+# as it is). At H 192 and 256 one consumer's dK and dV accumulators, [64, H] f32 each, with S^T
+# and dP^T would take 256 registers per thread or more (the most a thread can have is 255):
+# there the dK/dV kernel splits its consumers by accumulator (`BackwardTiles.split_dkv`).
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 PRODUCER_REGISTERS = 40
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`). 40 is
@@ -74,7 +78,13 @@ class BackwardTiles:
       block_q_dq: query rows per consumer warpgroup of the dQ kernel (wgmma M).
       block_kv_dq: keys per streamed K/V tile of the dQ kernel (wgmma N of S).
       num_stages: tiles in flight in each kernel's shared-memory ring (>= 2).
-      num_consumers: consumer warpgroups per CTA in both kernels (1 or 2).
+      num_consumers: consumer warpgroups per CTA of the dQ kernel (1 or 2), and of the dK/dV
+        kernel unless split_dkv.
+      split_dkv: the dK/dV kernel's CTA owns block_kv_dkv keys and runs two consumers on them,
+        split by accumulator: one computes P^T and keeps dV, the other computes dP^T and dS^T
+        (with P^T from the first, through shared memory) and keeps dK. Each holds one
+        [block_kv_dkv, H] accumulator instead of two, which is what lets H 192 and 256 fit the
+        registers; every product is still computed once.
     All blocks are multiples of 64: wgmma works on 64-row slabs and the 128-byte swizzle on
     64-column tiles.
     """
@@ -85,6 +95,7 @@ class BackwardTiles:
     block_kv_dq: int = 64
     num_stages: int = 2
     num_consumers: int = 2
+    split_dkv: bool = False
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -99,11 +110,24 @@ class BackwardTiles:
             raise ValueError(f"BackwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"BackwardTiles.num_consumers={self.num_consumers!r} must be 1 or 2")
+        if not isinstance(self.split_dkv, bool):
+            raise ValueError(f"BackwardTiles.split_dkv={self.split_dkv!r} must be a bool")
+
+    @property
+    def dkv_consumers(self) -> int:
+        """Consumer warpgroups per CTA of the dK/dV kernel."""
+        return 2 if self.split_dkv else self.num_consumers
+
+    @property
+    def dkv_key_blocks(self) -> int:
+        """Blocks of block_kv_dkv keys per CTA of the dK/dV kernel (one per consumer, or one
+        shared by the split consumers): the consumers of its tile ranges."""
+        return 1 if self.split_dkv else self.num_consumers
 
     @property
     def cta_kv_rows(self) -> int:
         """Keys per CTA of the dK/dV kernel."""
-        return self.num_consumers * self.block_kv_dkv
+        return self.dkv_key_blocks * self.block_kv_dkv
 
     @property
     def cta_q_rows(self) -> int:
@@ -112,18 +136,24 @@ class BackwardTiles:
 
     def tile_registers(self, head_dim: int) -> dict[str, int]:
         """f32 registers per consumer thread that each kernel holds across a step: dK and dV
-        with S^T and dP^T, or dQ with S and dP (a warpgroup spreads a tile over 128 threads)."""
+        with S^T and dP^T (split_dkv: the dK consumer's dK with dP^T and P^T, the larger
+        share), or dQ with S and dP (a warpgroup spreads a tile over 128 threads)."""
+        kv_accumulators = 1 if self.split_dkv else 2
         return {
-            "dK/dV": 2 * self.block_kv_dkv * (head_dim + self.block_q_dkv) // 128,
+            "dK/dV": self.block_kv_dkv * (kv_accumulators * head_dim + 2 * self.block_q_dkv) // 128,
             "dQ": self.block_q_dq * (head_dim + 2 * self.block_kv_dq) // 128,
         }
 
     def smem_bytes_dkv(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
-        """K, V per consumer, the Q and dO ring, the lse and delta rows of the ring; with
-        segment ids, the consumers' key ids and a ring of query ids (int32)."""
+        """K, V per consumer (split_dkv: one block of each, and the f32 P^T the consumers hand
+        over), the Q and dO ring, the lse and delta rows of the ring; with segment ids, each
+        consumer's copy of its key ids and a ring of query ids (int32)."""
         kv = 2 * self.cta_kv_rows * head_dim * itemsize
+        if self.split_dkv:
+            kv += self.block_kv_dkv * self.block_q_dkv * 4
         ring = 2 * self.num_stages * self.block_q_dkv * (head_dim * itemsize + 4)
-        ids = (self.cta_kv_rows + self.num_stages * self.block_q_dkv) * 4 if segments else 0
+        id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
+        ids = id_rows * 4 if segments else 0
         return kv + ring + ids
 
     def smem_bytes_dq(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
@@ -137,8 +167,27 @@ class BackwardTiles:
 
 def default_tiles(head_dim: int) -> BackwardTiles:
     """Not tuned yet: 64-row slabs everywhere keep a consumer's registers at H=128 near
-    dK + dV (128) + S^T, dP^T (64) + their 16-bit copies (32) per thread."""
-    del head_dim
+    dK + dV (128) + S^T, dP^T (64) + their 16-bit copies (32) per thread.
+
+    H 192 and 256 split the dK/dV consumers by accumulator (`split_dkv`): dK and dV of 64 keys
+    would take 192 or 256 registers per thread before S^T and dP^T, while one of them leaves
+    the dK consumer at 160 or 192 with dP^T and P^T. 64 keys per CTA: a 128-key accumulator is
+    again 192 or 256 registers. The dQ kernel at H=256 takes one consumer: two would need
+    Q and dO of 128 rows (128 KiB) beside the K/V ring (128 KiB at two 64-key stages), over
+    the shared memory; at H=192 two fit (96 + 96 KiB). Both kernels then stream 64-row tiles at
+    two stages: 128-row streamed tiles overflow the dK consumer's registers, a third stage the
+    shared memory.
+
+    What should limit them (predicted from the budgets, not measured): a split CTA covers 64
+    keys, half the default's 128, so every Q and dO tile is read from L2 twice as often per
+    key; the dK consumer waits each step for P^T (the dV consumer's S^T and exp2) before it
+    can compute dS^T, so the two overlap only as far as dP^T and dV cover it. The one-consumer
+    dQ kernel at H=256 has no second warpgroup to run wgmma while it computes P and dS."""
+    head_dim = kernel_head_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
+    if head_dim == 256:
+        return BackwardTiles(split_dkv=True, num_consumers=1)
+    if head_dim == 192:
+        return BackwardTiles(split_dkv=True)
     return BackwardTiles()
 
 
@@ -177,11 +226,6 @@ def why_not(
         return reason
     _, q_len, _, head_dim = q_shape
     kv_len = k_shape[1]
-    if head_dim in (192, 256):
-        return (
-            f"{head_dim=}: a consumer's dK and dV accumulators with S^T and dP^T would need "
-            "256 registers per thread or more; left to the Triton backward"
-        )
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
     if q_len == 0 or kv_len == 0:
@@ -189,8 +233,9 @@ def why_not(
     tiles = default_tiles(head_dim) if tiles is None else tiles
     head_dim = kernel_head_dim(head_dim)
     # The rest of a consumer's registers hold the 16-bit copies of P and dS, lse, delta, indices.
-    budget = consumer_registers(tiles.num_consumers) - REGISTER_HEADROOM
+    consumers = {"dK/dV": tiles.dkv_consumers, "dQ": tiles.num_consumers}
     for kernel, registers in tiles.tile_registers(head_dim).items():
+        budget = consumer_registers(consumers[kernel]) - REGISTER_HEADROOM
         if registers > budget:
             return (
                 f"{tiles} holds {registers} f32 registers per thread in {kernel} at {head_dim=}, "
@@ -321,9 +366,20 @@ def flash_backward(
         q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
         kv_ids = pad_ids(segment_ids[1], kv_to, masks.PAD_KV_SEGMENT)
         arrays = MaskArrays(q_ids, kv_ids)
-        plan = functools.partial(tile_plan, spec, arrays, num_consumers=tiles.num_consumers)
-        dkv_plan = plan(block_rows=tiles.block_kv_dkv, block_cols=tiles.block_q_dkv, over="kv")
-        dq_plan = plan(block_rows=tiles.block_q_dq, block_cols=tiles.block_kv_dq, over="q")
+        plan = functools.partial(tile_plan, spec, arrays)
+        # The split dK/dV consumers share the CTA's keys: one range for both.
+        dkv_plan = plan(
+            block_rows=tiles.block_kv_dkv,
+            block_cols=tiles.block_q_dkv,
+            num_consumers=tiles.dkv_key_blocks,
+            over="kv",
+        )
+        dq_plan = plan(
+            block_rows=tiles.block_q_dq,
+            block_cols=tiles.block_kv_dq,
+            num_consumers=tiles.num_consumers,
+            over="q",
+        )
         dkv_ids, dq_ids = (q_ids, kv_ids, dkv_plan), (q_ids, kv_ids, dq_plan)
     kwargs = dict(
         spec=spec,
@@ -432,8 +488,11 @@ def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float,
     """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan)."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
-    n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dkv
+    n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
     has_ids = ids is not None
+    # Split consumers share one block of K and V: the dV consumer reads only K, the dK consumer
+    # only V, each loads its own (one TMA copy on its kv_loaded barrier, and its key ids).
+    kv_blocks, kv_copies = tiles.dkv_key_blocks, 1 if tiles.split_dkv else 2
     kernel = functools.partial(
         _dkv_kernel,
         spec=spec,
@@ -444,15 +503,15 @@ def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float,
         tiles=tiles,
     )
     scratch = dict(
-        k_smem=_tile_smem((n_c, tiles.block_kv_dkv, head_dim), q.dtype),
-        v_smem=_tile_smem((n_c, tiles.block_kv_dkv, head_dim), q.dtype),
+        k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
+        v_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
         q_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
         do_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
         lse_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
-        # Two TMA copies arrive on each: K and V; Q and its lse rows; dO and its delta rows.
-        # With segment ids the keys' ids land with K and V, and the rows' ids with Q: one more.
-        kv_loaded=plgpu.Barrier(num_arrivals=2 + has_ids, num_barriers=n_c),
+        # Two TMA copies arrive on each: K and V (split: K or V); Q and its lse rows; dO and its
+        # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q.
+        kv_loaded=plgpu.Barrier(num_arrivals=kv_copies + has_ids, num_barriers=n_c),
         q_ready=plgpu.Barrier(num_arrivals=2 + has_ids, num_barriers=n_s),
         do_ready=plgpu.Barrier(num_arrivals=2, num_barriers=n_s),
         # A slot is free again once every consumer is done with it.
@@ -463,6 +522,15 @@ def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float,
         scratch.update(
             kv_ids_smem=plgpu.SMEM((n_c, tiles.block_kv_dkv), jnp.int32),
             q_ids_smem=plgpu.SMEM((n_s, block_q), jnp.int32),
+        )
+    if tiles.split_dkv:
+        # P^T * dcap in f32, as the one-consumer kernel computes dS^T from it. One buffer: the
+        # dK consumer copies it into registers as soon as it lands, long before the dV consumer
+        # has the next one (a second buffer would not fit beside the ring at H=256).
+        scratch.update(
+            p_smem=plgpu.SMEM((tiles.block_kv_dkv, block_q), jnp.float32),
+            p_ready=plgpu.Barrier(num_arrivals=1),
+            p_free=plgpu.Barrier(num_arrivals=1),
         )
     kv_type = jax.ShapeDtypeStruct(k.shape, k.dtype)
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
@@ -498,6 +566,9 @@ def _dkv_kernel(
     do_free,
     kv_ids_smem=None,
     q_ids_smem=None,
+    p_smem=None,
+    p_ready=None,
+    p_free=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
@@ -505,12 +576,12 @@ def _dkv_kernel(
     group: int,
     tiles: BackwardTiles,
 ):
-    """One CTA: num_consumers * block_kv_dkv keys of one KV head (FA2 Algorithm 2, outer loop).
+    """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop).
 
     q_ref, do_ref: [B, T', N, H]; k/v/dk/dv_ref: [B, S', K, H]; lse2_ref (lse * log2(e), +inf
     for rows without keys) and delta_ref: f32 [B, N, T'']. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S / cta_kv_rows),
-    num_consumers + 1, 4] (`schedule.tile_plan` over="kv"). The CTA streams query tiles
+    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). The CTA streams query tiles
     [first, end): the producer's step s loads query head kv_head * group + s // (end - first),
     query tile first + s % (end - first) into ring slot s % num_stages.
     """
@@ -520,15 +591,17 @@ def _dkv_kernel(
     kv_tile = lax.axis_index("kv_tile")
     cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
-    kv_start = cta_kv_start + wg * tiles.block_kv_dkv
+    # Split consumers both own the CTA's one block of keys.
+    block = 0 if tiles.split_dkv else wg
+    kv_start = cta_kv_start + block * tiles.block_kv_dkv
 
     def tile_ranges():
-        """(first, end) of the CTA and (lo, full_lo, full_hi, hi) of consumer wg."""
+        """(first, end) of the CTA and (lo, full_lo, full_hi, hi) of consumer wg's keys."""
         if plan_ref is None:
             return _q_tile_ranges(spec, tiles, cta_kv_start, kv_start)
         # Every thread of the CTA loads the same words: a broadcast from L2.
-        cta = tuple(plan_ref[batch, kv_tile, tiles.num_consumers, i] for i in (0, 3))
-        return cta, tuple(plan_ref[batch, kv_tile, wg, i] for i in range(4))
+        cta = tuple(plan_ref[batch, kv_tile, tiles.dkv_key_blocks, i] for i in (0, 3))
+        return cta, tuple(plan_ref[batch, kv_tile, block, i] for i in range(4))
 
     cta_range, _ = tile_ranges()
     ring = _QRing(
@@ -536,17 +609,20 @@ def _dkv_kernel(
     )
     common = dict(batch=batch, kv_head=kv_head, cta_range=cta_range, group=group)
 
-    @pl.when(wg < tiles.num_consumers)
+    n_c = tiles.dkv_consumers
+
+    @pl.when(wg < n_c)
     def _consumer():
-        plgpu.set_max_registers(consumer_registers(tiles.num_consumers), action="increase")
-        _consume_dkv(
+        plgpu.set_max_registers(consumer_registers(n_c), action="increase")
+        consume = functools.partial(
+            _consume_dkv,
             k_ref,
             v_ref,
             kv_ids_ref,
             dk_ref,
             dv_ref,
-            k_smem.at[wg],
-            v_smem.at[wg],
+            k_smem.at[block],
+            v_smem.at[block],
             None if kv_ids_smem is None else kv_ids_smem.at[wg],
             kv_loaded.at[wg],
             ring,
@@ -559,8 +635,14 @@ def _dkv_kernel(
             tiles=tiles,
             **common,
         )
+        if not tiles.split_dkv:
+            consume()
+            return
+        handoff = _PHandoff(p_smem, p_ready, p_free)
+        for role, index in (("dv", 0), ("dk", 1)):
+            pl.when(wg == index)(functools.partial(consume, role=role, handoff=handoff))
 
-    @pl.when(wg == tiles.num_consumers)
+    @pl.when(wg == n_c)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         _produce_dkv(q_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, ring, tiles=tiles, **common)
@@ -584,6 +666,18 @@ class _QRing:
 
     def slot(self, step):
         return lax.rem(step, jnp.int32(self.q_smem.shape[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _PHandoff:
+    """P^T * dcap from the dV consumer to the dK consumer of a split dK/dV CTA (split_dkv),
+    one computed step at a time: p_ready completes when a step's tile is in p_smem, p_free when
+    the dK consumer has copied it out (once more before its first step, so that the dV
+    consumer waits for p_free before every write)."""
+
+    p_smem: object
+    p_ready: object
+    p_free: object
 
 
 def _produce_dkv(
@@ -652,11 +746,17 @@ def _consume_dkv(
     scale: float,
     soft_cap,
     tiles: BackwardTiles,
+    role: str = "dkdv",
+    handoff: _PHandoff | None = None,
 ):
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
     every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
     end): it computes the tiles of its own range (lo, full_lo, full_hi, hi), masking element-wise
-    those outside [full_lo, full_hi), and drains the others (see drain_step)."""
+    those outside [full_lo, full_hi), and drains the others (see drain_step).
+
+    role (split_dkv): "dv" computes P^T (and P^T * dcap), hands P^T * dcap over and keeps dV;
+    "dk" takes it, computes dP^T and dS^T and keeps dK. Both own the CTA's keys: one range, so
+    they compute and drain the same steps."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, dtype = k_smem.shape[-1], k_smem.dtype
     first, end = cta_range
@@ -664,8 +764,10 @@ def _consume_dkv(
     lo, full_lo, full_hi, hi = ranges
     before, after = _dkv_mask_sides(spec, tiles)
     kv_rows = (batch, pl.ds(kv_start, block_kv), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_loaded)
-    plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_loaded)
+    if role != "dk":
+        plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_loaded)
+    if role != "dv":
+        plgpu.copy_gmem_to_smem(v_ref.at[kv_rows], v_smem, kv_loaded)
     if kv_ids_ref is not None:
         ids = kv_ids_ref.at[batch, pl.ds(kv_start, block_kv)]
         plgpu.copy_gmem_to_smem(ids, kv_ids_smem, kv_loaded)
@@ -687,10 +789,8 @@ def _consume_dkv(
             spec, q_pos, kv_pos, _cols(q_seg, tile_shape), _rows(kv_seg, tile_shape)
         )
 
-    def q_step(i, carry, *, base, masked: bool):
-        dk, dv = carry
-        slot = ring.slot(base + i - first)
-        plgpu.barrier_wait(ring.q_ready.at[slot])
+    def probs_t(i, slot, *, masked: bool):
+        """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`."""
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
         def st_into(acc_ref):
@@ -706,6 +806,13 @@ def _consume_dkv(
             visible = visible_in(i, slot)
             p_t = jnp.where(visible, p_t, 0.0)
             pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
+        return p_t, pd_t
+
+    def dkdv_step(i, carry, *, base, masked: bool):
+        dk, dv = carry
+        slot = ring.slot(base + i - first)
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        p_t, pd_t = probs_t(i, slot, masked=masked)
 
         # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -721,7 +828,9 @@ def _consume_dkv(
         )
         delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
+        return dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked), dv
 
+    def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
         ds_t = pd_t * (dp_t - _cols(delta, tile_shape))
         if masked:
@@ -734,7 +843,52 @@ def _consume_dkv(
 
         dk = pl.run_state(dk_into)(plgpu.ACC.init(dk))
         plgpu.barrier_arrive(ring.q_free.at[slot])
-        return dk, dv
+        return dk
+
+    def dv_step(i, carry, *, base, masked: bool):
+        (dv,) = carry
+        slot = ring.slot(base + i - first)
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        p_t, pd_t = probs_t(i, slot, masked=masked)
+        # Q's (and the query ids') last reader in this consumer was S^T (and the mask): free
+        # them for the producer before dV's wgmma.
+        plgpu.barrier_arrive(ring.q_free.at[slot])
+        # The buffer holds the previous step's tile until the dK consumer has copied it out.
+        plgpu.barrier_wait(handoff.p_free)
+        handoff.p_smem[...] = pd_t
+        plgpu.barrier_arrive(handoff.p_ready)
+        plgpu.barrier_wait(ring.do_ready.at[slot])
+        p_in = p_t.astype(dtype)
+
+        def dv_into(acc_ref):
+            plgpu.wgmma(acc_ref, p_in, ring.do_smem.at[slot])
+
+        dv = pl.run_state(dv_into)(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(ring.do_free.at[slot])
+        return (dv,)
+
+    def dk_step(i, carry, *, base, masked: bool):
+        (dk,) = carry
+        slot = ring.slot(base + i - first)
+        plgpu.barrier_wait(ring.do_ready.at[slot])
+
+        # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
+        def dpt_into(acc_ref):
+            plgpu.wgmma(acc_ref, v_smem, ring.do_smem.at[slot].T)
+            return acc_ref[...]
+
+        dp_t = pl.run_scoped(dpt_into, plgpu.ACC(tile_shape, jnp.float32))
+        delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
+        plgpu.barrier_arrive(ring.do_free.at[slot])
+        plgpu.barrier_wait(handoff.p_ready)
+        pd_t = plgpu.load(handoff.p_smem, layout=plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(handoff.p_free)
+        # Q (and the query ids the mask reads) after the handoff: the dV consumer's S^T needed
+        # it first.
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        return (dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked),)
+
+    q_step = {"dkdv": dkdv_step, "dv": dv_step, "dk": dk_step}[role]
 
     def drain_step(i, carry, *, base):
         # A CTA step outside this consumer's range: waited for (each barrier's phase is
@@ -767,6 +921,18 @@ def _consume_dkv(
     plgpu.barrier_wait(kv_loaded)
     if kv_ids_smem is not None:
         kv_seg = plgpu.load(kv_ids_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+    if role == "dv":
+        (dv,) = lax.fori_loop(0, group, head_loop, (zeros,))
+        # -- epilogue: K is dead (its last reader, this consumer's S^T, is done) --
+        _store_rows(k_smem, dv.astype(dtype), dv_ref.at[kv_rows])
+        return
+    if role == "dk":
+        # The buffer starts empty: the dV consumer's first wait on p_free passes.
+        plgpu.barrier_arrive(handoff.p_free)
+        (dk,) = lax.fori_loop(0, group, head_loop, (zeros,))
+        # -- epilogue: V is dead (its last reader, this consumer's dP^T, is done) --
+        _store_rows(v_smem, (dk * scale).astype(dtype), dk_ref.at[kv_rows])
+        return
     dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
@@ -775,6 +941,14 @@ def _consume_dkv(
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[kv_rows])
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[kv_rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _store_rows(smem, value, gmem):
+    """value through smem (dead by now) to gmem by TMA."""
+    smem[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(smem, gmem)
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -12,7 +12,8 @@ With backend=None on a GPU of compute capability >= 8.0:
   whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
 - Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs, unless
   `block_sizes` configure the Triton backward, H=64 below 2048 keys (Triton measured faster
-  there) or the call has dropout; else Triton.
+  there), H above 128 (not yet run compiled; `backend="mosaic"` runs it) or the call has
+  dropout; else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults.
@@ -32,6 +33,11 @@ BACKENDS = ("triton", "mosaic", "xla")
 # Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
 # Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
 MOSAIC_BACKWARD_MIN_KV_LEN = 2048
+
+# The Mosaic backward at H 192 and 256 (split dK/dV consumers) matches the float64 oracle in the
+# Mosaic GPU interpreter and lowers for the H200, but has not run compiled on a GPU: until it
+# has, backend=None keeps those head dims on the Triton backward and backend="mosaic" runs it.
+MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM = 128
 
 # Calls whose last query or key tile is ragged take the Mosaic kernels from this length of both
 # sequences: below it the masked last tile is a large share of the work and Triton's smaller
@@ -214,7 +220,8 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
     if mosaic.why_not_backward(call, device, tiles):
         return "triton"
     short = call.head_dim == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
-    if short and kind != "mosaic":
+    wide = call.head_dim > MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM
+    if (short or wide) and kind != "mosaic":
         return "triton"
     return "mosaic"
 

@@ -478,13 +478,21 @@ def test_flash_backward_raises_before_tracing():
 # wrap), 128-row streamed tiles. B=1 and few heads: the interpreter takes seconds per problem.
 INTERPRET_PROBLEMS = [
     (Problem(1, 128, 256, 2, 2, 64, False, "bf16"), None),
-    (Problem(1, 256, 256, 4, 2, 64, True, "f16"), None),
+    pytest.param(Problem(1, 256, 256, 4, 2, 64, True, "f16"), None, marks=long_only),
     (Problem(1, 128, 256, 2, 1, 128, True, "bf16"), None),
     (Problem(1, 256, 128, 2, 1, 128, True, "bf16"), BackwardTiles(num_consumers=1)),
-    (Problem(1, 256, 512, 1, 1, 64, False, "bf16"), BackwardTiles(num_stages=3)),
+    pytest.param(
+        Problem(1, 256, 512, 1, 1, 64, False, "bf16"), BackwardTiles(num_stages=3), marks=long_only
+    ),
     (Problem(1, 384, 256, 2, 1, 64, True, "bf16"), BackwardTiles(num_consumers=1, num_stages=3)),
-    (Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3)),
-    (Problem(1, 512, 512, 1, 1, 64, True, "bf16"), BackwardTiles(block_q_dkv=128, block_kv_dq=128)),
+    pytest.param(
+        Problem(2, 256, 128, 2, 2, 128, False, "f16"), BackwardTiles(num_stages=3), marks=long_only
+    ),
+    pytest.param(
+        Problem(1, 512, 512, 1, 1, 64, True, "bf16"),
+        BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+        marks=long_only,
+    ),
     # H 192 and 256 (split dK/dV consumers; in CI through a masked case,
     # MASK_CI_CASES), with PALLAS_FLASH_SWEEP: causal GQA, T < S and T > S, rings that wrap,
     # the split at H 64 and 128 with 128-row streamed tiles, one dQ consumer with three stages
@@ -534,7 +542,7 @@ def test_matches_oracle_interpreted(p, tiles):
     "p",
     [
         Problem(1, 256, 256, 4, 2, 128, True, "bf16"),
-        Problem(2, 256, 512, 2, 1, 128, False, "f16"),
+        pytest.param(Problem(2, 256, 512, 2, 1, 128, False, "f16"), marks=long_only),
         pytest.param(Problem(1, 128, 256, 4, 2, 256, True, "bf16"), marks=long_only),
         pytest.param(Problem(1, 256, 128, 2, 1, 192, False, "bf16"), marks=long_only),
     ],

@@ -5,6 +5,7 @@ import json
 
 import jax.numpy as jnp
 import pytest
+from test_mosaic_forward import long_only
 
 from pallas_flash import dispatch, mosaic, tune, tune_cache
 from pallas_flash.call import Call
@@ -280,6 +281,7 @@ def test_tune_class_adds_mosaic_tiles_on_hopper_within_tolerance(monkeypatch):
     assert all("shape_class" in row for row in log)
 
 
+@long_only
 def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
     """The tuner's check of a Mosaic winner: the forward with the tuned tiles and the Mosaic
     backward, in the Mosaic interpreter, against the f32 reference; tiles the check shape does

@@ -585,7 +585,7 @@ def random_cases(draw):
 
 
 @settings(
-    max_examples=12 if SWEEP else 6,  # CI's slice: 6 drawn cases
+    max_examples=12 if SWEEP else 4,  # CI's slice: 4 drawn cases
     deadline=None,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],

@@ -1156,20 +1156,11 @@ def test_default_masked_call_on_hopper_lowers_to_mosaic(monkeypatch, p, options)
     assert targets == ["mosaic_gpu_v2"] * 3, targets
 
 
-@long_only
-@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=str)
-def test_default_masked_call_on_hopper_matches_oracle_interpreted(monkeypatch, p, options):
-    """backend=None on a Hopper with a window, a soft cap, lengths: validation, dispatch,
-    residuals and the mask arrays through the custom_vjp to the Mosaic kernels."""
-    monkeypatch.setattr(device_lib, "target_device", Device.h200)
-    fn = functools.partial(outputs_and_grads, public_masked_fn(p, options))
-    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
-    assert targets == ["mosaic_gpu_v2"] * 3, targets
-    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
-    with interpret_mosaic():
-        results = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fn)(q, k, v, d_out, d_lse)]
+def check_public_masked_call(p: Problem, options, results, inputs, f64):
+    """The public masked call's results (out, lse, dq, dk, dv) against the float64 oracle of
+    the same mask, within twice the xla backend's error."""
     xla = functools.partial(outputs_and_grads, public_masked_fn(p, {**options, "backend": "xla"}))
-    baselines = jax.jit(xla)(q, k, v, d_out, d_lse)
+    baselines = jax.jit(xla)(*inputs)
     arrays = masks.make_arrays(
         p.batch,
         p.q_len,
@@ -1188,8 +1179,22 @@ def test_default_masked_call_on_hopper_matches_oracle_interpreted(monkeypatch, p
     oracle = attention_oracle_f64(
         *f64, scale=p.scale, visible=visible, soft_cap=options.get("logits_soft_cap")
     )
-    oracles = [oracle[name] for name in OUTPUT_NAMES]
-    assert_within_tolerance(results, baselines, oracles, floor=p.floor)
+    assert_within_tolerance(results, baselines, [oracle[n] for n in OUTPUT_NAMES], floor=p.floor)
+
+
+@long_only
+@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=str)
+def test_default_masked_call_on_hopper_matches_oracle_interpreted(monkeypatch, p, options):
+    """backend=None on a Hopper with a window, a soft cap, lengths: validation, dispatch,
+    residuals and the mask arrays through the custom_vjp to the Mosaic kernels."""
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
+    fn = functools.partial(outputs_and_grads, public_masked_fn(p, options))
+    targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
+    with interpret_mosaic():
+        results = [np.asarray(x.astype(jnp.float32)) for x in jax.jit(fn)(q, k, v, d_out, d_lse)]
+    check_public_masked_call(p, options, results, (q, k, v, d_out, d_lse), f64)
 
 
 # -- on a Hopper GPU --
@@ -1323,24 +1328,4 @@ def test_default_masked_call_takes_mosaic_and_matches_oracle(p, options):
     targets = custom_call_targets(fn.lower(q, k, v, d_out, d_lse).as_text())
     assert targets == ["mosaic_gpu_v2"] * 3, targets
     results = fn(q, k, v, d_out, d_lse)
-    xla = functools.partial(outputs_and_grads, public_masked_fn(p, {**options, "backend": "xla"}))
-    baselines = jax.jit(xla)(q, k, v, d_out, d_lse)
-    arrays = masks.make_arrays(
-        p.batch,
-        p.q_len,
-        p.kv_len,
-        query_seq_lengths=options.get("query_seq_lengths"),
-        key_value_seq_lengths=options.get("key_value_seq_lengths"),
-    )
-    spec = MaskSpec(
-        q_len=p.q_len,
-        kv_len=p.kv_len,
-        is_causal=p.is_causal,
-        window=options.get("local_window_size"),
-        has_segments=arrays.q_segment_ids is not None,
-    )
-    visible = np.asarray(masks.dense(spec, arrays))
-    oracle = attention_oracle_f64(
-        *f64, scale=p.scale, visible=visible, soft_cap=options.get("logits_soft_cap")
-    )
-    assert_within_tolerance(results, baselines, [oracle[n] for n in OUTPUT_NAMES], floor=p.floor)
+    check_public_masked_call(p, options, results, (q, k, v, d_out, d_lse), f64)

@@ -16,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash import _dropout
 from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT  # noqa: F401  re-exported
 
 
@@ -334,6 +335,14 @@ def dropout_rows(tables, batch, head, start, block: int, length, *, ragged: bool
         load_vector(row_mul, start, block, length, **rows),
         load_vector(row_add, start, block, length, **rows),
     )
+
+
+def tile_keep(tables, rows, batch, head, start, block: int, length, rate: float, *, ragged):
+    """bool [rows, block]: the keep-mask of a tile whose rows' dropout tables are `rows` (the
+    (multiplier, addend) pair of `dropout_rows`, as [rows, 1] columns) over key columns
+    [start, start + block)."""
+    col = dropout_cols(tables, batch, head, start, block, length, ragged=ragged)
+    return _dropout.keep(*rows, col[None, :], rate)
 
 
 def dropout_cols(tables, batch, head, start, block: int, length, *, ragged: bool):

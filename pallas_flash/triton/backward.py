@@ -35,6 +35,7 @@ from pallas_flash.triton._common import (
     recomputed_probs,
     scores,
     store_rows,
+    tile_keep,
     visit_tiles,
 )
 from pallas_flash.triton.forward import (
@@ -240,18 +241,18 @@ def _dq_kernel(
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
         z = None
         if drop_rows is not None:
-            col = dropout_cols(
+            keep = tile_keep(
                 ops.dropout,
+                drop_rows,
                 batch,
                 head,
                 kv_start,
                 block_kv,
                 spec.kv_len,
+                dropout_rate,
                 ragged=masked and ragged_kv,
             )
-            z = _dropout.kept_scale(
-                _dropout.keep(*drop_rows, col[None, :], dropout_rate), dropout_rate
-            )
+            z = _dropout.kept_scale(keep, dropout_rate)
         ds = tile_d_logits(
             q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
         )

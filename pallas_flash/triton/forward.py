@@ -16,7 +16,6 @@ from pallas_flash.triton._common import (
     CompilerParams,
     Operands,
     dot,
-    dropout_cols,
     dropout_rows,
     load_pair_tile,
     load_range,
@@ -28,6 +27,7 @@ from pallas_flash.triton._common import (
     softmax_step,
     softmax_store,
     split_weights,
+    tile_keep,
     visit_tiles,
 )
 from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
@@ -95,16 +95,17 @@ def _forward_kernel(
             visible = tile_visible(ops, spec, q_idx, q_seg, q_rows, kv_start, block_q, block_kv)
         keep = None
         if drop_rows is not None:
-            col = dropout_cols(
+            keep = tile_keep(
                 ops.dropout,
+                drop_rows,
                 batch,
                 head,
                 kv_start,
                 block_kv,
                 spec.kv_len,
+                dropout_rate,
                 ragged=masked and ragged_kv,
             )
-            keep = _dropout.keep(*drop_rows, col[None, :], dropout_rate)
         return softmax_step(carry, u, v, unit, visible, keep)
 
     carry = softmax_init(block_q, q_ref.shape[-1])

@@ -13,17 +13,20 @@ LN2 = 0.6931471805599453  # ln(2): converts a base-2 logsumexp back to natural l
 # a row whose keys all carry a logit of finfo.min still gets their softmax.
 MIN_LOGIT = float(np.finfo(np.float32).min)
 
-# A backward recomputes P = exp2(s * unit2 - lse2) from the saved lse in log2 units: one float32
-# rounded several times (the forward's row max and log-sum, the change of units), against an s
-# recomputed by another matmul. The exponent of a row's largest logit is then off by a few ulps
-# of lse2, which once |lse| passes ~1e6 turns that row's P of 1 into anything from 0 to
-# overflow. The Mosaic backward clamps P at 1 and lowers its reference by this many ulps
-# (relative): that exponent lands on the clamp, so P of a row with one dominant logit is exactly
-# 1 at any magnitude; elsewhere P is high by at most a factor exp2(2 * BACKWARD_SLACK * |lse2|)
-# (3e-5 at |lse| = 10, far below a 16-bit dS's rounding).
+# A backward recomputes P = exp(s * unit - lse) from the saved lse: one float32 rounded several
+# times (the forward's row max and log-sum, a change of units), against an s recomputed by
+# another matmul. The exponent of a row's largest logit is then off by a few ulps of lse, which
+# once |lse| passes ~1e6 turns that row's P of 1 into anything from 0 to overflow. Both
+# backwards clamp P at 1 and lower their reference by BACKWARD_SLACK (relative) of the part of
+# |lse| beyond SLACK_FROM: that exponent lands on the clamp, so P of a row with one dominant
+# logit is exactly 1 at any magnitude. Elsewhere P is high by at most a factor
+# exp(BACKWARD_SLACK * (|lse| - SLACK_FROM)), about the logits' own rounding at that magnitude;
+# rows of |lse| <= SLACK_FROM (float32 gradients of ordinary attention among them) are exact:
+# there a few ulps of lse move P by under 1e-3 of its value and the clamp alone keeps it finite.
 BACKWARD_SLACK = 2.0**-20
+SLACK_FROM = 1024.0
 
 
-def lowered_reference(lse2):
-    """lse2 (float32, log2 units) lowered by BACKWARD_SLACK of its magnitude."""
-    return lse2 - jnp.abs(lse2) * BACKWARD_SLACK
+def lowered_reference(lse):
+    """lse (float32, natural log) lowered by BACKWARD_SLACK of its magnitude beyond SLACK_FROM."""
+    return lse - jnp.maximum(jnp.abs(lse) - SLACK_FROM, 0.0) * BACKWARD_SLACK

@@ -340,7 +340,7 @@ def flash_backward(
     # lowered reference keeps P of a row's dominant logit exact at any magnitude. Rows that saw
     # no key (lse = -inf) get +inf, which makes their P exactly 0 whatever their logits.
     lse = lse.astype(jnp.float32)
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse * LOG2E))
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse) * LOG2E)
     if segment_ids is not None or spec.is_causal or spec.window is not None:
         # Keys hidden from some rows (padding, other documents, past the diagonal or the
         # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the

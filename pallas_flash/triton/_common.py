@@ -195,9 +195,10 @@ def scores(qk, scale: float, bias, soft_cap):
 
 
 def recomputed_probs(u, ref, unit: float):
-    """P = exp(u * unit - lse) of a backward tile from `ref` = lse / unit (+inf for rows that see
-    no key). P <= 1: lse is rounded, so u * unit - lse can be a few ulps of |lse| above 0, which
-    would overflow exp2 for logits beyond 2^24; the clamp keeps such rows finite."""
+    """P = exp(u * unit - lse) of a backward tile from `ref` = lse / unit, lowered a few ulps
+    (`_numerics.lowered_reference`; +inf for rows that see no key). P <= 1: u, recomputed by
+    another matmul, and the rounded lse can put a row's dominant logit a few ulps of |lse| above
+    the reference; the clamp makes its P exactly 1 at any magnitude, never an overflow."""
     return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E), 0.0))
 
 

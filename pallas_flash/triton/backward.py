@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
+from pallas_flash._numerics import lowered_reference
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -485,8 +486,12 @@ def flash_backward(
     delta = jnp.einsum(
         "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     ) - d_lse.astype(jnp.float32)
-    # Rows that saw no key have lse == -inf; +inf makes P exactly 0 there.
-    lse_u = jnp.where(jnp.isneginf(lse), jnp.inf, lse / logit_unit(scale, has_bias, soft_cap))
+    # Rows that saw no key have lse == -inf; +inf makes P exactly 0 there. The reference sits a
+    # few ulps low (`_numerics`): a row's dominant logit, recomputed by another matmul, then lands
+    # on the clamp P <= 1 at any magnitude.
+    lse_u = jnp.where(
+        jnp.isneginf(lse), jnp.inf, lowered_reference(lse) / logit_unit(scale, has_bias, soft_cap)
+    )
 
     # -- dK, dV: grid over KV tiles, each summing over its group's query heads --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dkv, q_len, block_sizes.block_kv_dkv, kv_len)

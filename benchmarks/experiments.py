@@ -9,7 +9,7 @@ python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
 python benchmarks/experiments.py decode --out $OUT/decode.jsonl [--quick]
     decode_attention's split-KV and tile levers (DecodeBlockSizes) on the shapes short of
     3.8 TB/s (ragged lengths, T=16, 8k cache, GQA 16, B=1), on the headline shape, and in pages
-    of 128: the former rule (17 splits per sequence, XLA merge), the default, and candidates,
+    of 128: the default (the cores rule: 17 splits per sequence, XLA merge) and candidates,
     with memcpy of the same bytes. ms is device time per call (several calls in one jit: the
     host's dispatch of one call is not counted); ms_call (defaults only) times one call per
     dispatch, as the bench does.
@@ -126,8 +126,8 @@ DECODE_SHAPES = {
     "P128": dict(page=128),
 }
 # Candidates over the defaults (DecodeBlockSizes fields), per shape; every shape also runs
-# "former" (the rule before occupancy: ceil(1056 / programs) splits of >= 1024 keys, capped at
-# 64, cut per sequence, merged in XLA), "default" and "waves2".
+# "default" (the cores rule: ceil(1056 / programs) splits of >= 1024 keys, capped at 64, cut per
+# sequence, merged in XLA), "occupancy", "full_waves", "balanced" and "waves2".
 DECODE_CANDIDATES = {
     "head": dict(
         occupancy_kernel_merge=dict(split_rule="occupancy", merge="kernel"),
@@ -178,6 +178,7 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None):
         candidates = {
             "default": {},
             "occupancy": dict(split_rule="occupancy"),
+            "full_waves": dict(split_rule="full-waves"),
             "balanced": dict(split_rule="occupancy", schedule="balanced", merge="kernel"),
             "waves2": dict(split_rule="occupancy", waves=2),
             **DECODE_CANDIDATES[name],
@@ -360,7 +361,7 @@ def main():
         "--calls-per-jit", type=int, default=4, help="decode: calls timed in one jit"
     )
     parser.add_argument(
-        "--only", nargs="+", help="decode: time only these candidates (former, default, ...)"
+        "--only", nargs="+", help="decode: time only these candidates (default, full_waves, ...)"
     )
     parser.add_argument(
         "--smoke", action="store_true", help="decode: tiny interpreted shapes (a CPU check)"

@@ -345,7 +345,7 @@ def test_validation_contiguous():
         DecodeBlockSizes(schedule="batch")
     with pytest.raises(ValueError, match="merge='xla' needs schedule='sequence'"):
         DecodeBlockSizes(schedule="balanced", merge="xla")
-    with pytest.raises(ValueError, match="split_rule='waves' must be 'cores' or 'occupancy'"):
+    with pytest.raises(ValueError, match="split_rule='waves' must be 'cores', 'full-waves' or"):
         DecodeBlockSizes(split_rule="waves")
     with pytest.raises(ValueError, match="waves=0 must be an int >= 1"):
         DecodeBlockSizes(waves=0)
@@ -447,6 +447,7 @@ def test_gpu_matches_oracle(c):
         dict(kv_splits=1),
         dict(kv_splits=7),
         dict(merge="kernel"),
+        dict(split_rule="full-waves"),
         dict(split_rule="occupancy", schedule="balanced"),
         dict(split_rule="occupancy", waves=2, num_stages=3),
     ],
@@ -481,6 +482,22 @@ def test_choose_decode_splits():
     assert split(0, 2048, 128, 64) == 1  # nor 3.9 full waves
     assert split(0, 600, 512, 64) == 4  # 600 alone: a wave and 72 programs; 2400 fill 4.5
     assert split(0, 300, 512, 64) == 5  # 1500 programs fill 2.8 waves
+
+
+def test_full_waves_rule():
+    """The cores rule's split count, lowered to a full last wave, on an H200's 132 SMs: 528
+    slots for 16-row tiles (T=1), 264 for 64-row ones (T=16, pages of 128)."""
+    from pallas_flash.triton.decode import decode_plan
+
+    def splits(b, t, k, s, rule):
+        bs = DecodeBlockSizes(split_rule=rule)
+        return decode_plan((b, t, 32, 128), k, s, jnp.bfloat16, bs).schedule.splits
+
+    assert (splits(8, 1, 8, 32768, "cores"), splits(8, 1, 8, 32768, "full-waves")) == (17, 16)
+    assert (splits(8, 16, 8, 32768, "cores"), splits(8, 16, 8, 32768, "full-waves")) == (17, 16)
+    # Counts whose last wave is already full, or capped by the keys, stay as they were.
+    for shape in [(1, 1, 8, 32768), (8, 1, 8, 8192), (8, 1, 2, 32768), (256, 1, 8, 8192)]:
+        assert splits(*shape, "full-waves") == splits(*shape, "cores"), shape
 
 
 def test_decode_plan_fills_the_gpu():

@@ -356,17 +356,30 @@ def choose_decode_splits(
     return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, best))
 
 
-def splits_per_core(programs: int, num_kv_tiles: int, block_kv: int, *, num_sms: int) -> int:
+def splits_per_core(
+    programs: int, num_kv_tiles: int, block_kv: int, *, num_sms: int, slots: int | None = None
+) -> int:
     """The "cores" rule: enough splits for about eight programs per SM (a program streams one
     tile at a time; several per SM keep enough loads in flight), each keeping at least 1024
     keys (below that the merge costs more than the parallelism gains), at most 64. On the H200
     (benchmarks/NOTES.md, "Decode") it beats the occupancy rule with either schedule on ragged
     lengths, 16 new tokens, B=1, GQA 16 and 8k caches; the occupancy rule's 8 splits win at
-    B=8 with 32k keys (3.90 against 3.59 TB/s)."""
+    B=8 with 32k keys (3.90 against 3.59 TB/s).
+
+    With `slots` (the "full-waves" rule), the count is then lowered to the most splits whose
+    programs fill their last wave of CTA slots to 90%, if one does: at B=8, 32k keys the cores
+    count 17 makes 1088 programs for 528 slots, a last wave of 32 programs running alone; 16
+    makes 1024, 1.94 waves."""
     target = 8 * num_sms
     if programs >= target:
         return 1
-    return max(1, min(pl.cdiv(target, programs), num_kv_tiles * block_kv // 1024, 64))
+    splits = max(1, min(pl.cdiv(target, programs), num_kv_tiles * block_kv // 1024, 64))
+    if slots is not None:
+        for fewer in range(splits, 0, -1):
+            ctas = programs * fewer
+            if ctas / (pl.cdiv(ctas, slots) * slots) >= 0.9:
+                return fewer
+    return splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -417,7 +430,10 @@ def decode_plan(
             min_split_keys=block_sizes.min_split_keys,
         )
     else:
-        splits = splits_per_core(programs, num_kv_tiles, block_kv, num_sms=num_sms)
+        full_waves = block_sizes.split_rule == "full-waves"
+        splits = splits_per_core(
+            programs, num_kv_tiles, block_kv, num_sms=num_sms, slots=slots if full_waves else None
+        )
     # A requested split count is met, and so is the "cores" rule's; the occupancy rule keeps
     # min_split_keys per run.
     auto = not block_sizes.kv_splits and block_sizes.split_rule == "occupancy"

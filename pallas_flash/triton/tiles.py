@@ -210,7 +210,9 @@ class DecodeBlockSizes:
         splitting off.
       split_rule: with kv_splits=0, "cores": about eight programs per SM, each split keeping
         at least 1024 keys, at most 64 splits (the rule measured best across the decode
-        shapes on the H200); "occupancy": from the CTA slots (see `waves`, `min_split_keys`).
+        shapes on the H200); "full-waves": the cores rule lowered to the most splits whose
+        last wave of CTA slots is at least 90% full; "occupancy": from the CTA slots (see
+        `waves`, `min_split_keys`).
       schedule: how split programs share the keys. "balanced": the key tiles of the whole batch
         are cut into equal runs, a sequence taking as many runs as its length needs, so a batch
         of ragged lengths keeps every program equally busy; "sequence": each sequence's tiles
@@ -257,9 +259,10 @@ class DecodeBlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"DecodeBlockSizes.{name}={value!r} must be an int >= {least}")
-        if self.split_rule not in ("cores", "occupancy"):
+        if self.split_rule not in ("cores", "full-waves", "occupancy"):
             raise ValueError(
-                f"DecodeBlockSizes.split_rule={self.split_rule!r} must be 'cores' or 'occupancy'"
+                f"DecodeBlockSizes.split_rule={self.split_rule!r} must be 'cores', 'full-waves' "
+                "or 'occupancy'"
             )
         if self.schedule not in ("balanced", "sequence"):
             raise ValueError(

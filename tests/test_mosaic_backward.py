@@ -773,13 +773,39 @@ def test_kernel_config_opt_in_matches_oracle():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_deterministic(head_dim):
+@pytest.mark.parametrize(
+    "head_dim, tiles",
+    [(128, None), (256, None), (128, BackwardTiles(dkv_head_splits=4))],
+    ids=str,
+)
+def test_deterministic(head_dim, tiles):
     needs_hopper()
     p = Problem(2, 512, 512, 8, 2, head_dim, True, "bf16")
     args, _ = random_inputs(p)
-    fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))
+    fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, tiles)))
     assert_bitwise_equal(fn(*args), fn(*args))
+
+
+# MQA and GQA with the dK/dV kernel's head splits: asked for and automatic (0: the whole group
+# on these grids, far under one wave), causal and not, T != S, H 64 and 128, both dtypes.
+HEAD_SPLIT_GPU_CASES = [
+    (Problem(2, 1024, 1024, 8, 1, 128, True, "bf16"), BackwardTiles(dkv_head_splits=0)),
+    (Problem(2, 1024, 1024, 8, 1, 128, True, "bf16"), BackwardTiles(dkv_head_splits=4)),
+    (Problem(2, 512, 1024, 8, 2, 128, False, "f16"), BackwardTiles(dkv_head_splits=2)),
+    (Problem(2, 1024, 512, 16, 1, 64, True, "bf16"), BackwardTiles(dkv_head_splits=0)),
+    (Problem(1, 2048, 2048, 16, 1, 128, True, "bf16"), BackwardTiles(dkv_head_splits=0)),
+    (
+        Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"),
+        BackwardTiles(split_dkv=True, dkv_head_splits=2),
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p, tiles", HEAD_SPLIT_GPU_CASES, ids=str)
+def test_head_splits_match_oracle(p, tiles):
+    needs_hopper()
+    check_against_oracle(p, tiles)
 
 
 @pytest.mark.parametrize(
@@ -1133,9 +1159,10 @@ MASK_CI_CASES = [
         poison=True,
     ),
     # Head splits: each KV head's group of 2 over 2 CTAs (f32 partials summed in XLA), GQA with
-    # two KV heads, causal with a window, packed documents, NaN at hidden keys.
+    # two KV heads, causal with a window, packed documents, NaN at hidden keys (and at keys
+    # 64-127, which no row sees: T < S).
     MaskCase(
-        Problem(1, 128, 192, 4, 2, 64, True, "bf16"),
+        Problem(2, 64, 128, 4, 2, 64, True, "bf16"),
         window=(40, 0),
         kind="packed-lengths",
         tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2),
@@ -1381,6 +1408,21 @@ MASK_GPU_CASES = [
         window=(70, 0),
         kind="packed",
         tiles=BackwardTiles(split_dkv=True, block_q_dkv=128),
+    ),
+    # Head splits with masks: MQA over 4 CTAs per KV head, automatic on GQA.
+    MaskCase(
+        Problem(2, 1024, 1024, 8, 1, 128, True, "bf16"),
+        window=(300, 0),
+        soft_cap=20.0,
+        kind="packed-lengths",
+        scale=1.0,
+        tiles=BackwardTiles(dkv_head_splits=4),
+    ),
+    MaskCase(
+        Problem(2, 512, 1024, 8, 2, 64, False, "bf16"),
+        window=(200, 300),
+        kind="gap",
+        tiles=BackwardTiles(dkv_head_splits=0),
     ),
 ]
 

@@ -227,7 +227,7 @@ def head_splits(
     every query tile to one, so the longest, about twice the mean, sets the time. Splitting the
     group adds CTAs without adding Q/dO traffic (each streams only its share of the heads); it
     costs writing and summing the f32 partials, small next to the Q/dO streams at short S.
-    Not measured on a GPU yet: the tiles' default is 1, and 0 is asked for."""
+    Not measured yet: BackwardTiles defaults to 1, and this rule runs only when asked for (0)."""
     if tiles.dkv_head_splits:
         return tiles.dkv_head_splits
     batch, _, num_heads, head_dim = q_shape

@@ -7,6 +7,7 @@
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
+#   mosaicgqa  benchmarks/experiments.py mosaic-gqa (MQA/GQA, the dK/dV kernel's head splits)
 #   train  benchmarks/device_train.sh (the end-to-end training table)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
@@ -84,6 +85,10 @@ for stage in ${@:-tests masks grid}; do
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py mosaic-backward \
         --out $OUT/mosaic-backward.jsonl ${MOSAIC_ARGS:-} > $OUT/mosaic-backward.log 2>&1
       grep -c '"ms"' $OUT/mosaic-backward.jsonl ;;
+    mosaicgqa)
+      timeout ${EXP_TIMEOUT:-300} python3 benchmarks/experiments.py mosaic-gqa \
+        --out $OUT/mosaic-gqa.jsonl > $OUT/mosaic-gqa.log 2>&1
+      grep -c '"ms"' $OUT/mosaic-gqa.jsonl ;;
     train)
       bash benchmarks/device_train.sh ;;
     tune)

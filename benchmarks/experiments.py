@@ -22,6 +22,11 @@ python benchmarks/experiments.py mosaic-backward --out $OUT/mosaic-bwd.jsonl [--
     backward, and cuDNN. At H 192 and 256 (e.g. `--head-dims 192 256 --seqs 1024 4096`) the
     candidates that fit are the dK/dV consumers split by accumulator with one or two dQ
     consumers, and a third stage at H=192; at H 64 and 128 the split is a candidate too.
+python benchmarks/experiments.py mosaic-gqa --out $OUT/mosaic-gqa.jsonl
+    fwd+bwd of MQA and GQA calls (bf16, H=128: the issue's MQA 2k and GQA 4k probes, MQA
+    at 8k, GQA 32/4 at 16k) with the dK/dV kernel's group of query heads summed in one CTA
+    (dkv_head_splits=1, the default), split over 2, 4 and 8 CTAs, and the automatic choice
+    (0; the impl name says what it chose), beside the default call and cuDNN.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import bench, mosaic, tune, tune_cache
-from pallas_flash.device import gpu_device_kind
+from pallas_flash.device import gpu_device_kind, target_device
 from pallas_flash.triton.tiles import heuristic_block_sizes
 
 # (block_q, block_kv, num_warps, num_stages) of the forward kernel.
@@ -350,11 +355,62 @@ def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 1024, 2048, 16384)):
         _time_impls(out, fns, args, flops, exp="mosaic-backward", B=b, T=t, N=n, H=h, causal=causal)
 
 
+# (B, T, N, K, causal): the MQA and GQA probes of the shapes suite, and longer calls.
+GQA_POINTS = [
+    (8, 2048, 32, 1, True),
+    (8, 2048, 32, 1, False),
+    (4, 4096, 32, 8, True),
+    (2, 8192, 32, 1, True),
+    (1, 16384, 32, 4, True),
+]
+
+
+def mosaic_gqa(out, head_dim=128):
+    """fwd+bwd of GQA/MQA calls: the default call, cuDNN, and the Mosaic kernels with the
+    dK/dV kernel's head splits at 1, 2, 4, 8 and automatic (0)."""
+    device = target_device()
+    for b, t, n, k, causal in GQA_POINTS:
+        args = bench.make_inputs(b, t, t, n, k, head_dim, jnp.bfloat16)
+        fns = {
+            impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd+bwd")
+            for impl in ("pallas_flash", "cudnn")
+        }
+        for splits in (1, 0, 2, 4, 8):
+            tiles = mosaic.BackwardTiles(dkv_head_splits=splits)
+            kernels = tune.mosaic_kernels_fn(
+                (b, t, n, head_dim),
+                jnp.bfloat16,
+                is_causal=causal,
+                backend="mosaic",
+                block_sizes=_triton_tiles(head_dim, causal, t),
+                backward_tiles=tiles,
+                num_kv_heads=k,
+            )
+            if kernels is None:
+                continue
+            name = f"mosaic_head_splits{splits}"
+            if splits == 0:
+                chosen = mosaic.backward.head_splits(
+                    tiles, (b, t, n, head_dim), (b, t, k, head_dim), 2, num_sms=device.num_sms
+                )
+                name = f"mosaic_head_splits_auto{chosen}"
+            fns[name] = bench.timed_fn(lambda q, k_, v, f=kernels: f(q, k_, v)[0], "fwd+bwd")
+        flops = bench.attention_flops(b, t, t, n, head_dim, causal, "fwd+bwd")
+        _time_impls(out, fns, args, flops, exp="mosaic-gqa", B=b, T=t, N=n, K=k, causal=causal)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "experiment",
-        choices=["tiles-masked", "split-kv", "mosaic-tiles", "mosaic-backward", "decode"],
+        choices=[
+            "tiles-masked",
+            "split-kv",
+            "mosaic-tiles",
+            "mosaic-backward",
+            "mosaic-gqa",
+            "decode",
+        ],
     )
     parser.add_argument("--quick", action="store_true", help="decode: six shapes only")
     parser.add_argument(
@@ -378,6 +434,8 @@ def main():
             decode(out, args.quick, args.calls_per_jit, smoke=args.smoke, only=args.only)
         elif args.experiment == "mosaic-backward":
             mosaic_backward(out, args.head_dims, args.seqs)
+        elif args.experiment == "mosaic-gqa":
+            mosaic_gqa(out)
         else:
             {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
 

@@ -194,18 +194,21 @@ def mosaic_kernels_fn(
     backend: str | None = None,
     backward: str | None = None,
     device: Device | None = None,
+    num_kv_heads: int | None = None,
 ):
-    """q, k, v -> (out, lse) of shape [B, T, N, H] through the kernels that `dispatch.choose`
-    picks for `backend` (None: what the default call runs; "mosaic": the Mosaic backward
-    wherever it runs the call) on `device` (None: `device.target_device()`) when the autotune
-    entry is (block_sizes, forward_tiles, backward_tiles) (None tiles: the kernels' defaults).
+    """q, k, v -> (out, lse) of shape [B, T, N, H] (k and v [B, T, num_kv_heads, H], None: N)
+    through the kernels that `dispatch.choose` picks for `backend` (None: what the default call
+    runs; "mosaic": the Mosaic backward wherever it runs the call) on `device` (None:
+    `device.target_device()`) when the autotune entry is (block_sizes, forward_tiles,
+    backward_tiles) (None tiles: the kernels' defaults).
     backward="triton" then swaps in the Triton backward (for comparisons). None when that
     choice does not run the Mosaic forward with these tiles, or the Mosaic backward with the
     given backward tiles: the candidate does not apply."""
     device = device_lib.target_device() if device is None else device
     spec = MaskSpec(q_len=shape[1], kv_len=shape[1], is_causal=is_causal)
+    k_shape = shape if num_kv_heads is None else (*shape[:2], num_kv_heads, shape[3])
     config = dispatch.choose(
-        Call(q_shape=shape, k_shape=shape, dtype=dtype, spec=spec),
+        Call(q_shape=shape, k_shape=k_shape, dtype=dtype, spec=spec),
         device,
         scale=shape[-1] ** -0.5,
         backend=backend,

@@ -556,3 +556,31 @@ def test_tuner_times_the_kernels_the_api_runs(monkeypatch):
     q = jax.ShapeDtypeStruct(long, jnp.bfloat16)
     jax.eval_shape(fn, q, q, q)
     assert seen[-1].backward == "mosaic" and seen[-1].mosaic_backward_tiles == tiles
+
+
+def test_tuner_kernels_take_num_kv_heads(monkeypatch):
+    """tune.mosaic_kernels_fn with num_kv_heads (the GQA/MQA experiments): k and v get K heads,
+    and backward tiles with head splits reach the Mosaic backward where they divide the group."""
+    seen = []
+
+    def record(q, k, v, bias, arrays, config):
+        seen.append((k.shape, config))
+        return q, jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+    monkeypatch.setattr(tune, "flash_attention_kernels", record)
+    shape = (8, 2048, 32, 128)
+    kwargs = dict(is_causal=True, block_sizes=BlockSizes(), device=Device.h200(), backend="mosaic")
+    tiles = mosaic.BackwardTiles(dkv_head_splits=4)
+    fn = tune.mosaic_kernels_fn(shape, jnp.bfloat16, backward_tiles=tiles, num_kv_heads=1, **kwargs)
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((8, 2048, 1, 128), jnp.bfloat16)
+    jax.eval_shape(fn, q, k, k)
+    k_shape, config = seen[-1]
+    assert k_shape == k.shape and config.backward == "mosaic"
+    assert config.mosaic_backward_tiles == tiles
+    # 8 CTAs per KV head do not divide a group of 4 (32 query heads over 8 KV heads).
+    tiles = mosaic.BackwardTiles(dkv_head_splits=8)
+    assert (
+        tune.mosaic_kernels_fn(shape, jnp.bfloat16, backward_tiles=tiles, num_kv_heads=8, **kwargs)
+        is None
+    )

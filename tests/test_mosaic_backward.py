@@ -163,6 +163,12 @@ MASKED_LOWERING_CASES = [
         None,
         marks=long_only,
     ),
+    # Head splits: f32 partials from both consumers, with every mask.
+    pytest.param(
+        Problem(2, 256, 512, 4, 1, 128, True, "bf16"),
+        dict(window=(64, 0), soft_cap=20.0, segments=True),
+        BackwardTiles(dkv_head_splits=4),
+    ),
 ]
 
 
@@ -205,9 +211,14 @@ OTHER_TILES = [
     (128, BackwardTiles(split_dkv=True, block_q_dkv=128)),
     (64, BackwardTiles(split_dkv=True, block_q_dkv=128, num_consumers=1)),
     (192, BackwardTiles(split_dkv=True, num_consumers=1, num_stages=3)),
+    # A KV head's group over two CTAs (f32 partials), and the automatic choice, which splits
+    # the small grids of these tests as far as the group goes.
+    (128, BackwardTiles(dkv_head_splits=2)),
+    (64, BackwardTiles(num_consumers=1, dkv_head_splits=0)),
+    (128, BackwardTiles(split_dkv=True, dkv_head_splits=2)),
 ]
 # Lowered with PALLAS_FLASH_SWEEP only (CI lowers one split tile).
-SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8)]
+SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8, 11)]
 
 
 @pytest.mark.parametrize(
@@ -451,11 +462,84 @@ def test_supports_rejects_split_tiles_over_shared_memory(head_dim, tiles, kernel
         (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
         (dict(num_consumers=3), "num_consumers=3 must be 1 or 2"),
         (dict(split_dkv=1), "split_dkv=1 must be a bool"),
+        (dict(dkv_head_splits=-1), "dkv_head_splits=-1 must be an int >= 0"),
+        (dict(dkv_head_splits=True), "dkv_head_splits=True must be an int >= 0"),
+        (dict(dkv_head_splits=2.0), "dkv_head_splits=2.0 must be an int >= 0"),
     ],
 )
 def test_tiles_validate(kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         BackwardTiles(**kwargs)
+
+
+def test_head_splits_must_divide_the_group():
+    tiles = BackwardTiles(dkv_head_splits=3)
+    q_shape, k_shape = (1, 512, 8, 128), (1, 512, 2, 128)
+    got = mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=tiles)
+    assert got is not None and "group of 4 query heads over dkv_head_splits=3" in got, got
+    q6 = (1, 512, 6, 128)
+    assert mosaic_backward_module.why_not(q6, k_shape, BF16, is_causal=True, tiles=tiles) is None
+    q, k = jnp.zeros(q_shape, BF16), jnp.zeros(k_shape, BF16)
+    lse = jnp.zeros((1, 8, 512), jnp.float32)
+    with pytest.raises(ValueError, match="dkv_head_splits=3 CTAs: it must divide the group"):
+        flash_backward(q, k, k, q, lse, q, lse, scale=0.1, is_causal=True, tiles=tiles)
+
+
+def test_head_splits_stage_partials_in_shared_memory():
+    """Each dK/dV consumer stages its f32 partials in shared memory: tiles that fit without
+    head splits may not with them, and the automatic choice then keeps one CTA per group."""
+    q_shape, k_shape = (1, 512, 4, 128), (1, 512, 1, 128)
+    tiles = BackwardTiles(num_stages=3)
+    assert (
+        mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=tiles) is None
+    )
+    split = dataclasses.replace(tiles, dkv_head_splits=2)
+    got = mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=split)
+    assert got is not None and "shared memory in dK/dV" in got, got
+    auto = dataclasses.replace(tiles, dkv_head_splits=0)
+    assert (
+        mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=auto) is None
+    )
+    assert mosaic_backward_module.head_splits(auto, q_shape, k_shape, 2, num_sms=132) == 1
+    # The defaults' staging fits beside the segment ids' buffers at H 64 and 128.
+    for head_dim in (64, 128):
+        assert (
+            default_tiles(head_dim).smem_bytes_dkv(head_dim, 2, segments=True, head_splits=2)
+            <= SMEM_BYTES
+        )
+
+
+AUTO = BackwardTiles(dkv_head_splits=0)
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, tiles, splits",
+    [
+        # MQA, 2k, 16k tokens: 128 CTAs of 128 keys, under one wave of 132 SMs: 4 CTAs per
+        # KV head, the fewest giving two per SM.
+        ((8, 2048, 32, 128), (8, 2048, 1, 128), AUTO, 4),
+        # The same at 8k (B=2): 128 CTAs again; at 16k (B=1) 128 as well.
+        ((2, 8192, 32, 128), (2, 8192, 1, 128), AUTO, 4),
+        # GQA 32/8 at 4k: 1024 CTAs fill the GPU already.
+        ((4, 4096, 32, 128), (4, 4096, 8, 128), AUTO, 1),
+        # A small grid: the whole group, no further; MHA never splits.
+        ((1, 1024, 2, 128), (1, 1024, 1, 128), AUTO, 2),
+        ((1, 1024, 4, 128), (1, 1024, 4, 128), AUTO, 1),
+        # Only divisors of the group: 12 query heads, 8 CTAs need 33 per group: 12.
+        ((1, 1024, 12, 64), (1, 1024, 1, 64), AUTO, 12),
+        # Ragged S counts whole CTAs: 3000 keys are 24 CTAs, times 11 = 264.
+        ((1, 3000, 22, 128), (1, 3000, 1, 128), AUTO, 11),
+        # H 192 and 256: split dK/dV consumers, never split automatically.
+        ((8, 2048, 16, 256), (8, 2048, 1, 256), default_tiles(256), 1),
+        ((8, 2048, 16, 192), (8, 2048, 1, 192), default_tiles(192), 1),
+        # The default (1), and what is asked for: as asked.
+        ((8, 2048, 32, 128), (8, 2048, 1, 128), BackwardTiles(), 1),
+        ((4, 4096, 32, 128), (4, 4096, 8, 128), BackwardTiles(dkv_head_splits=2), 2),
+    ],
+)
+def test_head_splits(q_shape, k_shape, tiles, splits):
+    got = mosaic_backward_module.head_splits(tiles, q_shape, k_shape, 2, num_sms=132)
+    assert got == splits
 
 
 def test_flash_backward_raises_before_tracing():
@@ -516,6 +600,24 @@ INTERPRET_PROBLEMS = [
     pytest.param(
         Problem(1, 384, 256, 2, 1, 192, True, "bf16"),
         BackwardTiles(split_dkv=True, num_consumers=1, num_stages=3),
+        marks=long_only,
+    ),
+    # Head splits (in CI through a masked case, MASK_CI_CASES): MQA's group of 4 over 2 CTAs
+    # (two query heads each); GQA with two KV heads (each CTA's KV head and partials' row),
+    # automatic: the whole group, one consumer; with the split dK/dV consumers.
+    pytest.param(
+        Problem(1, 128, 256, 4, 1, 128, True, "bf16"),
+        BackwardTiles(dkv_head_splits=2),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(1, 256, 128, 4, 2, 64, True, "f16"),
+        BackwardTiles(num_consumers=1, dkv_head_splits=0),
+        marks=long_only,
+    ),
+    pytest.param(
+        Problem(1, 384, 256, 4, 2, 128, True, "bf16"),
+        BackwardTiles(split_dkv=True, dkv_head_splits=2),
         marks=long_only,
     ),
 ]
@@ -671,13 +773,39 @@ def test_kernel_config_opt_in_matches_oracle():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [128, 256])
-def test_deterministic(head_dim):
+@pytest.mark.parametrize(
+    "head_dim, tiles",
+    [(128, None), (256, None), (128, BackwardTiles(dkv_head_splits=4))],
+    ids=str,
+)
+def test_deterministic(head_dim, tiles):
     needs_hopper()
     p = Problem(2, 512, 512, 8, 2, head_dim, True, "bf16")
     args, _ = random_inputs(p)
-    fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))
+    fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, tiles)))
     assert_bitwise_equal(fn(*args), fn(*args))
+
+
+# MQA and GQA with the dK/dV kernel's head splits: asked for and automatic (0: the whole group
+# on these grids, far under one wave), causal and not, T != S, H 64 and 128, both dtypes.
+HEAD_SPLIT_GPU_CASES = [
+    (Problem(2, 1024, 1024, 8, 1, 128, True, "bf16"), BackwardTiles(dkv_head_splits=0)),
+    (Problem(2, 1024, 1024, 8, 1, 128, True, "bf16"), BackwardTiles(dkv_head_splits=4)),
+    (Problem(2, 512, 1024, 8, 2, 128, False, "f16"), BackwardTiles(dkv_head_splits=2)),
+    (Problem(2, 1024, 512, 16, 1, 64, True, "bf16"), BackwardTiles(dkv_head_splits=0)),
+    (Problem(1, 2048, 2048, 16, 1, 128, True, "bf16"), BackwardTiles(dkv_head_splits=0)),
+    (
+        Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"),
+        BackwardTiles(split_dkv=True, dkv_head_splits=2),
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("p, tiles", HEAD_SPLIT_GPU_CASES, ids=str)
+def test_head_splits_match_oracle(p, tiles):
+    needs_hopper()
+    check_against_oracle(p, tiles)
 
 
 @pytest.mark.parametrize(
@@ -1030,6 +1158,16 @@ MASK_CI_CASES = [
         scale=1.0,
         poison=True,
     ),
+    # Head splits: each KV head's group of 2 over 2 CTAs (f32 partials summed in XLA), GQA with
+    # two KV heads, causal with a window, packed documents, NaN at hidden keys (and at keys
+    # 64-127, which no row sees: T < S).
+    MaskCase(
+        Problem(2, 64, 128, 4, 2, 64, True, "bf16"),
+        window=(40, 0),
+        kind="packed-lengths",
+        tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2),
+        poison=True,
+    ),
 ]
 
 # A ragged last KV tile; NaN at hidden keys with causal and a window; windows left-only /
@@ -1092,6 +1230,22 @@ MASK_SWEEP_CASES = [
         window=(90, 0),
         kind="unsorted",
         tiles=BackwardTiles(split_dkv=True, block_q_dkv=128, num_stages=3),
+    ),
+    # Head splits with every mask, automatic (the whole group of 4 here), and beside the split
+    # dK/dV consumers.
+    MaskCase(
+        Problem(2, 256, 200, 4, 1, 128, True, "bf16"),
+        window=(60, 0),
+        soft_cap=10.0,
+        kind="packed-lengths",
+        scale=1.0,
+        tiles=BackwardTiles(dkv_head_splits=0),
+    ),
+    MaskCase(
+        Problem(1, 256, 256, 4, 2, 64, False, "bf16"),
+        window=(20, 70),
+        kind="gap",
+        tiles=BackwardTiles(split_dkv=True, dkv_head_splits=2),
     ),
 ]
 
@@ -1254,6 +1408,21 @@ MASK_GPU_CASES = [
         window=(70, 0),
         kind="packed",
         tiles=BackwardTiles(split_dkv=True, block_q_dkv=128),
+    ),
+    # Head splits with masks: MQA over 4 CTAs per KV head, automatic on GQA.
+    MaskCase(
+        Problem(2, 1024, 1024, 8, 1, 128, True, "bf16"),
+        window=(300, 0),
+        soft_cap=20.0,
+        kind="packed-lengths",
+        scale=1.0,
+        tiles=BackwardTiles(dkv_head_splits=4),
+    ),
+    MaskCase(
+        Problem(2, 512, 1024, 8, 2, 64, False, "bf16"),
+        window=(200, 300),
+        kind="gap",
+        tiles=BackwardTiles(dkv_head_splits=0),
     ),
 ]
 

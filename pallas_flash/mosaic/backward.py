@@ -9,6 +9,9 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
   query head of the GQA group and every query tile that sees the CTA's keys through a TMA ring.
   The tiles are computed transposed (keys on rows: S^T = K Q^T), so that P^T and dS^T are
   register A operands of dV += P^T dO and dK += dS^T Q.
+  With `dkv_head_splits` > 1 a KV head's group of query heads is shared by that many CTAs (more
+  CTAs where few KV heads leave the grid under one wave: MQA), each writing f32 partial dK, dV
+  that XLA sums.
   With `split_dkv` (H 192 and 256, where one warpgroup cannot hold both accumulators) a CTA
   owns `block_kv_dkv` keys and its two consumers split the work by accumulator: one computes
   P^T and keeps dV, the other computes dP^T and dS^T and keeps dK; P^T (times the soft cap's
@@ -16,8 +19,9 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
 
-Both write their gradients once, so the result is bitwise deterministic. The residuals are those
-of `pallas_flash.mosaic.forward` (and of the Triton forward): out, and lse natural-log f32.
+Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
+result is bitwise deterministic. The residuals are those of `pallas_flash.mosaic.forward` (and
+of the Triton forward): out, and lse natural-log f32.
 
 Masks are the forward's (causal, local windows, segment ids with sequence lengths folded in, a
 soft cap), from `pallas_flash.masks`: a CTA's producer streams the tiles of the hull of its
@@ -44,7 +48,13 @@ from pallas_flash._numerics import LOG2E, lowered_reference
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
-from pallas_flash.mosaic.launch import check_segment_ids, pad_ids, pad_to, warp_specialised_kernel
+from pallas_flash.mosaic.launch import (
+    check_segment_ids,
+    num_sms,
+    pad_ids,
+    pad_to,
+    warp_specialised_kernel,
+)
 from pallas_flash.mosaic.schedule import tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv, kernel_head_dim
 
@@ -85,6 +95,10 @@ class BackwardTiles:
         (with P^T from the first, through shared memory) and keeps dK. Each holds one
         [block_kv_dkv, H] accumulator instead of two, which is what lets H 192 and 256 fit the
         registers; every product is still computed once.
+      dkv_head_splits: CTAs that share the query heads of one KV head's group in the dK/dV
+        kernel (a divisor of the group), each adding its share into f32 partial dK and dV that
+        XLA sums in a fixed order (still deterministic); 1: one CTA sums the whole group; 0
+        (auto): `head_splits` picks it from the grid.
     All blocks are multiples of 64: wgmma works on 64-row slabs and the 128-byte swizzle on
     64-column tiles.
     """
@@ -96,6 +110,7 @@ class BackwardTiles:
     num_stages: int = 2
     num_consumers: int = 2
     split_dkv: bool = False
+    dkv_head_splits: int = 1
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -112,6 +127,9 @@ class BackwardTiles:
             raise ValueError(f"BackwardTiles.num_consumers={self.num_consumers!r} must be 1 or 2")
         if not isinstance(self.split_dkv, bool):
             raise ValueError(f"BackwardTiles.split_dkv={self.split_dkv!r} must be a bool")
+        splits = self.dkv_head_splits
+        if not isinstance(splits, int) or isinstance(splits, bool) or splits < 0:
+            raise ValueError(f"BackwardTiles.dkv_head_splits={splits!r} must be an int >= 0")
 
     @property
     def dkv_consumers(self) -> int:
@@ -144,13 +162,18 @@ class BackwardTiles:
             "dQ": self.block_q_dq * (head_dim + 2 * self.block_kv_dq) // 128,
         }
 
-    def smem_bytes_dkv(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
+    def smem_bytes_dkv(
+        self, head_dim: int, itemsize: int, *, segments: bool = False, head_splits: int = 1
+    ) -> int:
         """K, V per consumer (split_dkv: one block of each, and the f32 P^T the consumers hand
         over), the Q and dO ring, the lse and delta rows of the ring; with segment ids, each
-        consumer's copy of its key ids and a ring of query ids (int32)."""
+        consumer's copy of its key ids and a ring of query ids (int32); with head_splits > 1,
+        each consumer's f32 tile that stages its partial dK and dV."""
         kv = 2 * self.cta_kv_rows * head_dim * itemsize
         if self.split_dkv:
             kv += self.block_kv_dkv * self.block_q_dkv * 4
+        if head_splits > 1:
+            kv += self.dkv_consumers * self.block_kv_dkv * head_dim * 4
         ring = 2 * self.num_stages * self.block_q_dkv * (head_dim * itemsize + 4)
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
@@ -189,6 +212,36 @@ def default_tiles(head_dim: int) -> BackwardTiles:
     if head_dim == 192:
         return BackwardTiles(split_dkv=True)
     return BackwardTiles()
+
+
+def head_splits(
+    tiles: BackwardTiles, q_shape, k_shape, itemsize: int, *, num_sms: int, segments: bool = False
+) -> int:
+    """CTAs per KV head's group of query heads in the dK/dV kernel: tiles.dkv_head_splits, or
+    with 0 (auto) 1 where the grid has a CTA per SM or more or the partials' f32 staging does
+    not fit in shared memory (the split dK/dV consumers' defaults at H 192 and 256); else the
+    fewest (dividing the group) that give two CTAs per SM, or the whole group.
+
+    Each CTA loops over every query head of its group: with few KV heads (MQA) the grid is
+    B * K * S / cta_kv_rows CTAs, under one wave at B * S = 16k, and causal CTAs range from
+    every query tile to one, so the longest, about twice the mean, sets the time. Splitting the
+    group adds CTAs without adding Q/dO traffic (each streams only its share of the heads); it
+    costs writing and summing the f32 partials, small next to the Q/dO streams at short S.
+    Not measured yet: BackwardTiles defaults to 1, and this rule runs only when asked for (0)."""
+    if tiles.dkv_head_splits:
+        return tiles.dkv_head_splits
+    batch, _, num_heads, head_dim = q_shape
+    _, kv_len, num_kv_heads, _ = k_shape
+    group = num_heads // num_kv_heads
+    ctas = batch * num_kv_heads * cdiv(kv_len, tiles.cta_kv_rows)
+    smem = tiles.smem_bytes_dkv(
+        kernel_head_dim(head_dim), itemsize, segments=segments, head_splits=2
+    )
+    if ctas >= num_sms or smem > SMEM_BYTES:
+        return 1
+    return next(
+        d for d in range(1, group + 1) if group % d == 0 and (ctas * d >= 2 * num_sms or d == group)
+    )
 
 
 def unsupported_options(spec, *, soft_cap, has_bias: bool) -> str | None:
@@ -241,9 +294,18 @@ def why_not(
                 f"{tiles} holds {registers} f32 registers per thread in {kernel} at {head_dim=}, "
                 f"over {budget}: it would spill"
             )
+    group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
+    if splits > 1 and group % splits:
+        return (
+            f"{tiles} splits each KV head's group of {group} query heads over "
+            f"dkv_head_splits={splits} CTAs: it must divide the group"
+        )
     itemsize = jnp.dtype(dtype).itemsize
+    dkv_smem = tiles.smem_bytes_dkv(
+        head_dim, itemsize, segments=segments, head_splits=max(1, splits)
+    )
     for kernel, smem in (
-        ("dK/dV", tiles.smem_bytes_dkv(head_dim, itemsize, segments=segments)),
+        ("dK/dV", dkv_smem),
         ("dQ", tiles.smem_bytes_dq(head_dim, itemsize, segments=segments)),
     ):
         if smem > SMEM_BYTES:
@@ -288,8 +350,8 @@ def flash_backward(
         `pallas_flash.mosaic.forward.flash_forward` (sequence lengths folded in as padding
         ids): query i sees key j only when their ids are equal.
       tiles: BackwardTiles; None picks `default_tiles(H)`.
-      device: the GPU it is compiled for (its CUDA runtime is checked); None: the visible
-        GPU's record (`Device.current()`).
+      device: the GPU it is compiled for (its CUDA runtime is checked, its SM count sizes
+        automatic head splits); None: the visible GPU's record (`Device.current()`).
 
     Returns:
       dq [B, T, N, H] and dk, dv [B, S, K, H] in q's dtype; dk and dv are summed over the query
@@ -387,7 +449,24 @@ def flash_backward(
         soft_cap=None if soft_cap is None else float(soft_cap),
         tiles=tiles,
     )
-    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, **kwargs)
+    splits = head_splits(
+        tiles,
+        q.shape,
+        k.shape,
+        q.dtype.itemsize,
+        num_sms=num_sms() if device is None else device.num_sms,
+        segments=segment_ids is not None,
+    )
+    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, head_splits=splits, **kwargs)
+    if splits > 1:
+        # f32 partials [B, S', K * splits, H], a KV head's splits side by side: summed one
+        # after the other, in the same order on every call.
+        dk, dv = (
+            functools.reduce(
+                jnp.add, jnp.unstack(x.reshape(*k.shape[:3], splits, -1), axis=3)
+            ).astype(k.dtype)
+            for x in (dk, dv)
+        )
     dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, **kwargs)
     if (q_to, kv_to, h_to) != (q_len, kv_len, head_dim):
         dq = dq[:, :q_len, :, :head_dim]
@@ -484,8 +563,24 @@ def _dkv_mask_sides(spec: MaskSpec, tiles: BackwardTiles) -> tuple[bool, bool]:
     return spec.right < keys - 1, spec.left < rows - 1
 
 
-def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, soft_cap, tiles):
-    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan)."""
+def _dkv_call(
+    q,
+    k,
+    v,
+    d_out,
+    lse2,
+    delta,
+    ids,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    tiles,
+    head_splits: int = 1,
+):
+    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan).
+    dk, dv [B, S', K, H] in k's dtype, or with head_splits > 1 f32 partials
+    [B, S', K * head_splits, H] (a KV head's splits side by side) for the caller to sum."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
@@ -499,7 +594,8 @@ def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float,
         qk_scale=scale * LOG2E,
         scale=scale,
         soft_cap=soft_cap,
-        group=num_heads // num_kv_heads,
+        group=num_heads // num_kv_heads // head_splits,
+        head_splits=head_splits,
         tiles=tiles,
     )
     scratch = dict(
@@ -533,13 +629,19 @@ def _dkv_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float,
             p_free=plgpu.Barrier(num_arrivals=1),
         )
     kv_type = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    if head_splits > 1:
+        # Partials stay f32 until XLA has summed them, as one CTA's accumulators would.
+        scratch.update(partial_smem=plgpu.SMEM((n_c, tiles.block_kv_dkv, head_dim), jnp.float32))
+        kv_type = jax.ShapeDtypeStruct(
+            (*k.shape[:2], num_kv_heads * head_splits, head_dim), jnp.float32
+        )
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
     return warp_specialised_kernel(
         kernel,
         out_type=(kv_type, kv_type),
         scratch_types=scratch,
-        grid=(batch, num_kv_heads, cdiv(spec.kv_len, tiles.cta_kv_rows)),
+        grid=(batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows)),
         grid_names=("batch", "kv_head", "kv_tile"),
         num_consumers=n_c,
     )(q, k, v, d_out, lse2, delta, *(ids or ()))
@@ -569,25 +671,32 @@ def _dkv_kernel(
     p_smem=None,
     p_ready=None,
     p_free=None,
+    partial_smem=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
     soft_cap,
     group: int,
+    head_splits: int,
     tiles: BackwardTiles,
 ):
-    """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop).
+    """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop), over
+    `group` of its query heads (all of them, or one of head_splits shares).
 
-    q_ref, do_ref: [B, T', N, H]; k/v/dk/dv_ref: [B, S', K, H]; lse2_ref (lse * log2(e), +inf
+    q_ref, do_ref: [B, T', N, H]; k/v_ref: [B, S', K, H]; dk/dv_ref: [B, S', K, H], or with
+    head_splits > 1 f32 partials [B, S', K * head_splits, H]; lse2_ref (lse * log2(e), +inf
     for rows without keys) and delta_ref: f32 [B, N, T'']. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S / cta_kv_rows),
-    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). The CTA streams query tiles
-    [first, end): the producer's step s loads query head kv_head * group + s // (end - first),
-    query tile first + s % (end - first) into ring slot s % num_stages.
+    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). Grid axis "kv_head" c is KV head
+    c // head_splits, query heads [c * group, (c + 1) * group), and row c of dk/dv_ref. The CTA
+    streams query tiles [first, end): the producer's step s loads query head
+    c * group + s // (end - first), query tile first + s % (end - first) into ring slot
+    s % num_stages.
     """
     *id_refs, dk_ref, dv_ref = refs
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
-    batch, kv_head = lax.axis_index("batch"), lax.axis_index("kv_head")
+    batch, cta_head = lax.axis_index("batch"), lax.axis_index("kv_head")
+    kv_head = lax.div(cta_head, jnp.int32(head_splits)) if head_splits > 1 else cta_head
     kv_tile = lax.axis_index("kv_tile")
     cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
@@ -607,7 +716,7 @@ def _dkv_kernel(
     ring = _QRing(
         q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_free, do_free, q_ids_smem
     )
-    common = dict(batch=batch, kv_head=kv_head, cta_range=cta_range, group=group)
+    common = dict(batch=batch, cta_range=cta_range, group=group)
 
     n_c = tiles.dkv_consumers
 
@@ -624,8 +733,11 @@ def _dkv_kernel(
             k_smem.at[block],
             v_smem.at[block],
             None if kv_ids_smem is None else kv_ids_smem.at[wg],
+            None if partial_smem is None else partial_smem.at[wg],
             kv_loaded.at[wg],
             ring,
+            kv_head=kv_head,
+            out_head=cta_head,
             kv_start=kv_start,
             ranges=tile_ranges()[1],
             spec=spec,
@@ -645,7 +757,17 @@ def _dkv_kernel(
     @pl.when(wg == n_c)
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-        _produce_dkv(q_ref, do_ref, lse2_ref, delta_ref, q_ids_ref, ring, tiles=tiles, **common)
+        _produce_dkv(
+            q_ref,
+            do_ref,
+            lse2_ref,
+            delta_ref,
+            q_ids_ref,
+            ring,
+            first_head=cta_head * group,
+            tiles=tiles,
+            **common,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -689,13 +811,13 @@ def _produce_dkv(
     ring: _QRing,
     *,
     batch,
-    kv_head,
+    first_head,
     cta_range,
     group: int,
     tiles: BackwardTiles,
 ):
     """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids) of every (head,
-    query tile) step, in order."""
+    query tile) step, in order, over query heads [first_head, first_head + group)."""
     block_q, num_stages = tiles.block_q_dkv, tiles.num_stages
     first, end = cta_range
     cta_tiles = end - first
@@ -703,7 +825,7 @@ def _produce_dkv(
     @pl.loop(0, group * cta_tiles)
     def _step(step):
         slot = ring.slot(step)
-        head = kv_head * group + lax.div(step, cta_tiles)
+        head = first_head + lax.div(step, cta_tiles)
         q_start = (first + lax.rem(step, cta_tiles)) * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
@@ -732,11 +854,13 @@ def _consume_dkv(
     k_smem,
     v_smem,
     kv_ids_smem,
+    partial_smem,
     kv_loaded,
     ring: _QRing,
     *,
     batch,
     kv_head,
+    out_head,
     kv_start,
     cta_range,
     ranges,
@@ -756,7 +880,10 @@ def _consume_dkv(
 
     role (split_dkv): "dv" computes P^T (and P^T * dcap), hands P^T * dcap over and keeps dV;
     "dk" takes it, computes dP^T and dS^T and keeps dK. Both own the CTA's keys: one range, so
-    they compute and drain the same steps."""
+    they compute and drain the same steps.
+
+    K and V come from KV head kv_head; dK and dV go to head out_head of dk_ref and dv_ref, as
+    f32 partials through this consumer's partial_smem when it is given (head splits)."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, dtype = k_smem.shape[-1], k_smem.dtype
     first, end = cta_range
@@ -764,6 +891,7 @@ def _consume_dkv(
     lo, full_lo, full_hi, hi = ranges
     before, after = _dkv_mask_sides(spec, tiles)
     kv_rows = (batch, pl.ds(kv_start, block_kv), kv_head)
+    out_rows = (batch, pl.ds(kv_start, block_kv), out_head)
     if role != "dk":
         plgpu.copy_gmem_to_smem(k_ref.at[kv_rows], k_smem, kv_loaded)
     if role != "dv":
@@ -924,29 +1052,35 @@ def _consume_dkv(
     if role == "dv":
         (dv,) = lax.fori_loop(0, group, head_loop, (zeros,))
         # -- epilogue: K is dead (its last reader, this consumer's S^T, is done) --
-        _store_rows(k_smem, dv.astype(dtype), dv_ref.at[kv_rows])
+        _store_rows(k_smem if partial_smem is None else partial_smem, dv, dv_ref.at[out_rows])
         return
     if role == "dk":
         # The buffer starts empty: the dV consumer's first wait on p_free passes.
         plgpu.barrier_arrive(handoff.p_free)
         (dk,) = lax.fori_loop(0, group, head_loop, (zeros,))
         # -- epilogue: V is dead (its last reader, this consumer's dP^T, is done) --
-        _store_rows(v_smem, (dk * scale).astype(dtype), dk_ref.at[kv_rows])
+        staging = v_smem if partial_smem is None else partial_smem
+        _store_rows(staging, dk * scale, dk_ref.at[out_rows])
         return
     dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
+    if partial_smem is not None:
+        # -- epilogue: the f32 partials one after the other through the staging tile --
+        _store_rows(partial_smem, dk * scale, dk_ref.at[out_rows])
+        _store_rows(partial_smem, dv, dv_ref.at[out_rows])
+        return
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
     k_smem[...] = (dk * scale).astype(dtype)
     v_smem[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[kv_rows])
-    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[kv_rows])
+    plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
+    plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
     plgpu.wait_smem_to_gmem(0)
 
 
 def _store_rows(smem, value, gmem):
-    """value through smem (dead by now) to gmem by TMA."""
-    smem[...] = value
+    """value in smem's dtype through smem (dead by now, or a staging tile) to gmem by TMA."""
+    smem[...] = value.astype(smem.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(smem, gmem)
     plgpu.wait_smem_to_gmem(0)

@@ -102,8 +102,8 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     return _partition.partitioned(
         _forward_shard,
         config,
-        ("q", "kv", "kv", "pair", "arrays", "sinks"),
-        ("q", "lse"),
+        ("q", "kv", "v", "pair", "arrays", "sinks"),
+        ("o", "lse"),
         q,
         k,
         v,
@@ -130,7 +130,20 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             dropout=((config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None),
         )
     num_sms = None if config.device is None else config.device.num_sms
-    return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
+    head_dim, value_head_dim = q.shape[-1], v.shape[-1]
+    q, k, v = _common_head_dim(q, k, v)
+    out, lse = flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
+    return (out if value_head_dim >= head_dim else out[..., :value_head_dim]), lse
+
+
+def _common_head_dim(*xs):
+    """xs zero-padded to their largest head dim: the kernels that take one head dim run a value
+    head dim Hv != H so (zero columns leave q.k unchanged and add P.V columns that are cut off)."""
+    h = max(x.shape[-1] for x in xs)
+    return tuple(
+        x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
+        for x in xs
+    )
 
 
 def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
@@ -175,8 +188,8 @@ def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelCo
     return _partition.partitioned(
         _backward_shard,
         config,
-        ("q", "kv", "kv", "pair", "arrays", "q", "lse", "q", "lse"),
-        ("q", "kv", "kv", "pair"),
+        ("q", "kv", "v", "pair", "arrays", "o", "lse", "o", "lse"),
+        ("q", "kv", "v", "pair"),
         q,
         k,
         v,
@@ -190,6 +203,17 @@ def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelCo
 
 
 def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
+    head_dim, value_head_dim = q.shape[-1], v.shape[-1]
+    if head_dim == value_head_dim:
+        return _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+    padded = _common_head_dim(q, k, v, out, d_out)
+    dq, dk, dv, dbias = _backward_one_head_dim(
+        *padded[:3], bias, arrays, *padded[3:4], lse, padded[4], d_lse, config=config
+    )
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
+
+
+def _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,

@@ -130,15 +130,13 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             dropout=((config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None),
         )
     num_sms = None if config.device is None else config.device.num_sms
-    head_dim, value_head_dim = q.shape[-1], v.shape[-1]
-    q, k, v = _common_head_dim(q, k, v)
-    out, lse = flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
-    return (out if value_head_dim >= head_dim else out[..., :value_head_dim]), lse
+    return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
 
 
 def _common_head_dim(*xs):
-    """xs zero-padded to their largest head dim: the kernels that take one head dim run a value
-    head dim Hv != H so (zero columns leave q.k unchanged and add P.V columns that are cut off)."""
+    """xs zero-padded to their largest head dim: the backward kernels take one head dim, and run
+    a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the gradients'
+    extra columns are cut off)."""
     h = max(x.shape[-1] for x in xs)
     return tuple(
         x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))

@@ -6,26 +6,30 @@ Checked against a float64 numpy softmax (values, lse) and a float32 jnp one at f
 masks, lengths, windows, odd sizes (the Mosaic paths at their bfloat16 tile sizes) and Hv both
 below and above H; on the H200 at the MLA shape.
 
-The Mosaic forward takes Hv natively (V tiles, accumulator and output at Hv): its kernel is
-checked on its own in the Mosaic GPU interpreter at ragged lengths, GQA, causal, windowed and
-soft-capped, on persistent CTAs, and lowered for an abstract H200 with V and out unpadded.
+The Mosaic and Triton forwards take Hv natively (V tiles, accumulator and output at Hv): the
+Mosaic kernel is checked on its own in the Mosaic GPU interpreter at ragged lengths, GQA, causal,
+windowed and soft-capped, on persistent CTAs; Triton's split-KV path in the Pallas interpreter;
+both are lowered for an abstract H200 with V and out unpadded. The backward kernels take one head
+dim: V, out and dO reach them zero-padded to max(H, Hv) (the gradient checks above).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SWEEP, backend_paths, has_hopper
+from conftest import SWEEP, backend_paths, has_hopper, uniform_block_sizes
 from mosaic_interpret import interpret_mosaic
 from test_lowering import lower_for_h200
 
 import pallas_flash
 from pallas_flash import api, dispatch, masks
+from pallas_flash import device as device_lib
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.mosaic import forward as mosaic_forward
@@ -53,13 +57,14 @@ def case_sizes(path, case):
 
 
 def inputs(head_dim, value_head_dim, seed=0, *, T=T, S=S, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (B, T, N, head_dim), dtype)
-    k = jax.random.normal(keys[1], (B, S, K, head_dim), dtype)
-    v = jax.random.normal(keys[2], (B, S, K, value_head_dim), dtype)
-    d_out = jax.random.normal(keys[3], (B, T, N, value_head_dim), dtype)
-    d_lse = jax.random.normal(keys[4], (B, N, T))
-    return q, k, v, d_out, d_lse
+    # numpy's generator: jax.random would compile a program per shape and dtype.
+    rng = np.random.default_rng(seed)
+    shapes = ((B, T, N, head_dim), (B, S, K, head_dim), (B, S, K, value_head_dim))
+    q, k, v, d_out = (
+        jnp.asarray(rng.standard_normal(shape), dtype)
+        for shape in (*shapes, (B, T, N, value_head_dim))
+    )
+    return q, k, v, d_out, jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
 
 
 WINDOW = (9, 0)
@@ -229,7 +234,7 @@ MOSAIC_FORWARD_CASES = [
 
 
 def bf16_inputs(H, Hv, T, S, N, K, seed):
-    """q, k, v, d_out (bfloat16) and d_lse (float32) of one batch entry."""
+    """q, k, v, d_out (bfloat16) and d_lse (float32) of one batch entry, any N and K."""
     rng = np.random.default_rng(seed)
     shapes = ((1, T, N, H), (1, S, K, H), (1, S, K, Hv), (1, T, N, Hv))
     xs = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes]
@@ -405,3 +410,46 @@ def test_mosaic_mla_matches_float64_on_gpu(T, N, K, is_causal):
         assert g.shape == w.shape, name
         err, xla_err = np.abs(g - w).max(), np.abs(x - w).max()
         assert err <= 2 * xla_err + 1e-3, (name, err, xla_err)
+
+
+# -- the Triton forward at its own value head dim -------------------------------------------------
+
+
+def test_triton_split_kv_forward_takes_the_value_head_dim():
+    """The Triton forward's split-KV path (3 programs per query tile, merged by logsumexp) in the
+    Pallas interpreter at Hv > H (padded tiles 64 and 32): out and lse against float64."""
+    H, Hv, T, S = 24, 40, 33, 45
+    q, k, v, _, _ = (x.astype(jnp.float32) for x in bf16_inputs(H, Hv, T, S, N, K, seed=2))
+    tiles = dataclasses.replace(uniform_block_sizes(16), kv_splits=3)
+    run = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="triton",
+        interpret=True, block_sizes=tiles,
+    )  # fmt: skip
+    out, lse = (np.asarray(x, np.float64) for x in jax.jit(run)(q, k, v))
+    f64 = [np.asarray(x, np.float64) for x in (q, k, v)]
+    want_out, want_lse = masked_attention_f64(
+        *f64, scale=1 / np.sqrt(H), visible=visible_f64(T, S, is_causal=True, window=None)
+    )
+    assert out.shape == (1, T, N, Hv)
+    np.testing.assert_allclose(out, want_out, atol=ATOL[jnp.float32][0])
+    np.testing.assert_allclose(lse, want_lse, atol=ATOL[jnp.float32][0])
+
+
+def test_triton_forward_lowers_with_v_and_out_unpadded():
+    """MLA's (192, 128) on the Triton forward, lowered for an abstract H200: the kernel takes V
+    and writes out at 128 columns (no copy of V padded to 192, out not sliced)."""
+    b, t, n, k = 1, 1024, 16, 4  # a grid that fills the GPU: no split-KV
+    q = jax.ShapeDtypeStruct((b, t, n, 192), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((b, t, k, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((b, t, k, 128), jnp.bfloat16)
+    run = functools.partial(pallas_flash.flash_attention, is_causal=True, backend="triton")
+    with mock.patch.object(device_lib, "target_device", Device.h200):
+        text = lower_for_h200(run, q, kk, v).as_text()
+    calls = [line for line in text.splitlines() if 'name = "pallas_flash_forward"' in line]
+    assert len(calls) == 1 and "stablehlo.pad" not in text and "stablehlo.slice" not in text
+    signature = calls[0].rsplit("} : ", 1)[1]
+    assert signature == (
+        f"(tensor<{b}x{t}x{n}x192xbf16>, tensor<{b}x{t}x{k}x192xbf16>, "
+        f"tensor<{b}x{t}x{k}x128xbf16>) -> (tensor<{b}x{t}x{n}x128xbf16>, "
+        f"tensor<{b}x{n}x{t}xf32>)"
+    ), signature

@@ -98,8 +98,8 @@ def choose(
       NotImplementedError: backend="mosaic" for a call its forward does not run.
     """
     kind = kernel_backend(backend, device, interpret)
-    # Every kernel but the Mosaic forward runs a value head dim Hv != H at max(H, Hv) (the
-    # wrappers zero-pad): their tiles are those of that head dim.
+    # The backward kernels run a value head dim Hv != H at max(H, Hv) (their wrapper zero-pads)
+    # and the Triton forward shares their BlockSizes: Triton's tiles are that head dim's.
     one_head_dim = call.common_head_dim()
     if kind == "xla":
         if block_sizes is not None:

@@ -277,8 +277,9 @@ def _forward_call(
         schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
     if value_head_dim != head_dim:
-        # The output tile no longer fits Q's buffer: one of its own per consumer (a persistent
-        # CTA's epilogue waits until the copy has read it, before the next item's epilogue).
+        # Q's swizzled [block_q, H] buffer cannot be viewed as a [block_q, Hv] tile: the output
+        # gets a buffer of its own per consumer (a persistent CTA's epilogue waits until the
+        # copy has read it, before the next item's epilogue writes it).
         scratch.update(
             o_smem=plgpu.SMEM(
                 (NUM_CONSUMERS, tiles.block_q, value_head_dim), q.dtype, transforms=smem_transforms

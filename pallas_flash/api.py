@@ -250,7 +250,7 @@ def flash_attention_backward(
 ):
     """(dq, dk, dv) of `flash_attention` at the given residuals, without its forward.
 
-    `out` (B, T, N, H) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
+    `out` (B, T, N, Hv) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
     returns, `d_out` and `d_lse` (None: zeros) their cotangents; the other arguments are the
     call's. The gradients are computed as the kernels' backward does: P = exp(logits - lse) and
     dS = P (dO V^T - delta), delta = rowsum(dO * out) - d_lse. So `out` and `lse` may also be

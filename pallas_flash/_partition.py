@@ -59,7 +59,7 @@ class _Plan:
         """The PartitionSpec of an operand of `kind` (see `_RULES`); "pair" operands (bias,
         mask: [B|1, N|1, T|1, S|1]) keep their broadcast dims whole."""
         batch, heads = _entry(self.batch), _entry(self.heads)
-        if kind in ("q", "kv"):
+        if kind in ("q", "kv", "o", "v"):
             return P(batch, None, heads, None)
         if kind == "lse":
             return P(batch, heads, None)
@@ -123,10 +123,13 @@ def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None) -> _Plan:
 
 # Shardy factors of each operand kind: batch `b` and kv heads `k` (query heads `(k g)`, the
 # query groups `g` of each kv head) are shared; sequences `t`, `s` and head dim `h` are shared too,
-# so that a sharding of them reaches `plan`, which refuses it.
+# so that a sharding of them reaches `plan`, which refuses it. Values and outputs ("v", "o") have
+# their own head dim `e` (the value head dim may differ from q's and k's).
 _RULES = {
     "q": "b t {n} h",
     "kv": "b s k h",
+    "o": "b t {n} e",
+    "v": "b s k e",
     "lse": "b {n} t",
     "q_seg": "b t",
     "kv_seg": "b s",
@@ -293,9 +296,9 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     """`kernel(*args, config=config)` (one pass of the kernels) split over the batch and head axes
     of a device mesh: each device runs it on its shard.
 
-    kinds: the kind of each top-level argument ("q", "kv", "lse", "pair" for a bias (may be
-    None), "arrays" for MaskArrays, "sinks" for [B, N] sink logits (may be None)); out_kinds:
-    the same for the results (dbias: "pair").
+    kinds: the kind of each top-level argument ("q", "kv", "v" and "o" for values and outputs
+    [.., Hv], "lse", "pair" for a bias (may be None), "arrays" for MaskArrays, "sinks" for
+    [B, N] sink logits (may be None)); out_kinds: the same for the results (dbias: "pair").
     lead: leading vmapped dims on every operand (the batching rule's own recursion).
     """
     if jax.device_count() == 1 or _all_manual():
@@ -316,7 +319,9 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     def _vmap_rule(axis_size, in_batched, *a):
         batched = jax.tree.leaves(list(in_batched))
         foldable = args[3] is None and args[4].mask is None
-        foldable &= all(b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "lse"))
+        foldable &= all(
+            b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "o", "v", "lse")
+        )
         if foldable:
             # The vmapped axis becomes one more leading dim of the partitioned call; unbatched
             # segment ids are broadcast along it.
@@ -357,7 +362,13 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
     in_specs = jax.tree.unflatten(
         tree, _specs(plan_, leaf_kinds(args, kinds), [x.shape for x in leaves])
     )
-    shapes = {"q": q.shape, "kv": k.shape, "lse": (q.shape[0], q.shape[2], q.shape[1])}
+    shapes = {
+        "q": q.shape,
+        "kv": k.shape,
+        "o": (*q.shape[:3], v.shape[3]),
+        "v": v.shape,
+        "lse": (q.shape[0], q.shape[2], q.shape[1]),
+    }
     if args[3] is not None:
         shapes["pair"] = args[3].shape
     out_kinds = _out_leaf_kinds(out_kinds, args)

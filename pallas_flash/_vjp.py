@@ -102,8 +102,8 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     return _partition.partitioned(
         _forward_shard,
         config,
-        ("q", "kv", "kv", "pair", "arrays", "sinks"),
-        ("q", "lse"),
+        ("q", "kv", "v", "pair", "arrays", "sinks"),
+        ("o", "lse"),
         q,
         k,
         v,
@@ -131,6 +131,17 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
         )
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
+
+
+def _common_head_dim(*xs):
+    """xs zero-padded to their largest head dim: the backward kernels take one head dim, and run
+    a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the gradients'
+    extra columns are cut off)."""
+    h = max(x.shape[-1] for x in xs)
+    return tuple(
+        x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
+        for x in xs
+    )
 
 
 def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
@@ -175,8 +186,8 @@ def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelCo
     return _partition.partitioned(
         _backward_shard,
         config,
-        ("q", "kv", "kv", "pair", "arrays", "q", "lse", "q", "lse"),
-        ("q", "kv", "kv", "pair"),
+        ("q", "kv", "v", "pair", "arrays", "o", "lse", "o", "lse"),
+        ("q", "kv", "v", "pair"),
         q,
         k,
         v,
@@ -190,6 +201,17 @@ def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelCo
 
 
 def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
+    head_dim, value_head_dim = q.shape[-1], v.shape[-1]
+    if head_dim == value_head_dim:
+        return _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+    padded = _common_head_dim(q, k, v, out, d_out)
+    dq, dk, dv, dbias = _backward_one_head_dim(
+        *padded[:3], bias, arrays, *padded[3:4], lse, padded[4], d_lse, config=config
+    )
+    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
+
+
+def _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,

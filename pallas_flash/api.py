@@ -65,10 +65,10 @@ def flash_attention(
     N must be a multiple of K: query head n reads key/value head n // (N // K). For example with
     N = 8 and K = 2 (GQA), heads 0-3 read kv head 0 and heads 4-7 read kv head 1; K = 1 is MQA.
     T and S are any lengths >= 1 (T != S allowed); H and Hv are multiples of 8 up to 256 (Hv is
-    usually H; multi-head latent attention takes H = 192, Hv = 128: the kernels then run on
-    both zero-padded to the larger, which costs its FLOPs); dtypes are
-    float16, bfloat16 or float32 (all three arrays the same). Softmax and accumulation run in
-    float32.
+    usually H; multi-head latent attention takes H = 192, Hv = 128). The forwards (Mosaic,
+    Triton, "xla") take Hv natively: P.V and the output cost Hv columns, not H; the backward
+    kernels run on q, k and v zero-padded to max(H, Hv). Dtypes are float16, bfloat16 or
+    float32 (all three arrays the same). Softmax and accumulation run in float32.
 
     Args:
       query, key, value: the arrays above.
@@ -221,8 +221,6 @@ def flash_attention(
         out, lse = flash_attention_kernels(
             call.query, call.key, call.value, call.bias, call.arrays, call.config, *sink_args
         )
-    if call.head_dims is not None:
-        out = out[..., : call.head_dims[1]]
     unbatched = call.unbatched
     if unbatched:
         out, lse = out[0], lse[0]
@@ -252,7 +250,7 @@ def flash_attention_backward(
 ):
     """(dq, dk, dv) of `flash_attention` at the given residuals, without its forward.
 
-    `out` (B, T, N, H) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
+    `out` (B, T, N, Hv) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
     returns, `d_out` and `d_lse` (None: zeros) their cotangents; the other arguments are the
     call's. The gradients are computed as the kernels' backward does: P = exp(logits - lse) and
     dS = P (dO V^T - delta), delta = rowsum(dO * out) - d_lse. So `out` and `lse` may also be
@@ -283,8 +281,7 @@ def flash_attention_backward(
     batched = (lambda x: x[None]) if call.unbatched else (lambda x: x)
     q = call.query
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    head_dim, value_head_dim = call.head_dims or (q.shape[-1],) * 2
-    out_shape = (*q.shape[:3], value_head_dim)
+    out_shape = (*q.shape[:3], call.value.shape[-1])
     out, d_out, lse = batched(out), batched(d_out), batched(lse)
     d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
     for name, x, shape in (
@@ -296,7 +293,6 @@ def flash_attention_backward(
         if tuple(x.shape) != shape:
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} for this query")
     lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
-    out, d_out = (_pad_head_dim(x, q.shape[-1]) for x in (out, d_out))
     args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
     if call.config is None:
         dq, dk, dv, _ = reference_backward(
@@ -304,7 +300,6 @@ def flash_attention_backward(
         )
     else:
         dq, dk, dv, _ = flash_backward_kernels(*args, d_out.astype(q.dtype), d_lse, call.config)
-    dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim]
     grads = (dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype))
     return tuple(g[0] for g in grads) if call.unbatched else grads
 
@@ -324,9 +319,6 @@ class _Call(NamedTuple):
     config: KernelConfig | None
     unbatched: bool
     traced_for_host: bool
-    # The head dims of q/k and of v when they differ: the operands above are zero-padded to the
-    # larger (q.k and P.V are unchanged), and the results are sliced back.
-    head_dims: tuple[int, int] | None = None
     dropout_rate: float = 0.0
 
 
@@ -374,12 +366,6 @@ def _plan(
     ):
         _check_lengths(name, lengths, batch, unbatched)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    head_dims = None
-    if value.shape[-1] != head_dim:
-        # Every kernel takes one head dim: zeros in the padded columns leave q.k unchanged and
-        # give P.V columns that are sliced off.
-        head_dims = (head_dim, value.shape[-1])
-        query, key, value = (_pad_head_dim(x, max(head_dims)) for x in (query, key, value))
     arrays = masks.make_arrays(
         batch,
         q_len,
@@ -413,6 +399,7 @@ def _plan(
         soft_cap=soft_cap,
         has_bias=bias is not None,
         dropout_rate=dropout_rate,
+        value_head_dim=value.shape[-1],
     )
     device = None if interpret or backend == "xla" else device_lib.target_device()
     config = dispatch.choose(
@@ -434,14 +421,8 @@ def _plan(
         config=config,
         unbatched=unbatched,
         traced_for_host=traced_for_host,
-        head_dims=head_dims,
         dropout_rate=dropout_rate,
     )
-
-
-def _pad_head_dim(x, head_dim: int):
-    pad = head_dim - x.shape[-1]
-    return x if pad == 0 else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, pad),))
 
 
 class ForwardModeError(NotImplementedError, TypeError):

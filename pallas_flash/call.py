@@ -15,12 +15,13 @@ class Call:
 
     Attributes:
       q_shape: (B, T, N, H) of the queries.
-      k_shape: (B, S, K, H) of the keys (and values).
+      k_shape: (B, S, K, H) of the keys.
       dtype: the arrays' dtype.
       spec: who sees whom (causal, window, segment ids or lengths, dense mask shape).
       soft_cap: the logits' soft cap, or None.
       has_bias: whether a bias is added to the logits.
-      dropout_rate: the attention dropout's rate (0: none); only the Triton kernels run it.
+      dropout_rate: the attention dropout's rate (0: none).
+      value_head_dim: Hv of the values (B, S, K, Hv) and the output; None: H.
     """
 
     q_shape: tuple[int, int, int, int]
@@ -30,11 +31,32 @@ class Call:
     soft_cap: float | None = None
     has_bias: bool = False
     dropout_rate: float = 0.0
+    value_head_dim: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "q_shape", tuple(int(d) for d in self.q_shape))
         object.__setattr__(self, "k_shape", tuple(int(d) for d in self.k_shape))
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if self.value_head_dim is not None:
+            hv = int(self.value_head_dim)
+            object.__setattr__(self, "value_head_dim", None if hv == self.head_dim else hv)
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.head_dim if self.value_head_dim is None else self.value_head_dim
+
+    def common_head_dim(self) -> Call:
+        """This call with q, k and v at one head dim, max(H, Hv): how the kernels that take a
+        single head dim run it (zero columns leave q.k and P.V unchanged)."""
+        if self.value_head_dim is None:
+            return self
+        h = max(self.head_dim, self.value_head_dim)
+        return dataclasses.replace(
+            self,
+            q_shape=(*self.q_shape[:3], h),
+            k_shape=(*self.k_shape[:3], h),
+            value_head_dim=None,
+        )
 
     @property
     def head_dim(self) -> int:

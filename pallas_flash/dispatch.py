@@ -98,6 +98,9 @@ def choose(
       NotImplementedError: backend="mosaic" for a call its forward does not run.
     """
     kind = kernel_backend(backend, device, interpret)
+    # The backward kernels run a value head dim Hv != H at max(H, Hv) (their wrapper zero-pads)
+    # and the Triton forward shares their BlockSizes: Triton's tiles are that head dim's.
+    one_head_dim = call.common_head_dim()
     if kind == "xla":
         if block_sizes is not None:
             found = "none" if device is None else device.compute_capability
@@ -110,7 +113,7 @@ def choose(
     interpret = bool(interpret)
     user_block_sizes = block_sizes
     if block_sizes is None:
-        block_sizes = _triton_block_sizes(call, device, interpret, tuned)
+        block_sizes = _triton_block_sizes(one_head_dim, device, interpret, tuned)
     tiles = MosaicTiles()
     if kind in ("auto", "mosaic"):
         tiles = _mosaic_tiles(call, device, tuned)
@@ -170,7 +173,7 @@ def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> Mosai
     call with it (a shape class spans many lengths); None: the kernel's defaults."""
     if tuned is None:
         # Mosaic calls carry no bias or dense mask: the unmasked shape class.
-        entry = _tuned_entry(call, device, masked=False)
+        entry = _tuned_entry(call.common_head_dim(), device, masked=False)
         found = MosaicTiles() if entry is None else entry.mosaic
     else:
         found = tuned.mosaic
@@ -219,8 +222,9 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
         return "triton"
     if mosaic.why_not_backward(call, device, tiles):
         return "triton"
-    short = call.head_dim == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
-    wide = call.head_dim > MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM
+    head_dim = call.common_head_dim().head_dim  # the backward's
+    short = head_dim == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
+    wide = head_dim > MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM
     if (short or wide) and kind != "mosaic":
         return "triton"
     return "mosaic"

@@ -21,7 +21,8 @@ def reference_attention(
     soft_cap=None,
     dropout_rate: float = 0.0,
 ):
-    """(out [B, T, N, H], lse [B, N, T]) by materialising the [B, N, T, S] logits.
+    """(out [B, T, N, Hv], lse [B, N, T]) by materialising the [B, N, T, S] logits (v: [B, S, K,
+    Hv], Hv the value head dim, which may differ from q's and k's H).
 
     With dropout_rate > 0, P.V uses P with the entries `_dropout.keep` drops set to 0 and the
     others scaled by 1 / (1 - dropout_rate) (seeds in arrays.dropout_seeds); lse is the
@@ -31,7 +32,7 @@ def reference_attention(
     do). Rows that see no key output 0 with lse = -inf, and their gradients are 0, not NaN.
     NaN or inf in K or V reaches only the rows that see that key (which get NaN).
     """
-    batch, q_len, num_heads, head_dim = q.shape
+    batch, q_len, num_heads, _ = q.shape
     logits, visible, v = _logits(q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap)
     num_kv_heads, group = logits.shape[1], logits.shape[2]
     precision = _precision(q)
@@ -54,7 +55,7 @@ def reference_attention(
         preferred_element_type=jnp.float32,
     )
     lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum_safe))[..., 0]
-    out = out.reshape(batch, q_len, num_heads, head_dim).astype(q.dtype)
+    out = out.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
     return out, jnp.broadcast_to(lse, (batch, num_kv_heads, group, q_len)).reshape(
         batch, num_heads, q_len
     )
@@ -127,7 +128,7 @@ def reference_backward(
     P = exp(logits - lse) and dS = P (dO V^T - delta) with delta = rowsum(dO * out) - d_lse.
     `out` and `lse` may be those of a larger softmax this call's keys are a part of (a ring's
     block): the result is then this part's share of that softmax's gradients."""
-    batch, q_len, num_heads, head_dim = q.shape
+    batch, q_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     f32 = jnp.float32
@@ -136,7 +137,7 @@ def reference_backward(
     lse = lse.reshape(batch, num_kv_heads, group, q_len)[..., None]
     live = jnp.isfinite(lse)
     lse_safe = jnp.where(live, lse, 0.0)
-    do = d_out.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    do = d_out.reshape(batch, q_len, num_kv_heads, group, v.shape[-1])
 
     def share(q, k, v, bias):
         # sum_ij P_ij (dO_i . v_j - delta_i): its derivative in logit ij is dS_ij, in v_j

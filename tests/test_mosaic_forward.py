@@ -665,8 +665,10 @@ def test_flash_forward_raises_before_tracing():
     k = jnp.zeros((1, 128, 2, 128), BF16)
     with pytest.raises(ValueError, match="scale=-0.1 must be positive"):
         flash_forward(q, k, k, scale=-0.1, is_causal=False)
-    with pytest.raises(ValueError, match="must share shape and q's dtype"):
+    with pytest.raises(ValueError, match=r"must share \[B, S, K\] and q's dtype"):
         flash_forward(q, k, k.astype(jnp.float16), scale=0.1, is_causal=False)
+    with pytest.raises(ValueError, match=r"must share \[B, S, K\]"):
+        flash_forward(q, k, k[:, :64, :, :64], scale=0.1, is_causal=False)
 
 
 # -- numerics in the Mosaic GPU interpreter (CPU) --------------------------------------------------

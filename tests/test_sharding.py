@@ -327,6 +327,31 @@ if CHILD:
         want = jax.jit(_value_and_grads(args, d_out, backend="xla"))(*args)
         _assert_close((value, grads), want, atol=1e-4)
 
+    def test_value_head_dim_sharding_runs_locally():
+        """A value head dim of its own (v [B, S, K, 8] next to q, k [.., 16]) sharded over
+        batch and heads: forward and backward hold no collective but the loss's scalar sums,
+        and match the unsharded call (the partitioning rule gives v and out their own head
+        factor)."""
+        q, k, v, _ = _inputs(4, 24, 24, 8, 4)
+        v = v[..., :8]
+        d_out = jnp.asarray(np.random.default_rng(2).standard_normal((4, 24, 8, 8)), jnp.float32)
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+
+        def fn(**kwargs):
+            attn = functools.partial(
+                pallas_flash.flash_attention, is_causal=True, return_residuals=True, **kwargs
+            )
+            return jax.value_and_grad(_loss(attn, d_out), argnums=(0, 1, 2))
+
+        sharded = jax.jit(fn(**INTERPRET), in_shardings=(qkv,) * 3)
+        collectives = _collectives(sharded.lower(q, k, v).compile().as_text())
+        assert all(kind == "all-reduce" for kind, _ in collectives), collectives
+        assert not re.findall(r"f32\[[0-9]", " ".join(s for _, s in collectives)), collectives
+        value, grads = sharded(q, k, v)
+        assert grads[2].shape == v.shape and grads[2].sharding.is_equivalent_to(qkv, 4)
+        _assert_close((value, grads), jax.jit(fn(backend="xla"))(q, k, v), atol=1e-4)
+
     def test_dropout_mask_is_global_under_sharding():
         """Batch and head sharding: every shard reads its own (batch, head) seeds, so the
         sharded kernels apply the unsharded call's keep-mask (values and gradients)."""

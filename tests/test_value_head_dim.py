@@ -5,23 +5,44 @@ Checked against a float64 numpy softmax (values, lse) and a float32 jnp one at f
 (gradients), on every path of the backend matrix (conftest.backend_paths), with GQA, causal
 masks, lengths, windows, odd sizes (the Mosaic paths at their bfloat16 tile sizes) and Hv both
 below and above H; on the H200 at the MLA shape.
+
+The Mosaic and Triton forwards take Hv natively (V tiles, accumulator and output at Hv): the
+Mosaic kernel is checked on its own in the Mosaic GPU interpreter at ragged lengths, GQA, causal,
+windowed and soft-capped, on persistent CTAs; Triton's split-KV path in the Pallas interpreter;
+both are lowered for an abstract H200 with V and out unpadded. The backward kernels take one head
+dim: V, out and dO reach them zero-padded to max(H, Hv) (the gradient checks above).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import backend_paths
+from conftest import SWEEP, backend_paths, has_hopper, uniform_block_sizes
+from mosaic_interpret import interpret_mosaic
+from test_lowering import lower_for_h200
 
 import pallas_flash
-from pallas_flash import api
+from pallas_flash import api, dispatch, masks
+from pallas_flash import device as device_lib
+from pallas_flash.call import Call
+from pallas_flash.device import Device
+from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.mosaic import tiles as mosaic_tiles
+from pallas_flash.mosaic.forward import flash_forward
+
+SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
 
 B, T, S, N, K = 2, 37, 45, 4, 2
 # (H, Hv) per case: odd sizes in float32; the Mosaic kernels' head dims and tiles in bfloat16.
 HEAD_DIMS = {"Hv<H": (24, 16), "Hv>H": (16, 40)}
-MOSAIC_HEAD_DIMS = {"Hv<H": (128, 64), "Hv>H": (64, 128)}
+# Hv < H is multi-head latent attention's (192, 128).
+MOSAIC_HEAD_DIMS = {"Hv<H": (192, 128), "Hv>H": (64, 128)}
 MOSAIC_LEN = 128
 # Max abs error of the values against float64, of the gradients against float32 (the kernels
 # round P to bfloat16 for P V and dS for the products of the backward).
@@ -36,13 +57,14 @@ def case_sizes(path, case):
 
 
 def inputs(head_dim, value_head_dim, seed=0, *, T=T, S=S, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(keys[0], (B, T, N, head_dim), dtype)
-    k = jax.random.normal(keys[1], (B, S, K, head_dim), dtype)
-    v = jax.random.normal(keys[2], (B, S, K, value_head_dim), dtype)
-    d_out = jax.random.normal(keys[3], (B, T, N, value_head_dim), dtype)
-    d_lse = jax.random.normal(keys[4], (B, N, T))
-    return q, k, v, d_out, d_lse
+    # numpy's generator: jax.random would compile a program per shape and dtype.
+    rng = np.random.default_rng(seed)
+    shapes = ((B, T, N, head_dim), (B, S, K, head_dim), (B, S, K, value_head_dim))
+    q, k, v, d_out = (
+        jnp.asarray(rng.standard_normal(shape), dtype)
+        for shape in (*shapes, (B, T, N, value_head_dim))
+    )
+    return q, k, v, d_out, jnp.asarray(rng.standard_normal((B, N, T)), jnp.float32)
 
 
 WINDOW = (9, 0)
@@ -180,3 +202,254 @@ def test_mla_head_dims_on_gpu():
     err_xla = np.abs(np.asarray(xla, np.float64) - want).max()
     assert out.shape == (1, 2048, 16, 128) and np.isfinite(err)
     assert err <= 2 * err_xla, (err, err_xla)
+
+
+# -- the Mosaic forward at its own value head dim -------------------------------------------------
+
+# (H, Hv, T, S, N, K, causal, options): MLA's head dims with GQA, causal, T and S off the tiles;
+# Hv > H on persistent CTAs (3 CTAs for 4 work items: the output buffer is reused across items)
+# with ragged S; in the sweep: head dims the wrapper pads (96), Hv = 256, windows and soft caps.
+MOSAIC_FORWARD_CASES = [
+    pytest.param(192, 128, 100, 201, 2, 1, True, {}, id="mla-gqa-causal-ragged"),
+    pytest.param(64, 128, 200, 130, 2, 1, False, {}, id="hv>h-persistent-ragged"),
+    pytest.param(
+        96, 64, 300, 100, 2, 2, True, dict(window=(40, 0)), id="h96-window", marks=SWEEP_ONLY
+    ),
+    pytest.param(
+        128, 256, 70, 200, 2, 1, True, dict(soft_cap=5.0), id="hv256-soft-cap", marks=SWEEP_ONLY
+    ),
+    pytest.param(
+        192,
+        128,
+        130,
+        300,
+        4,
+        1,
+        False,
+        dict(window=(20, 70)),
+        id="mla-mqa-window",
+        marks=SWEEP_ONLY,
+    ),  # fmt: skip
+]
+
+
+def bf16_inputs(H, Hv, T, S, N, K, seed):
+    """q, k, v, d_out (bfloat16) and d_lse (float32) of one batch entry, any N and K."""
+    rng = np.random.default_rng(seed)
+    shapes = ((1, T, N, H), (1, S, K, H), (1, S, K, Hv), (1, T, N, Hv))
+    xs = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in shapes]
+    return (*xs, jnp.asarray(rng.standard_normal((1, N, T)), jnp.float32))
+
+
+def visible_f64(T, S, *, is_causal, window):
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    vis = np.ones((T, S), bool)
+    if is_causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= (j >= i - window[0]) & (j <= i + window[1])
+    return vis
+
+
+def masked_attention_f64(q, k, v, *, scale, visible, soft_cap=None):
+    """out [B, T, N, Hv], lse [B, N, T] in float64 (rows that see no key: 0 and -inf)."""
+    n, kh = q.shape[2], k.shape[2]
+    k, v = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)
+    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
+    if soft_cap is not None:
+        logits = soft_cap * np.tanh(logits / soft_cap)
+    logits = np.where(visible, logits, -np.inf)
+    m = logits.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.where(visible, np.exp(logits - m), 0.0)
+    denom = e.sum(axis=-1, keepdims=True)
+    empty = denom == 0.0
+    out = np.einsum("bnts,bsnh->btnh", e / np.where(empty, 1.0, denom), v)
+    return out, np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, denom)))[..., 0]
+
+
+@pytest.mark.parametrize("H, Hv, T, S, N, K, is_causal, options", MOSAIC_FORWARD_CASES)
+def test_mosaic_forward_takes_the_value_head_dim_interpreted(
+    H, Hv, T, S, N, K, is_causal, options, monkeypatch
+):
+    """The Mosaic forward's kernel (interpreter, race detector on, garbage past the arrays'
+    ends) on v [B, S, K, Hv]: out [B, T, N, Hv] and lse against float64, within twice the
+    error of XLA's attention in bfloat16 (P rounded to bfloat16 for P V, as the kernel does)."""
+    monkeypatch.setattr(mosaic_forward, "num_sms", lambda: 3)
+    q, k, v, _, _ = bf16_inputs(H, Hv, T, S, N, K, seed=1)
+    scale = 1.0 / np.sqrt(H)
+    run = functools.partial(flash_forward, scale=scale, is_causal=is_causal, **options)
+    # Past the ends TMA reads finite garbage: rows past T are dropped, keys past S masked.
+    with interpret_mosaic(oob_fill=7.0):
+        out, lse = jax.jit(run)(q, k, v)
+        out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert out.shape == (1, T, N, Hv) and lse.shape == (1, N, T)
+    visible = visible_f64(T, S, is_causal=is_causal, window=options.get("window"))
+    f64 = [np.asarray(x, np.float64) for x in (q, k, v)]
+    soft_cap = options.get("soft_cap")
+    want_out, want_lse = masked_attention_f64(*f64, scale=scale, visible=visible, soft_cap=soft_cap)
+    xla = jax.jit(
+        functools.partial(
+            pallas_flash.flash_attention, scale=scale, is_causal=is_causal,
+            local_window_size=options.get("window"), logits_soft_cap=soft_cap, backend="xla",
+        )
+    )(q, k, v)  # fmt: skip
+    xla_err = np.abs(np.asarray(xla, np.float64) - want_out).max()
+    assert np.abs(out - want_out).max() <= 2 * xla_err + 1e-3
+    empty = ~visible.any(axis=1)
+    assert (out[:, empty] == 0).all() and np.isneginf(lse[:, :, empty]).all()
+    np.testing.assert_allclose(lse[:, :, ~empty], want_lse[:, :, ~empty], atol=1e-4)
+
+
+def test_mosaic_forward_lowers_with_v_and_out_unpadded():
+    """MLA's (192, 128) lowered for an abstract H200: one Mosaic GPU call whose operands and
+    result carry V and out at 128 columns (no copy of V padded to 192, out not sliced)."""
+    b, t, n, k = 1, 1024, 4, 2
+    q = jax.ShapeDtypeStruct((b, t, n, 192), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((b, t, k, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((b, t, k, 128), jnp.bfloat16)
+    run = functools.partial(flash_forward, scale=0.1, is_causal=True)
+    lowered = lower_for_h200(run, q, kk, v)
+    text = lowered.as_text()
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line]
+    assert len(calls) == 1 and "stablehlo.pad" not in text and "stablehlo.slice" not in text
+    signature = calls[0].rsplit("} : ", 1)[1]
+    assert signature == (
+        f"(tensor<{b}x{t}x{n}x192xbf16>, tensor<{b}x{t}x{k}x192xbf16>, "
+        f"tensor<{b}x{t}x{k}x128xbf16>) -> (tensor<{b}x{t}x{n}x128xbf16>, "
+        f"tensor<{b}x{n}x{t}xf32>)"
+    ), signature
+    out, lse = lowered.out_info
+    assert out.shape == (b, t, n, 128) and lse.shape == (b, n, t)
+
+
+def test_mosaic_budgets_count_both_head_dims():
+    """Shared memory holds K at H and V at Hv, and an output tile of its own when their
+    padded head dims differ; the register budget is the [block_q, Hv] accumulator's."""
+    tiles = mosaic_tiles.ForwardTiles(block_q=64, block_kv=64, num_stages=2)
+    rows = tiles.cta_rows
+    assert tiles.smem_bytes(192, 2, value_head_dim=128) == (
+        rows * 192 * 2 + rows * 128 * 2 + 2 * 64 * (192 + 128) * 2 + rows * 4
+    )
+    assert tiles.smem_bytes(192, 2, value_head_dim=192) == tiles.smem_bytes(192, 2)
+    wide = mosaic_tiles.ForwardTiles(block_q=128, block_kv=128, num_stages=2)
+    shapes = dict(q_shape=(1, 512, 2, 128), k_shape=(1, 512, 2, 128), dtype=jnp.bfloat16)
+    assert mosaic_tiles.why_not(**shapes, value_head_dim=64, is_causal=False, tiles=wide) is None
+    reason = mosaic_tiles.why_not(**shapes, value_head_dim=128, is_causal=False, tiles=wide)
+    assert "registers" in reason
+    shapes = dict(shapes, q_shape=(1, 512, 2, 64), k_shape=(1, 512, 2, 64))
+    assert "value_head_dim=256" in mosaic_tiles.why_not(
+        **shapes, value_head_dim=256, is_causal=False, tiles=wide
+    )
+    assert "value_head_dim=32 is not one of" in mosaic_tiles.why_not(
+        **shapes, value_head_dim=32, is_causal=False
+    )
+    mla = mosaic_tiles.default_tiles(192, value_head_dim=128, q_len=4096, kv_len=4096,
+                                     is_causal=True)  # fmt: skip
+    assert mla == mosaic_tiles.default_tiles(192, q_len=4096, kv_len=4096, is_causal=True)
+    shapes = dict(q_shape=(1, 4096, 16, 192), k_shape=(1, 4096, 16, 192), dtype=jnp.bfloat16)
+    assert mosaic_tiles.why_not(**shapes, value_head_dim=128, is_causal=True) is None
+
+
+def test_the_dispatch_runs_mla_on_the_mosaic_forward():
+    """On an H200 the default kernels of MLA's (192, 128) are the Mosaic forward at both head
+    dims and a backward at 192 (the backward takes one head dim; zero-padded V); a value head
+    dim the Mosaic forward does not take (Hv = 32) goes to Triton."""
+    spec = masks.MaskSpec(q_len=4096, kv_len=4096, is_causal=True)
+    mla = Call(
+        q_shape=(2, 4096, 16, 192), k_shape=(2, 4096, 16, 192), dtype=jnp.bfloat16, spec=spec,
+        value_head_dim=128,
+    )  # fmt: skip
+    config = dispatch.choose(mla, Device.h200(), scale=0.1)
+    assert config.forward == "mosaic"
+    assert config.mosaic_forward_tiles == mosaic_tiles.default_tiles(
+        192, value_head_dim=128, q_len=4096, kv_len=4096, is_causal=True
+    )
+    plain = dataclasses.replace(mla, value_head_dim=None)
+    assert config.block_sizes == dispatch.choose(plain, Device.h200(), scale=0.1).block_sizes
+    odd = dataclasses.replace(
+        mla, q_shape=(2, 4096, 16, 64), k_shape=(2, 4096, 16, 64), value_head_dim=32
+    )
+    assert dispatch.choose(odd, Device.h200(), scale=0.1).forward == "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_hopper(), reason="the Mosaic kernels need sm_90")
+@pytest.mark.parametrize(
+    "T, N, K, is_causal", [(3000, 16, 16, True), (4096, 16, 4, False), (1000, 8, 8, True)]
+)
+def test_mosaic_mla_matches_float64_on_gpu(T, N, K, is_causal):
+    """MLA's (192, 128) compiled with backend="mosaic" (the Mosaic forward at Hv = 128, its
+    backward at 192): out and lse within twice XLA's bfloat16 error of float64, gradients within
+    twice XLA's of float32 at full precision; ragged T, GQA, causal and not."""
+    q, k, v, d_out, d_lse = bf16_inputs(192, 128, T, T, N, K, seed=3)
+
+    def attention(**kwargs):
+        def fn(q, k, v):
+            return pallas_flash.flash_attention(
+                q, k, v, is_causal=is_causal, return_residuals=True, **kwargs
+            )
+
+        return fn
+
+    def outputs_and_grads(fn, dtype):
+        xs = [x.astype(dtype) for x in (q, k, v)]
+        (out, lse), vjp = jax.vjp(fn, *xs)
+        return [out, lse, *vjp((d_out.astype(out.dtype), d_lse))]
+
+    got = jax.jit(lambda: outputs_and_grads(attention(backend="mosaic"), jnp.bfloat16))()
+    xla = jax.jit(lambda: outputs_and_grads(attention(backend="xla"), jnp.bfloat16))()
+    with jax.default_matmul_precision("highest"):
+        want = jax.jit(lambda: outputs_and_grads(attention(backend="xla"), jnp.float32))()
+    q64, k64, v64 = (np.asarray(x, np.float64) for x in (q, k, v))
+    visible = visible_f64(T, T, is_causal=is_causal, window=None)
+    want[:2] = masked_attention_f64(q64, k64, v64, scale=1 / np.sqrt(192), visible=visible)
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, g, x, w in zip(names, got, xla, want, strict=True):
+        g, x, w = (np.asarray(a, np.float64) for a in (g, x, w))
+        assert g.shape == w.shape, name
+        err, xla_err = np.abs(g - w).max(), np.abs(x - w).max()
+        assert err <= 2 * xla_err + 1e-3, (name, err, xla_err)
+
+
+# -- the Triton forward at its own value head dim -------------------------------------------------
+
+
+def test_triton_split_kv_forward_takes_the_value_head_dim():
+    """The Triton forward's split-KV path (3 programs per query tile, merged by logsumexp) in the
+    Pallas interpreter at Hv > H (padded tiles 64 and 32): out and lse against float64."""
+    H, Hv, T, S = 24, 40, 33, 45
+    q, k, v, _, _ = (x.astype(jnp.float32) for x in bf16_inputs(H, Hv, T, S, N, K, seed=2))
+    tiles = dataclasses.replace(uniform_block_sizes(16), kv_splits=3)
+    run = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="triton",
+        interpret=True, block_sizes=tiles,
+    )  # fmt: skip
+    out, lse = (np.asarray(x, np.float64) for x in jax.jit(run)(q, k, v))
+    f64 = [np.asarray(x, np.float64) for x in (q, k, v)]
+    want_out, want_lse = masked_attention_f64(
+        *f64, scale=1 / np.sqrt(H), visible=visible_f64(T, S, is_causal=True, window=None)
+    )
+    assert out.shape == (1, T, N, Hv)
+    np.testing.assert_allclose(out, want_out, atol=ATOL[jnp.float32][0])
+    np.testing.assert_allclose(lse, want_lse, atol=ATOL[jnp.float32][0])
+
+
+def test_triton_forward_lowers_with_v_and_out_unpadded():
+    """MLA's (192, 128) on the Triton forward, lowered for an abstract H200: the kernel takes V
+    and writes out at 128 columns (no copy of V padded to 192, out not sliced)."""
+    b, t, n, k = 1, 1024, 16, 4  # a grid that fills the GPU: no split-KV
+    q = jax.ShapeDtypeStruct((b, t, n, 192), jnp.bfloat16)
+    kk = jax.ShapeDtypeStruct((b, t, k, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((b, t, k, 128), jnp.bfloat16)
+    run = functools.partial(pallas_flash.flash_attention, is_causal=True, backend="triton")
+    with mock.patch.object(device_lib, "target_device", Device.h200):
+        text = lower_for_h200(run, q, kk, v).as_text()
+    calls = [line for line in text.splitlines() if 'name = "pallas_flash_forward"' in line]
+    assert len(calls) == 1 and "stablehlo.pad" not in text and "stablehlo.slice" not in text
+    signature = calls[0].rsplit("} : ", 1)[1]
+    assert signature == (
+        f"(tensor<{b}x{t}x{n}x192xbf16>, tensor<{b}x{t}x{k}x192xbf16>, "
+        f"tensor<{b}x{t}x{k}x128xbf16>) -> (tensor<{b}x{t}x{n}x128xbf16>, "
+        f"tensor<{b}x{n}x{t}xf32>)"
+    ), signature

@@ -46,6 +46,7 @@ def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = Non
         call.q_shape,
         call.k_shape,
         call.dtype,
+        value_head_dim=call.v_head_dim,
         is_causal=call.spec.is_causal,
         window=call.spec.window,
         soft_cap=call.soft_cap,
@@ -57,7 +58,8 @@ def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = Non
 
 def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = None) -> str | None:
     """Why the backward cannot run `call` on `device` with `tiles` (None: its defaults); None
-    when it can."""
+    when it can. It takes one head dim: a value head dim Hv != H runs at max(H, Hv)."""
+    call = call.common_head_dim()
     if reason := backward.unsupported_options(
         call.spec, soft_cap=call.soft_cap, has_bias=call.has_bias
     ):
@@ -78,6 +80,7 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
 def default_forward_tiles(call: Call) -> ForwardTiles:
     return forward_tiles.default_tiles(
         call.head_dim,
+        value_head_dim=call.v_head_dim,
         q_len=call.q_len,
         kv_len=call.kv_len,
         is_causal=call.spec.is_causal,
@@ -88,4 +91,4 @@ def default_forward_tiles(call: Call) -> ForwardTiles:
 
 
 def default_backward_tiles(call: Call) -> BackwardTiles:
-    return backward.default_tiles(call.head_dim)
+    return backward.default_tiles(call.common_head_dim().head_dim)

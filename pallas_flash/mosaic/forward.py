@@ -10,7 +10,9 @@ that one warpgroup's softmax overlaps the other's matrix multiplies.
 Any T and S: the last query and KV tiles may run past the arrays' ends, where TMA reads zeros
 and drops writes; keys past S are masked on the last KV tile only, so whole tiles keep the fast
 path. Head dims 80 and 96 run zero-padded to 128 (see HEAD_DIMS, ROW_ALIGN for what the wrapper
-pads and why).
+pads and why). The value head dim is the kernel's own: V tiles, the accumulator and the output
+are [.., Hv] (multi-head latent attention's Hv = 128 next to H = 192 costs P.V and output traffic
+at 128 columns, not 192), each head dim padded on its own.
 
 Outputs match `pallas_flash.triton.forward` (out in the input dtype, lse natural-log float32
 [B, N, T]) so that either backward (Triton or Mosaic) can use them as residuals.
@@ -78,10 +80,11 @@ def flash_forward(
 
     Args:
       q: [B, T, N, H] queries, bfloat16 or float16; any T >= 1, H one of HEAD_DIMS.
-      k, v: [B, S, K, H] keys and values, the dtype of q, any S >= 1; N % K == 0 and query head
-        n reads kv head n // (N // K) (e.g. N=8, K=2: heads 0-3 read kv head 0, heads 4-7 kv
-        head 1). T or S not a multiple of 8, and H of 80 or 96, cost a padded copy of q, k, v
-        and out (ROW_ALIGN, HEAD_DIMS).
+      k: [B, S, K, H] keys, v: [B, S, K, Hv] values, the dtype of q, any S >= 1, Hv one of
+        HEAD_DIMS too (Hv != H as multi-head latent attention's (192, 128) runs natively);
+        N % K == 0 and query head n reads kv head n // (N // K) (e.g. N=8, K=2: heads 0-3 read
+        kv head 0, heads 4-7 kv head 1). T or S not a multiple of 8, and H or Hv of 80 or 96,
+        cost a padded copy of q, k, v and out (ROW_ALIGN, HEAD_DIMS).
       scale: positive multiplier of q.k (without a soft cap the kernel takes the row max before
         scaling).
       is_causal: query i sees keys j <= i, top-left aligned as in jax.nn.dot_product_attention,
@@ -114,7 +117,7 @@ def flash_forward(
         stays the un-dropped softmax's.
 
     Returns:
-      out [B, T, N, H] in the dtype of q, and lse float32 [B, N, T]: the natural-log
+      out [B, T, N, Hv] in the dtype of q, and lse float32 [B, N, T]: the natural-log
       log-sum-exp of the (soft-capped) logits over the visible keys (and the sink). A row that
       sees no key (a window past the last key, possible when T > S; a padding row; a segment
       with no key) has out 0 and lse -inf, or lse = its sink.
@@ -127,6 +130,7 @@ def flash_forward(
         q.shape,
         k.shape,
         q.dtype,
+        value_head_dim=v.shape[-1] if v.ndim == 4 else None,
         is_causal=is_causal,
         window=window,
         soft_cap=soft_cap,
@@ -135,9 +139,9 @@ def flash_forward(
         cuda_runtime_version=None if device is None else device.cuda_runtime_version,
     ):
         raise ValueError(reason)
-    if k.shape != v.shape or k.dtype != q.dtype or v.dtype != q.dtype:
+    if k.shape[:3] != v.shape[:3] or v.ndim != 4 or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(
-            f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must share shape and q's dtype"
+            f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must share [B, S, K] and q's dtype"
         )
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
@@ -153,6 +157,7 @@ def flash_forward(
     if tiles is None:
         tiles = default_tiles(
             q.shape[-1],
+            value_head_dim=v.shape[-1],
             q_len=q.shape[1],
             kv_len=k.shape[1],
             is_causal=is_causal,
@@ -162,7 +167,7 @@ def flash_forward(
         )
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)
-    (_, q_len, _, head_dim), kv_len = q.shape, k.shape[1]
+    (_, q_len, _, head_dim), kv_len, value_head_dim = q.shape, k.shape[1], v.shape[-1]
     spec = MaskSpec(
         q_len=q_len,
         kv_len=kv_len,
@@ -173,8 +178,8 @@ def flash_forward(
     # The kernel reads T and S from spec: rows past T are computed on zeros and not kept, keys
     # past S are masked. The arrays may be longer (padded here to ROW_ALIGN).
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
-    h_to = kernel_head_dim(head_dim)
-    q, k, v = pad_to(q, q_to, h_to), pad_to(k, kv_to, h_to), pad_to(v, kv_to, h_to)
+    h_to, hv_to = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
+    q, k, v = pad_to(q, q_to, h_to), pad_to(k, kv_to, h_to), pad_to(v, kv_to, hv_to)
     segments = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids
@@ -204,8 +209,8 @@ def flash_forward(
         tiles=tiles,
         num_sms=num_sms() if device is None else device.num_sms,
     )
-    if out.shape[1] != q_len or out.shape[3] != head_dim:
-        out = out[:, :q_len, :, :head_dim]
+    if out.shape[1] != q_len or out.shape[3] != value_head_dim:
+        out = out[:, :q_len, :, :value_head_dim]
     if lse.shape[2] != q_len:
         lse = lse[:, :, :q_len]
     return out, lse
@@ -228,8 +233,8 @@ def _forward_call(
     """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan);
     sinks: None or float32 [B, N]; drop: None or (rate, rows [B, N, 2, T'], col [B, N, S']), the
     dropout tables; num_sms: the GPU's SM count, the most CTAs a persistent grid launches."""
-    batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    batch, padded_q_len, num_heads, head_dim = q.shape
+    num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     has_ids = segments is not None
     has_drop = drop is not None
     num_q_tiles = cdiv(spec.q_len, tiles.cta_rows)
@@ -248,16 +253,16 @@ def _forward_call(
     # what TMA and wgmma both read without bank conflicts; it needs H and block_kv % 64 == 0.
     smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    def ring(rows):
-        return plgpu.SMEM((tiles.num_stages, rows, head_dim), q.dtype, transforms=smem_transforms)
+    def ring(rows, cols):
+        return plgpu.SMEM((tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms)
 
     q_buffers = tiles.q_buffers * NUM_CONSUMERS  # indexed buffer * NUM_CONSUMERS + consumer
     scratch = dict(
         q_smem=plgpu.SMEM(
             (q_buffers, tiles.block_q, head_dim), q.dtype, transforms=smem_transforms
         ),
-        k_smem=ring(tiles.block_kv),
-        v_smem=ring(tiles.block_kv),
+        k_smem=ring(tiles.block_kv, head_dim),
+        v_smem=ring(tiles.block_kv, value_head_dim),
         lse_smem=plgpu.SMEM((NUM_CONSUMERS, tiles.block_q), jnp.float32),
         # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in
         # K's ring slot: each such barrier then counts two copies (one arrival per copy, with
@@ -271,6 +276,15 @@ def _forward_call(
         v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
         schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
     )
+    if value_head_dim != head_dim:
+        # Q's swizzled [block_q, H] buffer cannot be viewed as a [block_q, Hv] tile: the output
+        # gets a buffer of its own per consumer (a persistent CTA's epilogue waits until the
+        # copy has read it, before the next item's epilogue writes it).
+        scratch.update(
+            o_smem=plgpu.SMEM(
+                (NUM_CONSUMERS, tiles.block_q, value_head_dim), q.dtype, transforms=smem_transforms
+            )
+        )
     if has_ids:
         scratch.update(
             q_ids_smem=plgpu.SMEM((q_buffers, tiles.block_q), jnp.int32),
@@ -285,7 +299,7 @@ def _forward_call(
     # B * N * T values: a last tile's rows past T would then land on the next head's first
     # rows instead of past the end. Whole tiles per row keep every store in its own row.
     out_type = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((batch, padded_q_len, num_heads, value_head_dim), q.dtype),
         jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * tiles.cta_rows), jnp.float32),
     )
     if tiles.persistent:
@@ -328,6 +342,7 @@ def _forward_kernel(
     k_free,
     v_free,
     schedule,
+    o_smem=None,
     q_ids_smem=None,
     kv_ids_smem=None,
     drop_rows_smem=None,
@@ -344,7 +359,8 @@ def _forward_kernel(
     """One CTA: its work items (`_Work`) in turn, each NUM_CONSUMERS * block_q query rows of
     one head against that head's keys; one item unless tiles.persistent.
 
-    q_ref, out_ref: [B, T', N, H] and k_ref, v_ref: [B, S', K, H] in GMEM; lse_ref [B, N, T'],
+    q_ref: [B, T', N, H], k_ref: [B, S', K, H], v_ref: [B, S', K, Hv] and out_ref [B, T', N, Hv]
+    in GMEM; lse_ref [B, N, T'],
     T' >= T and S' >= S (spec's) multiples of ROW_ALIGN. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_rows), NUM_CONSUMERS + 1,
     4] (`segment_tile_plan`), read with scalar loads; with has_sinks, sinks_ref [B, N] float32
@@ -352,10 +368,11 @@ def _forward_kernel(
     drop_rows_ref [B, N, 2, T'] and drop_col_ref [B, N, S'] come before sinks_ref, copied with Q
     (drop_rows_smem, like q_smem) and with K (drop_col_smem, like kv_ids_smem).
     q_smem [q_buffers * NUM_CONSUMERS, block_q, H] holds each consumer's Q, later its output
-    tile (buffer b of consumer wg at b * NUM_CONSUMERS + wg; item n uses buffer n % q_buffers);
-    k_smem, v_smem [num_stages, block_kv, H] are the ring (kv_ids_smem [num_stages, block_kv]
-    rides in K's slots, q_ids_smem like q_smem with Q); the barriers are named after what
-    their completion means.
+    tile (buffer b of consumer wg at b * NUM_CONSUMERS + wg; item n uses buffer n % q_buffers)
+    when Hv == H, else o_smem [NUM_CONSUMERS, block_q, Hv] holds the output tiles;
+    k_smem [num_stages, block_kv, H], v_smem [num_stages, block_kv, Hv] are the ring
+    (kv_ids_smem [num_stages, block_kv] rides in K's slots, q_ids_smem like q_smem with Q); the
+    barriers are named after what their completion means.
     """
     *id_refs, out_ref, lse_ref = refs
     sinks_ref = id_refs.pop() if has_sinks else None
@@ -447,6 +464,7 @@ def _forward_kernel(
                 out_ref,
                 lse_ref,
                 q_smem.at[b],
+                q_smem.at[b] if o_smem is None else o_smem.at[wg],
                 lse_smem.at[wg],
                 q_ready.at[b],
                 schedule,
@@ -638,6 +656,7 @@ def _consume(
     out_ref,
     lse_ref,
     q_smem,
+    o_smem,
     lse_smem,
     q_ready,
     schedule,
@@ -659,7 +678,8 @@ def _consume(
     tiles: ForwardTiles,
 ):
     """Consumer warpgroup: block_q query rows of a work item through its KV tiles (FA2
-    Algorithm 1). Their Q (and query ids) are on their way to q_smem, signalled by q_ready.
+    Algorithm 1). Their Q (and query ids) are on their way to q_smem, signalled by q_ready;
+    o_smem [block_q, Hv] takes the output tile (q_smem itself when Hv == H: Q is dead by then).
 
     Ping-pong: each CTA step has two schedule syncs, one after issuing Q.K^T and one split
     around the end of the softmax. Consumer 1 syncs once before its first step and consumer 0
@@ -682,7 +702,7 @@ def _consume(
     from the ring slot (before K's slot is released) and zeroes the dropped P before P.V.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
-    head_dim, dtype = q_smem.shape[-1], q_smem.dtype
+    value_head_dim, dtype = o_smem.shape[-1], q_smem.dtype
     q_rows = (batch, pl.ds(q_start, block_q), head)
     lo, full_lo, full_hi, hi = ranges
     qk_scale = scale * LOG2E
@@ -804,7 +824,7 @@ def _consume(
         plgpu.barrier_arrive(ring.v_free.at[slot])
         return carry
 
-    acc = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros((block_q, value_head_dim), jnp.float32), plgpu.Layout.WGMMA)
     # m_i starts at MIN_LOGIT, finite: (-inf - m_i) is -inf, never -inf - -inf; once a row
     # sees a key, alpha scales the empty start (acc = 0, l_i = 0) away.
     m_i = plgpu.layout_cast(jnp.full((block_q,), MIN_LOGIT, jnp.float32), row_layout)
@@ -848,10 +868,11 @@ def _consume(
     if dropout_rate:
         row_scale = row_scale * (1.0 / (1.0 - dropout_rate))
     out = acc * _rows(row_scale, acc.shape)
-    q_smem[...] = out.astype(dtype)  # Q is dead: its last reader, the final Q.K^T, is done
+    # Where o_smem is q_smem, Q is dead: its last reader, the final Q.K^T, is done.
+    o_smem[...] = out.astype(dtype)
     lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log(l_safe))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[q_rows])
+    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     if tiles.persistent:
         # The next item writes lse_smem, and at its start loads the item after it's Q into

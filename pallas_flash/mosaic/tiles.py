@@ -74,15 +74,26 @@ class ForwardTiles:
         """Q buffers per consumer: a persistent CTA loads the next item's Q into the second."""
         return 2 if self.persistent else 1
 
-    def smem_bytes(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
-        """Shared memory of one CTA: Q/out per consumer (twice when persistent), the K and V
-        rings, the lse rows and, with segment ids, the consumers' query ids (as Q) and a ring
-        of KV ids (int32)."""
+    def smem_bytes(
+        self,
+        head_dim: int,
+        itemsize: int,
+        *,
+        segments: bool = False,
+        value_head_dim: int | None = None,
+    ) -> int:
+        """Shared memory of one CTA at the kernel head dims (`kernel_head_dim`) of q/k and of v
+        (value_head_dim; None: head_dim): Q per consumer (twice when persistent), which holds
+        the output tile when the two head dims are equal, else an output tile per consumer;
+        the K and V rings; the lse rows and, with segment ids, the consumers' query ids (as Q)
+        and a ring of KV ids (int32)."""
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
         q = self.q_buffers * self.cta_rows * head_dim * itemsize
-        kv = 2 * self.num_stages * self.block_kv * head_dim * itemsize
+        out = 0 if value_head_dim == head_dim else self.cta_rows * value_head_dim * itemsize
+        kv = self.num_stages * self.block_kv * (head_dim + value_head_dim) * itemsize
         ids = (self.q_buffers * self.cta_rows + self.num_stages * self.block_kv) * 4
         ids = ids if segments else 0
-        return q + kv + self.cta_rows * 4 + ids
+        return q + out + kv + self.cta_rows * 4 + ids
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -102,6 +113,7 @@ def cdiv(a: int, b: int) -> int:
 def default_tiles(
     head_dim: int,
     *,
+    value_head_dim: int | None = None,
     q_len: int,
     kv_len: int,
     is_causal: bool,
@@ -119,8 +131,13 @@ def default_tiles(
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
     per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
     and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
-    faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent)."""
-    head_dim = kernel_head_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
+    faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent).
+    A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
+    of the two: MLA's (192, 128) those of 192."""
+    head_dim = max(
+        kernel_head_dim(h) if h in HEAD_DIMS else h
+        for h in (head_dim, head_dim if value_head_dim is None else value_head_dim)
+    )
     masked = window is not None or soft_cap is not None or segments
     short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
     persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
@@ -132,8 +149,8 @@ def default_tiles(
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
 
 
-# Per consumer thread, the f32 accumulator [block_q, H] and logits [block_q, block_kv] take
-# block_q * (H + block_kv) / 128 registers; beyond this the 232-register budget spills.
+# Per consumer thread, the f32 accumulator [block_q, Hv] and logits [block_q, block_kv] take
+# block_q * (Hv + block_kv) / 128 registers; beyond this the 232-register budget spills.
 MAX_TILE_REGISTERS = 192
 # CUDA runtimes whose ptxas miscompiles the causal mask of this kernel's shape (jax's own
 # Hopper attention refuses causal on them too: jax/experimental/pallas/ops/gpu/attention_mgpu.py).
@@ -201,6 +218,7 @@ def why_not(
     k_shape,
     dtype,
     *,
+    value_head_dim: int | None = None,
     is_causal: bool,
     window: tuple[int, int] | None = None,
     soft_cap: float | None = None,
@@ -209,7 +227,8 @@ def why_not(
     cuda_runtime_version: int | None = None,
 ) -> str | None:
     """Why the kernel cannot run on these shapes and options, or None when it can (the caller
-    falls back to Triton). `window` and `soft_cap` as in `flash_forward`; `segments`: the call
+    falls back to Triton). `value_head_dim`: Hv of v [B, S, K, Hv] (None: q's H), one of
+    HEAD_DIMS too; `window` and `soft_cap` as in `flash_forward`; `segments`: the call
     has segment ids (or sequence lengths), whose id buffers take shared memory;
     `cuda_runtime_version`: the target's (`Device.cuda_runtime_version`), None when not known."""
     if reason := check_options(
@@ -225,11 +244,15 @@ def why_not(
     kv_len = k_shape[1]
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
+    if value_head_dim not in HEAD_DIMS:
+        return f"{value_head_dim=} is not one of {HEAD_DIMS}"
     if q_len == 0 or kv_len == 0:
         return f"{q_len=} and {kv_len=} must be positive"
     if tiles is None:
         tiles = default_tiles(
             head_dim,
+            value_head_dim=value_head_dim,
             q_len=q_len,
             kv_len=kv_len,
             is_causal=is_causal,
@@ -237,17 +260,21 @@ def why_not(
             soft_cap=soft_cap,
             segments=segments,
         )
-    # Registers and shared memory at the head dim the kernel runs (80 and 96 padded to 128).
-    head_dim = kernel_head_dim(head_dim)
+    # Registers and shared memory at the head dims the kernel runs (80 and 96 padded to 128).
+    head_dim, value_head_dim = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
+    dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     if tiles.block_kv > 256:
         return f"block_kv={tiles.block_kv} exceeds the wgmma N limit of 256"
-    registers = tiles.block_q * (head_dim + tiles.block_kv) // 128
+    # The accumulator is [block_q, Hv]: the value head dim counts here, not q's.
+    registers = tiles.block_q * (value_head_dim + tiles.block_kv) // 128
     if registers > MAX_TILE_REGISTERS:
         return (
             f"{tiles} needs {registers} registers per thread for the accumulator and logits at "
-            f"{head_dim=}, over {MAX_TILE_REGISTERS} (it would spill)"
+            f"{dims}, over {MAX_TILE_REGISTERS} (it would spill)"
         )
-    smem = tiles.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, segments=segments)
+    smem = tiles.smem_bytes(
+        head_dim, jnp.dtype(dtype).itemsize, segments=segments, value_head_dim=value_head_dim
+    )
     if smem > SMEM_BYTES:
-        return f"{tiles} needs {smem} bytes of shared memory at {head_dim=}, over {SMEM_BYTES}"
+        return f"{tiles} needs {smem} bytes of shared memory at {dims}, over {SMEM_BYTES}"
     return None

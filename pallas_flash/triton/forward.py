@@ -42,6 +42,7 @@ def _forward_kernel(
     scale: float,
     soft_cap,
     head_dim: int,
+    value_head_dim: int,
     block_q: int,
     block_kv: int,
     has_bias: bool,
@@ -51,8 +52,10 @@ def _forward_kernel(
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
-    q_ref, o_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref: [block_q]; optional operands
-    (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
+    q_ref: [block_q, Hp], k_ref: [S, Hp], v_ref: [S, Hvp], o_ref: [block_q, Hvp] (the head dim
+    and the value head dim, each padded: `padded_head_dim`); lse_ref: [block_q]; optional
+    operands (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like
+    bias, ranges.
     With kv_splits > 1 the third grid axis is batch * kv_splits and the program covers one
     contiguous chunk of the KV tiles; o_ref and lse_ref then hold that chunk's partial result.
     With dropout_rate > 0 the dropout tables (`_dropout.tables`, whole) follow the optional
@@ -86,7 +89,9 @@ def _forward_kernel(
     def body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
-        v = load_rows(v_ref, kv_start, block_kv, spec.kv_len, head_dim, ragged=masked and ragged_kv)
+        v = load_rows(
+            v_ref, kv_start, block_kv, spec.kv_len, value_head_dim, ragged=masked and ragged_kv
+        )
         # -- compute the logits (in the units of `scores`) --
         bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
         u, _ = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
@@ -108,7 +113,7 @@ def _forward_kernel(
             )
         return softmax_step(carry, u, v, unit, visible, keep)
 
-    carry = softmax_init(block_q, q_ref.shape[-1])
+    carry = softmax_init(block_q, o_ref.shape[-1])
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
@@ -119,7 +124,7 @@ def _forward_kernel(
     carry = visit_tiles(ranges, body, carry)
     out_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
     sink = None if ops.sinks is None else ops.sinks[batch, head]
-    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, head_dim, out_scale, sink)
+    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, value_head_dim, out_scale, sink)
 
 
 def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, block_kv: int):
@@ -237,19 +242,21 @@ def flash_forward(
     dropout_rate: float = 0.0,
     sinks=None,
 ):
-    """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
+    """out [B, T, N, Hv] in q's dtype and lse [B, N, T] float32 (natural log).
 
-    q: [B, T, N, H]; k, v: [B, S, K, H] with N % K == 0; bias None or [Bb, Nb, Tb, Sb] (each dim
-    full or 1); arrays: the mask's arrays (masks.MaskArrays, with the dropout seeds, whose
-    `_dropout.tables` the kernels read, when
-    dropout_rate > 0); num_sms: the GPU's SM count, which
-    the automatic split-KV rule fills (None: the visible GPU's); sinks: None or float32 [B, N],
-    attention sinks (`softmax_store`), included in out and lse.
+    q: [B, T, N, H]; k: [B, S, K, H], v: [B, S, K, Hv] with N % K == 0 (the value head dim is
+    the kernel's own: V tiles, accumulator and output at Hv, padded on their own); bias None
+    or [Bb, Nb, Tb, Sb] (each dim full or 1); arrays: the mask's arrays (masks.MaskArrays, with
+    the dropout seeds, whose `_dropout.tables` the kernels read, when dropout_rate > 0);
+    num_sms: the GPU's SM count, which the automatic split-KV rule fills (None: the visible
+    GPU's); sinks: None or float32 [B, N], attention sinks (`softmax_store`), included in out
+    and lse.
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
-    hp = padded_head_dim(head_dim)
+    value_head_dim = v.shape[-1]
+    hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
     block_q, block_kv = tile_sizes(block_sizes.block_q, q_len, block_sizes.block_kv, kv_len)
     q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
     kernel = functools.partial(
@@ -258,6 +265,7 @@ def flash_forward(
         scale=scale,
         soft_cap=soft_cap,
         head_dim=head_dim,
+        value_head_dim=value_head_dim,
         block_q=block_q,
         block_kv=block_kv,
         has_bias=bias is not None,
@@ -276,7 +284,9 @@ def flash_forward(
     kernel = functools.partial(kernel, kv_splits=splits, has_sinks=in_kernel_sinks)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
-    operands, in_specs = [q, k, v], [q_spec, kv_spec, kv_spec]
+    v_spec = pl.BlockSpec((None, kv_len, None, hvp), lambda i, n, b: (b, 0, n // group, 0))
+    o_spec = pl.BlockSpec((None, block_q, None, hvp), lambda i, n, b: (b, q_tile(i), n, 0))
+    operands, in_specs = [q, k, v], [q_spec, kv_spec, v_spec]
     if bias is not None:
         operands.append(bias)
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
@@ -292,12 +302,13 @@ def flash_forward(
         grid=(num_q_tiles, num_heads, batch * splits),
         in_specs=in_specs,
         out_specs=[
-            q_spec,
+            o_spec,
             pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i))),
         ],
         out_shape=[
             jax.ShapeDtypeStruct(
-                (batch * splits, *q.shape[1:]), q.dtype if splits == 1 else jnp.float32
+                (batch * splits, q_len, num_heads, value_head_dim),
+                q.dtype if splits == 1 else jnp.float32,
             ),
             jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32),
         ],

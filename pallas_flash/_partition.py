@@ -371,9 +371,10 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
     }
     if args[3] is not None:
         shapes["pair"] = args[3].shape
+    backward = "pair" in out_kinds  # (dq, dk, dv, dbias)
     out_kinds = _out_leaf_kinds(out_kinds, args)
     out_specs = tuple(_specs(plan_, out_kinds, [shapes[k] for k in out_kinds]))
-    if len(out_kinds) == 3:  # a backward without bias: dbias is None
+    if backward and original_bias is None:  # dbias is None
         out_specs = (*out_specs, None)
     args = jax.tree.map(jax.sharding.reshard, list(args), list(in_specs))
     # The kernels' pallas_calls declare no varying-ness over manual axes.
@@ -384,7 +385,7 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         out_specs=out_specs,
         check_vma=False,
     )(*args)
-    if len(out_specs) == 4:
+    if backward:
         # Gradients take their primals' types (a replicated bias gets a replicated gradient).
         results = tuple(
             None if g is None else jax.sharding.reshard(g, jax.typeof(x).sharding.spec)

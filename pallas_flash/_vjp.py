@@ -89,7 +89,8 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 
     sinks: None, or float32 [B, N]: one more logit per row of head n of batch entry b, with no
     value, in the softmax's denominator (attention sinks); lse then includes it."""
-    return _forward(q, k, v, bias, arrays, sinks, config=config)
+    out, lse, _ = _forward(q, k, v, bias, arrays, sinks, config=config)
+    return out, lse
 
 
 # Each pass is one jit'd function of the static config: a model that repeats a layer traces and
@@ -99,11 +100,14 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 # heads.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    return _partition.partitioned(
+    """(out, lse, log_sum): log_sum (the Triton forward's, `flash_forward`) lets the Triton
+    backward recompute tied logits exactly at any magnitude; None from the Mosaic forward."""
+    with_log_sum = config.forward == "triton"
+    results = _partition.partitioned(
         _forward_shard,
         config,
         ("q", "kv", "v", "pair", "arrays", "sinks"),
-        ("o", "lse"),
+        ("o", "lse", "lse") if with_log_sum else ("o", "lse"),
         q,
         k,
         v,
@@ -111,6 +115,7 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
         arrays,
         sinks,
     )
+    return tuple(results) if with_log_sum else (*results, None)
 
 
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
@@ -130,7 +135,9 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             dropout=((config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None),
         )
     num_sms = None if config.device is None else config.device.num_sms
-    return flash_forward(q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks)
+    return flash_forward(
+        q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks, with_log_sum=True
+    )
 
 
 def _common_head_dim(*xs):
@@ -150,17 +157,17 @@ def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig, sinks):
-    out, lse = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
-    return (out, lse), (q, k, v, bias, arrays, sinks, out, lse)
+    out, lse, log_sum = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
+    return (out, lse), (q, k, v, bias, arrays, sinks, out, lse, log_sum)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     # With sinks, lse includes them: the kernels' P = exp(logits - lse) and delta = rowsum(dO *
     # out) are then those of the softmax over keys and sink, and so are dq, dk, dv and dbias.
-    q, k, v, bias, arrays, sinks, out, lse = residuals
+    q, k, v, bias, arrays, sinks, out, lse, log_sum = residuals
     d_out, d_lse = cotangents
     dq, dk, dv, dbias = _differentiable_backward(
-        q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse, config
+        q, k, v, bias, arrays, sinks, out, lse, log_sum, d_out, d_lse, config
     )
     d_sinks = None
     if sinks is not None:
@@ -182,11 +189,11 @@ def sink_gradient(sinks, out, lse, d_out, d_lse):
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
+def _backward(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig):
     return _partition.partitioned(
         _backward_shard,
         config,
-        ("q", "kv", "v", "pair", "arrays", "o", "lse", "o", "lse"),
+        ("q", "kv", "v", "pair", "arrays", "o", "lse", "lse", "o", "lse"),
         ("q", "kv", "v", "pair"),
         q,
         k,
@@ -195,23 +202,30 @@ def _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelCo
         arrays,
         out,
         lse,
+        log_sum,
         d_out,
         d_lse,
     )
 
 
-def _backward_shard(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
+def _backward_shard(
+    q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
+):
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
     if head_dim == value_head_dim:
-        return _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+        return _backward_one_head_dim(
+            q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config
+        )
     padded = _common_head_dim(q, k, v, out, d_out)
     dq, dk, dv, dbias = _backward_one_head_dim(
-        *padded[:3], bias, arrays, *padded[3:4], lse, padded[4], d_lse, config=config
+        *padded[:3], bias, arrays, *padded[3:4], lse, log_sum, padded[4], d_lse, config=config
     )
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
 
 
-def _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, config: KernelConfig):
+def _backward_one_head_dim(
+    q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
+):
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,
@@ -230,7 +244,9 @@ def _backward_one_head_dim(q, k, v, bias, arrays, out, lse, d_out, d_lse, *, con
             device=config.device,
         )
         return dq, dk, dv, None
-    return flash_backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs())
+    return flash_backward(
+        q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs(), log_sum=log_sum
+    )
 
 
 flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
@@ -239,7 +255,9 @@ flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
 def flash_backward_kernels(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
     """(dq, dk, dv, dbias) of the kernels' backward at the given residuals (out, lse), which
     may be those of a larger softmax (a ring's merged blocks); differentiable as the rule's."""
-    return _differentiable_backward(q, k, v, bias, arrays, None, out, lse, d_out, d_lse, config)
+    return _differentiable_backward(
+        q, k, v, bias, arrays, None, out, lse, None, d_out, d_lse, config
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -313,28 +331,30 @@ def _differentiable_forward(q, k, v, bias, arrays, sinks, config: KernelConfig):
 @_differentiable_forward.defjvp
 def _differentiable_forward_jvp(config: KernelConfig, primals, tangents):
     q, k, v, bias, arrays, sinks = primals
-    out_lse = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
-    _, tangents_out = jax.jvp(
+    out, lse, log_sum = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
+    _, (t_out, t_lse) = jax.jvp(
         lambda q, k, v, bias, sinks: _reference(q, k, v, bias, sinks, arrays, config),
         (q, k, v, bias, sinks),
         (*tangents[:4], tangents[5]),
     )
-    return out_lse, tangents_out
+    # log_sum only bounds the backward's recomputed P, and the backward's derivative is the
+    # reference's: its tangent is never read.
+    return (out, lse, log_sum), (t_out, t_lse, jax.tree.map(jnp.zeros_like, log_sum))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(10,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(11,))
 def _differentiable_backward(
-    q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse, config: KernelConfig
+    q, k, v, bias, arrays, sinks, out, lse, log_sum, d_out, d_lse, config: KernelConfig
 ):
     """(dq, dk, dv, dbias) of the kernels' backward; `sinks` (those lse includes, or None) is
     read only by the derivative, whose reference recomputes (out, lse)."""
     del sinks
-    return _backward(q, k, v, bias, arrays, out, lse, d_out, d_lse, config=config)
+    return _backward(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config)
 
 
 @_differentiable_backward.defjvp
 def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
-    q, k, v, bias, arrays, sinks, out, lse, d_out, d_lse = primals
+    q, k, v, bias, arrays, sinks, out, lse, _, d_out, d_lse = primals
     grads = _differentiable_backward(*primals, config)
 
     def reference_grads(q, k, v, bias, sinks, d_out, d_lse):
@@ -346,7 +366,7 @@ def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
     # The reference recomputes (out, lse) from (q, k, v, bias, sinks), so their tangents reach
     # the result through those of q, k, v, bias and sinks; the residuals' own tangents (always
     # those of the forward at the same point) would count them twice and are left out.
-    tq, tk, tv, tbias, _, tsinks, _, _, td_out, td_lse = tangents
+    tq, tk, tv, tbias, _, tsinks, _, _, _, td_out, td_lse = tangents
     _, grads_tangent = jax.jvp(
         reference_grads,
         (q, k, v, bias, sinks, d_out, d_lse),

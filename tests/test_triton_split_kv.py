@@ -125,3 +125,44 @@ def test_split_forward_lowers_for_h200():
             .as_text()
         )
     assert "grid_z = 8 : i32" in text  # batch 2 x 4 splits
+
+
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_split_log_sum_matches_unsplit(sinks):
+    """The log of each row's softmax denominator (relative to its largest logit, sinks
+    included) that the forward hands the backward: the split chunks' merge gives the unsplit
+    kernel's, also for rows that see no key (0) or keys in some chunks only."""
+    from pallas_flash import masks
+    from pallas_flash.masks import MaskArrays, MaskSpec
+    from pallas_flash.triton import flash_forward
+
+    q, k, v = inputs(2, 33, 100, 4, 2, 32, seed=3)
+    q = q * 3.0  # peaked rows: the sink and the chunks' maxima differ by more than their sums
+    lengths = jnp.asarray([100, 40], jnp.int32)
+    spec = MaskSpec(q_len=33, kv_len=100, is_causal=True, has_segments=True)
+    arrays = MaskArrays(
+        q_segment_ids=jnp.zeros((2, 33), jnp.int32),
+        kv_segment_ids=jnp.where(jnp.arange(100) < lengths[:, None], 0, masks.PAD_KV_SEGMENT),
+    )
+    sink_logits = jnp.asarray(np.linspace(-2.0, 4.0, 8).reshape(2, 4), jnp.float32)
+
+    def log_sum(splits):
+        _, _, result = flash_forward(
+            q,
+            k,
+            v,
+            None,
+            arrays,
+            spec=spec,
+            scale=32**-0.5,
+            soft_cap=None,
+            block_sizes=dataclasses.replace(TILES, kv_splits=splits),
+            interpret=True,
+            sinks=sink_logits if sinks else None,
+            with_log_sum=True,
+        )
+        return np.asarray(result)
+
+    unsplit = log_sum(1)
+    assert np.all(unsplit >= 0) and np.any(unsplit > 0.5)
+    np.testing.assert_allclose(log_sum(3), unsplit, atol=2e-6, rtol=2e-6)

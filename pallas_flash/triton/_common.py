@@ -194,12 +194,14 @@ def scores(qk, scale: float, bias, soft_cap):
     return t, 1.0 - t * t
 
 
-def recomputed_probs(u, ref, unit: float):
+def recomputed_probs(u, ref, bound, unit: float):
     """P = exp(u * unit - lse) of a backward tile from `ref` = lse / unit, lowered a few ulps
-    (`_numerics.lowered_reference`; +inf for rows that see no key). P <= 1: u, recomputed by
-    another matmul, and the rounded lse can put a row's dominant logit a few ulps of |lse| above
-    the reference; the clamp makes its P exactly 1 at any magnitude, never an overflow."""
-    return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E), 0.0))
+    (`_numerics.lowered_reference`; +inf for rows that see no key), and `bound` = -log2 of the
+    row's softmax denominator relative to its max (`softmax_store`'s log_sum; 0: unknown).
+    P <= 1 / l: u, recomputed by another matmul, and the rounded lse can put a row's largest
+    logits a few ulps of |lse| above the reference; the clamp makes their P exactly 1 / l (1 for
+    one dominant logit, 1 / n for n tied ones) at any magnitude, never an overflow."""
+    return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E), bound))
 
 
 def finite_or_zero(x):
@@ -258,10 +260,16 @@ def softmax_store(
     head_dim: int,
     out_scale: float = 1.0,
     sink=None,
+    log_sum_ref=None,
 ):
     """The epilogue: stores out = acc / l_i (times out_scale, dropout's 1 / (1 - rate)) and the
     natural-log lse of the first `rows` rows of the tile. Rows that saw no key (l_i == 0) output
     0 and have lse = -inf.
+
+    log_sum_ref: None, or where to store log l_i, the log of the row's softmax denominator
+    relative to its largest logit (lse = max logit + log l_i; 0 for rows that saw no key). A
+    backward needs it apart from lse: beyond |lse| ~ 1e7 a float32 lse cannot hold log l_i
+    next to the max, so the P of keys that tie at the max is recomputed from it (1 / l_i).
 
     sink: None, or a float32 scalar, the natural-log logit of an attention sink: one more term
     e^{sink} in every row's denominator, with no value. A row that saw no key then outputs 0
@@ -286,9 +294,12 @@ def softmax_store(
     if out_scale != 1.0:
         out = out * out_scale
     store_rows(o_ref, out, 0, block, rows, head_dim)
-    lse = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log2(l_safe) * LN2)
+    log_sum = jnp.log2(l_safe) * LN2
+    lse = jnp.where(empty, -jnp.inf, m_i * unit + log_sum)
     tile_rows = lax.broadcasted_iota(jnp.int32, (block,), 0)
     plgpu.store(lse_ref, lse, mask=tile_rows < rows)
+    if log_sum_ref is not None:
+        plgpu.store(log_sum_ref, log_sum, mask=tile_rows < rows)
 
 
 def split_weights(lse, splits: int):

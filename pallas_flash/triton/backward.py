@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import lowered_reference
+from pallas_flash._numerics import LOG2E, lowered_reference
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -58,6 +58,7 @@ def _dkv_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    bound_ref,
     *refs,
     spec: MaskSpec,
     scale: float,
@@ -71,7 +72,8 @@ def _dkv_kernel(
 ):
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
-    q_ref, do_ref: [T, group, Hp]; lse_ref, delta_ref: [group, T]; k/v/dk/dv_ref: [block_kv, Hp].
+    q_ref, do_ref: [T, group, Hp]; lse_ref, delta_ref, bound_ref: [group, T]; k/v/dk/dv_ref:
+    [block_kv, Hp].
     lse_ref holds lse / logit_unit (see `scores`), +inf for rows that see no key (P == 0 there).
     Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
     Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
@@ -108,10 +110,11 @@ def _dkv_kernel(
         do = load_rows(do_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
         lse_u = load_vector(lse_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         delta = load_vector(delta_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
+        bound = load_vector(bound_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         # -- recompute P^T [block_kv, block_q] --
         bias = None if ops.bias is None else pair_tile(ops.bias, q_start, head)
         u_t, dcap_t = scores(dot(k, q, trans_b=True), scale, bias, soft_cap)
-        p_t = recomputed_probs(u_t, lse_u[None, :], unit)
+        p_t = recomputed_probs(u_t, lse_u[None, :], bound[None, :], unit)
         v_tile = v
         if masked:
             q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
@@ -166,14 +169,15 @@ def _dkv_kernel(
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
 
 
-def tile_d_logits(
-    q, k, v, do, lse_u, delta, bias, visible, *, scale: float, soft_cap, kept_scale=None
-):
+def tile_d_logits(q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None):
     """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
-    from lse_u (lse / logit_unit), zero where `visible` (None: everywhere visible) is False.
+    from the rows' (lse_u, bound, delta) (`recomputed_probs`), zero where `visible` (None:
+    everywhere visible) is False.
     kept_scale: None, or dropout's Z (1 / (1 - rate) where kept, else 0): dP = Z * (dO V^T)."""
+    lse_u, bound, delta = rows
     u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
-    p = recomputed_probs(u, lse_u[:, None], logit_unit(scale, bias is not None, soft_cap))
+    unit = logit_unit(scale, bias is not None, soft_cap)
+    p = recomputed_probs(u, lse_u[:, None], bound[:, None], unit)
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
         # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dP.
@@ -192,6 +196,7 @@ def _dq_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    bound_ref,
     *refs,
     spec: MaskSpec,
     scale: float,
@@ -204,7 +209,8 @@ def _dq_kernel(
 ):
     """dQ of one query tile of one head: loop over KV tiles.
 
-    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref: [block_q].
+    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref, bound_ref:
+    [block_q].
     Optional operands as in the forward kernel.
     """
     *refs, dq_ref = refs
@@ -223,8 +229,10 @@ def _dq_kernel(
         drop_rows = (row_mul[:, None], row_add[:, None])
     q = load_rows(q_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     do = load_rows(do_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
-    lse_u = load_vector(lse_ref, 0, block_q, q_rows, ragged=ragged_q)
-    delta = load_vector(delta_ref, 0, block_q, q_rows, ragged=ragged_q)
+    rows = tuple(
+        load_vector(ref, 0, block_q, q_rows, ragged=ragged_q)
+        for ref in (lse_ref, bound_ref, delta_ref)
+    )
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     q_seg = None
     if ops.q_seg is not None:
@@ -255,7 +263,7 @@ def _dq_kernel(
             )
             z = _dropout.kept_scale(keep, dropout_rate)
         ds = tile_d_logits(
-            q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
+            q, k, v, do, rows, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
         )
         if masked:
             # dS is 0 at hidden keys, but 0 * NaN in dS.K is not.
@@ -277,6 +285,7 @@ def _dbias_kernel(
     do_ref,
     lse_ref,
     delta_ref,
+    bound_ref,
     *refs,
     spec: MaskSpec,
     scale: float,
@@ -300,9 +309,9 @@ def _dbias_kernel(
     a fixed order. Every output entry is written (zeros for tiles nobody sees).
 
     q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
-    lse_ref, delta_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg [batches,
-    block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges; out
-    [block_q|1, S|1].
+    lse_ref, delta_ref, bound_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg
+    [batches, block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges;
+    out [block_q|1, S|1].
     """
     *refs, out_ref = refs
     ops = Operands(refs, spec, has_bias=True, has_dropout=dropout_rate > 0)
@@ -324,7 +333,7 @@ def _dbias_kernel(
         return jax.lax.div(m, jnp.int32(heads)), jax.lax.rem(m, jnp.int32(heads))
 
     def query_rows(m):
-        """q, dO, lse_u, delta and segment ids of pair m's query tile."""
+        """q, dO, the rows' (lse_u, bound, delta) and segment ids of pair m's query tile."""
         bi, ni = member(m)
         rows = dict(ragged=ragged_q, head=ni, lead=(bi,))
         q_seg = None
@@ -341,8 +350,10 @@ def _dbias_kernel(
         return (
             load_rows(q_ref, 0, block_q, q_rows, head_dim, **rows),
             load_rows(do_ref, 0, block_q, q_rows, head_dim, **rows),
-            load_vector(lse_ref, 0, block_q, q_rows, **rows),
-            load_vector(delta_ref, 0, block_q, q_rows, **rows),
+            tuple(
+                load_vector(ref, 0, block_q, q_rows, **rows)
+                for ref in (lse_ref, bound_ref, delta_ref)
+            ),
             q_seg,
         )
 
@@ -351,7 +362,7 @@ def _dbias_kernel(
 
     def d_logits(m, kv_start, bias, masked):
         bi, ni = member(m)
-        q, do, lse_u, delta, q_seg = hoisted or query_rows(m)
+        q, do, row_values, q_seg = hoisted or query_rows(m)
         kv_head = jax.lax.div(ni, jnp.int32(group)) if k_ref.shape[2] > 1 else zero
         keys = dict(ragged=masked and ragged_kv, head=kv_head, lead=(bi,))
         k = load_rows(k_ref, kv_start, block_kv, spec.kv_len, head_dim, **keys)
@@ -386,7 +397,7 @@ def _dbias_kernel(
             keep = _dropout.keep(row_mul[:, None], row_add[:, None], col[None, :], dropout_rate)
             z = _dropout.kept_scale(keep, dropout_rate)
         return tile_d_logits(
-            q, k, v, do, lse_u, delta, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
+            q, k, v, do, row_values, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
         )
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -471,9 +482,14 @@ def flash_backward(
     block_sizes: BlockSizes,
     interpret: bool,
     dropout_rate: float = 0.0,
+    log_sum=None,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
+    log_sum: None, or the forward's [B, N, T] log of each row's softmax denominator relative to
+    its largest logit (`flash_forward(..., with_log_sum=True)`): with it, keys that tie at a
+    row's largest logit get P = 1 / (number of ties) at any magnitude; without, P = 1 there
+    once |lse| passes ~1e6 (exact for one dominant logit).
     dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
@@ -492,6 +508,8 @@ def flash_backward(
     lse_u = jnp.where(
         jnp.isneginf(lse), jnp.inf, lowered_reference(lse) / logit_unit(scale, has_bias, soft_cap)
     )
+    # P's clamp, in log2 units: P <= 1 / l.
+    bound = jnp.zeros_like(lse_u) if log_sum is None else log_sum.astype(jnp.float32) * -LOG2E
 
     # -- dK, dV: grid over KV tiles, each summing over its group's query heads --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dkv, q_len, block_sizes.block_kv_dkv, kv_len)
@@ -518,8 +536,8 @@ def flash_backward(
             block, lambda j, h, b: (b if bx > 1 else 0, h if nx > 1 else 0, 0, j if sx > 1 else 0)
         )
 
-    operands = [q, k, v, d_out, lse_u, delta]
-    in_specs = [q_group, kv_tile, kv_tile, q_group, row_group, row_group]
+    operands = [q, k, v, d_out, lse_u, delta, bound]
+    in_specs = [q_group, kv_tile, kv_tile, q_group, row_group, row_group, row_group]
     if has_bias:
         operands.append(bias)
         in_specs.append(group_pair_spec(bias.shape))
@@ -556,8 +574,8 @@ def flash_backward(
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_full = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     row_tile = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
-    operands = [q, k, v, d_out, lse_u, delta]
-    in_specs = [q_spec, kv_full, kv_full, q_spec, row_tile, row_tile]
+    operands = [q, k, v, d_out, lse_u, delta, bound]
+    in_specs = [q_spec, kv_full, kv_full, q_spec, row_tile, row_tile, row_tile]
     if has_bias:
         operands.append(bias)
         in_specs.append(pair_spec(bias.shape, block_q, q_tile))
@@ -598,6 +616,7 @@ def flash_backward(
             d_out,
             lse_u,
             delta,
+            bound,
             spec=spec,
             scale=scale,
             soft_cap=soft_cap,
@@ -619,6 +638,7 @@ def _dbias(
     d_out,
     lse_u,
     delta,
+    bound,
     *,
     spec,
     scale,
@@ -655,8 +675,8 @@ def _dbias(
     row_spec = pl.BlockSpec(
         (batches, heads, block_q), lambda i, n, b: (b_idx(b), 0 if sum_n else n, q_tile(i))
     )
-    operands = [q, k, v, d_out, lse_u, delta, bias]
-    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+    operands = [q, k, v, d_out, lse_u, delta, bound, bias]
+    in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
     in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     if spec.has_segments:
         operands += [arrays.q_segment_ids, arrays.kv_segment_ids]

@@ -53,15 +53,16 @@ def _forward_kernel(
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
     q_ref: [block_q, Hp], k_ref: [S, Hp], v_ref: [S, Hvp], o_ref: [block_q, Hvp] (the head dim
-    and the value head dim, each padded: `padded_head_dim`); lse_ref: [block_q]; optional
-    operands (see Operands): bias [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like
-    bias, ranges.
+    and the value head dim, each padded: `padded_head_dim`); lse_ref, log_sum_ref: [block_q]
+    (lse and log_sum as `softmax_store` writes them); optional operands (see Operands): bias
+    [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
     With kv_splits > 1 the third grid axis is batch * kv_splits and the program covers one
-    contiguous chunk of the KV tiles; o_ref and lse_ref then hold that chunk's partial result.
+    contiguous chunk of the KV tiles; o_ref, lse_ref and log_sum_ref then hold that chunk's
+    partial result.
     With dropout_rate > 0 the dropout tables (`_dropout.tables`, whole) follow the optional
     operands, and with has_sinks the sink logits [B, N] (float32, natural log) come last.
     """
-    *refs, o_ref, lse_ref = refs
+    *refs, o_ref, lse_ref, log_sum_ref = refs
     ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0, has_sinks=has_sinks)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2) // kv_splits
@@ -124,7 +125,9 @@ def _forward_kernel(
     carry = visit_tiles(ranges, body, carry)
     out_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
     sink = None if ops.sinks is None else ops.sinks[batch, head]
-    softmax_store(carry, unit, o_ref, lse_ref, block_q, q_rows, value_head_dim, out_scale, sink)
+    softmax_store(
+        carry, unit, o_ref, lse_ref, block_q, q_rows, value_head_dim, out_scale, sink, log_sum_ref
+    )
 
 
 def tile_bias(ops: Operands, spec: MaskSpec, q_rows, kv_start, block_q: int, block_kv: int):
@@ -241,8 +244,11 @@ def flash_forward(
     num_sms: int | None = None,
     dropout_rate: float = 0.0,
     sinks=None,
+    with_log_sum: bool = False,
 ):
-    """out [B, T, N, Hv] in q's dtype and lse [B, N, T] float32 (natural log).
+    """out [B, T, N, Hv] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum: also
+    log_sum [B, N, T] float32, the log of each row's softmax denominator relative to its largest
+    logit (`softmax_store`), which the backward needs beside lse at huge logits.
 
     q: [B, T, N, H]; k: [B, S, K, H], v: [B, S, K, Hv] with N % K == 0 (the value head dim is
     the kernel's own: V tiles, accumulator and output at Hv, padded on their own); bias None
@@ -297,20 +303,20 @@ def flash_forward(
         extra.append(sinks)
         extra_specs.append(pl.BlockSpec(sinks.shape, lambda *_: (0, 0)))
     in_specs = [_per_batch(s, splits) for s in in_specs + extra_specs]
-    out, lse = pl.pallas_call(
+    row_spec = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
+    row_shape = jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32)
+    out, lse, log_sum = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch * splits),
         in_specs=in_specs,
-        out_specs=[
-            o_spec,
-            pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i))),
-        ],
+        out_specs=[o_spec, row_spec, row_spec],
         out_shape=[
             jax.ShapeDtypeStruct(
                 (batch * splits, q_len, num_heads, value_head_dim),
                 q.dtype if splits == 1 else jnp.float32,
             ),
-            jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32),
+            row_shape,
+            row_shape,
         ],
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
@@ -318,10 +324,12 @@ def flash_forward(
         interpret=interpret,
         name="pallas_flash_forward",
     )(*operands, *extra)
-    if splits == 1:
-        return out, lse
-    out, lse = _combine_splits(out, lse, splits, q.dtype)
-    return (out, lse) if sinks is None else with_sinks(out, lse, sinks)
+    if splits > 1:
+        out, lse, log_sum = _combine_splits(out, lse, log_sum, splits, q.dtype)
+        if sinks is not None:
+            log_sum = _log_sum_with_sinks(lse, log_sum, sinks)
+            out, lse = with_sinks(out, lse, sinks)
+    return (out, lse, log_sum) if with_log_sum else (out, lse)
 
 
 def choose_kv_splits(
@@ -350,10 +358,33 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
     return pl.BlockSpec(spec.block_shape, lambda i, n, z: index_map(i, n, z // splits))
 
 
-def _combine_splits(out, lse, splits: int, dtype):
-    """The result over all KV chunks from per-chunk results: weights exp(lse_s - lse)."""
+def _combine_splits(out, lse, log_sum, splits: int, dtype):
+    """The result over all KV chunks from per-chunk results: weights exp(lse_s - lse).
+
+    log_sum: the chunks' own (relative to each chunk's largest logit, lse_s - log_sum_s, which
+    is exact: lse_s rounds log_sum_s away only where the max's ulp exceeds it), combined
+    relative to the largest of them."""
     weights, l_sum, combined_lse = split_weights(lse, splits)  # [B, splits, N, T]
     out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
+    lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
+    seen = jnp.isfinite(lse)
+    row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
+    top = jnp.max(row_max, axis=1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    shares = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
+    combined_log_sum = jnp.log(jnp.maximum(jnp.sum(shares, axis=1), 1.0))
     weights = weights / l_sum[:, None]
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
-    return jnp.sum(weights * out, axis=1).astype(dtype), combined_lse
+    return jnp.sum(weights * out, axis=1).astype(dtype), combined_lse, combined_log_sum
+
+
+def _log_sum_with_sinks(lse, log_sum, sinks):
+    """log_sum of rows with lse (keys only) after adding the sink logits [B, N]: relative to the
+    larger of the keys' max (lse - log_sum) and the sink. Rows that see no key: 0."""
+    sinks = jnp.asarray(sinks, jnp.float32)[..., None]
+    seen = jnp.isfinite(lse)
+    row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
+    top = jnp.maximum(row_max, sinks)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    keys = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
+    return jnp.log(jnp.maximum(keys + jnp.exp(sinks - top), 1.0))  # exp(-inf - top) == 0

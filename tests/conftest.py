@@ -384,11 +384,6 @@ def segment_arrays(kind: str, batch: int, q_len: int, kv_len: int, seed: int = 0
 # -- float64 oracle -------------------------------------------------------------------------------
 
 
-def _expand_kv(x, num_heads):
-    """[B, S, K, H] -> [B, S, N, H]: query head n reads kv head n // (N // K)."""
-    return np.repeat(x, num_heads // x.shape[2], axis=2)
-
-
 def _visible(q_len, kv_len, is_causal):
     visible = np.ones((q_len, kv_len), bool)
     if is_causal:
@@ -396,53 +391,76 @@ def _visible(q_len, kv_len, is_causal):
     return visible
 
 
+# The oracle runs on the GPU where there is one (float64 matmuls there take milliseconds, on
+# one CPU core per test process seconds: the GPU suite's bottleneck), else in numpy.
+# PALLAS_FLASH_ORACLE=numpy or =jax chooses.
+@functools.cache
+def oracle_on_device() -> bool:
+    return os.environ.get("PALLAS_FLASH_ORACLE", "jax" if has_gpu() else "numpy") == "jax"
+
+
 def attention_oracle_f64(
     q, k, v, d_out=None, d_lse=None, *, scale, visible, bias=None, soft_cap=None
 ):
     """The float64 oracle of every test: out [B, T, N, H], lse [B, N, T] and, with cotangents
     d_out [B, T, N, H] and d_lse [B, N, T], dq, dk, dv and dlogits [B, N, T, S] (the caller sums
-    it to a bias's shape). Rows that see no key: out 0, lse -inf, zero gradient.
+    it to a bias's shape), as numpy arrays. Rows that see no key: out 0, lse -inf, zero gradient.
 
     logits = soft_cap(scale q.k + bias), softmax over the `visible` keys ([T, S] or broadcastable
     to [B, N, T, S]). Backward: dP = dO V^T, dS = P (dP - rowsum(dO O) + dlse) (1 - tanh^2 under
     the soft cap), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO, the last two summed over the
     query heads of each kv head's group.
     """
-    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    arrays = [q, k, v, d_out, d_lse, visible, bias]
+    arrays = [None if x is None else np.asarray(x) for x in arrays]
+    arrays = [x if x is None or x.dtype == bool else x.astype(np.float64) for x in arrays]
+    if not oracle_on_device():
+        with np.errstate(divide="ignore"):  # log(0) of the empty rows, replaced by -inf
+            return _oracle(np, *arrays, scale=scale, soft_cap=soft_cap)
+    with jax.enable_x64(True):
+        result = _oracle(
+            jnp,
+            *(None if x is None else jnp.asarray(x) for x in arrays),
+            scale=scale,
+            soft_cap=soft_cap,
+        )
+        return {name: np.asarray(x) for name, x in result.items()}
+
+
+def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, *, scale, soft_cap):
+    """attention_oracle_f64 in the array module xp (numpy, or jax.numpy under float64)."""
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
-    k_n, v_n = _expand_kv(k, num_heads), _expand_kv(v, num_heads)
-    logits = scale * np.einsum("btnh,bsnh->bnts", q, k_n, optimize=True)
+    k_n, v_n = (xp.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k, v))
+    logits = scale * xp.einsum("btnh,bsnh->bnts", q, k_n, optimize=True)
     if bias is not None:
         logits = logits + bias
     d_cap = 1.0
     if soft_cap is not None:
-        tanh = np.tanh(logits / soft_cap)
+        tanh = xp.tanh(logits / soft_cap)
         logits, d_cap = soft_cap * tanh, 1.0 - tanh * tanh
-    row_max = np.max(np.where(visible, logits, -np.inf), axis=-1, keepdims=True)
-    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
-    unnormalised = np.where(visible, np.exp(logits - row_max), 0.0)
+    row_max = xp.max(xp.where(visible, logits, -xp.inf), axis=-1, keepdims=True)
+    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
+    unnormalised = xp.where(visible, xp.exp(logits - row_max), 0.0)
     row_sum = unnormalised.sum(axis=-1, keepdims=True)
     empty = row_sum == 0.0
-    row_sum = np.where(empty, 1.0, row_sum)
+    row_sum = xp.where(empty, 1.0, row_sum)
     probs = unnormalised / row_sum
-    with np.errstate(divide="ignore"):
-        lse = np.where(empty, -np.inf, row_max + np.log(row_sum))[..., 0]
-    out = np.einsum("bnts,bsnh->btnh", probs, v_n, optimize=True)
+    lse = xp.where(empty, -xp.inf, row_max + xp.log(row_sum))[..., 0]
+    out = xp.einsum("bnts,bsnh->btnh", probs, v_n, optimize=True)
     result = {"out": out, "lse": lse}
     if d_out is None:
         return result
-    d_out, d_lse = np.asarray(d_out, np.float64), np.asarray(d_lse, np.float64)
-    d_probs = np.einsum("btnh,bsnh->bnts", d_out, v_n, optimize=True)
-    delta = np.einsum("btnh,btnh->bnt", d_out, out, optimize=True)
+    d_probs = xp.einsum("btnh,bsnh->bnts", d_out, v_n, optimize=True)
+    delta = xp.einsum("btnh,btnh->bnt", d_out, out, optimize=True)
     d_logits = probs * (d_probs - delta[..., None] + d_lse[..., None]) * d_cap
 
     def group_sum(x):
         b, s, n, h = x.shape
         return x.reshape(b, s, num_kv_heads, n // num_kv_heads, h).sum(axis=3)
 
-    result["dq"] = scale * np.einsum("bnts,bsnh->btnh", d_logits, k_n, optimize=True)
-    result["dk"] = group_sum(scale * np.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True))
-    result["dv"] = group_sum(np.einsum("bnts,btnh->bsnh", probs, d_out, optimize=True))
+    result["dq"] = scale * xp.einsum("bnts,bsnh->btnh", d_logits, k_n, optimize=True)
+    result["dk"] = group_sum(scale * xp.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True))
+    result["dv"] = group_sum(xp.einsum("bnts,btnh->bsnh", probs, d_out, optimize=True))
     result["dlogits"] = d_logits
     return result
 

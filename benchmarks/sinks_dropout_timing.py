@@ -5,7 +5,7 @@
 B=4, T=S=4096, N=16, bf16, H in (64, 128), causal and not, fwd and fwd+bwd. Cases: "plain"
 (backend=None: the Mosaic kernels on Hopper), "sinks" (the same with sinks [N], whose gradient
 is taken too in fwd+bwd), "triton", "triton_sinks", "dropout" (rate 0.1, backend=None: the
-Mosaic forward and the Triton backward) and "triton_dropout". Prints one JSON row per point and,
+Mosaic kernels on Hopper) and "triton_dropout". Prints one JSON row per point and,
 at the end, the ratios the goals name: sinks / plain and triton_sinks / triton (goal <= 1.03),
 dropout / plain and triton_dropout / triton (goal <= 1.15).
 """

@@ -42,8 +42,7 @@ class KernelConfig:
     spec: MaskSpec
     scale: float
     soft_cap: float | None = None
-    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds); the Triton kernels and the Mosaic
-    # forward.
+    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds), in every kernel.
     dropout_rate: float = 0.0
     block_sizes: BlockSizes
     interpret: bool
@@ -65,11 +64,6 @@ class KernelConfig:
                 raise ValueError(
                     f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
                 )
-        if self.backward == "mosaic" and self.dropout_rate:
-            raise NotImplementedError(
-                f"the Mosaic GPU backward does not support dropout_rate={self.dropout_rate}: "
-                "the Triton backward runs dropout"
-            )
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -132,7 +126,7 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             tiles=config.mosaic_forward_tiles,
             device=config.device,
             sinks=sinks,
-            dropout=((config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None),
+            dropout=_dropout_of(arrays, config),
         )
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(
@@ -149,6 +143,11 @@ def _common_head_dim(*xs):
         x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
         for x in xs
     )
+
+
+def _dropout_of(arrays: MaskArrays, config: KernelConfig):
+    """The Mosaic kernels' dropout argument: (rate, seeds [B, N]), or None."""
+    return (config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None
 
 
 def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
@@ -242,6 +241,7 @@ def _backward_one_head_dim(
             segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_backward_tiles,
             device=config.device,
+            dropout=_dropout_of(arrays, config),
         )
         return dq, dk, dv, None
     return flash_backward(

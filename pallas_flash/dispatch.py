@@ -10,10 +10,10 @@ With backend=None on a GPU of compute capability >= 8.0:
 - Forward: the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
   Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
   whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
-- Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs, unless
-  `block_sizes` configure the Triton backward, H=64 below 2048 keys (Triton measured faster
-  there), H above 128 (not yet run compiled; `backend="mosaic"` runs it) or the call has
-  dropout; else Triton.
+- Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs (dropout
+  too), unless `block_sizes` configure the Triton backward, H=64 below 2048 keys (Triton
+  measured faster there) or H above 128 (not yet run compiled; `backend="mosaic"` runs it);
+  else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults.
@@ -218,7 +218,7 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
     """The backward kernel of a Pallas call: "mosaic" or "triton". The Mosaic backward goes
     with the Mosaic forward (it is Hopper code) for the calls it runs, unless the user's
     block_sizes configure the Triton backward."""
-    if forward != "mosaic" or user_block_sizes is not None or call.dropout_rate:
+    if forward != "mosaic" or user_block_sizes is not None:
         return "triton"
     if mosaic.why_not_backward(call, device, tiles):
         return "triton"

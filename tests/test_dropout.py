@@ -1,19 +1,41 @@
 """Attention dropout: the kernels against a float64 oracle that applies the same keep-mask, the
-mask's statistics and tiling independence, argument checks, and the Mosaic refusal."""
+mask's statistics and tiling independence, argument checks, and the Mosaic GPU kernels with
+dropout (forward and backward, in the Mosaic GPU interpreter, lowered for an H200, on the GPU)."""
 
 from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, SWEEP, assert_bitwise_equal, backend_paths
+from conftest import (
+    BACKEND_PATHS,
+    OUTPUT_NAMES,
+    SWEEP,
+    Problem,
+    assert_bitwise_equal,
+    assert_within_tolerance,
+    backend_paths,
+    outputs_and_grads,
+    random_inputs,
+    to64,
+)
+from mosaic_interpret import interpret_mosaic
+from test_lowering import lower_for_h200
+from test_mosaic_backward import MaskCase, hidden_key_poison, mask_options
+from test_mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 
-from pallas_flash import BlockSizes, _dropout, dispatch, flash_attention
-from pallas_flash._vjp import KernelConfig
+from pallas_flash import BlockSizes, _dropout, dispatch, flash_attention, masks
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
+from pallas_flash.mosaic import BackwardTiles, flash_backward, flash_forward
+from pallas_flash.mosaic import backward as mosaic_backward_module
+from pallas_flash.reference import reference_attention
 
 RATE = 0.3
 SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
@@ -23,26 +45,38 @@ def _expand(x, num_heads):
     return np.repeat(x, num_heads // x.shape[2], axis=2)
 
 
-def dropout_oracle_f64(q, k, v, d_out, d_lse, *, scale, visible, keep, rate, bias=None):
+def dropout_oracle_f64(
+    q, k, v, d_out, d_lse, *, scale, visible, keep, rate, bias=None, soft_cap=None
+):
     """float64 out, lse, dq, dk, dv, dbias of softmax attention whose P.V uses P * Z, Z = keep /
-    (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's."""
+    (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's. logits = soft_cap(scale q.k +
+    bias), visible broadcastable to [B, N, T, S]. Rows that see no key: out 0, lse -inf,
+    gradients 0."""
     q, k, v, d_out, d_lse = (np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse))
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
     k_n, v_n = _expand(k, num_heads), _expand(v, num_heads)
     logits = scale * np.einsum("btnh,bsnh->bnts", q, k_n)
     if bias is not None:
         logits = logits + np.asarray(bias, np.float64)
+    d_cap = 1.0
+    if soft_cap is not None:
+        tanh = np.tanh(logits / soft_cap)
+        logits, d_cap = soft_cap * tanh, 1.0 - tanh * tanh
     logits = np.where(visible, logits, -np.inf)
     row_max = logits.max(-1, keepdims=True)
+    row_max = np.where(np.isfinite(row_max), row_max, 0.0)
     p = np.where(visible, np.exp(logits - row_max), 0.0)
     row_sum = p.sum(-1, keepdims=True)
+    empty = row_sum == 0.0
+    row_sum = np.where(empty, 1.0, row_sum)
     p = p / row_sum
-    lse = (row_max + np.log(row_sum))[..., 0]
+    with np.errstate(divide="ignore"):
+        lse = np.where(empty, -np.inf, row_max + np.log(row_sum))[..., 0]
     z = np.where(keep, 1.0 / (1.0 - rate), 0.0)
     out = np.einsum("bnts,bsnh->btnh", p * z, v_n)
     dp = z * np.einsum("btnh,bsnh->bnts", d_out, v_n)
     delta = np.einsum("btnh,btnh->bnt", d_out, out) - d_lse
-    ds = p * (dp - delta[..., None])
+    ds = p * (dp - delta[..., None]) * d_cap
 
     def group_sum(x):
         b, s, n, h = x.shape
@@ -344,35 +378,32 @@ def test_mosaic_forward_applies_the_shared_mask(path, segments):
     np.testing.assert_allclose(lse[0], np.broadcast_to(np.log(seen), (heads, q_len)), rtol=1e-6)
 
 
-def test_mosaic_runs_the_forward_and_triton_the_backward():
-    """With dropout the Mosaic forward runs on Hopper (asked for or by default), the backward
-    is Triton's (the Mosaic backward refuses dropout)."""
-    with pytest.raises(NotImplementedError, match="dropout_rate"):
-        KernelConfig(
-            spec=MaskSpec(q_len=256, kv_len=256),
-            scale=0.125,
-            dropout_rate=0.1,
-            block_sizes=BlockSizes(),
-            interpret=False,
-            forward="mosaic",
-            backward="mosaic",
-        )
-    call = Call(
-        q_shape=(4, 4096, 16, 64),
-        k_shape=(4, 4096, 16, 64),
-        dtype=jnp.bfloat16,
-        spec=MaskSpec(q_len=4096, kv_len=4096, is_causal=True),
-        dropout_rate=0.1,
-    )
+@pytest.mark.parametrize(
+    "q_shape, spec_options",
+    [
+        ((4, 4096, 16, 64), dict(is_causal=True)),
+        ((2, 1024, 8, 128), dict(window=(100, 0), has_segments=True)),
+        ((1, 3000, 8, 128), dict(is_causal=True)),
+        ((4, 1024, 16, 64), {}),
+        ((2, 1024, 8, 256), dict(is_causal=True)),
+        ((2, 1024, 8, 192), {}),
+    ],
+    ids=str,
+)
+def test_mosaic_kernels_run_dropout_where_they_run_the_plain_call(q_shape, spec_options):
+    """On Hopper a dropout call takes the kernels that the same call without dropout takes,
+    by default and with backend="mosaic" (the Mosaic backward at H 64 from 2048 keys, H 128,
+    ragged lengths, masks; the Triton backward at H=64 below 2048 keys and at H 192 and 256
+    unless asked for)."""
+    spec = MaskSpec(q_len=q_shape[1], kv_len=q_shape[1], **spec_options)
+    plain = Call(q_shape=q_shape, k_shape=q_shape, dtype=jnp.bfloat16, spec=spec)
+    dropped = dataclasses.replace(plain, dropout_rate=0.1)
     for backend in (None, "mosaic"):
-        config = dispatch.choose(call, Device.h200(), scale=0.125, backend=backend)
-        assert (config.forward, config.backward, config.dropout_rate) == ("mosaic", "triton", 0.1)
-    plain = dispatch.choose(
-        Call(q_shape=call.q_shape, k_shape=call.k_shape, dtype=call.dtype, spec=call.spec),
-        Device.h200(),
-        scale=0.125,
-    )
-    assert (plain.forward, plain.backward) == ("mosaic", "mosaic")
+        want = dispatch.choose(plain, Device.h200(), scale=0.125, backend=backend)
+        got = dispatch.choose(dropped, Device.h200(), scale=0.125, backend=backend)
+        assert got == dataclasses.replace(want, dropout_rate=0.1)
+        assert got.forward == "mosaic"
+        assert got.backward == ("mosaic" if backend else want.backward)
 
 
 def test_decode_refuses_dropout():
@@ -396,8 +427,9 @@ def test_compiled_mask_is_the_interpreters():
 
 @pytest.mark.gpu
 def test_default_path_runs_dropout_on_a_mosaic_shaped_call():
-    """bf16, H=64, whole tiles: on Hopper the default path runs the Mosaic forward and the
-    Triton backward with dropout, and matches the reference's mask."""
+    """bf16, H=64, 256 keys: on Hopper the default path runs the Mosaic forward and (at H=64
+    below 2048 keys, as without dropout) the Triton backward with dropout, and matches the
+    reference's mask."""
     keys = jax.random.split(jax.random.key(1), 4)
     shape = (2, 256, 4, 64)
     q, k, v, d_out = (jax.random.normal(x, shape, jnp.bfloat16) for x in keys)
@@ -466,3 +498,382 @@ def test_mosaic_forward_with_dropout_lowers_for_h200(is_causal, persistent):
         )  # fmt: skip
 
     assert "mosaic_gpu" in lower_for_h200(forward, q, kv, kv, ids, ids, seeds).as_text()
+
+
+# -- the Mosaic GPU backward with dropout ----------------------------------------------------------
+
+
+def dropout_in_dtype(q, k, v, *, scale, visible, keep, rate, soft_cap=None):
+    """Dropout attention with every step in the input dtype over a visibility broadcastable to
+    [B, N, T, S] (the tolerance baseline): (out, lse as float32). Rows that see no key: out 0,
+    lse -inf, gradients 0."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalised = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    empty = row_sum == 0.0
+    row_sum = jnp.where(empty, 1.0, row_sum)
+    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum))[..., 0]
+    z = jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(q.dtype)
+    out = jnp.einsum("bnts,bsnh->btnh", unnormalised / row_sum * z, v)
+    return out, lse.astype(jnp.float32)
+
+
+def dropout_oracle_and_baselines(c: MaskCase, seeds, inputs, f64):
+    """(float64 oracle, in-dtype baseline) of (out, lse, dq, dk, dv) for case c with the
+    keep-mask of `seeds` at RATE; inputs, f64: `random_inputs` of c.p (the clean K and V)."""
+    p, spec = c.p, c.spec
+    keep = np.asarray(_dropout.dense_keep(seeds, p.q_len, p.kv_len, RATE))
+    visible = np.asarray(masks.dense(spec, c.arrays()))  # [B|1, 1, T, S]
+    oracle = dropout_oracle_f64(
+        *f64, scale=c.logit_scale, visible=visible, keep=keep, rate=RATE, soft_cap=c.soft_cap
+    )[:5]
+    plain = functools.partial(
+        dropout_in_dtype,
+        scale=c.logit_scale,
+        visible=visible,
+        keep=keep,
+        rate=RATE,
+        soft_cap=c.soft_cap,
+    )
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(*inputs)
+    return oracle, baselines
+
+
+def check_mosaic_dropout_backward(c: MaskCase, *, interpreted: bool, mosaic_forward: bool):
+    """The Mosaic backward with dropout (RATE) of case c against the float64 oracle with the
+    same keep-mask, within twice the error of dropout attention in the input dtype. Residuals
+    from the Mosaic forward with the same dropout (checked too) or, to keep the interpreter's
+    time to the backward, from the "xla" reference's. With c.poison the kernels get K and V
+    with NaN and inf at the keys that no row sees. Rows that see no key have dq exactly 0,
+    keys that no row sees dk and dv exactly 0."""
+    p, scale, spec, arrays = c.p, c.logit_scale, c.spec, c.arrays()
+    inputs, f64 = random_inputs(p)
+    q, k_clean, v_clean, d_out, d_lse = inputs
+    k, v = hidden_key_poison(c) if c.poison else (k_clean, v_clean)
+    seeds = _dropout.head_seeds(jax.random.key(p.q_len), p.batch, p.num_heads)
+    options = dict(mask_options(c, arrays), dropout=(RATE, seeds))
+    forward = functools.partial(flash_forward, scale=scale, is_causal=p.is_causal, **options)
+    backward = functools.partial(
+        flash_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
+    )
+
+    def reference(q, k, v):
+        return reference_attention(
+            q,
+            k,
+            v,
+            None,
+            arrays._replace(dropout_seeds=seeds),
+            spec=spec,
+            scale=scale,
+            soft_cap=c.soft_cap,
+            dropout_rate=RATE,
+        )
+
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        if mosaic_forward:
+            out, lse = jax.jit(forward)(q, k, v)
+            out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
+        else:
+            out, lse = jax.jit(reference)(q, k_clean, v_clean)
+        grads = jax.jit(backward)(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
+    oracle, baselines = dropout_oracle_and_baselines(c, seeds, inputs, f64)
+    for name, x in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert np.isfinite(x).all(), f"{name}: {np.sum(~np.isfinite(x))} non-finite values"
+    visible = np.asarray(masks.dense(spec, arrays))
+    dq, dk, dv = grads
+    empty_rows = np.broadcast_to(~visible.any(axis=-1)[:, 0], (p.batch, p.q_len))
+    hidden_keys = np.broadcast_to(~visible.any(axis=-2)[:, 0], (p.batch, p.kv_len))
+    assert (dq[empty_rows] == 0).all(), "rows that see no key must have dq exactly 0"
+    assert (dk[hidden_keys] == 0).all() and (dv[hidden_keys] == 0).all(), "hidden keys"
+    names, results = ("dq", "dk", "dv"), grads
+    if mosaic_forward:
+        names = OUTPUT_NAMES
+        results = [np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads]
+    picked = [OUTPUT_NAMES.index(name) for name in names]
+    assert_within_tolerance(
+        results,
+        [baselines[i] for i in picked],
+        [oracle[i] for i in picked],
+        floor=p.floor,
+        names=names,
+    )
+
+
+# In CI: ragged T and S with a window, a soft cap and packed documents (the split consumers run
+# in CI through the public call at H=256). The rest with PALLAS_FLASH_SWEEP: causal and not,
+# MQA and GQA, f16, one consumer, 3 stages, 128-row streamed tiles, the split at H 64, 192 and
+# 256, every segment kind, NaN at hidden keys, the Mosaic forward's residuals.
+MOSAIC_DROPOUT_CASES = [
+    MaskCase(
+        Problem(1, 100, 130, 2, 1, 64, False, "bf16"),
+        window=(30, 60),
+        soft_cap=10.0,
+        kind="packed",
+        scale=1.0,
+    ),
+    *(
+        pytest.param(c, marks=SWEEP_ONLY)
+        for c in (
+            MaskCase(
+                Problem(2, 128, 192, 1, 1, 256, False, "bf16"),
+                window=(30, 60),
+                soft_cap=10.0,
+                kind="packed-lengths",
+                scale=1.0,
+                poison=True,
+            ),
+            MaskCase(Problem(1, 100, 130, 4, 2, 64, True, "bf16")),
+            MaskCase(
+                Problem(1, 130, 100, 4, 1, 128, False, "f16"), tiles=BackwardTiles(num_stages=3)
+            ),
+            MaskCase(
+                Problem(1, 256, 384, 2, 1, 64, True, "bf16"),
+                window=(100, 0),
+                soft_cap=10.0,
+                scale=1.0,
+            ),
+            MaskCase(
+                Problem(2, 192, 256, 2, 1, 64, False, "bf16"),
+                window=(30, 60),
+                kind="packed-lengths",
+                tiles=BackwardTiles(num_consumers=1),
+                poison=True,
+            ),
+            MaskCase(Problem(1, 200, 136, 2, 1, 192, True, "bf16"), kind="lengths"),
+            MaskCase(
+                Problem(1, 384, 256, 2, 1, 64, True, "bf16"),
+                window=(90, 0),
+                kind="unsorted",
+                tiles=BackwardTiles(split_dkv=True, block_q_dkv=128, num_stages=3),
+            ),
+            MaskCase(
+                Problem(1, 256, 256, 2, 1, 64, False, "bf16"),
+                kind="gap",
+                tiles=BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+            ),
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize("c", MOSAIC_DROPOUT_CASES, ids=str)
+def test_mosaic_backward_matches_float64_oracle_interpreted(c):
+    """The Mosaic backward with dropout in the Mosaic GPU interpreter (race detector on): the
+    keep-mask regenerated from the tables streamed with Q and K, with masks and the split
+    consumers, against the float64 oracle of the same mask (with the Mosaic forward's residuals
+    where K and V are clean and PALLAS_FLASH_SWEEP runs the case)."""
+    check_mosaic_dropout_backward(c, interpreted=True, mosaic_forward=SWEEP and not c.poison)
+
+
+def run_public_dropout_call(path, p: Problem, rng):
+    """(out, lse, dq, dk, dv) of the public call with dropout (RATE, rng) on `path`, as numpy
+    float32; inputs of `random_inputs(p)`."""
+    inputs, _ = random_inputs(p)
+    attention = functools.partial(
+        flash_attention,
+        is_causal=p.is_causal,
+        return_residuals=True,
+        dropout_rate=RATE,
+        dropout_rng=rng,
+        **path.call_kwargs(),
+    )
+    with path.scope():
+        results = jax.jit(functools.partial(outputs_and_grads, attention))(*inputs)
+        return [np.asarray(x.astype(jnp.float32)) for x in results]
+
+
+def test_public_call_runs_the_mosaic_backward_with_dropout_interpreted(monkeypatch):
+    """backend="mosaic" in the Mosaic GPU interpreter: the custom_vjp hands the call's rate and
+    seeds to the Mosaic backward (a spy records them), whose gradients, with the Mosaic
+    forward's out and lse, match the float64 oracle of the call's keep-mask (ragged T > S,
+    causal GQA; H=256: the dK/dV consumers split by accumulator, the keep-mask handed to the
+    dK consumer in the sign of P^T * dcap, one dQ consumer)."""
+    p, rng = Problem(1, 100, 70, 2, 1, 256, True, "bf16"), jax.random.key(7)
+    seen = []
+    original = mosaic_backward_module.flash_backward
+
+    def spy(*args, **kwargs):
+        rate, seeds = kwargs["dropout"]
+        seen.append((rate, seeds.shape))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mosaic_backward_module, "flash_backward", spy)
+    results = run_public_dropout_call(BACKEND_PATHS["mosaic-interpret"], p, rng)
+    assert seen == [(RATE, (p.batch, p.num_heads))]
+    seeds = _dropout.head_seeds(rng, p.batch, p.num_heads)
+    inputs, f64 = random_inputs(p)
+    oracle, baselines = dropout_oracle_and_baselines(MaskCase(p), seeds, inputs, f64)
+    assert_within_tolerance(results, baselines, oracle, floor=p.floor)
+
+
+@SWEEP_ONLY
+def test_mosaic_and_triton_backwards_agree_interpreted():
+    """The same public call with dropout on the Mosaic kernels (Mosaic GPU interpreter) and on
+    the Triton kernels (Pallas interpreter): outputs and gradients within the tolerance rule of
+    each other (MQA, ragged T and S, not causal)."""
+    p, rng = Problem(1, 100, 130, 4, 1, 64, False, "bf16"), jax.random.key(8)
+    mosaic = run_public_dropout_call(BACKEND_PATHS["mosaic-interpret"], p, rng)
+    triton = run_public_dropout_call(BACKEND_PATHS["triton-interpret"], p, rng)
+    inputs, f64 = random_inputs(p)
+    seeds = _dropout.head_seeds(rng, p.batch, p.num_heads)
+    oracle, baselines = dropout_oracle_and_baselines(MaskCase(p), seeds, inputs, f64)
+    assert_within_tolerance(triton, baselines, oracle, floor=p.floor)
+    assert_within_tolerance(mosaic, baselines, [to64(x) for x in triton], floor=p.floor)
+
+
+@pytest.mark.parametrize(
+    "head_dim, tiles",
+    [
+        pytest.param(128, None, marks=SWEEP_ONLY),
+        pytest.param(256, None, marks=SWEEP_ONLY),
+        pytest.param(64, BackwardTiles(split_dkv=True, block_q_dkv=128), marks=SWEEP_ONLY),
+        pytest.param(192, BackwardTiles(split_dkv=True, num_consumers=1), marks=SWEEP_ONLY),
+    ],
+    ids=str,
+)
+def test_mosaic_backward_with_dropout_lowers_for_h200(head_dim, tiles):
+    """Mosaic GPU's layout inference takes the hash on the transposed dK/dV tiles (query
+    hashes along columns, key hashes along rows) and on the dQ tiles, the signed P^T, with
+    segment ids, a window and a soft cap, and the shared-memory budget holds the hash rings
+    (the interpreter checks neither)."""
+    p = Problem(2, 256, 384, 4, 2, head_dim, True, "bf16")
+    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, head_dim), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((p.batch, p.num_heads, p.q_len), jnp.float32)
+    seeds = jax.ShapeDtypeStruct((p.batch, p.num_heads), jnp.int32)
+
+    def backward(q, k, v, out, lse, d_out, d_lse, seeds, q_ids, kv_ids):
+        return flash_backward(
+            q, k, v, out, lse, d_out, d_lse, scale=0.1, is_causal=True, window=(64, 0),
+            soft_cap=20.0, segment_ids=(q_ids, kv_ids), tiles=tiles, dropout=(RATE, seeds),
+        )  # fmt: skip
+
+    lowered = lower_for_h200(backward, q, kv, kv, q, lse, q, lse, seeds, *abstract_ids(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
+
+
+def test_mosaic_backward_checks_the_dropout_argument():
+    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 128), jnp.float32)
+    args = (q, q, q, q, lse, q, None)
+    for dropout, match in (
+        ((RATE, jnp.zeros((1, 3), jnp.int32)), r"dropout seeds \(1, 3\) int32 .* \(1, 2\)"),
+        ((RATE, jnp.zeros((1, 2), jnp.uint32)), "must be int32"),
+        ((1.0, jnp.zeros((1, 2), jnp.int32)), r"rate=1.0 must lie in \(0, 1\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            flash_backward(*args, scale=0.1, is_causal=False, dropout=dropout)
+
+
+# -- on a Hopper GPU --
+
+# B=2, GQA and MQA, H 64, 128, 192 and 256, ragged and whole lengths, causal and not, windows,
+# soft caps, segment ids, NaN at hidden keys, other tiles.
+MOSAIC_DROPOUT_GPU_CASES = [
+    MaskCase(Problem(2, 1024, 1024, 4, 2, 128, True, "bf16")),
+    MaskCase(Problem(2, 1000, 777, 4, 1, 128, False, "f16")),
+    MaskCase(Problem(2, 2048, 2048, 4, 2, 64, True, "bf16")),
+    MaskCase(Problem(2, 512, 1024, 4, 2, 64, False, "bf16"), window=(200, 300)),
+    MaskCase(Problem(2, 1024, 1024, 4, 2, 256, True, "bf16")),
+    MaskCase(Problem(2, 777, 1000, 4, 2, 192, False, "bf16"), soft_cap=10.0, scale=1.0),
+    MaskCase(
+        Problem(2, 1024, 512, 4, 2, 256, True, "bf16"),
+        window=(128, 0),
+        soft_cap=20.0,
+        kind="packed-lengths",
+        scale=1.0,
+    ),
+    MaskCase(
+        Problem(2, 1024, 1024, 4, 2, 128, True, "bf16"),
+        window=(300, 0),
+        kind="packed",
+        tiles=BackwardTiles(num_stages=3),
+    ),
+    MaskCase(
+        Problem(2, 1024, 1024, 4, 2, 64, True, "bf16"),
+        kind="unsorted",
+        tiles=BackwardTiles(block_q_dkv=128, block_kv_dq=128),
+    ),
+    MaskCase(
+        Problem(2, 1024, 1024, 4, 2, 128, False, "bf16"),
+        kind="gap",
+        tiles=BackwardTiles(split_dkv=True, block_q_dkv=128),
+    ),
+    MaskCase(
+        Problem(2, 384, 512, 4, 2, 128, False, "bf16"),
+        window=(30, 90),
+        kind="packed-lengths",
+        tiles=BackwardTiles(num_consumers=1),
+        poison=True,
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", MOSAIC_DROPOUT_GPU_CASES, ids=str)
+def test_mosaic_backward_matches_float64_oracle(c):
+    needs_hopper()
+    check_mosaic_dropout_backward(c, interpreted=False, mosaic_forward=not c.poison)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p, backend",
+    [
+        (Problem(1, 2048, 2048, 8, 2, 128, True, "bf16"), None),
+        (Problem(1, 3000, 3000, 8, 2, 128, True, "bf16"), None),
+        (Problem(2, 2048, 2048, 16, 4, 64, False, "bf16"), None),
+        (Problem(1, 1024, 1024, 8, 2, 256, True, "bf16"), "mosaic"),
+        (Problem(1, 1024, 1024, 8, 2, 192, False, "bf16"), "mosaic"),
+    ],
+    ids=str,
+)
+def test_mosaic_dropout_call_matches_oracle_and_the_triton_backward(p, backend):
+    """The public call with dropout on the H200 (by default at H 64 and 128, asked for at H
+    192 and 256): three Mosaic GPU calls (forward, dK/dV, dQ); out, lse and gradients within
+    the tolerance rule of the float64 oracle and of backend="triton" on the same call."""
+    needs_hopper()
+    rng = jax.random.key(3)
+    attention = functools.partial(
+        flash_attention, is_causal=p.is_causal, return_residuals=True, dropout_rate=RATE,
+        dropout_rng=rng,
+    )  # fmt: skip
+    inputs, f64 = random_inputs(p)
+
+    def run_on(backend):
+        return jax.jit(
+            functools.partial(outputs_and_grads, functools.partial(attention, backend=backend))
+        )
+
+    targets = custom_call_targets(run_on(backend).lower(*inputs).as_text())
+    assert targets == ["mosaic_gpu_v2"] * 3, targets
+    mosaic = [np.asarray(x.astype(jnp.float32)) for x in run_on(backend)(*inputs)]
+    triton = [to64(x) for x in run_on("triton")(*inputs)]
+    seeds = _dropout.head_seeds(rng, p.batch, p.num_heads)
+    oracle, baselines = dropout_oracle_and_baselines(MaskCase(p), seeds, inputs, f64)
+    assert_within_tolerance(mosaic, baselines, oracle, floor=p.floor)
+    assert_within_tolerance(mosaic, baselines, triton, floor=p.floor)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", [0, 6, 9])
+def test_mosaic_backward_with_dropout_is_deterministic(index):
+    needs_hopper()
+    c = MOSAIC_DROPOUT_GPU_CASES[index]
+    (q, k, v, d_out, d_lse), _ = random_inputs(c.p)
+    seeds = _dropout.head_seeds(jax.random.key(1), c.p.batch, c.p.num_heads)
+    options = dict(mask_options(c, c.arrays()), dropout=(RATE, seeds))
+    kwargs = dict(scale=c.logit_scale, is_causal=c.p.is_causal, **options)
+    out, lse = flash_forward(q, k, v, **kwargs)
+    backward = jax.jit(functools.partial(flash_backward, tiles=c.tiles, **kwargs))
+    args = (q, k, v, out, lse, d_out, d_lse)
+    assert_bitwise_equal(backward(*args), backward(*args))

@@ -72,6 +72,7 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
         window=call.spec.window,
         soft_cap=call.soft_cap,
         segments=call.spec.has_segments,
+        dropout=call.dropout_rate > 0,
         tiles=tiles,
         cuda_runtime_version=device.cuda_runtime_version,
     )

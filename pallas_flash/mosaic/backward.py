@@ -43,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flash import masks
+from pallas_flash import _dropout, masks
 from pallas_flash._numerics import LOG2E, lowered_reference
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -163,12 +163,19 @@ class BackwardTiles:
         }
 
     def smem_bytes_dkv(
-        self, head_dim: int, itemsize: int, *, segments: bool = False, head_splits: int = 1
+        self,
+        head_dim: int,
+        itemsize: int,
+        *,
+        segments: bool = False,
+        head_splits: int = 1,
+        dropout: bool = False,
     ) -> int:
         """K, V per consumer (split_dkv: one block of each, and the f32 P^T the consumers hand
         over), the Q and dO ring, the lse and delta rows of the ring; with segment ids, each
         consumer's copy of its key ids and a ring of query ids (int32); with head_splits > 1,
-        each consumer's f32 tile that stages its partial dK and dV."""
+        each consumer's f32 tile that stages its partial dK and dV; with dropout, a ring of the
+        query rows' two hashes and the CTA's key hashes (int32)."""
         kv = 2 * self.cta_kv_rows * head_dim * itemsize
         if self.split_dkv:
             kv += self.block_kv_dkv * self.block_q_dkv * 4
@@ -177,15 +184,20 @@ class BackwardTiles:
         ring = 2 * self.num_stages * self.block_q_dkv * (head_dim * itemsize + 4)
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
-        return kv + ring + ids
+        hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
+        return kv + ring + ids + (hashes if dropout else 0)
 
-    def smem_bytes_dq(self, head_dim: int, itemsize: int, *, segments: bool = False) -> int:
+    def smem_bytes_dq(
+        self, head_dim: int, itemsize: int, *, segments: bool = False, dropout: bool = False
+    ) -> int:
         """Q, dO and the lse and delta rows per consumer, the K and V ring; with segment ids,
-        the consumers' query ids and a ring of key ids (int32)."""
+        the consumers' query ids and a ring of key ids (int32); with dropout, the consumers'
+        rows' two hashes and a ring of key hashes (int32)."""
         q = 2 * self.cta_q_rows * (head_dim * itemsize + 4)
         ring = 2 * self.num_stages * self.block_kv_dq * head_dim * itemsize
         ids = (self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4 if segments else 0
-        return q + ring + ids
+        hashes = (2 * self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4
+        return q + ring + ids + (hashes if dropout else 0)
 
 
 def default_tiles(head_dim: int) -> BackwardTiles:
@@ -215,7 +227,14 @@ def default_tiles(head_dim: int) -> BackwardTiles:
 
 
 def head_splits(
-    tiles: BackwardTiles, q_shape, k_shape, itemsize: int, *, num_sms: int, segments: bool = False
+    tiles: BackwardTiles,
+    q_shape,
+    k_shape,
+    itemsize: int,
+    *,
+    num_sms: int,
+    segments: bool = False,
+    dropout: bool = False,
 ) -> int:
     """CTAs per KV head's group of query heads in the dK/dV kernel: tiles.dkv_head_splits, or
     with 0 (auto) 1 where the grid has a CTA per SM or more or the partials' f32 staging does
@@ -235,7 +254,7 @@ def head_splits(
     group = num_heads // num_kv_heads
     ctas = batch * num_kv_heads * cdiv(kv_len, tiles.cta_kv_rows)
     smem = tiles.smem_bytes_dkv(
-        kernel_head_dim(head_dim), itemsize, segments=segments, head_splits=2
+        kernel_head_dim(head_dim), itemsize, segments=segments, head_splits=2, dropout=dropout
     )
     if ctas >= num_sms or smem > SMEM_BYTES:
         return 1
@@ -261,13 +280,15 @@ def why_not(
     window: tuple[int, int] | None = None,
     soft_cap: float | None = None,
     segments: bool = False,
+    dropout: bool = False,
     tiles: BackwardTiles | None = None,
     cuda_runtime_version: int | None = None,
 ) -> str | None:
     """Why the Mosaic GPU backward cannot run on these shapes and options, or None when it can
     (the caller keeps the Triton backward). Any T and S; `window` and `soft_cap` as in
     `flash_backward`, `segments`: the call has segment ids (or sequence lengths), whose id
-    buffers take shared memory; `cuda_runtime_version`: the target's, None when not known."""
+    buffers take shared memory, `dropout`: the call has dropout, whose hash buffers do too;
+    `cuda_runtime_version`: the target's, None when not known."""
     if reason := forward_tiles.check_options(
         is_causal=is_causal,
         window=window,
@@ -302,11 +323,11 @@ def why_not(
         )
     itemsize = jnp.dtype(dtype).itemsize
     dkv_smem = tiles.smem_bytes_dkv(
-        head_dim, itemsize, segments=segments, head_splits=max(1, splits)
+        head_dim, itemsize, segments=segments, head_splits=max(1, splits), dropout=dropout
     )
     for kernel, smem in (
         ("dK/dV", dkv_smem),
-        ("dQ", tiles.smem_bytes_dq(head_dim, itemsize, segments=segments)),
+        ("dQ", tiles.smem_bytes_dq(head_dim, itemsize, segments=segments, dropout=dropout)),
     ):
         if smem > SMEM_BYTES:
             return f"{tiles} needs {smem} bytes of shared memory in {kernel} at {head_dim=}"
@@ -329,6 +350,7 @@ def flash_backward(
     segment_ids: tuple[jax.Array, jax.Array] | None = None,
     tiles: BackwardTiles | None = None,
     device: Device | None = None,
+    dropout: tuple[float, jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU.
 
@@ -352,6 +374,10 @@ def flash_backward(
       tiles: BackwardTiles; None picks `default_tiles(H)`.
       device: the GPU it is compiled for (its CUDA runtime is checked, its SM count sizes
         automatic head splits); None: the visible GPU's record (`Device.current()`).
+      dropout: None, or (rate, seeds int32 [B, N]) as the forward took them: its keep-mask
+        (`pallas_flash._dropout`) is regenerated here. With Z = keep / (1 - rate) the forward
+        computed O = (P * Z) V, so dV = (P * Z)^T dO and dS = P * (Z * dP - delta); out and
+        lse are the forward's (lse of the un-dropped softmax).
 
     Returns:
       dq [B, T, N, H] and dk, dv [B, S, K, H] in q's dtype; dk and dv are summed over the query
@@ -371,10 +397,21 @@ def flash_backward(
         window=window,
         soft_cap=soft_cap,
         segments=segment_ids is not None,
+        dropout=dropout is not None,
         tiles=tiles,
         cuda_runtime_version=None if device is None else device.cuda_runtime_version,
     ):
         raise ValueError(reason)
+    if dropout is not None:
+        rate, seeds = dropout
+        batch_heads = (q.shape[0], q.shape[2])
+        if tuple(seeds.shape) != batch_heads or seeds.dtype != jnp.int32:
+            raise ValueError(
+                f"dropout seeds {tuple(seeds.shape)} {seeds.dtype} must be int32 of shape "
+                f"{batch_heads}"
+            )
+        if not 0.0 < rate < 1.0:
+            raise ValueError(f"dropout rate={rate!r} must lie in (0, 1)")
     for name, x in (("v", v), ("out", out), ("d_out", d_out)):
         like = k if name == "v" else q
         if x.shape != like.shape or x.dtype != q.dtype:
@@ -443,6 +480,23 @@ def flash_backward(
             over="q",
         )
         dkv_ids, dq_ids = (q_ids, kv_ids, dkv_plan), (q_ids, kv_ids, dq_plan)
+    dkv_drop = dq_drop = None
+    if dropout is not None:
+        rate, seeds = dropout
+        row_mul, row_add, col = _dropout.tables(seeds, q_len, kv_len)
+        # The query rows' hashes [B, N, 2, T''] (one TMA copy per streamed tile or consumer's
+        # rows), padded as lse; the keys' [B, N, S''], padded to whole CTAs of the dK/dV kernel
+        # and KV tiles of the dQ kernel (rows past T have P = 0, keys past S are masked or not
+        # kept: their hashes are never used). The dK/dV kernel takes the keys' as
+        # [B, N, S'' / block_kv_dkv, block_kv_dkv]: each consumer reads its own block of its
+        # CTA's keys.
+        rows = jnp.stack([row_mul, row_add], axis=2)
+        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, lse_to - q_len)))
+        keys = math.lcm(tiles.cta_kv_rows, tiles.block_kv_dq)
+        col = jnp.pad(col, ((0, 0), (0, 0), (0, cdiv(kv_len, keys) * keys - kv_len)))
+        dkv_col = col.reshape(*col.shape[:2], -1, tiles.block_kv_dkv)
+        rate = float(rate)
+        dkv_drop, dq_drop = (rate, rows, dkv_col), (rate, rows, col)
     kwargs = dict(
         spec=spec,
         scale=float(scale),
@@ -456,8 +510,9 @@ def flash_backward(
         q.dtype.itemsize,
         num_sms=num_sms() if device is None else device.num_sms,
         segments=segment_ids is not None,
+        dropout=dropout is not None,
     )
-    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, head_splits=splits, **kwargs)
+    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs)
     if splits > 1:
         # f32 partials [B, S', K * splits, H], a KV head's splits side by side: summed one
         # after the other, in the same order on every call.
@@ -467,7 +522,7 @@ def flash_backward(
             ).astype(k.dtype)
             for x in (dk, dv)
         )
-    dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, **kwargs)
+    dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
     if (q_to, kv_to, h_to) != (q_len, kv_len, head_dim):
         dq = dq[:, :q_len, :, :head_dim]
         dk, dv = dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
@@ -501,6 +556,11 @@ def _wgmma_zeros(shape):
     return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
 
 
+def _times(x, factor: float):
+    """x * factor, without the multiply when factor is 1."""
+    return x if factor == 1.0 else x * factor
+
+
 def _clip(x, lo, hi):
     if all(isinstance(v, int) for v in (x, lo, hi)):
         return min(max(x, lo), hi)
@@ -525,6 +585,16 @@ def _probs(s, lse2, broadcast, *, qk_scale: float, scale: float, soft_cap):
     r = 1.0 / (jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)) + 1.0)
     p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - broadcast(lse2, s.shape), 0.0))
     return p, p * (4.0 * r * (1.0 - r))
+
+
+def _keep(q_hashes, kv_hashes, shape, *, rate: float, q_axis: int):
+    """bool tile of `shape`: `_dropout.keep` of its (query row, key) pairs, the forward's
+    keep-mask. q_hashes: (row_mul, row_add) of the tile's query rows, kv_hashes: the keys'
+    col hashes, each a vector in the layout that broadcasts along the tile; q_axis: the tile
+    axis of the query rows (0 in dQ, 1 in the transposed tiles of dK/dV)."""
+    on_q, on_kv = (_rows, _cols) if q_axis == 0 else (_cols, _rows)
+    row_mul, row_add = q_hashes
+    return _dropout.keep(on_q(row_mul, shape), on_q(row_add, shape), on_kv(kv_hashes, shape), rate)
 
 
 # -- dK / dV --------------------------------------------------------------------------------------
@@ -571,6 +641,7 @@ def _dkv_call(
     lse2,
     delta,
     ids,
+    drop,
     *,
     spec: MaskSpec,
     scale: float,
@@ -578,13 +649,16 @@ def _dkv_call(
     tiles,
     head_splits: int = 1,
 ):
-    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan).
+    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan);
+    drop: None, or (rate, the rows' hashes [B, N, 2, T''], the keys' [B, N, S'' / block_kv_dkv,
+    block_kv_dkv]), the dropout tables.
     dk, dv [B, S', K, H] in k's dtype, or with head_splits > 1 f32 partials
     [B, S', K * head_splits, H] (a KV head's splits side by side) for the caller to sum."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
     has_ids = ids is not None
+    has_drop = drop is not None
     # Split consumers share one block of K and V: the dV consumer reads only K, the dK consumer
     # only V, each loads its own (one TMA copy on its kv_loaded barrier, and its key ids).
     kv_blocks, kv_copies = tiles.dkv_key_blocks, 1 if tiles.split_dkv else 2
@@ -597,6 +671,7 @@ def _dkv_call(
         group=num_heads // num_kv_heads // head_splits,
         head_splits=head_splits,
         tiles=tiles,
+        dropout_rate=drop[0] if has_drop else 0.0,
     )
     scratch = dict(
         k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
@@ -606,9 +681,10 @@ def _dkv_call(
         lse_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         # Two TMA copies arrive on each: K and V (split: K or V); Q and its lse rows; dO and its
-        # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q.
+        # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q;
+        # with dropout the rows' hashes and the CTA's keys' hashes (of the step's head) with Q.
         kv_loaded=plgpu.Barrier(num_arrivals=kv_copies + has_ids, num_barriers=n_c),
-        q_ready=plgpu.Barrier(num_arrivals=2 + has_ids, num_barriers=n_s),
+        q_ready=plgpu.Barrier(num_arrivals=2 + has_ids + 2 * has_drop, num_barriers=n_s),
         do_ready=plgpu.Barrier(num_arrivals=2, num_barriers=n_s),
         # A slot is free again once every consumer is done with it.
         q_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
@@ -618,6 +694,11 @@ def _dkv_call(
         scratch.update(
             kv_ids_smem=plgpu.SMEM((n_c, tiles.block_kv_dkv), jnp.int32),
             q_ids_smem=plgpu.SMEM((n_s, block_q), jnp.int32),
+        )
+    if has_drop:
+        scratch.update(
+            drop_rows_smem=plgpu.SMEM((n_s, 2, block_q), jnp.int32),
+            drop_col_smem=plgpu.SMEM((n_s, kv_blocks, tiles.block_kv_dkv), jnp.int32),
         )
     if tiles.split_dkv:
         # P^T * dcap in f32, as the one-consumer kernel computes dS^T from it. One buffer: the
@@ -644,7 +725,7 @@ def _dkv_call(
         grid=(batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows)),
         grid_names=("batch", "kv_head", "kv_tile"),
         num_consumers=n_c,
-    )(q, k, v, d_out, lse2, delta, *(ids or ()))
+    )(q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
 
 
 def _dkv_kernel(
@@ -672,6 +753,8 @@ def _dkv_kernel(
     p_ready=None,
     p_free=None,
     partial_smem=None,
+    drop_rows_smem=None,
+    drop_col_smem=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
@@ -679,6 +762,7 @@ def _dkv_kernel(
     group: int,
     head_splits: int,
     tiles: BackwardTiles,
+    dropout_rate: float = 0.0,
 ):
     """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop), over
     `group` of its query heads (all of them, or one of head_splits shares).
@@ -687,13 +771,19 @@ def _dkv_kernel(
     head_splits > 1 f32 partials [B, S', K * head_splits, H]; lse2_ref (lse * log2(e), +inf
     for rows without keys) and delta_ref: f32 [B, N, T'']. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S / cta_kv_rows),
-    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). Grid axis "kv_head" c is KV head
+    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0 the dropout
+    tables follow: drop_rows_ref [B, N, 2, T''] (the query rows' row_mul and row_add) and
+    drop_col_ref [B, N, S'' / block_kv_dkv, block_kv_dkv] (the keys' col), each step's copied
+    with its Q into the ring (the keys' of the step's head: the CTA's blocks). Grid axis
+    "kv_head" c is KV head
     c // head_splits, query heads [c * group, (c + 1) * group), and row c of dk/dv_ref. The CTA
     streams query tiles [first, end): the producer's step s loads query head
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
     """
     *id_refs, dk_ref, dv_ref = refs
+    drop_col_ref = id_refs.pop() if dropout_rate else None
+    drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     batch, cta_head = lax.axis_index("batch"), lax.axis_index("kv_head")
     kv_head = lax.div(cta_head, jnp.int32(head_splits)) if head_splits > 1 else cta_head
@@ -714,7 +804,17 @@ def _dkv_kernel(
 
     cta_range, _ = tile_ranges()
     ring = _QRing(
-        q_smem, do_smem, lse_smem, delta_smem, q_ready, do_ready, q_free, do_free, q_ids_smem
+        q_smem,
+        do_smem,
+        lse_smem,
+        delta_smem,
+        q_ready,
+        do_ready,
+        q_free,
+        do_free,
+        q_ids_smem,
+        drop_rows_smem,
+        drop_col_smem,
     )
     common = dict(batch=batch, cta_range=cta_range, group=group)
 
@@ -745,6 +845,8 @@ def _dkv_kernel(
             scale=scale,
             soft_cap=soft_cap,
             tiles=tiles,
+            key_block=block,
+            dropout_rate=dropout_rate,
             **common,
         )
         if not tiles.split_dkv:
@@ -766,6 +868,8 @@ def _dkv_kernel(
             ring,
             first_head=cta_head * group,
             tiles=tiles,
+            drop_refs=(drop_rows_ref, drop_col_ref) if dropout_rate else None,
+            kv_tile=kv_tile,
             **common,
         )
 
@@ -773,8 +877,9 @@ def _dkv_kernel(
 @dataclasses.dataclass(frozen=True)
 class _QRing:
     """The Q/dO shared-memory ring of the dK/dV kernel: step s lives in slot s % num_stages.
-    q_ready completes when Q and its lse rows (and query ids) have landed, do_ready when dO and
-    its delta rows have; q_free and do_free when every consumer is done reading them."""
+    q_ready completes when Q and its lse rows (and query ids, and dropout's hashes of the rows
+    and of the CTA's keys) have landed, do_ready when dO and its delta rows have; q_free and
+    do_free when every consumer is done reading them."""
 
     q_smem: object
     do_smem: object
@@ -785,6 +890,8 @@ class _QRing:
     q_free: object
     do_free: object
     q_ids_smem: object = None
+    drop_rows_smem: object = None  # [num_stages, 2, block_q_dkv]: row_mul, row_add
+    drop_col_smem: object = None  # [num_stages, dkv_key_blocks, block_kv_dkv]
 
     def slot(self, step):
         return lax.rem(step, jnp.int32(self.q_smem.shape[0]))
@@ -792,10 +899,11 @@ class _QRing:
 
 @dataclasses.dataclass(frozen=True)
 class _PHandoff:
-    """P^T * dcap from the dV consumer to the dK consumer of a split dK/dV CTA (split_dkv),
-    one computed step at a time: p_ready completes when a step's tile is in p_smem, p_free when
-    the dK consumer has copied it out (once more before its first step, so that the dV
-    consumer waits for p_free before every write)."""
+    """P^T * dcap (with dropout signed by the keep-mask: `_consume_dkv`'s probs_t) from the dV
+    consumer to the dK consumer of a split dK/dV CTA (split_dkv), one computed step at a time:
+    p_ready completes when a step's tile is in p_smem, p_free when the dK consumer has copied it
+    out (once more before its first step, so that the dV consumer waits for p_free before every
+    write)."""
 
     p_smem: object
     p_ready: object
@@ -815,8 +923,11 @@ def _produce_dkv(
     cta_range,
     group: int,
     tiles: BackwardTiles,
+    drop_refs=None,
+    kv_tile=None,
 ):
-    """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids) of every (head,
+    """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids; with drop_refs,
+    the dropout tables' hashes of the rows and of the CTA kv_tile's keys) of every (head,
     query tile) step, in order, over query heads [first_head, first_head + group)."""
     block_q, num_stages = tiles.block_q_dkv, tiles.num_stages
     first, end = cta_range
@@ -843,6 +954,13 @@ def _produce_dkv(
         if q_ids_ref is not None:
             ids = q_ids_ref.at[batch, pl.ds(q_start, block_q)]
             plgpu.copy_gmem_to_smem(ids, ring.q_ids_smem.at[slot], ring.q_ready.at[slot])
+        if drop_refs is not None:
+            rows_ref, col_ref = drop_refs
+            key_blocks = tiles.dkv_key_blocks
+            hashes = rows_ref.at[batch, head, :, pl.ds(q_start, block_q)]
+            plgpu.copy_gmem_to_smem(hashes, ring.drop_rows_smem.at[slot], ring.q_ready.at[slot])
+            hashes = col_ref.at[batch, head, pl.ds(kv_tile * key_blocks, key_blocks)]
+            plgpu.copy_gmem_to_smem(hashes, ring.drop_col_smem.at[slot], ring.q_ready.at[slot])
 
 
 def _consume_dkv(
@@ -872,6 +990,8 @@ def _consume_dkv(
     tiles: BackwardTiles,
     role: str = "dkdv",
     handoff: _PHandoff | None = None,
+    key_block=0,
+    dropout_rate: float = 0.0,
 ):
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
     every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
@@ -883,7 +1003,11 @@ def _consume_dkv(
     they compute and drain the same steps.
 
     K and V come from KV head kv_head; dK and dV go to head out_head of dk_ref and dv_ref, as
-    f32 partials through this consumer's partial_smem when it is given (head splits)."""
+    f32 partials through this consumer's partial_smem when it is given (head splits).
+
+    key_block: the consumer's block of the CTA's keys (its slice of the ring's key hashes).
+    dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
+    Z = keep / (1 - rate) (see `probs_t`)."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, dtype = k_smem.shape[-1], k_smem.dtype
     first, end = cta_range
@@ -901,6 +1025,7 @@ def _consume_dkv(
         plgpu.copy_gmem_to_smem(ids, kv_ids_smem, kv_loaded)
     tile_shape = (block_kv, block_q)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
+    keep_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
     # The keys' segment ids [block_kv] (row layout): loaded once kv_loaded completes, before the
     # loops trace visible_in, which reads them.
     kv_seg = None
@@ -917,8 +1042,21 @@ def _consume_dkv(
             spec, q_pos, kv_pos, _cols(q_seg, tile_shape), _rows(kv_seg, tile_shape)
         )
 
+    def keep_t(slot):
+        # The step's hashes share Q's slot: read before it is released.
+        q_hashes = [plgpu.load(ring.drop_rows_smem.at[slot, j], layout=col_layout) for j in (0, 1)]
+        kv_hashes = plgpu.load(
+            ring.drop_col_smem.at[slot, key_block], layout=plgpu.Layout.WGMMA.reduce(1)
+        )
+        return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1)
+
     def probs_t(i, slot, *, masked: bool):
-        """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`."""
+        """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
+
+        With dropout (P^T * keep^T, P^T * dcap negated where dropped): dV takes the first,
+        scaled by 1 / (1 - rate) once in the epilogue. P^T * dcap >= 0, so its sign carries
+        the keep-mask to dS^T (`ds_of`) without a mask tile held across the dP^T wgmma or
+        handed to the split dK consumer; where it is 0 (or -0) dS^T is 0 anyway."""
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
         def st_into(acc_ref):
@@ -934,7 +1072,18 @@ def _consume_dkv(
             visible = visible_in(i, slot)
             p_t = jnp.where(visible, p_t, 0.0)
             pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
+        if dropout_rate:
+            keep = keep_t(slot)
+            p_t, pd_t = jnp.where(keep, p_t, 0.0), jnp.where(keep, pd_t, -pd_t)
         return p_t, pd_t
+
+    def ds_of(pd_t, dp_t, delta):
+        """dS^T = P^T * dcap * (Z^T * dP^T - delta); with dropout pd_t is signed (`probs_t`):
+        where dropped (pd_t < 0) dS^T = -|pd_t| * delta = pd_t * delta."""
+        delta = _cols(delta, tile_shape)
+        if not dropout_rate:
+            return pd_t * (dp_t - delta)
+        return pd_t * jnp.where(pd_t > 0.0, dp_t * keep_scale - delta, delta)
 
     def dkdv_step(i, carry, *, base, masked: bool):
         dk, dv = carry
@@ -960,7 +1109,7 @@ def _consume_dkv(
 
     def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
-        ds_t = pd_t * (dp_t - _cols(delta, tile_shape))
+        ds_t = ds_of(pd_t, dp_t, delta)
         if masked:
             # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN.
             ds_t = jnp.where(visible_in(i, slot), ds_t, 0.0)
@@ -978,8 +1127,8 @@ def _consume_dkv(
         slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         p_t, pd_t = probs_t(i, slot, masked=masked)
-        # Q's (and the query ids') last reader in this consumer was S^T (and the mask): free
-        # them for the producer before dV's wgmma.
+        # Q's (and the query ids' and hashes') last reader in this consumer was S^T (and the
+        # masks): free them for the producer before dV's wgmma.
         plgpu.barrier_arrive(ring.q_free.at[slot])
         # The buffer holds the previous step's tile until the dK consumer has copied it out.
         plgpu.barrier_wait(handoff.p_free)
@@ -1052,7 +1201,8 @@ def _consume_dkv(
     if role == "dv":
         (dv,) = lax.fori_loop(0, group, head_loop, (zeros,))
         # -- epilogue: K is dead (its last reader, this consumer's S^T, is done) --
-        _store_rows(k_smem if partial_smem is None else partial_smem, dv, dv_ref.at[out_rows])
+        staging = k_smem if partial_smem is None else partial_smem
+        _store_rows(staging, _times(dv, keep_scale), dv_ref.at[out_rows])
         return
     if role == "dk":
         # The buffer starts empty: the dV consumer's first wait on p_free passes.
@@ -1066,12 +1216,12 @@ def _consume_dkv(
     if partial_smem is not None:
         # -- epilogue: the f32 partials one after the other through the staging tile --
         _store_rows(partial_smem, dk * scale, dk_ref.at[out_rows])
-        _store_rows(partial_smem, dv, dv_ref.at[out_rows])
+        _store_rows(partial_smem, _times(dv, keep_scale), dv_ref.at[out_rows])
         return
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
     k_smem[...] = (dk * scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
+    v_smem[...] = _times(dv, keep_scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
@@ -1112,12 +1262,17 @@ def _dq_mask_sides(spec: MaskSpec, tiles: BackwardTiles) -> tuple[bool, bool]:
     return spec.left < rows - 1, spec.right < spec.kv_len - 1 or ragged_kv
 
 
-def _dq_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, soft_cap, tiles):
-    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dQ tile plan)."""
+def _dq_call(
+    q, k, v, d_out, lse2, delta, ids, drop, *, spec: MaskSpec, scale: float, soft_cap, tiles
+):
+    """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dQ tile plan); drop:
+    None, or (rate, the rows' hashes [B, N, 2, T''], the keys' [B, N, S'']), the dropout
+    tables."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dq
     has_ids = ids is not None
+    has_drop = drop is not None
     num_q_tiles = cdiv(spec.q_len, tiles.cta_q_rows)
     kernel = functools.partial(
         _dq_kernel,
@@ -1128,6 +1283,7 @@ def _dq_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, 
         group=num_heads // num_kv_heads,
         num_q_tiles=num_q_tiles,
         tiles=tiles,
+        dropout_rate=drop[0] if has_drop else 0.0,
     )
     scratch = dict(
         q_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
@@ -1136,10 +1292,12 @@ def _dq_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, 
         delta_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
         k_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
         v_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
-        # Four TMA copies arrive on it: Q, dO, lse rows, delta rows (and the rows' segment ids).
-        q_loaded=plgpu.Barrier(num_arrivals=4 + has_ids, num_barriers=n_c),
-        # With segment ids a KV tile's ids ride in K's ring slot: two copies.
-        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids, num_barriers=n_s),
+        # Four TMA copies arrive on it: Q, dO, lse rows, delta rows (and the rows' segment ids,
+        # and dropout's hashes of the rows).
+        q_loaded=plgpu.Barrier(num_arrivals=4 + has_ids + has_drop, num_barriers=n_c),
+        # With segment ids a KV tile's ids ride in K's ring slot, and with dropout its keys'
+        # hashes: a copy each.
+        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids + has_drop, num_barriers=n_s),
         v_ready=plgpu.Barrier(num_barriers=n_s),
         k_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
         v_free=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_s),
@@ -1149,6 +1307,11 @@ def _dq_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, 
             q_ids_smem=plgpu.SMEM((n_c, block_q), jnp.int32),
             kv_ids_smem=plgpu.SMEM((n_s, tiles.block_kv_dq), jnp.int32),
         )
+    if has_drop:
+        scratch.update(
+            drop_rows_smem=plgpu.SMEM((n_c, 2, block_q), jnp.int32),
+            drop_col_smem=plgpu.SMEM((n_s, tiles.block_kv_dq), jnp.int32),
+        )
     return warp_specialised_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -1156,14 +1319,14 @@ def _dq_call(q, k, v, d_out, lse2, delta, ids, *, spec: MaskSpec, scale: float, 
         grid=(batch, num_heads, num_q_tiles),
         grid_names=("batch", "head", "q_tile"),
         num_consumers=n_c,
-    )(q, k, v, d_out, lse2, delta, *(ids or ()))
+    )(q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
 
 
 @dataclasses.dataclass(frozen=True)
 class _KVRing:
     """The K/V shared-memory ring of the dQ kernel: KV tile `first + s` lives in slot
-    s % num_stages. *_ready complete when TMA has landed a tile (K's with its segment ids),
-    *_free when every consumer is done reading it."""
+    s % num_stages. *_ready complete when TMA has landed a tile (K's with its segment ids and
+    dropout's key hashes), *_free when every consumer is done reading it."""
 
     k_smem: object
     v_smem: object
@@ -1173,6 +1336,7 @@ class _KVRing:
     v_free: object
     first: object  # the CTA's first KV tile
     kv_ids_smem: object = None
+    drop_col_smem: object = None
 
     def slot(self, tile):
         return lax.rem(tile - self.first, jnp.int32(self.k_smem.shape[0]))
@@ -1199,6 +1363,8 @@ def _dq_kernel(
     v_free,
     q_ids_smem=None,
     kv_ids_smem=None,
+    drop_rows_smem=None,
+    drop_col_smem=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
@@ -1206,13 +1372,18 @@ def _dq_kernel(
     group: int,
     num_q_tiles: int,
     tiles: BackwardTiles,
+    dropout_rate: float = 0.0,
 ):
     """One CTA: num_consumers * block_q_dq query rows of one head against its keys (FA2
     Algorithm 2's dQ, as its own kernel: no atomics). The CTA streams KV tiles [first, end),
     tile first + s into ring slot s % num_stages. With segment ids, refs starts with q_ids_ref
     [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_q_rows), num_consumers + 1, 4]
-    (`schedule.tile_plan` over="q")."""
+    (`schedule.tile_plan` over="q"). With dropout_rate > 0 the dropout tables follow:
+    drop_rows_ref [B, N, 2, T''] (each consumer's rows' copied with its Q) and drop_col_ref
+    [B, N, S''] (a KV tile's copied with its K)."""
     *id_refs, dq_ref = refs
+    drop_col_ref = id_refs.pop() if dropout_rate else None
+    drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
     batch, head = lax.axis_index("batch"), lax.axis_index("head")
     q_tile = lax.axis_index("q_tile")
@@ -1234,7 +1405,9 @@ def _dq_kernel(
 
     cta_range, _ = tile_ranges()
     first, end = cta_range
-    ring = _KVRing(k_smem, v_smem, k_ready, v_ready, k_free, v_free, first, kv_ids_smem)
+    ring = _KVRing(
+        k_smem, v_smem, k_ready, v_ready, k_free, v_free, first, kv_ids_smem, drop_col_smem
+    )
 
     @pl.when(wg < tiles.num_consumers)
     def _consumer():
@@ -1252,6 +1425,11 @@ def _dq_kernel(
             q_ids_smem_c = q_ids_smem.at[wg]
             ids = q_ids_ref.at[batch, pl.ds(q_start, tiles.block_q_dq)]
             plgpu.copy_gmem_to_smem(ids, q_ids_smem_c, q_loaded.at[wg])
+        drop_rows_smem_c = None
+        if drop_rows_ref is not None:
+            drop_rows_smem_c = drop_rows_smem.at[wg]
+            hashes = drop_rows_ref.at[batch, head, :, pl.ds(q_start, tiles.block_q_dq)]
+            plgpu.copy_gmem_to_smem(hashes, drop_rows_smem_c, q_loaded.at[wg])
         plgpu.barrier_wait(q_loaded.at[wg])
         dq = _consume_dq(
             q_smem_c,
@@ -1268,6 +1446,8 @@ def _dq_kernel(
             scale=scale,
             soft_cap=soft_cap,
             tiles=tiles,
+            drop_rows_smem=drop_rows_smem_c,
+            dropout_rate=dropout_rate,
         )
         # -- epilogue: Q is dead (its last reader, the final S = Q K^T, is done) --
         q_smem_c[...] = (dq * scale).astype(q_smem_c.dtype)
@@ -1294,6 +1474,9 @@ def _dq_kernel(
             if kv_ids_ref is not None:
                 ids = kv_ids_ref.at[batch, pl.ds(tile * block_kv, block_kv)]
                 plgpu.copy_gmem_to_smem(ids, kv_ids_smem.at[slot], k_ready.at[slot])
+            if drop_col_ref is not None:  # the query head's key hashes
+                hashes = drop_col_ref.at[batch, head, pl.ds(tile * block_kv, block_kv)]
+                plgpu.copy_gmem_to_smem(hashes, drop_col_smem.at[slot], k_ready.at[slot])
 
 
 def _consume_dq(
@@ -1312,18 +1495,27 @@ def _consume_dq(
     scale: float,
     soft_cap,
     tiles: BackwardTiles,
+    drop_rows_smem=None,
+    dropout_rate: float = 0.0,
 ):
     """Consumer warpgroup: dQ / scale of block_q_dq query rows. It walks every CTA step of
     cta_range = (first, end): it computes the tiles of its own range (lo, full_lo, full_hi, hi),
     masking element-wise those outside [full_lo, full_hi), and drains the others (waits for
-    them and frees them unread, so that the other consumer's tiles can land in their slots)."""
+    them and frees them unread, so that the other consumer's tiles can land in their slots).
+
+    drop_rows_smem: None, or the SMEM [2, block_q_dq] of the rows' dropout hashes (loaded);
+    with dropout_rate > 0, dS = P * dcap * (Z * dP - delta), Z from the rows' and the KV
+    tile's hashes."""
     block_q, block_kv = tiles.block_q_dq, tiles.block_kv_dq
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     tile_shape = (block_q, block_kv)
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     lse2 = plgpu.load(lse_smem, layout=row_layout)
     delta = plgpu.load(delta_smem, layout=row_layout)
     q_seg = None if q_ids_smem is None else plgpu.load(q_ids_smem, layout=row_layout)
+    drop_rows = None
+    if drop_rows_smem is not None:
+        drop_rows = [plgpu.load(drop_rows_smem.at[j], layout=row_layout) for j in (0, 1)]
     first, end = cta_range
     lo, full_lo, full_hi, hi = ranges
     before, after = _dq_mask_sides(spec, tiles)
@@ -1358,7 +1550,15 @@ def _consume_dq(
         plgpu.barrier_arrive(ring.v_free.at[slot])
         # dS = P * dcap * (dP - delta): only P * dcap is needed here.
         _, pd = _probs(s, lse2, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
-        ds = pd * (dp - _rows(delta, tile_shape))
+        delta_t = _rows(delta, tile_shape)
+        if drop_rows is None:
+            ds = pd * (dp - delta_t)
+        else:
+            # O = (P * Z) V: dS = P * dcap * (Z * dP - delta). The KV tile's hashes ride in K's
+            # slot, released after dQ += dS K.
+            kv_hashes = plgpu.load(ring.drop_col_smem.at[slot], layout=col_layout)
+            keep = _keep(drop_rows, kv_hashes, tile_shape, rate=dropout_rate, q_axis=0)
+            ds = pd * jnp.where(keep, dp * (1.0 / (1.0 - dropout_rate)) - delta_t, -delta_t)
         if masked:
             # Select dS, not P: NaN in V at a key a row cannot see is in dP, and 0 * NaN is NaN.
             ds = jnp.where(visible_in(tile, slot), ds, 0.0)

@@ -96,6 +96,22 @@ CALLS = {
         qkv((2, 1024, 8, 128)),
         dict(backend="mosaic", block_sizes=BlockSizes(block_q=64, kv_splits=2)),
     ),
+    "dropout": (
+        qkv((2, 1024, 8, 128), (2, 1024, 2, 128)),
+        dict(is_causal=True, dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    ),
+    "dropout-h64-short": (
+        qkv((4, 1024, 8, 64)),
+        dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    ),
+    "dropout-h256": (
+        qkv((2, 1024, 8, 256), (2, 1024, 2, 256)),
+        dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    ),
+    "mosaic-dropout-h256": (
+        qkv((2, 1024, 8, 256), (2, 1024, 2, 256)),
+        dict(backend="mosaic", dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    ),
 }
 
 # name: (forward, backward, BlockSizes fields, Mosaic forward / backward tile fields, kv splits),
@@ -235,6 +251,18 @@ H200 = {
         NotImplementedError,
         MOSAIC_LACKS.format("block_sizes sets the Triton forward's block_q=64, kv_splits=2"),
     ),
+    # Dropout takes the kernels of the same call without it.
+    "dropout": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
+    "dropout-h64-short": (
+        "mosaic",
+        "triton",
+        H64_FULL_SHORT,
+        dict(block_q=128, persistent=True),
+        None,
+        None,
+    ),
+    "dropout-h256": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
+    "mosaic-dropout-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
 }
 A100 = {
     "plain-h128": ("triton", "triton", H128, None, None, 1),
@@ -278,6 +306,10 @@ A100 = {
     "mosaic-bias": (ValueError, HOPPER_ONLY),
     "mosaic-f32": (ValueError, HOPPER_ONLY),
     "mosaic-forward-tiles": (ValueError, HOPPER_ONLY),
+    "dropout": ("triton", "triton", H128, None, None, 1),
+    "dropout-h64-short": ("triton", "triton", H64, None, None, 1),
+    "dropout-h256": ("triton", "triton", H256, None, None, 1),
+    "mosaic-dropout-h256": (ValueError, HOPPER_ONLY),
 }
 
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, Problem, assert_bitwise_equal, has_gpu, random_inputs
+from conftest import DTYPES, SWEEP, Problem, assert_bitwise_equal, has_gpu, random_inputs
 
 import pallas_flash
 from pallas_flash import api, tune_cache
@@ -626,6 +626,8 @@ def _backward_problem(seed=0):
     ids=["causal", "window-lengths", "softcap-segments"],
 )
 def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
+    if backend == "xla" and not options.get("is_causal") and not SWEEP:
+        pytest.skip("the xla path's masks beside causal: PALLAS_FLASH_SWEEP")
     """flash_attention_backward at the call's own (out, lse) gives its pullback's gradients."""
     q, k, v, d_out, d_lse = _backward_problem()
     if "q_segment_ids" in options:

@@ -176,8 +176,9 @@ HUGE_LOGIT_TILES = {
 
 
 @pytest.mark.parametrize("path", backend_paths())
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("tiles", list(HUGE_LOGIT_TILES))
+@pytest.mark.parametrize(
+    "dtype, tiles", [(jnp.float32, "split3"), (jnp.bfloat16, "q16kv64")], ids=["f32", "bf16"]
+)
 def test_huge_logits(path, dtype, tiles):
     """Logits of |s| ~ 1e7 (head 0: where a backward that recomputes P from a rounded lse first
     goes wrong) and 1e30 (head 1), every key present twice: the softmax splits each row between

@@ -676,6 +676,7 @@ def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
 
 
+@long_only
 def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypatch, tmp_path):
     """Mosaic tiles from the autotune cache reach both kernels through the public call (a
     spy records them) and the result still matches the float64 oracle."""

@@ -502,6 +502,31 @@ def attention_in_dtype(q, k, v, *, scale, is_causal):
     return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
 
 
+def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None, keep=None, rate=0.0):
+    """Plain attention with every step in the input dtype over a visibility broadcastable to
+    [B, N, T, S] and an optional soft cap: the tolerance baseline of values and gradients. Rows
+    that see no key: out 0, lse -inf, gradients 0 (no NaN through their empty softmax). keep:
+    None, or a dropout keep-mask broadcastable to [B, N, T, S] at `rate` (P * keep / (1 - rate)
+    multiplies V; lse stays the softmax's)."""
+    group = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    logits = jnp.where(visible, logits, -jnp.inf)
+    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    unnormalised = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
+    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
+    empty = row_sum == 0.0
+    row_sum = jnp.where(empty, 1.0, row_sum)
+    probs = unnormalised / row_sum
+    if keep is not None:
+        probs = probs * jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(q.dtype)
+    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum))[..., 0]
+    return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
+
+
 # -- running an attention function: outputs and gradients together -------------------------------
 
 

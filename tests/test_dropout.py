@@ -20,6 +20,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_within_tolerance,
     backend_paths,
+    masked_in_dtype,
     oracle_on_device,
     outputs_and_grads,
     random_inputs,
@@ -539,28 +540,6 @@ def test_mosaic_forward_with_dropout_lowers_for_h200(is_causal, persistent):
 # -- the Mosaic GPU backward with dropout ----------------------------------------------------------
 
 
-def dropout_in_dtype(q, k, v, *, scale, visible, keep, rate, soft_cap=None):
-    """Dropout attention with every step in the input dtype over a visibility broadcastable to
-    [B, N, T, S] (the tolerance baseline): (out, lse as float32). Rows that see no key: out 0,
-    lse -inf, gradients 0."""
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
-    logits = jnp.where(visible, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    unnormalised = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
-    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
-    empty = row_sum == 0.0
-    row_sum = jnp.where(empty, 1.0, row_sum)
-    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum))[..., 0]
-    z = jnp.where(keep, 1.0 / (1.0 - rate), 0.0).astype(q.dtype)
-    out = jnp.einsum("bnts,bsnh->btnh", unnormalised / row_sum * z, v)
-    return out, lse.astype(jnp.float32)
-
-
 def dropout_oracle_and_baselines(c: MaskCase, seeds, inputs, f64):
     """(float64 oracle, in-dtype baseline) of (out, lse, dq, dk, dv) for case c with the
     keep-mask of `seeds` at RATE; inputs, f64: `random_inputs` of c.p (the clean K and V)."""
@@ -571,7 +550,7 @@ def dropout_oracle_and_baselines(c: MaskCase, seeds, inputs, f64):
         *f64, scale=c.logit_scale, visible=visible, keep=keep, rate=RATE, soft_cap=c.soft_cap
     )[:5]
     plain = functools.partial(
-        dropout_in_dtype,
+        masked_in_dtype,
         scale=c.logit_scale,
         visible=visible,
         keep=keep,

@@ -24,6 +24,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_within_tolerance,
     attention_oracle_f64,
+    masked_in_dtype,
     oracle_outputs_and_grads,
     outputs_and_grads,
     plain_fn,
@@ -1062,27 +1063,6 @@ def mask_options(c: MaskCase, arrays: MaskArrays) -> dict:
     """The mask keywords of flash_forward and flash_backward for case c."""
     segment_ids = (arrays.q_segment_ids, arrays.kv_segment_ids) if c.kind is not None else None
     return dict(window=c.window, soft_cap=c.soft_cap, segment_ids=segment_ids)
-
-
-def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None):
-    """Plain attention with every step in the input dtype over a visibility broadcastable to
-    [B, N, T, S] and an optional soft cap: the tolerance baseline of values and gradients. Rows
-    that see no key: out 0, lse -inf, gradients 0 (no NaN through their empty softmax)."""
-    group = q.shape[2] // k.shape[2]
-    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-    logits = jnp.einsum("btnh,bsnh->bnts", q, k) * jnp.asarray(scale, q.dtype)
-    if soft_cap is not None:
-        logits = soft_cap * jnp.tanh(logits / soft_cap)
-    logits = jnp.where(visible, logits, -jnp.inf)
-    row_max = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
-    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
-    unnormalised = jnp.where(visible, jnp.exp(logits - row_max), 0.0)
-    row_sum = jnp.sum(unnormalised, axis=-1, keepdims=True)
-    empty = row_sum == 0.0
-    row_sum = jnp.where(empty, 1.0, row_sum)
-    probs = unnormalised / row_sum
-    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum))[..., 0]
-    return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
 
 
 def check_masked_backward(c: MaskCase, *, interpreted: bool, mosaic_forward: bool):

@@ -391,7 +391,12 @@ def mosaic_gqa(out, head_dim=128):
             name = f"mosaic_head_splits{splits}"
             if splits == 0:
                 chosen = mosaic.backward.head_splits(
-                    tiles, (b, t, n, head_dim), (b, t, k, head_dim), 2, num_sms=device.num_sms
+                    tiles,
+                    (b, t, n, head_dim),
+                    (b, t, k, head_dim),
+                    2,
+                    num_sms=device.num_sms,
+                    causal=causal,
                 )
                 name = f"mosaic_head_splits_auto{chosen}"
             fns[name] = bench.timed_fn(lambda q, k_, v, f=kernels: f(q, k_, v)[0], "fwd+bwd")

@@ -169,7 +169,7 @@ def shapes_grid():
     64/128, as models use them, at batches that fill an H200 (about 16k tokens or more).
     Llama-like T = S = 3000 (hidden 2048, H=128); ViT-B at 224 px (197 tokens, 12 heads of 64)
     and ViT-L at 384 px (577 tokens, 16 heads of 64); Phi-like H=80 and H=96 (32 heads) at 2k;
-    H=192 at 4k (forward on Mosaic, backward on Triton)."""
+    H=192 at 4k (both on Mosaic, split dK/dV consumers)."""
     yield dict(b=5, t=3000, s=3000, n=16, k=16, h=128, causal=True)
     yield dict(b=5, t=3000, s=3000, n=16, k=16, h=128, causal=False)
     yield dict(b=256, t=197, s=197, n=12, k=12, h=64, causal=False)

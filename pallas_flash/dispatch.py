@@ -34,11 +34,6 @@ BACKENDS = ("triton", "mosaic", "xla")
 # Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
 MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 
-# The Mosaic backward at H 192 and 256 (split dK/dV consumers) matches the float64 oracle in the
-# Mosaic GPU interpreter and lowers for the H200, but has not run compiled on a GPU: until it
-# has, backend=None keeps those head dims on the Triton backward and backend="mosaic" runs it.
-MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM = 128
-
 # Calls whose last query or key tile is ragged take the Mosaic kernels from this length of both
 # sequences: below it the masked last tile is a large share of the work and Triton's smaller
 # tiles win (ViT's 197 and 577 tokens at H=64: Triton 150 and 247 TFLOP/s, Mosaic 82 and 183);
@@ -224,8 +219,7 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
         return "triton"
     head_dim = call.common_head_dim().head_dim  # the backward's
     short = head_dim == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
-    wide = head_dim > MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM
-    if (short or wide) and kind != "mosaic":
+    if short and kind != "mosaic":
         return "triton"
     return "mosaic"
 

@@ -185,11 +185,10 @@ H200 = {
     ),
     "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
     "causal-h64-16k": ("mosaic", "mosaic", H64, dict(block_q=128), {}, None),
-    # H 192 and 256: the Triton backward until the Mosaic one (split dK/dV consumers) has run
-    # compiled (dispatch.MOSAIC_BACKWARD_MAX_DEFAULT_HEAD_DIM); backend="mosaic" runs it.
-    "plain-h256": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
-    "causal-h256-long": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
-    "causal-h192": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
+    # H 192 and 256: the Mosaic backward with split dK/dV consumers (1.1-2.3x the Triton one).
+    "plain-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
+    "causal-h256-long": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
+    "causal-h192": ("mosaic", "mosaic", H256, dict(block_kv=64), dict(split_dkv=True), None),
     "causal-h128-long": ("mosaic", "mosaic", H128, {}, {}, None),
     "plain-h128-medium": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
     "short-keys-h128": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
@@ -261,7 +260,7 @@ H200 = {
         None,
         None,
     ),
-    "dropout-h256": ("mosaic", "triton", H256, dict(block_kv=64), None, None),
+    "dropout-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "mosaic-dropout-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
 }
 A100 = {
@@ -395,10 +394,12 @@ def test_the_tables_cover_every_call():
     assert set(H200) == set(A100) == set(CALLS)
 
 
-def test_wide_heads_take_the_mosaic_backward_when_asked(chosen, no_tune_cache):
-    """H 192 and 256 on the H200 with backend="mosaic": the split dK/dV Mosaic backward."""
+@pytest.mark.parametrize("backend", [None, "mosaic"])
+def test_wide_heads_take_the_split_mosaic_backward(chosen, no_tune_cache, backend):
+    """H 192 and 256 on the H200: the Mosaic backward with split dK/dV consumers, by default as
+    when asked for."""
     for name, tiles in (("plain-h256", MOSAIC_H256), ("causal-h192", dict(split_dkv=True))):
-        row = chosen(Device.h200(), name, backend="mosaic")
+        row = chosen(Device.h200(), name, backend=backend)
         assert row[:2] == ("mosaic", "mosaic") and row[4] == tiles, (name, row)
 
 

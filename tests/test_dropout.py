@@ -430,8 +430,8 @@ def test_mosaic_forward_applies_the_shared_mask(path, segments):
 def test_mosaic_kernels_run_dropout_where_they_run_the_plain_call(q_shape, spec_options):
     """On Hopper a dropout call takes the kernels that the same call without dropout takes,
     by default and with backend="mosaic" (the Mosaic backward at H 64 from 2048 keys, H 128,
-    ragged lengths, masks; the Triton backward at H=64 below 2048 keys and at H 192 and 256
-    unless asked for)."""
+    H 192 and 256, ragged lengths, masks; the Triton backward at H=64 below 2048 keys unless
+    asked for)."""
     spec = MaskSpec(q_len=q_shape[1], kv_len=q_shape[1], **spec_options)
     plain = Call(q_shape=q_shape, k_shape=q_shape, dtype=jnp.bfloat16, spec=spec)
     dropped = dataclasses.replace(plain, dropout_rate=0.1)

@@ -501,7 +501,9 @@ def test_head_splits_stage_partials_in_shared_memory():
     assert (
         mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=auto) is None
     )
-    assert mosaic_backward_module.head_splits(auto, q_shape, k_shape, 2, num_sms=132) == 1
+    assert (
+        mosaic_backward_module.head_splits(auto, q_shape, k_shape, 2, num_sms=132, causal=True) == 1
+    )
     # The defaults' staging fits beside the segment ids' buffers at H 64 and 128.
     for head_dim in (64, 128):
         assert (
@@ -514,32 +516,40 @@ AUTO = BackwardTiles(dkv_head_splits=0)
 
 
 @pytest.mark.parametrize(
-    "q_shape, k_shape, tiles, splits",
+    "q_shape, k_shape, tiles, causal, splits",
     [
-        # MQA, 2k, 16k tokens: 128 CTAs of 128 keys, under one wave of 132 SMs: 4 CTAs per
-        # KV head, the fewest giving two per SM.
-        ((8, 2048, 32, 128), (8, 2048, 1, 128), AUTO, 4),
+        # MQA, 2k, 16k tokens: 128 CTAs of 128 keys, under one wave of 132 SMs. Causal: 4 CTAs
+        # per KV head, the fewest giving two per SM; not causal: one wave is enough.
+        ((8, 2048, 32, 128), (8, 2048, 1, 128), AUTO, True, 4),
+        ((8, 2048, 32, 128), (8, 2048, 1, 128), AUTO, False, 1),
         # The same at 8k (B=2): 128 CTAs again; at 16k (B=1) 128 as well.
-        ((2, 8192, 32, 128), (2, 8192, 1, 128), AUTO, 4),
+        ((2, 8192, 32, 128), (2, 8192, 1, 128), AUTO, True, 4),
         # GQA 32/8 at 4k: 1024 CTAs fill the GPU already.
-        ((4, 4096, 32, 128), (4, 4096, 8, 128), AUTO, 1),
+        ((4, 4096, 32, 128), (4, 4096, 8, 128), AUTO, True, 1),
         # A small grid: the whole group, no further; MHA never splits.
-        ((1, 1024, 2, 128), (1, 1024, 1, 128), AUTO, 2),
-        ((1, 1024, 4, 128), (1, 1024, 4, 128), AUTO, 1),
-        # Only divisors of the group: 12 query heads, 8 CTAs need 33 per group: 12.
-        ((1, 1024, 12, 64), (1, 1024, 1, 64), AUTO, 12),
-        # Ragged S counts whole CTAs: 3000 keys are 24 CTAs, times 11 = 264.
-        ((1, 3000, 22, 128), (1, 3000, 1, 128), AUTO, 11),
+        ((1, 1024, 2, 128), (1, 1024, 1, 128), AUTO, True, 2),
+        ((1, 1024, 2, 128), (1, 1024, 1, 128), AUTO, False, 2),
+        ((1, 1024, 4, 128), (1, 1024, 4, 128), AUTO, True, 1),
+        # Only divisors of the group: 12 query heads, 8 CTAs need 33 per group: 12; not
+        # causal 17 per group, also 12.
+        ((1, 1024, 12, 64), (1, 1024, 1, 64), AUTO, True, 12),
+        ((1, 1024, 12, 64), (1, 1024, 1, 64), AUTO, False, 12),
+        # Ragged S counts whole CTAs: 3000 keys are 24 CTAs, times 11 = 264; not causal the
+        # fewest divisor of 22 to one wave (132) is 11 as well.
+        ((1, 3000, 22, 128), (1, 3000, 1, 128), AUTO, True, 11),
+        ((1, 3000, 22, 128), (1, 3000, 1, 128), AUTO, False, 11),
+        # Not causal, 96 CTAs (over half a wave): no split.
+        ((6, 2048, 32, 128), (6, 2048, 1, 128), AUTO, False, 1),
         # H 192 and 256: split dK/dV consumers, never split automatically.
-        ((8, 2048, 16, 256), (8, 2048, 1, 256), default_tiles(256), 1),
-        ((8, 2048, 16, 192), (8, 2048, 1, 192), default_tiles(192), 1),
-        # The default (1), and what is asked for: as asked.
-        ((8, 2048, 32, 128), (8, 2048, 1, 128), BackwardTiles(), 1),
-        ((4, 4096, 32, 128), (4, 4096, 8, 128), BackwardTiles(dkv_head_splits=2), 2),
+        ((8, 2048, 16, 256), (8, 2048, 1, 256), default_tiles(256), True, 1),
+        ((8, 2048, 16, 192), (8, 2048, 1, 192), default_tiles(192), True, 1),
+        # The default is automatic; what is asked for: as asked.
+        ((8, 2048, 32, 128), (8, 2048, 1, 128), BackwardTiles(), True, 4),
+        ((4, 4096, 32, 128), (4, 4096, 8, 128), BackwardTiles(dkv_head_splits=2), False, 2),
     ],
 )
-def test_head_splits(q_shape, k_shape, tiles, splits):
-    got = mosaic_backward_module.head_splits(tiles, q_shape, k_shape, 2, num_sms=132)
+def test_head_splits(q_shape, k_shape, tiles, causal, splits):
+    got = mosaic_backward_module.head_splits(tiles, q_shape, k_shape, 2, num_sms=132, causal=causal)
     assert got == splits
 
 

@@ -98,7 +98,7 @@ class BackwardTiles:
       dkv_head_splits: CTAs that share the query heads of one KV head's group in the dK/dV
         kernel (a divisor of the group), each adding its share into f32 partial dK and dV that
         XLA sums in a fixed order (still deterministic); 1: one CTA sums the whole group; 0
-        (auto): `head_splits` picks it from the grid.
+        (auto, the default): `head_splits` picks it from the grid.
     All blocks are multiples of 64: wgmma works on 64-row slabs and the 128-byte swizzle on
     64-column tiles.
     """
@@ -110,7 +110,7 @@ class BackwardTiles:
     num_stages: int = 2
     num_consumers: int = 2
     split_dkv: bool = False
-    dkv_head_splits: int = 1
+    dkv_head_splits: int = 0
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -233,20 +233,23 @@ def head_splits(
     itemsize: int,
     *,
     num_sms: int,
+    causal: bool,
     segments: bool = False,
     dropout: bool = False,
 ) -> int:
     """CTAs per KV head's group of query heads in the dK/dV kernel: tiles.dkv_head_splits, or
-    with 0 (auto) 1 where the grid has a CTA per SM or more or the partials' f32 staging does
-    not fit in shared memory (the split dK/dV consumers' defaults at H 192 and 256); else the
-    fewest (dividing the group) that give two CTAs per SM, or the whole group.
+    with 0 (auto) 1 where the partials' f32 staging does not fit in shared memory (the split
+    dK/dV consumers' defaults at H 192 and 256) or the grid needs no more CTAs; else the fewest
+    (dividing the group) that reach the CTAs it needs, or the whole group.
 
     Each CTA loops over every query head of its group: with few KV heads (MQA) the grid is
-    B * K * S / cta_kv_rows CTAs, under one wave at B * S = 16k, and causal CTAs range from
-    every query tile to one, so the longest, about twice the mean, sets the time. Splitting the
-    group adds CTAs without adding Q/dO traffic (each streams only its share of the heads); it
-    costs writing and summing the f32 partials, small next to the Q/dO streams at short S.
-    Not measured yet: BackwardTiles defaults to 1, and this rule runs only when asked for (0)."""
+    B * K * S / cta_kv_rows CTAs, under one wave at B * S = 16k. Causal CTAs range from every
+    query tile to one, so the longest, about twice the mean, sets the time: a causal grid
+    wants two CTAs per SM. A non-causal grid's CTAs are equal, so one wave of them is as good
+    as more: it splits only below half a wave, up to one. Splitting adds CTAs without adding
+    Q/dO traffic (each streams only its share of the heads); it costs writing and summing the
+    f32 partials. On the H200 (MQA, B=8, 2k, 128 CTAs): causal 4 splits 2.57 ms against 1's
+    2.92 (cuDNN 2.49); non-causal 4 splits 4.07 ms against 1's 3.99 (benchmarks/NOTES.md)."""
     if tiles.dkv_head_splits:
         return tiles.dkv_head_splits
     batch, _, num_heads, head_dim = q_shape
@@ -256,10 +259,11 @@ def head_splits(
     smem = tiles.smem_bytes_dkv(
         kernel_head_dim(head_dim), itemsize, segments=segments, head_splits=2, dropout=dropout
     )
-    if ctas >= num_sms or smem > SMEM_BYTES:
+    wanted = 2 * num_sms if causal else num_sms
+    if smem > SMEM_BYTES or ctas >= (num_sms if causal else -(-num_sms // 2)):
         return 1
     return next(
-        d for d in range(1, group + 1) if group % d == 0 and (ctas * d >= 2 * num_sms or d == group)
+        d for d in range(1, group + 1) if group % d == 0 and (ctas * d >= wanted or d == group)
     )
 
 
@@ -509,6 +513,7 @@ def flash_backward(
         k.shape,
         q.dtype.itemsize,
         num_sms=num_sms() if device is None else device.num_sms,
+        causal=spec.is_causal,
         segments=segment_ids is not None,
         dropout=dropout is not None,
     )

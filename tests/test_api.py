@@ -509,12 +509,11 @@ def test_mosaic_backward_goes_with_the_mosaic_forward(chosen_kernels):
     assert chosen_kernels(*short_h64, backend="mosaic") == ("mosaic", "mosaic")
     long_h64 = hopper_arrays((4, 2048, 8, 64), (4, 2048, 8, 64))
     assert chosen_kernels(*long_h64, is_causal=True) == ("mosaic", "mosaic")
-    # H 192 and 256: the backward with its dK/dV consumers split by accumulator, masks too,
-    # when asked for; by default the Triton backward until it has run compiled.
+    # H 192 and 256: the backward with its dK/dV consumers split by accumulator, masks too.
     for head_dim in (192, 256):
         wide = hopper_arrays((2, 1024, 8, head_dim), (2, 1024, 2, head_dim))
         for options in (dict(is_causal=True), dict(local_window_size=256, logits_soft_cap=30.0)):
-            assert chosen_kernels(*wide, **options) == ("mosaic", "triton"), head_dim
+            assert chosen_kernels(*wide, **options) == ("mosaic", "mosaic"), head_dim
             assert chosen_kernels(*wide, backend="mosaic", **options) == ("mosaic", "mosaic")
 
 
@@ -578,8 +577,7 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     # on Triton): the forward keeps its default tiles (and stays on Mosaic); 128-row
     # dQ consumers would spill at H=128: the backward keeps its own. The h256 class spans H=192
     # and 256: a ring of three 64-key stages fits shared memory at H=192 but not at 256, where
-    # the forward keeps its default tiles; the backward (no tuned tiles), when asked for, its
-    # defaults.
+    # the forward keeps its default tiles; the backward (no tuned tiles) its defaults.
     chosen = _chosen(
         monkeypatch,
         lambda c: (c.forward, c.backward, c.mosaic_forward_tiles, c.mosaic_backward_tiles),
@@ -599,8 +597,8 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     assert defaults != forward
     for head_dim, tiles in ((192, forward), (256, defaults)):
         qkv = hopper_arrays((8, 1024, 8, head_dim), (8, 1024, 8, head_dim))
-        assert chosen(*qkv) == ("mosaic", "triton", tiles, None)
         backward = mosaic_backward_module.default_tiles(head_dim)
+        assert chosen(*qkv) == ("mosaic", "mosaic", tiles, backward)
         assert chosen(*qkv, backend="mosaic") == ("mosaic", "mosaic", tiles, backward)
 
 

@@ -191,14 +191,15 @@ def _local_config(config, arrays: MaskArrays):
     )
 
 
-def _shard_fn(kernel, config, plan_: _Plan):
-    """The function one shard runs: the kernels on local shapes. A bias broadcast over a sharded
-    batch or head axis gets partial gradients on each shard: they are summed over the shards."""
+def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool):
+    """The function one shard runs: the kernels on local shapes. with_dbias: the results are
+    (dq, dk, dv, dbias) of a bias; one broadcast over a sharded batch or head axis gets partial
+    gradients on each shard: they are summed over the shards."""
 
     def run(*args):
         bias, arrays = args[3], args[4]
         results = kernel(*args, config=_local_config(config, arrays))
-        if len(results) == 4 and bias is not None and (axes := plan_.reduced_axes(bias.shape)):
+        if with_dbias and (axes := plan_.reduced_axes(bias.shape)):
             results = (*results[:3], jax.lax.psum(results[3], axes))
         return results
 
@@ -243,7 +244,7 @@ def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_sha
     out_shardings = to_shardings(kinds_out, leaves_out)
     return (
         mesh,
-        _shard_fn(kernel, config, plan_),
+        _shard_fn(kernel, config, plan_, with_dbias="pair" in kinds_out),
         jax.tree.unflatten(tree_out, out_shardings),
         jax.tree.unflatten(tree_in, arg_shardings),
     )
@@ -379,7 +380,7 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
     args = jax.tree.map(jax.sharding.reshard, list(args), list(in_specs))
     # The kernels' pallas_calls declare no varying-ness over manual axes.
     results = jax.shard_map(
-        _shard_fn(kernel, config, plan_),
+        _shard_fn(kernel, config, plan_, with_dbias="pair" in out_kinds),
         mesh=mesh,
         in_specs=tuple(in_specs),
         out_specs=out_specs,

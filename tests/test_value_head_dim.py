@@ -23,7 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SWEEP, backend_paths, has_hopper, uniform_block_sizes
+from conftest import (
+    SWEEP,
+    attention_oracle_f64,
+    backend_paths,
+    has_hopper,
+    uniform_block_sizes,
+)
 from mosaic_interpret import interpret_mosaic
 from test_lowering import lower_for_h200
 
@@ -252,20 +258,9 @@ def visible_f64(T, S, *, is_causal, window):
 
 
 def masked_attention_f64(q, k, v, *, scale, visible, soft_cap=None):
-    """out [B, T, N, Hv], lse [B, N, T] in float64 (rows that see no key: 0 and -inf)."""
-    n, kh = q.shape[2], k.shape[2]
-    k, v = np.repeat(k, n // kh, axis=2), np.repeat(v, n // kh, axis=2)
-    logits = np.einsum("btnh,bsnh->bnts", q, k) * scale
-    if soft_cap is not None:
-        logits = soft_cap * np.tanh(logits / soft_cap)
-    logits = np.where(visible, logits, -np.inf)
-    m = logits.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    e = np.where(visible, np.exp(logits - m), 0.0)
-    denom = e.sum(axis=-1, keepdims=True)
-    empty = denom == 0.0
-    out = np.einsum("bnts,bsnh->btnh", e / np.where(empty, 1.0, denom), v)
-    return out, np.where(empty, -np.inf, m + np.log(np.where(empty, 1.0, denom)))[..., 0]
+    """out [B, T, N, Hv], lse [B, N, T] of the float64 oracle (rows that see no key: 0, -inf)."""
+    r = attention_oracle_f64(q, k, v, scale=scale, visible=visible, soft_cap=soft_cap)
+    return r["out"], r["lse"]
 
 
 @pytest.mark.parametrize("H, Hv, T, S, N, K, is_causal, options", MOSAIC_FORWARD_CASES)

@@ -9,6 +9,7 @@
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
 #   mosaicgqa  benchmarks/experiments.py mosaic-gqa (MQA/GQA, the dK/dV kernel's head splits)
 #   train  benchmarks/device_train.sh (the end-to-end training table)
+#   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
 #   scale  python -m pallas_flash.bench --suite scale on every GPU of the host (SCALE_ARGS)
@@ -16,7 +17,10 @@
 #          (e.g. "context=2:1 data=2:2 none:1"; none = one GPU, no mesh), MESH_ARGS adds flags
 # TEST_SPREAD=1 gives each test group one GPU of the host in turn (CUDA_VISIBLE_DEVICES), except
 # groups written all:ARGS. TEST_WORKERS=N runs the groups in one pytest over N processes instead
-# (TEST_MARK: its marker expression, default gpu).  TEST_GROUPS entries written any:ARGS run unmarked tests too.
+# (TEST_MARK: its marker expression, default gpu); with TEST_IDS=FILE it runs the node ids listed
+# in FILE (one per line, e.g. the ones a capped run did not reach) instead of TEST_GROUPS.
+# The whole gpu-marked suite takes ~15 min of one H200 at TEST_WORKERS=15: two calls.
+# TEST_GROUPS entries written any:ARGS run unmarked tests too.
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -33,9 +37,13 @@ for stage in ${@:-tests masks grid}; do
         # One pytest spread over TEST_WORKERS processes (pytest-xdist), every group's arguments
         # together; SIGINT at the cap still prints the summary of what ran.
         # One BLAS thread per worker: the oracle's einsums oversubscribe the cores otherwise.
+        # Node ids hold spaces and brackets: they go to pytest.main as a list, not through a shell.
+        ids_runner="import sys, pytest; ids = [l.strip() for l in open(sys.argv[1]) if l.strip()]; sys.exit(pytest.main(sys.argv[2:] + ids))"
+        if [ -n "${TEST_IDS:-}" ]; then run=(python3 -c "$ids_runner" "$TEST_IDS"); else run=(python3 -m pytest); fi
         OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
-        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} python3 -m pytest -n $TEST_WORKERS -v \
-          -m "${TEST_MARK:-gpu}" -p no:cacheprovider -p no:benchmark -rfE --tb=line ${TEST_GROUPS//;/ } \
+        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} "${run[@]}" -n $TEST_WORKERS -v \
+          -m "${TEST_MARK:-gpu}" -p no:cacheprovider -p no:benchmark -rfE --tb=line \
+          ${TEST_IDS:+--durations=20} $([ -z "${TEST_IDS:-}" ] && echo ${TEST_GROUPS//;/ }) \
           > $OUT/gpu_tests.log 2>&1
         unset XLA_PYTHON_CLIENT_PREALLOCATE
         grep -E "FAILED|ERROR|XPASS|passed|failed" $OUT/gpu_tests.log | tail -n 40
@@ -89,6 +97,13 @@ for stage in ${@:-tests masks grid}; do
       timeout ${EXP_TIMEOUT:-300} python3 benchmarks/experiments.py mosaic-gqa \
         --out $OUT/mosaic-gqa.jsonl > $OUT/mosaic-gqa.log 2>&1
       grep -c '"ms"' $OUT/mosaic-gqa.jsonl ;;
+    mla)
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/mla_timing.py $OUT/mla.jsonl > $OUT/mla.log 2>&1
+      tail -n 4 $OUT/mla.log ;;
+    extras)
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/sinks_dropout_timing.py $OUT/extras.jsonl \
+        > $OUT/extras.log 2>&1
+      tail -n 6 $OUT/extras.log ;;
     train)
       bash benchmarks/device_train.sh ;;
     tune)

@@ -3,8 +3,8 @@ saves (q, k, v, bias, mask arrays, out, lse) and the backward calls the kernels'
 cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
-(`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse),
-so either backward serves either forward.
+(`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse,
+log_sum), so either backward serves either forward.
 
 Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
 work on every path: the kernel passes inside the rules are themselves differentiable, their
@@ -94,22 +94,22 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 # heads.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    """(out, lse, log_sum): log_sum (the Triton forward's, `flash_forward`) lets the Triton
-    backward recompute tied logits exactly at any magnitude; None from the Mosaic forward."""
-    with_log_sum = config.forward == "triton"
-    results = _partition.partitioned(
-        _forward_shard,
-        config,
-        ("q", "kv", "v", "pair", "arrays", "sinks"),
-        ("o", "lse", "lse") if with_log_sum else ("o", "lse"),
-        q,
-        k,
-        v,
-        bias,
-        arrays,
-        sinks,
+    """(out, lse, log_sum): log_sum (each row's log softmax denominator relative to its max,
+    from either forward) lets either backward recompute tied logits exactly at any magnitude."""
+    return tuple(
+        _partition.partitioned(
+            _forward_shard,
+            config,
+            ("q", "kv", "v", "pair", "arrays", "sinks"),
+            ("o", "lse", "lse"),
+            q,
+            k,
+            v,
+            bias,
+            arrays,
+            sinks,
+        )
     )
-    return tuple(results) if with_log_sum else (*results, None)
 
 
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
@@ -127,6 +127,7 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             device=config.device,
             sinks=sinks,
             dropout=_dropout_of(arrays, config),
+            with_log_sum=True,
         )
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(
@@ -242,6 +243,7 @@ def _backward_one_head_dim(
             tiles=config.mosaic_backward_tiles,
             device=config.device,
             dropout=_dropout_of(arrays, config),
+            log_sum=log_sum,
         )
         return dq, dk, dv, None
     return flash_backward(

@@ -172,16 +172,16 @@ class BackwardTiles:
         dropout: bool = False,
     ) -> int:
         """K, V per consumer (split_dkv: one block of each, and the f32 P^T the consumers hand
-        over), the Q and dO ring, the lse and delta rows of the ring; with segment ids, each
-        consumer's copy of its key ids and a ring of query ids (int32); with head_splits > 1,
-        each consumer's f32 tile that stages its partial dK and dV; with dropout, a ring of the
-        query rows' two hashes and the CTA's key hashes (int32)."""
+        over), the Q and dO ring, the lse, bound and delta rows of the ring; with segment ids,
+        each consumer's copy of its key ids and a ring of query ids (int32); with head_splits >
+        1, each consumer's f32 tile that stages its partial dK and dV; with dropout, a ring of
+        the query rows' two hashes and the CTA's key hashes (int32)."""
         kv = 2 * self.cta_kv_rows * head_dim * itemsize
         if self.split_dkv:
             kv += self.block_kv_dkv * self.block_q_dkv * 4
         if head_splits > 1:
             kv += self.dkv_consumers * self.block_kv_dkv * head_dim * 4
-        ring = 2 * self.num_stages * self.block_q_dkv * (head_dim * itemsize + 4)
+        ring = self.num_stages * self.block_q_dkv * (2 * head_dim * itemsize + 3 * 4)
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
@@ -190,10 +190,10 @@ class BackwardTiles:
     def smem_bytes_dq(
         self, head_dim: int, itemsize: int, *, segments: bool = False, dropout: bool = False
     ) -> int:
-        """Q, dO and the lse and delta rows per consumer, the K and V ring; with segment ids,
-        the consumers' query ids and a ring of key ids (int32); with dropout, the consumers'
-        rows' two hashes and a ring of key hashes (int32)."""
-        q = 2 * self.cta_q_rows * (head_dim * itemsize + 4)
+        """Q, dO and the lse, bound and delta rows per consumer, the K and V ring; with segment
+        ids, the consumers' query ids and a ring of key ids (int32); with dropout, the
+        consumers' rows' two hashes and a ring of key hashes (int32)."""
+        q = self.cta_q_rows * (2 * head_dim * itemsize + 3 * 4)
         ring = 2 * self.num_stages * self.block_kv_dq * head_dim * itemsize
         ids = (self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4 if segments else 0
         hashes = (2 * self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4
@@ -355,6 +355,7 @@ def flash_backward(
     tiles: BackwardTiles | None = None,
     device: Device | None = None,
     dropout: tuple[float, jax.Array] | None = None,
+    log_sum: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU.
 
@@ -382,6 +383,10 @@ def flash_backward(
         (`pallas_flash._dropout`) is regenerated here. With Z = keep / (1 - rate) the forward
         computed O = (P * Z) V, so dV = (P * Z)^T dO and dS = P * (Z * dP - delta); out and
         lse are the forward's (lse of the un-dropped softmax).
+      log_sum: None, or float32 [B, N, T], the forward's log of each row's softmax denominator
+        relative to its largest logit (`flash_forward(..., with_log_sum=True)`, or the Triton
+        forward's): with it, the recomputed P is clamped at 1 / that denominator instead of 1,
+        so keys that tie at a row's max get their exact P (1 / n for n ties) at any magnitude.
 
     Returns:
       dq [B, T, N, H] and dk, dv [B, S, K, H] in q's dtype; dk and dv are summed over the query
@@ -439,11 +444,14 @@ def flash_backward(
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
-    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)), clamped at 1; the
-    # lowered reference keeps P of a row's dominant logit exact at any magnitude. Rows that saw
-    # no key (lse = -inf) get +inf, which makes their P exactly 0 whatever their logits.
+    # The kernels recompute P = exp2(min(S * scale * log2(e) - lse * log2(e), bound)), bound =
+    # -log2 of the row's softmax denominator relative to its max (0 without log_sum): the
+    # lowered reference puts the largest logits of a row on the clamp, so their P is exactly
+    # 1 / l at any magnitude (`_numerics.lowered_reference`). Rows that saw no key (lse = -inf)
+    # get +inf, which makes their P exactly 0 whatever their logits.
     lse = lse.astype(jnp.float32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse) * LOG2E)
+    bound = jnp.zeros_like(lse2) if log_sum is None else log_sum.astype(jnp.float32) * -LOG2E
     if segment_ids is not None or spec.is_causal or spec.window is not None:
         # Keys hidden from some rows (padding, other documents, past the diagonal or the
         # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the
@@ -464,6 +472,9 @@ def flash_backward(
     if lse_to != q_len:
         pad = ((0, 0), (0, 0), (0, lse_to - q_len))
         lse2, delta = jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
+        bound = jnp.pad(bound, pad)
+    # [B, N, 2, T'']: a tile's lse2 and bound rows land in one TMA copy.
+    lse2 = jnp.stack([lse2, bound], axis=2)
     dkv_ids = dq_ids = None
     if segment_ids is not None:
         q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
@@ -572,23 +583,27 @@ def _clip(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _probs(s, lse2, broadcast, *, qk_scale: float, scale: float, soft_cap):
-    """(P, P * dcap) of an f32 tile of logits s = q.k from lse2 = lse * log2(e) per query:
-    P = exp2(logit * log2(e) - lse2), dcap the soft cap's derivative 1 - tanh^2 (P itself
-    without a cap).
+def _probs(s, lse2, bound, broadcast, *, qk_scale: float, scale: float, soft_cap):
+    """(P, P * dcap) of an f32 tile of logits s = q.k from lse2 = lse * log2(e) (lowered) and
+    bound = -log2 of the softmax denominator relative to the max (0: unknown) per query:
+    P = exp2(min(logit * log2(e) - lse2, bound)), dcap the soft cap's derivative 1 - tanh^2
+    (P itself without a cap).
 
-    P <= 1: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2. lse2 is
-    +inf for rows that see no key and rows past T: P = 0 there. The capped logits are the
-    forward's (`forward._capped_logits`): tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1), whose
-    1 - tanh^2 = 4r(1 - r) stays exact as tanh nears +-1 (where 1 - tanh * tanh would cancel),
-    and is 0, not NaN, where exp2 overflows (r = 0) or underflows (r = 1).
+    P <= 1 / l: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2; the
+    lowered lse2 puts a row's largest logits on the clamp, so keys that tie at the max get
+    exactly 1 / l however their logits round. lse2 is +inf for rows that see no key and rows
+    past T: P = 0 there. The capped logits are the forward's (`forward._capped_logits`):
+    tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1), whose 1 - tanh^2 = 4r(1 - r) stays exact as
+    tanh nears +-1 (where 1 - tanh * tanh would cancel), and is 0, not NaN, where exp2
+    overflows (r = 0) or underflows (r = 1).
     """
+    lse2, bound = broadcast(lse2, s.shape), broadcast(bound, s.shape)
     if soft_cap is None:
-        p = jnp.exp2(jnp.minimum(s * qk_scale - broadcast(lse2, s.shape), 0.0))
+        p = jnp.exp2(jnp.minimum(s * qk_scale - lse2, bound))
         return p, p
     cap2 = soft_cap * LOG2E
     r = 1.0 / (jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)) + 1.0)
-    p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - broadcast(lse2, s.shape), 0.0))
+    p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - lse2, bound))
     return p, p * (4.0 * r * (1.0 - r))
 
 
@@ -683,7 +698,7 @@ def _dkv_call(
         v_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
         q_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
         do_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
-        lse_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
+        lse_smem=plgpu.SMEM((n_s, 2, block_q), jnp.float32),  # lse2 and bound rows
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         # Two TMA copies arrive on each: K and V (split: K or V); Q and its lse rows; dO and its
         # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q;
@@ -773,10 +788,10 @@ def _dkv_kernel(
     `group` of its query heads (all of them, or one of head_splits shares).
 
     q_ref, do_ref: [B, T', N, H]; k/v_ref: [B, S', K, H]; dk/dv_ref: [B, S', K, H], or with
-    head_splits > 1 f32 partials [B, S', K * head_splits, H]; lse2_ref (lse * log2(e), +inf
-    for rows without keys) and delta_ref: f32 [B, N, T'']. With segment ids, refs starts with
-    q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S / cta_kv_rows),
-    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0 the dropout
+    head_splits > 1 f32 partials [B, S', K * head_splits, H]; lse2_ref: f32 [B, N, 2, T''],
+    the rows' lse * log2(e) (+inf for rows without keys) and bound (`_probs`); delta_ref: f32
+    [B, N, T'']. With segment ids, refs starts with q_ids_ref [B, T'], kv_ids_ref [B, S'] and
+    plan_ref [B, ceil(S / cta_kv_rows), dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0 the dropout
     tables follow: drop_rows_ref [B, N, 2, T''] (the query rows' row_mul and row_add) and
     drop_col_ref [B, N, S'' / block_kv_dkv, block_kv_dkv] (the keys' col), each step's copied
     with its Q into the ring (the keys' of the step's head: the CTA's blocks). Grid axis
@@ -955,7 +970,8 @@ def _produce_dkv(
         )
         pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(ring.q_free.at[slot]))
         plgpu.copy_gmem_to_smem(q_ref.at[rows], ring.q_smem.at[slot], ring.q_ready.at[slot])
-        plgpu.copy_gmem_to_smem(lse2_ref.at[vector], ring.lse_smem.at[slot], ring.q_ready.at[slot])
+        lse_rows = lse2_ref.at[batch, head, :, pl.ds(q_start, block_q)]
+        plgpu.copy_gmem_to_smem(lse_rows, ring.lse_smem.at[slot], ring.q_ready.at[slot])
         if q_ids_ref is not None:
             ids = q_ids_ref.at[batch, pl.ds(q_start, block_q)]
             plgpu.copy_gmem_to_smem(ids, ring.q_ids_smem.at[slot], ring.q_ready.at[slot])
@@ -1069,9 +1085,11 @@ def _consume_dkv(
             return acc_ref[...]
 
         s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
-        lse2 = plgpu.load(ring.lse_smem.at[slot], layout=col_layout)
+        lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=col_layout) for j in (0, 1))
         # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
-        p_t, pd_t = _probs(s_t, lse2, _cols, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
+        p_t, pd_t = _probs(
+            s_t, lse2, bound, _cols, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap
+        )
         if masked:
             # A select, not a product: NaN in K at a hidden key is in S^T.
             visible = visible_in(i, slot)
@@ -1293,7 +1311,7 @@ def _dq_call(
     scratch = dict(
         q_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
         do_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
-        lse_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
+        lse_smem=plgpu.SMEM((n_c, 2, block_q), jnp.float32),  # lse2 and bound rows
         delta_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
         k_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
         v_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
@@ -1423,7 +1441,8 @@ def _dq_kernel(
         lse_smem_c, delta_smem_c = lse_smem.at[wg], delta_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem_c, q_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem_c, q_loaded.at[wg])
-        plgpu.copy_gmem_to_smem(lse2_ref.at[vector], lse_smem_c, q_loaded.at[wg])
+        lse_rows = lse2_ref.at[batch, head, :, pl.ds(q_start, tiles.block_q_dq)]
+        plgpu.copy_gmem_to_smem(lse_rows, lse_smem_c, q_loaded.at[wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem_c, q_loaded.at[wg])
         q_ids_smem_c = None
         if q_ids_ref is not None:
@@ -1515,7 +1534,7 @@ def _consume_dq(
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     tile_shape = (block_q, block_kv)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    lse2 = plgpu.load(lse_smem, layout=row_layout)
+    lse2, bound = (plgpu.load(lse_smem.at[j], layout=row_layout) for j in (0, 1))
     delta = plgpu.load(delta_smem, layout=row_layout)
     q_seg = None if q_ids_smem is None else plgpu.load(q_ids_smem, layout=row_layout)
     drop_rows = None
@@ -1554,7 +1573,7 @@ def _consume_dq(
         )
         plgpu.barrier_arrive(ring.v_free.at[slot])
         # dS = P * dcap * (dP - delta): only P * dcap is needed here.
-        _, pd = _probs(s, lse2, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
+        _, pd = _probs(s, lse2, bound, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
         delta_t = _rows(delta, tile_shape)
         if drop_rows is None:
             ds = pd * (dp - delta_t)

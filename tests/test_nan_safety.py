@@ -27,6 +27,7 @@ from conftest import (
     attention_oracle_f64,
     backend_paths,
     has_gpu,
+    has_hopper,
     to64,
     uniform_block_sizes,
 )
@@ -439,8 +440,8 @@ def check_tied_huge_logits(results, args, scale, visible, dtype):
 def test_tied_huge_logits(path, dtype, is_causal):
     """Keys that tie at their rows' max at |logits| ~1e7 and ~1e9 get P = 1/3 each in every
     backward (Mosaic's included, after either forward): gradients as float64's."""
-    if not SWEEP and path.interpreted and (dtype, is_causal) != (jnp.bfloat16, False):
-        pytest.skip("slow on CPU: PALLAS_FLASH_SWEEP=1")
+    if not SWEEP and not path.gpu and (dtype, is_causal) != (jnp.bfloat16, False):
+        pytest.skip("CI time: PALLAS_FLASH_SWEEP=1")
     args, scale, visible = tied_huge_logits(dtype, is_causal)
     q, k, v, d_out, d_lse = args
     with path.scope():
@@ -450,10 +451,15 @@ def test_tied_huge_logits(path, dtype, is_causal):
     check_tied_huge_logits([out, lse, *grads], args, scale, visible, dtype)
 
 
-def test_tied_huge_logits_triton_backward_after_mosaic_forward_interpreted():
+@pytest.mark.parametrize(
+    "interpreted", [True, pytest.param(False, marks=pytest.mark.gpu)], ids=["interpret", "gpu"]
+)
+def test_tied_huge_logits_triton_backward_after_mosaic_forward(interpreted):
     """The Triton backward after the Mosaic forward (KernelConfig forward="mosaic",
     backward="triton") takes the Mosaic forward's log_sum: tied keys at ~1e7 and ~1e9 get
     their exact P."""
+    if not interpreted and not has_hopper():
+        pytest.skip("the Mosaic GPU kernels need sm_90")
     from pallas_flash._vjp import KernelConfig, flash_attention_kernels
     from pallas_flash.masks import MaskArrays, MaskSpec
 
@@ -464,14 +470,14 @@ def test_tied_huge_logits_triton_backward_after_mosaic_forward_interpreted():
         spec=MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], is_causal=False),
         scale=scale,
         block_sizes=uniform_block_sizes(64),
-        interpret=True,
+        interpret=interpreted,
         forward="mosaic",
         backward="triton",
     )
 
-    # The Mosaic forward in jax's Mosaic GPU interpreter, the Triton backward in the Pallas
-    # interpreter: the first traces its kernel inside the context, the second outside.
-    with interpret_mosaic():
+    # Interpreted: the Mosaic forward in jax's Mosaic GPU interpreter, the Triton backward in
+    # the Pallas interpreter (the first traces its kernel inside the context, the second outside).
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
         (out, lse), vjp = jax.vjp(
             lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config), q, k, v
         )

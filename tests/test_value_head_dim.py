@@ -321,7 +321,7 @@ def test_mosaic_budgets_count_both_head_dims():
     tiles = mosaic_tiles.ForwardTiles(block_q=64, block_kv=64, num_stages=2)
     rows = tiles.cta_rows
     assert tiles.smem_bytes(192, 2, value_head_dim=128) == (
-        rows * 192 * 2 + rows * 128 * 2 + 2 * 64 * (192 + 128) * 2 + rows * 4
+        rows * 192 * 2 + rows * 128 * 2 + 2 * 64 * (192 + 128) * 2 + 2 * rows * 4
     )
     assert tiles.smem_bytes(192, 2, value_head_dim=192) == tiles.smem_bytes(192, 2)
     wide = mosaic_tiles.ForwardTiles(block_q=128, block_kv=128, num_stages=2)

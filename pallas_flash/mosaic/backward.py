@@ -791,7 +791,8 @@ def _dkv_kernel(
     head_splits > 1 f32 partials [B, S', K * head_splits, H]; lse2_ref: f32 [B, N, 2, T''],
     the rows' lse * log2(e) (+inf for rows without keys) and bound (`_probs`); delta_ref: f32
     [B, N, T'']. With segment ids, refs starts with q_ids_ref [B, T'], kv_ids_ref [B, S'] and
-    plan_ref [B, ceil(S / cta_kv_rows), dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0 the dropout
+    plan_ref [B, ceil(S / cta_kv_rows), dkv_key_blocks + 1, 4] (`schedule.tile_plan`
+    over="kv"). With dropout_rate > 0 the dropout
     tables follow: drop_rows_ref [B, N, 2, T''] (the query rows' row_mul and row_add) and
     drop_col_ref [B, N, S'' / block_kv_dkv, block_kv_dkv] (the keys' col), each step's copied
     with its Q into the ring (the keys' of the step's head: the CTA's blocks). Grid axis

@@ -1,6 +1,7 @@
 """The autodiff of pallas_flash: one jax.custom_vjp per path. On the kernel path the forward
-saves (q, k, v, bias, mask arrays, out, lse) and the backward calls the kernels' backward with the
-cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp reference.
+saves (q, k, v, bias, mask arrays, out, lse, log_sum) and the backward calls the kernels' backward
+with the cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp
+reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
 (`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse,

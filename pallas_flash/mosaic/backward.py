@@ -21,7 +21,7 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
 
 Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
 result is bitwise deterministic. The residuals are those of `pallas_flash.mosaic.forward` (and
-of the Triton forward): out, and lse natural-log f32.
+of the Triton forward): out, lse natural-log f32, and log_sum (`flash_backward`).
 
 Masks are the forward's (causal, local windows, segment ids with sequence lengths folded in, a
 soft cap), from `pallas_flash.masks`: a CTA's producer streams the tiles of the hull of its

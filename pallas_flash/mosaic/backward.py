@@ -248,8 +248,7 @@ def head_splits(
     wants two CTAs per SM. A non-causal grid's CTAs are equal, so one wave of them is as good
     as more: it splits only below half a wave, up to one. Splitting adds CTAs without adding
     Q/dO traffic (each streams only its share of the heads); it costs writing and summing the
-    f32 partials. On the H200 (MQA, B=8, 2k, 128 CTAs): causal 4 splits 2.57 ms against 1's
-    2.92 (cuDNN 2.49); non-causal 4 splits 4.07 ms against 1's 3.99 (benchmarks/NOTES.md)."""
+    f32 partials (measured in benchmarks/NOTES.md, "Head splits in the dK/dV kernel")."""
     if tiles.dkv_head_splits:
         return tiles.dkv_head_splits
     batch, _, num_heads, head_dim = q_shape

@@ -122,6 +122,8 @@ BLOCK_SIZES = {
 # Set (to anything) to run the matrix's slow cases too (the interpreters at larger sizes); the
 # property sweep reads it as its number of examples.
 SWEEP = bool(os.environ.get("PALLAS_FLASH_SWEEP"))
+# Cases that others cover in CI, run with PALLAS_FLASH_SWEEP (slow on the 2-core CI machine).
+SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="covered in CI by others: PALLAS_FLASH_SWEEP=1")
 
 
 def has_hopper() -> bool:

@@ -141,7 +141,9 @@ def _mask_of_kernel(path, rng, block_sizes, *, q_len=40, kv_len=64, heads=2):
     return np.transpose(kept, (0, 2, 1, 3))  # [B, N, T, S]
 
 
-@pytest.mark.parametrize("interpret", [False, True], ids=["xla", "triton-interpret"])
+@pytest.mark.parametrize(
+    "interpret", [pytest.param(False, marks=SWEEP_ONLY), True], ids=["xla", "triton-interpret"]
+)
 def test_broadcast_mask_is_one_for_every_batch_entry_and_head(interpret):
     """dropout_broadcast=True (Flax's broadcast_dropout): the kernels apply one [T, S] keep-mask
     to every (batch entry, head), the shared seeds' mask; without it the heads' masks differ."""
@@ -266,7 +268,9 @@ def test_mask_statistics_look_like_independent_draws():
         assert binomial_checks(poor, 0.1), name
 
 
-@pytest.mark.parametrize("path", backend_paths(gpu=False, exclude=("mosaic-interpret",)))
+@pytest.mark.parametrize(
+    "path", backend_paths(gpu=False, exclude=("mosaic-interpret",), sweep=("xla",))
+)
 def test_rate_zero_is_the_plain_call_and_a_key_reproduces(path):
     keys = jax.random.split(jax.random.key(5), 3)
     q = jax.random.normal(keys[0], (1, 21, 2, 8))

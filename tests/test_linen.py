@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import SWEEP_ONLY
 from flax_helpers import (
     FEATURES,
     HEADS,
@@ -59,7 +60,7 @@ def flax_module(**kwargs):
 # -- the drop-in function in Flax's own module ----------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["causal_mask", "padding_mask"])
+@pytest.mark.parametrize("case", [pytest.param("causal_mask", marks=SWEEP_ONLY), "padding_mask"])
 def test_dropin_function_in_flax_module(case):
     """A float Flax mask reaches the kernels' mask path (linen passes only named keywords)."""
     x = inputs()
@@ -90,7 +91,7 @@ def test_dropin_function_in_flax_module(case):
 # -- the module subclass --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("case", ["is_causal", "causal_segments"])
+@pytest.mark.parametrize("case", ["is_causal", pytest.param("causal_segments", marks=SWEEP_ONLY)])
 def test_module_matches_flax(case):
     """The subclass with is_causal (fast path) and segment ids equals Flax's module with masks."""
     x = inputs()

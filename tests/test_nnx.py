@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from conftest import SWEEP_ONLY
 from flax import nnx
 from flax_helpers import (
     FEATURES,
@@ -189,6 +190,7 @@ def test_sow_weights_takes_flax_path(fresh_warnings):
 # -- the function on its own ----------------------------------------------------------------------
 
 
+@SWEEP_ONLY
 def test_function_gqa_against_repeated_kv():
     """K = N / 2 kv heads, causal, with a per-head bool mask: equals Flax on repeated kv heads."""
     keys = jax.random.split(jax.random.key(3), 5)

@@ -30,3 +30,12 @@ SLACK_FROM = 1024.0
 def lowered_reference(lse):
     """lse (float32, natural log) lowered by BACKWARD_SLACK of its magnitude beyond SLACK_FROM."""
     return lse - jnp.maximum(jnp.abs(lse) - SLACK_FROM, 0.0) * BACKWARD_SLACK
+
+
+def probability_bound(log_sum, lse):
+    """The clamp of a backward's recomputed P in log2 units, float32 shaped as lse: -log2 of each
+    row's softmax denominator relative to its max (log_sum, a forward's), so P <= 1 / l and keys
+    that tie at the max get exactly 1 / n; 0 (P <= 1) without log_sum."""
+    if log_sum is None:
+        return jnp.zeros(lse.shape, jnp.float32)
+    return log_sum.astype(jnp.float32) * -LOG2E

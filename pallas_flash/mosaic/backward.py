@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LOG2E, lowered_reference
+from pallas_flash._numerics import LOG2E, lowered_reference, probability_bound
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
@@ -258,8 +258,9 @@ def head_splits(
     smem = tiles.smem_bytes_dkv(
         kernel_head_dim(head_dim), itemsize, segments=segments, head_splits=2, dropout=dropout
     )
-    wanted = 2 * num_sms if causal else num_sms
-    if smem > SMEM_BYTES or ctas >= (num_sms if causal else -(-num_sms // 2)):
+    # The CTAs a grid wants, and from how many it is left unsplit.
+    wanted, enough = (2 * num_sms, num_sms) if causal else (num_sms, cdiv(num_sms, 2))
+    if smem > SMEM_BYTES or ctas >= enough:
         return 1
     return next(
         d for d in range(1, group + 1) if group % d == 0 and (ctas * d >= wanted or d == group)
@@ -450,7 +451,7 @@ def flash_backward(
     # get +inf, which makes their P exactly 0 whatever their logits.
     lse = lse.astype(jnp.float32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse) * LOG2E)
-    bound = jnp.zeros_like(lse2) if log_sum is None else log_sum.astype(jnp.float32) * -LOG2E
+    bound = probability_bound(log_sum, lse)
     if segment_ids is not None or spec.is_causal or spec.window is not None:
         # Keys hidden from some rows (padding, other documents, past the diagonal or the
         # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LOG2E, lowered_reference
+from pallas_flash._numerics import lowered_reference, probability_bound
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -509,7 +509,7 @@ def flash_backward(
         jnp.isneginf(lse), jnp.inf, lowered_reference(lse) / logit_unit(scale, has_bias, soft_cap)
     )
     # P's clamp, in log2 units: P <= 1 / l.
-    bound = jnp.zeros_like(lse_u) if log_sum is None else log_sum.astype(jnp.float32) * -LOG2E
+    bound = probability_bound(log_sum, lse)
 
     # -- dK, dV: grid over KV tiles, each summing over its group's query heads --
     block_q, block_kv = tile_sizes(block_sizes.block_q_dkv, q_len, block_sizes.block_kv_dkv, kv_len)

@@ -19,6 +19,10 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
 
+V, out, dO and dV may have a head dim Hv of their own (multi-head latent attention's 192/128),
+taken as it is: the tiles of V and dO, the dV accumulator and dP = dO V^T's contraction are Hv
+wide, those of Q, K, dQ and dK H wide.
+
 Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
 result is bitwise deterministic. The residuals are those of `pallas_flash.mosaic.forward` (and
 of the Triton forward): out, and lse natural-log f32.

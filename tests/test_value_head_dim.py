@@ -359,7 +359,8 @@ def test_mosaic_budgets_count_both_head_dims():
 def test_the_dispatch_runs_mla_on_the_mosaic_forward():
     """On an H200 the default kernels of MLA's (192, 128) are the Mosaic forward and backward,
     both at both head dims (the backward's tiles those of 192); a value head dim the Mosaic
-    forward does not take (Hv = 32) goes to Triton for both passes."""
+    forward does not take (Hv = 32) goes to Triton for both passes, and backend="mosaic"
+    refuses it naming it (the backward takes every pair the forward takes)."""
     spec = masks.MaskSpec(q_len=4096, kv_len=4096, is_causal=True)
     mla = Call(
         q_shape=(2, 4096, 16, 192), k_shape=(2, 4096, 16, 192), dtype=jnp.bfloat16, spec=spec,
@@ -379,6 +380,8 @@ def test_the_dispatch_runs_mla_on_the_mosaic_forward():
     )
     odd_config = dispatch.choose(odd, Device.h200(), scale=0.1)
     assert (odd_config.forward, odd_config.backward) == ("triton", "triton")
+    with pytest.raises(NotImplementedError, match=r"backend='mosaic' .*value_head_dim=32"):
+        dispatch.choose(odd, Device.h200(), scale=0.1, backend="mosaic")
 
 
 @pytest.mark.gpu
@@ -593,7 +596,7 @@ def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
     segment_ids = None if c.kind is None else (arrays.q_segment_ids, arrays.kv_segment_ids)
     backward = functools.partial(
         mosaic_backward.flash_backward, scale=scale, is_causal=c.is_causal, window=c.window,
-        soft_cap=c.soft_cap, segment_ids=segment_ids, tiles=c.tiles, device=Device.h200(),
+        soft_cap=c.soft_cap, segment_ids=segment_ids, tiles=c.tiles,
     )  # fmt: skip
     with interpret_mosaic() if interpreted else contextlib.nullcontext():
         grads = jax.jit(backward)(q, k, v, out, lse, d_out, d_lse)

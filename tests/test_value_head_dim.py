@@ -53,7 +53,6 @@ from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.mosaic import tiles as mosaic_tiles
 from pallas_flash.mosaic.forward import flash_forward
-from pallas_flash.reference import reference_attention
 
 SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
 
@@ -523,7 +522,7 @@ def _tiles(split_dkv=False, dkv_head_splits=0):
 
 MOSAIC_BACKWARD_CASES = [
     pytest.param(
-        BackwardCase(192, 128, 2, 100, 130, 2, 1, True, kind="packed-lengths", poison=True),
+        BackwardCase(192, 128, 2, 70, 90, 2, 1, True, kind="packed-lengths", poison=True),
         id="mla-mqa-causal-lengths-nan",
     ),
     pytest.param(
@@ -560,17 +559,19 @@ MOSAIC_BACKWARD_CASES = [
 
 
 def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
-    """flash_backward of case c (on the "xla" reference's out and lse) against the float64
-    oracle, within twice plain bfloat16 attention's error: dq [B, T, N, H], dk [B, S, K, H], dv
-    [B, S, K, Hv]; rows that see no key have dq exactly 0, keys no row sees dk and dv 0."""
+    """flash_backward of case c (on the float64 oracle's out, rounded to bfloat16, and lse)
+    against the float64 oracle, within twice plain bfloat16 attention's error: dq [B, T, N, H],
+    dk [B, S, K, H], dv [B, S, K, Hv]; rows that see no key have dq exactly 0, keys no row sees
+    dk and dv 0."""
     scale = 1.0 / np.sqrt(c.H)
     rng = np.random.default_rng(4)
     shapes = ((c.B, c.T, c.N, c.H), (c.B, c.S, c.K, c.H), (c.B, c.S, c.K, c.Hv))
+    # Rounded in numpy (ml_dtypes): each eager jnp op would compile a program on CPU.
     q, k_clean, v_clean, d_out = (
-        jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+        rng.standard_normal(shape).astype(jnp.bfloat16)
         for shape in (*shapes, (c.B, c.T, c.N, c.Hv))
     )
-    d_lse = jnp.asarray(rng.standard_normal((c.B, c.N, c.T)), jnp.float32)
+    d_lse = rng.standard_normal((c.B, c.N, c.T)).astype(np.float32)
     arrays = masks.MaskArrays() if c.kind is None else segment_arrays(c.kind, c.B, c.T, c.S)
     visible = np.asarray(masks.dense(c.spec, arrays))  # [B|1, 1, T, S]
     hidden_keys = np.broadcast_to(~visible.any(axis=-2)[:, 0], (c.B, c.S))
@@ -579,16 +580,14 @@ def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
         assert hidden_keys.any()
         hidden = hidden_keys[..., None, None]
         k, v = (
-            jnp.where(hidden, jnp.where(jnp.arange(x.shape[-1]) % 2, jnp.nan, jnp.inf), x)
+            np.where(hidden, np.where(np.arange(x.shape[-1]) % 2, np.nan, np.inf), x).astype(
+                x.dtype
+            )
             for x in (k, v)
         )
-    f64 = [np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k_clean, v_clean, d_out)]
-    oracle = attention_oracle_f64(
-        *f64, np.asarray(d_lse, np.float64), scale=scale, visible=visible, soft_cap=c.soft_cap
-    )
-    out, lse = jax.jit(
-        functools.partial(reference_attention, spec=c.spec, scale=scale, soft_cap=c.soft_cap)
-    )(q, k_clean, v_clean, None, arrays)
+    f64 = [x.astype(np.float64) for x in (q, k_clean, v_clean, d_out, d_lse)]
+    oracle = attention_oracle_f64(*f64, scale=scale, visible=visible, soft_cap=c.soft_cap)
+    out, lse = oracle["out"].astype(jnp.bfloat16), oracle["lse"].astype(np.float32)
     plain = functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=c.soft_cap)
     baselines = jax.jit(functools.partial(outputs_and_grads, plain))(
         q, k_clean, v_clean, d_out, d_lse
@@ -600,7 +599,7 @@ def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
     )  # fmt: skip
     with interpret_mosaic() if interpreted else contextlib.nullcontext():
         grads = jax.jit(backward)(q, k, v, out, lse, d_out, d_lse)
-        grads = [np.asarray(g.astype(jnp.float32)) for g in grads]
+        grads = [np.asarray(g).astype(np.float32) for g in grads]
     dq, dk, dv = grads
     assert (dq.shape, dk.shape, dv.shape) == (shapes[0], shapes[1], shapes[2])
     for name, x in zip(("dq", "dk", "dv"), grads, strict=True):

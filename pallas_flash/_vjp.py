@@ -137,9 +137,9 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
 
 
 def _common_head_dim(*xs):
-    """xs zero-padded to their largest head dim: the backward kernels take one head dim, and run
-    a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the gradients'
-    extra columns are cut off)."""
+    """xs zero-padded to their largest head dim: the Triton backward takes one head dim, and
+    runs a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the
+    gradients' extra columns are cut off)."""
     h = max(x.shape[-1] for x in xs)
     return tuple(
         x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
@@ -213,20 +213,17 @@ def _backward_shard(
     q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
 ):
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
-    if head_dim == value_head_dim:
-        return _backward_one_head_dim(
-            q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config
-        )
+    # The Mosaic backward takes Hv != H as it is; the Triton backward takes one head dim.
+    if head_dim == value_head_dim or config.backward == "mosaic":
+        return _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config)
     padded = _common_head_dim(q, k, v, out, d_out)
-    dq, dk, dv, dbias = _backward_one_head_dim(
+    dq, dk, dv, dbias = _backward_call(
         *padded[:3], bias, arrays, *padded[3:4], lse, log_sum, padded[4], d_lse, config=config
     )
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
 
 
-def _backward_one_head_dim(
-    q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
-):
+def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,

@@ -87,10 +87,10 @@ class ForwardTiles:
         value_head_dim: int | None = None,
     ) -> int:
         """Shared memory of one CTA at the head dims of q/k and of v (value_head_dim; None:
-        head_dim): Q per consumer (twice when persistent), which holds
-        the output tile when the two head dims are equal, else an output tile per consumer;
-        the K and V rings; the lse rows and, with segment ids, the consumers' query ids (as Q)
-        and a ring of KV ids (int32)."""
+        head_dim): Q per consumer (twice when persistent), which holds the output tile when the
+        two head dims are equal, else an output tile per consumer; the K and V rings; the lse
+        rows and, with segment ids, the consumers' query ids (as Q) and a ring of KV ids
+        (int32)."""
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         q = self.q_buffers * self.cta_rows * head_dim * itemsize
         out = 0 if value_head_dim == head_dim else self.cta_rows * value_head_dim * itemsize

@@ -1,10 +1,11 @@
 """The autodiff of pallas_flash: one jax.custom_vjp per path. On the kernel path the forward
-saves (q, k, v, bias, mask arrays, out, lse) and the backward calls the kernels' backward with the
-cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp reference.
+saves (q, k, v, bias, mask arrays, out, lse, log_sum) and the backward calls the kernels' backward
+with the cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp
+reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
-(`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse),
-so either backward serves either forward.
+(`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse,
+log_sum), so either backward serves either forward.
 
 Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
 work on every path: the kernel passes inside the rules are themselves differentiable, their
@@ -94,22 +95,22 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
 # heads.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    """(out, lse, log_sum): log_sum (the Triton forward's, `flash_forward`) lets the Triton
-    backward recompute tied logits exactly at any magnitude; None from the Mosaic forward."""
-    with_log_sum = config.forward == "triton"
-    results = _partition.partitioned(
-        _forward_shard,
-        config,
-        ("q", "kv", "v", "pair", "arrays", "sinks"),
-        ("o", "lse", "lse") if with_log_sum else ("o", "lse"),
-        q,
-        k,
-        v,
-        bias,
-        arrays,
-        sinks,
+    """(out, lse, log_sum): log_sum (each row's log softmax denominator relative to its max,
+    from either forward) lets either backward recompute tied logits exactly at any magnitude."""
+    return tuple(
+        _partition.partitioned(
+            _forward_shard,
+            config,
+            ("q", "kv", "v", "pair", "arrays", "sinks"),
+            ("o", "lse", "lse"),
+            q,
+            k,
+            v,
+            bias,
+            arrays,
+            sinks,
+        )
     )
-    return tuple(results) if with_log_sum else (*results, None)
 
 
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
@@ -127,6 +128,7 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             device=config.device,
             sinks=sinks,
             dropout=_dropout_of(arrays, config),
+            with_log_sum=True,
         )
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(
@@ -135,9 +137,9 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
 
 
 def _common_head_dim(*xs):
-    """xs zero-padded to their largest head dim: the backward kernels take one head dim, and run
-    a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the gradients'
-    extra columns are cut off)."""
+    """xs zero-padded to their largest head dim: the Triton backward takes one head dim, and
+    runs a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the
+    gradients' extra columns are cut off)."""
     h = max(x.shape[-1] for x in xs)
     return tuple(
         x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
@@ -211,20 +213,17 @@ def _backward_shard(
     q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
 ):
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
-    if head_dim == value_head_dim:
-        return _backward_one_head_dim(
-            q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config
-        )
+    # The Mosaic backward takes Hv != H as it is; the Triton backward takes one head dim.
+    if head_dim == value_head_dim or config.backward == "mosaic":
+        return _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config)
     padded = _common_head_dim(q, k, v, out, d_out)
-    dq, dk, dv, dbias = _backward_one_head_dim(
+    dq, dk, dv, dbias = _backward_call(
         *padded[:3], bias, arrays, *padded[3:4], lse, log_sum, padded[4], d_lse, config=config
     )
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
 
 
-def _backward_one_head_dim(
-    q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
-):
+def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig):
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,
@@ -242,6 +241,7 @@ def _backward_one_head_dim(
             tiles=config.mosaic_backward_tiles,
             device=config.device,
             dropout=_dropout_of(arrays, config),
+            log_sum=log_sum,
         )
         return dq, dk, dv, None
     return flash_backward(

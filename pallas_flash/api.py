@@ -66,9 +66,10 @@ def flash_attention(
     N = 8 and K = 2 (GQA), heads 0-3 read kv head 0 and heads 4-7 read kv head 1; K = 1 is MQA.
     T and S are any lengths >= 1 (T != S allowed); H and Hv are multiples of 8 up to 256 (Hv is
     usually H; multi-head latent attention takes H = 192, Hv = 128). The forwards (Mosaic,
-    Triton, "xla") take Hv natively: P.V and the output cost Hv columns, not H; the backward
-    kernels run on q, k and v zero-padded to max(H, Hv). Dtypes are float16, bfloat16 or
-    float32 (all three arrays the same). Softmax and accumulation run in float32.
+    Triton, "xla") and the Mosaic backward take Hv natively: P.V, dO.V^T, dV and the output
+    cost Hv columns, not H; the Triton backward runs on q, k and v zero-padded to max(H, Hv).
+    Dtypes are float16, bfloat16 or float32 (all three arrays the same). Softmax and
+    accumulation run in float32.
 
     Args:
       query, key, value: the arrays above.

@@ -46,8 +46,8 @@ class Call:
         return self.head_dim if self.value_head_dim is None else self.value_head_dim
 
     def common_head_dim(self) -> Call:
-        """This call with q, k and v at one head dim, max(H, Hv): how the kernels that take a
-        single head dim run it (zero columns leave q.k and P.V unchanged)."""
+        """This call with q, k and v at one head dim, max(H, Hv): how the Triton backward, which
+        takes a single head dim, runs it (zero columns leave q.k and P.V unchanged)."""
         if self.value_head_dim is None:
             return self
         h = max(self.head_dim, self.value_head_dim)

@@ -93,8 +93,8 @@ def choose(
       NotImplementedError: backend="mosaic" for a call its forward does not run.
     """
     kind = kernel_backend(backend, device, interpret)
-    # The backward kernels run a value head dim Hv != H at max(H, Hv) (their wrapper zero-pads)
-    # and the Triton forward shares their BlockSizes: Triton's tiles are that head dim's.
+    # The Triton backward runs a value head dim Hv != H at max(H, Hv) (its wrapper zero-pads)
+    # and the Triton forward shares its BlockSizes: Triton's tiles are that head dim's.
     one_head_dim = call.common_head_dim()
     if kind == "xla":
         if block_sizes is not None:
@@ -217,8 +217,7 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
         return "triton"
     if mosaic.why_not_backward(call, device, tiles):
         return "triton"
-    head_dim = call.common_head_dim().head_dim  # the backward's
-    short = head_dim == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
+    short = max(call.head_dim, call.v_head_dim) == 64 and call.kv_len < MOSAIC_BACKWARD_MIN_KV_LEN
     if short and kind != "mosaic":
         return "triton"
     return "mosaic"

@@ -408,7 +408,18 @@ def oracle_on_device() -> bool:
 
 
 def attention_oracle_f64(
-    q, k, v, d_out=None, d_lse=None, *, scale, visible, bias=None, soft_cap=None
+    q,
+    k,
+    v,
+    d_out=None,
+    d_lse=None,
+    *,
+    scale,
+    visible,
+    bias=None,
+    soft_cap=None,
+    keep=None,
+    rate=0.0,
 ):
     """The float64 oracle of every test: out [B, T, N, H], lse [B, N, T] and, with cotangents
     d_out [B, T, N, H] and d_lse [B, N, T], dq, dk, dv and dlogits [B, N, T, S] (the caller sums
@@ -418,24 +429,29 @@ def attention_oracle_f64(
     to [B, N, T, S]). Backward: dP = dO V^T, dS = P (dP - rowsum(dO O) + dlse) (1 - tanh^2 under
     the soft cap), dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO, the last two summed over the
     query heads of each kv head's group.
+
+    With dropout's keep-mask `keep` ([B, N, T, S], bool) and `rate`: P.V takes P * Z, Z = keep /
+    (1 - rate), and so do dV and dP (dS = P (Z dP - rowsum(dO O) + dlse)); lse is the
+    un-dropped softmax's.
     """
-    arrays = [q, k, v, d_out, d_lse, visible, bias]
+    arrays = [q, k, v, d_out, d_lse, visible, bias, keep]
     arrays = [None if x is None else np.asarray(x) for x in arrays]
     arrays = [x if x is None or x.dtype == bool else x.astype(np.float64) for x in arrays]
     if not oracle_on_device():
         with np.errstate(divide="ignore"):  # log(0) of the empty rows, replaced by -inf
-            return _oracle(np, *arrays, scale=scale, soft_cap=soft_cap)
+            return _oracle(np, *arrays, scale=scale, soft_cap=soft_cap, rate=rate)
     with jax.enable_x64(True):
         result = _oracle(
             jnp,
             *(None if x is None else jnp.asarray(x) for x in arrays),
             scale=scale,
             soft_cap=soft_cap,
+            rate=rate,
         )
         return {name: np.asarray(x) for name, x in result.items()}
 
 
-def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, *, scale, soft_cap):
+def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, keep=None, *, scale, soft_cap, rate=0.0):
     """attention_oracle_f64 in the array module xp (numpy, or jax.numpy under float64)."""
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
     k_n, v_n = (xp.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k, v))
@@ -454,11 +470,15 @@ def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, *, scale, soft_cap):
     row_sum = xp.where(empty, 1.0, row_sum)
     probs = unnormalised / row_sum
     lse = xp.where(empty, -xp.inf, row_max + xp.log(row_sum))[..., 0]
-    out = xp.einsum("bnts,bsnh->btnh", probs, v_n, optimize=True)
+    # Dropout's P * Z (Z = keep / (1 - rate)) where P.V and its derivatives use P.
+    dropped = probs if keep is None else xp.where(keep, probs * (1.0 / (1.0 - rate)), 0.0)
+    out = xp.einsum("bnts,bsnh->btnh", dropped, v_n, optimize=True)
     result = {"out": out, "lse": lse}
     if d_out is None:
         return result
     d_probs = xp.einsum("btnh,bsnh->bnts", d_out, v_n, optimize=True)
+    if keep is not None:
+        d_probs = xp.where(keep, d_probs * (1.0 / (1.0 - rate)), 0.0)
     delta = xp.einsum("btnh,btnh->bnt", d_out, out, optimize=True)
     d_logits = probs * (d_probs - delta[..., None] + d_lse[..., None]) * d_cap
 
@@ -468,7 +488,7 @@ def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, *, scale, soft_cap):
 
     result["dq"] = scale * xp.einsum("bnts,bsnh->btnh", d_logits, k_n, optimize=True)
     result["dk"] = group_sum(scale * xp.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True))
-    result["dv"] = group_sum(xp.einsum("bnts,btnh->bsnh", probs, d_out, optimize=True))
+    result["dv"] = group_sum(xp.einsum("bnts,btnh->bsnh", dropped, d_out, optimize=True))
     result["dlogits"] = d_logits
     return result
 

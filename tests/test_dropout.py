@@ -19,9 +19,9 @@ from conftest import (
     Problem,
     assert_bitwise_equal,
     assert_within_tolerance,
+    attention_oracle_f64,
     backend_paths,
     masked_in_dtype,
-    oracle_on_device,
     outputs_and_grads,
     random_inputs,
     to64,
@@ -49,80 +49,13 @@ def dropout_oracle_f64(
     """float64 out, lse, dq, dk, dv, dbias of softmax attention whose P.V uses P * Z, Z = keep /
     (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's. logits = soft_cap(scale q.k +
     bias), visible broadcastable to [B, N, T, S]. Rows that see no key: out 0, lse -inf,
-    gradients 0. numpy arrays; computed as conftest's oracle is (on the GPU where there is
+    gradients 0. conftest's oracle with a keep-mask (numpy arrays; on the GPU where there is
     one)."""
-    arrays = [np.asarray(x, np.float64) for x in (q, k, v, d_out, d_lse)]
-    arrays += [None if bias is None else np.asarray(bias, np.float64)]
-    arrays += [np.asarray(visible, bool), np.asarray(keep, bool)]
-    kwargs = dict(scale=scale, rate=rate, soft_cap=soft_cap)
-    if not oracle_on_device():
-        with np.errstate(divide="ignore"):  # log(0) of the empty rows, replaced by -inf
-            return _dropout_oracle(np, *arrays, **kwargs)
-    with jax.enable_x64(True):
-        result = _dropout_oracle(
-            jnp, *(None if x is None else jnp.asarray(x) for x in arrays), **kwargs
-        )
-        return tuple(np.asarray(x) for x in result)
-
-
-def _dropout_oracle(xp, q, k, v, d_out, d_lse, bias, visible, keep, *, scale, rate, soft_cap):
-    """dropout_oracle_f64 in the array module xp (numpy, or jax.numpy under float64)."""
-    num_heads, num_kv_heads = q.shape[2], k.shape[2]
-    k_n, v_n = (xp.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k, v))
-    logits = scale * xp.einsum("btnh,bsnh->bnts", q, k_n, optimize=True)
-    if bias is not None:
-        logits = logits + bias
-    d_cap = 1.0
-    if soft_cap is not None:
-        tanh = xp.tanh(logits / soft_cap)
-        logits, d_cap = soft_cap * tanh, 1.0 - tanh * tanh
-    logits = xp.where(visible, logits, -xp.inf)
-    row_max = logits.max(-1, keepdims=True)
-    row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
-    p = xp.where(visible, xp.exp(logits - row_max), 0.0)
-    row_sum = p.sum(-1, keepdims=True)
-    empty = row_sum == 0.0
-    row_sum = xp.where(empty, 1.0, row_sum)
-    p = p / row_sum
-    lse = xp.where(empty, -xp.inf, row_max + xp.log(row_sum))[..., 0]
-    pz = xp.where(keep, p * (1.0 / (1.0 - rate)), 0.0)
-    out = xp.einsum("bnts,bsnh->btnh", pz, v_n, optimize=True)
-    dp = xp.where(keep, xp.einsum("btnh,bsnh->bnts", d_out, v_n, optimize=True), 0.0)
-    delta = xp.einsum("btnh,btnh->bnt", d_out, out, optimize=True) - d_lse
-    ds = p * (dp * (1.0 / (1.0 - rate)) - delta[..., None]) * d_cap
-
-    def group_sum(x):
-        b, s, n, h = x.shape
-        return x.reshape(b, s, num_kv_heads, n // num_kv_heads, h).sum(3)
-
-    dq = scale * xp.einsum("bnts,bsnh->btnh", ds, k_n, optimize=True)
-    dk = group_sum(scale * xp.einsum("bnts,btnh->bsnh", ds, q, optimize=True))
-    dv = group_sum(xp.einsum("bnts,btnh->bsnh", pz, d_out, optimize=True))
-    return out, lse, dq, dk, dv, ds
-
-
-def test_numpy_and_jax_dropout_oracles_agree():
-    """The dropout oracle computes the same in numpy (CPU runs) and in jax under float64 (the
-    GPU suite's), soft cap, bias and a row that sees no key included."""
-    batch, q_len, kv_len, heads, kv_heads, head_dim = 2, 7, 11, 4, 2, 8
-    rng = np.random.default_rng(0)
-    q, d_out = (rng.standard_normal((batch, q_len, heads, head_dim)) for _ in range(2))
-    k, v = (rng.standard_normal((batch, kv_len, kv_heads, head_dim)) for _ in range(2))
-    d_lse = rng.standard_normal((batch, heads, q_len))
-    bias = rng.standard_normal((1, heads, q_len, kv_len))
-    visible = rng.random((batch, 1, q_len, kv_len)) < 0.6
-    visible[1, 0, 3] = False
-    keep = rng.random((batch, heads, q_len, kv_len)) >= RATE
-    arrays = (q, k, v, d_out, d_lse, bias, visible, keep)
-    kwargs = dict(scale=0.3, rate=RATE, soft_cap=5.0)
-    with np.errstate(divide="ignore"):
-        want = _dropout_oracle(np, *arrays, **kwargs)
-    with jax.enable_x64(True):
-        got = [np.asarray(x) for x in _dropout_oracle(jnp, *map(jnp.asarray, arrays), **kwargs)]
-    assert want[1][1, 0, 3] == -np.inf and np.all(want[0][1, 3, 0] == 0)
-    for x, y in zip(got, want, strict=True):
-        assert x.dtype == np.float64
-        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+    r = attention_oracle_f64(
+        q, k, v, d_out, d_lse, scale=scale, visible=visible, bias=bias, soft_cap=soft_cap,
+        keep=np.asarray(keep, bool), rate=rate,
+    )  # fmt: skip
+    return r["out"], r["lse"], r["dq"], r["dk"], r["dv"], r["dlogits"]
 
 
 def _keep(rng, batch, num_heads, q_len, kv_len, rate):

@@ -1582,3 +1582,70 @@ def test_masked_call_through_the_api_matches_oracle(monkeypatch, p, kwargs):
     )
     oracles = tuple(r[name] for name in ("out", "lse", "dq", "dk", "dv"))
     assert_within_tolerance(results, baselines, oracles, floor=p.floor)
+
+
+# -- log_sum --------------------------------------------------------------------------------------
+
+
+def log_sum_case():
+    """q, k, v, sinks and the float64 log_sum [B, N, T] of a non-causal call with window (8, 0)
+    over 96 keys: rows 104 and on see no key (log_sum 0, their lse the sink); head 1's sink of
+    30 outweighs every row's keys, head 0's of 0.5 does not."""
+    p = Problem(1, 128, 96, 2, 1, 64, False, "bf16")
+    (q, k, v, _, _), (q64, k64, _, _, _) = random_inputs(p, seed=4)
+    sinks = jnp.asarray([[0.5, 30.0]], jnp.float32)
+    rows, keys = np.arange(p.q_len)[:, None], np.arange(p.kv_len)[None, :]
+    visible = (keys <= rows) & (keys >= rows - 8)
+    k64 = np.repeat(k64, p.num_heads // p.num_kv_heads, axis=2)
+    logits = np.where(visible, p.scale * np.einsum("btnh,bsnh->bnts", q64, k64), -np.inf)
+    top = np.maximum(logits.max(axis=-1), np.asarray(sinks, np.float64)[..., None])
+    terms = np.exp(logits - top[..., None]).sum(axis=-1)
+    log_sum = np.log(terms + np.exp(np.asarray(sinks, np.float64)[..., None] - top))
+    return p, (q, k, v, sinks), log_sum
+
+
+def check_log_sum(persistent: bool, *, interpreted: bool):
+    """with_log_sum: log_sum, the log of each row's denominator relative to the larger of its
+    max and its sink, as float64's (0 for rows that see no key), and out and lse bitwise those
+    of the call without it."""
+    p, (q, k, v, sinks), want = log_sum_case()
+    tiles = ForwardTiles(persistent=persistent)
+
+    def forward(with_log_sum):
+        return flash_forward(
+            q,
+            k,
+            v,
+            scale=p.scale,
+            is_causal=False,
+            window=(8, 0),
+            sinks=sinks,
+            tiles=tiles,
+            with_log_sum=with_log_sum,
+        )
+
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        out, lse, log_sum = jax.jit(lambda: forward(True))()
+        plain_out, plain_lse = jax.jit(lambda: forward(False))()
+        out, lse, log_sum, plain_out, plain_lse = (
+            np.asarray(x.astype(jnp.float32)) for x in (out, lse, log_sum, plain_out, plain_lse)
+        )
+    assert_bitwise_equal(out, plain_out)
+    assert_bitwise_equal(lse, plain_lse)
+    assert np.all(log_sum[:, :, 104:] == 0.0)
+    np.testing.assert_allclose(log_sum, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("persistent", [True, pytest.param(False, marks=long_only)])
+def test_log_sum_matches_oracle_interpreted(persistent, monkeypatch):
+    """Persistent: both items (heads) on one CTA, whose second epilogue reuses the rows'
+    staging buffer."""
+    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 1)
+    check_log_sum(persistent, interpreted=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False])
+def test_log_sum_matches_oracle(persistent):
+    needs_hopper()
+    check_log_sum(persistent, interpreted=False)

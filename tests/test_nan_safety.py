@@ -27,7 +27,9 @@ from conftest import (
     attention_oracle_f64,
     backend_paths,
     has_gpu,
+    has_hopper,
     to64,
+    uniform_block_sizes,
 )
 from mosaic_interpret import interpret_mosaic
 
@@ -384,6 +386,104 @@ def test_mosaic_huge_logits_gpu(magnitude, is_causal):
         pytest.skip("the Mosaic GPU kernels need sm_90")
     fn, args, oracle = mosaic_huge_logits(magnitude, is_causal)
     check_huge_logits(jax.jit(functools.partial(outputs_and_grads, fn))(*args), oracle)
+
+
+# Ties at the row max with logits of ~1e7 (head 0, where a clamp at 1 first goes wrong) and ~1e9
+# (head 1): every key three times, so the Mosaic kernels' tiles and a ragged last KV tile hold
+# tied keys. CI runs one non-causal bfloat16 case in the interpreter; the rest with
+# PALLAS_FLASH_SWEEP or on the GPU.
+TIED_PATHS = backend_paths(mosaic=True, sweep=("triton-interpret",))
+TIED_CASES = [
+    pytest.param(jnp.bfloat16, False, id="bf16"),
+    pytest.param(jnp.float16, True, id="f16-causal"),
+]
+
+
+def tied_huge_logits(dtype, is_causal, seed=11):
+    """(q, k, v, d_out, d_lse), scale, visible of [1, 128, 2, 64] queries against 96 keys (32
+    keys, three times each with their own values), logits ~1e7 in head 0 and ~1e9 in head 1
+    from q and k themselves (float16 holds them; its gradients, with cotangents of 1e-3, too)."""
+    q_len, kv_len, heads, head_dim = 128, 96, 2, 64
+    rng = np.random.default_rng(seed)
+    magnitude = np.asarray([700.0, 7000.0])[:, None]  # per head: |q.k| ~ 20 * magnitude^2
+    q = jnp.asarray(rng.standard_normal((1, q_len, heads, head_dim)) * magnitude, dtype)
+    k = jnp.asarray(rng.standard_normal((1, kv_len // 3, heads, head_dim)) * magnitude, dtype)
+    k = jnp.concatenate([k] * 3, axis=1)
+    v, d_out = (normal(rng, shape, dtype) for shape in ((1, kv_len, heads, head_dim), q.shape))
+    d_out = d_out * jnp.asarray(1e-3, dtype)
+    d_lse = normal(rng, (1, heads, q_len)) * 1e-3
+    pos_q, pos_kv = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    visible = pos_kv <= pos_q if is_causal else np.ones((q_len, kv_len), bool)
+    return (q, k, v, d_out, d_lse), 1.0, visible
+
+
+def check_tied_huge_logits(results, args, scale, visible, dtype):
+    """out and lse as float64's; dq, dk, dv to the inputs' precision relative to each head's
+    magnitude: the tied keys' P is 1 / (number of ties) only when the backward clamps the
+    recomputed P at 1 / l (the forward's log_sum) rather than 1."""
+    out, lse, *grads = results
+    with np.errstate(over="ignore"):  # exp of hidden logits, discarded by the oracle
+        oracle = attention_oracle_f64(*(to64(x) for x in args), scale=scale, visible=visible)
+    precision = 2e-2 if dtype == jnp.bfloat16 else 5e-3
+    assert_close("out", out, oracle["out"], atol=precision)
+    assert_close("lse", lse, oracle["lse"], atol=0, rtol=1e-6)
+    for name, got in zip(("dq", "dk", "dv"), grads):
+        for head in range(got.shape[2]):
+            want = oracle[name][:, :, head]
+            assert_close(
+                f"{name} head {head}", got[:, :, head], want, atol=precision * np.abs(want).max()
+            )
+
+
+@pytest.mark.parametrize("path", TIED_PATHS)
+@pytest.mark.parametrize("dtype, is_causal", TIED_CASES)
+def test_tied_huge_logits(path, dtype, is_causal):
+    """Keys that tie at their rows' max at |logits| ~1e7 and ~1e9 get P = 1/3 each in every
+    backward (Mosaic's included, after either forward): gradients as float64's."""
+    if not SWEEP and not path.gpu and (dtype, is_causal) != (jnp.bfloat16, False):
+        pytest.skip("CI time: PALLAS_FLASH_SWEEP=1")
+    args, scale, visible = tied_huge_logits(dtype, is_causal)
+    q, k, v, d_out, d_lse = args
+    with path.scope():
+        ((out, lse, *grads),) = run(
+            q, k, v, [(d_out, d_lse)], scale=scale, is_causal=is_causal, **path.call_kwargs()
+        )
+    check_tied_huge_logits([out, lse, *grads], args, scale, visible, dtype)
+
+
+@pytest.mark.parametrize(
+    "interpreted", [True, pytest.param(False, marks=pytest.mark.gpu)], ids=["interpret", "gpu"]
+)
+def test_tied_huge_logits_triton_backward_after_mosaic_forward(interpreted):
+    """The Triton backward after the Mosaic forward (KernelConfig forward="mosaic",
+    backward="triton") takes the Mosaic forward's log_sum: tied keys at ~1e7 and ~1e9 get
+    their exact P."""
+    if not interpreted and not has_hopper():
+        pytest.skip("the Mosaic GPU kernels need sm_90")
+    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+    from pallas_flash.masks import MaskArrays, MaskSpec
+
+    dtype = jnp.bfloat16
+    args, scale, visible = tied_huge_logits(dtype, False)
+    q, k, v, d_out, d_lse = args
+    config = KernelConfig(
+        spec=MaskSpec(q_len=q.shape[1], kv_len=k.shape[1], is_causal=False),
+        scale=scale,
+        block_sizes=uniform_block_sizes(64),
+        interpret=interpreted,
+        forward="mosaic",
+        backward="triton",
+    )
+
+    # Interpreted: the Mosaic forward in jax's Mosaic GPU interpreter, the Triton backward in
+    # the Pallas interpreter (the first traces its kernel inside the context, the second outside).
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        (out, lse), vjp = jax.vjp(
+            lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config), q, k, v
+        )
+        out, lse = to64(out), to64(lse)
+    got = [out, lse, *(to64(x) for x in vjp((d_out, d_lse)))]
+    check_tied_huge_logits(got, args, scale, visible, dtype)
 
 
 # Whole Mosaic tiles in 16 bits: every path takes these calls, the Mosaic kernels included (their

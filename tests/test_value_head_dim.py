@@ -9,14 +9,20 @@ below and above H; on the H200 at the MLA shape.
 The Mosaic and Triton forwards take Hv natively (V tiles, accumulator and output at Hv): the
 Mosaic kernel is checked on its own in the Mosaic GPU interpreter at ragged lengths, GQA, causal,
 windowed and soft-capped, on persistent CTAs; Triton's split-KV path in the Pallas interpreter;
-both are lowered for an abstract H200 with V and out unpadded. The backward kernels take one head
-dim: V, out and dO reach them zero-padded to max(H, Hv) (the gradient checks above).
+both are lowered for an abstract H200 with V and out unpadded. So does the Mosaic backward (V,
+dO and dV at Hv): its kernels on their own against float64 in the interpreter (GQA, MQA, causal,
+windows, soft caps, segment ids and lengths, NaN at hidden keys, head splits, split dK/dV
+consumers), lowered through the public call with V, out and dO unpadded, and compiled on the
+H200. The Triton backward takes one head dim: V, out and dO reach it zero-padded to max(H, Hv)
+(the gradient checks above).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import itertools
 from unittest import mock
 
 import jax
@@ -24,10 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (
+    FLOOR,
     SWEEP,
+    assert_within_tolerance,
     attention_oracle_f64,
     backend_paths,
     has_hopper,
+    masked_in_dtype,
+    outputs_and_grads,
+    segment_arrays,
     uniform_block_sizes,
 )
 from mosaic_interpret import interpret_mosaic
@@ -38,6 +49,7 @@ from pallas_flash import api, dispatch, masks
 from pallas_flash import device as device_lib
 from pallas_flash.call import Call
 from pallas_flash.device import Device
+from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic_forward
 from pallas_flash.mosaic import tiles as mosaic_tiles
 from pallas_flash.mosaic.forward import flash_forward
@@ -321,7 +333,7 @@ def test_mosaic_budgets_count_both_head_dims():
     tiles = mosaic_tiles.ForwardTiles(block_q=64, block_kv=64, num_stages=2)
     rows = tiles.cta_rows
     assert tiles.smem_bytes(192, 2, value_head_dim=128) == (
-        rows * 192 * 2 + rows * 128 * 2 + 2 * 64 * (192 + 128) * 2 + rows * 4
+        rows * 192 * 2 + rows * 128 * 2 + 2 * 64 * (192 + 128) * 2 + 2 * rows * 4
     )
     assert tiles.smem_bytes(192, 2, value_head_dim=192) == tiles.smem_bytes(192, 2)
     wide = mosaic_tiles.ForwardTiles(block_q=128, block_kv=128, num_stages=2)
@@ -344,9 +356,10 @@ def test_mosaic_budgets_count_both_head_dims():
 
 
 def test_the_dispatch_runs_mla_on_the_mosaic_forward():
-    """On an H200 the default kernels of MLA's (192, 128) are the Mosaic forward at both head
-    dims and a backward at 192 (the backward takes one head dim; zero-padded V); a value head
-    dim the Mosaic forward does not take (Hv = 32) goes to Triton."""
+    """On an H200 the default kernels of MLA's (192, 128) are the Mosaic forward and backward,
+    both at both head dims (the backward's tiles those of 192); a value head dim the Mosaic
+    forward does not take (Hv = 32) goes to Triton for both passes, and backend="mosaic"
+    refuses it naming it (the backward takes every pair the forward takes)."""
     spec = masks.MaskSpec(q_len=4096, kv_len=4096, is_causal=True)
     mla = Call(
         q_shape=(2, 4096, 16, 192), k_shape=(2, 4096, 16, 192), dtype=jnp.bfloat16, spec=spec,
@@ -357,12 +370,17 @@ def test_the_dispatch_runs_mla_on_the_mosaic_forward():
     assert config.mosaic_forward_tiles == mosaic_tiles.default_tiles(
         192, value_head_dim=128, q_len=4096, kv_len=4096, is_causal=True
     )
+    assert config.backward == "mosaic"
+    assert config.mosaic_backward_tiles == mosaic_backward.default_tiles(192, 128)
     plain = dataclasses.replace(mla, value_head_dim=None)
     assert config.block_sizes == dispatch.choose(plain, Device.h200(), scale=0.1).block_sizes
     odd = dataclasses.replace(
         mla, q_shape=(2, 4096, 16, 64), k_shape=(2, 4096, 16, 64), value_head_dim=32
     )
-    assert dispatch.choose(odd, Device.h200(), scale=0.1).forward == "triton"
+    odd_config = dispatch.choose(odd, Device.h200(), scale=0.1)
+    assert (odd_config.forward, odd_config.backward) == ("triton", "triton")
+    with pytest.raises(NotImplementedError, match=r"backend='mosaic' .*value_head_dim=32"):
+        dispatch.choose(odd, Device.h200(), scale=0.1, backend="mosaic")
 
 
 @pytest.mark.gpu
@@ -371,8 +389,8 @@ def test_the_dispatch_runs_mla_on_the_mosaic_forward():
     "T, N, K, is_causal", [(3000, 16, 16, True), (4096, 16, 4, False), (1000, 8, 8, True)]
 )
 def test_mosaic_mla_matches_float64_on_gpu(T, N, K, is_causal):
-    """MLA's (192, 128) compiled with backend="mosaic" (the Mosaic forward at Hv = 128, its
-    backward at 192): out and lse within twice XLA's bfloat16 error of float64, gradients within
+    """MLA's (192, 128) compiled with backend="mosaic" (the Mosaic forward and backward, both
+    at Hv = 128): out and lse within twice XLA's bfloat16 error of float64, gradients within
     twice XLA's of float32 at full precision; ragged T, GQA, causal and not."""
     q, k, v, d_out, d_lse = bf16_inputs(192, 128, T, T, N, K, seed=3)
 
@@ -445,3 +463,348 @@ def test_triton_forward_lowers_with_v_and_out_unpadded():
         f"tensor<{b}x{t}x{k}x128xbf16>) -> (tensor<{b}x{t}x{n}x128xbf16>, "
         f"tensor<{b}x{n}x{t}xf32>, tensor<{b}x{n}x{t}xf32>)"  # out, lse, log_sum
     ), signature
+
+
+# -- the Mosaic backward at its own value head dim ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+    """One call of the Mosaic backward at (H, Hv): q [B, T, N, H], k [B, S, K, H], v [B, S, K,
+    Hv]; kind: None or a conftest.segment_arrays kind; poison: NaN and inf in K and V at the
+    keys that no row sees."""
+
+    H: int
+    Hv: int
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    is_causal: bool
+    window: tuple[int, int] | None = None
+    soft_cap: float | None = None
+    kind: str | None = None
+    tiles: mosaic_backward.BackwardTiles | None = None
+    poison: bool = False
+
+    @property
+    def spec(self) -> masks.MaskSpec:
+        return masks.MaskSpec(
+            q_len=self.T,
+            kv_len=self.S,
+            is_causal=self.is_causal,
+            window=self.window,
+            has_segments=self.kind is not None,
+        )
+
+    def __str__(self):
+        parts = [f"H{self.H}-Hv{self.Hv}-B{self.B}-T{self.T}-S{self.S}-N{self.N}-K{self.K}"]
+        parts.append("causal" if self.is_causal else "full")
+        for name in ("window", "soft_cap", "kind"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.tiles is not None:
+            parts.append(str(self.tiles).replace("BackwardTiles", ""))
+        return "-".join(parts + (["nan-at-hidden-keys"] if self.poison else []))
+
+
+# In CI: MLA's (192, 128) at its defaults (split dK/dV consumers: dK staged through K's buffer,
+# dV through V's), two query heads on one KV head, causal, ragged T and S, packed documents with
+# lengths (rows and keys that see nothing), NaN at hidden keys. With PALLAS_FLASH_SWEEP:
+# non-causal MQA with a window and a soft cap; Hv > H with GQA on two dK/dV consumers that hold
+# both accumulators, with head splits (their partials staged through a tile of each head dim);
+# split consumers with head splits; T < S causal (CTAs whose keys no row sees: the dK consumer
+# takes no P^T); H and Hv the wrapper pads (96, 80); (256, 128) with one dQ consumer.
+def _tiles(split_dkv=False, dkv_head_splits=0):
+    return mosaic_backward.BackwardTiles(split_dkv=split_dkv, dkv_head_splits=dkv_head_splits)
+
+
+MOSAIC_BACKWARD_CASES = [
+    pytest.param(
+        BackwardCase(192, 128, 2, 70, 90, 2, 1, True, kind="packed-lengths", poison=True),
+        id="mla-mqa-causal-lengths-nan",
+    ),
+    pytest.param(
+        BackwardCase(192, 128, 1, 130, 300, 4, 1, False, window=(20, 70), soft_cap=10.0),
+        id="mla-mqa-window-soft-cap",
+        marks=SWEEP_ONLY,
+    ),
+    pytest.param(
+        BackwardCase(64, 128, 2, 200, 130, 4, 2, True, kind="lengths", tiles=_tiles(False, 2)),
+        id="hv>h-gqa-head-splits-lengths",
+        marks=SWEEP_ONLY,
+    ),
+    pytest.param(
+        BackwardCase(192, 128, 1, 70, 200, 4, 1, False, kind="unsorted", tiles=_tiles(True, 2)),
+        id="mla-split-head-splits-unsorted",
+        marks=SWEEP_ONLY,
+    ),
+    pytest.param(
+        BackwardCase(128, 64, 1, 40, 200, 2, 1, True, window=(30, 0)),
+        id="hv<h-t<s-causal-window",
+        marks=SWEEP_ONLY,
+    ),
+    pytest.param(
+        BackwardCase(96, 80, 1, 150, 99, 2, 2, False, kind="gap"),
+        id="padded-head-dims-gap",
+        marks=SWEEP_ONLY,
+    ),
+    pytest.param(
+        BackwardCase(256, 128, 1, 150, 150, 2, 1, True, soft_cap=5.0),
+        id="h256-hv128-causal-soft-cap",
+        marks=SWEEP_ONLY,
+    ),
+]
+
+
+def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
+    """flash_backward of case c (on the float64 oracle's out, rounded to bfloat16, and lse)
+    against the float64 oracle, within twice plain bfloat16 attention's error: dq [B, T, N, H],
+    dk [B, S, K, H], dv [B, S, K, Hv]; rows that see no key have dq exactly 0, keys no row sees
+    dk and dv 0."""
+    scale = 1.0 / np.sqrt(c.H)
+    rng = np.random.default_rng(4)
+    shapes = ((c.B, c.T, c.N, c.H), (c.B, c.S, c.K, c.H), (c.B, c.S, c.K, c.Hv))
+    # Rounded in numpy (ml_dtypes): each eager jnp op would compile a program on CPU.
+    q, k_clean, v_clean, d_out = (
+        rng.standard_normal(shape).astype(jnp.bfloat16)
+        for shape in (*shapes, (c.B, c.T, c.N, c.Hv))
+    )
+    d_lse = rng.standard_normal((c.B, c.N, c.T)).astype(np.float32)
+    arrays = masks.MaskArrays() if c.kind is None else segment_arrays(c.kind, c.B, c.T, c.S)
+    visible = np.asarray(masks.dense(c.spec, arrays))  # [B|1, 1, T, S]
+    hidden_keys = np.broadcast_to(~visible.any(axis=-2)[:, 0], (c.B, c.S))
+    k, v = k_clean, v_clean
+    if c.poison:
+        assert hidden_keys.any()
+        hidden = hidden_keys[..., None, None]
+        k, v = (
+            np.where(hidden, np.where(np.arange(x.shape[-1]) % 2, np.nan, np.inf), x).astype(
+                x.dtype
+            )
+            for x in (k, v)
+        )
+    f64 = [x.astype(np.float64) for x in (q, k_clean, v_clean, d_out, d_lse)]
+    oracle = attention_oracle_f64(*f64, scale=scale, visible=visible, soft_cap=c.soft_cap)
+    out, lse = oracle["out"].astype(jnp.bfloat16), oracle["lse"].astype(np.float32)
+    plain = functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=c.soft_cap)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(
+        q, k_clean, v_clean, d_out, d_lse
+    )[2:]
+    segment_ids = None if c.kind is None else (arrays.q_segment_ids, arrays.kv_segment_ids)
+    backward = functools.partial(
+        mosaic_backward.flash_backward, scale=scale, is_causal=c.is_causal, window=c.window,
+        soft_cap=c.soft_cap, segment_ids=segment_ids, tiles=c.tiles,
+    )  # fmt: skip
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        grads = jax.jit(backward)(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g).astype(np.float32) for g in grads]
+    dq, dk, dv = grads
+    assert (dq.shape, dk.shape, dv.shape) == (shapes[0], shapes[1], shapes[2])
+    for name, x in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert np.isfinite(x).all(), f"{name}: {np.sum(~np.isfinite(x))} non-finite values"
+    empty_rows = np.broadcast_to(~visible.any(axis=-1)[:, 0], (c.B, c.T))
+    assert (dq[empty_rows] == 0).all(), "rows that see no key must have dq exactly 0"
+    assert (dk[hidden_keys] == 0).all() and (dv[hidden_keys] == 0).all(), "hidden keys"
+    names = ("dq", "dk", "dv")
+    oracles = [oracle[name] for name in names]
+    assert_within_tolerance(grads, baselines, oracles, floor=FLOOR[jnp.bfloat16], names=names)
+
+
+@pytest.mark.parametrize("c", MOSAIC_BACKWARD_CASES, ids=str)
+def test_mosaic_backward_takes_the_value_head_dim_interpreted(c):
+    """The Mosaic backward's kernels (interpreter, race detector on) on v, out, d_out at Hv:
+    dq, dk and dv against float64 (see `check_mosaic_backward`)."""
+    check_mosaic_backward(c, interpreted=True)
+
+
+# Compiled on the H200: every interpreted case, and larger ones at MLA's head dims and at pairs
+# of every split of the dK/dV consumers.
+MOSAIC_BACKWARD_GPU_CASES = [
+    *(x.values[0] for x in MOSAIC_BACKWARD_CASES),
+    BackwardCase(192, 128, 2, 1000, 1000, 8, 2, True),
+    BackwardCase(192, 128, 1, 2048, 2048, 16, 16, False),
+    BackwardCase(192, 128, 2, 1000, 777, 4, 1, True, window=(200, 0), kind="packed-lengths"),
+    BackwardCase(128, 64, 2, 1024, 1024, 4, 2, True),
+    BackwardCase(64, 128, 2, 1024, 1024, 4, 4, False),
+    BackwardCase(128, 256, 1, 1000, 1000, 4, 2, True),
+    BackwardCase(256, 192, 1, 777, 1000, 4, 1, False, soft_cap=20.0),
+    BackwardCase(64, 192, 2, 512, 512, 4, 1, True, tiles=mosaic_backward.default_tiles(64, 192)),
+    # Split consumers on CTAs whose keys no row sees (T < S, causal): the dK consumer stages dK
+    # through K's buffer without ever taking a P^T.
+    BackwardCase(192, 128, 1, 300, 1000, 4, 1, True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_hopper(), reason="the Mosaic kernels need sm_90")
+@pytest.mark.parametrize("c", MOSAIC_BACKWARD_GPU_CASES, ids=str)
+def test_mosaic_backward_takes_the_value_head_dim_on_gpu(c):
+    check_mosaic_backward(c, interpreted=False)
+
+
+def lowered_mosaic_signatures(text: str) -> list[str]:
+    """The operand and result types of each Mosaic GPU call in a lowered module's text."""
+    calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line]
+    return [line.rsplit("} : ", 1)[1] for line in calls]
+
+
+def test_mosaic_backward_lowers_with_v_and_d_out_unpadded():
+    """MLA's (192, 128) through the public call as an H200 runs it (forward and backward, the
+    MLA benchmark's shape with GQA), lowered for an abstract H200: three Mosaic GPU calls, the
+    backward's two taking V, out and dO at 128 columns and the dK/dV call writing dV at 128;
+    nothing padded to 192 or sliced back."""
+    b, t, n, kh = 2, 4096, 16, 4
+    q = jax.ShapeDtypeStruct((b, t, n, 192), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, t, kh, 192), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((b, t, kh, 128), jnp.bfloat16)
+    d_out = jax.ShapeDtypeStruct((b, t, n, 128), jnp.bfloat16)
+    d_lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True
+    )
+    with mock.patch.object(device_lib, "target_device", Device.h200):
+        lowered = lower_for_h200(
+            functools.partial(outputs_and_grads, attention), q, k, v, d_out, d_lse
+        )
+    text = lowered.as_text()
+    assert "stablehlo.pad" not in text and "stablehlo.slice" not in text
+    _, dkv, dq = lowered_mosaic_signatures(text)
+    q_t, k_t = f"tensor<{b}x{t}x{n}x192xbf16>", f"tensor<{b}x{t}x{kh}x192xbf16>"
+    v_t, o_t = f"tensor<{b}x{t}x{kh}x128xbf16>", f"tensor<{b}x{t}x{n}x128xbf16>"
+    # lse * log2(e) beside its rows' bound, and delta.
+    bounded, rows = f"tensor<{b}x{n}x2x{t}xf32>", f"tensor<{b}x{n}x{t}xf32>"
+    operands = f"({q_t}, {k_t}, {v_t}, {o_t}, {bounded}, {rows})"
+    assert dkv == f"{operands} -> ({k_t}, {v_t})", dkv
+    assert dq == f"{operands} -> {q_t}", dq
+    assert [x.shape for x in lowered.out_info[2:]] == [q.shape, k.shape, v.shape]
+
+
+# Lowering runs Mosaic GPU's layout inference and its shared-memory budget: MLA's defaults and
+# head splits, Hv > H on consumers that hold both accumulators, (256, 128) with one dQ consumer.
+BACKWARD_LOWERING_CASES = [
+    pytest.param(192, 128, None, id="mla"),
+    pytest.param(
+        192,
+        128,
+        mosaic_backward.BackwardTiles(split_dkv=True, dkv_head_splits=2),
+        id="mla-head-splits",
+        marks=SWEEP_ONLY,
+    ),
+    pytest.param(
+        64,
+        128,
+        mosaic_backward.BackwardTiles(dkv_head_splits=2),
+        id="hv>h-head-splits",
+        marks=SWEEP_ONLY,
+    ),  # fmt: skip
+    pytest.param(256, 128, None, id="h256-hv128", marks=SWEEP_ONLY),
+    pytest.param(128, 64, None, id="hv<h", marks=SWEEP_ONLY),
+]
+
+
+@pytest.mark.parametrize("H, Hv, tiles", BACKWARD_LOWERING_CASES)
+def test_mosaic_backward_lowers_at_both_head_dims(H, Hv, tiles):
+    """flash_backward alone, lowered for an abstract H200 (MQA, 512 rows, causal): two Mosaic
+    GPU calls; dq and dk at H, dv at Hv."""
+    b, t, n, kh = 1, 512, 4, 1
+    q = jax.ShapeDtypeStruct((b, t, n, H), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((b, t, kh, H), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((b, t, kh, Hv), jnp.bfloat16)
+    out = jax.ShapeDtypeStruct((b, t, n, Hv), jnp.bfloat16)
+    lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
+    run = functools.partial(
+        mosaic_backward.flash_backward, scale=0.1, is_causal=True, tiles=tiles,
+        device=Device.h200(),
+    )  # fmt: skip
+    lowered = lower_for_h200(run, q, k, v, out, lse, out, lse)
+    assert len(lowered_mosaic_signatures(lowered.as_text())) == 2
+    assert [x.shape for x in lowered.out_info] == [q.shape, k.shape, v.shape]
+
+
+def test_mosaic_backward_budgets_count_both_head_dims():
+    """Shared memory holds K, Q at H and V, dO at Hv (and the head splits' f32 staging tiles of
+    each); the dK/dV registers are dK's and dV's accumulators (split: the larger one); the
+    dQ kernel's accumulator is [block_q_dq, H]."""
+    bt = mosaic_backward.BackwardTiles
+    plain, split = bt(), bt(split_dkv=True)
+    for tiles in (plain, split):
+        for splits in (1, 2):
+            assert tiles.smem_bytes_dkv(192, 2, value_head_dim=192, head_splits=splits) == (
+                tiles.smem_bytes_dkv(192, 2, head_splits=splits)
+            )
+    # K, V of one 64-key block; P^T; Q, dO and lse, bound, delta rows of a two-stage 64-row ring.
+    assert split.smem_bytes_dkv(192, 2, value_head_dim=128) == (
+        64 * (192 + 128) * 2 + 64 * 64 * 4 + 2 * 64 * ((192 + 128) * 2 + 12)
+    )
+    # The split consumers' f32 staging tiles: dK's [64, 192], dV's [64, 128].
+    assert split.smem_bytes_dkv(192, 2, value_head_dim=128, head_splits=2) == (
+        split.smem_bytes_dkv(192, 2, value_head_dim=128) + 64 * (192 + 128) * 4
+    )
+    # Two consumers holding both: a tile of each head dim apiece.
+    assert plain.smem_bytes_dkv(64, 2, value_head_dim=128, head_splits=2) == (
+        plain.smem_bytes_dkv(64, 2, value_head_dim=128) + 2 * 64 * (64 + 128) * 4
+    )
+    assert plain.smem_bytes_dq(192, 2, value_head_dim=128) == (
+        128 * ((192 + 128) * 2 + 12) + 2 * 64 * (192 + 128) * 2
+    )
+    assert split.tile_registers(192, 128) == split.tile_registers(192)
+    assert split.tile_registers(128, 192) == {"dK/dV": 160, "dQ": 128}
+    assert plain.tile_registers(128, 64) == {"dK/dV": 160, "dQ": 128}
+    assert mosaic_backward.default_tiles(192, 128) == mosaic_backward.default_tiles(192)
+    assert mosaic_backward.default_tiles(64, 256) == mosaic_backward.default_tiles(256)
+    shapes = dict(q_shape=(2, 4096, 16, 192), k_shape=(2, 4096, 16, 192), dtype=jnp.bfloat16)
+    assert mosaic_backward.why_not(**shapes, value_head_dim=128, is_causal=True) is None
+    reason = mosaic_backward.why_not(**shapes, value_head_dim=128, is_causal=True, tiles=plain)
+    assert "value_head_dim=128" in reason and "would spill" in reason
+    reason = mosaic_backward.why_not(**shapes, value_head_dim=32, is_causal=True)
+    assert "value_head_dim=32 is not one of" in reason
+
+
+def test_mosaic_backward_takes_every_pair_it_took_zero_padded():
+    """Every (H, Hv) of HEAD_DIMS (those of the Mosaic forward) that the backward ran zero-padded
+    to max(H, Hv), with any mask, dropout and tiles (defaults, head splits, split consumers, one
+    consumer), it runs natively: its budgets at (H, Hv) are within those at max(H, Hv), so no
+    call needs the padded route."""
+    head_dims = mosaic_backward.HEAD_DIMS
+    bt = mosaic_backward.BackwardTiles
+    all_tiles = (
+        None, bt(dkv_head_splits=2), bt(split_dkv=True, dkv_head_splits=2),
+        bt(num_consumers=1, split_dkv=True), bt(block_q_dkv=128, block_kv_dq=128, num_stages=3),
+    )  # fmt: skip
+    taken = 0
+    for H, Hv in itertools.product(head_dims, head_dims):
+        h = max(mosaic_tiles.kernel_head_dim(H), mosaic_tiles.kernel_head_dim(Hv))
+        for causal, segments, dropout, tiles in itertools.product(
+            (False, True), (False, True), (False, True), all_tiles
+        ):
+            options = dict(is_causal=causal, segments=segments, dropout=dropout, tiles=tiles)
+            if mosaic_backward.why_not((2, 512, 8, h), (2, 512, 4, h), jnp.bfloat16, **options):
+                continue
+            taken += 1
+            reason = mosaic_backward.why_not(
+                (2, 512, 8, H), (2, 512, 4, H), jnp.bfloat16, value_head_dim=Hv, **options
+            )
+            assert reason is None, (H, Hv, options, reason)
+    assert taken > 500
+
+
+def test_mosaic_backward_refuses_value_shapes_before_tracing():
+    """v, out and d_out must share one head dim Hv (the output's): ValueError naming the array,
+    its shape and the rule, before any kernel is traced."""
+    q = jnp.zeros((1, 64, 2, 192), jnp.bfloat16)
+    k = jnp.zeros((1, 64, 1, 192), jnp.bfloat16)
+    v = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
+    lse = jnp.zeros((1, 2, 64), jnp.float32)
+    run = functools.partial(
+        mosaic_backward.flash_backward, scale=0.1, is_causal=False, device=Device.h200()
+    )
+    wide = jnp.zeros((1, 64, 2, 192), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"out \(1, 64, 2, 192\) .* \(1, 64, 2, 128\)"):
+        run(q, k, v, wide, lse, wide, lse)
+    narrow = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"d_out \(1, 64, 2, 192\) .* \(1, 64, 2, 128\)"):
+        run(q, k, v, narrow, lse, wide, lse)
+    with pytest.raises(ValueError, match=r"value_head_dim=32 is not one of"):
+        run(q, k, v[..., :32], narrow[..., :32], lse, narrow[..., :32], lse)

@@ -58,8 +58,7 @@ def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = Non
 
 def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = None) -> str | None:
     """Why the backward cannot run `call` on `device` with `tiles` (None: its defaults); None
-    when it can. It takes one head dim: a value head dim Hv != H runs at max(H, Hv)."""
-    call = call.common_head_dim()
+    when it can. It takes a value head dim Hv != H as it is, as the forward does."""
     if reason := backward.unsupported_options(
         call.spec, soft_cap=call.soft_cap, has_bias=call.has_bias
     ):
@@ -68,6 +67,7 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
         call.q_shape,
         call.k_shape,
         call.dtype,
+        value_head_dim=call.v_head_dim,
         is_causal=call.spec.is_causal,
         window=call.spec.window,
         soft_cap=call.soft_cap,
@@ -92,4 +92,4 @@ def default_forward_tiles(call: Call) -> ForwardTiles:
 
 
 def default_backward_tiles(call: Call) -> BackwardTiles:
-    return backward.default_tiles(call.common_head_dim().head_dim)
+    return backward.default_tiles(call.head_dim, call.v_head_dim)

@@ -19,9 +19,13 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
 
+V, out, dO and dV may have a head dim Hv of their own (multi-head latent attention's 192/128),
+taken as it is: the tiles of V and dO, the dV accumulator and dP = dO V^T's contraction are Hv
+wide, those of Q, K, dQ and dK H wide.
+
 Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
 result is bitwise deterministic. The residuals are those of `pallas_flash.mosaic.forward` (and
-of the Triton forward): out, and lse natural-log f32.
+of the Triton forward): out, lse natural-log f32, and log_sum (`flash_backward`).
 
 Masks are the forward's (causal, local windows, segment ids with sequence lengths folded in, a
 soft cap), from `pallas_flash.masks`: a CTA's producer streams the tiles of the hull of its
@@ -58,10 +62,11 @@ from pallas_flash.mosaic.launch import (
 from pallas_flash.mosaic.schedule import tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv, kernel_head_dim
 
-# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward; 192 runs
-# as it is). At H 192 and 256 one consumer's dK and dV accumulators, [64, H] f32 each, with S^T
-# and dP^T would take 256 registers per thread or more (the most a thread can have is 255):
-# there the dK/dV kernel splits its consumers by accumulator (`BackwardTiles.split_dkv`).
+# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, where the forward runs them
+# as they are; 192 runs as it is). At H 192 and 256 one consumer's dK and dV accumulators,
+# [64, H] f32 each, with S^T and dP^T would take 256 registers per thread or more (the most a
+# thread can have is 255): there the dK/dV kernel splits its consumers by accumulator
+# (`BackwardTiles.split_dkv`).
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 PRODUCER_REGISTERS = 40
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
@@ -152,13 +157,18 @@ class BackwardTiles:
         """Query rows per CTA of the dQ kernel."""
         return self.num_consumers * self.block_q_dq
 
-    def tile_registers(self, head_dim: int) -> dict[str, int]:
-        """f32 registers per consumer thread that each kernel holds across a step: dK and dV
-        with S^T and dP^T (split_dkv: the dK consumer's dK with dP^T and P^T, the larger
-        share), or dQ with S and dP (a warpgroup spreads a tile over 128 threads)."""
-        kv_accumulators = 1 if self.split_dkv else 2
+    def tile_registers(self, head_dim: int, value_head_dim: int | None = None) -> dict[str, int]:
+        """f32 registers per consumer thread that each kernel holds across a step: dK [.., H]
+        and dV [.., Hv] with S^T and dP^T (split_dkv: the larger share of the dK consumer's dK
+        with dP^T and P^T and the dV consumer's dV with P^T and P^T * dcap), or dQ with S and
+        dP (a warpgroup spreads a tile over 128 threads). value_head_dim: Hv, None: H."""
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        if self.split_dkv:
+            accumulators = max(head_dim, value_head_dim)
+        else:
+            accumulators = head_dim + value_head_dim
         return {
-            "dK/dV": self.block_kv_dkv * (kv_accumulators * head_dim + 2 * self.block_q_dkv) // 128,
+            "dK/dV": self.block_kv_dkv * (accumulators + 2 * self.block_q_dkv) // 128,
             "dQ": self.block_q_dq * (head_dim + 2 * self.block_kv_dq) // 128,
         }
 
@@ -167,40 +177,63 @@ class BackwardTiles:
         head_dim: int,
         itemsize: int,
         *,
+        value_head_dim: int | None = None,
         segments: bool = False,
         head_splits: int = 1,
         dropout: bool = False,
     ) -> int:
-        """K, V per consumer (split_dkv: one block of each, and the f32 P^T the consumers hand
-        over), the Q and dO ring, the lse and delta rows of the ring; with segment ids, each
-        consumer's copy of its key ids and a ring of query ids (int32); with head_splits > 1,
-        each consumer's f32 tile that stages its partial dK and dV; with dropout, a ring of the
-        query rows' two hashes and the CTA's key hashes (int32)."""
-        kv = 2 * self.cta_kv_rows * head_dim * itemsize
+        """K [.., H], V [.., Hv] per consumer (split_dkv: one block of each, and the f32 P^T the
+        consumers hand over), the Q [.., H] and dO [.., Hv] ring, the lse, bound and delta rows
+        of the ring; with segment ids, each consumer's copy of its key ids and a ring of query
+        ids (int32); with head_splits > 1, the f32 tiles that stage the partial dK and dV (one
+        per consumer that stages both at H == Hv, one of each per consumer at Hv != H; split:
+        the dK consumer's and the dV consumer's); with dropout, a ring of the query rows' two
+        hashes and the CTA's key hashes (int32). value_head_dim: Hv, None: H."""
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        kv = self.cta_kv_rows * (head_dim + value_head_dim) * itemsize
         if self.split_dkv:
             kv += self.block_kv_dkv * self.block_q_dkv * 4
         if head_splits > 1:
-            kv += self.dkv_consumers * self.block_kv_dkv * head_dim * 4
-        ring = 2 * self.num_stages * self.block_q_dkv * (head_dim * itemsize + 4)
+            kv += self.block_kv_dkv * 4 * _partial_columns(self, head_dim, value_head_dim)
+        ring = self.num_stages * self.block_q_dkv * ((head_dim + value_head_dim) * itemsize + 3 * 4)
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
         return kv + ring + ids + (hashes if dropout else 0)
 
     def smem_bytes_dq(
-        self, head_dim: int, itemsize: int, *, segments: bool = False, dropout: bool = False
+        self,
+        head_dim: int,
+        itemsize: int,
+        *,
+        value_head_dim: int | None = None,
+        segments: bool = False,
+        dropout: bool = False,
     ) -> int:
-        """Q, dO and the lse and delta rows per consumer, the K and V ring; with segment ids,
-        the consumers' query ids and a ring of key ids (int32); with dropout, the consumers'
-        rows' two hashes and a ring of key hashes (int32)."""
-        q = 2 * self.cta_q_rows * (head_dim * itemsize + 4)
-        ring = 2 * self.num_stages * self.block_kv_dq * head_dim * itemsize
+        """Q [.., H], dO [.., Hv] and the lse, bound and delta rows per consumer, the K [.., H]
+        and V [.., Hv] ring; with segment ids, the consumers' query ids and a ring of key ids
+        (int32); with dropout, the consumers' rows' two hashes and a ring of key hashes
+        (int32). value_head_dim: Hv, None: H."""
+        value_head_dim = head_dim if value_head_dim is None else value_head_dim
+        q = self.cta_q_rows * ((head_dim + value_head_dim) * itemsize + 3 * 4)
+        ring = self.num_stages * self.block_kv_dq * (head_dim + value_head_dim) * itemsize
         ids = (self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4 if segments else 0
         hashes = (2 * self.cta_q_rows + self.num_stages * self.block_kv_dq) * 4
         return q + ring + ids + (hashes if dropout else 0)
 
 
-def default_tiles(head_dim: int) -> BackwardTiles:
+def _partial_columns(tiles: BackwardTiles, head_dim: int, value_head_dim: int) -> int:
+    """Columns of the f32 tiles [block_kv_dkv, ..] that stage a dK/dV CTA's partial dK and dV
+    (head splits), summed over its tiles: the split consumers stage one each (dV's at Hv, dK's
+    at H); otherwise each consumer stages both, through one tile at H == Hv, else one of
+    each."""
+    if tiles.split_dkv:
+        return head_dim + value_head_dim
+    per_consumer = head_dim if head_dim == value_head_dim else head_dim + value_head_dim
+    return tiles.num_consumers * per_consumer
+
+
+def default_tiles(head_dim: int, value_head_dim: int | None = None) -> BackwardTiles:
     """Not tuned yet: 64-row slabs everywhere keep a consumer's registers at H=128 near
     dK + dV (128) + S^T, dP^T (64) + their 16-bit copies (32) per thread.
 
@@ -217,8 +250,15 @@ def default_tiles(head_dim: int) -> BackwardTiles:
     keys, half the default's 128, so every Q and dO tile is read from L2 twice as often per
     key; the dK consumer waits each step for P^T (the dV consumer's S^T and exp2) before it
     can compute dS^T, so the two overlap only as far as dP^T and dV cover it. The one-consumer
-    dQ kernel at H=256 has no second warpgroup to run wgmma while it computes P and dS."""
-    head_dim = kernel_head_dim(head_dim) if head_dim in HEAD_DIMS else head_dim
+    dQ kernel at H=256 has no second warpgroup to run wgmma while it computes P and dS.
+
+    A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
+    of the two: MLA's (192, 128) those of 192, whose dK/dV consumers could not hold dK and dV
+    together either (192 + 128 columns with S^T and dP^T: 224 registers per thread)."""
+    head_dim = max(
+        kernel_head_dim(h) if h in HEAD_DIMS else h
+        for h in (head_dim, head_dim if value_head_dim is None else value_head_dim)
+    )
     if head_dim == 256:
         return BackwardTiles(split_dkv=True, num_consumers=1)
     if head_dim == 192:
@@ -234,6 +274,7 @@ def head_splits(
     *,
     num_sms: int,
     causal: bool,
+    value_head_dim: int | None = None,
     segments: bool = False,
     dropout: bool = False,
 ) -> int:
@@ -254,10 +295,16 @@ def head_splits(
         return tiles.dkv_head_splits
     batch, _, num_heads, head_dim = q_shape
     _, kv_len, num_kv_heads, _ = k_shape
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
     group = num_heads // num_kv_heads
     ctas = batch * num_kv_heads * cdiv(kv_len, tiles.cta_kv_rows)
     smem = tiles.smem_bytes_dkv(
-        kernel_head_dim(head_dim), itemsize, segments=segments, head_splits=2, dropout=dropout
+        kernel_head_dim(head_dim),
+        itemsize,
+        value_head_dim=kernel_head_dim(value_head_dim),
+        segments=segments,
+        head_splits=2,
+        dropout=dropout,
     )
     wanted = 2 * num_sms if causal else num_sms
     if smem > SMEM_BYTES or ctas >= (num_sms if causal else -(-num_sms // 2)):
@@ -280,6 +327,7 @@ def why_not(
     k_shape,
     dtype,
     *,
+    value_head_dim: int | None = None,
     is_causal: bool,
     window: tuple[int, int] | None = None,
     soft_cap: float | None = None,
@@ -289,7 +337,8 @@ def why_not(
     cuda_runtime_version: int | None = None,
 ) -> str | None:
     """Why the Mosaic GPU backward cannot run on these shapes and options, or None when it can
-    (the caller keeps the Triton backward). Any T and S; `window` and `soft_cap` as in
+    (the caller keeps the Triton backward). Any T and S; `value_head_dim`: Hv of v, out and
+    d_out (None: q's H), one of HEAD_DIMS too; `window` and `soft_cap` as in
     `flash_backward`, `segments`: the call has segment ids (or sequence lengths), whose id
     buffers take shared memory, `dropout`: the call has dropout, whose hash buffers do too;
     `cuda_runtime_version`: the target's, None when not known."""
@@ -306,17 +355,22 @@ def why_not(
     kv_len = k_shape[1]
     if head_dim not in HEAD_DIMS:
         return f"{head_dim=} is not one of {HEAD_DIMS}"
+    value_head_dim = head_dim if value_head_dim is None else value_head_dim
+    if value_head_dim not in HEAD_DIMS:
+        return f"{value_head_dim=} is not one of {HEAD_DIMS}"
     if q_len == 0 or kv_len == 0:
         return f"{q_len=} and {kv_len=} must be positive"
-    tiles = default_tiles(head_dim) if tiles is None else tiles
-    head_dim = kernel_head_dim(head_dim)
+    tiles = default_tiles(head_dim, value_head_dim) if tiles is None else tiles
+    # Registers and shared memory at the head dims the kernels run (80 and 96 padded to 128).
+    head_dim, value_head_dim = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
+    dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     # The rest of a consumer's registers hold the 16-bit copies of P and dS, lse, delta, indices.
     consumers = {"dK/dV": tiles.dkv_consumers, "dQ": tiles.num_consumers}
-    for kernel, registers in tiles.tile_registers(head_dim).items():
+    for kernel, registers in tiles.tile_registers(head_dim, value_head_dim).items():
         budget = consumer_registers(consumers[kernel]) - REGISTER_HEADROOM
         if registers > budget:
             return (
-                f"{tiles} holds {registers} f32 registers per thread in {kernel} at {head_dim=}, "
+                f"{tiles} holds {registers} f32 registers per thread in {kernel} at {dims}, "
                 f"over {budget}: it would spill"
             )
     group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
@@ -326,15 +380,14 @@ def why_not(
             f"dkv_head_splits={splits} CTAs: it must divide the group"
         )
     itemsize = jnp.dtype(dtype).itemsize
-    dkv_smem = tiles.smem_bytes_dkv(
-        head_dim, itemsize, segments=segments, head_splits=max(1, splits), dropout=dropout
-    )
+    budget = dict(value_head_dim=value_head_dim, segments=segments, dropout=dropout)
+    dkv_smem = tiles.smem_bytes_dkv(head_dim, itemsize, head_splits=max(1, splits), **budget)
     for kernel, smem in (
         ("dK/dV", dkv_smem),
-        ("dQ", tiles.smem_bytes_dq(head_dim, itemsize, segments=segments, dropout=dropout)),
+        ("dQ", tiles.smem_bytes_dq(head_dim, itemsize, **budget)),
     ):
         if smem > SMEM_BYTES:
-            return f"{tiles} needs {smem} bytes of shared memory in {kernel} at {head_dim=}"
+            return f"{tiles} needs {smem} bytes of shared memory in {kernel} at {dims}"
     return None
 
 
@@ -355,13 +408,17 @@ def flash_backward(
     tiles: BackwardTiles | None = None,
     device: Device | None = None,
     dropout: tuple[float, jax.Array] | None = None,
+    log_sum: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU.
 
     Args:
-      q, out, d_out: [B, T, N, H], bfloat16 or float16 (out and d_out in q's dtype); any T and
-        S, H one of HEAD_DIMS.
-      k, v: [B, S, K, H] in q's dtype; query head n reads kv head n // (N // K).
+      q: [B, T, N, H], bfloat16 or float16; any T and S, H one of HEAD_DIMS.
+      k: [B, S, K, H] in q's dtype; query head n reads kv head n // (N // K).
+      v: [B, S, K, Hv] in q's dtype, Hv one of HEAD_DIMS too: the kernels take it as it is
+        (dP = dO V^T contracts Hv columns, dV's accumulator has Hv); Hv != H as multi-head
+        latent attention's (192, 128).
+      out, d_out: [B, T, N, Hv] in q's dtype.
       lse: float32 [B, N, T], the natural-log log-sum-exp of the (soft-capped) logits saved by
         the forward; -inf for rows that see no key.
       d_lse: float32 [B, N, T], the cotangent of lse, or None for zero.
@@ -382,12 +439,16 @@ def flash_backward(
         (`pallas_flash._dropout`) is regenerated here. With Z = keep / (1 - rate) the forward
         computed O = (P * Z) V, so dV = (P * Z)^T dO and dS = P * (Z * dP - delta); out and
         lse are the forward's (lse of the un-dropped softmax).
+      log_sum: None, or float32 [B, N, T], the forward's log of each row's softmax denominator
+        relative to its largest logit (`flash_forward(..., with_log_sum=True)`, or the Triton
+        forward's): with it, the recomputed P is clamped at 1 / that denominator instead of 1,
+        so keys that tie at a row's max get their exact P (1 / n for n ties) at any magnitude.
 
     Returns:
-      dq [B, T, N, H] and dk, dv [B, S, K, H] in q's dtype; dk and dv are summed over the query
-      heads of each kv head's group. Rows that see no key have dq 0, keys that no row sees dk
-      and dv 0; with segment ids, NaN or inf in K or V at keys a row does not see does not reach
-      that row's gradients.
+      dq [B, T, N, H], dk [B, S, K, H] and dv [B, S, K, Hv] in q's dtype; dk and dv are
+      summed over the query heads of each kv head's group. Rows that see no key have dq 0,
+      keys that no row sees dk and dv 0; with segment ids, NaN or inf in K or V at keys a row
+      does not see does not reach that row's gradients.
 
     Raises:
       ValueError: shapes, dtypes, options or tiles the kernels do not support (see `why_not`).
@@ -397,6 +458,7 @@ def flash_backward(
         q.shape,
         k.shape,
         q.dtype,
+        value_head_dim=v.shape[-1],
         is_causal=is_causal,
         window=window,
         soft_cap=soft_cap,
@@ -416,17 +478,18 @@ def flash_backward(
             )
         if not 0.0 < rate < 1.0:
             raise ValueError(f"dropout rate={rate!r} must lie in (0, 1)")
+    value_head_dim = v.shape[-1]
     for name, x in (("v", v), ("out", out), ("d_out", d_out)):
-        like = k if name == "v" else q
-        if x.shape != like.shape or x.dtype != q.dtype:
+        like = (*(k if name == "v" else q).shape[:3], value_head_dim)
+        if x.ndim != 4 or x.shape != like or x.dtype != q.dtype:
             raise ValueError(
-                f"{name} {x.shape} {x.dtype} must have shape {like.shape} and q's dtype"
+                f"{name} {x.shape} {x.dtype} must have shape {like} (v's head dim) and q's dtype"
             )
     if not scale > 0:
         raise ValueError(f"{scale=} must be positive")
     if segment_ids is not None:
         check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
-    tiles = default_tiles(q.shape[-1]) if tiles is None else tiles
+    tiles = default_tiles(q.shape[-1], value_head_dim) if tiles is None else tiles
     (_, q_len, _, head_dim), kv_len = q.shape, k.shape[1]
     spec = MaskSpec(
         q_len=q_len,
@@ -439,23 +502,26 @@ def flash_backward(
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
         delta = delta - d_lse.astype(jnp.float32)
-    # The kernels recompute P = exp2(S * scale * log2(e) - lse * log2(e)), clamped at 1; the
-    # lowered reference keeps P of a row's dominant logit exact at any magnitude. Rows that saw
-    # no key (lse = -inf) get +inf, which makes their P exactly 0 whatever their logits.
+    # The kernels recompute P = exp2(min(S * scale * log2(e) - lse * log2(e), bound)), bound =
+    # -log2 of the row's softmax denominator relative to its max (0 without log_sum): the
+    # lowered reference puts the largest logits of a row on the clamp, so their P is exactly
+    # 1 / l at any magnitude (`_numerics.lowered_reference`). Rows that saw no key (lse = -inf)
+    # get +inf, which makes their P exactly 0 whatever their logits.
     lse = lse.astype(jnp.float32)
     lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse) * LOG2E)
+    bound = jnp.zeros_like(lse2) if log_sum is None else log_sum.astype(jnp.float32) * -LOG2E
     if segment_ids is not None or spec.is_causal or spec.window is not None:
         # Keys hidden from some rows (padding, other documents, past the diagonal or the
         # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the
         # tensor cores: 0 * NaN would reach every row of the tile. Costs one pass over K.
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
-    # As in the forward: T and S padded to ROW_ALIGN, H to the kernel head dim (zero columns
-    # add nothing to q.k, dO.v or the gradients' kept columns). The kernels read the true T and
-    # S from spec; rows and keys past them are computed and not kept.
+    # As in the forward: T and S padded to ROW_ALIGN, H and Hv each to its kernel head dim
+    # (zero columns add nothing to q.k, dO.v or the gradients' kept columns). The kernels read
+    # the true T and S from spec; rows and keys past them are computed and not kept.
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
-    h_to = kernel_head_dim(head_dim)
-    q, d_out = pad_to(q, q_to, h_to), pad_to(d_out, q_to, h_to)
-    k, v = pad_to(k, kv_to, h_to), pad_to(v, kv_to, h_to)
+    h_to, hv_to = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
+    q, d_out = pad_to(q, q_to, h_to), pad_to(d_out, q_to, hv_to)
+    k, v = pad_to(k, kv_to, h_to), pad_to(v, kv_to, hv_to)
     # lse and delta keep T innermost: padded to whole query tiles of both kernels, so that no
     # tile's load runs into the next head's rows (see the forward's lse). The rows past T get
     # lse = +inf: P = 0 there, so they add nothing to dK and dV whatever their Q and dO.
@@ -464,6 +530,9 @@ def flash_backward(
     if lse_to != q_len:
         pad = ((0, 0), (0, 0), (0, lse_to - q_len))
         lse2, delta = jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
+        bound = jnp.pad(bound, pad)
+    # [B, N, 2, T'']: a tile's lse2 and bound rows land in one TMA copy.
+    lse2 = jnp.stack([lse2, bound], axis=2)
     dkv_ids = dq_ids = None
     if segment_ids is not None:
         q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
@@ -514,13 +583,14 @@ def flash_backward(
         q.dtype.itemsize,
         num_sms=num_sms() if device is None else device.num_sms,
         causal=spec.is_causal,
+        value_head_dim=hv_to,
         segments=segment_ids is not None,
         dropout=dropout is not None,
     )
     dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs)
     if splits > 1:
-        # f32 partials [B, S', K * splits, H], a KV head's splits side by side: summed one
-        # after the other, in the same order on every call.
+        # f32 partials [B, S', K * splits, H or Hv], a KV head's splits side by side: summed
+        # one after the other, in the same order on every call.
         dk, dv = (
             functools.reduce(
                 jnp.add, jnp.unstack(x.reshape(*k.shape[:3], splits, -1), axis=3)
@@ -528,9 +598,12 @@ def flash_backward(
             for x in (dk, dv)
         )
     dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
-    if (q_to, kv_to, h_to) != (q_len, kv_len, head_dim):
+    if (q_to, h_to) != (q_len, head_dim):
         dq = dq[:, :q_len, :, :head_dim]
-        dk, dv = dk[:, :kv_len, :, :head_dim], dv[:, :kv_len, :, :head_dim]
+    if kv_to != kv_len or h_to != head_dim:
+        dk = dk[:, :kv_len, :, :head_dim]
+    if kv_to != kv_len or hv_to != value_head_dim:
+        dv = dv[:, :kv_len, :, :value_head_dim]
     return dq, dk, dv
 
 
@@ -572,23 +645,27 @@ def _clip(x, lo, hi):
     return jnp.minimum(jnp.maximum(x, lo), hi)
 
 
-def _probs(s, lse2, broadcast, *, qk_scale: float, scale: float, soft_cap):
-    """(P, P * dcap) of an f32 tile of logits s = q.k from lse2 = lse * log2(e) per query:
-    P = exp2(logit * log2(e) - lse2), dcap the soft cap's derivative 1 - tanh^2 (P itself
-    without a cap).
+def _probs(s, lse2, bound, broadcast, *, qk_scale: float, scale: float, soft_cap):
+    """(P, P * dcap) of an f32 tile of logits s = q.k from lse2 = lse * log2(e) (lowered) and
+    bound = -log2 of the softmax denominator relative to the max (0: unknown) per query:
+    P = exp2(min(logit * log2(e) - lse2, bound)), dcap the soft cap's derivative 1 - tanh^2
+    (P itself without a cap).
 
-    P <= 1: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2. lse2 is
-    +inf for rows that see no key and rows past T: P = 0 there. The capped logits are the
-    forward's (`forward._capped_logits`): tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1), whose
-    1 - tanh^2 = 4r(1 - r) stays exact as tanh nears +-1 (where 1 - tanh * tanh would cancel),
-    and is 0, not NaN, where exp2 overflows (r = 0) or underflows (r = 1).
+    P <= 1 / l: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2; the
+    lowered lse2 puts a row's largest logits on the clamp, so keys that tie at the max get
+    exactly 1 / l however their logits round. lse2 is +inf for rows that see no key and rows
+    past T: P = 0 there. The capped logits are the forward's (`forward._capped_logits`):
+    tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1), whose 1 - tanh^2 = 4r(1 - r) stays exact as
+    tanh nears +-1 (where 1 - tanh * tanh would cancel), and is 0, not NaN, where exp2
+    overflows (r = 0) or underflows (r = 1).
     """
+    lse2, bound = broadcast(lse2, s.shape), broadcast(bound, s.shape)
     if soft_cap is None:
-        p = jnp.exp2(jnp.minimum(s * qk_scale - broadcast(lse2, s.shape), 0.0))
+        p = jnp.exp2(jnp.minimum(s * qk_scale - lse2, bound))
         return p, p
     cap2 = soft_cap * LOG2E
     r = 1.0 / (jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)) + 1.0)
-    p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - broadcast(lse2, s.shape), 0.0))
+    p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - lse2, bound))
     return p, p * (4.0 * r * (1.0 - r))
 
 
@@ -657,10 +734,11 @@ def _dkv_call(
     """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan);
     drop: None, or (rate, the rows' hashes [B, N, 2, T''], the keys' [B, N, S'' / block_kv_dkv,
     block_kv_dkv]), the dropout tables.
-    dk, dv [B, S', K, H] in k's dtype, or with head_splits > 1 f32 partials
-    [B, S', K * head_splits, H] (a KV head's splits side by side) for the caller to sum."""
+    dk [B, S', K, H], dv [B, S', K, Hv] in k's dtype, or with head_splits > 1 f32 partials
+    [B, S', K * head_splits, H or Hv] (a KV head's splits side by side) for the caller to
+    sum."""
     batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
     has_ids = ids is not None
     has_drop = drop is not None
@@ -680,10 +758,10 @@ def _dkv_call(
     )
     scratch = dict(
         k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
-        v_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
+        v_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, value_head_dim), q.dtype),
         q_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
-        do_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
-        lse_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
+        do_smem=_tile_smem((n_s, block_q, value_head_dim), q.dtype),
+        lse_smem=plgpu.SMEM((n_s, 2, block_q), jnp.float32),  # lse2 and bound rows
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         # Two TMA copies arrive on each: K and V (split: K or V); Q and its lse rows; dO and its
         # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q;
@@ -714,18 +792,26 @@ def _dkv_call(
             p_ready=plgpu.Barrier(num_arrivals=1),
             p_free=plgpu.Barrier(num_arrivals=1),
         )
-    kv_type = jax.ShapeDtypeStruct(k.shape, k.dtype)
+    out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     if head_splits > 1:
-        # Partials stay f32 until XLA has summed them, as one CTA's accumulators would.
-        scratch.update(partial_smem=plgpu.SMEM((n_c, tiles.block_kv_dkv, head_dim), jnp.float32))
-        kv_type = jax.ShapeDtypeStruct(
-            (*k.shape[:2], num_kv_heads * head_splits, head_dim), jnp.float32
+        # Partials stay f32 until XLA has summed them, as one CTA's accumulators would. Split
+        # consumers stage one each; others stage dK then dV through one tile at H == Hv.
+        def staging(consumers, columns):
+            return plgpu.SMEM((*consumers, tiles.block_kv_dkv, columns), jnp.float32)
+
+        consumers = () if tiles.split_dkv else (n_c,)
+        scratch.update(dk_partial_smem=staging(consumers, head_dim))
+        if tiles.split_dkv or value_head_dim != head_dim:
+            scratch.update(dv_partial_smem=staging(consumers, value_head_dim))
+        out_type = tuple(
+            jax.ShapeDtypeStruct((*k.shape[:2], num_kv_heads * head_splits, h), jnp.float32)
+            for h in (head_dim, value_head_dim)
         )
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
     return warp_specialised_kernel(
         kernel,
-        out_type=(kv_type, kv_type),
+        out_type=out_type,
         scratch_types=scratch,
         grid=(batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows)),
         grid_names=("batch", "kv_head", "kv_tile"),
@@ -757,7 +843,8 @@ def _dkv_kernel(
     p_smem=None,
     p_ready=None,
     p_free=None,
-    partial_smem=None,
+    dk_partial_smem=None,
+    dv_partial_smem=None,
     drop_rows_smem=None,
     drop_col_smem=None,
     spec: MaskSpec,
@@ -772,11 +859,13 @@ def _dkv_kernel(
     """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop), over
     `group` of its query heads (all of them, or one of head_splits shares).
 
-    q_ref, do_ref: [B, T', N, H]; k/v_ref: [B, S', K, H]; dk/dv_ref: [B, S', K, H], or with
-    head_splits > 1 f32 partials [B, S', K * head_splits, H]; lse2_ref (lse * log2(e), +inf
-    for rows without keys) and delta_ref: f32 [B, N, T'']. With segment ids, refs starts with
-    q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S / cta_kv_rows),
-    dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0 the dropout
+    q_ref: [B, T', N, H], do_ref: [B, T', N, Hv]; k_ref, dk_ref: [B, S', K, H], v_ref,
+    dv_ref: [B, S', K, Hv] (dk_ref and dv_ref with head_splits > 1 f32 partials
+    [B, S', K * head_splits, ..]); lse2_ref: f32 [B, N, 2, T''], the rows' lse * log2(e) (+inf
+    for rows without keys) and bound (`_probs`); delta_ref: f32 [B, N, T'']. With segment ids,
+    refs starts with q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S /
+    cta_kv_rows), dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0
+    the dropout
     tables follow: drop_rows_ref [B, N, 2, T''] (the query rows' row_mul and row_add) and
     drop_col_ref [B, N, S'' / block_kv_dkv, block_kv_dkv] (the keys' col), each step's copied
     with its Q into the ring (the keys' of the step's head: the CTA's blocks). Grid axis
@@ -828,6 +917,15 @@ def _dkv_kernel(
     @pl.when(wg < n_c)
     def _consumer():
         plgpu.set_max_registers(consumer_registers(n_c), action="increase")
+        partials = None
+        if dk_partial_smem is not None and tiles.split_dkv:
+            partials = (dk_partial_smem, dv_partial_smem)
+        elif dk_partial_smem is not None:
+            dk_partial = dk_partial_smem.at[wg]
+            partials = (
+                dk_partial,
+                dk_partial if dv_partial_smem is None else dv_partial_smem.at[wg],
+            )
         consume = functools.partial(
             _consume_dkv,
             k_ref,
@@ -838,7 +936,7 @@ def _dkv_kernel(
             k_smem.at[block],
             v_smem.at[block],
             None if kv_ids_smem is None else kv_ids_smem.at[wg],
-            None if partial_smem is None else partial_smem.at[wg],
+            partials,
             kv_loaded.at[wg],
             ring,
             kv_head=kv_head,
@@ -857,7 +955,8 @@ def _dkv_kernel(
         if not tiles.split_dkv:
             consume()
             return
-        handoff = _PHandoff(p_smem, p_ready, p_free)
+        # The dK consumer stages dK through K's buffer, which the dV consumer loads.
+        handoff = _PHandoff(p_smem, p_ready, p_free, k_loaded=kv_loaded.at[0])
         for role, index in (("dv", 0), ("dk", 1)):
             pl.when(wg == index)(functools.partial(consume, role=role, handoff=handoff))
 
@@ -908,11 +1007,12 @@ class _PHandoff:
     consumer to the dK consumer of a split dK/dV CTA (split_dkv), one computed step at a time:
     p_ready completes when a step's tile is in p_smem, p_free when the dK consumer has copied it
     out (once more before its first step, so that the dV consumer waits for p_free before every
-    write)."""
+    write). k_loaded: the dV consumer's barrier on which K lands."""
 
     p_smem: object
     p_ready: object
     p_free: object
+    k_loaded: object
 
 
 def _produce_dkv(
@@ -955,7 +1055,8 @@ def _produce_dkv(
         )
         pl.when(step >= num_stages)(lambda: plgpu.barrier_wait(ring.q_free.at[slot]))
         plgpu.copy_gmem_to_smem(q_ref.at[rows], ring.q_smem.at[slot], ring.q_ready.at[slot])
-        plgpu.copy_gmem_to_smem(lse2_ref.at[vector], ring.lse_smem.at[slot], ring.q_ready.at[slot])
+        lse_rows = lse2_ref.at[batch, head, :, pl.ds(q_start, block_q)]
+        plgpu.copy_gmem_to_smem(lse_rows, ring.lse_smem.at[slot], ring.q_ready.at[slot])
         if q_ids_ref is not None:
             ids = q_ids_ref.at[batch, pl.ds(q_start, block_q)]
             plgpu.copy_gmem_to_smem(ids, ring.q_ids_smem.at[slot], ring.q_ready.at[slot])
@@ -977,7 +1078,7 @@ def _consume_dkv(
     k_smem,
     v_smem,
     kv_ids_smem,
-    partial_smem,
+    partials,
     kv_loaded,
     ring: _QRing,
     *,
@@ -1008,13 +1109,14 @@ def _consume_dkv(
     they compute and drain the same steps.
 
     K and V come from KV head kv_head; dK and dV go to head out_head of dk_ref and dv_ref, as
-    f32 partials through this consumer's partial_smem when it is given (head splits).
+    f32 partials through partials = (dK's staging tile, dV's) when it is given (head
+    splits), else through the dead K and V buffers.
 
     key_block: the consumer's block of the CTA's keys (its slice of the ring's key hashes).
     dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
     Z = keep / (1 - rate) (see `probs_t`)."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
-    head_dim, dtype = k_smem.shape[-1], k_smem.dtype
+    head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
     first, end = cta_range
     cta_tiles = end - first
     lo, full_lo, full_hi, hi = ranges
@@ -1069,9 +1171,11 @@ def _consume_dkv(
             return acc_ref[...]
 
         s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
-        lse2 = plgpu.load(ring.lse_smem.at[slot], layout=col_layout)
+        lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=col_layout) for j in (0, 1))
         # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
-        p_t, pd_t = _probs(s_t, lse2, _cols, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
+        p_t, pd_t = _probs(
+            s_t, lse2, bound, _cols, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap
+        )
         if masked:
             # A select, not a product: NaN in K at a hidden key is in S^T.
             visible = visible_in(i, slot)
@@ -1199,29 +1303,40 @@ def _consume_dkv(
             lax.fori_loop(hi, end, drain, None)
         return carry
 
-    zeros = _wgmma_zeros((block_kv, head_dim))
+    dk_zeros, dv_zeros = (
+        _wgmma_zeros((block_kv, head_dim)),
+        _wgmma_zeros((block_kv, value_head_dim)),
+    )
     plgpu.barrier_wait(kv_loaded)
     if kv_ids_smem is not None:
         kv_seg = plgpu.load(kv_ids_smem, layout=plgpu.Layout.WGMMA.reduce(1))
     if role == "dv":
-        (dv,) = lax.fori_loop(0, group, head_loop, (zeros,))
-        # -- epilogue: K is dead (its last reader, this consumer's S^T, is done) --
-        staging = k_smem if partial_smem is None else partial_smem
+        (dv,) = lax.fori_loop(0, group, head_loop, (dv_zeros,))
+        if partials is None:
+            # -- epilogue: through V's buffer ([block_kv, Hv], as dV), once the dK consumer
+            # has copied out the last P^T: after its last dP^T, V's last reader (and after V
+            # landed: it arrives on p_free first once V has). --
+            plgpu.barrier_wait(handoff.p_free)
+        staging = v_smem if partials is None else partials[1]
         _store_rows(staging, _times(dv, keep_scale), dv_ref.at[out_rows])
         return
     if role == "dk":
         # The buffer starts empty: the dV consumer's first wait on p_free passes.
         plgpu.barrier_arrive(handoff.p_free)
-        (dk,) = lax.fori_loop(0, group, head_loop, (zeros,))
-        # -- epilogue: V is dead (its last reader, this consumer's dP^T, is done) --
-        staging = v_smem if partial_smem is None else partial_smem
+        (dk,) = lax.fori_loop(0, group, head_loop, (dk_zeros,))
+        if partials is None:
+            # -- epilogue: through K's buffer ([block_kv, H], as dK). K's last reader, the dV
+            # consumer's last S^T, came before the last P^T this consumer took; wait for K to
+            # have landed too, for a CTA whose keys no row sees (no P^T at all). --
+            plgpu.barrier_wait(handoff.k_loaded)
+        staging = k_smem if partials is None else partials[0]
         _store_rows(staging, dk * scale, dk_ref.at[out_rows])
         return
-    dk, dv = lax.fori_loop(0, group, head_loop, (zeros, zeros))
-    if partial_smem is not None:
-        # -- epilogue: the f32 partials one after the other through the staging tile --
-        _store_rows(partial_smem, dk * scale, dk_ref.at[out_rows])
-        _store_rows(partial_smem, _times(dv, keep_scale), dv_ref.at[out_rows])
+    dk, dv = lax.fori_loop(0, group, head_loop, (dk_zeros, dv_zeros))
+    if partials is not None:
+        # -- epilogue: the f32 partials one after the other through the staging tiles --
+        _store_rows(partials[0], dk * scale, dk_ref.at[out_rows])
+        _store_rows(partials[1], _times(dv, keep_scale), dv_ref.at[out_rows])
         return
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
@@ -1274,7 +1389,7 @@ def _dq_call(
     None, or (rate, the rows' hashes [B, N, 2, T''], the keys' [B, N, S'']), the dropout
     tables."""
     batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
+    num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     n_c, n_s, block_q = tiles.num_consumers, tiles.num_stages, tiles.block_q_dq
     has_ids = ids is not None
     has_drop = drop is not None
@@ -1292,11 +1407,11 @@ def _dq_call(
     )
     scratch = dict(
         q_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
-        do_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
-        lse_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
+        do_smem=_tile_smem((n_c, block_q, value_head_dim), q.dtype),
+        lse_smem=plgpu.SMEM((n_c, 2, block_q), jnp.float32),  # lse2 and bound rows
         delta_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
         k_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
-        v_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
+        v_smem=_tile_smem((n_s, tiles.block_kv_dq, value_head_dim), q.dtype),
         # Four TMA copies arrive on it: Q, dO, lse rows, delta rows (and the rows' segment ids,
         # and dropout's hashes of the rows).
         q_loaded=plgpu.Barrier(num_arrivals=4 + has_ids + has_drop, num_barriers=n_c),
@@ -1423,7 +1538,8 @@ def _dq_kernel(
         lse_smem_c, delta_smem_c = lse_smem.at[wg], delta_smem.at[wg]
         plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_smem_c, q_loaded.at[wg])
         plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_smem_c, q_loaded.at[wg])
-        plgpu.copy_gmem_to_smem(lse2_ref.at[vector], lse_smem_c, q_loaded.at[wg])
+        lse_rows = lse2_ref.at[batch, head, :, pl.ds(q_start, tiles.block_q_dq)]
+        plgpu.copy_gmem_to_smem(lse_rows, lse_smem_c, q_loaded.at[wg])
         plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem_c, q_loaded.at[wg])
         q_ids_smem_c = None
         if q_ids_ref is not None:
@@ -1515,7 +1631,7 @@ def _consume_dq(
     head_dim, dtype = q_smem.shape[-1], q_smem.dtype
     tile_shape = (block_q, block_kv)
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    lse2 = plgpu.load(lse_smem, layout=row_layout)
+    lse2, bound = (plgpu.load(lse_smem.at[j], layout=row_layout) for j in (0, 1))
     delta = plgpu.load(delta_smem, layout=row_layout)
     q_seg = None if q_ids_smem is None else plgpu.load(q_ids_smem, layout=row_layout)
     drop_rows = None
@@ -1554,7 +1670,7 @@ def _consume_dq(
         )
         plgpu.barrier_arrive(ring.v_free.at[slot])
         # dS = P * dcap * (dP - delta): only P * dcap is needed here.
-        _, pd = _probs(s, lse2, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
+        _, pd = _probs(s, lse2, bound, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
         delta_t = _rows(delta, tile_shape)
         if drop_rows is None:
             ds = pd * (dp - delta_t)

@@ -77,7 +77,8 @@ def flash_forward(
     device: Device | None = None,
     sinks: jax.Array | None = None,
     dropout: tuple[float, jax.Array] | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    with_log_sum: bool = False,
+) -> tuple[jax.Array, ...]:
     """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
 
     Args:
@@ -117,12 +118,17 @@ def flash_forward(
       dropout: None, or (rate, seeds int32 [B, N]): attention dropout on P before P.V, the
         keep-mask of `pallas_flash._dropout` (the Triton kernels' and the reference's); lse
         stays the un-dropped softmax's.
+      with_log_sum: also return log_sum.
 
     Returns:
       out [B, T, N, Hv] in the dtype of q, and lse float32 [B, N, T]: the natural-log
       log-sum-exp of the (soft-capped) logits over the visible keys (and the sink). A row that
       sees no key (a window past the last key, possible when T > S; a padding row; a segment
-      with no key) has out 0 and lse -inf, or lse = its sink.
+      with no key) has out 0 and lse -inf, or lse = its sink. With with_log_sum, third,
+      log_sum float32 [B, N, T]: the log of each row's softmax denominator relative to the
+      larger of its largest logit and its sink (lse = that + log_sum; 0 for rows that see no
+      key), as the Triton forward's: beyond |lse| ~ 1e7 a float32 lse cannot hold it next to
+      the max, and a backward needs it to recompute the P of keys that tie at the max (1 / n).
 
     Raises:
       ValueError: shapes, dtypes, options or tiles the kernel does not support (see `why_not`).
@@ -198,13 +204,14 @@ def flash_forward(
         rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, q_to - q_len)))
         col = jnp.pad(col, ((0, 0), (0, 0), (0, kv_to - kv_len)))
         drop = (float(rate), rows, col)
-    out, lse = _forward_call(
+    out, lse, *log_sum = _forward_call(
         q,
         k,
         v,
         segments,
         sinks,
         drop,
+        with_log_sum=with_log_sum,
         spec=spec,
         scale=float(scale),
         soft_cap=soft_cap,
@@ -214,8 +221,8 @@ def flash_forward(
     if out.shape[1] != q_len:
         out = out[:, :q_len]
     if lse.shape[2] != q_len:
-        lse = lse[:, :, :q_len]
-    return out, lse
+        lse, log_sum = lse[:, :, :q_len], [x[:, :, :q_len] for x in log_sum]
+    return out, lse, *log_sum
 
 
 def _forward_call(
@@ -226,6 +233,7 @@ def _forward_call(
     sinks,
     drop,
     *,
+    with_log_sum: bool,
     spec: MaskSpec,
     scale: float,
     soft_cap,
@@ -234,7 +242,8 @@ def _forward_call(
 ):
     """segments: None or (q_segment_ids [B, T], kv_segment_ids [B, S], segment_tile_plan);
     sinks: None or float32 [B, N]; drop: None or (rate, rows [B, N, 2, T'], col [B, N, S']), the
-    dropout tables; num_sms: the GPU's SM count, the most CTAs a persistent grid launches."""
+    dropout tables; num_sms: the GPU's SM count, the most CTAs a persistent grid launches.
+    Returns (out, lse), with with_log_sum (out, lse, log_sum)."""
     batch, padded_q_len, num_heads, head_dim = q.shape
     num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     has_ids = segments is not None
@@ -250,6 +259,7 @@ def _forward_call(
         tiles=tiles,
         has_sinks=sinks is not None,
         dropout_rate=drop[0] if has_drop else 0.0,
+        with_log_sum=with_log_sum,
     )
 
     def smem_transforms(cols):
@@ -272,7 +282,8 @@ def _forward_call(
         ),
         k_smem=ring(tiles.block_kv, head_dim),
         v_smem=ring(tiles.block_kv, value_head_dim),
-        lse_smem=plgpu.SMEM((NUM_CONSUMERS, tiles.block_q), jnp.float32),
+        # lse and log_sum rows of each consumer, one TMA copy each.
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, 1 + with_log_sum, tiles.block_q), jnp.float32),
         # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in
         # K's ring slot: each such barrier then counts two copies (one arrival per copy, with
         # its bytes), and the phase completes once both have landed.
@@ -309,9 +320,11 @@ def _forward_call(
     # lse [B, N, T] keeps T innermost, where Mosaic GPU may view the array as one run of
     # B * N * T values: a last tile's rows past T would then land on the next head's first
     # rows instead of past the end. Whole tiles per row keep every store in its own row.
+    row_type = jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * tiles.cta_rows), jnp.float32)
     out_type = (
         jax.ShapeDtypeStruct((batch, padded_q_len, num_heads, value_head_dim), q.dtype),
-        jax.ShapeDtypeStruct((batch, num_heads, num_q_tiles * tiles.cta_rows), jnp.float32),
+        row_type,
+        *([row_type] if with_log_sum else []),
     )
     if tiles.persistent:
         grid = (min(batch * num_heads * num_q_tiles, num_sms),)
@@ -366,12 +379,13 @@ def _forward_kernel(
     tiles: ForwardTiles,
     has_sinks: bool = False,
     dropout_rate: float = 0.0,
+    with_log_sum: bool = False,
 ):
     """One CTA: its work items (`_Work`) in turn, each NUM_CONSUMERS * block_q query rows of
     one head against that head's keys; one item unless tiles.persistent.
 
     q_ref: [B, T', N, H], k_ref: [B, S', K, H], v_ref: [B, S', K, Hv] and out_ref [B, T', N, Hv]
-    in GMEM; lse_ref [B, N, T'],
+    in GMEM; lse_ref [B, N, T'] (and with with_log_sum log_sum_ref [B, N, T'], the last ref),
     T' >= T and S' >= S (spec's) multiples of ROW_ALIGN. With segment ids, refs starts with
     q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_rows), NUM_CONSUMERS + 1,
     4] (`segment_tile_plan`), read with scalar loads; with has_sinks, sinks_ref [B, N] float32
@@ -385,7 +399,8 @@ def _forward_kernel(
     (kv_ids_smem [num_stages, block_kv] rides in K's slots, q_ids_smem like q_smem with Q); the
     barriers are named after what their completion means.
     """
-    *id_refs, out_ref, lse_ref = refs
+    *id_refs, out_ref, lse_ref = refs[:-1] if with_log_sum else refs
+    row_refs = (lse_ref, refs[-1]) if with_log_sum else (lse_ref,)
     sinks_ref = id_refs.pop() if has_sinks else None
     drop_col_ref = id_refs.pop() if dropout_rate else None
     drop_rows_ref = id_refs.pop() if dropout_rate else None
@@ -473,7 +488,7 @@ def _forward_kernel(
             b = buffer(n)
             _consume(
                 out_ref,
-                lse_ref,
+                row_refs,
                 q_smem.at[b],
                 q_smem.at[b] if o_smem is None else o_smem.at[wg],
                 lse_smem.at[wg],
@@ -665,7 +680,7 @@ def _capped_logits(qk, *, scale: float, soft_cap: float):
 
 def _consume(
     out_ref,
-    lse_ref,
+    row_refs,
     q_smem,
     o_smem,
     lse_smem,
@@ -691,6 +706,8 @@ def _consume(
     """Consumer warpgroup: block_q query rows of a work item through its KV tiles (FA2
     Algorithm 1). Their Q (and query ids) are on their way to q_smem, signalled by q_ready;
     o_smem [block_q, Hv] takes the output tile (q_smem itself when Hv == H: Q is dead by then).
+    row_refs: (lse_ref,) or (lse_ref, log_sum_ref) in GMEM; lse_smem [len(row_refs), block_q]
+    stages their rows.
 
     Ping-pong: each CTA step has two schedule syncs, one after issuing Q.K^T and one split
     around the end of the softmax. Consumer 1 syncs once before its first step and consumer 0
@@ -881,10 +898,16 @@ def _consume(
     out = acc * _rows(row_scale, acc.shape)
     # Where o_smem is q_smem, Q is dead: its last reader, the final Q.K^T, is done.
     o_smem[...] = out.astype(dtype)
-    lse_smem[...] = jnp.where(empty, -jnp.inf, m_i * unit + jnp.log(l_safe))
+    # log_sum (log l, relative to the row max or the sink) also for a backward that recomputes
+    # P: beyond |lse| ~ 1e7 lse rounds it away, and keys that tie at the max have P = 1 / l.
+    log_sum = jnp.log(l_safe)
+    lse_smem.at[0][...] = jnp.where(empty, -jnp.inf, m_i * unit + log_sum)
+    if len(row_refs) > 1:
+        lse_smem.at[1][...] = log_sum
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_smem, out_ref.at[q_rows])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+    for i, row_ref in enumerate(row_refs):
+        plgpu.copy_smem_to_gmem(lse_smem.at[i], row_ref.at[batch, head, pl.ds(q_start, block_q)])
     if tiles.persistent:
         # The next item writes lse_smem, and at its start loads the item after it's Q into
         # q_smem: only once the copies have read them. The writes to GMEM are waited for once,

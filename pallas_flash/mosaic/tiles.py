@@ -89,15 +89,15 @@ class ForwardTiles:
         """Shared memory of one CTA at the head dims of q/k and of v (value_head_dim; None:
         head_dim): Q per consumer (twice when persistent), which holds the output tile when the
         two head dims are equal, else an output tile per consumer; the K and V rings; the lse
-        rows and, with segment ids, the consumers' query ids (as Q) and a ring of KV ids
-        (int32)."""
+        and log_sum rows and, with segment ids, the consumers' query ids (as Q) and a ring of KV
+        ids (int32)."""
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         q = self.q_buffers * self.cta_rows * head_dim * itemsize
         out = 0 if value_head_dim == head_dim else self.cta_rows * value_head_dim * itemsize
         kv = self.num_stages * self.block_kv * (head_dim + value_head_dim) * itemsize
         ids = (self.q_buffers * self.cta_rows + self.num_stages * self.block_kv) * 4
         ids = ids if segments else 0
-        return q + out + kv + self.cta_rows * 4 + ids
+        return q + out + kv + 2 * self.cta_rows * 4 + ids
 
 
 def kernel_head_dim(head_dim: int) -> int:

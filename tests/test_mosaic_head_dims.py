@@ -94,6 +94,7 @@ class Variant:
     sinks: bool = False
     dropout: float | None = None
     persistent: bool | None = None
+    with_log_sum: bool = False
 
     def __str__(self):
         fields = [
@@ -147,6 +148,7 @@ class Variant:
                 sinks=sinks,
                 dropout=dropout,
                 tiles=tiles,
+                with_log_sum=self.with_log_sum,
             )
 
         return run
@@ -177,7 +179,8 @@ def _v(head_dim, is_causal=True, q_len=256, kv_len=384, dtype="bf16", **options)
 # Every kernel variant at H 96 and 80: causal (a CTA per item) and not (persistent by default),
 # GQA throughout, T < S and T > S, windows (the masked steps zero non-finite V in pieces that
 # follow the narrower column tiles), soft caps, segment ids, sinks, dropout, persistent and
-# not against the default, a value head dim of its own (a separate output buffer and swizzle).
+# not against the default, a value head dim of its own (a separate output buffer and swizzle),
+# the log_sum output.
 # CI runs one slice per head dim; the rest with PALLAS_FLASH_SWEEP.
 LOWERING_VARIANTS = [
     _v(96, window=(100, 0), sinks=True),
@@ -199,6 +202,7 @@ LOWERING_VARIANTS = [
             _v(96, value_head_dim=80),
             _v(80, is_causal=False, value_head_dim=128),
             _v(128, is_causal=False, value_head_dim=96, persistent=True),
+            _v(96, sinks=True, with_log_sum=True),
         ]
     ],
 ]
@@ -245,9 +249,9 @@ def test_lowers_for_h200_without_padding_the_head_dim(variant, monkeypatch):
         )
     )
     assert operand_types(text)[:3] == [q, k, v]
-    out, lse = lowered.out_info
+    out, *rows = lowered.out_info
     assert out.shape == (p.batch, p.q_len, p.num_heads, variant.hv)
-    assert lse.shape == (p.batch, p.num_heads, p.q_len)
+    assert [r.shape for r in rows] == [(p.batch, p.num_heads, p.q_len)] * (1 + variant.with_log_sum)
     block_kv = variant.tiles().block_kv
     itemsize = jnp.dtype(p.jnp_dtype).itemsize
     assert issued == {

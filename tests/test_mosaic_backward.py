@@ -795,15 +795,26 @@ def test_kernel_config_opt_in_matches_oracle():
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "head_dim, tiles",
-    [(128, None), (256, None), (128, BackwardTiles(dkv_head_splits=4))],
+    [
+        (128, None),
+        (192, None),
+        (256, None),
+        (128, BackwardTiles(dkv_head_splits=4)),
+        (192, BackwardTiles(split_dkv=True, dkv_head_splits=2)),
+    ],
     ids=str,
 )
 def test_deterministic(head_dim, tiles):
+    """Bitwise the same over repeated runs: a race on a staged shared-memory buffer (the split
+    dK/dV consumers at H 192 and 256 stage through each other's K and V) shows first as a
+    run-to-run difference."""
     needs_hopper()
     p = Problem(2, 512, 512, 8, 2, head_dim, True, "bf16")
     args, _ = random_inputs(p)
     fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, tiles)))
-    assert_bitwise_equal(fn(*args), fn(*args))
+    first = fn(*args)
+    for _ in range(10):
+        assert_bitwise_equal(fn(*args), first)
 
 
 # MQA and GQA with the dK/dV kernel's head splits: asked for and automatic (0: the whole group

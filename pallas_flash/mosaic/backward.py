@@ -1310,26 +1310,30 @@ def _consume_dkv(
     plgpu.barrier_wait(kv_loaded)
     if kv_ids_smem is not None:
         kv_seg = plgpu.load(kv_ids_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+    # Each split consumer stages its result through a dead buffer of its accumulator's width.
+    # At H == Hv that is the buffer it loaded and read itself (dV through K's, dK through V's):
+    # no wait on the other consumer. At H != Hv the widths cross (dV through V's, dK through
+    # K's), so each waits until the other consumer's last read of that buffer is done.
+    crossed = partials is None and value_head_dim != head_dim
     if role == "dv":
         (dv,) = lax.fori_loop(0, group, head_loop, (dv_zeros,))
-        if partials is None:
-            # -- epilogue: through V's buffer ([block_kv, Hv], as dV), once the dK consumer
-            # has copied out the last P^T: after its last dP^T, V's last reader (and after V
-            # landed: it arrives on p_free first once V has). --
+        if crossed:
+            # The dK consumer has copied out the last P^T: after its last dP^T, V's last
+            # reader (and after V landed: it arrives on p_free first once V has).
             plgpu.barrier_wait(handoff.p_free)
-        staging = v_smem if partials is None else partials[1]
+        staging = partials[1] if partials is not None else (v_smem if crossed else k_smem)
         _store_rows(staging, _times(dv, keep_scale), dv_ref.at[out_rows])
         return
     if role == "dk":
         # The buffer starts empty: the dV consumer's first wait on p_free passes.
         plgpu.barrier_arrive(handoff.p_free)
         (dk,) = lax.fori_loop(0, group, head_loop, (dk_zeros,))
-        if partials is None:
-            # -- epilogue: through K's buffer ([block_kv, H], as dK). K's last reader, the dV
-            # consumer's last S^T, came before the last P^T this consumer took; wait for K to
-            # have landed too, for a CTA whose keys no row sees (no P^T at all). --
+        if crossed:
+            # K's last reader, the dV consumer's last S^T, came before the last P^T this
+            # consumer took; wait for K to have landed too, for a CTA whose keys no row sees
+            # (no P^T at all).
             plgpu.barrier_wait(handoff.k_loaded)
-        staging = k_smem if partials is None else partials[0]
+        staging = partials[0] if partials is not None else (k_smem if crossed else v_smem)
         _store_rows(staging, dk * scale, dk_ref.at[out_rows])
         return
     dk, dv = lax.fori_loop(0, group, head_loop, (dk_zeros, dv_zeros))

@@ -437,8 +437,8 @@ def test_auto_forward_keeps_triton_when_it_should(chosen_forward):
 
 
 @pytest.mark.parametrize("head_dim", [80, 192])
-def test_padded_head_dims_and_ragged_lengths_take_the_mosaic_forward(chosen_forward, head_dim):
-    """Head dims 80/96 (padded to 128) and 192 run the Mosaic forward, at whole tiles and at
+def test_other_head_dims_and_ragged_lengths_take_the_mosaic_forward(chosen_forward, head_dim):
+    """Head dims 80/96 and 192 run the Mosaic forward, at whole tiles and at
     ragged last tiles from MOSAIC_RAGGED_MIN_LEN tokens; shorter ragged calls take Triton unless
     Mosaic is asked for."""
     for q_len, kv_len in ((2048, 2048), (3000, 3000)):

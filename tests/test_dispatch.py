@@ -205,7 +205,8 @@ H200 = {
     "mqa": ("mosaic", "mosaic", H128, {}, {}, None),
     "f16": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
     "f32": ("triton", "triton", F32, None, None, 1),
-    # Any T and S, and H=96 padded to 128: the Mosaic kernels.
+    # Any T and S, and H=96 (the forward as it is, the backward padded to 128): the Mosaic
+    # kernels.
     "odd-lengths": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
     "head-dim-96": ("mosaic", "mosaic", H128_FULL_SHORT, dict(persistent=True), {}, None),
     "head-dim-32": ("triton", "triton", H64, None, None, 1),

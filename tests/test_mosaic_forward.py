@@ -1257,7 +1257,7 @@ LONG = bool(os.environ.get("PALLAS_FLASH_SWEEP"))
 long_only = pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_SWEEP to run")
 
 # Lengths that are multiples of 8 run in place (TMA windows past the arrays' ends); others are
-# padded to 8 by the wrapper; head dims 80/96 run padded to 128, 192 as it is (64-key tiles).
+# padded to 8 by the wrapper; head dims 80/96 and 192 (64-key tiles) run as they are.
 RAGGED_LOWERING_CASES = [
     (Problem(2, 197, 197, 4, 4, 64, False, "bf16"), {}),
     (Problem(1, 1000, 1000, 4, 2, 192, True, "bf16"), {}),
@@ -1291,9 +1291,9 @@ def test_lowers_with_segment_ids_at_any_lengths():
 
 
 def test_lengths_not_multiples_of_8_are_padded_and_others_run_in_place():
-    """The wrapper pads T and S to 8 (Mosaic GPU tiles the TMA windows' rows by 8) and H 80/96
-    to 128, and nothing else: at T = S = 3000, H = 128 the kernel reads q, k, v as given (the
-    one slice is the lse's, written over whole tiles)."""
+    """The wrapper pads T and S to 8 (Mosaic GPU tiles the TMA windows' rows by 8), and nothing
+    else: at T = S = 3000, H = 128 the kernel reads q, k, v as given (the one slice is the
+    lse's, written over whole tiles); at H = 96 only q's T is padded, not H."""
     p = Problem(1, 3000, 3000, 4, 2, 128, True, "bf16")
     text = lower_for_h200(forward_fn(p), *abstract_qkv(p)).as_text()
     assert "stablehlo.pad" not in text
@@ -1301,14 +1301,15 @@ def test_lengths_not_multiples_of_8_are_padded_and_others_run_in_place():
     assert len(slices) == 1 and "tensor<1x4x3072xf32>) -> tensor<1x4x3000xf32>" in slices[0]
     p = Problem(1, 197, 200, 4, 2, 96, True, "bf16")
     text = lower_for_h200(forward_fn(p), *abstract_qkv(p)).as_text()
-    assert "tensor<1x200x4x128xbf16>" in text  # q padded in T and H; k, v in H
-    assert "stablehlo.pad" in text and "stablehlo.slice" in text
+    assert "tensor<1x200x4x96xbf16>" in text  # q padded in T; k, v as given
+    assert "x128xbf16>" not in text
+    assert text.count("stablehlo.pad") == 1 and "stablehlo.slice" in text
 
 
 # (problem, flash_forward options, tiles, oob_fill): in place with TMA windows past the ends
-# (T = S = 200), 8 queries in a CTA of 256 rows, padded by the wrapper (T = 130, S = 333,
-# H = 96), causal with T > S and GQA, a window, H 96 causal and 192 (64-key tiles), a call of
-# 5 queries and 3 keys at H=80, persistent CTAs.
+# (T = S = 200), 8 queries in a CTA of 256 rows, padded by the wrapper (T = 130, S = 333;
+# H = 96 as it is), causal with T > S and GQA, a window, H 96 causal and 192 (64-key tiles), a
+# call of 5 queries and 3 keys at H=80, persistent CTAs.
 RAGGED_INTERPRET_CASES = [
     (Problem(1, 200, 200, 2, 1, 64, False, "bf16"), {}, None, GARBAGE),
     # A left side no real row feels (left >= T - 1) that hides keys from the rows past T that
@@ -1356,7 +1357,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(
     p, options, tiles, oob_fill, monkeypatch
 ):
     """Ragged last query and key tiles: keys past S masked, rows past T not kept, with garbage
-    past the arrays' ends; padded head dims: out, lse against the float64 oracle."""
+    past the arrays' ends; head dims 80 and 96: out, lse against the float64 oracle."""
     monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
     check_masked(p, options, None, tiles, interpreted=True, oob_fill=oob_fill)
 

@@ -62,10 +62,11 @@ from pallas_flash.mosaic.launch import (
 from pallas_flash.mosaic.schedule import tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv, kernel_head_dim
 
-# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, as in the forward; 192 runs
-# as it is). At H 192 and 256 one consumer's dK and dV accumulators, [64, H] f32 each, with S^T
-# and dP^T would take 256 registers per thread or more (the most a thread can have is 255):
-# there the dK/dV kernel splits its consumers by accumulator (`BackwardTiles.split_dkv`).
+# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, where the forward runs them
+# as they are; 192 runs as it is). At H 192 and 256 one consumer's dK and dV accumulators,
+# [64, H] f32 each, with S^T and dP^T would take 256 registers per thread or more (the most a
+# thread can have is 255): there the dK/dV kernel splits its consumers by accumulator
+# (`BackwardTiles.split_dkv`).
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 PRODUCER_REGISTERS = 40
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads

@@ -9,10 +9,12 @@ that one warpgroup's softmax overlaps the other's matrix multiplies.
 
 Any T and S: the last query and KV tiles may run past the arrays' ends, where TMA reads zeros
 and drops writes; keys past S are masked on the last KV tile only, so whole tiles keep the fast
-path. Head dims 80 and 96 run zero-padded to 128 (see HEAD_DIMS, ROW_ALIGN for what the wrapper
-pads and why). The value head dim is the kernel's own: V tiles, the accumulator and the output
-are [.., Hv] (multi-head latent attention's Hv = 128 next to H = 192 costs P.V and output traffic
-at 128 columns, not 192), each head dim padded on its own.
+path (see ROW_ALIGN for the lengths the wrapper pads and why). Every head dim of HEAD_DIMS runs as
+it is: a head dim's shared-memory tiles take the widest swizzle that divides their rows
+(`swizzle_bytes`: 80 and 96 run on 32- and 64-byte swizzles, not padded to 128). The value head
+dim is the kernel's own: V tiles, the accumulator and the output are [.., Hv] (multi-head latent
+attention's Hv = 128 next to H = 192 costs P.V and output traffic at 128 columns, not 192), each
+head dim with its own swizzle.
 
 Outputs match `pallas_flash.triton.forward` (out in the input dtype, lse natural-log float32
 [B, N, T]) so that either backward (Triton or Mosaic) can use them as residuals.
@@ -56,7 +58,7 @@ from pallas_flash.mosaic.tiles import (
     aligned_len,
     cdiv,
     default_tiles,
-    kernel_head_dim,
+    swizzle_bytes,
     why_not,
 )
 
@@ -84,8 +86,8 @@ def flash_forward(
       k: [B, S, K, H] keys, v: [B, S, K, Hv] values, the dtype of q, any S >= 1, Hv one of
         HEAD_DIMS too (Hv != H as multi-head latent attention's (192, 128) runs natively);
         N % K == 0 and query head n reads kv head n // (N // K) (e.g. N=8, K=2: heads 0-3 read
-        kv head 0, heads 4-7 kv head 1). T or S not a multiple of 8, and H or Hv of 80 or 96,
-        cost a padded copy of q, k, v and out (ROW_ALIGN, HEAD_DIMS).
+        kv head 0, heads 4-7 kv head 1). T or S not a multiple of 8 costs a padded copy of
+        q, k, v and out (ROW_ALIGN); head dims run as they are.
       scale: positive multiplier of q.k (without a soft cap the kernel takes the row max before
         scaling).
       is_causal: query i sees keys j <= i, top-left aligned as in jax.nn.dot_product_attention,
@@ -184,8 +186,8 @@ def flash_forward(
     # The kernel reads T and S from spec: rows past T are computed on zeros and not kept, keys
     # past S are masked. The arrays may be longer (padded here to ROW_ALIGN).
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
-    h_to, hv_to = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
-    q, k, v = pad_to(q, q_to, h_to), pad_to(k, kv_to, h_to), pad_to(v, kv_to, hv_to)
+    q, k = pad_to(q, q_to, head_dim), pad_to(k, kv_to, head_dim)
+    v = pad_to(v, kv_to, value_head_dim)
     segments = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids
@@ -216,8 +218,8 @@ def flash_forward(
         tiles=tiles,
         num_sms=num_sms() if device is None else device.num_sms,
     )
-    if out.shape[1] != q_len or out.shape[3] != value_head_dim:
-        out = out[:, :q_len, :, :value_head_dim]
+    if out.shape[1] != q_len:
+        out = out[:, :q_len]
     if lse.shape[2] != q_len:
         lse, log_sum = lse[:, :, :q_len], [x[:, :, :q_len] for x in log_sum]
     return out, lse, *log_sum
@@ -259,17 +261,24 @@ def _forward_call(
         dropout_rate=drop[0] if has_drop else 0.0,
         with_log_sum=with_log_sum,
     )
-    # A 128-byte swizzle over 64-element column tiles (one 128-byte row of 16-bit values) is
-    # what TMA and wgmma both read without bank conflicts; it needs H and block_kv % 64 == 0.
-    smem_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    def smem_transforms(cols):
+        # (8, swizzle // itemsize) tiles under a swizzle that TMA writes and wgmma reads as they
+        # are. 128 bytes (64-element tiles) where the head dim allows, else the widest that
+        # divides it (`swizzle_bytes`). Q.K^T reads Q and K, both [.., H]: one swizzle, as
+        # wgmma needs; P.V reads only V from shared memory (P is in registers). block_kv, a
+        # multiple of 64, is whole tiles of any of them.
+        swizzle = swizzle_bytes(cols, q.dtype.itemsize)
+        tile = swizzle // q.dtype.itemsize
+        return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle))
 
     def ring(rows, cols):
-        return plgpu.SMEM((tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms)
+        return plgpu.SMEM((tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols))
 
     q_buffers = tiles.q_buffers * NUM_CONSUMERS  # indexed buffer * NUM_CONSUMERS + consumer
     scratch = dict(
         q_smem=plgpu.SMEM(
-            (q_buffers, tiles.block_q, head_dim), q.dtype, transforms=smem_transforms
+            (q_buffers, tiles.block_q, head_dim), q.dtype, transforms=smem_transforms(head_dim)
         ),
         k_smem=ring(tiles.block_kv, head_dim),
         v_smem=ring(tiles.block_kv, value_head_dim),
@@ -293,7 +302,9 @@ def _forward_call(
         # copy has read it, before the next item's epilogue writes it).
         scratch.update(
             o_smem=plgpu.SMEM(
-                (NUM_CONSUMERS, tiles.block_q, value_head_dim), q.dtype, transforms=smem_transforms
+                (NUM_CONSUMERS, tiles.block_q, value_head_dim),
+                q.dtype,
+                transforms=smem_transforms(value_head_dim),
             )
         )
     if has_ids:

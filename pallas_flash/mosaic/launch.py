@@ -5,6 +5,8 @@ pass that zeroes NaN and inf in a tile of keys or values that some rows must not
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -68,16 +70,19 @@ def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, 
 
 
 def zero_non_finite(ref):
-    """Replaces NaN and +-inf in a [rows, H] tile of shared memory (rows and H multiples of 64)
-    by 0, and fences the writes for the wgmma that reads the tile next.
+    """Replaces NaN and +-inf in a [rows, H] tile of shared memory (rows a multiple of 64, H of
+    16) by 0, and fences the writes for the wgmma that reads the tile next.
 
     A key that a row cannot see gets P = 0 (or dS = 0) in its tile, but 0 * NaN on the tensor
-    cores is NaN: the tile's other rows would see it. 64 x 64 pieces (the swizzle's tile) keep
-    the registers few, next to a consumer's accumulators or within a producer's budget."""
+    cores is NaN: the tile's other rows would see it. 64-row pieces of at most 64 columns keep
+    the registers few, next to a consumer's accumulators or within a producer's budget; their
+    width divides H, so that no piece straddles the column tiles of a narrower swizzle (32 at
+    H=96, 16 at H=80)."""
     rows, cols = ref.shape
+    width = math.gcd(cols, 64)
     for r in range(0, rows, 64):
-        for c in range(0, cols, 64):
-            piece = ref.at[pl.ds(r, 64), pl.ds(c, 64)]
+        for c in range(0, cols, width):
+            piece = ref.at[pl.ds(r, 64), pl.ds(c, width)]
             x = piece[...]
             piece[...] = jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
     plgpu.commit_smem()

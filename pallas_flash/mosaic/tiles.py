@@ -8,13 +8,17 @@ import dataclasses
 
 import jax.numpy as jnp
 
-# Head dims the kernel runs as they are: multiples of the 64-column tile of the 128-byte
-# swizzle, within wgmma's N limit of 256.
-KERNEL_HEAD_DIMS = (64, 128, 192, 256)
-# Head dims it takes: the others are zero-padded to the next kernel head dim by the wrapper
-# (zero columns leave q.k unchanged; the output's extra columns are sliced off). One copy of
-# q, k, v and out each.
+# Head dims the forward takes, each run as it is (within wgmma's N limit of 256): its shared
+# memory tiles take the swizzle of `swizzle_bytes`.
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+# Head dims the backward runs as they are: multiples of the 64-column tile of the 128-byte
+# swizzle. Its wrapper zero-pads the others to the next one (`kernel_head_dim`; zero columns
+# leave q.k unchanged, the gradients' extra columns are sliced off).
+KERNEL_HEAD_DIMS = (64, 128, 192, 256)
+# TMA and wgmma swizzles (bytes), widest first. wgmma takes one swizzle for both operands
+# and contracts over whole column tiles (swizzle // itemsize elements, the row of an
+# (8, columns) tile): a head dim runs natively at the widest that divides its row in bytes.
+SWIZZLES = (128, 64, 32)
 # Mosaic GPU tiles the sequence dim of every TMA window over [.., L, H] in GMEM by the 8-row
 # swizzle tile and refuses a length that is not a multiple of it (TileTransform.
 # transform_gmem_shape in jax/experimental/mosaic/gpu/launch_context.py): the wrapper pads T and
@@ -82,11 +86,11 @@ class ForwardTiles:
         segments: bool = False,
         value_head_dim: int | None = None,
     ) -> int:
-        """Shared memory of one CTA at the kernel head dims (`kernel_head_dim`) of q/k and of v
-        (value_head_dim; None: head_dim): Q per consumer (twice when persistent), which holds
-        the output tile when the two head dims are equal, else an output tile per consumer;
-        the K and V rings; the lse and log_sum rows and, with segment ids, the consumers'
-        query ids (as Q) and a ring of KV ids (int32)."""
+        """Shared memory of one CTA at the head dims of q/k and of v (value_head_dim; None:
+        head_dim): Q per consumer (twice when persistent), which holds the output tile when the
+        two head dims are equal, else an output tile per consumer; the K and V rings; the lse
+        and log_sum rows and, with segment ids, the consumers' query ids (as Q) and a ring of KV
+        ids (int32)."""
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         q = self.q_buffers * self.cta_rows * head_dim * itemsize
         out = 0 if value_head_dim == head_dim else self.cta_rows * value_head_dim * itemsize
@@ -97,8 +101,19 @@ class ForwardTiles:
 
 
 def kernel_head_dim(head_dim: int) -> int:
-    """The head dim the kernels run a call of `head_dim` (one of HEAD_DIMS) at."""
+    """The head dim the backward kernels run a call of `head_dim` (one of HEAD_DIMS) at."""
     return next(h for h in KERNEL_HEAD_DIMS if h >= head_dim)
+
+
+def swizzle_bytes(head_dim: int, itemsize: int) -> int:
+    """The swizzle (bytes) of the forward's shared-memory tiles of `head_dim` columns: the
+    widest of SWIZZLES that divides a row, 128 at H 64/128/192/256, 64 at H=96 (three
+    32-column tiles), 32 at H=80 (five 16-column tiles)."""
+    row = head_dim * itemsize
+    for swizzle in SWIZZLES:
+        if row % swizzle == 0:
+            return swizzle
+    raise ValueError(f"{head_dim=} x {itemsize} bytes is not a multiple of {SWIZZLES[-1]} bytes")
 
 
 def aligned_len(length: int) -> int:
@@ -126,18 +141,15 @@ def default_tiles(
     halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
     calls take 128 rows per consumer (they need T % 256 == 0); a window, soft cap or segment ids
-    keep 64 rows, whose registers leave room for the mask. Head dims run at their kernel head
-    dim (`kernel_head_dim`): 80 and 96 as 128; 192 as 256 (64-key tiles).
+    keep 64 rows, whose registers leave room for the mask. 80 and 96 take the tiles of 128,
+    192 those of 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
     per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
     and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
     faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent).
     A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
     of the two: MLA's (192, 128) those of 192."""
-    head_dim = max(
-        kernel_head_dim(h) if h in HEAD_DIMS else h
-        for h in (head_dim, head_dim if value_head_dim is None else value_head_dim)
-    )
+    head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
     masked = window is not None or soft_cap is not None or segments
     short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
     persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
@@ -260,8 +272,6 @@ def why_not(
             soft_cap=soft_cap,
             segments=segments,
         )
-    # Registers and shared memory at the head dims the kernel runs (80 and 96 padded to 128).
-    head_dim, value_head_dim = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
     dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     if tiles.block_kv > 256:
         return f"block_kv={tiles.block_kv} exceeds the wgmma N limit of 256"

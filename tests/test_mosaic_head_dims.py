@@ -428,17 +428,29 @@ def test_dropout_matches_oracle(p, segments):
     np.testing.assert_allclose(lse[finite], want[1][finite], rtol=0, atol=1e-2)
 
 
+# Calls the default dispatch gives the Mosaic forward on an H200 (grids that fill it, ragged
+# tiles only from 1k tokens): odd lengths, T != S, GQA and MHA.
+DEFAULT_CALL_GPU_CASES = [
+    Problem(2, 2048, 2048, 8, 2, 96, True, "bf16"),
+    Problem(2, 2048, 2048, 8, 8, 80, False, "bf16"),
+    Problem(2, 1500, 1500, 16, 2, 96, False, "bf16"),
+    Problem(2, 1100, 2500, 16, 4, 80, True, "bf16"),
+]
+
+
+@pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=str)
+def test_default_call_cases_take_the_mosaic_forward_on_h200(p, monkeypatch):
+    """What test_default_call_matches_oracle asserts on the GPU, checked here by lowering for
+    an abstract H200: its cases must be ones the dispatch gives the Mosaic forward."""
+    monkeypatch.setattr(device_lib, "target_device", Device.h200)
+    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, p.head_dim), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, p.head_dim), jnp.bfloat16)
+    text = lower_for_h200(public_fn(p), q, kv, kv).as_text()
+    assert custom_call_targets(text) == ["mosaic_gpu_v2"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "p",
-    [
-        Problem(2, 2048, 2048, 8, 2, 96, True, "bf16"),
-        Problem(2, 2048, 2048, 8, 8, 80, False, "bf16"),
-        Problem(2, 1000, 1000, 4, 2, 96, False, "bf16"),
-        Problem(2, 512, 777, 4, 2, 80, True, "bf16"),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=str)
 def test_default_call_matches_oracle(p):
     """out, lse and dq, dk, dv of backend=None: the unpadded Mosaic forward's out and lse feed
     the backward (the Mosaic one, which pads to 128 in its wrapper, from 2k keys; else

@@ -184,7 +184,7 @@ H200 = {
         None,
     ),
     "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
-    "causal-h64-16k": ("mosaic", "mosaic", H64, dict(block_q=128), {}, None),
+    "causal-h64-16k": ("mosaic", "mosaic", H64, {}, {}, None),
     # H 192 and 256: the Mosaic backward with split dK/dV consumers (1.1-2.3x the Triton one).
     "plain-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "causal-h256-long": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),

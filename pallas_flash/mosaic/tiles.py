@@ -140,8 +140,10 @@ def default_tiles(
     forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
     halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
-    calls take 128 rows per consumer (they need T % 256 == 0); a window, soft cap or segment ids
-    keep 64 rows, whose registers leave room for the mask. 80 and 96 take the tiles of 128,
+    non-causal calls take 128 rows per consumer (they need T % 256 == 0); causal calls, a window,
+    soft cap or segment ids keep 64 rows, whose registers leave room for the mask and for
+    zeroing non-finite V on masked steps (at 128 rows that zeroing made the causal forward 1.32x
+    slower, B=4, 4k, on the H200). 80 and 96 take the tiles of 128,
     192 those of 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
     per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
@@ -153,8 +155,8 @@ def default_tiles(
     masked = window is not None or soft_cap is not None or segments
     short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
     persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
-    wide = head_dim == 64 and not masked and q_len % (NUM_CONSUMERS * 128) == 0
-    if wide and not short_causal:
+    wide = head_dim == 64 and not masked and not is_causal and q_len % (NUM_CONSUMERS * 128) == 0
+    if wide:
         return ForwardTiles(block_q=128, block_kv=128, num_stages=2, persistent=persistent)
     if head_dim <= 128:
         return ForwardTiles(block_q=64, block_kv=128, num_stages=2, persistent=persistent)

@@ -13,13 +13,15 @@ PEERS = ("jaxref_triton", "tokamax_triton", "torch_flash")
 
 def load_ours(paths):
     """The benchmark's rows; a point measured again (a later line, same impl, shape and pass)
-    replaces the earlier one."""
+    replaces the earlier one. Rows marked superseded_by (a commit that changed that point's
+    default after the run) are history, not the current default's speed: skipped."""
     latest = {}
     for path in paths:
         with open(path) as f:
             for line in f:
                 r = json.loads(line)
-                if r.get("tflops") is not None and "suite" not in r:
+                current = "superseded_by" not in r
+                if r.get("tflops") is not None and "suite" not in r and current:
                     row = dict(
                         impl=r["impl"],
                         seq=r["T"],

@@ -799,11 +799,11 @@ def test_mosaic_backward_budgets_count_both_head_dims():
     assert "value_head_dim=32 is not one of" in reason
 
 
-def test_mosaic_backward_takes_every_pair_it_took_zero_padded():
-    """Every (H, Hv) of HEAD_DIMS (those of the Mosaic forward) that the backward ran zero-padded
-    to max(H, Hv), with any mask, dropout and tiles (defaults, head splits, split consumers, one
-    consumer), it runs natively: its budgets at (H, Hv) are within those at max(H, Hv), so no
-    call needs the padded route."""
+def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
+    """Every (H, Hv) of HEAD_DIMS runs, with any mask, dropout and tiles (defaults, head
+    splits, split consumers, one consumer), wherever H = Hv = max(H, Hv) rounded up to a
+    multiple of 64 does: the budgets at (H, Hv) are within those at the wider square call, so
+    narrower head dims (80, 96, an Hv of their own) never refuse tiles that it takes."""
     head_dims = mosaic_backward.HEAD_DIMS
     bt = mosaic_backward.BackwardTiles
     all_tiles = (
@@ -812,7 +812,7 @@ def test_mosaic_backward_takes_every_pair_it_took_zero_padded():
     )  # fmt: skip
     taken = 0
     for H, Hv in itertools.product(head_dims, head_dims):
-        h = max(mosaic_tiles.kernel_head_dim(H), mosaic_tiles.kernel_head_dim(Hv))
+        h = -(-max(H, Hv) // 64) * 64
         for causal, segments, dropout, tiles in itertools.product(
             (False, True), (False, True), (False, True), all_tiles
         ):

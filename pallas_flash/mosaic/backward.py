@@ -19,9 +19,11 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
 
-V, out, dO and dV may have a head dim Hv of their own (multi-head latent attention's 192/128),
-taken as it is: the tiles of V and dO, the dV accumulator and dP = dO V^T's contraction are Hv
-wide, those of Q, K, dQ and dK H wide.
+Every head dim of HEAD_DIMS runs as it is, as in the forward: each shared-memory tile takes the
+widest swizzle that divides its rows (`launch.smem_transforms`: 80 and 96 run on 32- and 64-byte
+swizzles, not padded to 128). V, out, dO and dV may have a head dim Hv of their own (multi-head
+latent attention's 192/128), taken as it is: the tiles of V and dO, the dV accumulator and
+dP = dO V^T's contraction are Hv wide (with Hv's swizzle), those of Q, K, dQ and dK H wide.
 
 Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
 result is bitwise deterministic. The residuals are those of `pallas_flash.mosaic.forward` (and
@@ -57,16 +59,16 @@ from pallas_flash.mosaic.launch import (
     num_sms,
     pad_ids,
     pad_to,
+    smem_transforms,
     warp_specialised_kernel,
 )
 from pallas_flash.mosaic.schedule import tile_plan
-from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv, kernel_head_dim
+from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv
 
-# Head dims it takes (80 and 96 zero-padded to 128 by the wrapper, where the forward runs them
-# as they are; 192 runs as it is). At H 192 and 256 one consumer's dK and dV accumulators,
-# [64, H] f32 each, with S^T and dP^T would take 256 registers per thread or more (the most a
-# thread can have is 255): there the dK/dV kernel splits its consumers by accumulator
-# (`BackwardTiles.split_dkv`).
+# Head dims it takes, each as it is (the forward's). At H 192 and 256 one consumer's dK and dV
+# accumulators, [64, H] f32 each, with S^T and dP^T would take 256 registers per thread or more
+# (the most a thread can have is 255): there the dK/dV kernel splits its consumers by
+# accumulator (`BackwardTiles.split_dkv`).
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 PRODUCER_REGISTERS = 40
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
@@ -104,8 +106,9 @@ class BackwardTiles:
         kernel (a divisor of the group), each adding its share into f32 partial dK and dV that
         XLA sums in a fixed order (still deterministic); 1: one CTA sums the whole group; 0
         (auto, the default): `head_splits` picks it from the grid.
-    All blocks are multiples of 64: wgmma works on 64-row slabs and the 128-byte swizzle on
-    64-column tiles.
+    All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
+    over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
+    at most).
     """
 
     block_q_dkv: int = 64
@@ -186,8 +189,8 @@ class BackwardTiles:
         consumers hand over), the Q [.., H] and dO [.., Hv] ring, the lse, bound and delta rows
         of the ring; with segment ids, each consumer's copy of its key ids and a ring of query
         ids (int32); with head_splits > 1, the f32 tiles that stage the partial dK and dV (one
-        per consumer that stages both at H == Hv, one of each per consumer at Hv != H; split:
-        the dK consumer's and the dV consumer's); with dropout, a ring of the query rows' two
+        per consumer that stages both, max(H, Hv) wide; split: the dK consumer's and the dV
+        consumer's); with dropout, a ring of the query rows' two
         hashes and the CTA's key hashes (int32). value_head_dim: Hv, None: H."""
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         kv = self.cta_kv_rows * (head_dim + value_head_dim) * itemsize
@@ -225,12 +228,10 @@ class BackwardTiles:
 def _partial_columns(tiles: BackwardTiles, head_dim: int, value_head_dim: int) -> int:
     """Columns of the f32 tiles [block_kv_dkv, ..] that stage a dK/dV CTA's partial dK and dV
     (head splits), summed over its tiles: the split consumers stage one each (dV's at Hv, dK's
-    at H); otherwise each consumer stages both, through one tile at H == Hv, else one of
-    each."""
+    at H); otherwise each consumer stages both through one tile of max(H, Hv) columns."""
     if tiles.split_dkv:
         return head_dim + value_head_dim
-    per_consumer = head_dim if head_dim == value_head_dim else head_dim + value_head_dim
-    return tiles.num_consumers * per_consumer
+    return tiles.num_consumers * max(head_dim, value_head_dim)
 
 
 def default_tiles(head_dim: int, value_head_dim: int | None = None) -> BackwardTiles:
@@ -252,13 +253,14 @@ def default_tiles(head_dim: int, value_head_dim: int | None = None) -> BackwardT
     can compute dS^T, so the two overlap only as far as dP^T and dV cover it. The one-consumer
     dQ kernel at H=256 has no second warpgroup to run wgmma while it computes P and dS.
 
+    H 80 and 96 take the tiles of 128 (not measured on their own): they hold fewer registers
+    (dK/dV at H=96: 64 * (96 + 96 + 2 * 64) / 128 = 160 per thread, 144 at 80, 192 at 128) and
+    less shared memory than 128 in both kernels, so what fits at 128 fits at them.
+
     A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
     of the two: MLA's (192, 128) those of 192, whose dK/dV consumers could not hold dK and dV
     together either (192 + 128 columns with S^T and dP^T: 224 registers per thread)."""
-    head_dim = max(
-        kernel_head_dim(h) if h in HEAD_DIMS else h
-        for h in (head_dim, head_dim if value_head_dim is None else value_head_dim)
-    )
+    head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
     if head_dim == 256:
         return BackwardTiles(split_dkv=True, num_consumers=1)
     if head_dim == 192:
@@ -298,9 +300,9 @@ def head_splits(
     group = num_heads // num_kv_heads
     ctas = batch * num_kv_heads * cdiv(kv_len, tiles.cta_kv_rows)
     smem = tiles.smem_bytes_dkv(
-        kernel_head_dim(head_dim),
+        head_dim,
         itemsize,
-        value_head_dim=kernel_head_dim(value_head_dim),
+        value_head_dim=value_head_dim,
         segments=segments,
         head_splits=2,
         dropout=dropout,
@@ -361,8 +363,7 @@ def why_not(
     if q_len == 0 or kv_len == 0:
         return f"{q_len=} and {kv_len=} must be positive"
     tiles = default_tiles(head_dim, value_head_dim) if tiles is None else tiles
-    # Registers and shared memory at the head dims the kernels run (80 and 96 padded to 128).
-    head_dim, value_head_dim = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
+    # Registers and shared memory at the head dims themselves: the kernels run them unpadded.
     dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     # The rest of a consumer's registers hold the 16-bit copies of P and dS, lse, delta, indices.
     consumers = {"dK/dV": tiles.dkv_consumers, "dQ": tiles.num_consumers}
@@ -490,7 +491,7 @@ def flash_backward(
     if segment_ids is not None:
         check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
     tiles = default_tiles(q.shape[-1], value_head_dim) if tiles is None else tiles
-    (_, q_len, _, head_dim), kv_len = q.shape, k.shape[1]
+    q_len, kv_len = q.shape[1], k.shape[1]
     spec = MaskSpec(
         q_len=q_len,
         kv_len=kv_len,
@@ -515,13 +516,11 @@ def flash_backward(
         # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the
         # tensor cores: 0 * NaN would reach every row of the tile. Costs one pass over K.
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
-    # As in the forward: T and S padded to ROW_ALIGN, H and Hv each to its kernel head dim
-    # (zero columns add nothing to q.k, dO.v or the gradients' kept columns). The kernels read
+    # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
     # the true T and S from spec; rows and keys past them are computed and not kept.
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
-    h_to, hv_to = kernel_head_dim(head_dim), kernel_head_dim(value_head_dim)
-    q, d_out = pad_to(q, q_to, h_to), pad_to(d_out, q_to, hv_to)
-    k, v = pad_to(k, kv_to, h_to), pad_to(v, kv_to, hv_to)
+    q, d_out = pad_to(q, q_to), pad_to(d_out, q_to)
+    k, v = pad_to(k, kv_to), pad_to(v, kv_to)
     # lse and delta keep T innermost: padded to whole query tiles of both kernels, so that no
     # tile's load runs into the next head's rows (see the forward's lse). The rows past T get
     # lse = +inf: P = 0 there, so they add nothing to dK and dV whatever their Q and dO.
@@ -583,7 +582,7 @@ def flash_backward(
         q.dtype.itemsize,
         num_sms=num_sms() if device is None else device.num_sms,
         causal=spec.is_causal,
-        value_head_dim=hv_to,
+        value_head_dim=value_head_dim,
         segments=segment_ids is not None,
         dropout=dropout is not None,
     )
@@ -598,22 +597,20 @@ def flash_backward(
             for x in (dk, dv)
         )
     dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
-    if (q_to, h_to) != (q_len, head_dim):
-        dq = dq[:, :q_len, :, :head_dim]
-    if kv_to != kv_len or h_to != head_dim:
-        dk = dk[:, :kv_len, :, :head_dim]
-    if kv_to != kv_len or hv_to != value_head_dim:
-        dv = dv[:, :kv_len, :, :value_head_dim]
+    if q_to != q_len:
+        dq = dq[:, :q_len]
+    if kv_to != kv_len:
+        dk, dv = dk[:, :kv_len], dv[:, :kv_len]
     return dq, dk, dv
 
 
-# A 128-byte swizzle over 64-element column tiles, as in the forward: what TMA and wgmma both
-# read without bank conflicts, also through a transposed view.
-_SMEM_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-
-
 def _tile_smem(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=_SMEM_TRANSFORMS)
+    """A 16-bit tile [.., rows, cols] in shared memory under its column count's swizzle, as in
+    the forward (`smem_transforms`): what TMA and wgmma both read without bank conflicts, also
+    through a transposed view. Every wgmma of both kernels reads its two shared-memory
+    operands at one column count: S^T = K Q^T and S = Q K^T at H, dP^T = V dO^T and
+    dP = dO V^T at Hv; dV += P^T dO, dK += dS^T Q and dQ += dS K read one (B, transposed)."""
+    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
 
 
 def _rows(x, shape):
@@ -795,14 +792,20 @@ def _dkv_call(
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     if head_splits > 1:
         # Partials stay f32 until XLA has summed them, as one CTA's accumulators would. Split
-        # consumers stage one each; others stage dK then dV through one tile at H == Hv.
+        # consumers stage one each; others stage dK then dV through one tile per consumer.
         def staging(consumers, columns):
             return plgpu.SMEM((*consumers, tiles.block_kv_dkv, columns), jnp.float32)
 
         consumers = () if tiles.split_dkv else (n_c,)
-        scratch.update(dk_partial_smem=staging(consumers, head_dim))
-        if tiles.split_dkv or value_head_dim != head_dim:
-            scratch.update(dv_partial_smem=staging(consumers, value_head_dim))
+        dk_staging, dv_staging = staging(consumers, head_dim), staging(consumers, value_head_dim)
+        if tiles.split_dkv:
+            scratch.update(dk_partial_smem=dk_staging, dv_partial_smem=dv_staging)
+        elif value_head_dim == head_dim:
+            scratch.update(dk_partial_smem=dk_staging)
+        else:
+            # dK's tile and dV's share their memory, as at H == Hv (used one after the other:
+            # each copy is waited for before the next write), at most max(H, Hv) wide.
+            scratch.update(partials_smem=plgpu.RefUnion(dk_staging, dv_staging))
         out_type = tuple(
             jax.ShapeDtypeStruct((*k.shape[:2], num_kv_heads * head_splits, h), jnp.float32)
             for h in (head_dim, value_head_dim)
@@ -845,6 +848,7 @@ def _dkv_kernel(
     p_free=None,
     dk_partial_smem=None,
     dv_partial_smem=None,
+    partials_smem=None,
     drop_rows_smem=None,
     drop_col_smem=None,
     spec: MaskSpec,
@@ -922,10 +926,9 @@ def _dkv_kernel(
             partials = (dk_partial_smem, dv_partial_smem)
         elif dk_partial_smem is not None:
             dk_partial = dk_partial_smem.at[wg]
-            partials = (
-                dk_partial,
-                dk_partial if dv_partial_smem is None else dv_partial_smem.at[wg],
-            )
+            partials = (dk_partial, dk_partial)
+        elif partials_smem is not None:
+            partials = tuple(x.at[wg] for x in partials_smem)
         consume = functools.partial(
             _consume_dkv,
             k_ref,

@@ -40,6 +40,7 @@ from pallas_flash.mosaic.launch import (
     num_sms,
     pad_ids,
     pad_to,
+    smem_transforms,
     warp_specialised_kernel,
     zero_non_finite,
 )
@@ -58,7 +59,6 @@ from pallas_flash.mosaic.tiles import (
     aligned_len,
     cdiv,
     default_tiles,
-    swizzle_bytes,
     why_not,
 )
 
@@ -175,7 +175,7 @@ def flash_forward(
         )
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)
-    (_, q_len, _, head_dim), kv_len, value_head_dim = q.shape, k.shape[1], v.shape[-1]
+    q_len, kv_len = q.shape[1], k.shape[1]
     spec = MaskSpec(
         q_len=q_len,
         kv_len=kv_len,
@@ -186,8 +186,7 @@ def flash_forward(
     # The kernel reads T and S from spec: rows past T are computed on zeros and not kept, keys
     # past S are masked. The arrays may be longer (padded here to ROW_ALIGN).
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
-    q, k = pad_to(q, q_to, head_dim), pad_to(k, kv_to, head_dim)
-    v = pad_to(v, kv_to, value_head_dim)
+    q, k, v = pad_to(q, q_to), pad_to(k, kv_to), pad_to(v, kv_to)
     segments = None
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids
@@ -262,23 +261,19 @@ def _forward_call(
         with_log_sum=with_log_sum,
     )
 
-    def smem_transforms(cols):
-        # (8, swizzle // itemsize) tiles under a swizzle that TMA writes and wgmma reads as they
-        # are. 128 bytes (64-element tiles) where the head dim allows, else the widest that
-        # divides it (`swizzle_bytes`). Q.K^T reads Q and K, both [.., H]: one swizzle, as
-        # wgmma needs; P.V reads only V from shared memory (P is in registers). block_kv, a
-        # multiple of 64, is whole tiles of any of them.
-        swizzle = swizzle_bytes(cols, q.dtype.itemsize)
-        tile = swizzle // q.dtype.itemsize
-        return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle))
-
+    # Each head dim's tiles take its own swizzle (`smem_transforms`): Q.K^T reads Q and K, both
+    # [.., H]; P.V reads only V from shared memory (P is in registers).
     def ring(rows, cols):
-        return plgpu.SMEM((tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols))
+        return plgpu.SMEM(
+            (tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols, q.dtype)
+        )
 
     q_buffers = tiles.q_buffers * NUM_CONSUMERS  # indexed buffer * NUM_CONSUMERS + consumer
     scratch = dict(
         q_smem=plgpu.SMEM(
-            (q_buffers, tiles.block_q, head_dim), q.dtype, transforms=smem_transforms(head_dim)
+            (q_buffers, tiles.block_q, head_dim),
+            q.dtype,
+            transforms=smem_transforms(head_dim, q.dtype),
         ),
         k_smem=ring(tiles.block_kv, head_dim),
         v_smem=ring(tiles.block_kv, value_head_dim),
@@ -304,7 +299,7 @@ def _forward_call(
             o_smem=plgpu.SMEM(
                 (NUM_CONSUMERS, tiles.block_q, value_head_dim),
                 q.dtype,
-                transforms=smem_transforms(value_head_dim),
+                transforms=smem_transforms(value_head_dim, q.dtype),
             )
         )
     if has_ids:

@@ -1,7 +1,8 @@
 """What every Mosaic GPU kernel of this package shares at launch: the warp-specialised
-`plgpu.kernel` call, the wrappers' zero-padding to the lengths and head dims the kernels run, the
-check of the segment ids they take, the SM count of a persistent grid without a GPU, and the
-pass that zeroes NaN and inf in a tile of keys or values that some rows must not see."""
+`plgpu.kernel` call, the swizzled layout of its shared-memory tiles, the wrappers' zero-padding
+to the lengths the kernels run, the check of the segment ids they take, the SM count of a
+persistent grid without a GPU, and the pass that zeroes NaN and inf in a tile of keys or values
+that some rows must not see."""
 
 from __future__ import annotations
 
@@ -13,16 +14,29 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.mosaic import _module_names
+from pallas_flash.mosaic.tiles import swizzle_bytes
 
 _module_names.install()
 
 
-def pad_to(x, length: int, head_dim: int):
-    """x [B, L, heads, H] zero-padded to [B, length, heads, head_dim] (x itself when it fits)."""
-    _, x_len, _, x_head_dim = x.shape
-    if (x_len, x_head_dim) == (length, head_dim):
+def pad_to(x, length: int):
+    """x [B, L, heads, H] zero-padded to [B, length, heads, H] (x itself when it fits)."""
+    if x.shape[1] == length:
         return x
-    return jnp.pad(x, ((0, 0), (0, length - x_len), (0, 0), (0, head_dim - x_head_dim)))
+    return jnp.pad(x, ((0, 0), (0, length - x.shape[1]), (0, 0), (0, 0)))
+
+
+def smem_transforms(cols: int, dtype) -> tuple:
+    """The transforms of a shared-memory tile [.., rows, cols] of 16-bit `dtype` that TMA writes
+    and wgmma reads as they are: (8, swizzle // itemsize) tiles under the widest swizzle that
+    divides a row (`swizzle_bytes`: 128 bytes, 64-element tiles, at 64/128/192/256 columns; 64
+    at 96; 32 at 80). wgmma takes one swizzle for both operands: the two smem operands of a
+    product must have equal column counts (Q.K^T, dO.V^T: both [.., H] or both [.., Hv]), and
+    a product whose B operand is read transposed (P.V, dS.K, P^T.dO) contracts over its rows,
+    whose count (a multiple of 64) is whole tiles of any of these swizzles."""
+    swizzle = swizzle_bytes(cols, jnp.dtype(dtype).itemsize)
+    tile = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, tile)), plgpu.SwizzleTransform(swizzle))
 
 
 def pad_ids(ids, length: int, pad_id: int):

@@ -8,13 +8,9 @@ import dataclasses
 
 import jax.numpy as jnp
 
-# Head dims the forward takes, each run as it is (within wgmma's N limit of 256): its shared
-# memory tiles take the swizzle of `swizzle_bytes`.
+# Head dims the forward (and the backward) take, each run as it is (within wgmma's N limit of
+# 256): their shared memory tiles take the swizzle of `swizzle_bytes`.
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
-# Head dims the backward runs as they are: multiples of the 64-column tile of the 128-byte
-# swizzle. Its wrapper zero-pads the others to the next one (`kernel_head_dim`; zero columns
-# leave q.k unchanged, the gradients' extra columns are sliced off).
-KERNEL_HEAD_DIMS = (64, 128, 192, 256)
 # TMA and wgmma swizzles (bytes), widest first. wgmma takes one swizzle for both operands
 # and contracts over whole column tiles (swizzle // itemsize elements, the row of an
 # (8, columns) tile): a head dim runs natively at the widest that divides its row in bytes.
@@ -100,13 +96,8 @@ class ForwardTiles:
         return q + out + kv + 2 * self.cta_rows * 4 + ids
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    """The head dim the backward kernels run a call of `head_dim` (one of HEAD_DIMS) at."""
-    return next(h for h in KERNEL_HEAD_DIMS if h >= head_dim)
-
-
 def swizzle_bytes(head_dim: int, itemsize: int) -> int:
-    """The swizzle (bytes) of the forward's shared-memory tiles of `head_dim` columns: the
+    """The swizzle (bytes) of the kernels' shared-memory tiles of `head_dim` columns: the
     widest of SWIZZLES that divides a row, 128 at H 64/128/192/256, 64 at H=96 (three
     32-column tiles), 32 at H=80 (five 16-column tiles)."""
     row = head_dim * itemsize

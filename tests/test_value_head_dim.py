@@ -223,7 +223,7 @@ def test_mla_head_dims_on_gpu():
 
 # (H, Hv, T, S, N, K, causal, options): MLA's head dims with GQA, causal, T and S off the tiles;
 # Hv > H on persistent CTAs (3 CTAs for 4 work items: the output buffer is reused across items)
-# with ragged S; in the sweep: head dims the wrapper pads (96), Hv = 256, windows and soft caps.
+# with ragged S; in the sweep: a narrow head dim (96), Hv = 256, windows and soft caps.
 MOSAIC_FORWARD_CASES = [
     pytest.param(192, 128, 100, 201, 2, 1, True, {}, id="mla-gqa-causal-ragged"),
     pytest.param(64, 128, 200, 130, 2, 1, False, {}, id="hv>h-persistent-ragged"),
@@ -515,7 +515,7 @@ class BackwardCase:
 # non-causal MQA with a window and a soft cap; Hv > H with GQA on two dK/dV consumers that hold
 # both accumulators, with head splits (their partials staged through a tile of each head dim);
 # split consumers with head splits; T < S causal (CTAs whose keys no row sees: the dK consumer
-# takes no P^T); H and Hv the wrapper pads (96, 80); (256, 128) with one dQ consumer.
+# takes no P^T); H and Hv on narrow swizzles (96, 80); (256, 128) with one dQ consumer.
 def _tiles(split_dkv=False, dkv_head_splits=0):
     return mosaic_backward.BackwardTiles(split_dkv=split_dkv, dkv_head_splits=dkv_head_splits)
 
@@ -547,7 +547,7 @@ MOSAIC_BACKWARD_CASES = [
     ),
     pytest.param(
         BackwardCase(96, 80, 1, 150, 99, 2, 2, False, kind="gap"),
-        id="padded-head-dims-gap",
+        id="narrow-head-dims-gap",
         marks=SWEEP_ONLY,
     ),
     pytest.param(
@@ -803,14 +803,18 @@ def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
     """Every (H, Hv) of HEAD_DIMS runs, with any mask, dropout and tiles (defaults, head
     splits, split consumers, one consumer), wherever H = Hv = max(H, Hv) rounded up to a
     multiple of 64 does: the budgets at (H, Hv) are within those at the wider square call, so
-    narrower head dims (80, 96, an Hv of their own) never refuse tiles that it takes."""
+    narrower head dims (80, 96, an Hv of their own) never refuse tiles that it takes. One
+    exception: head splits on consumers that hold both accumulators stage dK and dV through one
+    f32 tile at H == Hv but through one of each at H != Hv, which at (96, 128) and (128, 96)
+    overflows shared memory where (128, 128)'s one tile fits (automatic head splits leave them
+    unsplit; `head_splits`)."""
     head_dims = mosaic_backward.HEAD_DIMS
     bt = mosaic_backward.BackwardTiles
     all_tiles = (
         None, bt(dkv_head_splits=2), bt(split_dkv=True, dkv_head_splits=2),
         bt(num_consumers=1, split_dkv=True), bt(block_q_dkv=128, block_kv_dq=128, num_stages=3),
     )  # fmt: skip
-    taken = 0
+    taken, refused = 0, set()
     for H, Hv in itertools.product(head_dims, head_dims):
         h = -(-max(H, Hv) // 64) * 64
         for causal, segments, dropout, tiles in itertools.product(
@@ -823,8 +827,12 @@ def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
             reason = mosaic_backward.why_not(
                 (2, 512, 8, H), (2, 512, 4, H), jnp.bfloat16, value_head_dim=Hv, **options
             )
-            assert reason is None, (H, Hv, options, reason)
+            if reason is not None:
+                assert tiles == bt(dkv_head_splits=2), (H, Hv, options, reason)
+                assert "shared memory in dK/dV" in reason, reason
+                refused.add((H, Hv))
     assert taken > 500
+    assert refused == {(96, 128), (128, 96)}
 
 
 def test_mosaic_backward_refuses_value_shapes_before_tracing():

@@ -189,8 +189,8 @@ class BackwardTiles:
         consumers hand over), the Q [.., H] and dO [.., Hv] ring, the lse, bound and delta rows
         of the ring; with segment ids, each consumer's copy of its key ids and a ring of query
         ids (int32); with head_splits > 1, the f32 tiles that stage the partial dK and dV (one
-        per consumer that stages both, max(H, Hv) wide; split: the dK consumer's and the dV
-        consumer's); with dropout, a ring of the query rows' two
+        per consumer that stages both at H == Hv, one of each per consumer at Hv != H; split:
+        the dK consumer's and the dV consumer's); with dropout, a ring of the query rows' two
         hashes and the CTA's key hashes (int32). value_head_dim: Hv, None: H."""
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
         kv = self.cta_kv_rows * (head_dim + value_head_dim) * itemsize
@@ -228,10 +228,12 @@ class BackwardTiles:
 def _partial_columns(tiles: BackwardTiles, head_dim: int, value_head_dim: int) -> int:
     """Columns of the f32 tiles [block_kv_dkv, ..] that stage a dK/dV CTA's partial dK and dV
     (head splits), summed over its tiles: the split consumers stage one each (dV's at Hv, dK's
-    at H); otherwise each consumer stages both through one tile of max(H, Hv) columns."""
+    at H); otherwise each consumer stages both, through one tile at H == Hv, else one of
+    each."""
     if tiles.split_dkv:
         return head_dim + value_head_dim
-    return tiles.num_consumers * max(head_dim, value_head_dim)
+    per_consumer = head_dim if head_dim == value_head_dim else head_dim + value_head_dim
+    return tiles.num_consumers * per_consumer
 
 
 def default_tiles(head_dim: int, value_head_dim: int | None = None) -> BackwardTiles:
@@ -792,20 +794,14 @@ def _dkv_call(
     out_type = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
     if head_splits > 1:
         # Partials stay f32 until XLA has summed them, as one CTA's accumulators would. Split
-        # consumers stage one each; others stage dK then dV through one tile per consumer.
+        # consumers stage one each; others stage dK then dV through one tile at H == Hv.
         def staging(consumers, columns):
             return plgpu.SMEM((*consumers, tiles.block_kv_dkv, columns), jnp.float32)
 
         consumers = () if tiles.split_dkv else (n_c,)
-        dk_staging, dv_staging = staging(consumers, head_dim), staging(consumers, value_head_dim)
-        if tiles.split_dkv:
-            scratch.update(dk_partial_smem=dk_staging, dv_partial_smem=dv_staging)
-        elif value_head_dim == head_dim:
-            scratch.update(dk_partial_smem=dk_staging)
-        else:
-            # dK's tile and dV's share their memory, as at H == Hv (used one after the other:
-            # each copy is waited for before the next write), at most max(H, Hv) wide.
-            scratch.update(partials_smem=plgpu.RefUnion(dk_staging, dv_staging))
+        scratch.update(dk_partial_smem=staging(consumers, head_dim))
+        if tiles.split_dkv or value_head_dim != head_dim:
+            scratch.update(dv_partial_smem=staging(consumers, value_head_dim))
         out_type = tuple(
             jax.ShapeDtypeStruct((*k.shape[:2], num_kv_heads * head_splits, h), jnp.float32)
             for h in (head_dim, value_head_dim)
@@ -848,7 +844,6 @@ def _dkv_kernel(
     p_free=None,
     dk_partial_smem=None,
     dv_partial_smem=None,
-    partials_smem=None,
     drop_rows_smem=None,
     drop_col_smem=None,
     spec: MaskSpec,
@@ -926,9 +921,10 @@ def _dkv_kernel(
             partials = (dk_partial_smem, dv_partial_smem)
         elif dk_partial_smem is not None:
             dk_partial = dk_partial_smem.at[wg]
-            partials = (dk_partial, dk_partial)
-        elif partials_smem is not None:
-            partials = tuple(x.at[wg] for x in partials_smem)
+            partials = (
+                dk_partial,
+                dk_partial if dv_partial_smem is None else dv_partial_smem.at[wg],
+            )
         consume = functools.partial(
             _consume_dkv,
             k_ref,

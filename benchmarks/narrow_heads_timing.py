@@ -7,9 +7,10 @@ on the H200 (about a minute).
 B=8, T=S=2048, N=K=32, bf16 (the shapes suite's Phi-like rows), causal and not. Forward only:
 "native" and "padded" are `mosaic.flash_forward` (default tiles), "cudnn" is
 `jax.nn.dot_product_attention(implementation="cudnn")`; then fwd+bwd through `flash_attention`
-(backend=None) beside cuDNN's. TFLOP/s count the head dim's own FLOPs (4 * pairs * H per head,
-x 3.5 forward+backward), for every implementation. Prints one JSON row per point, then the
-forward's ratios.
+(backend=None: the Mosaic forward and backward, both at the head dim as it is) beside cuDNN's.
+TFLOP/s count the head dim's own FLOPs (4 * pairs * H per head, x 3.5 forward+backward), for
+every implementation. Prints one JSON row per point, then the ratios to cuDNN (forward, and
+forward+backward).
 """
 
 import functools
@@ -75,6 +76,7 @@ def main():
                 ("cudnn", functools.partial(cudnn, is_causal=causal)),
             ):
                 ms = median_ms(timed_fn(fn, "fwd+bwd"), inputs(h))
+                ms_of[(h, causal, "fwd+bwd", name)] = ms
                 tflops = flops(h, causal, "fwd+bwd") / ms / 1e9
                 record(dict(h=h, causal=causal, pass_="fwd+bwd", impl=name, ms=ms, tflops=tflops))
     for h in (96, 80):
@@ -90,6 +92,8 @@ def main():
                     speedup_over_padded=padded / native,
                 )
             )
+            ours, cu = (ms_of[(h, causal, "fwd+bwd", n)] for n in ("pallas_flash", "cudnn"))
+            record(dict(h=h, causal=causal, summary="fwd+bwd", native_over_cudnn=cu / ours))
 
 
 if __name__ == "__main__":

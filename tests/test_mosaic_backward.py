@@ -915,8 +915,8 @@ def test_lowers_with_any_lengths_and_head_dims(p):
     assert (dk.shape, dk.dtype) == (dv.shape, dv.dtype) == (k.shape, k.dtype)
 
 
-# (problem, tiles, oob_fill): padded by the wrapper (T = 130 to 136, S = 197 to 200, H = 96 to
-# 128), then ragged last tiles in the kernels (a last query tile of 8 rows in dK/dV, a last key
+# (problem, tiles, oob_fill): padded by the wrapper (T = 130 to 136, S = 197 to 200; H = 96 as
+# it is), then ragged last tiles in the kernels (a last query tile of 8 rows in dK/dV, a last key
 # tile of 8 keys in dQ) with garbage past the arrays' ends; in place with T = 136, S = 328;
 # causal with T > S and GQA; one consumer and three stages at H=80; 3 queries and 5 keys.
 RAGGED_INTERPRET_PROBLEMS = [
@@ -936,7 +936,7 @@ RAGGED_INTERPRET_PROBLEMS = [
 @long_only  # slow in the interpreter: outside CI
 @pytest.mark.parametrize("p, tiles, oob_fill", RAGGED_INTERPRET_PROBLEMS, ids=str)
 def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
-    """The Mosaic forward and backward at ragged lengths and padded head dims, with garbage
+    """The Mosaic forward and backward at ragged lengths and narrow head dims, with garbage
     past the arrays' ends where given: out, lse, dq, dk, dv against the float64 oracle."""
     (q, k, v, d_out, d_lse), f64 = random_inputs(p)
     with interpret_mosaic(oob_fill=oob_fill):
@@ -965,7 +965,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
     ],
     ids=str,
 )
-def test_default_call_on_hopper_takes_mosaic_at_padded_head_dims(monkeypatch, p, mosaic_calls):
+def test_default_call_on_hopper_takes_mosaic_at_narrow_head_dims(monkeypatch, p, mosaic_calls):
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
     attention = functools.partial(
         pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True

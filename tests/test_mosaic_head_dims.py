@@ -508,8 +508,8 @@ def _split(split_dkv=False, dkv_head_splits=0, **kwargs):
 
 # Both kernels at H 96 and 80: causal and not, GQA, T < S and T > S, windows, soft caps, segment
 # ids, dropout, head splits (their f32 staging tiles at H and Hv), the split dK/dV consumers, one
-# consumer and three stages, 128-row streamed tiles, a value head dim of its own (96/80, 80/96,
-# next to 128). CI lowers one per head dim; the rest with PALLAS_FLASH_SWEEP.
+# consumer and three stages, 128-row streamed tiles (split consumers), a value head dim of its
+# own (96/80, 80/96, next to 128). CI lowers one per head dim; the rest with PALLAS_FLASH_SWEEP.
 BACKWARD_LOWERING_VARIANTS = [
     (_backward_variant(96), None),
     (_backward_variant(80, 96, T=384, S=256, causal=False, window=(100, 30), kind="packed",
@@ -523,7 +523,7 @@ BACKWARD_LOWERING_VARIANTS = [
             (_backward_variant(80, tiles=_split(True, 2)), None),
             (_backward_variant(96, N=8, K=1, tiles=_split(False, 4)), None),
             (_backward_variant(80, tiles=BackwardTiles(num_consumers=1, num_stages=3)), None),
-            (_backward_variant(96, T=512, tiles=BackwardTiles(block_q_dkv=128,
+            (_backward_variant(96, T=512, tiles=BackwardTiles(split_dkv=True, block_q_dkv=128,
                                                               block_kv_dq=128)), None),
             (_backward_variant(96, 128, causal=False), None),
             (_backward_variant(128, 80, tiles=_split(False, 2)), None),
@@ -605,12 +605,14 @@ def test_backward_lowers_for_h200_without_padding_the_head_dim(c, dropout, monke
 # Gradients in the interpreter (race detector on) against the float64 oracle, on the kernels'
 # unpadded tiles (see test_value_head_dim.check_mosaic_backward: the oracle's out, rounded, and
 # lse as residuals; rows that see no key have dq 0, keys that no row sees dk and dv 0). Odd T and
-# S, T != S. In CI: 96/80 with GQA, a window and head splits (their f32 partials at both head
-# dims); with PALLAS_FLASH_SWEEP: causal packed documents with lengths and NaN and inf at the
-# keys no row sees, MQA, the split dK/dV consumers with head splits, one consumer with three
-# stages and a soft cap, 80/96 causal with T > S.
+# S, T != S. In CI: 96/80 with GQA, causal with a window, head splits (their f32 partials at
+# both head dims), NaN and inf at the keys past T that no row sees (the rows past T in the last
+# query tile see some of them by the mask's geometry); with PALLAS_FLASH_SWEEP: causal packed
+# documents with lengths and NaN and inf at the keys no row sees, MQA, the split dK/dV consumers
+# with head splits, one consumer with three stages and a soft cap, 80/96 causal with T < S.
 BACKWARD_INTERPRET_CASES = [
-    BackwardCase(96, 80, 1, 61, 45, 2, 1, False, window=(20, 9), tiles=_split(False, 2)),
+    BackwardCase(96, 80, 1, 61, 99, 2, 1, True, window=(20, 0), poison=True,
+                 tiles=_split(False, 2)),
     *[
         pytest.param(c, marks=sweep_only)
         for c in [
@@ -618,7 +620,7 @@ BACKWARD_INTERPRET_CASES = [
             BackwardCase(80, 80, 1, 130, 99, 4, 1, False, kind="lengths", tiles=_split(True, 2)),
             BackwardCase(80, 80, 1, 99, 130, 2, 2, True, soft_cap=5.0,
                          tiles=BackwardTiles(num_consumers=1, num_stages=3)),
-            BackwardCase(80, 96, 1, 150, 61, 4, 2, True, window=(40, 0), poison=True),
+            BackwardCase(80, 96, 1, 61, 150, 4, 2, True, window=(40, 0), poison=True),
             BackwardCase(96, 96, 1, 45, 200, 4, 2, True, kind="unsorted", tiles=_split(False, 0)),
         ]
     ],
@@ -667,6 +669,9 @@ BACKWARD_GPU_CASES = [
     BackwardCase(96, 128, 2, 1024, 1024, 4, 2, True),
     BackwardCase(128, 80, 2, 1024, 1024, 8, 2, False, tiles=_split(False, 2)),
     BackwardCase(96, 96, 2, 512, 512, 4, 2, True, tiles=BackwardTiles(num_consumers=1)),
+    # NaN at the keys past a ragged T (rows past T in the last query tile see some by geometry).
+    BackwardCase(128, 128, 2, 1000, 1500, 4, 2, True, poison=True),
+    BackwardCase(96, 96, 2, 1000, 1500, 4, 2, True, window=(200, 0), poison=True),
 ]
 
 

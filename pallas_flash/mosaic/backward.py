@@ -450,8 +450,8 @@ def flash_backward(
     Returns:
       dq [B, T, N, H], dk [B, S, K, H] and dv [B, S, K, Hv] in q's dtype; dk and dv are
       summed over the query heads of each kv head's group. Rows that see no key have dq 0,
-      keys that no row sees dk and dv 0; with segment ids, NaN or inf in K or V at keys a row
-      does not see does not reach that row's gradients.
+      keys that no row sees dk and dv 0; with segment ids, causal or a window, NaN or inf in K
+      or V at keys a row does not see does not reach that row's gradients.
 
     Raises:
       ValueError: shapes, dtypes, options or tiles the kernels do not support (see `why_not`).

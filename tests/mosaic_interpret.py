@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from jax._src.pallas.mosaic_gpu import core as mosaic_gpu_core
 from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks, shared_memory
 from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
-    get_races,
     reset_gpu_interpret_mode_state,
 )
 from jax._src.pallas.mosaic_gpu.interpret.params import (
@@ -148,20 +147,34 @@ def _patches(deadlock_s: float, oob_fill):
 @contextlib.contextmanager
 def interpret_mosaic(*, warpgroups: int = 3, deadlock_s: float = 30.0, oob_fill=0):
     """Within the block, Mosaic GPU kernels run in the (patched) interpreter with the race
-    detector on; on exit, asserts that no race was found. A barrier wait without an arrival
-    for `deadlock_s` seconds raises. TMA loads read `oob_fill` past an array's end."""
+    detector on; on exit, asserts that no race was found in any kernel that ran. A barrier wait
+    without an arrival for `deadlock_s` seconds raises. TMA loads read `oob_fill` past an
+    array's end."""
     saved = []
+    # The interpreter starts a race state per kernel (and drops the last one's): keep each,
+    # so that a race in the first of two kernels (the backward's dK/dV) is not lost.
+    race_states = []
+    real_race_state = gpu_callbacks.GPURaceDetectionState
+
+    def race_state(*args, **kwargs):
+        state = real_race_state(*args, **kwargs)
+        race_states.append(state)
+        return state
+
+    patches = [
+        *_patches(deadlock_s, oob_fill),
+        (gpu_callbacks, "GPURaceDetectionState", race_state),
+    ]
     try:
-        for owner, name, replacement in _patches(deadlock_s, oob_fill):
+        for owner, name, replacement in patches:
             saved.append((owner, name, getattr(owner, name)))
             setattr(owner, name, replacement)
         reset_gpu_interpret_mode_state()
         params = InterpretGPUParams(detect_races=True, num_cores_or_threads=warpgroups)
         with force_gpu_interpret_mode(params):
             yield
-        # No race state when no kernel ran in the scope (a call refused before it ran).
-        if gpu_callbacks._races is not None:
-            assert not get_races().races_found, "the race detector found a data race"
+        found = [i for i, state in enumerate(race_states) if state.races_found]
+        assert not found, f"the race detector found a data race in kernel run(s) {found}"
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)

@@ -288,6 +288,41 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
 
 
 @pytest.mark.parametrize("path", backend_paths())
+def test_keys_past_a_ragged_causal_query_tile_get_zero_gradients(path):
+    """Causal, T = 61 < S = 99: keys 61-98 are hidden from every row, but keys up to the last
+    query tile's end lie inside the causal geometry of that tile's rows past T (whose q reads
+    as 0, so an inf in K gives them a NaN logit). NaN and inf in K and V there: out, lse and the
+    gradients match the float64 oracle, and those keys' dK and dV are 0 (the Mosaic backward's
+    case: test_mosaic_backward.py, MASK_CI_CASES)."""
+    rng = np.random.default_rng(5)
+    batch, q_len, kv_len, heads, head_dim = 1, 61, 99, 2, 16
+    visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+    hidden = np.broadcast_to(np.arange(kv_len) >= q_len, (batch, kv_len))
+    q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
+    k, v = (normal(rng, (batch, kv_len, heads, head_dim)) for _ in range(2))
+    d_lse = normal(rng, (batch, heads, q_len))
+    k_bad = poison(k, hidden, [np.inf, np.nan, -np.inf])
+    v_bad = poison(v, hidden, [np.nan, -np.inf, np.inf])
+    with path.scope():
+        (results,) = run(
+            q, k_bad, v_bad, [(d_out, d_lse)], is_causal=True, **path_kwargs(path, "all16")
+        )
+    oracle = attention_oracle_f64(
+        to64(q),
+        to64(k),
+        to64(v),
+        to64(d_out),
+        to64(d_lse),
+        scale=head_dim**-0.5,
+        visible=np.broadcast_to(visible, (batch, 1, q_len, kv_len)),
+    )
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
+        if name in ("dk", "dv"):
+            assert np.all(got[hidden] == 0.0), f"{name} is not 0 at hidden keys"
+        assert_close(name, got, oracle[name], atol=1e-4)
+
+
+@pytest.mark.parametrize("path", backend_paths())
 def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path):
     """Causal with a window of 9 keys to the left: NaN and inf at key 24 of 50 (K and V) is
     seen by rows 24-33; the rows before and after match the float64 oracle in out, lse, dq."""

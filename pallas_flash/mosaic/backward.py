@@ -1138,11 +1138,17 @@ def _consume_dkv(
     kv_seg = None
 
     def visible_in(i, slot):
-        # Keys are rows here, query rows are columns. Rows past T need no mask: P = 0 there.
+        # Keys are rows here, query rows are columns. Rows past T have P = 0, but dS^T = P^T *
+        # (dP^T - delta) is NaN there when V is at a key that only they see (a hidden key
+        # between T and the last query tile's end, causal): they are masked in a ragged last
+        # tile (with segment ids their padding ids do it).
         q_pos = i * block_q + _iota(tile_shape, 1)
         kv_pos = kv_start + _iota(tile_shape, 0)
         if kv_seg is None:
-            return masks.visible(spec, q_pos, kv_pos)
+            visible = masks.visible(spec, q_pos, kv_pos)
+            if spec.q_len % block_q:
+                visible = visible & (q_pos < spec.q_len)
+            return visible
         # The query tile's ids ride in Q's slot: read before the slot is released.
         q_seg = plgpu.load(ring.q_ids_smem.at[slot], layout=col_layout)
         return masks.visible(

@@ -41,16 +41,23 @@ def probability_bound(log_sum, lse):
     return log_sum.astype(jnp.float32) * -LOG2E
 
 
-def merged_log_sum(lse, log_sum, axis: int):
-    """The log_sum of a softmax whose keys are split in parts along `axis` of lse and log_sum
-    (float32, each part's own, relative to its largest logit lse - log_sum: exact, as lse rounds
-    log_sum away only where the max's ulp exceeds it), relative to the largest of the parts'
-    maxima. Parts that see no key (lse = -inf) add nothing; rows that no part sees get 0."""
+def part_shares(lse, log_sum, axis: int):
+    """Each part's softmax denominator relative to the largest of the parts' maxima, for a
+    softmax whose keys are split in parts along `axis` of lse and log_sum (float32, each part's
+    own, relative to its largest logit lse - log_sum: exact, as lse rounds log_sum away only
+    where the max's ulp exceeds it). The parts' weights in the merged output are their shares
+    of the sum; lse alone would weigh parts whose denominators its rounding lost (keys tying
+    at |logits| beyond ~1e6) equally. Parts that see no key (lse = -inf) get 0; the sum is >= 1
+    wherever any part sees a key."""
     seen = jnp.isfinite(lse)
     row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
     top = jnp.max(row_max, axis=axis, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    shares = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
+    return jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
+
+
+def merged_log_sum(shares, axis: int):
+    """The merged softmax's log_sum from its parts' `part_shares`: 0 for rows no part sees."""
     return jnp.log(jnp.maximum(jnp.sum(shares, axis=axis), 1.0))
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import log_sum_with_sinks, merged_log_sum
+from pallas_flash._numerics import log_sum_with_sinks, merged_log_sum, part_shares
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -360,12 +360,14 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
 
 
 def _combine_splits(out, lse, log_sum, splits: int, dtype):
-    """The result over all KV chunks from per-chunk results: weights exp(lse_s - lse); log_sum
-    from the chunks' own (`_numerics.merged_log_sum`)."""
-    weights, l_sum, combined_lse = split_weights(lse, splits)  # [B, splits, N, T]
+    """The result over all KV chunks from per-chunk results: lse from the chunks' lse; out
+    weighted by, and log_sum from, the chunks' denominators (`_numerics.part_shares`)."""
+    _, _, combined_lse = split_weights(lse, splits)
     out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
     lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
-    combined_log_sum = merged_log_sum(lse, log_sum, axis=1)
-    weights = weights / l_sum[:, None]
+    shares = part_shares(lse, log_sum, axis=1)  # [B, splits, N, T]
+    total = jnp.sum(shares, axis=1, keepdims=True)
+    weights = shares / jnp.where(total > 0.0, total, 1.0)
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
-    return jnp.sum(weights * out, axis=1).astype(dtype), combined_lse, combined_log_sum
+    combined = jnp.sum(weights * out, axis=1).astype(dtype)
+    return combined, combined_lse, merged_log_sum(shares, axis=1)

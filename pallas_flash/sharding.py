@@ -2,7 +2,7 @@
 
 `ring_attention` (inside `jax.shard_map`) splits the sequence over a mesh axis; K/V blocks travel
 around the ring by `ppermute` while each device attends to the block it holds, partial results
-merge through their lse (and their log_sum, which bounds the backward's recomputed P), and a
+merge through their lse and log_sum (which also bounds the backward's recomputed P), and a
 custom_vjp runs the backward around the ring again.
 `ring_attention_sharded` wraps it in the shard_map for global arrays under jit; `to_zigzag` /
 `from_zigzag` put a sequence in (and out of) the causally balanced zig-zag order.
@@ -258,8 +258,10 @@ def ring_attention(
     """Context-parallel attention inside `jax.shard_map`: q, k and v are sharded over their
     sequence axis along the mesh axis `axis_name`, and the key/value blocks travel around the
     ring of its P devices (`jax.lax.ppermute`) while each device attends its queries to the
-    block it holds. The partial results merge through their lse; gradients flow back through
-    the same ring (the transposed permutes).
+    block it holds. The partial results merge through their lse and softmax denominators;
+    gradients flow back through the same ring (the transposed permutes), each block's backward
+    bounded by its rows' merged denominators, so that keys tying at a row's max get exact
+    gradients at any logit magnitude.
 
     Shapes are per device (B batch, T = T_global / P local queries, S = S_global / P local
     keys)::

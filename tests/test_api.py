@@ -628,7 +628,8 @@ def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
         pytest.skip("the xla path's residual backward is the reference's vjp: PALLAS_FLASH_SWEEP")
     if "logits_soft_cap" in options and not SWEEP:
         pytest.skip("soft cap and segments: covered by window-lengths in CI; PALLAS_FLASH_SWEEP")
-    """flash_attention_backward at the call's own (out, lse) gives its pullback's gradients."""
+    """flash_attention_backward at the call's own (out, lse, log_sum) gives its pullback's
+    gradients (the next test calls it without log_sum)."""
     q, k, v, d_out, d_lse = _backward_problem()
     if "q_segment_ids" in options:
         options = dict(options, kv_segment_ids=np.array([[0] * 9 + [1] * 12] * B))
@@ -643,13 +644,11 @@ def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
     )
     d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
     want = pullback((d_out, d_lse, jnp.ones_like(log_sum)))  # log_sum carries no gradient
-    # With and without log_sum: at these magnitudes the bound 1 / l and the bound 1 agree.
-    for residual_log_sum in (log_sum, None):
-        got = api.flash_attention_backward(
-            q, k, v, out, lse, d_out, d_lse, log_sum=residual_log_sum, **options, **kw
-        )
-        for x, y in zip(got, want, strict=True):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
+    got = api.flash_attention_backward(
+        q, k, v, out, lse, d_out, d_lse, log_sum=log_sum, **options, **kw
+    )
+    for x, y in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
@@ -713,32 +712,42 @@ def _log_sum_f64(q, k, scale, visible, sinks):
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_return_log_sum_is_the_log_denominator_relative_to_the_max(backend):
-    """(out, lse, log_sum) with sinks, causal, query lengths (rows that see no key: log_sum 0)
-    and, on the kernels, a split KV loop (its chunks' log_sum merged): log_sum as float64's,
-    lse - log_sum the row's max, out and lse as without return_log_sum; unbatched too."""
+    """(out, lse, log_sum) with sinks, lengths (rows that see no key: log_sum 0) and, on the
+    kernels, a split KV loop (keys 0-15 and 16-20: its chunks' log_sum merged): log_sum as
+    float64's, out and lse as without return_log_sum; unbatched too."""
     q, k, v, _, _ = _backward_problem()
     sinks = np.asarray([-1.0, 0.5, 2.0, 40.0], np.float32)  # the last above every logit
-    lengths = np.asarray([13, 7])
+    q_lengths, kv_lengths = np.asarray([13, 7]), np.asarray([21, 18])
     kw = dict(backend="xla")
     if backend == "interpret":
         tiles = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=2)
         kw = dict(backend="triton", interpret=True, block_sizes=tiles)
-    options = dict(is_causal=True, query_seq_lengths=lengths, sinks=jnp.asarray(sinks), **kw)
+    options = dict(
+        query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths,
+        sinks=jnp.asarray(sinks),
+        **kw,
+    )
     attention = functools.partial(api.flash_attention, return_residuals=True, **options)
-    out, lse, log_sum = jax.jit(functools.partial(attention, return_log_sum=True))(q, k, v)
-    rows, keys = np.arange(13)[:, None], np.arange(21)[None, :]
-    visible = (keys <= rows) & (rows < lengths[:, None, None])[:, None]
+
+    def with_and_without_log_sum(q, k, v):
+        return attention(q, k, v, return_log_sum=True), attention(q, k, v)
+
+    (out, lse, log_sum), plain = jax.jit(with_and_without_log_sum)(q, k, v)
+    rows, keys = np.arange(13)[None, :, None], np.arange(21)[None, None, :]
+    visible = (rows < q_lengths[:, None, None]) & (keys < kv_lengths[:, None, None])
+    visible = visible[:, None]  # [B, 1, T, S]
     want = _log_sum_f64(q, k, 1 / math.sqrt(H), visible, sinks)
     np.testing.assert_allclose(np.asarray(log_sum), want, atol=2e-6, rtol=2e-6)
     assert log_sum.dtype == jnp.float32
-    assert_bitwise_equal((out, lse), jax.jit(attention)(q, k, v))
+    assert_bitwise_equal((out, lse), plain)
     if backend == "xla":
-        unbatched = api.flash_attention(
-            q[0], k[0], v[0], return_residuals=True, return_log_sum=True, sinks=sinks
+        attention = functools.partial(
+            api.flash_attention, return_residuals=True, return_log_sum=True, sinks=sinks
         )
-        batched = api.flash_attention(
-            q, k, v, return_residuals=True, return_log_sum=True, sinks=sinks
-        )
+        unbatched, batched = jax.jit(
+            lambda q, k, v: (attention(q[0], k[0], v[0]), attention(q, k, v))
+        )(q, k, v)
         assert_bitwise_equal(unbatched, tuple(x[0] for x in batched))
 
 

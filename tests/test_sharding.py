@@ -597,19 +597,32 @@ if CHILD:
         got = _outputs_and_grads(ring, d_out)(*args)
         _assert_close(got, _outputs_and_grads(unsharded, d_out)(*args), atol=1e-4)
 
+    ALL_ONLY = pytest.mark.skipif(not ALL_CASES, reason="PALLAS_FLASH_SHARDING_ALL=1")
+    # The causal float16 case on "xla": XLA's CPU dot rounds row 52's logit of key 20 two ulps
+    # (128 at 9.5e8) above that of its copy, key 52, in the other block's product of another
+    # shape, so the merge sees no tie there (as the float32 logits say). The Triton kernels
+    # (interpreted) compute both to the same float32.
+    XLA_ROUNDS_APART = pytest.mark.xfail(
+        reason="XLA's CPU dot rounds the tied logits differently in blocks of other shapes"
+    )
+
     @pytest.mark.parametrize(
-        "dtype, is_causal",
+        "path, dtype, is_causal",
         [
-            pytest.param(jnp.bfloat16, False, id="bf16"),
+            pytest.param("xla", jnp.bfloat16, False, id="xla-bf16"),
+            pytest.param("triton-interpret", jnp.bfloat16, False, id="triton-interpret-bf16"),
             pytest.param(
+                "xla", jnp.float16, True, id="xla-f16-causal", marks=[ALL_ONLY, XLA_ROUNDS_APART]
+            ),
+            pytest.param(
+                "triton-interpret",
                 jnp.float16,
                 True,
-                id="f16-causal",
-                marks=pytest.mark.skipif(not ALL_CASES, reason="PALLAS_FLASH_SHARDING_ALL=1"),
+                id="triton-interpret-f16-causal",
+                marks=ALL_ONLY,
             ),
         ],
     )
-    @pytest.mark.parametrize("path", ["xla", "triton-interpret"])
     def test_ring_attention_tied_huge_logits(path, dtype, is_causal):
         """Keys that tie at their rows' max at ~1e7 and ~1e9 across the ring's blocks: the
         blocks' log_sum merge, and the backward steps clamp P at the row's 1 / denominator."""

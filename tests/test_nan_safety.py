@@ -521,6 +521,37 @@ def test_tied_huge_logits_triton_backward_after_mosaic_forward(interpreted):
     check_tied_huge_logits(got, args, scale, visible, dtype)
 
 
+# The Triton forward in two KV chunks (keys 0-63 and 64-95): two copies of each tied key in
+# one, the third in the other, so that the chunks' merge must weigh them by their denominators.
+SPLIT_KV = pallas_flash.BlockSizes(block_q=64, block_kv=32, kv_splits=2)
+
+
+@pytest.mark.parametrize("path", backend_paths(mosaic=True))
+def test_tied_huge_logits_at_the_residuals(path):
+    """flash_attention_backward at the residuals of flash_attention(return_log_sum=True) --
+    out, lse and log_sum -- gives float64's gradients to keys that tie at ~1e7 and ~1e9, on
+    every path (the Triton forward split over KV); log_sum itself is float64's log(3)."""
+    dtype = jnp.bfloat16
+    args, scale, visible = tied_huge_logits(dtype, False)
+    kwargs = dict(scale=scale, **path.call_kwargs(SPLIT_KV))
+
+    def run(q, k, v, d_out, d_lse):
+        out, lse, log_sum = pallas_flash.flash_attention(
+            q, k, v, return_residuals=True, return_log_sum=True, **kwargs
+        )
+        grads = pallas_flash.flash_attention_backward(
+            q, k, v, out, lse, d_out, d_lse, log_sum=log_sum, **kwargs
+        )
+        return out, lse, log_sum, *grads
+
+    with path.scope():
+        out, lse, log_sum, *grads = (to64(x) for x in jax.jit(run)(*args))
+    check_tied_huge_logits([out, lse, *grads], args, scale, visible, dtype)
+    # Every row's largest logit is one of the 32 distinct keys, three times over: exp(log_sum)
+    # is 3 plus the other keys' shares, which vanish at these magnitudes.
+    assert_close("log_sum", log_sum, np.log(3.0), atol=1e-5)
+
+
 # Whole Mosaic tiles in 16 bits: every path takes these calls, the Mosaic kernels included (their
 # forward and, for the causal call, their backward); the Triton interpreter is slow at them.
 NAN_IN_TILE_PATHS = backend_paths(mosaic=True, sweep=("triton-interpret",))

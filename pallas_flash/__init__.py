@@ -6,7 +6,12 @@ Flax users import the wrappers explicitly (this package itself does not import F
 (`MultiHeadDotProductAttention` / `MultiHeadAttention`).
 """
 
-from pallas_flash.api import ForwardModeError, attention_reference, flash_attention
+from pallas_flash.api import (
+    ForwardModeError,
+    attention_reference,
+    flash_attention,
+    flash_attention_backward,
+)
 from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
 from pallas_flash.device import Device, target
 from pallas_flash.sharding import (
@@ -26,6 +31,7 @@ __all__ = [
     "attention_reference",
     "decode_attention",
     "flash_attention",
+    "flash_attention_backward",
     "from_zigzag",
     "paged_attention",
     "ring_attention",

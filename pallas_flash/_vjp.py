@@ -78,14 +78,23 @@ class KernelConfig:
         )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
     """(out, lse) through the kernels, differentiable in q, k, v, bias and sinks.
 
     sinks: None, or float32 [B, N]: one more logit per row of head n of batch entry b, with no
     value, in the softmax's denominator (attention sinks); lse then includes it."""
-    out, lse, _ = _forward(q, k, v, bias, arrays, sinks, config=config)
+    out, lse, _ = flash_attention_kernels_with_log_sum(q, k, v, bias, arrays, config, sinks)
     return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def flash_attention_kernels_with_log_sum(
+    q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None
+):
+    """(out, lse, log_sum) through the kernels: `flash_attention_kernels` and the forward's
+    log_sum (`_forward`), a residual for a backward run apart (`flash_backward_kernels`). Its
+    cotangent is dropped: callers hand it out under stop_gradient."""
+    return _forward(q, k, v, bias, arrays, sinks, config=config)
 
 
 # Each pass is one jit'd function of the static config: a model that repeats a layer traces and
@@ -159,14 +168,14 @@ def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig, sinks):
     out, lse, log_sum = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
-    return (out, lse), (q, k, v, bias, arrays, sinks, out, lse, log_sum)
+    return (out, lse, log_sum), (q, k, v, bias, arrays, sinks, out, lse, log_sum)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     # With sinks, lse includes them: the kernels' P = exp(logits - lse) and delta = rowsum(dO *
     # out) are then those of the softmax over keys and sink, and so are dq, dk, dv and dbias.
     q, k, v, bias, arrays, sinks, out, lse, log_sum = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse, _ = cotangents
     dq, dk, dv, dbias = _differentiable_backward(
         q, k, v, bias, arrays, sinks, out, lse, log_sum, d_out, d_lse, config
     )
@@ -249,14 +258,17 @@ def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, co
     )
 
 
-flash_attention_kernels.defvjp(_fwd_rule, _bwd_rule)
+flash_attention_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
 
 
-def flash_backward_kernels(q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig):
-    """(dq, dk, dv, dbias) of the kernels' backward at the given residuals (out, lse), which
-    may be those of a larger softmax (a ring's merged blocks); differentiable as the rule's."""
+def flash_backward_kernels(
+    q, k, v, bias, arrays, out, lse, d_out, d_lse, config: KernelConfig, log_sum=None
+):
+    """(dq, dk, dv, dbias) of the kernels' backward at the given residuals (out, lse, and the
+    forward's log_sum or None), which may be those of a larger softmax (a ring's merged
+    blocks); differentiable as the rule's."""
     return _differentiable_backward(
-        q, k, v, bias, arrays, None, out, lse, None, d_out, d_lse, config
+        q, k, v, bias, arrays, None, out, lse, log_sum, d_out, d_lse, config
     )
 
 
@@ -301,8 +313,9 @@ with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
 # outer differentiation these are plain calls of `_forward` and `_backward`.
 
 
-def _reference_of(arrays, spec: MaskSpec, scale, soft_cap, dropout_rate):
-    """(q, k, v, bias) -> (out, lse) of the plain-jnp reference for one call's static options."""
+def _reference_of(arrays, spec: MaskSpec, scale, soft_cap, dropout_rate, with_log_sum=False):
+    """(q, k, v, bias) -> (out, lse), or with with_log_sum (out, lse, log_sum), of the plain-jnp
+    reference for one call's static options."""
     return lambda q, k, v, bias: reference_attention(
         q,
         k,
@@ -313,6 +326,7 @@ def _reference_of(arrays, spec: MaskSpec, scale, soft_cap, dropout_rate):
         scale=scale,
         soft_cap=soft_cap,
         dropout_rate=dropout_rate,
+        with_log_sum=with_log_sum,
     )
 
 
@@ -382,15 +396,18 @@ def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
 def reference_attention_vjp(
     q, k, v, bias, arrays: MaskArrays, spec: MaskSpec, scale, soft_cap, dropout_rate=0.0
 ):
-    """`reference_attention` behind the same custom_vjp rule as the kernels: its gradients are
-    jax's of the reference, and forward mode fails as it does on the kernels."""
-    return _reference_of(arrays, spec, scale, soft_cap, dropout_rate)(q, k, v, bias)
+    """(out, lse, log_sum) of `reference_attention` behind the same custom_vjp rule as the
+    kernels: its gradients are jax's of the reference (log_sum carries none), and forward mode
+    fails as it does on the kernels."""
+    return _reference_of(arrays, spec, scale, soft_cap, dropout_rate, with_log_sum=True)(
+        q, k, v, bias
+    )
 
 
 def _reference_fwd_rule(q, k, v, bias, arrays, spec, scale, soft_cap, dropout_rate):
-    reference = _reference_of(arrays, spec, scale, soft_cap, dropout_rate)
-    out_lse, vjp = jax.vjp(reference, q, k, v, bias)
-    return out_lse, (vjp, arrays)
+    reference = _reference_of(arrays, spec, scale, soft_cap, dropout_rate, with_log_sum=True)
+    results, vjp = jax.vjp(reference, q, k, v, bias)
+    return results, (vjp, arrays)
 
 
 def _reference_bwd_rule(spec, scale, soft_cap, dropout_rate, residuals, cotangents):

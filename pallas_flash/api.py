@@ -13,9 +13,11 @@ from jax.interpreters import ad
 
 from pallas_flash import _dropout, _host_only, dispatch, masks
 from pallas_flash import device as device_lib
+from pallas_flash._numerics import log_sum_with_sinks
 from pallas_flash._vjp import (
     KernelConfig,
     flash_attention_kernels,
+    flash_attention_kernels_with_log_sum,
     flash_backward_kernels,
     reference_attention_vjp,
 )
@@ -49,6 +51,7 @@ def flash_attention(
     dropout_rng=None,
     dropout_broadcast: bool = False,
     return_residuals: bool = False,
+    return_log_sum: bool = False,
     backend: str | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
@@ -124,6 +127,13 @@ def flash_attention(
       return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of each
         query row's logits (scaled, biased, soft-capped, masked; the sink included). Gradients
         flow through both outputs.
+      return_log_sum: with return_residuals, also return log_sum, float32 (B, N, T): the
+        natural log of each row's softmax denominator relative to its largest logit (or its
+        sink, if larger), so that lse = max + log_sum; 0 for rows that see no key. It is what
+        `flash_attention_backward(..., log_sum=)` needs beside lse for exact gradients where
+        keys tie at a row's max at logits beyond about 1e6 in magnitude, where float32 lse
+        cannot hold the denominator next to the max. No gradient flows through it (it is
+        returned under stop_gradient).
       backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
         capability >= 8.0), "mosaic" (Hopper only: the warp-specialised Pallas Mosaic GPU
         forward, and the Mosaic GPU backward where it applies (H 64/80/96/128/192/256, the
@@ -147,11 +157,12 @@ def flash_attention(
         tests on CPU.
 
     Returns:
-      out, or (out, lse) when return_residuals. A query row that sees no key outputs zeros,
-      has lse = -inf and receives zero gradient. NaN or inf in key or value at a key a row
-      cannot see (masked, past its length, another segment, outside the window, in the
-      future) does not reach that row's output, lse or gradients; a row that sees such a key
-      gets NaN or, where the kernels zero the key on a partially masked tile, a finite value.
+      out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.
+      A query row that sees no key outputs zeros, has lse = -inf and receives zero gradient.
+      NaN or inf in key or value at a key a row cannot see (masked, past its length, another
+      segment, outside the window, in the future) does not reach that row's output, lse or
+      gradients; a row that sees such a key gets NaN or, where the kernels zero the key on a
+      partially masked tile, a finite value.
 
     Sharding: under `jax.jit` with the inputs sharded over their batch and/or head axes (by
     `in_shardings`/`NamedSharding`, or by explicit sharding in types), every device runs the
@@ -179,6 +190,13 @@ def flash_attention(
     the reference on purpose.
     """
     _refuse_forward_mode(query, key, value, bias)
+    if not isinstance(return_log_sum, (bool, np.bool_)):
+        raise TypeError(f"return_log_sum={return_log_sum!r} must be a bool")
+    if return_log_sum and not return_residuals:
+        raise ValueError(
+            "return_log_sum=True adds log_sum to the residuals (out, lse): it needs "
+            "return_residuals=True"
+        )
     call = _plan(
         query,
         key,
@@ -203,13 +221,15 @@ def flash_attention(
     )
     _check_sinks(sinks, call.query.shape[2])
     if call.config is None:
-        out, lse = reference_attention_vjp(
+        results = reference_attention_vjp(
             call.query, call.key, call.value, call.bias, call.arrays, call.spec, call.scale,
             call.soft_cap, call.dropout_rate,
         )  # fmt: skip
         if call.traced_for_host:
-            out, lse = _host_only.host_only(out), _host_only.host_only(lse)
+            results = tuple(_host_only.host_only(x) for x in results)
+        out, lse, log_sum = results
         if sinks is not None:
+            log_sum = log_sum_with_sinks(lse, log_sum, sinks)
             out, lse = with_sinks(out, lse, sinks)
     else:
         # The kernels add the sink to each row's denominator in their epilogue: one float32
@@ -219,13 +239,20 @@ def flash_attention(
         if sinks is not None:
             b, _, n, _ = call.query.shape
             sink_args = (jnp.broadcast_to(jnp.asarray(sinks).astype(jnp.float32), (b, n)),)
-        out, lse = flash_attention_kernels(
+        kernels = (
+            flash_attention_kernels_with_log_sum if return_log_sum else flash_attention_kernels
+        )
+        out, lse, *log_sum = kernels(
             call.query, call.key, call.value, call.bias, call.arrays, call.config, *sink_args
         )
-    unbatched = call.unbatched
-    if unbatched:
-        out, lse = out[0], lse[0]
-    return (out, lse) if return_residuals else out
+        log_sum = log_sum[0] if log_sum else None
+    if call.unbatched:
+        out, lse, log_sum = out[0], lse[0], None if log_sum is None else log_sum[0]
+    if not return_residuals:
+        return out
+    if return_log_sum:
+        return out, lse, jax.lax.stop_gradient(log_sum)
+    return out, lse
 
 
 def flash_attention_backward(
@@ -245,6 +272,7 @@ def flash_attention_backward(
     kv_segment_ids=None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    log_sum=None,
     backend: str | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
@@ -258,8 +286,16 @@ def flash_attention_backward(
     those of a larger softmax whose keys include this call's (a ring's blocks, merged through
     lse): the result is then this call's share of that softmax's gradients. Same backends and
     kernel choice as `flash_attention`; no bias, mask or sinks.
+
+    log_sum: None, or float32 (B, N, T) (the shape of lse): the forward's log softmax
+    denominator relative to each row's max, from `flash_attention(..., return_residuals=True,
+    return_log_sum=True)` (of the larger softmax, when out and lse are). Every backward clamps
+    the recomputed P at 1 / exp(log_sum), so that keys tying at a row's max get exactly
+    1 / (number of ties) at any logit magnitude, as in the call's own gradients. Without it
+    the clamp is P <= 1: exact for one dominant logit, approximate (finite) where the largest
+    logits exceed about 1e6 in magnitude and tie.
     """
-    _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse)
+    _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse, log_sum)
     call = _plan(
         query,
         key,
@@ -283,6 +319,9 @@ def flash_attention_backward(
     q = call.query
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     out_shape = (*q.shape[:3], call.value.shape[-1])
+    if log_sum is not None:
+        _check_log_sum(log_sum, lse_shape[1:] if call.unbatched else lse_shape)
+        log_sum = batched(log_sum)
     out, d_out, lse = batched(out), batched(d_out), batched(lse)
     d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
     for name, x, shape in (
@@ -297,10 +336,18 @@ def flash_attention_backward(
     args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
     if call.config is None:
         dq, dk, dv, _ = reference_backward(
-            *args, d_out, d_lse, spec=call.spec, scale=call.scale, soft_cap=call.soft_cap
+            *args,
+            d_out,
+            d_lse,
+            spec=call.spec,
+            scale=call.scale,
+            soft_cap=call.soft_cap,
+            log_sum=log_sum,
         )
     else:
-        dq, dk, dv, _ = flash_backward_kernels(*args, d_out.astype(q.dtype), d_lse, call.config)
+        dq, dk, dv, _ = flash_backward_kernels(
+            *args, d_out.astype(q.dtype), d_lse, call.config, log_sum=log_sum
+        )
     grads = (dq.astype(q.dtype), dk.astype(q.dtype), dv.astype(q.dtype))
     return tuple(g[0] for g in grads) if call.unbatched else grads
 
@@ -676,6 +723,25 @@ def _canonical_dropout(rate, rng) -> float:
             "of shape () or a raw uint32[2] key (jax.random.PRNGKey)"
         )
     return rate
+
+
+def _check_log_sum(log_sum, shape):
+    """log_sum of flash_attention_backward: float32 of lse's shape."""
+    if not hasattr(log_sum, "shape") or not hasattr(log_sum, "dtype"):
+        raise TypeError(
+            f"log_sum must be a float32 array of shape {shape} (flash_attention's with "
+            f"return_log_sum=True) or None, got {type(log_sum).__name__}"
+        )
+    if log_sum.dtype != jnp.float32:
+        raise TypeError(
+            f"log_sum.dtype={log_sum.dtype} must be float32 (flash_attention's log_sum, as it "
+            "returns it)"
+        )
+    if tuple(log_sum.shape) != tuple(shape):
+        raise ValueError(
+            f"log_sum.shape={tuple(log_sum.shape)} must be {tuple(shape)}, the shape of lse, "
+            "for this query"
+        )
 
 
 def _check_sinks(sinks, num_heads):

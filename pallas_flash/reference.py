@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import _dropout, masks
+from pallas_flash._numerics import LOG2E, lowered_reference, probability_bound
 from pallas_flash.masks import MaskArrays, MaskSpec
 
 
@@ -20,9 +21,13 @@ def reference_attention(
     scale: float,
     soft_cap=None,
     dropout_rate: float = 0.0,
+    with_log_sum: bool = False,
 ):
     """(out [B, T, N, Hv], lse [B, N, T]) by materialising the [B, N, T, S] logits (v: [B, S, K,
-    Hv], Hv the value head dim, which may differ from q's and k's H).
+    Hv], Hv the value head dim, which may differ from q's and k's H). with_log_sum: also
+    log_sum [B, N, T] float32, the log of each row's softmax denominator relative to its
+    largest logit (0 for rows that see no key), as the kernels' forwards return it; it carries
+    no derivative.
 
     With dropout_rate > 0, P.V uses P with the entries `_dropout.keep` drops set to 0 and the
     others scaled by 1 / (1 - dropout_rate) (seeds in arrays.dropout_seeds); lse is the
@@ -54,11 +59,18 @@ def reference_attention(
         precision=precision,
         preferred_element_type=jnp.float32,
     )
-    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(row_sum_safe))[..., 0]
+    log_sum = jnp.log(row_sum_safe)[..., 0]
+    lse = jnp.where(empty[..., 0], -jnp.inf, row_max[..., 0] + log_sum)
     out = out.reshape(batch, q_len, num_heads, v.shape[-1]).astype(q.dtype)
-    return out, jnp.broadcast_to(lse, (batch, num_kv_heads, group, q_len)).reshape(
-        batch, num_heads, q_len
-    )
+
+    def by_row(x):  # [B, K|1, G|1, T] -> [B, N, T]
+        return jnp.broadcast_to(x, (batch, num_kv_heads, group, q_len)).reshape(
+            batch, num_heads, q_len
+        )
+
+    if not with_log_sum:
+        return out, by_row(lse)
+    return out, by_row(lse), by_row(jax.lax.stop_gradient(log_sum))
 
 
 def with_sinks(out, lse, sinks):
@@ -122,21 +134,43 @@ def _logits(q, k, v, bias, arrays: MaskArrays, *, spec: MaskSpec, scale: float, 
 
 
 def reference_backward(
-    q, k, v, bias, arrays: MaskArrays, out, lse, d_out, d_lse, *, spec, scale, soft_cap=None
+    q,
+    k,
+    v,
+    bias,
+    arrays: MaskArrays,
+    out,
+    lse,
+    d_out,
+    d_lse,
+    *,
+    spec,
+    scale,
+    soft_cap=None,
+    log_sum=None,
 ):
     """(dq, dk, dv, dbias) at the given residuals, as the kernels' backward computes them:
     P = exp(logits - lse) and dS = P (dO V^T - delta) with delta = rowsum(dO * out) - d_lse.
     `out` and `lse` may be those of a larger softmax this call's keys are a part of (a ring's
-    block): the result is then this part's share of that softmax's gradients."""
+    block): the result is then this part's share of that softmax's gradients.
+
+    P is recomputed as the kernels do (`_numerics`): from lse lowered by its magnitude's slack
+    and clamped at 1 / l, l the row's softmax denominator relative to its max (exp(log_sum),
+    float32 [B, N, T]; 1 without log_sum), so that the "xla" path gives the kernels' gradients
+    at any logit magnitude, ties at a row's max included."""
     batch, q_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
     f32 = jnp.float32
+
+    def by_group(x):  # [B, N, T] -> [B, K, G, T, 1]
+        return x.reshape(batch, num_kv_heads, group, q_len)[..., None]
+
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32)) - d_lse
-    delta = delta.reshape(batch, num_kv_heads, group, q_len)[..., None]
-    lse = lse.reshape(batch, num_kv_heads, group, q_len)[..., None]
-    live = jnp.isfinite(lse)
-    lse_safe = jnp.where(live, lse, 0.0)
+    delta = by_group(delta)
+    live = by_group(jnp.isfinite(lse))
+    reference = by_group(lowered_reference(jnp.where(jnp.isfinite(lse), lse, 0.0)))
+    bound = by_group(probability_bound(log_sum, lse))
     do = d_out.reshape(batch, q_len, num_kv_heads, group, v.shape[-1])
 
     def share(q, k, v, bias):
@@ -145,7 +179,8 @@ def reference_backward(
         logits, visible, v = _logits(
             q, k, v, bias, arrays, spec=spec, scale=scale, soft_cap=soft_cap
         )
-        p = jnp.where(visible & live, jnp.exp(logits - lse_safe), 0.0)
+        p = _recomputed_probs((logits - reference) * LOG2E, bound)
+        p = jnp.where(visible & live, p, 0.0)
         dp = jnp.einsum(
             "btkgh,bskh->bkgts", do, v, precision=_precision(q), preferred_element_type=f32
         )
@@ -155,3 +190,18 @@ def reference_backward(
         dq, dk, dv = jax.grad(lambda q, k, v: share(q, k, v, None), argnums=(0, 1, 2))(q, k, v)
         return dq, dk, dv, None
     return jax.grad(share, argnums=(0, 1, 2, 3))(q, k, v, bias)
+
+
+@jax.custom_jvp
+def _recomputed_probs(x, bound):
+    """The backwards' P = exp2(min(x, bound)) (x: log2 P recomputed from lse), differentiated as
+    exp2(x / LOG2E), as the kernels' dS = P (dP - delta) is: the clamp only absorbs lse's
+    rounding and moves no gradient."""
+    return jnp.exp2(jnp.minimum(x, bound))
+
+
+@_recomputed_probs.defjvp
+def _recomputed_probs_jvp(primals, tangents):
+    x, bound = primals
+    p = _recomputed_probs(x, bound)
+    return p, p * (tangents[0] / LOG2E)

@@ -2,7 +2,8 @@
 
 `ring_attention` (inside `jax.shard_map`) splits the sequence over a mesh axis; K/V blocks travel
 around the ring by `ppermute` while each device attends to the block it holds, partial results
-merge through their lse, and a custom_vjp runs the backward around the ring again.
+merge through their lse and log_sum (which also bounds the backward's recomputed P), and a
+custom_vjp runs the backward around the ring again.
 `ring_attention_sharded` wraps it in the shard_map for global arrays under jit; `to_zigzag` /
 `from_zigzag` put a sequence in (and out of) the causally balanced zig-zag order.
 """
@@ -20,6 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_flash import masks
+from pallas_flash._numerics import merged_log_sum, part_shares
 from pallas_flash.api import _canonical_window, flash_attention, flash_attention_backward
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -57,29 +59,39 @@ def _chunk_starts(layout: str, shard: int, num_shards: int, length: int):
 
 
 def _merge(acc, part):
-    """Merge two partial attentions (out f32 [B, T, N, H], lse [B, N, T]) through their lse."""
+    """Merge two partial attentions (out f32 [B, T, N, H], lse [B, N, T], log_sum [B, N, T])
+    as the split-KV forward merges its chunks: lse through their lse, out weighted by, and
+    log_sum from, their denominators (`_numerics.part_shares`)."""
     if acc is None:
         return part
-    (o1, l1), (o2, l2) = acc, part
+    (o1, l1, g1), (o2, l2, g2) = acc, part
     m = jnp.maximum(l1, l2)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
     w1, w2 = jnp.exp(l1 - m_safe), jnp.exp(l2 - m_safe)
     total = w1 + w2
     empty = total == 0.0
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
-    scale1 = jnp.where(empty, 0.0, w1 / jnp.where(empty, 1.0, total))
-    scale2 = jnp.where(empty, 0.0, w2 / jnp.where(empty, 1.0, total))
+    shares = part_shares(jnp.stack([l1, l2]), jnp.stack([g1, g2]), axis=0)
+    share_sum = jnp.sum(shares, axis=0)
+    scale1, scale2 = shares / jnp.where(share_sum > 0.0, share_sum, 1.0)
 
     def by_row(w):  # [B, N, T] -> [B, T, N, 1]
         return jnp.swapaxes(w, 1, 2)[..., None]
 
     f32 = jnp.float32
-    return o1.astype(f32) * by_row(scale1) + o2.astype(f32) * by_row(scale2), lse
+    out = o1.astype(f32) * by_row(scale1) + o2.astype(f32) * by_row(scale2)
+    return out, lse, merged_log_sum(shares, axis=0)
 
 
 def _empty(q, dtype=jnp.float32):
+    """(out, lse, log_sum) of queries that see no key."""
     b, t, n, _ = q.shape
-    return jnp.zeros(q.shape, dtype), jnp.full((b, n, t), -jnp.inf, jnp.float32)
+    rows = (b, n, t)
+    return (
+        jnp.zeros(q.shape, dtype),
+        jnp.full(rows, -jnp.inf, jnp.float32),
+        jnp.zeros(rows, jnp.float32),
+    )
 
 
 def _block_case(d: int, q_len: int, kv_len: int, lo: int, hi: int):
@@ -102,13 +114,13 @@ def _block_case(d: int, q_len: int, kv_len: int, lo: int, hi: int):
 
 
 def _block_attention(q, k, v, q_seg, kv_seg, case, attend):
-    """(out f32, lse) of queries q on one key block under `_block_case`'s `case`."""
+    """(out, lse, log_sum) of queries q on one key block under `_block_case`'s `case`."""
     if case is None:
         return _empty(q)
     q_skip, kv_skip, window = case
     if q_skip >= q.shape[1] or kv_skip >= k.shape[1]:
         return _empty(q)
-    out, lse = attend(
+    out, lse, log_sum = attend(
         q[:, q_skip:],
         k[:, kv_skip:],
         v[:, kv_skip:],
@@ -118,7 +130,8 @@ def _block_attention(q, k, v, q_seg, kv_seg, case, attend):
     )
     out = jnp.pad(out, ((0, 0), (q_skip, 0), (0, 0), (0, 0)))
     lse = jnp.pad(lse, ((0, 0), (0, 0), (q_skip, 0)), constant_values=-jnp.inf)
-    return out, lse
+    log_sum = jnp.pad(log_sum, ((0, 0), (0, 0), (q_skip, 0)))
+    return out, lse, log_sum
 
 
 def _step_cases(layout, shard, source, num_shards, q_len, kv_len, lo, hi):
@@ -135,8 +148,8 @@ def _step_cases(layout, shard, source, num_shards, q_len, kv_len, lo, hi):
 
 
 def _step(q, k, v, q_seg, kv_seg, cases, attend, layout, f32=True):
-    """(out, lse) of the local queries against one key block, chunk pairs merged; out in
-    float32 when `f32` (the ring merges it), else as the kernels return it."""
+    """(out, lse, log_sum) of the local queries against one key block, chunk pairs merged; out
+    in float32 when `f32` (the ring merges it), else as the kernels return it."""
     parts = 1 if layout == "contiguous" else 2
 
     def split(x):
@@ -151,13 +164,14 @@ def _step(q, k, v, q_seg, kv_seg, cases, attend, layout, f32=True):
         results[qi] = _merge(results[qi], part)
     results = [_empty(qs[i], q.dtype) if r is None else r for i, r in enumerate(results)]
     if f32:
-        results = [(o.astype(jnp.float32), lse) for o, lse in results]
+        results = [(o.astype(jnp.float32), *rows) for o, *rows in results]
     if parts == 1:
         return results[0]
-    dtype = jnp.result_type(*(o.dtype for o, _ in results))
+    dtype = jnp.result_type(*(o.dtype for o, *_ in results))
     return (
-        jnp.concatenate([o.astype(dtype) for o, _ in results], axis=1),
-        jnp.concatenate([lse for _, lse in results], axis=2),
+        jnp.concatenate([o.astype(dtype) for o, *_ in results], axis=1),
+        jnp.concatenate([lse for _, lse, _ in results], axis=2),
+        jnp.concatenate([log_sum for *_, log_sum in results], axis=2),
     )
 
 
@@ -167,16 +181,19 @@ def _pad_front(x, rows: int):
     return jnp.pad(x, ((0, 0), (rows, 0), (0, 0), (0, 0))) if rows else x
 
 
-def _step_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, cases, attend_backward, layout):
+def _step_backward(
+    q, k, v, q_seg, kv_seg, out, lse, log_sum, d_out, d_lse, cases, attend_backward, layout
+):
     """(dq, dk, dv) in float32: the share of the local queries' gradients that one key block
-    holds, from the kernels' backward at the ring's merged (out, lse), chunk pairs summed."""
+    holds, from the kernels' backward at the ring's merged (out, lse, log_sum), chunk pairs
+    summed."""
     parts = 1 if layout == "contiguous" else 2
 
     def split(x, axis=1):
         return [x] * parts if x is None else jnp.split(x, parts, axis=axis) if parts > 1 else [x]
 
     qs, q_segs, outs, d_outs = map(split, (q, q_seg, out, d_out))
-    lses, d_lses = split(lse, 2), split(d_lse, 2)
+    lses, log_sums, d_lses = split(lse, 2), split(log_sum, 2), split(d_lse, 2)
     ks, vs, kv_segs = map(split, (k, v, kv_seg))
     dqs = [jnp.zeros(x.shape, jnp.float32) for x in qs]
     dks = [jnp.zeros(x.shape, jnp.float32) for x in ks]
@@ -196,6 +213,7 @@ def _step_backward(q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse, cases, attend
             window,
             outs[qi][:, q_skip:],
             lses[qi][:, :, q_skip:],
+            log_sums[qi][:, :, q_skip:],
             d_outs[qi][:, q_skip:],
             d_lses[qi][:, :, q_skip:],
         )
@@ -240,8 +258,10 @@ def ring_attention(
     """Context-parallel attention inside `jax.shard_map`: q, k and v are sharded over their
     sequence axis along the mesh axis `axis_name`, and the key/value blocks travel around the
     ring of its P devices (`jax.lax.ppermute`) while each device attends its queries to the
-    block it holds. The partial results merge through their lse; gradients flow back through
-    the same ring (the transposed permutes).
+    block it holds. The partial results merge through their lse and softmax denominators;
+    gradients flow back through the same ring (the transposed permutes), each block's backward
+    bounded by its rows' merged denominators, so that keys tying at a row's max get exact
+    gradients at any logit magnitude.
 
     Shapes are per device (B batch, T = T_global / P local queries, S = S_global / P local
     keys)::
@@ -339,11 +359,15 @@ def ring_attention(
         )
 
     def attend(q, k, v, qs, ks, window_):
-        return flash_attention(q, k, v, return_residuals=True, **block_options(qs, ks, window_))
+        return flash_attention(
+            q, k, v, return_residuals=True, return_log_sum=True, **block_options(qs, ks, window_)
+        )
 
-    def attend_backward(q, k, v, qs, ks, window_, out, lse, d_out, d_lse):
+    def attend_backward(q, k, v, qs, ks, window_, out, lse, log_sum, d_out, d_lse):
+        # log_sum, the merged softmax's, bounds the block's recomputed P at the whole row's
+        # 1 / denominator: keys that tie at the row's max across blocks get their exact share.
         return flash_attention_backward(
-            q, k, v, out, lse, d_out, d_lse, **block_options(qs, ks, window_)
+            q, k, v, out, lse, d_out, d_lse, log_sum=log_sum, **block_options(qs, ks, window_)
         )
 
     ring = _Ring(
@@ -363,7 +387,7 @@ def ring_attention(
     if num_shards == 1:
         # One device holds the whole sequence: the plain call, differentiated by its own
         # backward (the ring's would run the forward again).
-        out, lse = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(query)
+        out, lse, _ = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(query)
         out = out.astype(query.dtype)
     else:
         out, lse = _ring_attention(ring, query, key, value, q_seg, kv_seg)
@@ -392,7 +416,7 @@ class _Ring:
         return any(c[2] is not None for cases in self.steps[r] for c in cases)
 
     def step(self, r: int, q, q_seg, k, v, kv_seg):
-        """(out, lse) of this shard's queries against the block it holds at step r, or None
+        """(out, lse, log_sum) of this shard's queries against the block it holds at step r, or None
         when no shard computes at this step."""
         if not self.busy(r):
             return None
@@ -411,16 +435,16 @@ class _Ring:
         which = jnp.asarray([distinct.index(cases) for cases in step], jnp.int32)[shard]
         return jax.lax.switch(which, branches, q, q_seg, k, v, kv_seg)
 
-    def step_backward(self, r: int, q, q_seg, k, v, kv_seg, out, lse, d_out, d_lse):
+    def step_backward(self, r: int, q, q_seg, k, v, kv_seg, out, lse, log_sum, d_out, d_lse):
         """(dq, dk, dv) float32 of this shard's queries against the block it holds at step
-        r, at the ring's merged (out, lse) and their cotangents."""
+        r, at the ring's merged (out, lse, log_sum) and the cotangents of out and lse."""
         step = self.steps[r]
         distinct = sorted(set(step), key=step.index)
 
         def branch(cases, *args):
             return _step_backward(*args, cases, self.attend_backward, self.layout)
 
-        args = (q, k, v, q_seg, kv_seg, out, lse, d_out, d_lse)
+        args = (q, k, v, q_seg, kv_seg, out, lse, log_sum, d_out, d_lse)
         branches = [functools.partial(branch, cases) for cases in distinct]
         if len(branches) == 1:
             return branches[0](*args)
@@ -437,7 +461,8 @@ class _Ring:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_attention(ring: _Ring, q, k, v, q_seg, kv_seg):
-    return _ring_forward(ring, q, k, v, q_seg, kv_seg)
+    out, lse, _ = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+    return out, lse
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
@@ -450,22 +475,23 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
         if part is not None:
             acc = _merge(acc, part)
         block = following
-    out, lse = acc if acc is not None else _empty(q)
-    return out.astype(q.dtype), lse
+    out, lse, log_sum = acc if acc is not None else _empty(q)
+    return out.astype(q.dtype), lse, log_sum
 
 
 def _ring_fwd_rule(ring, q, k, v, q_seg, kv_seg):
-    out, lse = _ring_forward(ring, q, k, v, q_seg, kv_seg)
-    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+    out, lse, log_sum = _ring_forward(ring, q, k, v, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse, log_sum)
 
 
 def _ring_bwd_rule(ring, residuals, cotangents):
     """The ring backward: K/V blocks travel the ring again with their dK/dV accumulators; at
     each step the kernels' backward runs on the block at the merged (out, lse), whose
-    P = exp(logits - lse) is the block's share of the whole softmax: the forward is not run
-    again, and no device holds more than one remote block at a time. After the last step each
-    accumulator goes back to its owner in one permute."""
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+    P = exp(logits - lse) is the block's share of the whole softmax, clamped at the merged
+    log_sum's 1 / denominator: the forward is not run again, and no device holds more than one
+    remote block at a time. After the last step each accumulator goes back to its owner in one
+    permute."""
+    q, k, v, q_seg, kv_seg, out, lse, log_sum = residuals
     d_out, d_lse = cotangents
     d_out = d_out.astype(out.dtype)
     dq = jnp.zeros(q.shape, jnp.float32)
@@ -478,7 +504,7 @@ def _ring_bwd_rule(ring, residuals, cotangents):
         if ring.busy(r):
             k_r, v_r, kv_seg_r = block
             dq_r, dk_r, dv_r = ring.step_backward(
-                r, q, q_seg, k_r, v_r, kv_seg_r, out, lse, d_out, d_lse
+                r, q, q_seg, k_r, v_r, kv_seg_r, out, lse, log_sum, d_out, d_lse
             )
             dq, dk, dv = dq + dq_r, dk + dk_r, dv + dv_r
         if r < ring.last:

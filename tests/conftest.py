@@ -88,6 +88,7 @@ def no_compute(monkeypatch):
         raise AssertionError("a backend was called: validation did not stop the call")
 
     monkeypatch.setattr(api, "flash_attention_kernels", must_not_run)
+    monkeypatch.setattr(api, "flash_attention_kernels_with_log_sum", must_not_run)
     monkeypatch.setattr(api, "reference_attention_vjp", must_not_run)
 
 

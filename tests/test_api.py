@@ -628,20 +628,25 @@ def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
         pytest.skip("the xla path's residual backward is the reference's vjp: PALLAS_FLASH_SWEEP")
     if "logits_soft_cap" in options and not SWEEP:
         pytest.skip("soft cap and segments: covered by window-lengths in CI; PALLAS_FLASH_SWEEP")
-    """flash_attention_backward at the call's own (out, lse) gives its pullback's gradients."""
+    """flash_attention_backward at the call's own (out, lse, log_sum) gives its pullback's
+    gradients (the next test calls it without log_sum)."""
     q, k, v, d_out, d_lse = _backward_problem()
     if "q_segment_ids" in options:
         options = dict(options, kv_segment_ids=np.array([[0] * 9 + [1] * 12] * B))
     kw = dict(backend="triton", interpret=True) if backend == "interpret" else dict(backend="xla")
-    (out, lse), pullback = jax.vjp(
-        lambda q, k, v: api.flash_attention(q, k, v, return_residuals=True, **options, **kw),
+    (out, lse, log_sum), pullback = jax.vjp(
+        lambda q, k, v: api.flash_attention(
+            q, k, v, return_residuals=True, return_log_sum=True, **options, **kw
+        ),
         q,
         k,
         v,
     )
     d_lse = jnp.where(jnp.isfinite(lse), d_lse, 0.0)
-    want = pullback((d_out, d_lse))
-    got = api.flash_attention_backward(q, k, v, out, lse, d_out, d_lse, **options, **kw)
+    want = pullback((d_out, d_lse, jnp.ones_like(log_sum)))  # log_sum carries no gradient
+    got = api.flash_attention_backward(
+        q, k, v, out, lse, d_out, d_lse, log_sum=log_sum, **options, **kw
+    )
     for x, y in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
 
@@ -672,6 +677,78 @@ def test_backward_at_residuals_checks_their_shapes(no_compute):
         api.flash_attention_backward(q, k, v, d_out, lse.transpose(0, 2, 1), d_out, backend="xla")
     with pytest.raises(ValueError, match="d_out.shape"):
         api.flash_attention_backward(q, k, v, d_out, lse, d_out[:, 1:], backend="xla")
+
+
+def test_backward_at_residuals_checks_log_sum(no_compute):
+    q, k, v, d_out, _ = _backward_problem()
+    lse = jnp.zeros((B, N, 13), jnp.float32)
+    call = functools.partial(api.flash_attention_backward, q, k, v, d_out, lse, d_out)
+    with pytest.raises(ValueError, match=r"log_sum.shape=\(2, 13, 4\) must be \(2, 4, 13\)"):
+        call(log_sum=lse.transpose(0, 2, 1), backend="xla")
+    with pytest.raises(TypeError, match="log_sum.dtype=bfloat16 must be float32"):
+        call(log_sum=lse.astype(jnp.bfloat16), backend="triton", interpret=True)
+    with pytest.raises(TypeError, match="log_sum must be a float32 array of shape"):
+        call(log_sum=0.0, backend="xla")
+    with pytest.raises(ValueError, match=r"log_sum.shape=\(2, 4, 13\) must be \(4, 13\)"):
+        api.flash_attention_backward(
+            q[0], k[0], v[0], d_out[0], lse[0], d_out[0], log_sum=lse, backend="xla"
+        )
+    with pytest.raises(ValueError, match="return_log_sum=True .* needs return_residuals=True"):
+        pallas_flash.flash_attention(q, k, v, return_log_sum=True)
+    with pytest.raises(TypeError, match="return_log_sum='yes' must be a bool"):
+        pallas_flash.flash_attention(q, k, v, return_residuals=True, return_log_sum="yes")
+
+
+def _log_sum_f64(q, k, scale, visible, sinks):
+    """float64 log of each row's softmax denominator relative to the larger of its max logit
+    and its sink [B, N, T]; 0 where the row sees no key."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    k = np.repeat(k, q.shape[2] // k.shape[2], axis=2)
+    logits = np.where(visible, np.einsum("btnh,bsnh->bnts", q, k) * scale, -np.inf)
+    top = np.maximum(logits.max(-1), sinks[None, :, None])
+    total = np.exp(logits - top[..., None]).sum(-1) + np.exp(sinks[None, :, None] - top)
+    return np.where(visible.any(-1), np.log(total), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_return_log_sum_is_the_log_denominator_relative_to_the_max(backend):
+    """(out, lse, log_sum) with sinks, lengths (rows that see no key: log_sum 0) and, on the
+    kernels, a split KV loop (keys 0-15 and 16-20: its chunks' log_sum merged): log_sum as
+    float64's, out and lse as without return_log_sum; unbatched too."""
+    q, k, v, _, _ = _backward_problem()
+    sinks = np.asarray([-1.0, 0.5, 2.0, 40.0], np.float32)  # the last above every logit
+    q_lengths, kv_lengths = np.asarray([13, 7]), np.asarray([21, 18])
+    kw = dict(backend="xla")
+    if backend == "interpret":
+        tiles = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=2)
+        kw = dict(backend="triton", interpret=True, block_sizes=tiles)
+    options = dict(
+        query_seq_lengths=q_lengths,
+        key_value_seq_lengths=kv_lengths,
+        sinks=jnp.asarray(sinks),
+        **kw,
+    )
+    attention = functools.partial(api.flash_attention, return_residuals=True, **options)
+
+    def with_and_without_log_sum(q, k, v):
+        return attention(q, k, v, return_log_sum=True), attention(q, k, v)
+
+    (out, lse, log_sum), plain = jax.jit(with_and_without_log_sum)(q, k, v)
+    rows, keys = np.arange(13)[None, :, None], np.arange(21)[None, None, :]
+    visible = (rows < q_lengths[:, None, None]) & (keys < kv_lengths[:, None, None])
+    visible = visible[:, None]  # [B, 1, T, S]
+    want = _log_sum_f64(q, k, 1 / math.sqrt(H), visible, sinks)
+    np.testing.assert_allclose(np.asarray(log_sum), want, atol=2e-6, rtol=2e-6)
+    assert log_sum.dtype == jnp.float32
+    assert_bitwise_equal((out, lse), plain)
+    if backend == "xla":
+        attention = functools.partial(
+            api.flash_attention, return_residuals=True, return_log_sum=True, sinks=sinks
+        )
+        unbatched, batched = jax.jit(
+            lambda q, k, v: (attention(q[0], k[0], v[0]), attention(q, k, v))
+        )(q, k, v)
+        assert_bitwise_equal(unbatched, tuple(x[0] for x in batched))
 
 
 @pytest.mark.gpu

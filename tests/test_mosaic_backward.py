@@ -1173,6 +1173,9 @@ MASK_CI_CASES = [
         tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2),
         poison=True,
     ),
+    # A ragged last query tile, causal, T < S: keys T..63 are hidden from every row but lie
+    # inside the geometry of the tile's rows past T, whose dS^T would carry V's NaN into dK.
+    MaskCase(Problem(1, 61, 99, 2, 1, 64, True, "bf16"), poison=True),
 ]
 
 # A ragged last KV tile; NaN at hidden keys with causal and a window; windows left-only /

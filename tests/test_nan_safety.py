@@ -288,6 +288,41 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
 
 
 @pytest.mark.parametrize("path", backend_paths())
+def test_keys_past_a_ragged_causal_query_tile_get_zero_gradients(path):
+    """Causal, T = 61 < S = 99: keys 61-98 are hidden from every row, but keys up to the last
+    query tile's end lie inside the causal geometry of that tile's rows past T (whose q reads
+    as 0, so an inf in K gives them a NaN logit). NaN and inf in K and V there: out, lse and the
+    gradients match the float64 oracle, and those keys' dK and dV are 0 (the Mosaic backward's
+    case: test_mosaic_backward.py, MASK_CI_CASES)."""
+    rng = np.random.default_rng(5)
+    batch, q_len, kv_len, heads, head_dim = 1, 61, 99, 2, 16
+    visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]
+    hidden = np.broadcast_to(np.arange(kv_len) >= q_len, (batch, kv_len))
+    q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
+    k, v = (normal(rng, (batch, kv_len, heads, head_dim)) for _ in range(2))
+    d_lse = normal(rng, (batch, heads, q_len))
+    k_bad = poison(k, hidden, [np.inf, np.nan, -np.inf])
+    v_bad = poison(v, hidden, [np.nan, -np.inf, np.inf])
+    with path.scope():
+        (results,) = run(
+            q, k_bad, v_bad, [(d_out, d_lse)], is_causal=True, **path_kwargs(path, "all16")
+        )
+    oracle = attention_oracle_f64(
+        to64(q),
+        to64(k),
+        to64(v),
+        to64(d_out),
+        to64(d_lse),
+        scale=head_dim**-0.5,
+        visible=np.broadcast_to(visible, (batch, 1, q_len, kv_len)),
+    )
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
+        if name in ("dk", "dv"):
+            assert np.all(got[hidden] == 0.0), f"{name} is not 0 at hidden keys"
+        assert_close(name, got, oracle[name], atol=1e-4)
+
+
+@pytest.mark.parametrize("path", backend_paths())
 def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path):
     """Causal with a window of 9 keys to the left: NaN and inf at key 24 of 50 (K and V) is
     seen by rows 24-33; the rows before and after match the float64 oracle in out, lse, dq."""
@@ -484,6 +519,37 @@ def test_tied_huge_logits_triton_backward_after_mosaic_forward(interpreted):
         out, lse = to64(out), to64(lse)
     got = [out, lse, *(to64(x) for x in vjp((d_out, d_lse)))]
     check_tied_huge_logits(got, args, scale, visible, dtype)
+
+
+# The Triton forward in two KV chunks (keys 0-63 and 64-95): two copies of each tied key in
+# one, the third in the other, so that the chunks' merge must weigh them by their denominators.
+SPLIT_KV = pallas_flash.BlockSizes(block_q=64, block_kv=32, kv_splits=2)
+
+
+@pytest.mark.parametrize("path", backend_paths(mosaic=True))
+def test_tied_huge_logits_at_the_residuals(path):
+    """flash_attention_backward at the residuals of flash_attention(return_log_sum=True) --
+    out, lse and log_sum -- gives float64's gradients to keys that tie at ~1e7 and ~1e9, on
+    every path (the Triton forward split over KV); log_sum itself is float64's log(3)."""
+    dtype = jnp.bfloat16
+    args, scale, visible = tied_huge_logits(dtype, False)
+    kwargs = dict(scale=scale, **path.call_kwargs(SPLIT_KV))
+
+    def run(q, k, v, d_out, d_lse):
+        out, lse, log_sum = pallas_flash.flash_attention(
+            q, k, v, return_residuals=True, return_log_sum=True, **kwargs
+        )
+        grads = pallas_flash.flash_attention_backward(
+            q, k, v, out, lse, d_out, d_lse, log_sum=log_sum, **kwargs
+        )
+        return out, lse, log_sum, *grads
+
+    with path.scope():
+        out, lse, log_sum, *grads = (to64(x) for x in jax.jit(run)(*args))
+    check_tied_huge_logits([out, lse, *grads], args, scale, visible, dtype)
+    # Every row's largest logit is one of the 32 distinct keys, three times over: exp(log_sum)
+    # is 3 plus the other keys' shares, which vanish at these magnitudes.
+    assert_close("log_sum", log_sum, np.log(3.0), atol=1e-5)
 
 
 # Whole Mosaic tiles in 16 bits: every path takes these calls, the Mosaic kernels included (their

@@ -125,7 +125,12 @@ def _dkv_kernel(
                 )[None, :]
             if ops.mask is not None:
                 mask = pair_tile(ops.mask, q_start, head)
-            p_t = jnp.where(masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask), p_t, 0.0)
+            visible = masks.visible(spec, q_idx, kv_idx, q_seg, kv_seg, mask)
+            if ragged_q:
+                # Rows past T read q = 0: with inf in K at a key only they see (causal, T < S)
+                # their logit is NaN, which P^T would carry into that key's dK and dV.
+                visible = visible & (q_idx < spec.q_len)
+            p_t = jnp.where(visible, p_t, 0.0)
             # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dS.
             v_tile = finite_or_zero(v)
         dp_t = dot(v_tile, do, trans_b=True)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
+from pallas_flash._numerics import log_sum_with_sinks, merged_log_sum, part_shares
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -327,7 +328,7 @@ def flash_forward(
     if splits > 1:
         out, lse, log_sum = _combine_splits(out, lse, log_sum, splits, q.dtype)
         if sinks is not None:
-            log_sum = _log_sum_with_sinks(lse, log_sum, sinks)
+            log_sum = log_sum_with_sinks(lse, log_sum, sinks)
             out, lse = with_sinks(out, lse, sinks)
     return (out, lse, log_sum) if with_log_sum else (out, lse)
 
@@ -359,32 +360,14 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
 
 
 def _combine_splits(out, lse, log_sum, splits: int, dtype):
-    """The result over all KV chunks from per-chunk results: weights exp(lse_s - lse).
-
-    log_sum: the chunks' own (relative to each chunk's largest logit, lse_s - log_sum_s, which
-    is exact: lse_s rounds log_sum_s away only where the max's ulp exceeds it), combined
-    relative to the largest of them."""
-    weights, l_sum, combined_lse = split_weights(lse, splits)  # [B, splits, N, T]
+    """The result over all KV chunks from per-chunk results: lse from the chunks' lse; out
+    weighted by, and log_sum from, the chunks' denominators (`_numerics.part_shares`)."""
+    _, _, combined_lse = split_weights(lse, splits)
     out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
     lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
-    seen = jnp.isfinite(lse)
-    row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
-    top = jnp.max(row_max, axis=1, keepdims=True)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    shares = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
-    combined_log_sum = jnp.log(jnp.maximum(jnp.sum(shares, axis=1), 1.0))
-    weights = weights / l_sum[:, None]
+    shares = part_shares(lse, log_sum, axis=1)  # [B, splits, N, T]
+    total = jnp.sum(shares, axis=1, keepdims=True)
+    weights = shares / jnp.where(total > 0.0, total, 1.0)
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
-    return jnp.sum(weights * out, axis=1).astype(dtype), combined_lse, combined_log_sum
-
-
-def _log_sum_with_sinks(lse, log_sum, sinks):
-    """log_sum of rows with lse (keys only) after adding the sink logits [B, N]: relative to the
-    larger of the keys' max (lse - log_sum) and the sink. Rows that see no key: 0."""
-    sinks = jnp.asarray(sinks, jnp.float32)[..., None]
-    seen = jnp.isfinite(lse)
-    row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
-    top = jnp.maximum(row_max, sinks)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    keys = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
-    return jnp.log(jnp.maximum(keys + jnp.exp(sinks - top), 1.0))  # exp(-inf - top) == 0
+    combined = jnp.sum(weights * out, axis=1).astype(dtype)
+    return combined, combined_lse, merged_log_sum(shares, axis=1)

@@ -25,9 +25,10 @@ class BlockSizes:
       block_q_dkv, block_kv_dkv, num_warps_dkv, num_stages_dkv: dK/dV kernel (grid over KV tiles).
       block_q_dq, block_kv_dq, num_warps_dq, num_stages_dq: dQ kernel (grid over query tiles).
       kv_splits: forward only: split each query tile's KV loop over this many programs and
-        combine their partial results by logsumexp (FA2's parallelism over the sequence, for
-        grids too small to fill the GPU: few heads, short query blocks). 0 (the default) picks
-        it from the grid size and the GPU's core count; 1 turns it off.
+        combine their partial results by their logsumexp and softmax denominators (FA2's
+        parallelism over the sequence, for grids too small to fill the GPU: few heads, short
+        query blocks). 0 (the default) picks it from the grid size and the GPU's core count;
+        1 turns it off.
     """
 
     block_q: int = 128

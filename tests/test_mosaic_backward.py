@@ -983,12 +983,13 @@ def test_default_call_on_hopper_takes_mosaic_at_narrow_head_dims(monkeypatch, p,
     ],
     ids=str,
 )
-def test_default_call_at_any_lengths_matches_oracle_interpreted(monkeypatch, p):
-    """The public call on a Hopper (backend=None) at a length that is not a multiple of 8 and
-    H=80: the Mosaic forward and backward, whole custom_vjp, in the interpreter."""
+def test_mosaic_call_at_any_lengths_matches_oracle_interpreted(monkeypatch, p):
+    """The public call on a Hopper with backend="mosaic" (the default takes Triton below 1024
+    ragged tokens) at a length that is not a multiple of 8 and H=80: the Mosaic forward and
+    backward, whole custom_vjp, in the interpreter."""
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
     attention = functools.partial(
-        pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True
+        pallas_flash.flash_attention, is_causal=p.is_causal, return_residuals=True, backend="mosaic"
     )
     fn = functools.partial(outputs_and_grads, attention)
     targets = custom_call_targets(lower_for_h200(fn, *abstract_inputs(p)).as_text())

@@ -41,34 +41,28 @@ def probability_bound(log_sum, lse):
     return log_sum.astype(jnp.float32) * -LOG2E
 
 
-def part_shares(lse, log_sum, axis: int):
-    """Each part's softmax denominator relative to the largest of the parts' maxima, for a
-    softmax whose keys are split in parts along `axis` of lse and log_sum (float32, each part's
-    own, relative to its largest logit lse - log_sum: exact, as lse rounds log_sum away only
-    where the max's ulp exceeds it). The parts' weights in the merged output are their shares
-    of the sum; lse alone would weigh parts whose denominators its rounding lost (keys tying
-    at |logits| beyond ~1e6) equally. Parts that see no key (lse = -inf) get 0; the sum is >= 1
-    wherever any part sees a key."""
+def merge_weights(lse, log_sum, axis: int):
+    """(weights, log_sum) of a softmax whose keys are split in parts along `axis` of lse and
+    log_sum (float32, each part's own): each part's weight in the merged output (its share of
+    the summed denominators, relative to the largest of the parts' maxima lse - log_sum, which
+    is exact: lse rounds log_sum away only where the max's ulp exceeds it) and the merged
+    softmax's log_sum. lse alone would weigh parts whose denominators its rounding lost (keys
+    tying at |logits| beyond ~1e6) equally. Parts that see no key (lse = -inf) weigh 0; rows
+    that no part sees get weights 0 and log_sum 0."""
     seen = jnp.isfinite(lse)
     row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
     top = jnp.max(row_max, axis=axis, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
-    return jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
-
-
-def merged_log_sum(shares, axis: int):
-    """The merged softmax's log_sum from its parts' `part_shares`: 0 for rows no part sees."""
-    return jnp.log(jnp.maximum(jnp.sum(shares, axis=axis), 1.0))
+    shares = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
+    total = jnp.sum(shares, axis=axis, keepdims=True)  # >= 1 wherever a part sees a key
+    weights = shares / jnp.where(total > 0.0, total, 1.0)
+    return weights, jnp.log(jnp.maximum(jnp.squeeze(total, axis), 1.0))
 
 
 def log_sum_with_sinks(lse, log_sum, sinks):
     """log_sum of rows with lse (keys only) after adding the sink logits (broadcast against
-    lse[..., 0]: [N] or [B, N]): relative to the larger of the keys' max (lse - log_sum) and
-    the sink. Rows that see no key: 0."""
-    sinks = jnp.asarray(sinks, jnp.float32)[..., None]
-    seen = jnp.isfinite(lse)
-    row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
-    top = jnp.maximum(row_max, sinks)
-    top = jnp.where(jnp.isfinite(top), top, 0.0)
-    keys = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
-    return jnp.log(jnp.maximum(keys + jnp.exp(sinks - top), 1.0))  # exp(-inf - top) == 0
+    lse[..., 0]: [N] or [B, N]): the merge of the keys with the sink as a part of its own
+    (log_sum 0), relative to the larger of the keys' max and the sink. Rows that see no key: 0."""
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
+    parts = jnp.stack([lse, sinks]), jnp.stack([log_sum, jnp.zeros_like(log_sum)])
+    return merge_weights(*parts, axis=0)[1]

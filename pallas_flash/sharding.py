@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from pallas_flash import masks
-from pallas_flash._numerics import merged_log_sum, part_shares
+from pallas_flash._numerics import merge_weights
 from pallas_flash.api import _canonical_window, flash_attention, flash_attention_backward
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -61,7 +61,7 @@ def _chunk_starts(layout: str, shard: int, num_shards: int, length: int):
 def _merge(acc, part):
     """Merge two partial attentions (out f32 [B, T, N, H], lse [B, N, T], log_sum [B, N, T])
     as the split-KV forward merges its chunks: lse through their lse, out weighted by, and
-    log_sum from, their denominators (`_numerics.part_shares`)."""
+    log_sum from, their denominators (`_numerics.merge_weights`)."""
     if acc is None:
         return part
     (o1, l1, g1), (o2, l2, g2) = acc, part
@@ -71,16 +71,14 @@ def _merge(acc, part):
     total = w1 + w2
     empty = total == 0.0
     lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(jnp.where(empty, 1.0, total)))
-    shares = part_shares(jnp.stack([l1, l2]), jnp.stack([g1, g2]), axis=0)
-    share_sum = jnp.sum(shares, axis=0)
-    scale1, scale2 = shares / jnp.where(share_sum > 0.0, share_sum, 1.0)
+    (scale1, scale2), log_sum = merge_weights(jnp.stack([l1, l2]), jnp.stack([g1, g2]), axis=0)
 
     def by_row(w):  # [B, N, T] -> [B, T, N, 1]
         return jnp.swapaxes(w, 1, 2)[..., None]
 
     f32 = jnp.float32
     out = o1.astype(f32) * by_row(scale1) + o2.astype(f32) * by_row(scale2)
-    return out, lse, merged_log_sum(shares, axis=0)
+    return out, lse, log_sum
 
 
 def _empty(q, dtype=jnp.float32):

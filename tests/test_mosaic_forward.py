@@ -1460,6 +1460,12 @@ PUBLIC_GPU_PROBLEMS = [
 def test_default_call_on_hopper_matches_oracle(p):
     """out, lse and dq, dk, dv of backend=None against the float64 oracle, and the lowered call
     holds the Mosaic kernel (so this is the Mosaic forward feeding the Triton backward)."""
+    check_default_call_on_hopper(p)
+
+
+def check_default_call_on_hopper(p: Problem):
+    """The public call's out, lse and gradients (backend=None, compiled on this Hopper) against
+    the float64 oracle, the lowered call holding a Mosaic kernel."""
     needs_hopper()
     (q, k, v, d_out, d_lse), f64 = random_inputs(p)
     run = jax.jit(functools.partial(outputs_and_grads, public_fn(p)))

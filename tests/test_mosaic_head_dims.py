@@ -25,17 +25,16 @@ from conftest import (
     Problem,
     assert_within_tolerance,
     attention_oracle_f64,
-    oracle_outputs_and_grads,
     outputs_and_grads,
-    plain_fn,
     random_inputs,
     segment_arrays,
 )
-from test_lowering import lower_for_h200
+from test_lowering import abstract_inputs, lower_for_h200
 from test_mosaic_backward import check_against_oracle
 from test_mosaic_backward import mosaic_fn as mosaic_forward_and_backward_fn
 from test_mosaic_forward import (
     GARBAGE,
+    check_default_call_on_hopper,
     check_masked,
     check_segments,
     custom_call_targets,
@@ -448,9 +447,7 @@ def test_default_call_cases_take_the_mosaic_forward_on_h200(p, monkeypatch):
     """What test_default_call_matches_oracle asserts on the GPU, checked here by lowering for
     an abstract H200: its cases must be ones the dispatch gives the Mosaic forward."""
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
-    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, p.head_dim), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, p.head_dim), jnp.bfloat16)
-    text = lower_for_h200(public_fn(p), q, kv, kv).as_text()
+    text = lower_for_h200(public_fn(p), *abstract_inputs(p)[:3]).as_text()
     assert custom_call_targets(text) == ["mosaic_gpu_v2"]
 
 
@@ -459,13 +456,7 @@ def test_default_call_cases_take_the_mosaic_forward_on_h200(p, monkeypatch):
 def test_default_call_matches_oracle(p):
     """out, lse and dq, dk, dv of backend=None: the unpadded Mosaic forward's out and lse feed
     the backward (the Mosaic one, unpadded too, from 2k keys; else Triton)."""
-    needs_hopper()
-    (q, k, v, d_out, d_lse), f64 = random_inputs(p)
-    run = jax.jit(functools.partial(outputs_and_grads, public_fn(p)))
-    assert "mosaic_gpu_v2" in custom_call_targets(run.lower(q, k, v, d_out, d_lse).as_text())
-    results = run(q, k, v, d_out, d_lse)
-    baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
-    assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+    check_default_call_on_hopper(p)
 
 
 # -- the backward ---------------------------------------------------------------------------------

@@ -232,6 +232,20 @@ def poison(x, keys, values):
     return jnp.asarray(out, x.dtype)
 
 
+def assert_hidden_keys_reach_nothing(results, oracle, hidden):
+    """results (out, lse, dq, dk, dv) of poisoned inputs match the float64 oracle of the clean
+    ones (lse's -inf rows exactly), and the hidden keys ([B, S] bool) get dK and dV 0."""
+    for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
+        want = oracle[name]
+        if name == "lse":
+            finite = np.isfinite(want)
+            assert np.array_equal(got[~finite], want[~finite])
+            got, want = got[finite], want[finite]
+        if name in ("dk", "dv"):
+            assert np.all(got[hidden] == 0.0), f"{name} is not 0 at hidden keys"
+        assert_close(name, got, want, atol=1e-4)
+
+
 @pytest.mark.parametrize("path", REFUSE_MASK)
 def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
     """NaN and +-inf in K and V at keys no row sees (past key lengths 37 and 20, not on a tile
@@ -276,15 +290,7 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
     oracle = attention_oracle_f64(
         to64(q), to64(k), to64(v), to64(d_out), to64(d_lse), scale=head_dim**-0.5, visible=visible
     )
-    for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
-        want = oracle[name]
-        if name == "lse":
-            finite = np.isfinite(want)
-            assert np.array_equal(got[~finite], want[~finite])
-            got, want = got[finite], want[finite]
-        if name in ("dk", "dv"):
-            assert np.all(got[hidden] == 0.0), f"{name} is not 0 at hidden keys"
-        assert_close(name, got, want, atol=1e-4)
+    assert_hidden_keys_reach_nothing(results, oracle, hidden)
 
 
 @pytest.mark.parametrize("path", backend_paths())
@@ -316,10 +322,7 @@ def test_keys_past_a_ragged_causal_query_tile_get_zero_gradients(path):
         scale=head_dim**-0.5,
         visible=np.broadcast_to(visible, (batch, 1, q_len, kv_len)),
     )
-    for name, got in zip(("out", "lse", "dq", "dk", "dv"), results):
-        if name in ("dk", "dv"):
-            assert np.all(got[hidden] == 0.0), f"{name} is not 0 at hidden keys"
-        assert_close(name, got, oracle[name], atol=1e-4)
+    assert_hidden_keys_reach_nothing(results, oracle, hidden)
 
 
 @pytest.mark.parametrize("path", backend_paths())

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import log_sum_with_sinks, merged_log_sum, part_shares
+from pallas_flash._numerics import log_sum_with_sinks, merge_weights
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -361,13 +361,11 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
 
 def _combine_splits(out, lse, log_sum, splits: int, dtype):
     """The result over all KV chunks from per-chunk results: lse from the chunks' lse; out
-    weighted by, and log_sum from, the chunks' denominators (`_numerics.part_shares`)."""
+    weighted by, and log_sum from, the chunks' denominators (`_numerics.merge_weights`)."""
     _, _, combined_lse = split_weights(lse, splits)
     out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
     lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
-    shares = part_shares(lse, log_sum, axis=1)  # [B, splits, N, T]
-    total = jnp.sum(shares, axis=1, keepdims=True)
-    weights = shares / jnp.where(total > 0.0, total, 1.0)
+    weights, combined_log_sum = merge_weights(lse, log_sum, axis=1)  # [B, splits, N, T]
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
     combined = jnp.sum(weights * out, axis=1).astype(dtype)
-    return combined, combined_lse, merged_log_sum(shares, axis=1)
+    return combined, combined_lse, combined_log_sum

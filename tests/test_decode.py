@@ -639,3 +639,67 @@ def test_schedules_match_oracle(fields):
     for c in (CASES[2], CASES[0]) if SWEEP else (CASES[2],):
         problem, oracle_inputs = make_problem(c)
         check_against_oracle(c, run(c, problem, path, block_sizes=bs), oracle_inputs)
+
+
+def tied_huge_logits_problem(seed=5):
+    """A one-token decode (B=2, N=4 over K=2, H=64, float32) whose logits are ~1e7 in KV head 0
+    and ~1e9 in KV head 1, against 96 cached keys that hold 32 keys three times each (at j,
+    j + 32 and j + 64) with their own values: a split at key 48 gives a row's tied keys to its
+    two parts 2:1 or 1:2, so the merge must weigh parts by their denominators (their lse
+    rounds them away at these magnitudes)."""
+    rng = np.random.default_rng(seed)
+    batch, num_heads, num_kv_heads, head_dim, distinct = 2, 4, 2, 64, 32
+    magnitude = np.asarray([700.0, 7000.0])[None, None, :, None]  # per KV head
+    q = rng.standard_normal((batch, 1, num_heads, head_dim))
+    q = q * np.repeat(magnitude, num_heads // num_kv_heads, axis=2)
+    k = rng.standard_normal((batch, distinct, num_kv_heads, head_dim)) * magnitude
+    k = np.concatenate([k] * 3, axis=1)
+    v = rng.standard_normal(k.shape)
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        (XLA, None),
+        (BACKEND_PATHS["triton-interpret"], dict(merge="xla")),
+        (BACKEND_PATHS["triton-interpret"], dict(merge="kernel")),
+        pytest.param(GPU, dict(merge="xla"), marks=pytest.mark.gpu),
+        pytest.param(GPU, dict(merge="kernel"), marks=pytest.mark.gpu),
+    ],
+    ids=[
+        "xla",
+        "interpret-xla-merge",
+        "interpret-kernel-merge",
+        "gpu-xla-merge",
+        "gpu-kernel-merge",
+    ],
+)
+def test_split_merge_of_tied_huge_logits(path, fields):
+    """Keys tying at their rows' max at |logits| ~1e7 and ~1e9, split 2:1 between two KV
+    chunks: out is float64's (each tied key's value weighs 1/3), with either merge."""
+    q, k, v = tied_huge_logits_problem()
+    lengths = np.asarray([96, 96])
+    extra = (
+        {}
+        if fields is None
+        else dict(
+            block_sizes=DecodeBlockSizes(
+                block_m=16, block_kv=16, num_stages=1, kv_splits=2, **fields
+            )
+        )
+    )
+    with path.scope():
+        out, lse = pallas_flash.decode_attention(
+            *(jnp.asarray(x, jnp.float32) for x in (q, k, v)),
+            key_value_seq_lengths=jnp.asarray(lengths, jnp.int32),
+            scale=1.0,
+            return_residuals=True,
+            **path.kwargs,
+            **extra,
+        )
+    with np.errstate(over="ignore"):
+        want_out, want_lse = oracle(q, k, v, lengths, scale=1.0, soft_cap=None, window=None)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, atol=0, rtol=1e-6)

@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
+from pallas_flash._numerics import merge_weights
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
     MIN_LOGIT,
@@ -60,13 +61,16 @@ def _decode_kernel(
     block_kv: int,
     schedule: Schedule,
     page_size: int | None,
+    with_log_sum: bool,
 ):
     """One row tile of one (KV head, work item): stream the item's key tiles of its sequence
     with an online softmax.
 
     lengths_ref: [B] keys of each sequence (the new tokens included); q_ref: [B, block_m, Hp]
     packed rows r = t * group + g (new token t, query head g of the group); o_ref: [block_m,
-    Hp] and lse_ref: [block_m], the item's (partial, when split) result. Contiguous cache:
+    Hp] and lse_ref: [block_m], the item's (partial, when split) result, and with
+    `with_log_sum` a log_sum_ref [block_m] (`softmax_store`: what the merge weighs the items
+    by, exact where lse rounds a row's denominator away). Contiguous cache:
     k_ref, v_ref [B, S, Hp]. Paged (page_size given): k_ref, v_ref [num_pages * page_size, Hp],
     the pages of this KV head end to end, and a table_ref [B * max_pages] (the block table,
     flat) before the outputs: key j of sequence b is row table[b * max_pages + j // page_size]
@@ -75,7 +79,8 @@ def _decode_kernel(
     sequence as many items as its length needs).
     """
     table_ref = refs[0] if page_size is not None else None
-    o_ref, lse_ref = refs[-2:]
+    log_sum_ref = refs[-1] if with_log_sum else None
+    o_ref, lse_ref = refs[-3:-1] if with_log_sum else refs[-2:]
     num_rows = q_len * group
     m_start = pl.program_id(0) * block_m
     batch, length, (item_lo, item_hi) = schedule.item(lengths_ref, pl.program_id(2))
@@ -131,7 +136,7 @@ def _decode_kernel(
         _sequence_tiles(length, q_len, window_left, block_kv), (item_lo, item_lo, item_hi, item_hi)
     )
     carry = visit_tiles(tiles, body, carry)
-    softmax_store(carry, unit, o_ref, lse_ref, block_m, m_rows, head_dim)
+    softmax_store(carry, unit, o_ref, lse_ref, block_m, m_rows, head_dim, log_sum_ref=log_sum_ref)
 
 
 def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int):
@@ -278,6 +283,7 @@ def _merge_kernel(
     lengths_ref,
     o_parts_ref,
     lse_parts_ref,
+    log_sum_parts_ref,
     o_ref,
     lse_ref,
     *,
@@ -286,11 +292,14 @@ def _merge_kernel(
     head_dim: int,
     block_r: int,
 ):
-    """A tile of `block_r` packed rows of one (sequence, KV head): the logsumexp-weighted sum
-    of the rows' partial results over the sequence's items (Flash-Decoding's reduction), one
-    item per step. o_parts_ref: [items, block_r, Hp] f32, lse_parts_ref: [items, block_r];
-    o_ref: [block_r, Hp], lse_ref: [block_r]. A row no item saw a key of outputs 0 with
-    lse = -inf."""
+    """A tile of `block_r` packed rows of one (sequence, KV head): the sum of the rows' partial
+    results over the sequence's items weighted by their softmax denominators (Flash-Decoding's
+    reduction, as `_numerics.merge_weights`), one item per step. o_parts_ref: [items, block_r,
+    Hp] f32, lse_parts_ref and log_sum_parts_ref: [items, block_r]; o_ref: [block_r, Hp],
+    lse_ref: [block_r]. An online softmax over the items: an item's row max is lse - log_sum
+    and its denominator relative to that max exp(log_sum), both exact where lse alone has
+    rounded the denominator away (keys that tie across items at |logits| beyond ~1e6). A row
+    no item saw a key of outputs 0 with lse = -inf."""
     r_rows = num_rows - pl.program_id(0) * block_r  # rows of this tile that exist
     ragged = num_rows % block_r != 0
     first, count = schedule.items_of(lengths_ref, pl.program_id(2))
@@ -298,12 +307,14 @@ def _merge_kernel(
     def body(j, carry):
         acc, m_i, l_i = carry
         item = (first + j,)
-        lse = load_vector(
-            lse_parts_ref, 0, block_r, r_rows, ragged=ragged, other=-jnp.inf, lead=item
-        )
+        load = functools.partial(load_vector, start=0, block=block_r, length=r_rows, ragged=ragged)
+        lse = load(lse_parts_ref, other=-jnp.inf, lead=item)
+        log_sum = load(log_sum_parts_ref, other=0.0, lead=item)
         part = load_rows(o_parts_ref, 0, block_r, r_rows, head_dim, ragged=ragged, lead=item)
-        m_new = jnp.maximum(m_i, lse)
-        weight = jnp.exp(lse - m_new)  # 0 where the item saw no key of the row
+        seen = lse > -jnp.inf  # the item saw a key of the row
+        row_max = jnp.where(seen, lse - log_sum, MIN_LOGIT)
+        m_new = jnp.maximum(m_i, row_max)
+        weight = jnp.where(seen, jnp.exp((row_max - m_new) + log_sum), 0.0)
         alpha = jnp.exp(m_i - m_new)
         acc = acc * alpha[:, None] + weight[:, None] * part
         return acc, m_new, l_i * alpha + weight
@@ -516,6 +527,7 @@ def decode_forward(
         block_kv=block_kv,
         schedule=schedule,
         page_size=page_size,
+        with_log_sum=splits > 1,
     )
     # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
     lengths_spec = pl.BlockSpec((batch,), lambda m, h, z: (0,))
@@ -531,20 +543,24 @@ def decode_forward(
         kv_spec = pl.BlockSpec((batch, capacity, None, hp), lambda m, h, z: (0, 0, h, 0))
         in_specs = [lengths_spec, q_spec, kv_spec, kv_spec]
     items = schedule.items
-    out, lse = pl.pallas_call(
+    row_spec = pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m))
+    row_shape = jax.ShapeDtypeStruct((items, num_kv_heads, num_rows), jnp.float32)
+    # Split items also store log_sum, which their merge weighs them by (lse and log_sum).
+    rows_out = 2 if splits > 1 else 1
+    out, *rows = pl.pallas_call(
         kernel,
         grid=(num_m_tiles, num_kv_heads, items),
         in_specs=in_specs,
         out_specs=[
             pl.BlockSpec((None, None, block_m, hp), lambda m, h, z: (z, h, m, 0)),
-            pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m)),
+            *[row_spec] * rows_out,
         ],
         out_shape=[
             jax.ShapeDtypeStruct(
                 (items, num_kv_heads, num_rows, head_dim),
                 q.dtype if splits == 1 else jnp.float32,
             ),
-            jax.ShapeDtypeStruct((items, num_kv_heads, num_rows), jnp.float32),
+            *[row_shape] * rows_out,
         ],
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
@@ -553,18 +569,20 @@ def decode_forward(
         name="pallas_flash_decode",
     )(*operands)
     if splits > 1 and decode_merge(block_sizes) == "xla":
-        out, lse = _combine_splits(out, lse, splits)
+        out, lse = _combine_splits(out, *rows, splits)
     elif splits > 1:
-        out, lse = _merge(lengths, out, lse, schedule, q.dtype, interpret)
+        out, lse = _merge(lengths, out, *rows, schedule, q.dtype, interpret)
+    else:
+        (lse,) = rows
     out = out.astype(q.dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
     lse = lse.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)
     return out, lse.reshape(batch, num_heads, q_len)
 
 
-def _merge(lengths, out, lse, schedule: Schedule, dtype, interpret: bool):
-    """The merge kernel over per-item results ([items, K, M, H] f32 and [items, K, M]):
-    ([B, K, M, H] in dtype, [B, K, M])."""
+def _merge(lengths, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
+    """The merge kernel over per-item results (out [items, K, M, H] f32, lse and log_sum
+    [items, K, M]): ([B, K, M, H] in dtype, [B, K, M])."""
     items, num_kv_heads, num_rows, head_dim = out.shape
     batch = schedule.batch
     hp = padded_head_dim(head_dim)
@@ -579,6 +597,7 @@ def _merge(lengths, out, lse, schedule: Schedule, dtype, interpret: bool):
             pl.BlockSpec((batch,), lambda r, h, b: (0,)),
             pl.BlockSpec((items, None, block_r, hp), lambda r, h, b: (0, h, r, 0)),
             pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
+            pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, block_r, hp), lambda r, h, b: (b, h, r, 0)),
@@ -592,13 +611,15 @@ def _merge(lengths, out, lse, schedule: Schedule, dtype, interpret: bool):
         compiler_params=CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="pallas_flash_decode_merge",
-    )(lengths, out, lse)
+    )(lengths, out, lse, log_sum)
 
 
-def _combine_splits(out, lse, splits: int):
-    """The result over all splits from per-split results ([B * splits, K, M, H] and
-    [B * splits, K, M]): weights exp(lse_s - lse)."""
-    weights, l_sum, combined_lse = split_weights(lse, splits)
+def _combine_splits(out, lse, log_sum, splits: int):
+    """The result over all splits from per-split results (out [B * splits, K, M, H], lse and
+    log_sum [B * splits, K, M]): lse from the splits' lse; out weighted by the splits'
+    denominators (`_numerics.merge_weights`)."""
+    _, _, combined_lse = split_weights(lse, splits)
+    lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
+    weights, _ = merge_weights(lse, log_sum, axis=1)  # [B, splits, K, M]
     out = out.reshape(-1, splits, *out.shape[1:])
-    out = jnp.sum(weights[..., None] * out, axis=1) / l_sum[..., None]
-    return out, combined_lse
+    return jnp.sum(weights[..., None] * out, axis=1), combined_lse

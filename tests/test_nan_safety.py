@@ -246,12 +246,14 @@ def assert_hidden_keys_reach_nothing(results, oracle, hidden):
         assert_close(name, got, want, atol=1e-4)
 
 
+@pytest.mark.parametrize("soft_cap", [None, 5.0], ids=["plain", "soft-cap"])
 @pytest.mark.parametrize("path", REFUSE_MASK)
-def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
+def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path, soft_cap):
     """NaN and +-inf in K and V at keys no row sees (past key lengths 37 and 20, not on a tile
     boundary; of a segment id no query has; hidden by a dense bool mask): out, lse and the
     gradients match the float64 oracle of the same inputs with those entries zeroed (GQA, odd
-    sizes, 16-key tiles, the split-KV forward); the hidden keys' dK and dV are 0."""
+    sizes, 16-key tiles, the split-KV forward); the hidden keys' dK and dV are 0. With a soft
+    cap the hidden keys' logits are NaN, and so is tanh's derivative there."""
     rng = np.random.default_rng(3)
     batch, q_len, kv_len, heads, kv_heads, head_dim = 2, 17, 41, 2, 1, 16
     k_pos = np.arange(kv_len)
@@ -268,6 +270,7 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
         q_segment_ids=jnp.asarray(q_ids),
         kv_segment_ids=jnp.asarray(kv_ids),
         mask=jnp.asarray(mask),
+        logits_soft_cap=soft_cap,
         **path.call_kwargs(
             pallas_flash.BlockSizes(
                 block_q=16,
@@ -288,7 +291,10 @@ def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path):
     with path.scope():
         (results,) = run(q, k_bad, v_bad, [(d_out, d_lse)], **kwargs)
     oracle = attention_oracle_f64(
-        to64(q), to64(k), to64(v), to64(d_out), to64(d_lse), scale=head_dim**-0.5, visible=visible
+        *(to64(x) for x in (q, k, v, d_out, d_lse)),
+        scale=head_dim**-0.5,
+        visible=visible,
+        soft_cap=soft_cap,
     )
     assert_hidden_keys_reach_nothing(results, oracle, hidden)
 

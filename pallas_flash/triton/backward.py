@@ -150,6 +150,9 @@ def _dkv_kernel(
         ds_t = p_t * (dp_t - delta[None, :])
         if dcap_t is not None:
             ds_t = ds_t * dcap_t
+            if masked:
+                # inf in K at a hidden key makes its logit NaN, and tanh's derivative with it.
+                ds_t = jnp.where(visible, ds_t, 0.0)
         dk = dk + dot(ds_t.astype(q.dtype), q)
         return dk, dv
 
@@ -191,7 +194,11 @@ def tile_d_logits(q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, k
     if kept_scale is not None:
         dp = dp * kept_scale
     ds = p * (dp - delta[:, None])
-    return ds if dcap is None else ds * dcap
+    if dcap is None:
+        return ds
+    ds = ds * dcap
+    # inf in K at a hidden key makes its logit NaN, and tanh's derivative with it.
+    return ds if visible is None else jnp.where(visible, ds, 0.0)
 
 
 def _dq_kernel(

@@ -9,6 +9,10 @@
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
 #   mosaicgqa  benchmarks/experiments.py mosaic-gqa (MQA/GQA, the dK/dV kernel's head splits)
 #   train  benchmarks/device_train.sh (the end-to-end training table)
+#   sweep  the property sweep compiled (tests/test_property.py, gpu paths): SWEEP_PROCS pytest
+#          processes side by side, each with fresh seeds, SWEEP_N examples per path, its share
+#          of the Mosaic pool (PALLAS_FLASH_SWEEP_SHARD); every example logged, not failing;
+#          counted by benchmarks/sweep_summary.py, logs in $OUT/sweep.tgz
 #   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
@@ -68,6 +72,19 @@ for stage in ${@:-tests masks grid}; do
       wait
       unset XLA_PYTHON_CLIENT_PREALLOCATE CUDA_VISIBLE_DEVICES
       for f in $OUT/gpu_tests_*.log; do echo "-- $f"; tail -n 6 $f; done ;;
+    sweep)
+      mkdir -p $OUT/sweep
+      procs=${SWEEP_PROCS:-14}
+      for i in $(seq 0 $((procs - 1))); do
+        XLA_PYTHON_CLIENT_PREALLOCATE=false OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 \
+        PALLAS_FLASH_SWEEP=${SWEEP_N:-40} PALLAS_FLASH_SWEEP_SHARD=$i/$procs \
+        PALLAS_FLASH_SWEEP_LOG=$OUT/sweep/$i.jsonl \
+        timeout -s INT -k 20 ${SWEEP_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider \
+          tests/test_property.py -k "sweep and not known" > $OUT/sweep/$i.log 2>&1 &
+      done
+      wait
+      python3 benchmarks/sweep_summary.py $OUT/sweep/*.jsonl | tee $OUT/sweep_summary.txt | head -n 40
+      tar -czf $OUT/sweep.tgz -C $OUT sweep && rm -rf $OUT/sweep ;;
     masks)
       timeout ${MASKS_TIMEOUT:-150} python3 -m pallas_flash.bench --suite masks \
         --out $OUT/masks.jsonl > $OUT/masks.log 2>&1

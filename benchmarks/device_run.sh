@@ -9,10 +9,11 @@
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
 #   mosaicgqa  benchmarks/experiments.py mosaic-gqa (MQA/GQA, the dK/dV kernel's head splits)
 #   train  benchmarks/device_train.sh (the end-to-end training table)
-#   sweep  the property sweep compiled (tests/test_property.py, gpu paths): SWEEP_PROCS pytest
-#          processes side by side, each with fresh seeds, SWEEP_N examples per path, its share
-#          of the Mosaic pool (PALLAS_FLASH_SWEEP_SHARD); every example logged, not failing;
-#          counted by benchmarks/sweep_summary.py, logs in $OUT/sweep.tgz
+#   sweep  the property sweep compiled (tests/test_property.py): SWEEP_PROCS pytest processes
+#          side by side, each with fresh seeds on one gpu path of SWEEP_PATHS in turn (default
+#          "triton default mosaic"; ~12 s per example each, compiling), at most SWEEP_N examples;
+#          the mosaic ones share its pool (PALLAS_FLASH_SWEEP_SHARD); every example logged, not
+#          failing, and counted by benchmarks/sweep_summary.py; logs in $OUT/sweep.tgz
 #   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
@@ -75,12 +76,19 @@ for stage in ${@:-tests masks grid}; do
     sweep)
       mkdir -p $OUT/sweep
       procs=${SWEEP_PROCS:-14}
+      read -ra sweep_paths <<< "${SWEEP_PATHS:-triton default mosaic}"
+      declare -A sweep_test=([triton]="sweep and triton" [default]="sweep and default"
+                             [mosaic]="sweep_mosaic")
       for i in $(seq 0 $((procs - 1))); do
+        path=${sweep_paths[$((i % ${#sweep_paths[@]}))]}
+        # The mosaic processes' shares of its pool: the k-th of them takes entries k mod m.
+        m=$(( (procs - 1 - i % ${#sweep_paths[@]}) / ${#sweep_paths[@]} + 1 ))
         XLA_PYTHON_CLIENT_PREALLOCATE=false OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 \
-        PALLAS_FLASH_SWEEP=${SWEEP_N:-40} PALLAS_FLASH_SWEEP_SHARD=$i/$procs \
+        PALLAS_FLASH_SWEEP=${SWEEP_N:-100} PALLAS_FLASH_SWEEP_SHARD=$((i / ${#sweep_paths[@]}))/$m \
         PALLAS_FLASH_SWEEP_LOG=$OUT/sweep/$i.jsonl \
         timeout -s INT -k 20 ${SWEEP_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider \
-          tests/test_property.py -k "sweep and not known" > $OUT/sweep/$i.log 2>&1 &
+          -p no:benchmark tests/test_property.py -k "${sweep_test[$path]} and not known" \
+          > $OUT/sweep/$i.log 2>&1 &
       done
       wait
       python3 benchmarks/sweep_summary.py $OUT/sweep/*.jsonl | tee $OUT/sweep_summary.txt | head -n 40

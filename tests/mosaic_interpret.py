@@ -91,6 +91,7 @@ class _DeadlineCondition(threading.Condition):
 
 def _patches(deadlock_s: float, oob_fill):
     real_run_scoped = pl.run_scoped
+    real_run_state = pl.run_state
     real_barrier_init = shared_memory.Barrier.__init__
 
     def barrier_init(self, *args, **kwargs):
@@ -110,6 +111,8 @@ def _patches(deadlock_s: float, oob_fill):
         def run(init):
             is_acc = lambda x: isinstance(x, mosaic_gpu_core.WGMMAAccumulatorRef)  # noqa: E731
             leaves, tree = jax.tree.flatten(init, is_leaf=is_acc)
+            if not all(is_acc(leaf) for leaf in leaves):  # state of arrays, not accumulators
+                return real_run_state(body)(init)
             accs = [_Accumulator(leaf._init) for leaf in leaves]
             body(jax.tree.unflatten(tree, accs))
             return jax.tree.unflatten(tree, [acc.value for acc in accs])

@@ -182,7 +182,29 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     d_sinks = None
     if sinks is not None:
         d_sinks = _partition.with_sharding_of(sink_gradient(sinks, out, lse, d_out, d_lse), sinks)
+    if bias is not None and bias.shape[-1] == 1 and config.soft_cap is None:
+        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse)
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays), d_sinks
+
+
+def key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse):
+    """d bias of a bias [B|1, N|1, T|1, 1] broadcast over the keys (no soft cap): each row's
+    sum over its keys of dS = P * (dP - delta), in closed form. With rowsum(P * dP) = dO . out
+    and the keys' share of the row's softmax 1 - P_sink, that sum is P_sink (dO . out) +
+    (1 - P_sink) d_lse: d_lse itself without sinks, 0 for rows that see no key. The kernels'
+    sum of dS cancels to noise in 16-bit inputs (P rounded for P V in the forward, not in the
+    backward); this is exact, and is what the XLA path's autodiff computes."""
+    f32 = jnp.float32
+    rows = jnp.where(jnp.isneginf(lse), 0.0, d_lse.astype(f32))  # [B, N, T]
+    if sinks is not None:
+        sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])[..., None]
+        alone = lse == sinks  # no key: P_sink is 1 and out is 0
+        p_sink = jnp.where(alone, 1.0, jnp.exp(jnp.where(alone, 0.0, sinks - lse)))
+        d_out_dot_out = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32))
+        rows = jnp.where(alone, 0.0, p_sink * d_out_dot_out + (1.0 - p_sink) * rows)
+    grad = rows[..., None]  # [B, N, T, 1]
+    axes = tuple(i for i in range(3) if bias.shape[i] == 1 and grad.shape[i] != 1)
+    return jnp.sum(grad, axis=axes, keepdims=True).astype(bias.dtype)
 
 
 def sink_gradient(sinks, out, lse, d_out, d_lse):

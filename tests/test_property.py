@@ -90,8 +90,7 @@ EXTREMES = (
     "nan-hidden-keys",
 )
 # Kinds the kernels do not handle yet: left out of the sweep (PALLAS_FLASH_SWEEP_ALL=1 draws them
-# too), and their own tests skipped, with the fix each waits for. "key-broadcast-bias" is not an
-# extreme value: a bias whose key dim is broadcast (1), with float16/bfloat16 inputs.
+# too), and their own tests skipped, with the fix each waits for.
 KNOWN_FAILING = {
     "large-negative-bias-rows": (
         "gradients only approximate (finite) when every logit of a row lies beyond ~2^24: lse, "
@@ -99,13 +98,6 @@ KNOWN_FAILING = {
         "instead would fix it)"
     ),
     "finfo-min-bias-rows": "the same as large-negative-bias-rows, at finfo.min",
-    "key-broadcast-bias": (
-        "with bfloat16/float16 inputs the kernels' gradient of a bias broadcast over keys is "
-        "noise several times the plain-attention error: P is rounded for P V in the forward but "
-        "not in the backward, and delta = rowsum(dO * O) reads the rounded O, so the per-row sums "
-        "of dS do not cancel (exactly they are the lse cotangent without a soft cap; XLA gives "
-        "0 where the kernels give 0.067); needs that sum, or a consistent P"
-    ),
 }
 SWEEP_ALL = os.environ.get("PALLAS_FLASH_SWEEP_ALL") == "1"
 ENABLED = set() if SWEEP_ALL else set(KNOWN_FAILING)
@@ -157,14 +149,11 @@ def shape_code(draw, min_rank: int) -> str:
 
 
 @st.composite
-def configs(draw, extremes=None, key_broadcast_bias=None):
+def configs(draw, extremes=None):
     """Configurations; `extremes`: the kinds of extreme values to draw from (default: all but
-    the known-failing ones); `key_broadcast_bias`: whether a bias broadcast over keys may go with
-    float16/bfloat16 inputs (default: unless known-failing)."""
+    the known-failing ones)."""
     if extremes is None:
         extremes = tuple(k for k in EXTREMES if k not in ENABLED)
-    if key_broadcast_bias is None:
-        key_broadcast_bias = "key-broadcast-bias" not in ENABLED
     num_kv_heads, group = draw(st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2), (1, 4), (1, 3)]))
     q_len = draw(st.integers(1, 80))
     kv_len = draw(st.one_of(st.just(q_len), st.integers(1, 80)))
@@ -180,8 +169,6 @@ def configs(draw, extremes=None, key_broadcast_bias=None):
     if needs_bias:
         # A bias with its own rows: the query axis full.
         bias = draw(st.sampled_from(["ts", "t1", "bnts", "1nts", "b1ts"]))
-    if bias is not None and not (key_broadcast_bias or dtype == "f32" or bias.endswith("s")):
-        bias = (bias or "1")[:-1] + "s"
     return Config(
         batch=draw(st.integers(1, 2)),
         q_len=q_len,
@@ -651,11 +638,7 @@ def test_property_sweep_mosaic(path):
 
 
 def known_failing_configs(kind: str):
-    if kind == "key-broadcast-bias":
-        return configs(extremes=("none",), key_broadcast_bias=True).filter(
-            lambda c: c.dtype != "f32" and c.bias is not None and not c.bias.endswith("s")
-        )
-    return configs(extremes=(kind,), key_broadcast_bias=False)
+    return configs(extremes=(kind,))
 
 
 @pytest.mark.parametrize(

@@ -651,7 +651,14 @@ def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize(
+    "backend",
+    [
+        # The xla path's backward at given residuals is the reference's vjp (as above).
+        pytest.param("xla", marks=pytest.mark.skipif(not SWEEP, reason="PALLAS_FLASH_SWEEP")),
+        "interpret",
+    ],
+)
 def test_backward_of_key_blocks_at_the_merged_residuals_sums_to_the_whole(backend):
     """The key blocks' backwards at the whole softmax's (out, lse) are its gradients' shares:
     dq sums over the blocks, dk/dv are the blocks' rows (what ring attention's backward uses)."""

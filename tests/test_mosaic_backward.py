@@ -662,7 +662,8 @@ def test_matches_oracle_interpreted(p, tiles):
 @pytest.mark.parametrize(
     "p",
     [
-        Problem(1, 128, 256, 4, 2, 128, True, "bf16"),
+        # test_mosaic_forward's masked default call runs the same path in CI.
+        pytest.param(Problem(1, 128, 256, 4, 2, 128, True, "bf16"), marks=long_only),
         pytest.param(Problem(2, 256, 512, 2, 1, 128, False, "f16"), marks=long_only),
         pytest.param(Problem(1, 128, 256, 4, 2, 256, True, "bf16"), marks=long_only),
         pytest.param(Problem(1, 256, 128, 2, 1, 192, False, "bf16"), marks=long_only),

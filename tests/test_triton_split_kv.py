@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import uniform_block_sizes
+from conftest import SWEEP_ONLY, uniform_block_sizes
 
 import pallas_flash
 from pallas_flash.triton.forward import choose_kv_splits
@@ -24,7 +24,7 @@ def inputs(b, t, s, n, k, h, seed=0):
     ]
 
 
-@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("splits", [2, pytest.param(3, marks=SWEEP_ONLY), 7])
 @pytest.mark.parametrize(
     "kwargs",
     [

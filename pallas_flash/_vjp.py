@@ -182,9 +182,13 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     d_sinks = None
     if sinks is not None:
         d_sinks = _partition.with_sharding_of(sink_gradient(sinks, out, lse, d_out, d_lse), sinks)
-    if bias is not None and bias.shape[-1] == 1 and config.soft_cap is None:
-        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse)
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays), d_sinks
+
+
+def _bias_gradient_in_closed_form(bias, config: KernelConfig) -> bool:
+    """Whether the bias's gradient is `key_broadcast_bias_gradient`'s rather than the kernels'
+    (a bias broadcast over the keys, no soft cap)."""
+    return bias is not None and bias.shape[-1] == 1 and config.soft_cap is None
 
 
 def key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse):
@@ -275,9 +279,24 @@ def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, co
             log_sum=log_sum,
         )
         return dq, dk, dv, None
-    return flash_backward(
-        q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs(), log_sum=log_sum
+    closed_form = _bias_gradient_in_closed_form(bias, config)
+    dq, dk, dv, dbias = flash_backward(
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        **config.kwargs(),
+        log_sum=log_sum,
+        bias_gradient=not closed_form,
     )
+    if closed_form:  # a placeholder of the bias's shape: _differentiable_backward fills it
+        dbias = jnp.zeros_like(bias)
+    return dq, dk, dv, dbias
 
 
 flash_attention_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
@@ -382,10 +401,14 @@ def _differentiable_forward_jvp(config: KernelConfig, primals, tangents):
 def _differentiable_backward(
     q, k, v, bias, arrays, sinks, out, lse, log_sum, d_out, d_lse, config: KernelConfig
 ):
-    """(dq, dk, dv, dbias) of the kernels' backward; `sinks` (those lse includes, or None) is
-    read only by the derivative, whose reference recomputes (out, lse)."""
-    del sinks
-    return _backward(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config)
+    """(dq, dk, dv, dbias) of the kernels' backward, dbias in closed form for a bias broadcast
+    over the keys (`_bias_gradient_in_closed_form`); `sinks`: those lse includes, or None."""
+    dq, dk, dv, dbias = _backward(
+        q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config
+    )
+    if _bias_gradient_in_closed_form(bias, config):
+        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse)
+    return dq, dk, dv, dbias
 
 
 @_differentiable_backward.defjvp

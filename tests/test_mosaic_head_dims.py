@@ -212,10 +212,21 @@ LOWERING_VARIANTS = [
 ]
 
 
-def _wgmma_module():
+def spy_wgmma_swizzles(monkeypatch) -> set:
+    """The (swizzle bytes, N) of every wgmma lowered from now on in the test (filled as
+    Mosaic GPU emits them)."""
     import jax.experimental.mosaic.gpu  # noqa: F401  (loads the submodule)
 
-    return sys.modules["jax.experimental.mosaic.gpu.wgmma"]
+    wgmma = sys.modules["jax.experimental.mosaic.gpu.wgmma"]
+    issued = set()
+    original = wgmma.wgmma_m64
+
+    def spy(*args, swizzle, n, **kwargs):
+        issued.add((int(getattr(swizzle, "value", swizzle)), n))
+        return original(*args, swizzle=swizzle, n=n, **kwargs)
+
+    monkeypatch.setattr(wgmma, "wgmma_m64", spy)
+    return issued
 
 
 def operand_types(text: str) -> list[str]:
@@ -229,15 +240,7 @@ def operand_types(text: str) -> list[str]:
 def test_lowers_for_h200_without_padding_the_head_dim(variant, monkeypatch):
     """One Mosaic GPU call on q, k, v as the caller gave them (no pad, no [.., 128] operand),
     whose Q.K^T wgmmas (N = block_kv) take H's swizzle and whose P.V wgmmas (N = Hv) take Hv's."""
-    wgmma = _wgmma_module()
-    issued = set()
-    original = wgmma.wgmma_m64
-
-    def spy(*args, swizzle, n, **kwargs):
-        issued.add((int(getattr(swizzle, "value", swizzle)), n))
-        return original(*args, swizzle=swizzle, n=n, **kwargs)
-
-    monkeypatch.setattr(wgmma, "wgmma_m64", spy)
+    issued = spy_wgmma_swizzles(monkeypatch)
     lowered = lower_for_h200(variant.fn(), *variant.abstract_args())
     text = lowered.as_text()
     assert custom_call_targets(text) == ["mosaic_gpu_v2"]
@@ -558,15 +561,7 @@ def test_backward_lowers_for_h200_without_padding_the_head_dim(c, dropout, monke
     S = Q K^T H's (N = block_q_dkv, block_kv_dq), dP^T = V dO^T and dP = dO V^T Hv's, and the
     products that read a tile transposed (dV += P^T dO: N = Hv; dK += dS^T Q and dQ += dS K:
     N = H) that tile's."""
-    wgmma = _wgmma_module()
-    issued = set()
-    original = wgmma.wgmma_m64
-
-    def spy(*args, swizzle, n, **kwargs):
-        issued.add((int(getattr(swizzle, "value", swizzle)), n))
-        return original(*args, swizzle=swizzle, n=n, **kwargs)
-
-    monkeypatch.setattr(wgmma, "wgmma_m64", spy)
+    issued = spy_wgmma_swizzles(monkeypatch)
     lowered = _lower_backward(c, dropout)
     text = lowered.as_text()
     assert custom_call_targets(text) == ["mosaic_gpu_v2"] * 2

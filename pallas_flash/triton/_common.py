@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout
-from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT  # noqa: F401  re-exported
+from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, merge_weights  # noqa: F401  re-exported
 
 
 def dot(a, b, *, trans_b: bool = False):
@@ -302,18 +302,19 @@ def softmax_store(
         plgpu.store(log_sum_ref, log_sum, mask=tile_rows < rows)
 
 
-def split_weights(lse, splits: int):
-    """The merge of split-KV partial results from their lse [B * splits, ...] (natural log):
-    (weights [B, splits, ...] = exp(lse_s - max_s lse_s), their sum [B, ...] (1 for rows no
-    split saw a key of), the combined lse [B, ...]). Splits that saw no key weigh 0; the sum is
-    >= 1 wherever any split saw a key."""
-    lse = lse.reshape(-1, splits, *lse.shape[1:])
-    total = jnp.max(lse, axis=1)
-    finite = jnp.isfinite(total)
-    safe_total = jnp.where(finite, total, 0.0)
-    weights = jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_total[:, None]), 0.0)
-    l_sum = jnp.where(finite, jnp.sum(weights, axis=1), 1.0)
-    return weights, l_sum, jnp.where(finite, safe_total + jnp.log(l_sum), -jnp.inf)
+def merge_splits(lse, log_sum, splits: int):
+    """The merge of split-KV partial results from their lse and log_sum [B * splits, ...]
+    (natural log, `softmax_store`'s): (each split's weight in the merged output [B, splits,
+    ...], `_numerics.merge_weights`'s; the merged lse [B, ...], from the splits' lse; the merged
+    log_sum [B, ...]). Splits that saw no key weigh 0; rows no split saw a key of get lse -inf."""
+    lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
+    weights, merged_log_sum = merge_weights(lse, log_sum, axis=1)
+    top = jnp.max(lse, axis=1)
+    finite = jnp.isfinite(top)
+    safe_top = jnp.where(finite, top, 0.0)
+    shares = jnp.sum(jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top[:, None]), 0.0), axis=1)
+    merged_lse = jnp.where(finite, safe_top + jnp.log(jnp.where(finite, shares, 1.0)), -jnp.inf)
+    return weights, merged_lse, merged_log_sum
 
 
 class Operands:

@@ -20,7 +20,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash._numerics import merge_weights
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
     MIN_LOGIT,
@@ -30,11 +29,11 @@ from pallas_flash.triton._common import (
     load_rows,
     load_vector,
     logit_unit,
+    merge_splits,
     scores,
     softmax_init,
     softmax_step,
     softmax_store,
-    split_weights,
     visit_tiles,
 )
 from pallas_flash.triton.tiles import (
@@ -616,10 +615,7 @@ def _merge(lengths, out, lse, log_sum, schedule: Schedule, dtype, interpret: boo
 
 def _combine_splits(out, lse, log_sum, splits: int):
     """The result over all splits from per-split results (out [B * splits, K, M, H], lse and
-    log_sum [B * splits, K, M]): lse from the splits' lse; out weighted by the splits'
-    denominators (`_numerics.merge_weights`)."""
-    _, _, combined_lse = split_weights(lse, splits)
-    lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
-    weights, _ = merge_weights(lse, log_sum, axis=1)  # [B, splits, K, M]
+    log_sum [B * splits, K, M]; `merge_splits`)."""
+    weights, combined_lse, _ = merge_splits(lse, log_sum, splits)  # weights [B, splits, K, M]
     out = out.reshape(-1, splits, *out.shape[1:])
     return jnp.sum(weights[..., None] * out, axis=1), combined_lse

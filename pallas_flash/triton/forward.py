@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import log_sum_with_sinks, merge_weights
+from pallas_flash._numerics import log_sum_with_sinks
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -23,11 +23,11 @@ from pallas_flash.triton._common import (
     load_rows,
     load_vector,
     logit_unit,
+    merge_splits,
     scores,
     softmax_init,
     softmax_step,
     softmax_store,
-    split_weights,
     tile_keep,
     visit_tiles,
 )
@@ -360,12 +360,9 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
 
 
 def _combine_splits(out, lse, log_sum, splits: int, dtype):
-    """The result over all KV chunks from per-chunk results: lse from the chunks' lse; out
-    weighted by, and log_sum from, the chunks' denominators (`_numerics.merge_weights`)."""
-    _, _, combined_lse = split_weights(lse, splits)
+    """The result over all KV chunks from per-chunk results (`merge_splits`)."""
+    weights, combined_lse, combined_log_sum = merge_splits(lse, log_sum, splits)
     out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
-    lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
-    weights, combined_log_sum = merge_weights(lse, log_sum, axis=1)  # [B, splits, N, T]
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
     combined = jnp.sum(weights * out, axis=1).astype(dtype)
     return combined, combined_lse, combined_log_sum

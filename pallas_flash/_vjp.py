@@ -279,24 +279,9 @@ def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, co
             log_sum=log_sum,
         )
         return dq, dk, dv, None
-    closed_form = _bias_gradient_in_closed_form(bias, config)
-    dq, dk, dv, dbias = flash_backward(
-        q,
-        k,
-        v,
-        bias,
-        arrays,
-        out,
-        lse,
-        d_out,
-        d_lse,
-        **config.kwargs(),
-        log_sum=log_sum,
-        bias_gradient=not closed_form,
+    return flash_backward(
+        q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs(), log_sum=log_sum
     )
-    if closed_form:  # a placeholder of the bias's shape: _differentiable_backward fills it
-        dbias = jnp.zeros_like(bias)
-    return dq, dk, dv, dbias
 
 
 flash_attention_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)

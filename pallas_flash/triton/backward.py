@@ -495,7 +495,6 @@ def flash_backward(
     interpret: bool,
     dropout_rate: float = 0.0,
     log_sum=None,
-    bias_gradient: bool = True,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
@@ -503,9 +502,7 @@ def flash_backward(
     its largest logit (`flash_forward(..., with_log_sum=True)`): with it, keys that tie at a
     row's largest logit get P = 1 / (number of ties) at any magnitude; without, P = 1 there
     once |lse| passes ~1e6 (exact for one dominant logit).
-    dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims);
-    with bias_gradient=False the dBias kernel does not run and dbias is None (the caller has it in
-    closed form).
+    dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -621,7 +618,7 @@ def flash_backward(
         name="pallas_flash_backward_dq",
     )(*operands, *extra)
     dbias = None
-    if has_bias and bias_gradient:
+    if has_bias:
         dbias = _dbias(
             q,
             k,

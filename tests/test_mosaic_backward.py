@@ -1523,3 +1523,128 @@ def test_default_masked_call_takes_mosaic_and_matches_oracle(p, options):
     assert targets == ["mosaic_gpu_v2"] * 3, targets
     results = fn(q, k, v, d_out, d_lse)
     check_public_masked_call(p, options, results, (q, k, v, d_out, d_lse), f64)
+
+
+# -- dQ in the dK/dV kernel (BackwardTiles.fused_dq) ----------------------------------------------
+
+# "slab" (each block of keys' partial apart, summed by XLA) runs the kernel of "add" but for the
+# store: the interpreter has no TMA reductions. Causal GQA with a window, packed documents and
+# lengths, NaN at hidden keys, three query tiles (the last ragged), head splits, one consumer.
+FUSED_CI_CASE = MaskCase(
+    Problem(2, 130, 128, 4, 2, 64, True, "bf16"),
+    window=(40, 0),
+    kind="packed-lengths",
+    tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2, fused_dq="slab"),
+    poison=True,
+)
+FUSED_SWEEP_CASES = [
+    MaskCase(Problem(1, 192, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),
+    MaskCase(
+        Problem(2, 130, 200, 2, 1, 64, False, "f16"),
+        window=(50, 30),
+        soft_cap=10.0,
+        scale=1.0,
+        tiles=BackwardTiles(fused_dq="slab"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "c", [FUSED_CI_CASE, *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES)], ids=str
+)
+def test_fused_dq_matches_oracle_interpreted(c):
+    """dQ from the dK/dV kernel's steps (K^T dS^T per step, stored per block of keys) against
+    the float64 oracle, masks, NaN at hidden keys and rows without keys included."""
+    check_masked_backward(c, interpreted=True, mosaic_forward=False)
+
+
+@pytest.mark.parametrize(
+    "p, tiles",
+    [
+        (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), BackwardTiles(fused_dq="add")),
+        pytest.param(
+            Problem(1, 256, 192, 4, 1, 64, False, "f16"),
+            BackwardTiles(fused_dq="add", num_consumers=1, dkv_head_splits=2),
+            marks=long_only,
+        ),
+    ],
+    ids=str,
+)
+def test_fused_dq_lowers_for_h200(monkeypatch, p, tiles):
+    """One Mosaic GPU call (no dQ kernel), whose consumers add their partials by TMA
+    reductions; dq [B, T, N, H] in the input dtype."""
+    reductions = []
+    real = mosaic_backward_module.plgpu.copy_smem_to_gmem
+
+    def spy(*args, **kwargs):
+        reductions.append(kwargs.get("reduction_op"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(mosaic_backward_module.plgpu, "copy_smem_to_gmem", spy)
+    lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
+    assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+    assert "add" in reductions
+    dq = lowered.out_info[0]
+    q = abstract_inputs(p)[0]
+    assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
+
+
+def test_fused_dq_tiles_validate():
+    with pytest.raises(ValueError, match="fused_dq='sum' must be None, 'add' or 'slab'"):
+        BackwardTiles(fused_dq="sum")
+    with pytest.raises(ValueError, match="fused_dq needs split_dkv=False"):
+        BackwardTiles(fused_dq="add", split_dkv=True)
+    why = functools.partial(
+        mosaic_backward_module.why_not, is_causal=True, tiles=BackwardTiles(fused_dq="add")
+    )
+    shapes = ((1, 256, 4, 96), (1, 256, 4, 96))
+    assert "fused_dq needs a multiple of 64" in why(*shapes, jnp.bfloat16)
+    shapes = ((1, 256, 4, 128), (1, 256, 4, 128))
+    assert "not tested with dropout" in why(*shapes, jnp.bfloat16, dropout=True)
+    assert why(*shapes, jnp.bfloat16) is None
+    # The staging tiles count in shared memory: with head splits' partials too they overflow.
+    split = BackwardTiles(fused_dq="add", dkv_head_splits=2)
+    assert "bytes of shared memory" in why(
+        *((1, 256, 4, 128), (1, 256, 2, 128)), jnp.bfloat16, tiles=split
+    )
+
+
+FUSED_GPU_CASES = [
+    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="add")),
+    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "f16"), tiles=BackwardTiles(fused_dq="add")),
+    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="add")),
+    MaskCase(
+        Problem(2, 512, 512, 4, 2, 128, True, "bf16"),
+        window=(200, 0),
+        soft_cap=20.0,
+        kind="packed-lengths",
+        scale=1.0,
+        tiles=BackwardTiles(fused_dq="add"),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(1, 2048, 2048, 16, 1, 128, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="add", num_consumers=1, dkv_head_splits=4),
+    ),
+    MaskCase(Problem(2, 512, 512, 4, 2, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", FUSED_GPU_CASES, ids=str)
+def test_fused_dq_matches_oracle(c):
+    needs_hopper()
+    check_masked_backward(c, interpreted=False, mosaic_forward=not c.poison)
+
+
+@pytest.mark.gpu
+def test_fused_dq_slab_is_deterministic():
+    """ "slab" sums its partials in a fixed order: bitwise the same over repeated runs ("add"
+    is not: its TMA adds land in any order)."""
+    needs_hopper()
+    p = Problem(2, 512, 512, 8, 2, 128, True, "bf16")
+    args, _ = random_inputs(p)
+    fn = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, BackwardTiles(fused_dq="slab"))))
+    first = fn(*args)
+    for _ in range(5):
+        assert_bitwise_equal(fn(*args), first)

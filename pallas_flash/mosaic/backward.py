@@ -61,6 +61,7 @@ from pallas_flash.mosaic.launch import (
     pad_to,
     smem_transforms,
     warp_specialised_kernel,
+    warp_specialised_kernel_into,
 )
 from pallas_flash.mosaic.schedule import tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv
@@ -106,6 +107,14 @@ class BackwardTiles:
         kernel (a divisor of the group), each adding its share into f32 partial dK and dV that
         XLA sums in a fixed order (still deterministic); 1: one CTA sums the whole group; 0
         (auto, the default): `head_splits` picks it from the grid.
+      fused_dq: None (the default): dQ has a kernel of its own, which computes S and dP again
+        (seven matmuls per pair of tiles in all). "add": the dK/dV kernel's consumers also
+        compute each step's dQ partial dS K (five in all) and add it into an f32 dQ in global
+        memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
+        deterministic. "slab": the same partials stored apart, one f32 [B, T, N, H] per block
+        of keys, summed by XLA in a fixed order: deterministic, but S / block_kv_dkv times dQ's
+        memory (for tests; jax's Mosaic GPU interpreter has no TMA reductions). Not with
+        split_dkv.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -119,6 +128,7 @@ class BackwardTiles:
     num_consumers: int = 2
     split_dkv: bool = False
     dkv_head_splits: int = 0
+    fused_dq: str | None = None
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -138,6 +148,12 @@ class BackwardTiles:
         splits = self.dkv_head_splits
         if not isinstance(splits, int) or isinstance(splits, bool) or splits < 0:
             raise ValueError(f"BackwardTiles.dkv_head_splits={splits!r} must be an int >= 0")
+        if self.fused_dq not in (None, "add", "slab"):
+            raise ValueError(
+                f"BackwardTiles.fused_dq={self.fused_dq!r} must be None, 'add' or 'slab'"
+            )
+        if self.fused_dq is not None and self.split_dkv:
+            raise ValueError("BackwardTiles.fused_dq needs split_dkv=False")
 
     @property
     def dkv_consumers(self) -> int:
@@ -170,8 +186,13 @@ class BackwardTiles:
             accumulators = max(head_dim, value_head_dim)
         else:
             accumulators = head_dim + value_head_dim
+        # S^T and dP^T; with fused_dq, dQ^T's partial [H, block_q_dkv] after them (they are
+        # dead by then): the larger of the two.
+        tiles = 2 * self.block_kv_dkv * self.block_q_dkv
+        if self.fused_dq:
+            tiles = max(tiles, head_dim * self.block_q_dkv)
         return {
-            "dK/dV": self.block_kv_dkv * (accumulators + 2 * self.block_q_dkv) // 128,
+            "dK/dV": (self.block_kv_dkv * accumulators + tiles) // 128,
             "dQ": self.block_q_dq * (head_dim + 2 * self.block_kv_dq) // 128,
         }
 
@@ -202,7 +223,11 @@ class BackwardTiles:
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
-        return kv + ring + ids + (hashes if dropout else 0)
+        # fused_dq: each consumer stages dS (16-bit, read transposed by dS K) and the f32
+        # partial that TMA adds into dQ.
+        fused = self.block_q_dkv * (self.block_kv_dkv * itemsize + head_dim * 4)
+        fused = self.dkv_consumers * fused if self.fused_dq else 0
+        return kv + ring + ids + (hashes if dropout else 0) + fused
 
     def smem_bytes_dq(
         self,
@@ -376,6 +401,13 @@ def why_not(
                 f"{tiles} holds {registers} f32 registers per thread in {kernel} at {dims}, "
                 f"over {budget}: it would spill"
             )
+    if tiles.fused_dq and head_dim % 64:
+        return (
+            f"{tiles} computes dQ^T's partial in the dK/dV kernel, whose wgmma rows are the "
+            f"{head_dim=} columns: fused_dq needs a multiple of 64"
+        )
+    if tiles.fused_dq and (dropout or value_head_dim != head_dim):
+        return f"{tiles}: fused_dq is not tested with dropout or a value head dim of its own yet"
     group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
     if splits > 1 and group % splits:
         return (
@@ -588,7 +620,9 @@ def flash_backward(
         segments=segment_ids is not None,
         dropout=dropout is not None,
     )
-    dk, dv = _dkv_call(q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs)
+    dk, dv, *fused_dq = _dkv_call(
+        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs
+    )
     if splits > 1:
         # f32 partials [B, S', K * splits, H or Hv], a KV head's splits side by side: summed
         # one after the other, in the same order on every call.
@@ -598,7 +632,13 @@ def flash_backward(
             ).astype(k.dtype)
             for x in (dk, dv)
         )
-    dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
+    if tiles.fused_dq:
+        (dq,) = fused_dq
+        if tiles.fused_dq == "slab":  # one partial per block of keys, summed in a fixed order
+            dq = functools.reduce(jnp.add, jnp.unstack(dq))
+        dq = (jnp.transpose(dq[..., :q_len], (0, 3, 1, 2)) * scale).astype(q.dtype)
+    else:
+        dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
     if q_to != q_len:
         dq = dq[:, :q_len]
     if kv_to != kv_len:
@@ -735,7 +775,9 @@ def _dkv_call(
     block_kv_dkv]), the dropout tables.
     dk [B, S', K, H], dv [B, S', K, Hv] in k's dtype, or with head_splits > 1 f32 partials
     [B, S', K * head_splits, H or Hv] (a KV head's splits side by side) for the caller to
-    sum."""
+    sum. With tiles.fused_dq also dQ^T unscaled, f32: [B, N, H, T''] over whole query tiles
+    ("add"), or [S'' / block_kv_dkv, B, N, H, T''], one per block of keys, for the caller to
+    sum ("slab")."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
@@ -808,14 +850,26 @@ def _dkv_call(
         )
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
-    return warp_specialised_kernel(
-        kernel,
-        out_type=out_type,
-        scratch_types=scratch,
-        grid=(batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows)),
-        grid_names=("batch", "kv_head", "kv_tile"),
-        num_consumers=n_c,
-    )(q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
+    grid = (batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows))
+    launch = dict(grid=grid, grid_names=("batch", "kv_head", "kv_tile"), num_consumers=n_c)
+    operands = (q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
+    if not tiles.fused_dq:
+        return warp_specialised_kernel(kernel, out_type=out_type, scratch_types=scratch, **launch)(
+            *operands
+        )
+    # Each consumer stages its step's dS (read transposed by dS K) and dQ's f32 partial.
+    scratch.update(
+        ds_smem=_tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
+        dq_partial_smem=plgpu.SMEM((n_c, head_dim, block_q), jnp.float32),
+    )
+    # dQ^T starts at 0 (steps add into it) over whole query tiles (`_DQSink`).
+    dq_shape = (batch, num_heads, head_dim, cdiv(q.shape[1], block_q) * block_q)
+    if tiles.fused_dq == "slab":
+        dq_shape = (grid[2] * kv_blocks, *dq_shape)
+    into = (*(jnp.zeros(t.shape, t.dtype) for t in out_type), jnp.zeros(dq_shape, jnp.float32))
+    return warp_specialised_kernel_into(kernel, into=into, scratch_types=scratch, **launch)(
+        *operands
+    )
 
 
 def _dkv_kernel(
@@ -846,6 +900,8 @@ def _dkv_kernel(
     dv_partial_smem=None,
     drop_rows_smem=None,
     drop_col_smem=None,
+    ds_smem=None,
+    dq_partial_smem=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
@@ -873,8 +929,11 @@ def _dkv_kernel(
     streams query tiles [first, end): the producer's step s loads query head
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
+    With tiles.fused_dq, refs ends with dq_ref, f32 [B, N, H, T''] (dQ^T, or a slab of them per
+    block of keys, `_DQSink`), to which each consumer adds its steps' K^T dS^T.
     """
-    *id_refs, dk_ref, dv_ref = refs
+    dq_ref = refs[-1] if tiles.fused_dq else None
+    *id_refs, dk_ref, dv_ref = refs[:-1] if tiles.fused_dq else refs
     drop_col_ref = id_refs.pop() if dropout_rate else None
     drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
@@ -925,6 +984,16 @@ def _dkv_kernel(
                 dk_partial,
                 dk_partial if dv_partial_smem is None else dv_partial_smem.at[wg],
             )
+        dq_sink = None
+        if tiles.fused_dq:
+            dq_sink = _DQSink(
+                ds_smem.at[wg],
+                dq_partial_smem.at[wg],
+                dq_ref,
+                batch=batch,
+                first_head=cta_head * group,
+                slab=kv_tile * tiles.dkv_key_blocks + block if tiles.fused_dq == "slab" else None,
+            )
         consume = functools.partial(
             _consume_dkv,
             k_ref,
@@ -949,6 +1018,7 @@ def _dkv_kernel(
             tiles=tiles,
             key_block=block,
             dropout_rate=dropout_rate,
+            dq_sink=dq_sink,
             **common,
         )
         if not tiles.split_dkv:
@@ -975,6 +1045,49 @@ def _dkv_kernel(
             kv_tile=kv_tile,
             **common,
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _DQSink:
+    """Where a dK/dV consumer puts dQ's partial of each step (tiles.fused_dq), transposed:
+    (dS K)^T = K^T dS^T of its keys for the step's query tile, added by TMA into dq_ref
+    [B, N, H, T''] f32 (dQ^T), or with `slab` (the consumer's block of keys, counted over the
+    grid) stored into dq_ref[slab] of [blocks, B, N, H, T'']. Transposed because dS^T is what
+    the consumer holds, in registers: Mosaic GPU transposes no register tile, and a tile
+    stored from registers cannot be read back as a transposed wgmma operand (layout inference
+    finds no layout for both), so dS^T is stored as it is and read as B, K's tile (loaded by
+    TMA) as A transposed. ds_smem [block_kv_dkv, block_q_dkv] (16-bit, swizzled) holds dS^T;
+    partial_smem [H, block_q_dkv] f32 stages the partial for TMA, one store in flight at a
+    time."""
+
+    ds_smem: object
+    partial_smem: object
+    dq_ref: object
+    batch: object
+    first_head: object
+    slab: object = None
+
+    def add(self, ds_t, k_smem, q_tile, head):
+        """K^T dS^T of dS^T (ds_t, 16-bit registers [keys, rows]) and the consumer's keys
+        k_smem, into the columns of query tile q_tile of query head first_head + head."""
+        block_q = self.partial_smem.shape[1]
+        self.ds_smem[...] = ds_t
+        plgpu.commit_smem()
+
+        def dq_into(acc_ref):
+            plgpu.wgmma(acc_ref, k_smem.T, self.ds_smem)
+            return acc_ref[...]
+
+        partial = pl.run_scoped(dq_into, plgpu.ACC(self.partial_smem.shape, jnp.float32))
+        # The previous step's store must have read the staging tile.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        self.partial_smem[...] = partial
+        plgpu.commit_smem()
+        rows = (self.batch, self.first_head + head, slice(None), pl.ds(q_tile * block_q, block_q))
+        if self.slab is None:
+            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[rows], reduction_op="add")
+        else:
+            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[(self.slab, *rows)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1097,6 +1210,7 @@ def _consume_dkv(
     handoff: _PHandoff | None = None,
     key_block=0,
     dropout_rate: float = 0.0,
+    dq_sink: _DQSink | None = None,
 ):
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
     every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
@@ -1113,7 +1227,8 @@ def _consume_dkv(
 
     key_block: the consumer's block of the CTA's keys (its slice of the ring's key hashes).
     dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
-    Z = keep / (1 - rate) (see `probs_t`)."""
+    Z = keep / (1 - rate) (see `probs_t`).
+    dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
     first, end = cta_range
@@ -1199,7 +1314,7 @@ def _consume_dkv(
             return pd_t * (dp_t - delta)
         return pd_t * jnp.where(pd_t > 0.0, dp_t * keep_scale - delta, delta)
 
-    def dkdv_step(i, carry, *, base, masked: bool):
+    def dkdv_step(i, carry, *, base, head, masked: bool):
         dk, dv = carry
         slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.q_ready.at[slot])
@@ -1219,9 +1334,9 @@ def _consume_dkv(
         )
         delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
-        return dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked), dv
+        return dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked, head=head), dv
 
-    def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool):
+    def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool, head=None):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
         ds_t = ds_of(pd_t, dp_t, delta)
         if masked:
@@ -1234,9 +1349,12 @@ def _consume_dkv(
 
         dk = pl.run_state(dk_into)(plgpu.ACC.init(dk))
         plgpu.barrier_arrive(ring.q_free.at[slot])
+        if dq_sink is not None:
+            # After Q's slot is released: dS K reads only this consumer's K.
+            dq_sink.add(ds_in, k_smem, i, head)
         return dk
 
-    def dv_step(i, carry, *, base, masked: bool):
+    def dv_step(i, carry, *, base, head, masked: bool):
         (dv,) = carry
         slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.q_ready.at[slot])
@@ -1258,7 +1376,7 @@ def _consume_dkv(
         plgpu.barrier_arrive(ring.do_free.at[slot])
         return (dv,)
 
-    def dk_step(i, carry, *, base, masked: bool):
+    def dk_step(i, carry, *, base, head, masked: bool):
         (dk,) = carry
         slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -1294,14 +1412,14 @@ def _consume_dkv(
 
     def head_loop(h, carry):
         base = h * cta_tiles  # the producer's step of this head's tile `first`
-        masked_step = functools.partial(q_step, base=base, masked=True)
+        masked_step = functools.partial(q_step, base=base, head=h, masked=True)
         drain = functools.partial(drain_step, base=base)
         # In the producer's order. Without a side its loops are empty: not emitted.
         if before:
             lax.fori_loop(first, lo, drain, None)
             carry = lax.fori_loop(lo, full_lo, masked_step, carry)
         carry = lax.fori_loop(
-            full_lo, full_hi, functools.partial(q_step, base=base, masked=False), carry
+            full_lo, full_hi, functools.partial(q_step, base=base, head=h, masked=False), carry
         )
         if after:
             carry = lax.fori_loop(full_hi, hi, masked_step, carry)

@@ -66,13 +66,15 @@ def num_sms() -> int:
     return DEFAULT_NUM_SMS
 
 
-def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, num_consumers):
+def warp_specialised_kernel(
+    body, *, out_type, scratch_types, grid, grid_names, num_consumers, kernel_name=None
+):
     """plgpu.kernel as this package's Mosaic kernels launch: num_consumers consumer warpgroups
     and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
     return plgpu.kernel(
         body,
         # A stable module name (see _module_names): the same kernel compiles once per process.
-        kernel_name=_module_names.name(body),
+        kernel_name=kernel_name or _module_names.name(body),
         out_type=out_type,
         scratch_types=scratch_types,
         grid=grid,
@@ -81,6 +83,33 @@ def warp_specialised_kernel(body, *, out_type, scratch_types, grid, grid_names, 
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
     )
+
+
+def warp_specialised_kernel_into(body, *, into, scratch_types, grid, grid_names, num_consumers):
+    """warp_specialised_kernel whose outputs start as the arrays `into` and are updated in
+    place, for kernels that add into their outputs (TMA reductions) rather than write them
+    once: body takes the operands' refs, then into's refs, then the scratch (keywords).
+    Returns into's final values. (`plgpu.kernel` takes no input/output aliases; its kernel may
+    close over refs, here those of a `pl.run_state` over `into`.)"""
+
+    def call(*operands):
+        def stateful(refs):
+            def with_refs(*operand_refs, **scratch):
+                body(*operand_refs, *refs, **scratch)
+
+            warp_specialised_kernel(
+                with_refs,
+                out_type=(),
+                scratch_types=scratch_types,
+                grid=grid,
+                grid_names=grid_names,
+                num_consumers=num_consumers,
+                kernel_name=_module_names.name(body),
+            )(*operands)
+
+        return pl.run_state(stateful)(tuple(into))
+
+    return call
 
 
 def zero_non_finite(ref):

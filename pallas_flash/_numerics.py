@@ -22,7 +22,7 @@ MIN_LOGIT = float(np.finfo(np.float32).min)
 # logit is exactly 1 at any magnitude. Every other key's P is high by the factor
 # exp(BACKWARD_SLACK * (|lse| - SLACK_FROM)), which matters where a row spreads over keys near
 # its max at a large |lse| (a float16 bias of finfo.min on a whole row: 1.5% there): the slack
-# is the smallest that keeps every huge-logit and tie test exact, in the interpreters and
+# is the smallest tried that keeps every huge-logit and tie test exact, in the interpreters and
 # compiled on the H200 (2 to 4 ulps of lse; 8 to 16 put that float16 row 6% high). Rows of
 # |lse| <= SLACK_FROM (float32 gradients of ordinary attention among them) are exact: there a
 # few ulps of lse move P by under 1e-3 of its value and the clamp alone keeps it finite.

@@ -622,10 +622,10 @@ def test_property_sweep_mosaic(path):
     sweep()
 
 
-# A float16 bias of finfo.min on whole rows (one window of keys each) that float32 still tells
-# apart: each such row spreads over its keys at |lse| ~65504, where every key but the largest
-# gets P high by the backward's slack (`_numerics.BACKWARD_SLACK`); at 2^-20 the gradients
-# missed the bar by 7% (dk 0.056 > 0.052).
+# A float16 bias of finfo.min on whole rows (each sees a window of 2 keys either side, some
+# masked) whose logits float32 still tells apart: each such row spreads over its keys at
+# |lse| ~65504, where every key but the largest gets P high by the backward's slack
+# (`_numerics.BACKWARD_SLACK`); at 2^-20 the gradients missed the bar by 7% (dk 0.056 > 0.052).
 FINFO_MIN_ROWS = Config(
     batch=1,
     q_len=29,

@@ -1609,17 +1609,18 @@ def test_fused_dq_tiles_validate():
     )
 
 
+FUSED_ADD = BackwardTiles(fused_dq="add")
 FUSED_GPU_CASES = [
-    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="add")),
-    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "f16"), tiles=BackwardTiles(fused_dq="add")),
-    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="add")),
+    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=FUSED_ADD),
+    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "f16"), tiles=FUSED_ADD),
+    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_ADD),
     MaskCase(
         Problem(2, 512, 512, 4, 2, 128, True, "bf16"),
         window=(200, 0),
         soft_cap=20.0,
         kind="packed-lengths",
         scale=1.0,
-        tiles=BackwardTiles(fused_dq="add"),
+        tiles=FUSED_ADD,
         poison=True,
     ),
     MaskCase(

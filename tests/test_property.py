@@ -634,20 +634,13 @@ FINFO_MIN_ROWS = Config(
     num_kv_heads=1,
     head_dim=80,
     dtype="f16",
-    is_causal=False,
     window=2,
-    soft_cap=None,
-    scale=None,
     bias="ts",
     bias_dtype="f16",
     mask="ts",
     q_lengths=True,
     kv_lengths=True,
-    segments=None,
-    num_segments=2,
-    sorted_segments=True,
     extreme="finfo-min-bias-rows",
-    block=None,
 )
 
 

@@ -1336,7 +1336,7 @@ def _consume_dkv(
         plgpu.barrier_arrive(ring.do_free.at[slot])
         return dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked, head=head), dv
 
-    def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool, head=None):
+    def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool, head):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
         ds_t = ds_of(pd_t, dp_t, delta)
         if masked:
@@ -1395,7 +1395,7 @@ def _consume_dkv(
         # Q (and the query ids the mask reads) after the handoff: the dV consumer's S^T needed
         # it first.
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        return (dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked),)
+        return (dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked, head=head),)
 
     q_step = {"dkdv": dkdv_step, "dv": dv_step, "dk": dk_step}[role]
 

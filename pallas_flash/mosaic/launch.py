@@ -85,12 +85,13 @@ def warp_specialised_kernel(
     )
 
 
-def warp_specialised_kernel_into(body, *, into, scratch_types, grid, grid_names, num_consumers):
+def warp_specialised_kernel_into(body, *, into, **launch):
     """warp_specialised_kernel whose outputs start as the arrays `into` and are updated in
     place, for kernels that add into their outputs (TMA reductions) rather than write them
     once: body takes the operands' refs, then into's refs, then the scratch (keywords).
-    Returns into's final values. (`plgpu.kernel` takes no input/output aliases; its kernel may
-    close over refs, here those of a `pl.run_state` over `into`.)"""
+    Returns into's final values. launch: warp_specialised_kernel's scratch_types, grid,
+    grid_names and num_consumers. (`plgpu.kernel` takes no input/output aliases; its kernel
+    may close over refs, here those of a `pl.run_state` over `into`.)"""
 
     def call(*operands):
         def stateful(refs):
@@ -98,13 +99,7 @@ def warp_specialised_kernel_into(body, *, into, scratch_types, grid, grid_names,
                 body(*operand_refs, *refs, **scratch)
 
             warp_specialised_kernel(
-                with_refs,
-                out_type=(),
-                scratch_types=scratch_types,
-                grid=grid,
-                grid_names=grid_names,
-                num_consumers=num_consumers,
-                kernel_name=_module_names.name(body),
+                with_refs, out_type=(), kernel_name=_module_names.name(body), **launch
             )(*operands)
 
         return pl.run_state(stateful)(tuple(into))

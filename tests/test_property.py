@@ -307,20 +307,27 @@ def run_path(c: Config, xs, path):
 def plain_in_dtype(c: Config, x64, vis):
     """The baseline: out, lse, dq, dk, dv, dbias of attention computed as plain XLA computes it
     in the input dtype, every intermediate (logits, softmax, products, and the backward's) rounded
-    to that dtype, from the oracle's inputs. The float64 oracle's formulas, rounded at each step:
-    numpy, so that the baseline costs no compilation."""
+    to that dtype, from the oracle's inputs. The float64 oracle's formulas, rounded at each step,
+    with the matmuls and row sums accumulated in float32 as XLA's are (a float64 accumulation
+    would model a float32 attention more exact than any: with logits in the hundreds, q.k of
+    ~1e3 carries several float32 ulps, which moves every P of the row and every gradient with
+    it). numpy, so that the baseline costs no compilation."""
     dtype = DTYPES[c.dtype]
 
     def r(x):
         with np.errstate(over="ignore", invalid="ignore"):
             return np.asarray(np.asarray(x, np.float32).astype(dtype), np.float64)
 
+    def matmul(spec, *operands):
+        """np.einsum accumulated in float32, its result rounded to the dtype."""
+        return r(np.einsum(spec, *(np.asarray(x, np.float32) for x in operands)))
+
     q, k, v, d_out = (r(x64[name]) for name in ("q", "k", "v", "d_out"))
     d_lse = r(x64["d_lse"])
     group = c.num_heads // c.num_kv_heads
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        logits = r(r(np.einsum("btnh,bsnh->bnts", q, k)) * r(scale_of(c)))
+        logits = r(matmul("btnh,bsnh->bnts", q, k) * r(scale_of(c)))
         bias = None if x64["bias"] is None else r(as4d(x64["bias"]))
         if bias is not None:
             logits = r(logits + bias)
@@ -331,14 +338,14 @@ def plain_in_dtype(c: Config, x64, vis):
         row_max = np.max(np.where(vis, logits, -np.inf), axis=-1, keepdims=True)
         row_max = np.where(np.isfinite(row_max), row_max, 0.0)
         p = np.where(vis, r(np.exp(r(logits - row_max))), 0.0)
-        row_sum = r(p.sum(axis=-1, keepdims=True))
+        row_sum = r(np.asarray(p, np.float32).sum(axis=-1, keepdims=True))
         empty = row_sum == 0
         row_sum = np.where(empty, 1.0, row_sum)
         probs = r(p / row_sum)
-        out = r(np.einsum("bnts,bsnh->btnh", probs, v))
+        out = matmul("bnts,bsnh->btnh", probs, v)
         lse = np.where(empty, -np.inf, r(row_max + r(np.log(row_sum))))[..., 0]
-        d_probs = r(np.einsum("btnh,bsnh->bnts", d_out, v))
-        delta = r(np.einsum("btnh,btnh->bnt", d_out, out))
+        d_probs = matmul("btnh,bsnh->bnts", d_out, v)
+        delta = matmul("btnh,btnh->bnt", d_out, out)
         d_logits = r(probs * r(d_probs - delta[..., None] + d_lse[..., None]))
         d_logits = r(d_logits * d_cap)
         d_logits = np.where(vis, d_logits, 0.0)
@@ -348,9 +355,9 @@ def plain_in_dtype(c: Config, x64, vis):
             return r(x.reshape(b, s, c.num_kv_heads, group, h).sum(axis=3))
 
         scale = r(scale_of(c))
-        dq = r(r(np.einsum("bnts,bsnh->btnh", d_logits, k)) * scale)
-        dk = group_sum(r(r(np.einsum("bnts,btnh->bsnh", d_logits, q)) * scale))
-        dv = group_sum(r(np.einsum("bnts,btnh->bsnh", probs, d_out)))
+        dq = r(matmul("bnts,bsnh->btnh", d_logits, k) * scale)
+        dk = group_sum(r(matmul("bnts,btnh->bsnh", d_logits, q) * scale))
+        dv = group_sum(matmul("bnts,btnh->bsnh", probs, d_out))
     dbias = None
     if bias is not None:
         dbias = sum_to_shape(d_logits, x64["bias"].shape)
@@ -648,3 +655,42 @@ FINFO_MIN_ROWS = Config(
 def test_float16_rows_at_finfo_min(path):
     """The sweep's check on FINFO_MIN_ROWS with the seed that found it."""
     check(FINFO_MIN_ROWS, 4890031, path)
+
+
+# float32 logits in the hundreds (q and k scaled by 6, q.k of ~1400 before the scale), with
+# windows and lengths: compiled on the H200 the default path's dq missed a bar whose baseline
+# accumulated its matmuls in float64 (1.2x); `plain_in_dtype` accumulates in float32 as XLA does.
+FLOAT32_LARGE_LOGITS = {
+    21045714: Config(
+        batch=1,
+        q_len=77,
+        kv_len=77,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=120,
+        dtype="f32",
+        window=(10, 15),
+        q_lengths=True,
+        extreme="large-logits",
+    ),
+    423933: Config(
+        batch=1,
+        q_len=31,
+        kv_len=53,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=56,
+        dtype="f32",
+        window=(24, 10),
+        q_lengths=True,
+        kv_lengths=True,
+        extreme="large-logits",
+    ),
+}
+
+
+@pytest.mark.parametrize("seed", sorted(FLOAT32_LARGE_LOGITS))
+@pytest.mark.parametrize("path", backend_paths())
+def test_float32_large_logits(path, seed):
+    """The sweep's check on the float32 large-logit examples with the seeds that found them."""
+    check(FLOAT32_LARGE_LOGITS[seed], seed, path)

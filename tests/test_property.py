@@ -367,7 +367,9 @@ def plain_in_dtype(c: Config, x64, vis):
 
 def violations(c: Config, results, baselines, oracles, names=MASKED_OUTPUT_NAMES) -> list[str]:
     """Messages for outputs beyond 2 x (plain error, capped) + floor, relative to the magnitude;
-    non-finite values where the oracle is finite; -inf entries that differ from the oracle's."""
+    non-finite values where the oracle is finite (but for overflow: an inf of the oracle's sign
+    where the oracle, give or take the allowed error, rounds to inf in the output's dtype);
+    -inf entries that differ from the oracle's."""
     msgs = []
     for name in names:
         want, got = oracles[name], results[name]
@@ -378,27 +380,45 @@ def violations(c: Config, results, baselines, oracles, names=MASKED_OUTPUT_NAMES
         if got.shape != want.shape:
             msgs.append(f"{name}: shape {got.shape} != {want.shape}")
             continue
+        edge = overflow_edge(got.dtype)
         got, base = to64(got), np.asarray(baselines[name], np.float64)
         finite = np.isfinite(want)
         if not np.array_equal(got[~finite], want[~finite]):
             msgs.append(f"{name}: non-finite entries differ from the oracle's")
-        if not np.isfinite(got[finite]).all():
-            msgs.append(f"{name}: {int((~np.isfinite(got[finite])).sum())} non-finite values")
-            continue
         magnitude = max(1.0, float(np.max(np.abs(want[finite]), initial=0.0)))
-        err = float(np.max(np.abs(got[finite] - want[finite]), initial=0.0))
         with np.errstate(invalid="ignore"):
             base_err = float(np.nanmax(np.abs(base[finite] - want[finite]), initial=0.0))
         if not np.isfinite(base[finite]).all():
             base_err = math.inf
         cap = BASELINE_CAP[c.dtype] * magnitude
         allowed = 2 * min(base_err, cap) + FLOOR[c.dtype] * magnitude
+        # float16 gradients of logits ~1e9 reach 1e5: their float64 values are finite, their
+        # float16 ones inf, of the same sign.
+        overflowed = (
+            finite
+            & np.isinf(got)
+            & (np.sign(got) == np.sign(want))
+            & (np.abs(want) + allowed >= edge)
+        )
+        checked = finite & ~overflowed
+        if not np.isfinite(got[checked]).all():
+            msgs.append(f"{name}: {int((~np.isfinite(got[checked])).sum())} non-finite values")
+            continue
+        err = float(np.max(np.abs(got[checked] - want[checked]), initial=0.0))
         if not err <= allowed:
             msgs.append(
                 f"{name}: error {err:.3g} > {allowed:.3g} (plain {c.dtype} error {base_err:.3g}, "
                 f"magnitude {magnitude:.3g})"
             )
     return msgs
+
+
+def overflow_edge(dtype) -> float:
+    """The magnitude from which float64 values round to inf in `dtype`: its largest finite value
+    plus half an ulp there."""
+    largest = jnp.finfo(dtype).max
+    below = jnp.nextafter(jnp.asarray(largest, dtype), jnp.asarray(0, dtype))
+    return float(largest) + (float(largest) - float(below)) / 2
 
 
 def check(c: Config, seed: int, path):
@@ -694,3 +714,94 @@ FLOAT32_LARGE_LOGITS = {
 def test_float32_large_logits(path, seed):
     """The sweep's check on the float32 large-logit examples with the seeds that found them."""
     check(FLOAT32_LARGE_LOGITS[seed], seed, path)
+
+
+# float32 logits in the hundreds on small tiles: the Triton backward recomputes P against one
+# float32 reference per row, lse / scale (~1250 here, ulp 1.2e-4), whose rounding moves every P
+# of the row by up to ~3e-5 of itself; dv misses the bar by 2-7% (7.0e-5 in the interpreter,
+# 7.3e-5 compiled on the default tiles, against 6.9e-5). The "xla" path's backward, in natural
+# units, meets it. Referring P to the forward's row max in the kernel's units, with log_sum
+# apart, would make it exact (benchmarks/NOTES.md, "float32 at large logits").
+FLOAT32_LSE_ROUNDING = Config(
+    batch=2,
+    q_len=33,
+    kv_len=33,
+    num_heads=2,
+    num_kv_heads=2,
+    head_dim=88,
+    dtype="f32",
+    window=(17, 6),
+    scale=0.3,
+    q_lengths=True,
+    segments="qkv",
+    num_segments=1,
+    extreme="large-logits",
+    block="16",
+)
+TRITON_ROUNDS_LSE = pytest.mark.xfail(
+    raises=AssertionError,
+    strict=True,
+    reason="the Triton backward's float32 reference rounds P of logits in the hundreds",
+)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        pytest.param(*p.values, id=p.id, marks=[*p.marks, TRITON_ROUNDS_LSE])
+        if p.id in ("triton-interpret", "default")
+        else p
+        for p in backend_paths(exclude=("triton",))
+    ],
+)
+def test_float32_logits_in_the_hundreds(path):
+    """The sweep's check on FLOAT32_LSE_ROUNDING with the seed that found it (strict xfail where
+    the Triton backward runs it: its dv is 1.02-1.07x the bar)."""
+    check(FLOAT32_LSE_ROUNDING, 300, path)
+
+
+# float16 with huge logits and scale 1 (q and k ~1e4, logits ~1e9): some float64 gradients
+# pass 65504, so their float16 values are inf. The sweep's check once counted those infs as NaN
+# safety failures; an inf of the oracle's sign is the float16 value of such a gradient.
+FLOAT16_GRADIENT_OVERFLOW = Config(
+    batch=2,
+    q_len=16,
+    kv_len=16,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=128,
+    dtype="f16",
+    window=21,
+    scale=1.0,
+    bias="",
+    bias_dtype="f16",
+    mask="11ts",
+    kv_lengths=True,
+    segments="qkv",
+    num_segments=4,
+    sorted_segments=False,
+    extreme="huge-logits",
+)
+
+
+@pytest.mark.parametrize("path", backend_paths())
+def test_float16_gradients_beyond_its_range(path):
+    """The sweep's check on FLOAT16_GRADIENT_OVERFLOW with the seed that found it: every gradient
+    whose float64 value float16 can hold is right, the others are inf of their sign."""
+    check(FLOAT16_GRADIENT_OVERFLOW, 9103094, path)
+
+
+def test_violations_accept_inf_only_where_the_dtype_overflows():
+    """An inf of the oracle's sign passes where the oracle rounds to inf in the output's dtype;
+    an inf elsewhere, one of the other sign, or a NaN there fails."""
+    c = Config(batch=1, q_len=1, kv_len=1, num_heads=1, num_kv_heads=1, head_dim=4, dtype="f16")
+    want = np.array([1.0, 70000.0, -80000.0, 2.0])
+
+    def msgs(got):
+        got = jnp.asarray(np.array(got), jnp.float16)
+        return violations(c, {"dq": got}, {"dq": want}, {"dq": want}, names=("dq",))
+
+    assert msgs([1.0, np.inf, -np.inf, 2.0]) == []
+    assert msgs([1.0, np.inf, np.inf, 2.0]) == ["dq: 1 non-finite values"]
+    assert msgs([1.0, np.nan, -np.inf, 2.0]) == ["dq: 1 non-finite values"]
+    assert msgs([np.inf, np.inf, -np.inf, 2.0]) == ["dq: 1 non-finite values"]

@@ -23,8 +23,11 @@
 # TEST_SPREAD=1 gives each test group one GPU of the host in turn (CUDA_VISIBLE_DEVICES), except
 # groups written all:ARGS. TEST_WORKERS=N runs the groups in one pytest over N processes instead
 # (TEST_MARK: its marker expression, default gpu); with TEST_IDS=FILE it runs the node ids listed
-# in FILE (one per line, e.g. the ones a capped run did not reach) instead of TEST_GROUPS.
-# The whole gpu-marked suite takes ~15 min of one H200 at TEST_WORKERS=15: two calls.
+# in FILE (one per line) instead of TEST_GROUPS, and writes those it did not reach by the cap to
+# $OUT/not_reached.txt (`benchmarks/not_reached.py`): the next call's TEST_IDS (carry it in
+# benchmarks/scratch). TEST_IDS=all: every gpu-marked test but the property sweeps (the sweep
+# stage runs those, with fresh seeds), collected here into $OUT/ids.txt.
+# The whole gpu-marked suite takes ~1300 s of one H200 at TEST_WORKERS=15: three calls.
 # TEST_GROUPS entries written any:ARGS run unmarked tests too.
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
 set -u
@@ -44,6 +47,11 @@ for stage in ${@:-tests masks grid}; do
         # One BLAS thread per worker: the oracle's einsums oversubscribe the cores otherwise.
         # Node ids hold spaces and brackets: they go to pytest.main as a list, not through a shell.
         ids_runner="import sys, pytest; ids = [l.strip() for l in open(sys.argv[1]) if l.strip()]; sys.exit(pytest.main(sys.argv[2:] + ids))"
+        if [ "${TEST_IDS:-}" = all ]; then
+          python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider -p no:benchmark tests \
+            2>/dev/null | grep '::' | grep -v property_sweep > $OUT/ids.txt
+          TEST_IDS=$OUT/ids.txt
+        fi
         if [ -n "${TEST_IDS:-}" ]; then run=(python3 -c "$ids_runner" "$TEST_IDS"); else run=(python3 -m pytest); fi
         OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
         timeout -s INT -k 30 ${TEST_TIMEOUT:-280} "${run[@]}" -n $TEST_WORKERS -v \
@@ -52,6 +60,9 @@ for stage in ${@:-tests masks grid}; do
           > $OUT/gpu_tests.log 2>&1
         unset XLA_PYTHON_CLIENT_PREALLOCATE
         grep -E "FAILED|ERROR|XPASS|passed|failed" $OUT/gpu_tests.log | tail -n 40
+        if [ -n "${TEST_IDS:-}" ]; then
+          python3 benchmarks/not_reached.py "$TEST_IDS" $OUT/gpu_tests.log > $OUT/not_reached.txt
+        fi
         continue
       fi
       groups=${TEST_GROUPS:-"tests/test_triton_forward.py;tests/test_triton_backward.py;tests/test_mosaic_forward.py;tests --ignore=tests/test_triton_forward.py --ignore=tests/test_triton_backward.py --ignore=tests/test_mosaic_forward.py"}

@@ -12,6 +12,7 @@ LN2 = 0.6931471805599453  # ln(2): converts a base-2 logsumexp back to natural l
 # masked logits are -inf, so (masked - max) is -inf and exp2 gives exactly 0, never -inf - -inf;
 # a row whose keys all carry a logit of finfo.min still gets their softmax.
 MIN_LOGIT = float(np.finfo(np.float32).min)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 # A backward recomputes P = exp(s * unit - lse) from the saved lse: one float32 rounded several
 # times (the forward's row max and log-sum, a change of units), against an s recomputed by
@@ -30,9 +31,15 @@ BACKWARD_SLACK = 2.0**-22
 SLACK_FROM = 1024.0
 
 
+def slack(lse):
+    """How far (natural log) a backward lowers its reference below a row's max: BACKWARD_SLACK
+    of the part of |lse| (float32) beyond SLACK_FROM."""
+    return jnp.maximum(jnp.abs(lse) - SLACK_FROM, 0.0) * BACKWARD_SLACK
+
+
 def lowered_reference(lse):
-    """lse (float32, natural log) lowered by BACKWARD_SLACK of its magnitude beyond SLACK_FROM."""
-    return lse - jnp.maximum(jnp.abs(lse) - SLACK_FROM, 0.0) * BACKWARD_SLACK
+    """lse (float32, natural log) lowered by its `slack`."""
+    return lse - slack(lse)
 
 
 def probability_bound(log_sum, lse):
@@ -44,16 +51,17 @@ def probability_bound(log_sum, lse):
     return log_sum.astype(jnp.float32) * -LOG2E
 
 
-def merge_weights(lse, log_sum, axis: int):
+def merge_weights(lse, log_sum, axis: int, maxima=None):
     """(weights, log_sum) of a softmax whose keys are split in parts along `axis` of lse and
     log_sum (float32, each part's own): each part's weight in the merged output (its share of
-    the summed denominators, relative to the largest of the parts' maxima lse - log_sum, which
-    is exact: lse rounds log_sum away only where the max's ulp exceeds it) and the merged
-    softmax's log_sum. lse alone would weigh parts whose denominators its rounding lost (keys
-    tying at |logits| beyond ~1e6) equally. Parts that see no key (lse = -inf) weigh 0; rows
-    that no part sees get weights 0 and log_sum 0."""
+    the summed denominators, relative to the largest of the parts' maxima) and the merged
+    softmax's log_sum, relative to that largest max. maxima: the parts' row maxima (natural
+    log), or None for lse - log_sum (close: lse rounds log_sum away only where the max's ulp
+    exceeds it, but off by an ulp of lse). lse alone would weigh parts whose denominators its
+    rounding lost (keys tying at |logits| beyond ~1e6) equally. Parts that see no key (lse =
+    -inf) weigh 0; rows that no part sees get weights 0 and log_sum 0."""
     seen = jnp.isfinite(lse)
-    row_max = jnp.where(seen, lse - log_sum, -jnp.inf)
+    row_max = jnp.where(seen, lse - log_sum if maxima is None else maxima, -jnp.inf)
     top = jnp.max(row_max, axis=axis, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)
     shares = jnp.where(seen, jnp.exp(jnp.where(seen, row_max - top + log_sum, 0.0)), 0.0)
@@ -62,10 +70,37 @@ def merge_weights(lse, log_sum, axis: int):
     return weights, jnp.log(jnp.maximum(jnp.squeeze(total, axis), 1.0))
 
 
-def log_sum_with_sinks(lse, log_sum, sinks):
+def log_sum_with_sinks(lse, log_sum, sinks, maxima=None):
     """log_sum of rows with lse (keys only) after adding the sink logits (broadcast against
     lse[..., 0]: [N] or [B, N]): the merge of the keys with the sink as a part of its own
-    (log_sum 0), relative to the larger of the keys' max and the sink. Rows that see no key: 0."""
+    (log_sum 0), relative to the larger of the keys' max and the sink. Rows that see no key: 0.
+    maxima: the keys' row maxima (natural log), or None for lse - log_sum (`merge_weights`)."""
     sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
     parts = jnp.stack([lse, sinks]), jnp.stack([log_sum, jnp.zeros_like(log_sum)])
-    return merge_weights(*parts, axis=0)[1]
+    if maxima is not None:
+        maxima = jnp.stack([maxima, sinks])
+    return merge_weights(*parts, axis=0, maxima=maxima)[1]
+
+
+def sink_against_keys(m_keys, sink, unit: float, unit2: float | None = None):
+    """An epilogue's attention sink (a float32 scalar, natural log) against its rows' largest
+    logit m_keys (in the kernel's units: natural = u * unit; >= MIN_LOGIT, finite):
+    (m, keys_share, sink_share, top), m the larger of the two in those units, the shares
+    exp(each - m) that l_i and the sink's term take, and top the larger in natural log, which
+    lse adds log_sum to.
+
+    The sink in the kernel's units is held at float32's largest: a finite sink beyond float32
+    over the scale (1e38 at H = 64 is 8e38 units) would otherwise be inf, and inf - inf a NaN.
+    top is the sink itself where it is the larger, so lse stays the sink's, not the held
+    value's; a sink of -inf leaves the row as it is. unit2: the kernel's own unit * log2(e)
+    (exp2((u - m) * unit2) == exp(logit - max)), not multiplied where it is 1."""
+    unit2 = unit * LOG2E if unit2 is None else unit2
+    sink_u = jnp.minimum(sink * (1.0 / unit), FLOAT32_MAX)
+    m = jnp.maximum(m_keys, sink_u)
+
+    def log2_share(x):
+        return jnp.exp2(x if unit2 == 1.0 else x * unit2)
+
+    keys_share, sink_share = log2_share(m_keys - m), log2_share(sink_u - m)
+    top = jnp.where(sink_u > m_keys, sink, m_keys * unit)
+    return m, keys_share, sink_share, top

@@ -1,11 +1,12 @@
 """The autodiff of pallas_flash: one jax.custom_vjp per path. On the kernel path the forward
-saves (q, k, v, bias, mask arrays, out, lse, log_sum) and the backward calls the kernels' backward
-with the cotangents of both outputs; on the "xla" path the same rule wraps the plain-jnp
-reference.
+saves (q, k, v, bias, mask arrays, out, lse, log_sum, row_max) and the backward calls the
+kernels' backward with the cotangents of both outputs; on the "xla" path the same rule wraps the
+plain-jnp reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
 (`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse,
-log_sum), so either backward serves either forward.
+log_sum), so either backward serves either forward; the Triton forward's row max also reaches
+the Triton backward, which recomputes P from it exactly (`triton.backward.flash_backward`).
 
 Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
 work on every path: the kernel passes inside the rules are themselves differentiable, their
@@ -94,7 +95,7 @@ def flash_attention_kernels_with_log_sum(
     """(out, lse, log_sum) through the kernels: `flash_attention_kernels` and the forward's
     log_sum (`_forward`), a residual for a backward run apart (`flash_backward_kernels`). Its
     cotangent is dropped: callers hand it out under stop_gradient."""
-    return _forward(q, k, v, bias, arrays, sinks, config=config)
+    return _forward(q, k, v, bias, arrays, sinks, config=config)[:3]
 
 
 # Each pass is one jit'd function of the static config: a model that repeats a layer traces and
@@ -104,14 +105,17 @@ def flash_attention_kernels_with_log_sum(
 # heads.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    """(out, lse, log_sum): log_sum (each row's log softmax denominator relative to its max,
-    from either forward) lets either backward recompute tied logits exactly at any magnitude."""
+    """(out, lse, log_sum, row_max): log_sum (each row's log softmax denominator relative to its
+    max, from either forward) lets either backward recompute tied logits exactly at any
+    magnitude; row_max (that max in the Triton forward's units, `triton.flash_forward`) lets
+    the Triton backward recompute P free of lse's rounding. After the Mosaic forward, which has
+    no row max, lse stands in its place, never read (`_backward_call`)."""
     return tuple(
         _partition.partitioned(
             _forward_shard,
             config,
             ("q", "kv", "v", "pair", "arrays", "sinks"),
-            ("o", "lse", "lse"),
+            ("o", "lse", "lse", "lse"),
             q,
             k,
             v,
@@ -124,7 +128,7 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
 
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     if config.forward == "mosaic":
-        return mosaic.flash_forward(
+        out, lse, log_sum = mosaic.flash_forward(
             q,
             k,
             v,
@@ -139,9 +143,19 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             dropout=_dropout_of(arrays, config),
             with_log_sum=True,
         )
+        return out, lse, log_sum, lse
     num_sms = None if config.device is None else config.device.num_sms
     return flash_forward(
-        q, k, v, bias, arrays, **config.kwargs(), num_sms=num_sms, sinks=sinks, with_log_sum=True
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+        **config.kwargs(),
+        num_sms=num_sms,
+        sinks=sinks,
+        with_log_sum=True,
+        with_row_max=True,
     )
 
 
@@ -167,17 +181,17 @@ def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig, sinks):
-    out, lse, log_sum = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
-    return (out, lse, log_sum), (q, k, v, bias, arrays, sinks, out, lse, log_sum)
+    out, lse, log_sum, row_max = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
+    return (out, lse, log_sum), (q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max)
 
 
 def _bwd_rule(config: KernelConfig, residuals, cotangents):
     # With sinks, lse includes them: the kernels' P = exp(logits - lse) and delta = rowsum(dO *
     # out) are then those of the softmax over keys and sink, and so are dq, dk, dv and dbias.
-    q, k, v, bias, arrays, sinks, out, lse, log_sum = residuals
+    q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max = residuals
     d_out, d_lse, _ = cotangents
     dq, dk, dv, dbias = _differentiable_backward(
-        q, k, v, bias, arrays, sinks, out, lse, log_sum, d_out, d_lse, config
+        q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, config
     )
     d_sinks = None
     if sinks is not None:
@@ -225,11 +239,13 @@ def sink_gradient(sinks, out, lse, d_out, d_lse):
 
 
 @functools.partial(jax.jit, static_argnames="config")
-def _backward(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig):
+def _backward(
+    q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
+):
     return _partition.partitioned(
         _backward_shard,
         config,
-        ("q", "kv", "v", "pair", "arrays", "o", "lse", "lse", "o", "lse"),
+        ("q", "kv", "v", "pair", "arrays", "o", "lse", "lse", "lse", "o", "lse"),
         ("q", "kv", "v", "pair"),
         q,
         k,
@@ -239,26 +255,31 @@ def _backward(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config:
         out,
         lse,
         log_sum,
+        row_max,
         d_out,
         d_lse,
     )
 
 
 def _backward_shard(
-    q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig
+    q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
 ):
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
+    rows = (lse, log_sum, row_max)
     # The Mosaic backward takes Hv != H as it is; the Triton backward takes one head dim.
     if head_dim == value_head_dim or config.backward == "mosaic":
-        return _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config)
+        return _backward_call(q, k, v, bias, arrays, out, *rows, d_out, d_lse, config=config)
     padded = _common_head_dim(q, k, v, out, d_out)
     dq, dk, dv, dbias = _backward_call(
-        *padded[:3], bias, arrays, *padded[3:4], lse, log_sum, padded[4], d_lse, config=config
+        *padded[:3], bias, arrays, *padded[3:4], *rows, padded[4], d_lse, config=config
     )
     return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
 
 
-def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, config: KernelConfig):
+def _backward_call(
+    q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
+):
+    """row_max: the Triton forward's, or None; after the Mosaic forward a stand-in, not read."""
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,
@@ -279,8 +300,21 @@ def _backward_call(q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, *, co
             log_sum=log_sum,
         )
         return dq, dk, dv, None
+    if config.forward != "triton":
+        row_max = None
     return flash_backward(
-        q, k, v, bias, arrays, out, lse, d_out, d_lse, **config.kwargs(), log_sum=log_sum
+        q,
+        k,
+        v,
+        bias,
+        arrays,
+        out,
+        lse,
+        d_out,
+        d_lse,
+        **config.kwargs(),
+        log_sum=log_sum,
+        row_max=row_max,
     )
 
 
@@ -294,7 +328,7 @@ def flash_backward_kernels(
     forward's log_sum or None), which may be those of a larger softmax (a ring's merged
     blocks); differentiable as the rule's."""
     return _differentiable_backward(
-        q, k, v, bias, arrays, None, out, lse, log_sum, d_out, d_lse, config
+        q, k, v, bias, arrays, None, out, lse, log_sum, None, d_out, d_lse, config
     )
 
 
@@ -371,25 +405,26 @@ def _differentiable_forward(q, k, v, bias, arrays, sinks, config: KernelConfig):
 @_differentiable_forward.defjvp
 def _differentiable_forward_jvp(config: KernelConfig, primals, tangents):
     q, k, v, bias, arrays, sinks = primals
-    out, lse, log_sum = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
+    out, lse, log_sum, row_max = _differentiable_forward(q, k, v, bias, arrays, sinks, config)
     _, (t_out, t_lse) = jax.jvp(
         lambda q, k, v, bias, sinks: _reference(q, k, v, bias, sinks, arrays, config),
         (q, k, v, bias, sinks),
         (*tangents[:4], tangents[5]),
     )
-    # log_sum only bounds the backward's recomputed P, and the backward's derivative is the
-    # reference's: its tangent is never read.
-    return (out, lse, log_sum), (t_out, t_lse, jax.tree.map(jnp.zeros_like, log_sum))
+    # log_sum and row_max only serve the backward's recomputed P, and the backward's derivative
+    # is the reference's: their tangents are never read.
+    zeros = jax.tree.map(jnp.zeros_like, (log_sum, row_max))
+    return (out, lse, log_sum, row_max), (t_out, t_lse, *zeros)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(11,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(12,))
 def _differentiable_backward(
-    q, k, v, bias, arrays, sinks, out, lse, log_sum, d_out, d_lse, config: KernelConfig
+    q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, config: KernelConfig
 ):
     """(dq, dk, dv, dbias) of the kernels' backward, dbias in closed form for a bias broadcast
     over the keys (`_bias_gradient_in_closed_form`); `sinks`: those lse includes, or None."""
     dq, dk, dv, dbias = _backward(
-        q, k, v, bias, arrays, out, lse, log_sum, d_out, d_lse, config=config
+        q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, config=config
     )
     if _bias_gradient_in_closed_form(bias, config):
         dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse)
@@ -398,7 +433,7 @@ def _differentiable_backward(
 
 @_differentiable_backward.defjvp
 def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
-    q, k, v, bias, arrays, sinks, out, lse, _, d_out, d_lse = primals
+    q, k, v, bias, arrays, sinks, out, lse, _, _, d_out, d_lse = primals
     grads = _differentiable_backward(*primals, config)
 
     def reference_grads(q, k, v, bias, sinks, d_out, d_lse):
@@ -410,7 +445,7 @@ def _differentiable_backward_jvp(config: KernelConfig, primals, tangents):
     # The reference recomputes (out, lse) from (q, k, v, bias, sinks), so their tangents reach
     # the result through those of q, k, v, bias and sinks; the residuals' own tangents (always
     # those of the forward at the same point) would count them twice and are left out.
-    tq, tk, tv, tbias, _, tsinks, _, _, _, td_out, td_lse = tangents
+    tq, tk, tv, tbias, _, tsinks, _, _, _, _, td_out, td_lse = tangents
     _, grads_tangent = jax.jvp(
         reference_grads,
         (q, k, v, bias, sinks, d_out, d_lse),

@@ -378,3 +378,28 @@ def test_mosaic_forward_with_sinks_lowers_for_h200(soft_cap):
 
     lowered = lower_for_h200(forward, q, kv, kv, sinks)
     assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.parametrize("path", backend_paths(mosaic=True))
+def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path):
+    """A finite sink of 1e38 at H = 64: 8e38 in the kernels' units (logit / scale), past
+    float32. It takes every row: out 0 and lse the sink, as in float64; the gradients are 0 but
+    d sinks, the rows' sum of d_lse (P_sink = 1, delta = -d_lse)."""
+    size = sizes(path) | dict(H=64)
+    q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(8, **size)
+    sinks = jnp.full((size["N"],), 1e38, jnp.float32)
+
+    def fn(q, k, v, s):
+        return pallas_flash.flash_attention(
+            q, k, v, is_causal=True, sinks=s, query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths, return_residuals=True, **path.kwargs,
+        )  # fmt: skip
+
+    with path.scope():
+        out, lse, dq, dk, dv, dsinks = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
+    np.testing.assert_array_equal(out, 0.0)
+    np.testing.assert_array_equal(lse, np.float64(np.float32(1e38)))
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        np.testing.assert_array_equal(grad, 0.0, err_msg=name)
+    want = np.asarray(d_lse, np.float64).sum(axis=(0, 2))
+    np.testing.assert_allclose(dsinks, want, rtol=1e-5)

@@ -128,10 +128,12 @@ def test_split_forward_lowers_for_h200():
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
-def test_split_log_sum_matches_unsplit(sinks):
+def test_split_log_sum_and_row_max_match_unsplit(sinks):
     """The log of each row's softmax denominator (relative to its largest logit, sinks
-    included) that the forward hands the backward: the split chunks' merge gives the unsplit
-    kernel's, also for rows that see no key (0) or keys in some chunks only."""
+    included) and that largest logit in the kernel's units, which the forward hands the
+    backward: the split chunks' merge gives the unsplit kernel's (the row max exactly), also for
+    chunks that see no key or rows that see keys in some chunks only; row max * unit + log_sum
+    is lse."""
     from pallas_flash import masks
     from pallas_flash.masks import MaskArrays, MaskSpec
     from pallas_flash.triton import flash_forward
@@ -147,23 +149,28 @@ def test_split_log_sum_matches_unsplit(sinks):
     )
     sink_logits = jnp.asarray(np.linspace(-2.0, 4.0, 8).reshape(2, 4), jnp.float32)
 
-    def log_sum(splits):
-        _, _, result = flash_forward(
+    scale = 32**-0.5
+
+    def rows(splits):
+        _, lse, log_sum, row_max = flash_forward(
             q,
             k,
             v,
             None,
             arrays,
             spec=spec,
-            scale=32**-0.5,
+            scale=scale,
             soft_cap=None,
             block_sizes=dataclasses.replace(TILES, kv_splits=splits),
             interpret=True,
             sinks=sink_logits if sinks else None,
             with_log_sum=True,
+            with_row_max=True,
         )
-        return np.asarray(result)
+        return [np.asarray(x) for x in (lse, log_sum, row_max)]
 
-    unsplit = log_sum(1)
-    assert np.all(unsplit >= 0) and np.any(unsplit > 0.5)
-    np.testing.assert_allclose(log_sum(3), unsplit, atol=2e-6, rtol=2e-6)
+    (lse, log_sum, row_max), split = rows(1), rows(3)
+    assert np.all(log_sum >= 0) and np.any(log_sum > 0.5)
+    np.testing.assert_allclose(split[1], log_sum, atol=2e-6, rtol=2e-6)
+    np.testing.assert_array_equal(split[2], row_max)
+    np.testing.assert_allclose(row_max * scale + log_sum, lse, rtol=1e-6)

@@ -32,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT
+from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, sink_against_keys
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.launch import (
@@ -875,15 +875,13 @@ def _consume(
 
     # -- epilogue: out = acc / l, lse back to natural log; rows that saw no key: 0 and -inf --
     keys_share = None
+    top = m_i * unit  # the natural-log logit that lse adds log_sum to
     if sink is not None:
         # The sink's e^{sink} joins l, both relative to the larger of the row max and the sink
-        # (in the units of s: sink / unit; m_i >= MIN_LOGIT is finite, so a sink of -inf
-        # leaves the row as it is).
-        sink_s = sink * (1.0 / unit)
-        m_all = jnp.maximum(m_i, sink_s)
-        keys_share = jnp.exp2(_times(m_i - m_all, unit2))
-        l_i = l_i * keys_share + jnp.exp2(_times(sink_s - m_all, unit2))
-        m_i = m_all
+        # (`_numerics.sink_against_keys`: m_i >= MIN_LOGIT is finite, so a sink of -inf leaves
+        # the row as it is, and a sink beyond float32 in the units of s is held there).
+        m_i, keys_share, sink_share, top = sink_against_keys(m_i, sink, unit, unit2)
+        l_i = l_i * keys_share + sink_share
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     # One reciprocal per row instead of a divide per element.
@@ -896,7 +894,7 @@ def _consume(
     # log_sum (log l, relative to the row max or the sink) also for a backward that recomputes
     # P: beyond |lse| ~ 1e7 lse rounds it away, and keys that tie at the max have P = 1 / l.
     log_sum = jnp.log(l_safe)
-    lse_smem.at[0][...] = jnp.where(empty, -jnp.inf, m_i * unit + log_sum)
+    lse_smem.at[0][...] = jnp.where(empty, -jnp.inf, top + log_sum)
     if len(row_refs) > 1:
         lse_smem.at[1][...] = log_sum
     plgpu.commit_smem()

@@ -17,7 +17,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout
-from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, merge_weights  # noqa: F401  re-exported
+from pallas_flash._numerics import (  # noqa: F401  re-exported
+    LN2,
+    LOG2E,
+    MIN_LOGIT,
+    merge_weights,
+    sink_against_keys,
+)
 
 
 def dot(a, b, *, trans_b: bool = False):
@@ -195,13 +201,17 @@ def scores(qk, scale: float, bias, soft_cap):
 
 
 def recomputed_probs(u, ref, bound, unit: float):
-    """P = exp(u * unit - lse) of a backward tile from `ref` = lse / unit, lowered a few ulps
-    (`_numerics.lowered_reference`; +inf for rows that see no key), and `bound` = -log2 of the
-    row's softmax denominator relative to its max (`softmax_store`'s log_sum; 0: unknown).
-    P <= 1 / l: u, recomputed by another matmul, and the rounded lse can put a row's largest
-    logits a few ulps of |lse| above the reference; the clamp makes their P exactly 1 / l (1 for
-    one dominant logit, 1 / n for n tied ones) at any magnitude, never an overflow."""
-    return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E), bound))
+    """P = exp(u * unit - lse) of a backward tile from `ref`, the row's largest logit in the
+    units of u (the Triton forward's own, or (lse - log_sum) / unit), lowered a few ulps
+    (`_numerics.slack`; +inf for rows that see no key), and `bound` = -log2 of the row's
+    softmax denominator relative to its max (`softmax_store`'s log_sum; 0: unknown): P =
+    exp2((u - ref) * unit2 + bound), at most exp2(bound) = 1 / l. u, recomputed by another
+    matmul, can put a row's largest logits a few ulps above the reference; the clamp makes their
+    P exactly 1 / l (1 for one dominant logit, 1 / n for n tied ones) at any magnitude, never an
+    overflow. Relative to the row max, not lse, u - ref is exact where the two are close: lse's
+    float32 rounding would move every P of a row by up to an ulp of |lse| (float32 logits in
+    the hundreds: 3e-5)."""
+    return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E) + bound, bound))
 
 
 def finite_or_zero(x):
@@ -261,6 +271,7 @@ def softmax_store(
     out_scale: float = 1.0,
     sink=None,
     log_sum_ref=None,
+    row_max_ref=None,
 ):
     """The epilogue: stores out = acc / l_i (times out_scale, dropout's 1 / (1 - rate)) and the
     natural-log lse of the first `rows` rows of the tile. Rows that saw no key (l_i == 0) output
@@ -270,21 +281,20 @@ def softmax_store(
     relative to its largest logit (lse = max logit + log l_i; 0 for rows that saw no key). A
     backward needs it apart from lse: beyond |lse| ~ 1e7 a float32 lse cannot hold log l_i
     next to the max, so the P of keys that tie at the max is recomputed from it (1 / l_i).
+    row_max_ref: None, or where to store that largest logit in the units of u (the running max
+    m_i; MIN_LOGIT for rows that saw no key), from which the backward recomputes P exactly
+    where lse's rounding would not (`recomputed_probs`).
 
     sink: None, or a float32 scalar, the natural-log logit of an attention sink: one more term
-    e^{sink} in every row's denominator, with no value. A row that saw no key then outputs 0
-    with lse = sink (-inf for a sink of -inf)."""
+    e^{sink} in every row's denominator, with no value (`_numerics.sink_against_keys`); log_sum
+    and row_max are then relative to the larger of the row max and the sink. A row that saw no
+    key then outputs 0 with lse = sink (-inf for a sink of -inf)."""
     acc, m_i, l_i = carry
     keys_share = None
+    top = m_i * unit  # the natural-log logit that lse adds log_sum to
     if sink is not None:
-        # Both terms relative to the larger of the row max and the sink (in the units of u;
-        # m_i >= MIN_LOGIT is finite, so a sink of -inf leaves the row as it is): neither exp2
-        # overflows.
-        sink_u = sink * (1.0 / unit)
-        m_all = jnp.maximum(m_i, sink_u)
-        keys_share = jnp.exp2((m_i - m_all) * (unit * LOG2E))
-        l_i = l_i * keys_share + jnp.exp2((sink_u - m_all) * (unit * LOG2E))
-        m_i = m_all
+        m_i, keys_share, sink_share, top = sink_against_keys(m_i, sink, unit)
+        l_i = l_i * keys_share + sink_share
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     if keys_share is None:
@@ -295,26 +305,38 @@ def softmax_store(
         out = out * out_scale
     store_rows(o_ref, out, 0, block, rows, head_dim)
     log_sum = jnp.log2(l_safe) * LN2
-    lse = jnp.where(empty, -jnp.inf, m_i * unit + log_sum)
+    lse = jnp.where(empty, -jnp.inf, top + log_sum)
     tile_rows = lax.broadcasted_iota(jnp.int32, (block,), 0)
     plgpu.store(lse_ref, lse, mask=tile_rows < rows)
     if log_sum_ref is not None:
         plgpu.store(log_sum_ref, log_sum, mask=tile_rows < rows)
+    if row_max_ref is not None:
+        plgpu.store(row_max_ref, m_i, mask=tile_rows < rows)
 
 
-def merge_splits(lse, log_sum, splits: int):
+def merge_splits(lse, log_sum, splits: int, row_max=None, unit: float = 1.0):
     """The merge of split-KV partial results from their lse and log_sum [B * splits, ...]
     (natural log, `softmax_store`'s): (each split's weight in the merged output [B, splits,
     ...], `_numerics.merge_weights`'s; the merged lse [B, ...], from the splits' lse; the merged
-    log_sum [B, ...]). Splits that saw no key weigh 0; rows no split saw a key of get lse -inf."""
+    log_sum [B, ...]; the merged row max [B, ...] or None). Splits that saw no key weigh 0; rows
+    no split saw a key of get lse -inf.
+
+    row_max: None, or the splits' row maxima in the units of u (`softmax_store`), natural =
+    row_max * unit: the weights and log_sum are then relative to the largest of them exactly,
+    and the merged row max is that largest."""
     lse, log_sum = (x.reshape(-1, splits, *x.shape[1:]) for x in (lse, log_sum))
-    weights, merged_log_sum = merge_weights(lse, log_sum, axis=1)
+    merged_max = maxima = None
+    if row_max is not None:
+        row_max = row_max.reshape(lse.shape)
+        maxima = row_max * unit
+        merged_max = jnp.max(jnp.where(jnp.isfinite(lse), row_max, MIN_LOGIT), axis=1)
+    weights, merged_log_sum = merge_weights(lse, log_sum, axis=1, maxima=maxima)
     top = jnp.max(lse, axis=1)
     finite = jnp.isfinite(top)
     safe_top = jnp.where(finite, top, 0.0)
     shares = jnp.sum(jnp.where(jnp.isfinite(lse), jnp.exp(lse - safe_top[:, None]), 0.0), axis=1)
     merged_lse = jnp.where(finite, safe_top + jnp.log(jnp.where(finite, shares, 1.0)), -jnp.inf)
-    return weights, merged_lse, merged_log_sum
+    return weights, merged_lse, merged_log_sum, merged_max
 
 
 class Operands:

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import lowered_reference, probability_bound
+from pallas_flash._numerics import probability_bound, slack
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -56,7 +56,7 @@ def _dkv_kernel(
     k_ref,
     v_ref,
     do_ref,
-    lse_ref,
+    max_ref,
     delta_ref,
     bound_ref,
     *refs,
@@ -72,9 +72,10 @@ def _dkv_kernel(
 ):
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
-    q_ref, do_ref: [T, group, Hp]; lse_ref, delta_ref, bound_ref: [group, T]; k/v/dk/dv_ref:
+    q_ref, do_ref: [T, group, Hp]; max_ref, delta_ref, bound_ref: [group, T]; k/v/dk/dv_ref:
     [block_kv, Hp].
-    lse_ref holds lse / logit_unit (see `scores`), +inf for rows that see no key (P == 0 there).
+    max_ref holds each row's largest logit in the units of `scores`, lowered by its slack
+    (`recomputed_probs`), +inf for rows that see no key (P == 0 there).
     Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
     Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
     transposing P and dS. With dropout, the dropout tables come last; the keep-mask is
@@ -108,13 +109,13 @@ def _dkv_kernel(
         q_start = pl.multiple_of(i * block_q, block_q)
         q = load_rows(q_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
         do = load_rows(do_ref, q_start, block_q, spec.q_len, head_dim, ragged=ragged_q, head=head)
-        lse_u = load_vector(lse_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
+        max_u = load_vector(max_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         delta = load_vector(delta_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         bound = load_vector(bound_ref, q_start, block_q, spec.q_len, ragged=ragged_q, head=head)
         # -- recompute P^T [block_kv, block_q] --
         bias = None if ops.bias is None else pair_tile(ops.bias, q_start, head)
         u_t, dcap_t = scores(dot(k, q, trans_b=True), scale, bias, soft_cap)
-        p_t = recomputed_probs(u_t, lse_u[None, :], bound[None, :], unit)
+        p_t = recomputed_probs(u_t, max_u[None, :], bound[None, :], unit)
         v_tile = v
         if masked:
             q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
@@ -179,13 +180,13 @@ def _dkv_kernel(
 
 def tile_d_logits(q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None):
     """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
-    from the rows' (lse_u, bound, delta) (`recomputed_probs`), zero where `visible` (None:
+    from the rows' (max_u, bound, delta) (`recomputed_probs`), zero where `visible` (None:
     everywhere visible) is False.
     kept_scale: None, or dropout's Z (1 / (1 - rate) where kept, else 0): dP = Z * (dO V^T)."""
-    lse_u, bound, delta = rows
+    max_u, bound, delta = rows
     u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
     unit = logit_unit(scale, bias is not None, soft_cap)
-    p = recomputed_probs(u, lse_u[:, None], bound[:, None], unit)
+    p = recomputed_probs(u, max_u[:, None], bound[:, None], unit)
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
         # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dP.
@@ -206,7 +207,7 @@ def _dq_kernel(
     k_ref,
     v_ref,
     do_ref,
-    lse_ref,
+    max_ref,
     delta_ref,
     bound_ref,
     *refs,
@@ -221,7 +222,7 @@ def _dq_kernel(
 ):
     """dQ of one query tile of one head: loop over KV tiles.
 
-    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; lse_ref, delta_ref, bound_ref:
+    q_ref, do_ref, dq_ref: [block_q, Hp]; k_ref, v_ref: [S, Hp]; max_ref, delta_ref, bound_ref:
     [block_q].
     Optional operands as in the forward kernel.
     """
@@ -243,7 +244,7 @@ def _dq_kernel(
     do = load_rows(do_ref, 0, block_q, q_rows, head_dim, ragged=ragged_q)
     rows = tuple(
         load_vector(ref, 0, block_q, q_rows, ragged=ragged_q)
-        for ref in (lse_ref, bound_ref, delta_ref)
+        for ref in (max_ref, bound_ref, delta_ref)
     )
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     q_seg = None
@@ -295,7 +296,7 @@ def _dbias_kernel(
     k_ref,
     v_ref,
     do_ref,
-    lse_ref,
+    max_ref,
     delta_ref,
     bound_ref,
     *refs,
@@ -321,7 +322,7 @@ def _dbias_kernel(
     a fixed order. Every output entry is written (zeros for tiles nobody sees).
 
     q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
-    lse_ref, delta_ref, bound_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg
+    max_ref, delta_ref, bound_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg
     [batches, block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges;
     out [block_q|1, S|1].
     """
@@ -345,7 +346,7 @@ def _dbias_kernel(
         return jax.lax.div(m, jnp.int32(heads)), jax.lax.rem(m, jnp.int32(heads))
 
     def query_rows(m):
-        """q, dO, the rows' (lse_u, bound, delta) and segment ids of pair m's query tile."""
+        """q, dO, the rows' (max_u, bound, delta) and segment ids of pair m's query tile."""
         bi, ni = member(m)
         rows = dict(ragged=ragged_q, head=ni, lead=(bi,))
         q_seg = None
@@ -364,7 +365,7 @@ def _dbias_kernel(
             load_rows(do_ref, 0, block_q, q_rows, head_dim, **rows),
             tuple(
                 load_vector(ref, 0, block_q, q_rows, **rows)
-                for ref in (lse_ref, bound_ref, delta_ref)
+                for ref in (max_ref, bound_ref, delta_ref)
             ),
             q_seg,
         )
@@ -477,6 +478,19 @@ def _dbias_kernel(
         fold(hi, pl.cdiv(spec.kv_len, block_kv), zero_body, 0)
 
 
+def reference_in_units(lse, log_sum, row_max, unit: float):
+    """Each row's reference for `recomputed_probs` [B, N, T]: its largest logit in the units of
+    `scores` (row_max, or (lse - log_sum) / unit), lowered by the slack of its |lse|
+    (`_numerics.slack`): a row's dominant logit, recomputed by another matmul, then lands on
+    the clamp P <= 1 / l at any magnitude. +inf for rows that saw no key (lse == -inf): P is
+    exactly 0 there."""
+    seen = ~jnp.isneginf(lse)
+    lse = jnp.where(seen, lse, 0.0)
+    if row_max is None:
+        row_max = (lse if log_sum is None else lse - log_sum) / unit
+    return jnp.where(seen, row_max - slack(lse) / unit, jnp.inf)
+
+
 def flash_backward(
     q,
     k,
@@ -495,6 +509,7 @@ def flash_backward(
     interpret: bool,
     dropout_rate: float = 0.0,
     log_sum=None,
+    row_max=None,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
@@ -502,6 +517,9 @@ def flash_backward(
     its largest logit (`flash_forward(..., with_log_sum=True)`): with it, keys that tie at a
     row's largest logit get P = 1 / (number of ties) at any magnitude; without, P = 1 there
     once |lse| passes ~1e6 (exact for one dominant logit).
+    row_max: None, or the Triton forward's row max [B, N, T] (`flash_forward(...,
+    with_row_max=True)`, with its log_sum): P is then recomputed relative to it, free of lse's
+    float32 rounding (an ulp of |lse| in every P); without, relative to (lse - log_sum) / unit.
     dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
@@ -510,16 +528,14 @@ def flash_backward(
     hp = padded_head_dim(head_dim)
     has_bias = bias is not None
 
-    # -- preprocess (XLA fuses it into one pass): delta, and lse in the units of `scores` --
+    if row_max is not None and log_sum is None:
+        raise ValueError("flash_backward: row_max needs the forward's log_sum beside it")
+
+    # -- preprocess (XLA fuses it into one pass): delta, and each row's reference and clamp --
     delta = jnp.einsum(
         "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     ) - d_lse.astype(jnp.float32)
-    # Rows that saw no key have lse == -inf; +inf makes P exactly 0 there. The reference sits a
-    # few ulps low (`_numerics`): a row's dominant logit, recomputed by another matmul, then lands
-    # on the clamp P <= 1 at any magnitude.
-    lse_u = jnp.where(
-        jnp.isneginf(lse), jnp.inf, lowered_reference(lse) / logit_unit(scale, has_bias, soft_cap)
-    )
+    max_u = reference_in_units(lse, log_sum, row_max, logit_unit(scale, has_bias, soft_cap))
     # P's clamp, in log2 units: P <= 1 / l.
     bound = probability_bound(log_sum, lse)
 
@@ -548,7 +564,7 @@ def flash_backward(
             block, lambda j, h, b: (b if bx > 1 else 0, h if nx > 1 else 0, 0, j if sx > 1 else 0)
         )
 
-    operands = [q, k, v, d_out, lse_u, delta, bound]
+    operands = [q, k, v, d_out, max_u, delta, bound]
     in_specs = [q_group, kv_tile, kv_tile, q_group, row_group, row_group, row_group]
     if has_bias:
         operands.append(bias)
@@ -586,7 +602,7 @@ def flash_backward(
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_full = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     row_tile = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
-    operands = [q, k, v, d_out, lse_u, delta, bound]
+    operands = [q, k, v, d_out, max_u, delta, bound]
     in_specs = [q_spec, kv_full, kv_full, q_spec, row_tile, row_tile, row_tile]
     if has_bias:
         operands.append(bias)
@@ -626,7 +642,7 @@ def flash_backward(
             bias,
             arrays,
             d_out,
-            lse_u,
+            max_u,
             delta,
             bound,
             spec=spec,
@@ -648,7 +664,7 @@ def _dbias(
     bias,
     arrays,
     d_out,
-    lse_u,
+    max_u,
     delta,
     bound,
     *,
@@ -687,7 +703,7 @@ def _dbias(
     row_spec = pl.BlockSpec(
         (batches, heads, block_q), lambda i, n, b: (b_idx(b), 0 if sum_n else n, q_tile(i))
     )
-    operands = [q, k, v, d_out, lse_u, delta, bound, bias]
+    operands = [q, k, v, d_out, max_u, delta, bound, bias]
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
     in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     if spec.has_segments:

@@ -616,6 +616,6 @@ def _merge(lengths, out, lse, log_sum, schedule: Schedule, dtype, interpret: boo
 def _combine_splits(out, lse, log_sum, splits: int):
     """The result over all splits from per-split results (out [B * splits, K, M, H], lse and
     log_sum [B * splits, K, M]; `merge_splits`)."""
-    weights, combined_lse, _ = merge_splits(lse, log_sum, splits)  # weights [B, splits, K, M]
+    weights, combined_lse, *_ = merge_splits(lse, log_sum, splits)  # weights [B, splits, K, M]
     out = out.reshape(-1, splits, *out.shape[1:])
     return jnp.sum(weights[..., None] * out, axis=1), combined_lse

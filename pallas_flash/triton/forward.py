@@ -25,6 +25,7 @@ from pallas_flash.triton._common import (
     logit_unit,
     merge_splits,
     scores,
+    sink_against_keys,
     softmax_init,
     softmax_step,
     softmax_store,
@@ -50,19 +51,24 @@ def _forward_kernel(
     kv_splits: int,
     dropout_rate: float = 0.0,
     has_sinks: bool = False,
+    with_row_max: bool = False,
 ):
     """One query tile of one head: stream KV tiles with an online softmax (FA2 Algorithm 1).
 
     q_ref: [block_q, Hp], k_ref: [S, Hp], v_ref: [S, Hvp], o_ref: [block_q, Hvp] (the head dim
     and the value head dim, each padded: `padded_head_dim`); lse_ref, log_sum_ref: [block_q]
-    (lse and log_sum as `softmax_store` writes them); optional operands (see Operands): bias
+    (lse and log_sum as `softmax_store` writes them), and with with_row_max row_max_ref
+    [block_q] (the row max in the units of `scores`, last); optional operands (see Operands): bias
     [block_q|1, S|1], q_seg [block_q], kv_seg [S], mask like bias, ranges.
     With kv_splits > 1 the third grid axis is batch * kv_splits and the program covers one
-    contiguous chunk of the KV tiles; o_ref, lse_ref and log_sum_ref then hold that chunk's
-    partial result.
+    contiguous chunk of the KV tiles; o_ref and the row refs then hold that chunk's partial
+    result.
     With dropout_rate > 0 the dropout tables (`_dropout.tables`, whole) follow the optional
     operands, and with has_sinks the sink logits [B, N] (float32, natural log) come last.
     """
+    row_max_ref = None
+    if with_row_max:
+        *refs, row_max_ref = refs
     *refs, o_ref, lse_ref, log_sum_ref = refs
     ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0, has_sinks=has_sinks)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
@@ -127,7 +133,17 @@ def _forward_kernel(
     out_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
     sink = None if ops.sinks is None else ops.sinks[batch, head]
     softmax_store(
-        carry, unit, o_ref, lse_ref, block_q, q_rows, value_head_dim, out_scale, sink, log_sum_ref
+        carry,
+        unit,
+        o_ref,
+        lse_ref,
+        block_q,
+        q_rows,
+        value_head_dim,
+        out_scale,
+        sink,
+        log_sum_ref,
+        row_max_ref,
     )
 
 
@@ -246,10 +262,14 @@ def flash_forward(
     dropout_rate: float = 0.0,
     sinks=None,
     with_log_sum: bool = False,
+    with_row_max: bool = False,
 ):
     """out [B, T, N, Hv] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum: also
     log_sum [B, N, T] float32, the log of each row's softmax denominator relative to its largest
-    logit (`softmax_store`), which the backward needs beside lse at huge logits.
+    logit (`softmax_store`), which the backward needs beside lse at huge logits; with_row_max
+    (and with_log_sum): also that largest logit [B, N, T] float32 in the kernel's units
+    (`logit_unit`: natural = row_max * unit; MIN_LOGIT for rows that see no key), from which
+    the Triton backward recomputes P without lse's rounding (`flash_backward`'s row_max).
 
     q: [B, T, N, H]; k: [B, S, K, H], v: [B, S, K, Hv] with N % K == 0 (the value head dim is
     the kernel's own: V tiles, accumulator and output at Hv, padded on their own); bias None
@@ -259,6 +279,8 @@ def flash_forward(
     GPU's); sinks: None or float32 [B, N], attention sinks (`softmax_store`), included in out
     and lse.
     """
+    if with_row_max and not with_log_sum:
+        raise ValueError("flash_forward(with_row_max=True) needs with_log_sum=True")
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -288,7 +310,9 @@ def flash_forward(
     )
     # Split KV: the chunks' merge (in XLA) adds the sinks, the kernel does not.
     in_kernel_sinks = sinks is not None and splits == 1
-    kernel = functools.partial(kernel, kv_splits=splits, has_sinks=in_kernel_sinks)
+    kernel = functools.partial(
+        kernel, kv_splits=splits, has_sinks=in_kernel_sinks, with_row_max=with_row_max
+    )
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
     v_spec = pl.BlockSpec((None, kv_len, None, hvp), lambda i, n, b: (b, 0, n // group, 0))
@@ -306,18 +330,18 @@ def flash_forward(
     in_specs = [_per_batch(s, splits) for s in in_specs + extra_specs]
     row_spec = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
     row_shape = jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32)
-    out, lse, log_sum = pl.pallas_call(
+    num_rows = 2 + with_row_max  # lse, log_sum and the row max
+    out, lse, log_sum, *row_max = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch * splits),
         in_specs=in_specs,
-        out_specs=[o_spec, row_spec, row_spec],
+        out_specs=[o_spec, *[row_spec] * num_rows],
         out_shape=[
             jax.ShapeDtypeStruct(
                 (batch * splits, q_len, num_heads, value_head_dim),
                 q.dtype if splits == 1 else jnp.float32,
             ),
-            row_shape,
-            row_shape,
+            *[row_shape] * num_rows,
         ],
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps, num_stages=block_sizes.num_stages
@@ -325,12 +349,19 @@ def flash_forward(
         interpret=interpret,
         name="pallas_flash_forward",
     )(*operands, *extra)
+    row_max = row_max[0] if with_row_max else None
     if splits > 1:
-        out, lse, log_sum = _combine_splits(out, lse, log_sum, splits, q.dtype)
+        unit = logit_unit(scale, bias is not None, soft_cap)
+        out, lse, log_sum, row_max = _combine_splits(
+            out, lse, log_sum, row_max, splits, q.dtype, unit
+        )
         if sinks is not None:
-            log_sum = log_sum_with_sinks(lse, log_sum, sinks)
-            out, lse = with_sinks(out, lse, sinks)
-    return (out, lse, log_sum) if with_log_sum else (out, lse)
+            out, lse, log_sum, row_max = _with_sinks_after_merge(
+                out, lse, log_sum, row_max, sinks, unit
+            )
+    if not with_log_sum:
+        return out, lse
+    return (out, lse, log_sum, row_max) if with_row_max else (out, lse, log_sum)
 
 
 def choose_kv_splits(
@@ -359,10 +390,24 @@ def _per_batch(spec: pl.BlockSpec, splits: int) -> pl.BlockSpec:
     return pl.BlockSpec(spec.block_shape, lambda i, n, z: index_map(i, n, z // splits))
 
 
-def _combine_splits(out, lse, log_sum, splits: int, dtype):
-    """The result over all KV chunks from per-chunk results (`merge_splits`)."""
-    weights, combined_lse, combined_log_sum = merge_splits(lse, log_sum, splits)
+def _combine_splits(out, lse, log_sum, row_max, splits: int, dtype, unit: float):
+    """The result over all KV chunks from per-chunk results (`merge_splits`): (out, lse,
+    log_sum, row_max), row_max None where the chunks' is."""
+    weights, lse, log_sum, row_max = merge_splits(lse, log_sum, splits, row_max, unit)
     out = out.reshape(-1, splits, *out.shape[1:])  # [B, splits, T, N, H]
     weights = jnp.transpose(weights, (0, 1, 3, 2))[..., None]  # [B, splits, T, N, 1]
     combined = jnp.sum(weights * out, axis=1).astype(dtype)
-    return combined, combined_lse, combined_log_sum
+    return combined, lse, log_sum, row_max
+
+
+def _with_sinks_after_merge(out, lse, log_sum, row_max, sinks, unit: float):
+    """The merged split-KV result with the sinks [B, N] added (the kernels leave them to the
+    merge): log_sum and row_max then relative to the larger of the row max and the sink, as
+    `softmax_store` has them (`_numerics.sink_against_keys`)."""
+    maxima = None
+    if row_max is not None:
+        maxima = row_max * unit
+        row_max, *_ = sink_against_keys(row_max, sinks[..., None], unit)
+    log_sum = log_sum_with_sinks(lse, log_sum, sinks, maxima)
+    out, lse = with_sinks(out, lse, sinks)
+    return out, lse, log_sum, row_max

@@ -108,8 +108,8 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     """(out, lse, log_sum, row_max): log_sum (each row's log softmax denominator relative to its
     max, from either forward) lets either backward recompute tied logits exactly at any
     magnitude; row_max (that max in the Triton forward's units, `triton.flash_forward`) lets
-    the Triton backward recompute P free of lse's rounding. After the Mosaic forward, which has
-    no row max, lse stands in its place, never read (`_backward_call`)."""
+    the Triton backward recompute P free of lse's rounding, which float32 calls need
+    (`_takes_row_max`). Elsewhere lse stands in its place, never read (`_backward_call`)."""
     return tuple(
         _partition.partitioned(
             _forward_shard,
@@ -145,7 +145,7 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
         )
         return out, lse, log_sum, lse
     num_sms = None if config.device is None else config.device.num_sms
-    return flash_forward(
+    out, lse, log_sum, *row_max = flash_forward(
         q,
         k,
         v,
@@ -155,8 +155,17 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
         num_sms=num_sms,
         sinks=sinks,
         with_log_sum=True,
-        with_row_max=True,
+        with_row_max=_takes_row_max(q, config),
     )
+    return out, lse, log_sum, row_max[0] if row_max else lse
+
+
+def _takes_row_max(q, config: KernelConfig) -> bool:
+    """Whether the Triton backward recomputes P from the Triton forward's row max: float32
+    calls, whose P lse's rounding would move by ~3e-5 at logits in the hundreds. 16-bit calls
+    round P to their dtype for the matmuls, far coarser, and keep one add per element fewer
+    (`triton._common.recomputed_probs`)."""
+    return config.forward == "triton" and config.backward == "triton" and q.dtype == jnp.float32
 
 
 def _common_head_dim(*xs):
@@ -279,7 +288,7 @@ def _backward_shard(
 def _backward_call(
     q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
 ):
-    """row_max: the Triton forward's, or None; after the Mosaic forward a stand-in, not read."""
+    """row_max: the Triton forward's where `_takes_row_max`, else a stand-in, not read."""
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,
@@ -300,7 +309,7 @@ def _backward_call(
             log_sum=log_sum,
         )
         return dq, dk, dv, None
-    if config.forward != "triton":
+    if not _takes_row_max(q, config):
         row_max = None
     return flash_backward(
         q,

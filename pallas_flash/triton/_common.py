@@ -200,18 +200,24 @@ def scores(qk, scale: float, bias, soft_cap):
     return t, 1.0 - t * t
 
 
-def recomputed_probs(u, ref, bound, unit: float):
-    """P = exp(u * unit - lse) of a backward tile from `ref`, the row's largest logit in the
-    units of u (the Triton forward's own, or (lse - log_sum) / unit), lowered a few ulps
+def recomputed_probs(u, ref, bound, unit: float, *, at_max: bool = False):
+    """P = exp(u * unit - lse) of a backward tile from `ref`, lowered a few ulps
     (`_numerics.slack`; +inf for rows that see no key), and `bound` = -log2 of the row's
-    softmax denominator relative to its max (`softmax_store`'s log_sum; 0: unknown): P =
-    exp2((u - ref) * unit2 + bound), at most exp2(bound) = 1 / l. u, recomputed by another
-    matmul, can put a row's largest logits a few ulps above the reference; the clamp makes their
-    P exactly 1 / l (1 for one dominant logit, 1 / n for n tied ones) at any magnitude, never an
-    overflow. Relative to the row max, not lse, u - ref is exact where the two are close: lse's
-    float32 rounding would move every P of a row by up to an ulp of |lse| (float32 logits in
-    the hundreds: 3e-5)."""
-    return jnp.exp2(jnp.minimum((u - ref) * (unit * LOG2E) + bound, bound))
+    softmax denominator relative to its max (`softmax_store`'s log_sum; 0: unknown), P <= 1 / l.
+    u, recomputed by another matmul, can put a row's largest logits a few ulps above the
+    reference; the clamp makes their P exactly 1 / l (1 for one dominant logit, 1 / n for n tied
+    ones) at any magnitude, never an overflow.
+
+    ref is lse in the units of u (P = exp2(min((u - ref) * unit2, bound))), or with at_max the
+    row's largest logit in those units, the Triton forward's (P = exp2(min((u - ref) * unit2 +
+    bound, bound))): u - ref is then exact where the two are close, while lse's float32
+    rounding moves every P of a row by up to an ulp of |lse| / unit (float32 logits in the
+    hundreds: 3e-5). The extra add per element costs the bfloat16 fwd+bwd 2-9% on the H200, so
+    only float32 calls take it (benchmarks/NOTES.md, "float32 at large logits")."""
+    x = (u - ref) * (unit * LOG2E)
+    if at_max:
+        x = x + bound
+    return jnp.exp2(jnp.minimum(x, bound))
 
 
 def finite_or_zero(x):

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import probability_bound, slack
+from pallas_flash._numerics import lowered_reference, probability_bound, slack
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -69,6 +69,7 @@ def _dkv_kernel(
     block_kv: int,
     has_bias: bool,
     dropout_rate: float = 0.0,
+    at_max: bool = False,
 ):
     """dK, dV of one KV tile of one KV head, summed over the query heads of its group.
 
@@ -115,7 +116,7 @@ def _dkv_kernel(
         # -- recompute P^T [block_kv, block_q] --
         bias = None if ops.bias is None else pair_tile(ops.bias, q_start, head)
         u_t, dcap_t = scores(dot(k, q, trans_b=True), scale, bias, soft_cap)
-        p_t = recomputed_probs(u_t, max_u[None, :], bound[None, :], unit)
+        p_t = recomputed_probs(u_t, max_u[None, :], bound[None, :], unit, at_max=at_max)
         v_tile = v
         if masked:
             q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_q), 1)
@@ -178,7 +179,9 @@ def _dkv_kernel(
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
 
 
-def tile_d_logits(q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None):
+def tile_d_logits(
+    q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None, at_max=False
+):
     """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
     from the rows' (max_u, bound, delta) (`recomputed_probs`), zero where `visible` (None:
     everywhere visible) is False.
@@ -186,7 +189,7 @@ def tile_d_logits(q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, k
     max_u, bound, delta = rows
     u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
     unit = logit_unit(scale, bias is not None, soft_cap)
-    p = recomputed_probs(u, max_u[:, None], bound[:, None], unit)
+    p = recomputed_probs(u, max_u[:, None], bound[:, None], unit, at_max=at_max)
     if visible is not None:
         p = jnp.where(visible, p, 0.0)
         # A key hidden from some rows: NaN in its V row would reach them via 0 * NaN in dP.
@@ -219,6 +222,7 @@ def _dq_kernel(
     block_kv: int,
     has_bias: bool,
     dropout_rate: float = 0.0,
+    at_max: bool = False,
 ):
     """dQ of one query tile of one head: loop over KV tiles.
 
@@ -276,7 +280,17 @@ def _dq_kernel(
             )
             z = _dropout.kept_scale(keep, dropout_rate)
         ds = tile_d_logits(
-            q, k, v, do, rows, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
+            q,
+            k,
+            v,
+            do,
+            rows,
+            bias,
+            visible,
+            scale=scale,
+            soft_cap=soft_cap,
+            kept_scale=z,
+            at_max=at_max,
         )
         if masked:
             # dS is 0 at hidden keys, but 0 * NaN in dS.K is not.
@@ -312,6 +326,7 @@ def _dbias_kernel(
     sum_rows: bool,
     sum_cols: bool,
     dropout_rate: float = 0.0,
+    at_max: bool = False,
 ):
     """dBias of one query tile of one (bias batch, bias head), summed over the bias's broadcast
     dims in registers: the loop over KV tiles sums, inside, over the `batches` x `heads` (batch,
@@ -410,7 +425,17 @@ def _dbias_kernel(
             keep = _dropout.keep(row_mul[:, None], row_add[:, None], col[None, :], dropout_rate)
             z = _dropout.kept_scale(keep, dropout_rate)
         return tile_d_logits(
-            q, k, v, do, row_values, bias, visible, scale=scale, soft_cap=soft_cap, kept_scale=z
+            q,
+            k,
+            v,
+            do,
+            row_values,
+            bias,
+            visible,
+            scale=scale,
+            soft_cap=soft_cap,
+            kept_scale=z,
+            at_max=at_max,
         )
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -478,16 +503,16 @@ def _dbias_kernel(
         fold(hi, pl.cdiv(spec.kv_len, block_kv), zero_body, 0)
 
 
-def reference_in_units(lse, log_sum, row_max, unit: float):
-    """Each row's reference for `recomputed_probs` [B, N, T]: its largest logit in the units of
-    `scores` (row_max, or (lse - log_sum) / unit), lowered by the slack of its |lse|
-    (`_numerics.slack`): a row's dominant logit, recomputed by another matmul, then lands on
-    the clamp P <= 1 / l at any magnitude. +inf for rows that saw no key (lse == -inf): P is
-    exactly 0 there."""
+def reference_in_units(lse, row_max, unit: float):
+    """Each row's reference for `recomputed_probs` [B, N, T], in the units of `scores`: its
+    largest logit (row_max, the Triton forward's), or without it lse / unit, lowered by the
+    slack of its |lse| (`_numerics.slack`): a row's dominant logit, recomputed by another
+    matmul, then lands on the clamp P <= 1 / l at any magnitude. +inf for rows that saw no key
+    (lse == -inf): P is exactly 0 there."""
     seen = ~jnp.isneginf(lse)
     lse = jnp.where(seen, lse, 0.0)
     if row_max is None:
-        row_max = (lse if log_sum is None else lse - log_sum) / unit
+        return jnp.where(seen, lowered_reference(lse) / unit, jnp.inf)
     return jnp.where(seen, row_max - slack(lse) / unit, jnp.inf)
 
 
@@ -519,7 +544,8 @@ def flash_backward(
     once |lse| passes ~1e6 (exact for one dominant logit).
     row_max: None, or the Triton forward's row max [B, N, T] (`flash_forward(...,
     with_row_max=True)`, with its log_sum): P is then recomputed relative to it, free of lse's
-    float32 rounding (an ulp of |lse| in every P); without, relative to (lse - log_sum) / unit.
+    float32 rounding (an ulp of |lse| in every P, which float32 inputs with logits in the
+    hundreds show); without, relative to lse, one add fewer per element (`recomputed_probs`).
     dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
@@ -535,7 +561,8 @@ def flash_backward(
     delta = jnp.einsum(
         "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
     ) - d_lse.astype(jnp.float32)
-    max_u = reference_in_units(lse, log_sum, row_max, logit_unit(scale, has_bias, soft_cap))
+    max_u = reference_in_units(lse, row_max, logit_unit(scale, has_bias, soft_cap))
+    at_max = row_max is not None
     # P's clamp, in log2 units: P <= 1 / l.
     bound = probability_bound(log_sum, lse)
 
@@ -552,6 +579,7 @@ def flash_backward(
         block_kv=block_kv,
         has_bias=has_bias,
         dropout_rate=dropout_rate,
+        at_max=at_max,
     )
     kv_tile = pl.BlockSpec((None, block_kv, None, hp), lambda j, h, b: (b, j, h, 0))
     q_group = pl.BlockSpec((None, q_len, group, hp), lambda j, h, b: (b, 0, h, 0))
@@ -622,6 +650,7 @@ def flash_backward(
             block_kv=block_kv,
             has_bias=has_bias,
             dropout_rate=dropout_rate,
+            at_max=at_max,
         ),
         grid=(pl.cdiv(q_len, block_q), num_heads, batch),
         in_specs=in_specs + extra_specs,
@@ -653,6 +682,7 @@ def flash_backward(
             block_sizes=block_sizes,
             interpret=interpret,
             dropout_rate=dropout_rate,
+            at_max=at_max,
         )
     return dq, dk, dv, dbias
 
@@ -676,6 +706,7 @@ def _dbias(
     block_sizes,
     interpret,
     dropout_rate=0.0,
+    at_max=False,
 ):
     """dBias with the bias's shape [Bb, Nb, Tb, Sb], summed over its broadcast dims in the kernel
     (_dbias_kernel); over queries, the per-query-tile sums are added here (in float32)."""
@@ -751,6 +782,7 @@ def _dbias(
         sum_rows=sum_rows,
         sum_cols=sum_cols,
         dropout_rate=dropout_rate,
+        at_max=at_max,
     )
     num_q_tiles = pl.cdiv(q_len, block_q)
     out_rows, out_cols = (1 if sum_rows else block_q), (1 if sum_cols else kv_len)

@@ -60,6 +60,7 @@ from pallas_flash.mosaic.launch import (
     pad_ids,
     pad_to,
     smem_transforms,
+    soft_cap_share,
     warp_specialised_kernel,
     warp_specialised_kernel_into,
 )
@@ -694,16 +695,16 @@ def _probs(s, lse2, bound, broadcast, *, qk_scale: float, scale: float, soft_cap
     lowered lse2 puts a row's largest logits on the clamp, so keys that tie at the max get
     exactly 1 / l however their logits round. lse2 is +inf for rows that see no key and rows
     past T: P = 0 there. The capped logits are the forward's (`forward._capped_logits`):
-    tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1), whose 1 - tanh^2 = 4r(1 - r) stays exact as
-    tanh nears +-1 (where 1 - tanh * tanh would cancel), and is 0, not NaN, where exp2
-    overflows (r = 0) or underflows (r = 1).
+    tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1) (`launch.soft_cap_share`), whose 1 - tanh^2 =
+    4r(1 - r) stays exact as tanh nears +-1 (where 1 - tanh * tanh would cancel), and is 0, not
+    NaN, where exp2 overflows (r = 0) or underflows (r = 1).
     """
     lse2, bound = broadcast(lse2, s.shape), broadcast(bound, s.shape)
     if soft_cap is None:
         p = jnp.exp2(jnp.minimum(s * qk_scale - lse2, bound))
         return p, p
     cap2 = soft_cap * LOG2E
-    r = 1.0 / (jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)) + 1.0)
+    r = soft_cap_share(jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)))
     p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - lse2, bound))
     return p, p * (4.0 * r * (1.0 - r))
 

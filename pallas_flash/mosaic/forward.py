@@ -41,6 +41,7 @@ from pallas_flash.mosaic.launch import (
     pad_ids,
     pad_to,
     smem_transforms,
+    soft_cap_share,
     warp_specialised_kernel,
     zero_non_finite,
 )
@@ -663,14 +664,14 @@ def _loop(lo, hi, body, carry):
 def _capped_logits(qk, *, scale: float, soft_cap: float):
     """soft_cap * tanh(scale * qk / soft_cap) in log2 units (times log2(e)).
 
-    tanh(x) = 1 - 2 / (exp(2x) + 1) on exp2 and a reciprocal: the hardware tanh that
-    approx_math would pick has a relative error near 2^-11, which the cap multiplies into an
-    absolute logit error of soft_cap * 2^-11 (0.015 at soft_cap = 30); this form's error is
+    tanh(x) = 1 - 2r, r = 1 / (exp(2x) + 1) on exp2 and `soft_cap_share`: the hardware tanh
+    that approx_math would pick has a relative error near 2^-11, which the cap multiplies into
+    an absolute logit error of soft_cap * 2^-11 (0.015 at soft_cap = 30); this form's error is
     near float32 rounding. exp2 overflowing to inf gives tanh = 1, underflowing to 0 gives -1.
     """
     cap2 = soft_cap * LOG2E
-    e = jnp.exp2(qk * (2.0 * LOG2E * scale / soft_cap))
-    return cap2 - (2.0 * cap2) / (e + 1.0)
+    r = soft_cap_share(jnp.exp2(qk * (2.0 * LOG2E * scale / soft_cap)))
+    return cap2 - (2.0 * cap2) * r
 
 
 def _consume(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -124,3 +125,12 @@ def zero_non_finite(ref):
             x = piece[...]
             piece[...] = jnp.where(jnp.abs(x) < jnp.inf, x, jnp.zeros_like(x))
     plgpu.commit_smem()
+
+
+def soft_cap_share(e):
+    """1 / (e + 1) of an f32 tile e = exp(2x) >= 0, the r of the soft cap's tanh(x) = 1 - 2r, as
+    rsqrt(e + 1)^2: one rsqrt where a quotient lowers to an IEEE division (a reciprocal, Newton
+    steps and a slow-path check per element), at a relative error near float32's rounding.
+    e = inf gives 0 (tanh 1), e = 0 gives 1 (tanh -1)."""
+    r = lax.rsqrt(e + 1.0)
+    return r * r

@@ -5,8 +5,8 @@ plain-jnp reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
 (`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse,
-log_sum), so either backward serves either forward; the Triton forward's row max also reaches
-the Triton backward, which recomputes P from it exactly (`triton.backward.flash_backward`).
+log_sum), so either backward serves either forward; in float32 calls the Triton forward's row
+max also reaches the Triton backward, which recomputes P from it exactly (`_takes_row_max`).
 
 Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
 work on every path: the kernel passes inside the rules are themselves differentiable, their

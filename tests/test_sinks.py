@@ -380,16 +380,22 @@ def test_mosaic_forward_with_sinks_lowers_for_h200(soft_cap):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.parametrize("sink", [1e38, np.inf], ids=["1e38", "inf"])
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
-def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path):
+def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink, request):
     """A finite sink of 1e38 at H = 64: 8e38 in the kernels' units (logit / scale), past
-    float32. It takes every row: out 0 and lse the sink, as in float64; the gradients are 0 but
-    d sinks, the rows' sum of d_lse (P_sink = 1, delta = -d_lse). The fix is in the forwards'
-    epilogues: the Mosaic interpreter runs the forward only on CPU (its backward is slow there
-    and unchanged), every pass compiled."""
+    float32, or a sink of +inf. It takes every row: out 0 and lse the sink, as in float64; the
+    gradients are 0 but d sinks, the rows' sum of d_lse (P_sink = 1, delta = -d_lse). The
+    Mosaic interpreter runs the forward only at 1e38 on CPU (its backward is slow there; the
+    backward's part, lse = +inf, is the inf case's), every pass compiled."""
+    if path.name == "xla" and sink == np.inf:
+        # The reference's with_sinks differentiates jnp.logaddexp at +inf: its gradients are
+        # not 0 there (a bug of the "xla" path, open; the kernels' are 0).
+        request.applymarker(pytest.mark.xfail(strict=True, reason="xla gradient at sink +inf"))
     size = sizes(path) | dict(H=64)
     q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(8, **size)
-    sinks = jnp.full((size["N"],), 1e38, jnp.float32)
+    sinks = jnp.full((size["N"],), sink, jnp.float32)
+    forward_only = path.mosaic and not path.gpu and sink != np.inf
 
     def fn(q, k, v, s):
         return pallas_flash.flash_attention(
@@ -398,13 +404,13 @@ def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path):
         )  # fmt: skip
 
     with path.scope():
-        if path.mosaic and not path.gpu:
+        if forward_only:
             out, lse = (np.asarray(x, np.float64) for x in jax.jit(fn)(q, k, v, sinks))
         else:
             out, lse, dq, dk, dv, dsinks = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
     np.testing.assert_array_equal(out, 0.0)
-    np.testing.assert_array_equal(lse, np.float64(np.float32(1e38)))
-    if path.mosaic and not path.gpu:
+    np.testing.assert_array_equal(lse, np.float64(np.float32(sink)))
+    if forward_only:
         return
     for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
         np.testing.assert_array_equal(grad, 0.0, err_msg=name)

@@ -542,9 +542,11 @@ def flash_backward(
     # -log2 of the row's softmax denominator relative to its max (0 without log_sum): the
     # lowered reference puts the largest logits of a row on the clamp, so their P is exactly
     # 1 / l at any magnitude (`_numerics.lowered_reference`). Rows that saw no key (lse = -inf)
-    # get +inf, which makes their P exactly 0 whatever their logits.
+    # and rows a sink of +inf takes (lse = +inf) get +inf, which makes their P exactly 0
+    # whatever their logits.
     lse = lse.astype(jnp.float32)
-    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lowered_reference(lse) * LOG2E)
+    finite = jnp.isfinite(lse)
+    lse2 = jnp.where(finite, lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E, jnp.inf)
     bound = probability_bound(log_sum, lse)
     if segment_ids is not None or spec.is_causal or spec.window is not None:
         # Keys hidden from some rows (padding, other documents, past the diagonal or the

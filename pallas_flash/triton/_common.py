@@ -288,7 +288,8 @@ def softmax_store(
     backward needs it apart from lse: beyond |lse| ~ 1e7 a float32 lse cannot hold log l_i
     next to the max, so the P of keys that tie at the max is recomputed from it (1 / l_i).
     row_max_ref: None, or where to store that largest logit in the units of u (the running max
-    m_i; MIN_LOGIT for rows that saw no key), from which the backward recomputes P exactly
+    m_i, or the sink's where larger; MIN_LOGIT for rows that saw neither), from which the
+    backward recomputes P exactly
     where lse's rounding would not (`recomputed_probs`).
 
     sink: None, or a float32 scalar, the natural-log logit of an attention sink: one more term

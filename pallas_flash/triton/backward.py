@@ -75,8 +75,8 @@ def _dkv_kernel(
 
     q_ref, do_ref: [T, group, Hp]; max_ref, delta_ref, bound_ref: [group, T]; k/v/dk/dv_ref:
     [block_kv, Hp].
-    max_ref holds each row's largest logit in the units of `scores`, lowered by its slack
-    (`recomputed_probs`), +inf for rows that see no key (P == 0 there).
+    max_ref holds each row's reference in the units of `scores` (`reference_in_units`: its
+    largest logit with at_max, else lse / unit), +inf for rows that see no key (P == 0 there).
     Optional operands: bias/mask [group|-, Tx, block_kv|1], q_seg [T], kv_seg [block_kv], ranges.
     Tiles are computed transposed ([block_kv, block_q]) so that dK and dV accumulate without
     transposing P and dS. With dropout, the dropout tables come last; the keep-mask is
@@ -508,8 +508,8 @@ def reference_in_units(lse, row_max, unit: float):
     largest logit (row_max, the Triton forward's), or without it lse / unit, lowered by the
     slack of its |lse| (`_numerics.slack`): a row's dominant logit, recomputed by another
     matmul, then lands on the clamp P <= 1 / l at any magnitude. +inf for rows that saw no key
-    (lse == -inf): P is exactly 0 there."""
-    seen = ~jnp.isneginf(lse)
+    (lse == -inf) and rows a sink of +inf takes (lse == +inf): P is exactly 0 there."""
+    seen = jnp.isfinite(lse)
     lse = jnp.where(seen, lse, 0.0)
     if row_max is None:
         return jnp.where(seen, lowered_reference(lse) / unit, jnp.inf)

@@ -268,7 +268,8 @@ def flash_forward(
     log_sum [B, N, T] float32, the log of each row's softmax denominator relative to its largest
     logit (`softmax_store`), which the backward needs beside lse at huge logits; with_row_max
     (and with_log_sum): also that largest logit [B, N, T] float32 in the kernel's units
-    (`logit_unit`: natural = row_max * unit; MIN_LOGIT for rows that see no key), from which
+    (`logit_unit`: natural = row_max * unit; with sinks the larger of it and the sink in those
+    units, held at float32's largest; MIN_LOGIT for rows that see neither), from which
     the Triton backward recomputes P without lse's rounding (`flash_backward`'s row_max).
 
     q: [B, T, N, H]; k: [B, S, K, H], v: [B, S, K, Hv] with N % K == 0 (the value head dim is

@@ -232,6 +232,7 @@ def _dq_kernel(
     """
     *refs, dq_ref = refs
     ops = Operands(refs, spec, has_bias=has_bias, has_dropout=dropout_rate > 0)
+    tile_ds = functools.partial(tile_d_logits, scale=scale, soft_cap=soft_cap, at_max=at_max)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     head, batch = pl.program_id(1), pl.program_id(2)
     q_start = tile * block_q
@@ -279,19 +280,7 @@ def _dq_kernel(
                 ragged=masked and ragged_kv,
             )
             z = _dropout.kept_scale(keep, dropout_rate)
-        ds = tile_d_logits(
-            q,
-            k,
-            v,
-            do,
-            rows,
-            bias,
-            visible,
-            scale=scale,
-            soft_cap=soft_cap,
-            kept_scale=z,
-            at_max=at_max,
-        )
+        ds = tile_ds(q, k, v, do, rows, bias, visible, kept_scale=z)
         if masked:
             # dS is 0 at hidden keys, but 0 * NaN in dS.K is not.
             k = finite_or_zero(k)
@@ -343,6 +332,7 @@ def _dbias_kernel(
     """
     *refs, out_ref = refs
     ops = Operands(refs, spec, has_bias=True, has_dropout=dropout_rate > 0)
+    tile_ds = functools.partial(tile_d_logits, scale=scale, soft_cap=soft_cap, at_max=at_max)
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     bias_head, bias_batch = pl.program_id(1), pl.program_id(2)
     q_start = tile * block_q
@@ -424,19 +414,7 @@ def _dbias_kernel(
             )
             keep = _dropout.keep(row_mul[:, None], row_add[:, None], col[None, :], dropout_rate)
             z = _dropout.kept_scale(keep, dropout_rate)
-        return tile_d_logits(
-            q,
-            k,
-            v,
-            do,
-            row_values,
-            bias,
-            visible,
-            scale=scale,
-            soft_cap=soft_cap,
-            kept_scale=z,
-            at_max=at_max,
-        )
+        return tile_ds(q, k, v, do, row_values, bias, visible, kept_scale=z)
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None and members == 1:

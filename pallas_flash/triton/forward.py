@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import log_sum_with_sinks
+from pallas_flash._numerics import log_sum_with_sinks, sink_against_keys
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -25,7 +25,6 @@ from pallas_flash.triton._common import (
     logit_unit,
     merge_splits,
     scores,
-    sink_against_keys,
     softmax_init,
     softmax_step,
     softmax_store,

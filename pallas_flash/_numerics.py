@@ -38,8 +38,10 @@ def slack(lse):
 
 
 def lowered_reference(lse):
-    """lse (float32, natural log) lowered by its `slack`."""
-    return lse - slack(lse)
+    """lse (float32, natural log) lowered by its `slack`, held at MIN_LOGIT: a row whose max is
+    a bias of finfo.min would otherwise get -inf, and its keys at -inf (a bias of -inf beside
+    it) -inf - -inf, a NaN, instead of P = 0."""
+    return jnp.maximum(lse - slack(lse), MIN_LOGIT)
 
 
 def probability_bound(log_sum, lse):

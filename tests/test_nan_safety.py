@@ -86,13 +86,35 @@ def assert_close(name, got, want, *, atol, rtol=0.0, where=None):
 BIASED_ROWS = {slice(0, 3): -1e10, slice(3, 6): -1e30, slice(6, 9): F32_MIN}
 
 
+# Keys hidden beside the bias: none, the causal ones (row i sees i + 1 keys), those past a key
+# length, or those where the bias is -inf (both: every row sees 31): the biased rows' logits at
+# those keys are -inf, not the bias.
+HIDDEN_BESIDE_BIAS = {
+    "none": {},
+    "causal": dict(is_causal=True),
+    "lengths": dict(key_value_seq_lengths=jnp.array([31], jnp.int32)),
+    "bias_inf": {},
+}
+
+
+def visible_of(hidden: str, q_len: int, kv_len: int) -> np.ndarray:
+    rows, keys = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    if hidden == "causal":
+        return keys <= rows
+    limit = 31 if hidden in ("lengths", "bias_inf") else kv_len
+    return np.broadcast_to(keys < limit, (q_len, kv_len))
+
+
+@pytest.mark.parametrize("hidden", list(HIDDEN_BESIDE_BIAS))
 @pytest.mark.parametrize("path", REFUSE_BIAS)
-def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
+def test_large_negative_bias_on_whole_rows_is_not_a_mask(path, hidden):
     """Rows whose keys all carry the same large finite bias (-1e10, -1e30, finfo.min) get the
-    mean of V (their logits are equal in float32: the softmax of backend="xla") and lse = bias +
-    log(S); the other rows match the float64 oracle in out and lse; every gradient matches it
-    (the backward recomputes the biased rows' P from their log_sum, 1 / S, not from lse, which
-    cannot hold log(S) next to the bias in float32)."""
+    mean of V over the keys they see (their logits are equal in float32: the softmax of
+    backend="xla") and lse = bias + log(their key count); the other rows match the float64
+    oracle in out and lse; every gradient matches it (the backward recomputes the biased rows'
+    P from their log_sum, not from lse, which cannot hold log(count) next to the bias in
+    float32). With keys hidden beside the bias (causal, lengths) those rows' hidden logits are
+    -inf next to a finite max of finfo.min: no -inf - -inf may reach them."""
     batch, q_len, kv_len, heads, kv_heads, head_dim = 1, 17, 40, 2, 1, 16
     rng = np.random.default_rng(0)
     q, d_out = (normal(rng, (batch, q_len, heads, head_dim)) for _ in range(2))
@@ -101,16 +123,21 @@ def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
     bias = jnp.zeros((1, 1, q_len, kv_len), jnp.float32)
     for rows, value in BIASED_ROWS.items():
         bias = bias.at[:, :, rows].set(value)
+    if hidden == "bias_inf":
+        bias = bias.at[..., 31:].set(-jnp.inf)
     n_biased = 3 * len(BIASED_ROWS)
-    kwargs = dict(bias=bias, **path_kwargs(path, "q32kv16"))
+    kwargs = dict(bias=bias, **HIDDEN_BESIDE_BIAS[hidden], **path_kwargs(path, "q32kv16"))
     with path.scope():
         ((out, lse, dq, dk, dv, dbias),) = run(q, k, v, [(d_out, d_lse)], **kwargs)
 
-    mean_v = np.repeat(to64(v).mean(axis=1), heads // kv_heads, axis=1)[:, None]  # [B, 1, N, H]
+    visible = visible_of(hidden, q_len, kv_len)
+    counts = visible.sum(axis=1)  # [T]
+    v_heads = np.repeat(to64(v), heads // kv_heads, axis=2)  # [B, S, N, H]
+    mean_v = np.einsum("ts,bsnh->btnh", visible / counts[:, None], v_heads)
     for rows, value in BIASED_ROWS.items():
-        want = np.broadcast_to(mean_v, out[:, rows].shape)
-        assert_close(f"out {value:g}", out[:, rows], want, atol=1e-5)
-        assert_close(f"lse {value:g}", lse[:, :, rows], value + np.log(kv_len), atol=0, rtol=1e-6)
+        assert_close(f"out {value:g}", out[:, rows], mean_v[:, rows], atol=1e-5)
+        want_lse = np.broadcast_to(value + np.log(counts[rows]), lse[:, :, rows].shape)
+        assert_close(f"lse {value:g}", lse[:, :, rows], want_lse, atol=0, rtol=1e-6)
 
     def oracle_of(bias):
         return attention_oracle_f64(
@@ -120,7 +147,7 @@ def test_large_negative_bias_on_whole_rows_is_not_a_mask(path):
             to64(d_out),
             to64(d_lse),
             scale=head_dim**-0.5,
-            visible=np.ones((q_len, kv_len), bool),
+            visible=visible,
             bias=to64(bias),
         )
 

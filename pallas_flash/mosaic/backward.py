@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LOG2E, lowered_reference, probability_bound
+from pallas_flash._numerics import LOG2E, MIN_LOGIT, lowered_reference, probability_bound
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
@@ -546,7 +546,8 @@ def flash_backward(
     # whatever their logits.
     lse = lse.astype(jnp.float32)
     finite = jnp.isfinite(lse)
-    lse2 = jnp.where(finite, lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E, jnp.inf)
+    lse2 = lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E
+    lse2 = jnp.where(finite, jnp.maximum(lse2, MIN_LOGIT), jnp.inf)
     bound = probability_bound(log_sum, lse)
     if segment_ids is not None or spec.is_causal or spec.window is not None:
         # Keys hidden from some rows (padding, other documents, past the diagonal or the

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import lowered_reference, probability_bound, slack
+from pallas_flash._numerics import MIN_LOGIT, lowered_reference, probability_bound, slack
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     CompilerParams,
@@ -490,8 +490,11 @@ def reference_in_units(lse, row_max, unit: float):
     seen = jnp.isfinite(lse)
     lse = jnp.where(seen, lse, 0.0)
     if row_max is None:
-        return jnp.where(seen, lowered_reference(lse) / unit, jnp.inf)
-    return jnp.where(seen, row_max - slack(lse) / unit, jnp.inf)
+        reference = lowered_reference(lse) / unit
+    else:
+        reference = row_max - slack(lse) / unit
+    # Held at MIN_LOGIT (`_numerics.lowered_reference`): never -inf for a row that saw a key.
+    return jnp.where(seen, jnp.maximum(reference, MIN_LOGIT), jnp.inf)
 
 
 def flash_backward(

@@ -84,25 +84,36 @@ def log_sum_with_sinks(lse, log_sum, sinks, maxima=None):
     return merge_weights(*parts, axis=0, maxima=maxima)[1]
 
 
-def sink_against_keys(m_keys, sink, unit: float, unit2: float | None = None):
-    """An epilogue's attention sink (a float32 scalar, natural log) against its rows' largest
-    logit m_keys (in the kernel's units: natural = u * unit; >= MIN_LOGIT, finite):
-    (m, keys_share, sink_share, top), m the larger of the two in those units, the shares
-    exp(each - m) that l_i and the sink's term take, and top the larger in natural log, which
-    lse adds log_sum to.
+def sink_in_units(sink, unit: float):
+    """An attention sink (natural log) in a kernel's units (natural = u * unit), held at
+    float32's largest: a finite sink beyond float32 over the scale (1e38 at H = 64 is 8e38
+    units) would otherwise be inf, and inf - inf a NaN. One far below float32 there is -inf,
+    as a sink of -inf: it takes no share of a row that sees a key."""
+    return jnp.minimum(sink * (1.0 / unit), FLOAT32_MAX)
 
-    The sink in the kernel's units is held at float32's largest: a finite sink beyond float32
-    over the scale (1e38 at H = 64 is 8e38 units) would otherwise be inf, and inf - inf a NaN.
+
+def sink_against_keys(m_keys, l_keys, sink, unit: float, unit2: float | None = None):
+    """An epilogue's attention sink (a float32 scalar, natural log) against its rows' largest
+    logit m_keys (in the kernel's units: natural = u * unit; >= MIN_LOGIT, finite) and their
+    softmax denominator l_keys (relative to m_keys; 0 for rows that saw no key): (m, keys_share,
+    l, top), m the larger of the two in those units (`sink_in_units`), keys_share = exp(m_keys
+    - m) that the keys' terms take, l the denominator with the sink's term relative to m, and
+    top the larger in natural log, which lse adds log l to.
+
     top is the sink itself where it is the larger, so lse stays the sink's, not the held
-    value's; a sink of -inf leaves the row as it is. unit2: the kernel's own unit * log2(e)
+    value's. A row that saw no key has the sink as its only term, l = 1 and lse = the sink, also
+    for a finite sink that is -inf in the kernel's units (float64's lse, and a finite d sinks);
+    a sink of -inf leaves every row as it is. unit2: the kernel's own unit * log2(e)
     (exp2((u - m) * unit2) == exp(logit - max)), not multiplied where it is 1."""
     unit2 = unit * LOG2E if unit2 is None else unit2
-    sink_u = jnp.minimum(sink * (1.0 / unit), FLOAT32_MAX)
+    sink_u = sink_in_units(sink, unit)
     m = jnp.maximum(m_keys, sink_u)
 
     def log2_share(x):
         return jnp.exp2(x if unit2 == 1.0 else x * unit2)
 
     keys_share, sink_share = log2_share(m_keys - m), log2_share(sink_u - m)
-    top = jnp.where(sink_u > m_keys, sink, m_keys * unit)
-    return m, keys_share, sink_share, top
+    empty = l_keys == 0.0
+    sink_share = jnp.where(empty, jnp.where(sink == -jnp.inf, 0.0, 1.0), sink_share)
+    top = jnp.where((sink_u > m_keys) | empty, sink, m_keys * unit)
+    return m, keys_share, l_keys * keys_share + sink_share, top

@@ -82,10 +82,19 @@ def with_sinks(out, lse, sinks):
     # Rows that see no key (lse = -inf) take lse = sink; the inner wheres keep -inf - -inf (also
     # with a sink of -inf) out of the values and the gradients.
     empty = lse == -jnp.inf
-    new_lse = jnp.where(empty, sinks, jnp.logaddexp(jnp.where(empty, 0.0, lse), sinks))
-    keys_share = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, lse - new_lse)))
+    keys_lse = jnp.where(empty, 0.0, lse)
+    new_lse = jnp.where(empty, sinks, _log_add_exp(keys_lse, sinks))
+    keys_share = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, keys_lse - new_lse)))
     scaled = out.astype(jnp.float32) * jnp.swapaxes(keys_share, 1, 2)[..., None]
     return scaled.astype(out.dtype), new_lse
+
+
+def _log_add_exp(a, b):
+    """log(e^a + e^b) for a finite a and any b, whose gradients are those of float64 also at
+    b = +-inf: (0, 1) at b = +inf, (1, 0) at b = -inf (jnp.logaddexp's are (e^a, 1) at +inf)."""
+    high, low = jnp.maximum(a, b), jnp.minimum(a, b)
+    gap = jnp.where(jnp.isfinite(high), low - high, -jnp.inf)  # <= 0; -inf where b is +inf
+    return high + jnp.log1p(jnp.exp(gap))
 
 
 def _precision(q):

@@ -382,16 +382,12 @@ def test_mosaic_forward_with_sinks_lowers_for_h200(soft_cap):
 
 @pytest.mark.parametrize("sink", [1e38, np.inf], ids=["1e38", "inf"])
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
-def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink, request):
+def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink):
     """A finite sink of 1e38 at H = 64: 8e38 in the kernels' units (logit / scale), past
     float32, or a sink of +inf. It takes every row: out 0 and lse the sink, as in float64; the
     gradients are 0 but d sinks, the rows' sum of d_lse (P_sink = 1, delta = -d_lse). The
     Mosaic interpreter runs the forward only at 1e38 on CPU (its backward is slow there; the
     backward's part, lse = +inf, is the inf case's), every pass compiled."""
-    if path.name == "xla" and sink == np.inf:
-        # The reference's with_sinks differentiates jnp.logaddexp at +inf: its gradients are
-        # not 0 there (a bug of the "xla" path, open; the kernels' are 0).
-        request.applymarker(pytest.mark.xfail(strict=True, reason="xla gradient at sink +inf"))
     size = sizes(path) | dict(H=64)
     q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(8, **size)
     sinks = jnp.full((size["N"],), sink, jnp.float32)
@@ -416,3 +412,31 @@ def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink, reques
         np.testing.assert_array_equal(grad, 0.0, err_msg=name)
     want = np.asarray(d_lse, np.float64).sum(axis=(0, 2))
     np.testing.assert_allclose(dsinks, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", backend_paths(mosaic=True))
+def test_a_sink_below_float32_over_the_scale_matches_float64(path):
+    """A finite sink of -1e38 at H = 64: -8e38 in the kernels' units (logit / scale), past
+    float32. It takes no share of a row that sees a key, and a row that sees none gets out 0 and
+    lse = the sink, as in float64: not lse -inf, and no NaN in d sinks (exp(sink - lse) * 0).
+    The Mosaic interpreter runs the forward only on CPU."""
+    size = sizes(path) | dict(H=64)
+    q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(9, **size)
+    sinks = jnp.full((size["N"],), -1e38, jnp.float32)
+    visible = visible_keys(q_lengths, kv_lengths, size["T"], size["S"])[:, None]
+    assert (~visible.any(-1)).any()
+    forward_only = path.mosaic and not path.gpu
+
+    def fn(q, k, v, s):
+        return pallas_flash.flash_attention(
+            q, k, v, is_causal=True, sinks=s, query_seq_lengths=q_lengths,
+            key_value_seq_lengths=kv_lengths, return_residuals=True, **path.kwargs,
+        )  # fmt: skip
+
+    with path.scope():
+        if forward_only:
+            got = [np.asarray(x, np.float64) for x in jax.jit(fn)(q, k, v, sinks)]
+        else:
+            got = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
+    want = sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse)
+    assert_close_to_oracle(got, want, size["dtype"])

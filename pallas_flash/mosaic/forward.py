@@ -879,10 +879,9 @@ def _consume(
     top = m_i * unit  # the natural-log logit that lse adds log_sum to
     if sink is not None:
         # The sink's e^{sink} joins l, both relative to the larger of the row max and the sink
-        # (`_numerics.sink_against_keys`: m_i >= MIN_LOGIT is finite, so a sink of -inf leaves
-        # the row as it is, and a sink beyond float32 in the units of s is held there).
-        m_i, keys_share, sink_share, top = sink_against_keys(m_i, sink, unit, unit2)
-        l_i = l_i * keys_share + sink_share
+        # (`_numerics.sink_against_keys`: a sink of -inf leaves the row as it is, one beyond
+        # float32 in the units of s is held there, and a row that saw no key gets lse = sink).
+        m_i, keys_share, l_i, top = sink_against_keys(m_i, l_i, sink, unit, unit2)
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     # One reciprocal per row instead of a divide per element.

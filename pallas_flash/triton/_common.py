@@ -294,8 +294,7 @@ def softmax_store(
     keys_share = None
     top = m_i * unit  # the natural-log logit that lse adds log_sum to
     if sink is not None:
-        m_i, keys_share, sink_share, top = sink_against_keys(m_i, sink, unit)
-        l_i = l_i * keys_share + sink_share
+        m_i, keys_share, l_i, top = sink_against_keys(m_i, l_i, sink, unit)
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     if keys_share is None:

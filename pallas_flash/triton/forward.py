@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import log_sum_with_sinks, sink_against_keys
+from pallas_flash._numerics import log_sum_with_sinks, sink_in_units
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -407,7 +407,7 @@ def _with_sinks_after_merge(out, lse, log_sum, row_max, sinks, unit: float):
     maxima = None
     if row_max is not None:
         maxima = row_max * unit
-        row_max, *_ = sink_against_keys(row_max, sinks[..., None], unit)
+        row_max = jnp.maximum(row_max, sink_in_units(sinks[..., None], unit))
     log_sum = log_sum_with_sinks(lse, log_sum, sinks, maxima)
     out, lse = with_sinks(out, lse, sinks)
     return out, lse, log_sum, row_max

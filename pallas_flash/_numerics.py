@@ -114,6 +114,6 @@ def sink_against_keys(m_keys, l_keys, sink, unit: float, unit2: float | None = N
 
     keys_share, sink_share = log2_share(m_keys - m), log2_share(sink_u - m)
     empty = l_keys == 0.0
-    sink_share = jnp.where(empty, jnp.where(sink == -jnp.inf, 0.0, 1.0), sink_share)
+    sink_share = jnp.where(empty & (sink > -jnp.inf), 1.0, sink_share)
     top = jnp.where((sink_u > m_keys) | empty, sink, m_keys * unit)
     return m, keys_share, l_keys * keys_share + sink_share, top

@@ -376,12 +376,10 @@ def test_validation_paged():
 def test_lowers_for_h200():
     """The compiled kernel (contiguous and both paged loads) lowers through Triton for an
     abstract H200, with a grid split over the sequence."""
-    from jax.sharding import AbstractDevice, AbstractMesh
+    from test_lowering import lower_for_h200
 
     from pallas_flash.triton.decode import decode_forward
 
-    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = AbstractMesh((1,), ("x",), abstract_device=device)
     sds = jax.ShapeDtypeStruct
     kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False)
     q, lengths = sds((2, 4, 32, 128), jnp.bfloat16), sds((2,), jnp.int32)
@@ -406,13 +404,12 @@ def test_lowers_for_h200():
         (DecodeBlockSizes(merge="kernel"), contiguous),
         (DecodeBlockSizes(split_rule="occupancy", schedule="balanced"), contiguous),
     ]
-    with jax.sharding.use_abstract_mesh(mesh):
-        for bs, args in calls:
-            f = functools.partial(decode_forward, block_sizes=bs, **kw)
-            text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-            assert "pallas_flash_decode" in text
-            # B=2 fills no GPU: every call splits, and merges as its block sizes say.
-            assert ("pallas_flash_decode_merge" in text) == (decode_merge(bs) == "kernel")
+    for bs, args in calls:
+        f = functools.partial(decode_forward, block_sizes=bs, **kw)
+        text = lower_for_h200(f, *args).as_text()
+        assert "pallas_flash_decode" in text
+        # B=2 fills no GPU: every call splits, and merges as its block sizes say.
+        assert ("pallas_flash_decode_merge" in text) == (decode_merge(bs) == "kernel")
 
 
 # -- compiled, larger ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ reads) the dispatch chooses for that GPU (`pallas_flash.device.target_device`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import re
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from conftest import BLOCK_SIZES, Problem
+from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
@@ -33,9 +35,29 @@ H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 DEPRECATION = "The Pallas Triton backend is deprecated"
 
 
+@contextlib.contextmanager
+def verified_triton_modules():
+    """Pallas serialises each kernel's Triton module unverified: an op whose types do not
+    match (a select of i1 and f32) fails only when the GPU's runtime parses it. Inside this
+    context every module is verified as it is lowered, so that fails here, on CPU."""
+    lower = triton_lowering.lower_jaxpr_to_triton_module
+
+    def lower_and_verify(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        result.module.operation.verify()
+        return result
+
+    triton_lowering.lower_jaxpr_to_triton_module = lower_and_verify
+    try:
+        yield
+    finally:
+        triton_lowering.lower_jaxpr_to_triton_module = lower
+
+
 def lower_for_h200(fn, *args):
+    """fn lowered for an abstract H200, its Triton modules verified."""
     mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
-    with jax.sharding.use_abstract_mesh(mesh):
+    with jax.sharding.use_abstract_mesh(mesh), verified_triton_modules():
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 

@@ -97,7 +97,7 @@ def test_kv_splits_validation():
 
 
 def test_split_forward_lowers_for_h200():
-    from jax.sharding import AbstractDevice, AbstractMesh
+    from test_lowering import lower_for_h200
 
     from pallas_flash._vjp import KernelConfig, flash_attention_kernels
     from pallas_flash.masks import MaskArrays, MaskSpec
@@ -112,18 +112,9 @@ def test_split_forward_lowers_for_h200():
     )
     q = jax.ShapeDtypeStruct((2, 64, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 4096, 2, 128), jnp.bfloat16)
-    mesh = AbstractMesh(
-        (1,),
-        ("x",),
-        abstract_device=AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu"),
-    )
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = (
-            jax.jit(lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config))
-            .trace(q, kv, kv)
-            .lower(lowering_platforms=("cuda",))
-            .as_text()
-        )
+    text = lower_for_h200(
+        lambda q, k, v: flash_attention_kernels(q, k, v, None, MaskArrays(), config), q, kv, kv
+    ).as_text()
     assert "grid_z = 8 : i32" in text  # batch 2 x 4 splits
 
 

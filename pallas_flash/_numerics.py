@@ -84,6 +84,22 @@ def log_sum_with_sinks(lse, log_sum, sinks, maxima=None):
     return merge_weights(*parts, axis=0, maxima=maxima)[1]
 
 
+def sink_probability(sinks, lse, log_sum=None):
+    """Each row's sink probability P_sink [..., T] (float32), of a softmax whose lse [..., T]
+    includes the sinks (broadcast against lse[..., 0]). log_sum: its log denominator relative
+    to the larger of the keys' max and the sink (a forward's), or None for 0. P_sink =
+    exp(sink - top - log_sum), top = lse - log_sum: where float32's lse rounds log_sum away (a
+    sink tied with a max beyond ~1e6) that top is still the max itself, and P_sink its share
+    of the denominators, not exp(sink - lse). 1 for a row that sees no key (lse = sink, also
+    for a sink of -inf) and for a sink of +inf; 0 for a sink of -inf in a row with keys."""
+    lse = lse.astype(jnp.float32)
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
+    log_sum = jnp.zeros_like(lse) if log_sum is None else log_sum.astype(jnp.float32)
+    both = jnp.isfinite(lse) & jnp.isfinite(sinks)
+    gap = jnp.where(both, (sinks - (lse - log_sum)) - log_sum, 0.0)
+    return jnp.where(both, jnp.exp(jnp.minimum(gap, 0.0)), jnp.where(lse == sinks, 1.0, 0.0))
+
+
 def sink_in_units(sink, unit: float):
     """An attention sink (natural log) in a kernel's units (natural = u * unit), held at
     float32's largest: a finite sink beyond float32 over the scale (1e38 at H = 64 is 8e38

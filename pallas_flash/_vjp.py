@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import _partition
+from pallas_flash._numerics import sink_probability
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
@@ -204,7 +205,8 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     )
     d_sinks = None
     if sinks is not None:
-        d_sinks = _partition.with_sharding_of(sink_gradient(sinks, out, lse, d_out, d_lse), sinks)
+        d_sinks = sink_gradient(sinks, out, lse, log_sum, d_out, d_lse)
+        d_sinks = _partition.with_sharding_of(d_sinks, sinks)
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays), d_sinks
 
 
@@ -214,7 +216,7 @@ def _bias_gradient_in_closed_form(bias, config: KernelConfig) -> bool:
     return bias is not None and bias.shape[-1] == 1 and config.soft_cap is None
 
 
-def key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse):
+def key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse):
     """d bias of a bias [B|1, N|1, T|1, 1] broadcast over the keys (no soft cap): each row's
     sum over its keys of dS = P * (dP - delta), in closed form. With rowsum(P * dP) = dO . out
     and the keys' share of the row's softmax 1 - P_sink, that sum is P_sink (dO . out) +
@@ -224,9 +226,9 @@ def key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse):
     f32 = jnp.float32
     rows = jnp.where(jnp.isneginf(lse), 0.0, d_lse.astype(f32))  # [B, N, T]
     if sinks is not None:
-        sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])[..., None]
-        alone = lse == sinks  # no key: P_sink is 1 and out is 0
-        p_sink = jnp.where(alone, 1.0, jnp.exp(jnp.where(alone, 0.0, sinks - lse)))
+        sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])
+        p_sink = sink_probability(sinks, lse, log_sum)
+        alone = lse == sinks[..., None]  # no key: P_sink is 1 and out is 0
         d_out_dot_out = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32))
         rows = jnp.where(alone, 0.0, p_sink * d_out_dot_out + (1.0 - p_sink) * rows)
     grad = rows[..., None]  # [B, N, T, 1]
@@ -234,17 +236,14 @@ def key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse):
     return jnp.sum(grad, axis=axes, keepdims=True).astype(bias.dtype)
 
 
-def sink_gradient(sinks, out, lse, d_out, d_lse):
-    """d sinks [B, N] of a softmax whose lse [B, N, T] includes the sinks [B, N]: the sink's
-    probability P_sink = exp(sink - lse) gives d lse / d sink = P_sink and d out / d sink =
-    -P_sink out, so d sink = -sum over rows of P_sink (rowsum(dO * out) - d_lse). A row that sees
-    no key has lse = sink and P_sink = 1 (also for a sink of -inf, whose lse is -inf)."""
+def sink_gradient(sinks, out, lse, log_sum, d_out, d_lse):
+    """d sinks [B, N] of a softmax whose lse [B, N, T] (and log_sum, or None) includes the sinks
+    [B, N]: the sink's probability P_sink (`_numerics.sink_probability`) gives d lse / d sink =
+    P_sink and d out / d sink = -P_sink out, so d sink = -sum over rows of P_sink
+    (rowsum(dO * out) - d_lse). A row that sees no key has P_sink = 1."""
     f32 = jnp.float32
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32)) - d_lse
-    sinks = sinks[..., None]
-    alone = lse == sinks  # no key, or keys whose share rounds to 0: P_sink is 1 either way
-    p_sink = jnp.where(alone, 1.0, jnp.exp(jnp.where(alone, 0.0, sinks - lse)))
-    return -jnp.sum(p_sink * delta, axis=-1)
+    return -jnp.sum(sink_probability(sinks, lse, log_sum) * delta, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames="config")
@@ -400,10 +399,10 @@ def _reference_of(arrays, spec: MaskSpec, scale, soft_cap, dropout_rate, with_lo
 
 
 def _reference(q, k, v, bias, sinks, arrays, config: KernelConfig):
-    out, lse = _reference_of(
-        arrays, config.spec, config.scale, config.soft_cap, config.dropout_rate
+    out, lse, log_sum = _reference_of(
+        arrays, config.spec, config.scale, config.soft_cap, config.dropout_rate, True
     )(q, k, v, bias)
-    return (out, lse) if sinks is None else with_sinks(out, lse, sinks)
+    return (out, lse) if sinks is None else with_sinks(out, lse, sinks, log_sum)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(6,))
@@ -436,7 +435,7 @@ def _differentiable_backward(
         q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, config=config
     )
     if _bias_gradient_in_closed_form(bias, config):
-        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, d_out, d_lse)
+        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse)
     return dq, dk, dv, dbias
 
 

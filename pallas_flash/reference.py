@@ -73,28 +73,37 @@ def reference_attention(
     return out, by_row(lse), by_row(jax.lax.stop_gradient(log_sum))
 
 
-def with_sinks(out, lse, sinks):
+def with_sinks(out, lse, sinks, log_sum=None):
     """(out, lse) of the softmax with one more logit per head, `sinks` ([N], or [B, N]), whose
     value is 0: the sink takes its share e^{sink} / (e^{sink} + e^{lse}) of each row away from
     the keys'. A row that sees no key (lse = -inf) keeps out 0 and gets lse = sink. The kernels
-    apply the sink in their epilogue instead; this is the reference's and the decode path's."""
+    apply the sink in their epilogue instead; this is the reference's and the decode path's.
+
+    log_sum: the keys' log softmax denominator relative to their max (lse's part beyond it), or
+    None for 0. With it the two shares come from the denominators, relative to the larger of
+    the keys' max (lse - log_sum, which is the max itself where float32's lse rounds log_sum
+    away) and the sink: a sink that ties with a max beyond ~1e6, where lse cannot hold the tie's
+    log 2, still takes its share. Without it they come from lse."""
     sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
     # Rows that see no key (lse = -inf) take lse = sink; the inner wheres keep -inf - -inf (also
     # with a sink of -inf) out of the values and the gradients.
     empty = lse == -jnp.inf
     keys_lse = jnp.where(empty, 0.0, lse)
-    new_lse = jnp.where(empty, sinks, _log_add_exp(keys_lse, sinks))
-    keys_share = jnp.where(empty, 0.0, jnp.exp(jnp.where(empty, 0.0, keys_lse - new_lse)))
+    log_sum = 0.0 if log_sum is None else jnp.where(empty, 0.0, log_sum.astype(jnp.float32))
+    keys_max = keys_lse - log_sum
+    top = jnp.maximum(keys_max, sinks)  # +inf where the sink is: the sink takes the row
+    finite = jnp.isfinite(top)
+    top = jnp.where(finite, top, 0.0)
+    keys_den = jnp.where(finite, jnp.exp(jnp.where(finite, keys_max - top, 0.0) + log_sum), 0.0)
+    sink_den = jnp.where(finite, jnp.exp(jnp.where(finite, sinks - top, 0.0)), 1.0)
+    total = keys_den + sink_den  # >= 1: the larger of the two parts is at the top
+    # A sink of -inf (or one whose share is 0) leaves lse as it is, bit for bit; one of +inf
+    # is the row's lse, and d lse / d sink = 1 there.
+    new_lse = jnp.where(finite, top + jnp.log(total), sinks)
+    new_lse = jnp.where(empty, sinks, jnp.where(sink_den == 0.0, keys_lse, new_lse))
+    keys_share = jnp.where(empty, 0.0, keys_den / total)
     scaled = out.astype(jnp.float32) * jnp.swapaxes(keys_share, 1, 2)[..., None]
     return scaled.astype(out.dtype), new_lse
-
-
-def _log_add_exp(a, b):
-    """log(e^a + e^b) for a finite a and any b, whose gradients are those of float64 also at
-    b = +-inf: (0, 1) at b = +inf, (1, 0) at b = -inf (jnp.logaddexp's are (e^a, 1) at +inf)."""
-    high, low = jnp.maximum(a, b), jnp.minimum(a, b)
-    gap = jnp.where(jnp.isfinite(high), low - high, -jnp.inf)  # <= 0; -inf where b is +inf
-    return high + jnp.log1p(jnp.exp(gap))
 
 
 def _precision(q):

@@ -468,3 +468,50 @@ def test_a_sink_below_float32_over_the_scale_matches_float64(path):
             got = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
     want = sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse)
     assert_close_to_oracle(got, want, size["dtype"])
+
+
+def tied_sink_case(magnitude):
+    """One query row per head over 32 keys whose logits (scale 1) are `magnitude` at key 0 and 0
+    elsewhere, or `magnitude` at every key (the bias form: q = k = 0 plus a bias), with a sink
+    of `magnitude`: the sink ties with the row's max. float64: the keys' share l / (l + 1)."""
+    rng = np.random.default_rng(11)
+    q = jnp.zeros((1, 2, 2, 16), jnp.float32).at[..., 0].set(1.0)
+    k = jnp.zeros((1, 32, 2, 16), jnp.float32).at[:, 0, :, 0].set(magnitude)
+    v = jnp.asarray(rng.standard_normal((1, 32, 2, 16)), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal((1, 2, 2, 16)), jnp.float32)
+    d_lse = jnp.asarray(rng.standard_normal((1, 2, 2)), jnp.float32)
+    sinks = jnp.full((2,), magnitude, jnp.float32)
+    # float64: key 0 and the sink share the row (the other keys' e^(0 - magnitude) vanish).
+    want_out = np.broadcast_to(np.asarray(v, np.float64)[:, :1] / 2, (1, 2, 2, 16))
+    delta = np.einsum("btnh,btnh->bnt", np.asarray(d_out, np.float64), want_out) - d_lse
+    want_dsinks = -(0.5 * delta).sum(axis=(0, 2))
+    return q, k, v, sinks, d_out, d_lse, want_out, want_dsinks
+
+
+SPLIT_TILES = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=2)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split-kv"])
+@pytest.mark.parametrize("magnitude", [1e7, 1e9], ids=["1e7", "1e9"])
+@pytest.mark.parametrize("path", backend_paths())
+def test_a_sink_tied_with_a_huge_logit_takes_its_share(path, magnitude, split):
+    """A sink equal to a row's largest logit at |logit| >= 1e7, where float32's lse rounds the
+    log 2 of the tie away: the sink still takes half of the row (out, d sinks), as in float64,
+    on every path, split KV included (the sink's share comes from the row's denominators, not
+    from exp(sink - lse))."""
+    if split and path.name in ("xla", "default"):
+        pytest.skip("split KV is a Triton forward's tiling")
+    q, k, v, sinks, d_out, d_lse, want_out, want_dsinks = tied_sink_case(magnitude)
+    kwargs = path.call_kwargs(SPLIT_TILES) if split else path.kwargs
+
+    def fn(q, k, v, s):
+        return pallas_flash.flash_attention(
+            q, k, v, sinks=s, scale=1.0, return_residuals=True, **kwargs
+        )
+
+    with path.scope():
+        out, lse, dq, dk, dv, dsinks = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(dsinks, want_dsinks, rtol=1e-4, atol=1e-5)
+    for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
+        assert np.all(np.isfinite(grad)), name

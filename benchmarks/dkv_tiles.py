@@ -1,14 +1,13 @@
-"""Times the Triton backward's dK/dV tiles on the masked calls that take it on the H200 (causal
-windows, padded lengths; the dense causal call beside them with the Triton backward forced),
-beside cuDNN, fwd+bwd, bf16, in turns:
+"""Times the Triton backward's dK/dV tiles at the shipped defaults and beside them (fwd+bwd,
+bf16, in turns, beside cuDNN and the default call) on the masks suite's calls and dense ones:
 
-    python benchmarks/dkv_tiles.py OUT.jsonl [--head-dims 128 64] [--turns 3]
+    python benchmarks/dkv_tiles.py OUT.jsonl [--head-dims 128 64] [--turns 3] [--cases NAME ...]
+        [--variants NAME ...]
 
-Each variant replaces only the backward's fields of the shipped tiles; with block_sizes the
-forward is Triton's in every variant (the default call, timed beside them, may run the Mosaic
-forward). At H=128 the dK/dV kernel spills 292 bytes with 3 stages and 32 with 2
-(benchmarks/NOTES.md, "Triton dK/dV spills"). One JSON row per case, variant and turn: ms is
-the median of 7 repeats of 10 calls; compile_s the first call's.
+The Triton backward is what `backend="triton"`, bias calls and GPUs before Hopper run. Each
+variant replaces only the backward's fields of the shipped tiles; with block_sizes the forward
+is Triton's in every variant (the default call may run the Mosaic kernels). One JSON row per
+case, variant and turn: ms is the median of 7 repeats of 10 calls; compile_s the first call's.
 """
 
 import argparse
@@ -36,15 +35,17 @@ CASES = [
         query_seq_lengths=jnp.asarray(LENGTHS, jnp.int32),
         key_value_seq_lengths=jnp.asarray(LENGTHS, jnp.int32)), False),
     ("dense causal 16k", ROW, dict(is_causal=True), False),
+    ("dense 16k", ROW, dict(), False),
+    ("dense 4k", (4, 4096, 16), dict(), False),
 ]  # fmt: skip
 
 # Backward fields per head dim: (name, replacements of the shipped tiles).
 VARIANTS = {
     128: [
         ("shipped", {}),
-        ("dkv 2 stages", dict(num_stages_dkv=2)),
-        ("dkv 32 rows", dict(block_q_dkv=32)),
-        ("dkv 32 rows, 2 stages", dict(block_q_dkv=32, num_stages_dkv=2)),
+        ("dkv 64 rows", dict(block_q_dkv=64)),
+        ("dkv 64 rows, 2 stages", dict(block_q_dkv=64, num_stages_dkv=2)),
+        ("dkv 32 rows, 4 warps", dict(block_q_dkv=32, num_warps_dkv=4)),
     ],
     64: [
         ("shipped", {}),
@@ -58,11 +59,15 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--cases", nargs="+", help="case names (default: all)")
+    parser.add_argument("--variants", nargs="+", help="variant names (default: all)")
     args = parser.parse_args()
     cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn")
     with open(args.out, "a") as out:
         for h in args.head_dims:
             for case, (b, t, n), kwargs, narrow in CASES:
+                if args.cases and case not in args.cases:
+                    continue
                 inputs = make_inputs(b, t, t, n, n, h, jnp.bfloat16)
                 base = heuristic_block_sizes(h, jnp.bfloat16, narrow=narrow)
                 fns = {
@@ -72,6 +77,8 @@ def main():
                     ),
                 }
                 for name, fields in VARIANTS[h]:
+                    if args.variants and name not in args.variants:
+                        continue
                     tiles = dataclasses.replace(base, **fields)
                     fn = functools.partial(
                         pallas_flash.flash_attention, block_sizes=tiles, **kwargs

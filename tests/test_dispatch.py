@@ -126,6 +126,9 @@ H128 = dict(
     block_kv=128, num_warps=8, block_q_dkv=64, num_warps_dkv=8, block_kv_dq=64, num_warps_dq=8
 )
 H128_FULL_SHORT = dict(block_q=64, block_q_dkv=64, num_warps_dkv=8, block_kv_dq=64, num_warps_dq=8)
+# Rows that see ranges of keys (causal, windows, lengths, segments): the dK/dV kernel's 32 rows.
+H128_RANGED = {name: v for name, v in H128.items() if name != "block_q_dkv"}
+H128_FULL_SHORT_RANGED = {name: v for name, v in H128_FULL_SHORT.items() if name != "block_q_dkv"}
 H128_CAUSAL_SHORT = dict(block_q=64, block_kv_dkv=64, block_kv_dq=64, num_warps_dq=8)
 H64_FULL_SHORT = dict(block_q=64, num_stages_dkv=5, block_q_dq=64, block_kv_dq=64)
 H64 = dict(block_q=64, block_kv_dq=64, num_warps_dq=8)
@@ -189,7 +192,7 @@ H200 = {
     "plain-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "causal-h256-long": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "causal-h192": ("mosaic", "mosaic", H256, dict(block_kv=64), dict(split_dkv=True), None),
-    "causal-h128-long": ("mosaic", "mosaic", H128, {}, {}, None),
+    "causal-h128-long": ("mosaic", "mosaic", H128_RANGED, {}, {}, None),
     "plain-h128-medium": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
     "short-keys-h128": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
     "short-keys-h64": (
@@ -202,8 +205,8 @@ H200 = {
     ),
     "odd-q-h64": ("mosaic", "triton", H64_FULL_SHORT, dict(persistent=True), None, None),
     "small-grid-long-keys": ("triton", "triton", H128, None, None, 16),
-    "mqa": ("mosaic", "mosaic", H128, {}, {}, None),
-    "f16": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
+    "mqa": ("mosaic", "mosaic", H128_RANGED, {}, {}, None),
+    "f16": ("mosaic", "mosaic", H128_RANGED, dict(persistent=True), {}, None),
     "f32": ("triton", "triton", F32, None, None, 1),
     # Any T and S, and H=96 (the forward as it is, the backward padded to 128): the Mosaic
     # kernels.
@@ -215,10 +218,10 @@ H200 = {
     "mask-causal-f32": ("triton", "triton", F32, None, None, 1),
     # The Mosaic backward takes every mask of the Mosaic forward; H=64 below 2048 keys keeps
     # the Triton backward (kv-lengths).
-    "window": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
+    "window": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, {}, {}, None),
     "window-wide": ("mosaic", "mosaic", H128, {}, {}, None),
     "soft-cap": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
-    "segments": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
+    "segments": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, {}, {}, None),
     "kv-lengths": ("mosaic", "triton", H64, {}, None, None),
     "q-lengths": ("mosaic", "mosaic", H64, {}, {}, None),
     "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
@@ -240,7 +243,7 @@ H200 = {
         None,
     ),
     "mosaic-small-grid": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
-    "unbatched": ("mosaic", "mosaic", H128, {}, {}, None),
+    "unbatched": ("mosaic", "mosaic", H128_RANGED, {}, {}, None),
     "interpret": ("triton", "triton", INTERPRET, None, None, 1),
     "mosaic-bias": (NotImplementedError, MOSAIC_LACKS.format("bias")),
     "mosaic-f32": (
@@ -266,7 +269,7 @@ H200 = {
 }
 A100 = {
     "plain-h128": ("triton", "triton", H128, None, None, 1),
-    "causal-h128": ("triton", "triton", H128, None, None, 1),
+    "causal-h128": ("triton", "triton", H128_RANGED, None, None, 1),
     "plain-h64-short": ("triton", "triton", H64, None, None, 1),
     "causal-h64-short": ("triton", "triton", H64, None, None, 1),
     "plain-h64-2k": ("triton", "triton", H64, None, None, 1),
@@ -275,38 +278,38 @@ A100 = {
     "plain-h256": ("triton", "triton", H256, None, None, 1),
     "causal-h256-long": ("triton", "triton", H256, None, None, 1),
     "causal-h192": ("triton", "triton", H256, None, None, 1),
-    "causal-h128-long": ("triton", "triton", H128, None, None, 1),
+    "causal-h128-long": ("triton", "triton", H128_RANGED, None, None, 1),
     "plain-h128-medium": ("triton", "triton", H128, None, None, 1),
-    "short-keys-h128": ("triton", "triton", H128, None, None, 1),
+    "short-keys-h128": ("triton", "triton", H128_RANGED, None, None, 1),
     "short-keys-h64": ("triton", "triton", H64, None, None, 1),
     "odd-q-h64": ("triton", "triton", H64, None, None, 1),
     "small-grid-long-keys": ("triton", "triton", H128, None, None, 16),
-    "mqa": ("triton", "triton", H128, None, None, 1),
-    "f16": ("triton", "triton", H128, None, None, 1),
+    "mqa": ("triton", "triton", H128_RANGED, None, None, 1),
+    "f16": ("triton", "triton", H128_RANGED, None, None, 1),
     "f32": ("triton", "triton", F32, None, None, 1),
-    "odd-lengths": ("triton", "triton", H128, None, None, 1),
+    "odd-lengths": ("triton", "triton", H128_RANGED, None, None, 1),
     "head-dim-96": ("triton", "triton", H128, None, None, 1),
     "head-dim-32": ("triton", "triton", H64, None, None, 1),
     "bias": ("triton", "triton", H128_MASKED, None, None, 1),
     "mask": ("triton", "triton", H128_MASKED, None, None, 1),
     "mask-causal-f32": ("triton", "triton", F32, None, None, 1),
-    "window": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
-    "window-wide": ("triton", "triton", H128, None, None, 1),
+    "window": ("triton", "triton", H128_FULL_SHORT_RANGED, None, None, 1),
+    "window-wide": ("triton", "triton", H128_RANGED, None, None, 1),
     "soft-cap": ("triton", "triton", H128, None, None, 1),
-    "segments": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
+    "segments": ("triton", "triton", H128_FULL_SHORT_RANGED, None, None, 1),
     "kv-lengths": ("triton", "triton", H64, None, None, 1),
     "q-lengths": ("triton", "triton", H64, None, None, 1),
     "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
-    "triton": ("triton", "triton", H128, None, None, 1),
+    "triton": ("triton", "triton", H128_RANGED, None, None, 1),
     "mosaic-h64-short": (ValueError, HOPPER_ONLY),
     "mosaic-backward-tiles": (ValueError, HOPPER_ONLY),
     "mosaic-small-grid": (ValueError, HOPPER_ONLY),
-    "unbatched": ("triton", "triton", H128, None, None, 1),
+    "unbatched": ("triton", "triton", H128_RANGED, None, None, 1),
     "interpret": ("triton", "triton", INTERPRET, None, None, 1),
     "mosaic-bias": (ValueError, HOPPER_ONLY),
     "mosaic-f32": (ValueError, HOPPER_ONLY),
     "mosaic-forward-tiles": (ValueError, HOPPER_ONLY),
-    "dropout": ("triton", "triton", H128, None, None, 1),
+    "dropout": ("triton", "triton", H128_RANGED, None, None, 1),
     "dropout-h64-short": ("triton", "triton", H64, None, None, 1),
     "dropout-h256": ("triton", "triton", H256, None, None, 1),
     "mosaic-dropout-h256": (ValueError, HOPPER_ONLY),

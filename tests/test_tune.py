@@ -65,10 +65,10 @@ def test_cache_round_trip_and_lookup(cache_path):
         return config.block_sizes
 
     assert lookup() == tuned
-    heuristic = tiles.heuristic_block_sizes(128, jnp.bfloat16)
-    assert lookup(is_causal=False) == heuristic  # another class
-    assert lookup(q_len=100, kv_len=100) == heuristic  # another sequence bucket
-    assert lookup(device_kind="Other GPU") == heuristic  # another GPU
+    causal = tiles.heuristic_block_sizes(128, jnp.bfloat16, ranged=True)
+    assert lookup(is_causal=False) == tiles.heuristic_block_sizes(128, jnp.bfloat16)  # a class
+    assert lookup(q_len=100, kv_len=100) == causal  # another sequence bucket
+    assert lookup(device_kind="Other GPU") == causal  # another GPU
     assert lookup(interpret=True) != tuned  # the interpreter keeps its small tiles
 
 
@@ -133,6 +133,22 @@ def test_narrow_band_takes_small_forward_tiles():
         128, jnp.bfloat16, is_causal=True, q_len=1, kv_len=1, masked=False, narrow=True
     ).key()
     assert key == "bfloat16/h128/causal/plain/short/narrow"
+
+
+def test_key_ranges_take_the_ranged_dkv_tiles_at_h128():
+    """Calls whose rows see ranges of keys take 32-row dK/dV steps at H=128 (64 spill there),
+    dense calls 64; other head dims and float32 keep theirs."""
+    from pallas_flash.masks import MaskSpec
+
+    def dkv_rows(head_dim=128, dtype=jnp.bfloat16, **spec):
+        ranged = tiles.key_ranges(MaskSpec(q_len=64, kv_len=64, **spec))
+        return tiles.heuristic_block_sizes(head_dim, dtype, ranged=ranged).block_q_dkv
+
+    assert dkv_rows() == 64
+    for spec in (dict(is_causal=True), dict(window=(8, 8)), dict(has_segments=True)):
+        assert dkv_rows(**spec) == 32, spec
+    assert dkv_rows(64, is_causal=True) == dkv_rows(64)
+    assert dkv_rows(dtype=jnp.float32, is_causal=True) == dkv_rows(dtype=jnp.float32)
 
 
 def test_api_passes_narrow_band_to_the_tile_choice(monkeypatch):

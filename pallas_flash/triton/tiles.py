@@ -117,6 +117,11 @@ _HOPPER[16] = _HOPPER[32] = _HOPPER[64]
 _HOPPER_NARROW_FORWARD = {128: dict(block_q=64, block_kv=64, num_warps=4, num_stages=3)}
 NARROW_BAND = 2048  # keys; a window at most this wide counts as narrow
 
+# dK/dV tiles when rows see a range of keys (causal, a window, lengths or segments): at H=128 the
+# masked steps' code spills with 64 query rows per step; 32 rows took 9-15% off the fwd+bwd
+# of such calls on the H200, but cost dense calls 5-7% (benchmarks/NOTES.md, "Triton backward").
+_HOPPER_RANGED_DKV = {128: dict(block_q_dkv=32)}
+
 # Small tiles keep the interpreter fast and exercise multi-tile loops at test sizes.
 _INTERPRET = BlockSizes(
     block_q=32, block_kv=32, block_q_dkv=32, block_kv_dkv=32, block_q_dq=32, block_kv_dq=32
@@ -151,7 +156,7 @@ _HOPPER_F32 = {
 
 
 def heuristic_block_sizes(
-    head_dim: int, dtype, *, masked: bool = False, narrow: bool = False
+    head_dim: int, dtype, *, masked: bool = False, narrow: bool = False, ranged: bool = False
 ) -> BlockSizes:
     """Shipped defaults: per padded head dim and dtype, tuned on the H200 (sm90); used on every
     GPU without an autotune cache entry.
@@ -160,6 +165,7 @@ def heuristic_block_sizes(
     defaults keep at most two stages so that the kernels fit in the H200's 227 KiB of shared
     memory (three stages of K, V and a bias tile at H=128 need 288 KiB). `narrow`: each query
     sees a narrow band of keys (see narrow_band); the forward then takes smaller tiles.
+    `ranged`: rows see a range of keys (see key_ranges); the dK/dV kernel then takes its own.
     """
     hp = padded_head_dim(head_dim)
     if jnp.dtype(dtype) == jnp.float32:
@@ -167,6 +173,8 @@ def heuristic_block_sizes(
     bs = _HOPPER[hp]
     if narrow and hp in _HOPPER_NARROW_FORWARD:
         bs = dataclasses.replace(bs, **_HOPPER_NARROW_FORWARD[hp])
+    if ranged and hp in _HOPPER_RANGED_DKV:
+        bs = dataclasses.replace(bs, **_HOPPER_RANGED_DKV[hp])
     if masked:
         bs = dataclasses.replace(
             bs,
@@ -178,13 +186,25 @@ def heuristic_block_sizes(
 
 
 def default_block_sizes(
-    head_dim: int, dtype, *, interpret: bool, masked: bool = False, narrow: bool = False
+    head_dim: int,
+    dtype,
+    *,
+    interpret: bool,
+    masked: bool = False,
+    narrow: bool = False,
+    ranged: bool = False,
 ) -> BlockSizes:
     """Tiles for a call without an autotune entry: small ones in the interpreter, else the
-    shipped heuristics (`masked`, `narrow`: see heuristic_block_sizes)."""
+    shipped heuristics (`masked`, `narrow`, `ranged`: see heuristic_block_sizes)."""
     if interpret:
         return _INTERPRET
-    return heuristic_block_sizes(head_dim, dtype, masked=masked, narrow=narrow)
+    return heuristic_block_sizes(head_dim, dtype, masked=masked, narrow=narrow, ranged=ranged)
+
+
+def key_ranges(spec) -> bool:
+    """Whether the rows of `spec` (a masks.MaskSpec) see ranges of keys that differ by row:
+    causal, a local window, or lengths or segment ids (tiles at a range's edges are masked)."""
+    return spec.is_causal or spec.window is not None or spec.has_segments
 
 
 def narrow_band(spec) -> bool:

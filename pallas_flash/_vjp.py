@@ -227,10 +227,11 @@ def key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse):
     rows = jnp.where(jnp.isneginf(lse), 0.0, d_lse.astype(f32))  # [B, N, T]
     if sinks is not None:
         sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])
+        # A row that sees no key has P_sink = 1 and out = 0: its sum is 0. (lse == sink does
+        # not tell it: a sink tied with a max beyond ~1e6 has lse == sink too.)
         p_sink = sink_probability(sinks, lse, log_sum)
-        alone = lse == sinks[..., None]  # no key: P_sink is 1 and out is 0
         d_out_dot_out = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32))
-        rows = jnp.where(alone, 0.0, p_sink * d_out_dot_out + (1.0 - p_sink) * rows)
+        rows = p_sink * d_out_dot_out + (1.0 - p_sink) * rows
     grad = rows[..., None]  # [B, N, T, 1]
     axes = tuple(i for i in range(3) if bias.shape[i] == 1 and grad.shape[i] != 1)
     return jnp.sum(grad, axis=axes, keepdims=True).astype(bias.dtype)

@@ -515,3 +515,38 @@ def test_a_sink_tied_with_a_huge_logit_takes_its_share(path, magnitude, split):
     np.testing.assert_allclose(dsinks, want_dsinks, rtol=1e-4, atol=1e-5)
     for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
         assert np.all(np.isfinite(grad)), name
+
+
+@pytest.mark.parametrize("path", backend_paths())
+def test_a_sink_tied_with_a_huge_bias_takes_its_share(path):
+    """The additive-padding form of the tie: every key's logit is a bias of -1e30 (q = k = 0,
+    one bias broadcast over the keys, whose gradient has a closed form) and so is the sink:
+    each of the 33 terms takes 1/33 of every row, as in float64 (out, d sinks, d bias)."""
+    rng = np.random.default_rng(12)
+    q = jnp.zeros((1, 2, 1, 16), jnp.float32)
+    k = jnp.zeros((1, 32, 1, 16), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((1, 32, 1, 16)), jnp.float32)
+    d_out = jnp.asarray(rng.standard_normal((1, 2, 1, 16)), jnp.float32)
+    d_lse = jnp.asarray(rng.standard_normal((1, 1, 2)), jnp.float32)
+    bias = jnp.full((1, 1, 1, 1), -1e30, jnp.float32)
+    sinks = jnp.full((1,), -1e30, jnp.float32)
+
+    def results(bias, sinks):
+        def fn(bias, sinks):
+            return pallas_flash.flash_attention(
+                q, k, v, bias, sinks=sinks, return_residuals=True, **path.kwargs
+            )
+
+        (out, lse), vjp = jax.vjp(fn, bias, sinks)
+        return (out, *vjp((d_out, d_lse)))
+
+    with path.scope():
+        out, dbias, dsinks = (np.asarray(x, np.float64) for x in jax.jit(results)(bias, sinks))
+    v64, d_out64, d_lse64 = (np.asarray(x, np.float64) for x in (v, d_out, d_lse))
+    want_out = np.broadcast_to(v64.sum(axis=1, keepdims=True) / 33, out.shape)
+    d_out_dot_out = np.einsum("btnh,btnh->bnt", d_out64, want_out)
+    want_dsinks = -(d_out_dot_out - d_lse64).sum(axis=(0, 2)) / 33
+    want_dbias = (d_out_dot_out / 33 + d_lse64 * 32 / 33).sum()
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(dsinks, want_dsinks, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(dbias.sum(), want_dbias, rtol=1e-4, atol=1e-5)

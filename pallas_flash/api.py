@@ -229,9 +229,11 @@ def flash_attention(
             results = tuple(_host_only.host_only(x) for x in results)
         out, lse, log_sum = results
         if sinks is not None:
-            out, with_sink_lse = with_sinks(out, lse, sinks, log_sum)
-            log_sum = log_sum_with_sinks(lse, log_sum, sinks)
-            lse = with_sink_lse
+            # Both from the keys' lse and log_sum, before either takes the sinks in.
+            (out, lse), log_sum = (
+                with_sinks(out, lse, sinks, log_sum),
+                log_sum_with_sinks(lse, log_sum, sinks),
+            )
     else:
         # The kernels add the sink to each row's denominator in their epilogue: one float32
         # logit per (batch entry, head), so that the sinks split over devices and vmapped axes

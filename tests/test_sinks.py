@@ -408,18 +408,10 @@ def test_triton_kernels_with_sinks_lower_for_h200(options):
     assert "pallas_flash_forward" in text and "pallas_flash_backward_dq" in text
 
 
-@pytest.mark.parametrize("sink", [1e38, np.inf], ids=["1e38", "inf"])
-@pytest.mark.parametrize("path", backend_paths(mosaic=True))
-def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink):
-    """A finite sink of 1e38 at H = 64: 8e38 in the kernels' units (logit / scale), past
-    float32, or a sink of +inf. It takes every row: out 0 and lse the sink, as in float64; the
-    gradients are 0 but d sinks, the rows' sum of d_lse (P_sink = 1, delta = -d_lse). The
-    Mosaic interpreter runs the forward only at 1e38 on CPU (its backward is slow there; the
-    backward's part, lse = +inf, is the inf case's), every pass compiled."""
-    size = sizes(path) | dict(H=64)
-    q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(8, **size)
-    sinks = jnp.full((size["N"],), sink, jnp.float32)
-    forward_only = path.mosaic and not path.gpu and sink != np.inf
+def causal_with_lengths(path, args, sinks, *, forward_only: bool):
+    """[out, lse] (forward_only) or [out, lse, dq, dk, dv, dsinks], float64, of the causal call
+    with `inputs`' lengths (args) and `sinks` on `path`."""
+    q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = args
 
     def fn(q, k, v, s):
         return pallas_flash.flash_attention(
@@ -429,13 +421,30 @@ def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink):
 
     with path.scope():
         if forward_only:
-            out, lse = (np.asarray(x, np.float64) for x in jax.jit(fn)(q, k, v, sinks))
-        else:
-            out, lse, dq, dk, dv, dsinks = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
+            return [np.asarray(x, np.float64) for x in jax.jit(fn)(q, k, v, sinks)]
+        return outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
+
+
+@pytest.mark.parametrize("sink", [1e38, np.inf], ids=["1e38", "inf"])
+@pytest.mark.parametrize("path", backend_paths(mosaic=True))
+def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink):
+    """A finite sink of 1e38 at H = 64: 8e38 in the kernels' units (logit / scale), past
+    float32, or a sink of +inf. It takes every row: out 0 and lse the sink, as in float64; the
+    gradients are 0 but d sinks, the rows' sum of d_lse (P_sink = 1, delta = -d_lse). The
+    Mosaic interpreter runs the forward only at 1e38 on CPU (its backward is slow there; the
+    backward's part, lse = +inf, is the inf case's), every pass compiled."""
+    size = sizes(path) | dict(H=64)
+    args = inputs(8, **size)
+    sinks = jnp.full((size["N"],), sink, jnp.float32)
+    forward_only = path.mosaic and not path.gpu and sink != np.inf
+    got = causal_with_lengths(path, args, sinks, forward_only=forward_only)
+    out, lse = got[:2]
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, np.float64(np.float32(sink)))
     if forward_only:
         return
+    d_lse = args[5]
+    dq, dk, dv, dsinks = got[2:]
     for name, grad in (("dq", dq), ("dk", dk), ("dv", dv)):
         np.testing.assert_array_equal(grad, 0.0, err_msg=name)
     want = np.asarray(d_lse, np.float64).sum(axis=(0, 2))
@@ -449,31 +458,19 @@ def test_a_sink_below_float32_over_the_scale_matches_float64(path):
     lse = the sink, as in float64: not lse -inf, and no NaN in d sinks (exp(sink - lse) * 0).
     The Mosaic interpreter runs the forward only on CPU."""
     size = sizes(path) | dict(H=64)
-    q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(9, **size)
+    args = q, k, v, _, d_out, d_lse, q_lengths, kv_lengths = inputs(9, **size)
     sinks = jnp.full((size["N"],), -1e38, jnp.float32)
     visible = visible_keys(q_lengths, kv_lengths, size["T"], size["S"])[:, None]
     assert (~visible.any(-1)).any()
-    forward_only = path.mosaic and not path.gpu
-
-    def fn(q, k, v, s):
-        return pallas_flash.flash_attention(
-            q, k, v, is_causal=True, sinks=s, query_seq_lengths=q_lengths,
-            key_value_seq_lengths=kv_lengths, return_residuals=True, **path.kwargs,
-        )  # fmt: skip
-
-    with path.scope():
-        if forward_only:
-            got = [np.asarray(x, np.float64) for x in jax.jit(fn)(q, k, v, sinks)]
-        else:
-            got = outputs_and_grads(fn, q, k, v, sinks, d_out, d_lse)
+    got = causal_with_lengths(path, args, sinks, forward_only=path.mosaic and not path.gpu)
     want = sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse)
     assert_close_to_oracle(got, want, size["dtype"])
 
 
 def tied_sink_case(magnitude):
-    """One query row per head over 32 keys whose logits (scale 1) are `magnitude` at key 0 and 0
-    elsewhere, or `magnitude` at every key (the bias form: q = k = 0 plus a bias), with a sink
-    of `magnitude`: the sink ties with the row's max. float64: the keys' share l / (l + 1)."""
+    """Two query rows per head over 32 keys whose logits (scale 1) are `magnitude` at key 0 and
+    0 elsewhere, with a sink of `magnitude`: the sink ties with the row's max, and float64 gives
+    key 0 and the sink half of the row each."""
     rng = np.random.default_rng(11)
     q = jnp.zeros((1, 2, 2, 16), jnp.float32).at[..., 0].set(1.0)
     k = jnp.zeros((1, 32, 2, 16), jnp.float32).at[:, 0, :, 0].set(magnitude)

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout
-from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, merge_weights, sink_against_keys  # noqa: F401  re-exported
+from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, merge_weights, sink_against_keys
 
 
 def dot(a, b, *, trans_b: bool = False):

@@ -20,9 +20,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
+from pallas_flash._numerics import MIN_LOGIT
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
-    MIN_LOGIT,
     CompilerParams,
     dot,
     fold,

@@ -409,5 +409,4 @@ def _with_sinks_after_merge(out, lse, log_sum, row_max, sinks, unit: float):
         maxima = row_max * unit
         row_max = jnp.maximum(row_max, sink_in_units(sinks[..., None], unit))
     out, with_sink_lse = with_sinks(out, lse, sinks, log_sum)
-    log_sum = log_sum_with_sinks(lse, log_sum, sinks, maxima)
-    return out, with_sink_lse, log_sum, row_max
+    return out, with_sink_lse, log_sum_with_sinks(lse, log_sum, sinks, maxima), row_max

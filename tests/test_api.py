@@ -278,6 +278,7 @@ def test_interpret_without_backend_runs_the_kernels(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
 @pytest.mark.parametrize("backend", ["triton", "xla"])
+@pytest.mark.ci_slice(3)
 def test_result_dtypes_and_shapes(dtype, backend):
     p = Problem(B, T, S, N, K, H, False, dtype)
     (q, k, v, _, _), _ = random_inputs(p)
@@ -623,6 +624,7 @@ def _backward_problem(seed=0):
     ],
     ids=["causal", "window-lengths", "softcap-segments"],
 )
+@pytest.mark.ci_slice(1)
 def test_backward_at_the_residuals_is_the_calls_vjp(backend, options):
     if backend == "xla" and not SWEEP:
         pytest.skip("the xla path's residual backward is the reference's vjp: PALLAS_FLASH_SWEEP")

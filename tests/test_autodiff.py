@@ -199,6 +199,7 @@ def _second_order_params():
 
 
 @pytest.mark.parametrize("c, path", _second_order_params())
+@pytest.mark.ci_slice(1)
 def test_second_order_matches_float64_differences(c, path):
     """With y(x) = (out, lse) and g(x, c) = the VJP of attention at x for cotangents c, of
     h(x, c) = (y(x), g(x, c)): reverse over reverse (the gradient of <g, u> + <y, w> in x and c)

@@ -82,6 +82,7 @@ def custom_calls(layers, attention) -> Counter:
         ),
     ],
 )
+@pytest.mark.ci_slice(2)
 def test_repeated_layers_lower_each_kernel_once(kernels):
     one, six = (
         custom_calls(1, kernel_attention(kernels)),
@@ -100,6 +101,7 @@ def test_repeated_layers_lower_each_kernel_once(kernels):
         pytest.param(config("mosaic", "mosaic"), id="mosaic"),
     ],
 )
+@pytest.mark.ci_slice(1)
 def test_a_kernel_lowered_twice_is_the_same_module(kernels):
     """jax's SPMD partitioner lowers a custom_partitioning rule's function at every call site
     (batch/head sharding under jit's automatic sharding): each lowering of a Mosaic kernel must

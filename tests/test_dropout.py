@@ -73,6 +73,7 @@ CASES = [
 
 @pytest.mark.parametrize("case", CASES, ids=["gqa-causal", "bias-window"])
 @pytest.mark.parametrize("path", backend_paths(exclude=("default",)))
+@pytest.mark.ci_slice(2)
 def test_matches_float64_oracle_with_the_same_mask(path, case):
     if path.name == "xla" and case is CASES[1] and not SWEEP:
         pytest.skip("the xla path with bias and window: gqa-causal covers it in CI; SWEEP")

@@ -326,7 +326,6 @@ SINGLE = [
     Case(bias="bnts", q_len=100, kv_len=37, num_heads=4, num_kv_heads=2),
     sweep_only(Case(bias="n1s", q_len=33, kv_len=70, block="32")),
     sweep_only(Case(bias="ts", q_len=17, kv_len=100)),
-    Case(bias="s", batch=1, q_len=1, kv_len=100),
     sweep_only(Case(bias="b111", q_len=40, kv_len=23)),
     Case(mask="bnts", q_len=100, kv_len=37, num_heads=4, num_kv_heads=2),
     sweep_only(Case(mask="ts", q_len=37, kv_len=100, block="q16kv64")),
@@ -340,10 +339,12 @@ SINGLE = [
     Case(window=(9, 2), q_len=70, kv_len=33, block="q32kv16"),
     sweep_only(Case(window=(0, 12), q_len=33, kv_len=70, block="q16kv64")),
     Case(soft_cap=2.0, q_len=70, kv_len=37),
+    Case(bias="s", batch=1, q_len=1, kv_len=100),
 ]
 
 
 @pytest.mark.parametrize("c", SINGLE, ids=str)
+@pytest.mark.ci_slice(3)
 def test_each_argument_alone(c):
     check_against_oracle(c)
 
@@ -408,6 +409,7 @@ COMBINED = [
 
 
 @pytest.mark.parametrize("c", COMBINED, ids=str)
+@pytest.mark.ci_slice(2)
 def test_combined_arguments(c):
     check_against_oracle(c)
 
@@ -490,6 +492,7 @@ def empty_row_inputs(kind: str):
         "mask",
     ],
 )
+@pytest.mark.ci_slice(1)
 def test_rows_that_see_no_key(kind):
     """Empty rows output exactly 0 with lse = -inf, and gradients are exactly 0 for empty rows,
     keys no query sees and masked bias entries, even with a nonzero lse cotangent there; both
@@ -654,6 +657,7 @@ XLA_CASES = [
     ],
     ids=["batch", "heads-segments", "both-mask", "queries", "heads-keys", "all-lengths"],
 )
+@pytest.mark.ci_slice(2)
 def test_broadcast_bias_gradient_is_summed_in_the_kernel(bias_shape, kwargs, mode):
     """A broadcast bias gets its gradient without any [B, N, T, S] array (the kernel sums over
     the broadcast dims), and it matches the xla backend."""

@@ -112,6 +112,7 @@ LOWERING_PROBLEMS = [
 
 
 @pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=str)
+@pytest.mark.ci_slice(3)
 def test_lowers_for_h200(p):
     """Two Mosaic GPU calls (dK/dV, dQ) on the inputs as given, no transposes in XLA around
     them; dq [B, T, N, H], dk and dv [B, S, K, H] in the input dtype."""
@@ -174,6 +175,7 @@ MASKED_LOWERING_CASES = [
 
 
 @pytest.mark.parametrize("p, options, tiles", MASKED_LOWERING_CASES, ids=str)
+@pytest.mark.ci_slice(1)
 def test_lowers_with_masks(p, options, tiles):
     options = dict(options)
     segments = options.pop("segments", False)
@@ -227,6 +229,7 @@ SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8, 11)]
     [x if x not in SWEEP_ONLY_TILES else pytest.param(*x, marks=long_only) for x in OTHER_TILES],
     ids=str,
 )
+@pytest.mark.ci_slice(2)
 def test_lowers_with_other_tiles(head_dim, tiles):
     p = Problem(1, 512, 512, 4, 2, head_dim, True, "bf16")
     lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
@@ -643,6 +646,7 @@ INTERPRET_PROBLEMS = [
 
 
 @pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+@pytest.mark.ci_slice(1)
 def test_matches_oracle_interpreted(p, tiles):
     """The Mosaic forward, then the Mosaic backward on its out and lse, both in the interpreter
     (race detector on): out, lse, dq, dk, dv against the float64 oracle. Checks the kernels'
@@ -1276,6 +1280,7 @@ MASK_SWEEP_CASES = [
 
 
 @pytest.mark.parametrize("c", MASK_CI_CASES, ids=str)
+@pytest.mark.ci_slice(1)
 def test_masked_matches_oracle_interpreted(c):
     """Windows, soft caps, segment ids and lengths in the Mosaic GPU interpreter (race
     detector on): the tile ranges and plans, drain steps, element-wise masks, the soft cap's

@@ -134,6 +134,7 @@ def custom_call_targets(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=str)
+@pytest.mark.ci_slice(2)
 def test_lowers_for_h200(p):
     """One Mosaic GPU custom call on the [B, T, N, H] inputs as given: no transposes or copies
     in XLA around it, outputs out [B, T, N, H] and lse float32 [B, N, T]."""
@@ -184,6 +185,7 @@ WINDOW_LOWERING_CASES = [
 
 
 @pytest.mark.parametrize("p, window", WINDOW_LOWERING_CASES, ids=str)
+@pytest.mark.ci_slice(1)
 def test_lowers_with_a_window(p, window):
     lowered = lower_for_h200(forward_fn(p, window=window), *abstract_qkv(p))
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
@@ -202,6 +204,7 @@ def test_lowers_with_a_window(p, window):
     ],
     ids=str,
 )
+@pytest.mark.ci_slice(2)
 def test_lowers_with_a_soft_cap(p, window):
     lowered = lower_for_h200(forward_fn(p, window=window, soft_cap=30.0), *abstract_qkv(p))
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
@@ -325,6 +328,7 @@ SEGMENT_LOWERING_CASES = [
 
 
 @pytest.mark.parametrize("p, options, tiles", SEGMENT_LOWERING_CASES, ids=str)
+@pytest.mark.ci_slice(1)
 def test_lowers_with_segment_ids(p, options, tiles):
     """One Mosaic GPU call; the tile plan is computed by XLA around it (no other custom call)."""
     fn = segments_forward_fn(p, tiles, **options)
@@ -343,6 +347,7 @@ SEGMENT_RANGE_WINDOWS = [None, (0, 0), (5, 3), (100, 30), (127, 0), (10**6, 10**
 @pytest.mark.parametrize(
     "q_len, kv_len", [(256, 256), (256, 512), (512, 256), (384, 640), (333, 136)]
 )
+@pytest.mark.ci_slice(10)
 def test_segment_tile_plan_matches_the_mask(q_len, kv_len, block_q, block_kv, kind):
     """`segment_tile_plan` against the brute-force visibility (`masks.dense`), per batch entry,
     CTA and consumer, causal and not, over windows: the invariants its docstring lists. With
@@ -698,6 +703,7 @@ INTERPRET_PROBLEMS = [
 
 
 @pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+@pytest.mark.ci_slice(2)
 def test_matches_oracle_interpreted(p, tiles):
     """The kernel's logic (tiles, masks, online softmax, barrier protocol, with the race detector
     on) against the float64 oracle; registers, layouts and ptxas are the GPU tests' part."""
@@ -1097,6 +1103,7 @@ MASKED_INTERPRET_CASES = [
 
 
 @pytest.mark.parametrize("p, options, scale, tiles", MASKED_INTERPRET_CASES, ids=str)
+@pytest.mark.ci_slice(2)
 def test_masked_matches_oracle_interpreted(p, options, scale, tiles):
     """Windows and soft caps: the tile ranges, drain steps, element-wise masks and empty rows
     (out exactly 0, lse -inf) against the float64 oracle, race detector on."""
@@ -1137,6 +1144,7 @@ SEGMENT_INTERPRET_CASES = [
 
 
 @pytest.mark.parametrize("p, kind, options, scale, tiles", SEGMENT_INTERPRET_CASES, ids=str)
+@pytest.mark.ci_slice(1)
 def test_segments_match_oracle_interpreted(p, kind, options, scale, tiles):
     """Segment ids and lengths: the XLA tile plan read in the kernel, ids in shared memory
     (query ids with Q, KV ids in K's ring slot), rows without keys, race detector on."""
@@ -1188,6 +1196,7 @@ PERSISTENT_INTERPRET_CASES = [
 
 
 @pytest.mark.parametrize("p, kind, options, tiles", PERSISTENT_INTERPRET_CASES, ids=str)
+@pytest.mark.ci_slice(1)
 def test_persistent_matches_oracle_interpreted(p, kind, options, tiles, monkeypatch):
     monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
     tiles = dataclasses.replace(tiles, persistent=True)
@@ -1444,6 +1453,7 @@ def public_fn(p: Problem, **kwargs):
     ],
     ids=str,
 )
+@pytest.mark.ci_slice(2)
 def test_default_call_on_hopper_lowers_to_the_chosen_kernels(
     monkeypatch, p, mosaic_calls, triton_backward
 ):
@@ -1550,6 +1560,7 @@ def test_vmap_with_segment_ids_lowers_to_one_mosaic_call(monkeypatch):
 
 
 @pytest.mark.parametrize("option", ["window", "soft_cap", "segments"])
+@pytest.mark.ci_slice(1)
 def test_masked_default_call_lowers_to_the_mosaic_forward_and_backward(monkeypatch, option):
     """backend=None on Hopper: windows, soft caps and segment ids take the Mosaic forward and
     the Mosaic backward (three Mosaic calls, no Triton kernel)."""

@@ -237,6 +237,7 @@ def operand_types(text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("variant", LOWERING_VARIANTS, ids=str)
+@pytest.mark.ci_slice(1)
 def test_lowers_for_h200_without_padding_the_head_dim(variant, monkeypatch):
     """One Mosaic GPU call on q, k, v as the caller gave them (no pad, no [.., 128] operand),
     whose Q.K^T wgmmas (N = block_kv) take H's swizzle and whose P.V wgmmas (N = Hv) take Hv's."""
@@ -446,6 +447,7 @@ DEFAULT_CALL_GPU_CASES = [
 
 
 @pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=str)
+@pytest.mark.ci_slice(2)
 def test_default_call_cases_take_the_mosaic_forward_on_h200(p, monkeypatch):
     """What test_default_call_matches_oracle asserts on the GPU, checked here by lowering for
     an abstract H200: its cases must be ones the dispatch gives the Mosaic forward."""
@@ -555,6 +557,7 @@ def _lower_backward(c: BackwardCase, dropout: float | None):
 
 
 @pytest.mark.parametrize("c, dropout", BACKWARD_LOWERING_VARIANTS, ids=str)
+@pytest.mark.ci_slice(1)
 def test_backward_lowers_for_h200_without_padding_the_head_dim(c, dropout, monkeypatch):
     """Two Mosaic GPU calls (dK/dV, dQ) on q, k, v and d_out as the caller gave them (no pad,
     no [.., 128] operand), whose wgmmas take their operands' own swizzles: S^T = K Q^T and

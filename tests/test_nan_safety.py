@@ -107,6 +107,7 @@ def visible_of(hidden: str, q_len: int, kv_len: int) -> np.ndarray:
 
 @pytest.mark.parametrize("hidden", list(HIDDEN_BESIDE_BIAS))
 @pytest.mark.parametrize("path", REFUSE_BIAS)
+@pytest.mark.ci_slice(4)
 def test_large_negative_bias_on_whole_rows_is_not_a_mask(path, hidden):
     """Rows whose keys all carry the same large finite bias (-1e10, -1e30, finfo.min) get the
     mean of V over the keys they see (their logits are equal in float32: the softmax of
@@ -208,6 +209,7 @@ HUGE_LOGIT_TILES = {
 @pytest.mark.parametrize(
     "dtype, tiles", [(jnp.float32, "split3"), (jnp.bfloat16, "q16kv64")], ids=["f32", "bf16"]
 )
+@pytest.mark.ci_slice(2)
 def test_huge_logits(path, dtype, tiles):
     """Logits of |s| ~ 1e7 (head 0: where a backward that recomputes P from a rounded lse first
     goes wrong) and 1e30 (head 1), every key present twice: the softmax splits each row between
@@ -275,6 +277,7 @@ def assert_hidden_keys_reach_nothing(results, oracle, hidden):
 
 @pytest.mark.parametrize("soft_cap", [None, 5.0], ids=["plain", "soft-cap"])
 @pytest.mark.parametrize("path", REFUSE_MASK)
+@pytest.mark.ci_slice(2)
 def test_nan_and_inf_at_hidden_keys_do_not_reach_any_row(path, soft_cap):
     """NaN and +-inf in K and V at keys no row sees (past key lengths 37 and 20, not on a tile
     boundary; of a segment id no query has; hidden by a dense bool mask): out, lse and the
@@ -508,6 +511,7 @@ def check_tied_huge_logits(results, args, scale, visible, dtype):
 
 @pytest.mark.parametrize("path", TIED_PATHS)
 @pytest.mark.parametrize("dtype, is_causal", TIED_CASES)
+@pytest.mark.ci_slice(1)
 def test_tied_huge_logits(path, dtype, is_causal):
     """Keys that tie at their rows' max at |logits| ~1e7 and ~1e9 get P = 1/3 each in every
     backward (Mosaic's included, after either forward): gradients as float64's."""
@@ -563,6 +567,7 @@ SPLIT_KV = pallas_flash.BlockSizes(block_q=64, block_kv=32, kv_splits=2)
 
 
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
+@pytest.mark.ci_slice(1)
 def test_tied_huge_logits_at_the_residuals(path):
     """flash_attention_backward at the residuals of flash_attention(return_log_sum=True) --
     out, lse and log_sum -- gives float64's gradients to keys that tie at ~1e7 and ~1e9, on
@@ -594,6 +599,7 @@ NAN_IN_TILE_PATHS = backend_paths(mosaic=True, sweep=("triton-interpret",))
 
 
 @pytest.mark.parametrize("path", NAN_IN_TILE_PATHS)
+@pytest.mark.ci_slice(1)
 def test_nan_at_hidden_keys_inside_a_partly_visible_tile(path):
     """NaN and inf in K and V at keys a row cannot see but other rows of its tiles do: key 40
     of 128 under a causal mask (rows 0-39 match the float64 oracle in out, lse and dq; the

@@ -711,6 +711,7 @@ FLOAT32_LARGE_LOGITS = {
 
 @pytest.mark.parametrize("seed", sorted(FLOAT32_LARGE_LOGITS))
 @pytest.mark.parametrize("path", backend_paths())
+@pytest.mark.ci_slice(2)
 def test_float32_large_logits(path, seed):
     """The sweep's check on the float32 large-logit examples with the seeds that found them."""
     check(FLOAT32_LARGE_LOGITS[seed], seed, path)

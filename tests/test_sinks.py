@@ -111,6 +111,7 @@ def sink_attention_f64(q, k, v, sinks, visible, d_out, d_lse, *, soft_cap=None):
 
 
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
+@pytest.mark.ci_slice(2)
 def test_values_match_float64(path):
     size = sizes(path)
     q, k, v, sinks, *_, q_lengths, kv_lengths = inputs(**size)
@@ -427,6 +428,7 @@ def causal_with_lengths(path, args, sinks, *, forward_only: bool):
 
 @pytest.mark.parametrize("sink", [1e38, np.inf], ids=["1e38", "inf"])
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
+@pytest.mark.ci_slice(2)
 def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink):
     """A finite sink of 1e38 at H = 64: 8e38 in the kernels' units (logit / scale), past
     float32, or a sink of +inf. It takes every row: out 0 and lse the sink, as in float64; the
@@ -452,6 +454,7 @@ def test_a_sink_beyond_float32_over_the_scale_takes_every_row(path, sink):
 
 
 @pytest.mark.parametrize("path", backend_paths(mosaic=True))
+@pytest.mark.ci_slice(2)
 def test_a_sink_below_float32_over_the_scale_matches_float64(path):
     """A finite sink of -1e38 at H = 64: -8e38 in the kernels' units (logit / scale), past
     float32. It takes no share of a row that sees a key, and a row that sees none gets out 0 and
@@ -491,6 +494,7 @@ SPLIT_TILES = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=2)
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split-kv"])
 @pytest.mark.parametrize("magnitude", [1e7, 1e9], ids=["1e7", "1e9"])
 @pytest.mark.parametrize("path", backend_paths())
+@pytest.mark.ci_slice(3)
 def test_a_sink_tied_with_a_huge_logit_takes_its_share(path, magnitude, split):
     """A sink equal to a row's largest logit at |logit| >= 1e7, where float32's lse rounds the
     log 2 of the tie away: the sink still takes half of the row (out, d sinks), as in float64,

@@ -67,12 +67,14 @@ def check_forward(p: Problem, mode: str):
 
 
 @pytest.mark.parametrize("p", PROBLEMS, ids=str)
+@pytest.mark.ci_slice(5)
 def test_forward_matches_oracle(p, mode):
     check_forward(p, mode)
 
 
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["f32", "bf16", "f16"])
+@pytest.mark.ci_slice(3)
 def test_forward_dtypes(dtype, is_causal, mode):
     check_forward(Problem(2, 100, 67, 4, 2, 64, is_causal, dtype, "q32kv16"), mode)
 
@@ -85,6 +87,7 @@ def test_forward_matches_oracle_large(p):
 
 # The tolerance rule must reject a wrong kernel: a slightly wrong softmax scale fails it.
 @pytest.mark.parametrize("dtype, factor", [("f32", 1.001), ("f16", 1.01), ("bf16", 1.05)])
+@pytest.mark.ci_slice(1)
 def test_wrong_scale_fails_the_tolerance_rule(dtype, factor):
     p = Problem(1, 100, 67, 4, 2, 64, True, dtype)
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)

@@ -24,7 +24,6 @@ def inputs(b, t, s, n, k, h, seed=0):
     ]
 
 
-@pytest.mark.parametrize("splits", [2, pytest.param(3, marks=SWEEP_ONLY), 7])
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -36,6 +35,8 @@ def inputs(b, t, s, n, k, h, seed=0):
     ],
     ids=["full", "causal", "lengths", "window"],
 )
+@pytest.mark.parametrize("splits", [2, pytest.param(3, marks=SWEEP_ONLY), 7])
+@pytest.mark.ci_slice(4)
 def test_split_forward_matches_reference(splits, kwargs, mode):
     q, k, v = inputs(2, 33, 100, 4, 2, 32)
     kwargs = {key: jnp.asarray(x) if isinstance(x, np.ndarray) else x for key, x in kwargs.items()}
@@ -119,6 +120,7 @@ def test_split_forward_lowers_for_h200():
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+@pytest.mark.ci_slice(1)
 def test_split_log_sum_and_row_max_match_unsplit(sinks):
     """The log of each row's softmax denominator (relative to its largest logit, sinks
     included) and that largest logit in the kernel's units, which the forward hands the

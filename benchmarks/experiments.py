@@ -132,7 +132,7 @@ DECODE_SHAPES = {
 }
 # Candidates over the defaults (DecodeBlockSizes fields), per shape; every shape also runs
 # "default" (the cores rule: ceil(1056 / programs) splits of >= 1024 keys, capped at 64, cut per
-# sequence, merged in XLA), "occupancy", "full_waves", "balanced" and "waves2".
+# sequence, merged in XLA), "occupancy", "full_waves", "balanced", "balanced_cores" and "waves2".
 DECODE_CANDIDATES = {
     "head": dict(
         occupancy_kernel_merge=dict(split_rule="occupancy", merge="kernel"),
@@ -185,6 +185,8 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None):
             "occupancy": dict(split_rule="occupancy"),
             "full_waves": dict(split_rule="full-waves"),
             "balanced": dict(split_rule="occupancy", schedule="balanced", merge="kernel"),
+            # The default's split count, cut over the batch by length (planned in XLA).
+            "balanced_cores": dict(schedule="balanced"),
             "waves2": dict(split_rule="occupancy", waves=2),
             **DECODE_CANDIDATES[name],
         }

@@ -186,6 +186,7 @@ def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5, sinks=None)
 
 @pytest.mark.parametrize("c", CASES, ids=str)
 @pytest.mark.parametrize("path", backend_paths())
+@pytest.mark.ci_slice(4)
 def test_matches_oracle(path, c):
     """Each path (in the interpreter: three splits merged by lse)."""
     problem, oracle_inputs = make_problem(c)
@@ -570,18 +571,28 @@ def _schedule_items(lengths, capacity, splits, *, q_len=1, window_left=None, kin
         max_tiles=-(-capacity // block_kv),
     )
 
-    def kernel(lengths_ref, o_ref):
-        batch, length, (first, end) = schedule.item(lengths_ref, pl.program_id(0))
+    lengths = jnp.asarray(lengths, jnp.int32)
+    # The planned schedule's table as the decode call makes it (XLA, before the kernel).
+    runs = schedule.plan_runs(lengths) if schedule.planned else jnp.zeros((1,), jnp.int32)
+
+    def kernel(lengths_ref, runs_ref, o_ref):
+        item = pl.program_id(0)
+        batch, length, (first, end) = schedule.item(
+            lengths_ref, item, runs_ref if schedule.planned else None
+        )
         plgpu.store(o_ref, jnp.stack([batch, length, first, end]))
 
     out = pl.pallas_call(
         kernel,
         grid=(schedule.items,),
-        in_specs=[pl.BlockSpec((len(lengths),), lambda i: (0,))],
+        in_specs=[
+            pl.BlockSpec(lengths.shape, lambda i: (0,)),
+            pl.BlockSpec(runs.shape, lambda i: (0,)),
+        ],
         out_specs=pl.BlockSpec((None, 4), lambda i: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((schedule.items, 4), jnp.int32),
         interpret=True,
-    )(jnp.asarray(lengths, jnp.int32))
+    )(lengths, runs)
     return np.asarray(out), schedule
 
 

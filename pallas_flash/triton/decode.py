@@ -75,14 +75,17 @@ def _decode_kernel(
     flat) before the outputs: key j of sequence b is row table[b * max_pages + j // page_size]
     * page_size + j % page_size. Which sequence and which of its tiles the item reads comes
     from `schedule` (the batch is not in the grid, so that a balanced schedule can give a
-    sequence as many items as its length needs).
+    sequence as many items as its length needs); where `schedule.planned`, from a runs_ref
+    (`Schedule.plan_runs`'s table) after the block table.
     """
-    table_ref = refs[0] if page_size is not None else None
-    log_sum_ref = refs[-1] if with_log_sum else None
-    o_ref, lse_ref = refs[-3:-1] if with_log_sum else refs[-2:]
+    refs = list(refs)
+    table_ref = refs.pop(0) if page_size is not None else None
+    runs_ref = refs.pop(0) if schedule.planned else None
+    log_sum_ref = refs.pop() if with_log_sum else None
+    o_ref, lse_ref = refs
     num_rows = q_len * group
     m_start = pl.program_id(0) * block_m
-    batch, length, (item_lo, item_hi) = schedule.item(lengths_ref, pl.program_id(2))
+    batch, length, (item_lo, item_hi) = schedule.item(lengths_ref, pl.program_id(2), runs_ref)
 
     m_rows = num_rows - m_start  # rows of this tile that exist
     q = load_rows(
@@ -156,14 +159,15 @@ def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int):
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """Which sequence, and which run of its key tiles, each work item (the grid's last axis)
-    reads; shared by the decode kernel and the merge kernel, which recompute it from the
-    lengths (a few vector operations over the batch per program: no extra launch).
+    reads; shared by the decode kernel and the merge kernel.
 
     splits == 1: item b is sequence b, whole. kind "sequence": item b * splits + s is run s of
-    sequence b's tiles cut into `splits` equal runs. kind "balanced": `items` items share the
-    batch's tiles in runs of `chunk` tiles, chunk the smallest (at least `min_chunk`) for which
-    the runs fit (sum_b ceil(tiles_b / chunk) <= items); sequence b takes items
-    [start_b, start_b + count_b) in batch order, and items past the last are empty.
+    sequence b's tiles cut into `splits` equal runs (a few scalar operations per program).
+    kind "balanced": `items` items share the batch's tiles in runs of `chunk` tiles, chunk the
+    smallest (at least `min_chunk`) for which the runs fit (sum_b ceil(tiles_b / chunk) <=
+    items); sequence b takes items [start_b, start_b + count_b) in batch order, and items past
+    the last are empty. XLA computes that plan once per call (`plan_runs`: a table the
+    programs read their run from), so a program costs what it does under "sequence".
     """
 
     kind: str
@@ -177,6 +181,11 @@ class Schedule:
     min_chunk: int
     max_tiles: int
 
+    @property
+    def planned(self) -> bool:
+        """Whether the programs read their runs from `plan_runs`'s table."""
+        return self.kind == "balanced" and self.splits > 1
+
     def length(self, lengths_ref, batch):
         return jnp.clip(lengths_ref[batch], 0, self.capacity)
 
@@ -184,33 +193,34 @@ class Schedule:
         lo, _, _, hi = _sequence_tiles(lengths, self.q_len, self.window_left, self.block_kv)
         return jnp.maximum(hi - lo, 0), lo
 
-    def _runs(self, lengths_ref):
-        """(chunk, count [Bp], end [Bp]) of the balanced schedule: the tiles per run, and per
-        sequence its runs and the end of its items (the inclusive cumulative count)."""
-        bp = max(2, 1 << (self.batch - 1).bit_length())
-        lengths = load_vector(lengths_ref, 0, bp, self.batch, ragged=bp != self.batch, other=0)
-        tiles, _ = self._tiles(jnp.clip(lengths, 0, self.capacity))
+    def plan_runs(self, lengths):
+        """The balanced schedule's table, int32 [3 * items + 2 * B] (in XLA, before the
+        kernels): per item its sequence, first tile and end tile (an empty run where first ==
+        end), then per sequence its first item and item count (for the merge)."""
+        lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, self.capacity)
+        tiles, lo = self._tiles(lengths)
+        lo = jnp.broadcast_to(lo, tiles.shape)  # 0 without a window
+        # The smallest chunk in [1, max_tiles] whose runs fit the items; max_tiles always fits
+        # (items >= B), so argmax finds a True.
+        chunks = jnp.arange(1, max(self.max_tiles, 1) + 1, dtype=jnp.int32)[:, None]
+        fits = jnp.sum((tiles[None, :] + chunks - 1) // chunks, axis=1) <= self.items
+        chunk = jnp.maximum(jnp.argmax(fits).astype(jnp.int32) + 1, self.min_chunk)
+        count = (tiles + chunk - 1) // chunk
+        end = jnp.cumsum(count)
+        start = end - count
+        item = jnp.arange(self.items, dtype=jnp.int32)
+        # Sequences whose items all lie before the item; an item past every sequence's items
+        # is an empty run of the last sequence.
+        seq = jnp.minimum(jnp.sum(end[None, :] <= item[:, None], axis=1), self.batch - 1)
+        run = item - start[seq]
+        first = lo[seq] + run * chunk
+        last = jnp.where(run < count[seq], first + chunk, first)
+        return jnp.concatenate([seq, first, last, start, count]).astype(jnp.int32)
 
-        def fits(chunk):
-            return jnp.sum(jax.lax.div(tiles + chunk - 1, chunk)) <= self.items
-
-        def bisect(_, bounds):
-            lo, hi = bounds
-            mid = jax.lax.div(lo + hi, 2)
-            ok = fits(mid)
-            return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
-
-        # The smallest chunk in [1, max_tiles] that fits; max_tiles always fits (items >= B).
-        steps = max(1, self.max_tiles.bit_length())
-        bounds = (jnp.full((), 1, jnp.int32), jnp.full((), max(self.max_tiles, 1), jnp.int32))
-        _, chunk = jax.lax.fori_loop(0, steps, bisect, bounds)
-        chunk = jnp.maximum(chunk, self.min_chunk)
-        count = jax.lax.div(tiles + chunk - 1, chunk)
-        return chunk, count, jnp.cumsum(count)
-
-    def item(self, lengths_ref, item):
+    def item(self, lengths_ref, item, runs_ref=None):
         """(sequence, its length, (first tile, end tile)) of one item; the tile run may be
-        empty (an unused item) or reach past the sequence's tiles (clipped by the caller)."""
+        empty (an unused item) or reach past the sequence's tiles (clipped by the caller).
+        runs_ref: `plan_runs`'s table where `planned`."""
         if self.splits == 1:
             return item, self.length(lengths_ref, item), (0, self.max_tiles)
         if self.kind == "sequence":
@@ -220,28 +230,22 @@ class Schedule:
             chunk = jax.lax.div(tiles + self.splits - 1, self.splits)
             start = lo + split * chunk
             return batch, length, (start, start + chunk)
-        chunk, count, end = self._runs(lengths_ref)
-        # Sequences whose items all lie before this one; an item past every sequence's items
-        # is empty.
-        batch = jnp.sum((end <= item).astype(jnp.int32))
-        batch = jnp.minimum(batch, self.batch - 1)
-        index = jax.lax.broadcasted_iota(jnp.int32, end.shape, 0)
-        start = jnp.sum(jnp.where(index == batch, end - count, 0))
-        mine = jnp.sum(jnp.where(index == batch, count, 0))
-        run = item - start
-        length = self.length(lengths_ref, batch)
-        _, lo = self._tiles(length)
-        first = lo + run * chunk
-        return batch, length, (first, jnp.where(run < mine, first + chunk, first))
+        batch = runs_ref[item]
+        return (
+            batch,
+            self.length(lengths_ref, batch),
+            (
+                runs_ref[self.items + item],
+                runs_ref[2 * self.items + item],
+            ),
+        )
 
-    def items_of(self, lengths_ref, batch):
+    def items_of(self, batch, runs_ref=None):
         """(first item, item count) of a sequence, for the merge."""
         if self.kind == "sequence":
             return batch * self.splits, self.splits
-        _, count, end = self._runs(lengths_ref)
-        index = jax.lax.broadcasted_iota(jnp.int32, end.shape, 0)
-        mine = jnp.sum(jnp.where(index == batch, count, 0))
-        return jnp.sum(jnp.where(index == batch, end, 0)) - mine, mine
+        base = 3 * self.items
+        return runs_ref[base + batch], runs_ref[base + self.batch + batch]
 
 
 def _load_paged(
@@ -279,7 +283,7 @@ def _load_paged(
 
 
 def _merge_kernel(
-    lengths_ref,
+    runs_ref,
     o_parts_ref,
     lse_parts_ref,
     log_sum_parts_ref,
@@ -301,7 +305,7 @@ def _merge_kernel(
     no item saw a key of outputs 0 with lse = -inf."""
     r_rows = num_rows - pl.program_id(0) * block_r  # rows of this tile that exist
     ragged = num_rows % block_r != 0
-    first, count = schedule.items_of(lengths_ref, pl.program_id(2))
+    first, count = schedule.items_of(pl.program_id(2), runs_ref)
 
     def body(j, carry):
         acc, m_i, l_i = carry
@@ -541,6 +545,11 @@ def decode_forward(
     else:
         kv_spec = pl.BlockSpec((batch, capacity, None, hp), lambda m, h, z: (0, 0, h, 0))
         in_specs = [lengths_spec, q_spec, kv_spec, kv_spec]
+    runs = None
+    if schedule.planned:
+        runs = schedule.plan_runs(lengths)
+        in_specs.append(pl.BlockSpec(runs.shape, lambda m, h, z: (0,)))
+        operands.append(runs)
     items = schedule.items
     row_spec = pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m))
     row_shape = jax.ShapeDtypeStruct((items, num_kv_heads, num_rows), jnp.float32)
@@ -570,7 +579,9 @@ def decode_forward(
     if splits > 1 and decode_merge(block_sizes) == "xla":
         out, lse = _combine_splits(out, *rows, splits)
     elif splits > 1:
-        out, lse = _merge(lengths, out, *rows, schedule, q.dtype, interpret)
+        out, lse = _merge(
+            lengths if runs is None else runs, out, *rows, schedule, q.dtype, interpret
+        )
     else:
         (lse,) = rows
     out = out.astype(q.dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
@@ -579,9 +590,10 @@ def decode_forward(
     return out, lse.reshape(batch, num_heads, q_len)
 
 
-def _merge(lengths, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
+def _merge(runs, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
     """The merge kernel over per-item results (out [items, K, M, H] f32, lse and log_sum
-    [items, K, M]): ([B, K, M, H] in dtype, [B, K, M])."""
+    [items, K, M]): ([B, K, M, H] in dtype, [B, K, M]). runs: `Schedule.plan_runs`'s table
+    where the schedule is planned (any int32 vector otherwise: unread)."""
     items, num_kv_heads, num_rows, head_dim = out.shape
     batch = schedule.batch
     hp = padded_head_dim(head_dim)
@@ -593,7 +605,7 @@ def _merge(lengths, out, lse, log_sum, schedule: Schedule, dtype, interpret: boo
         kernel,
         grid=(pl.cdiv(num_rows, block_r), num_kv_heads, batch),
         in_specs=[
-            pl.BlockSpec((batch,), lambda r, h, b: (0,)),
+            pl.BlockSpec(runs.shape, lambda r, h, b: (0,)),
             pl.BlockSpec((items, None, block_r, hp), lambda r, h, b: (0, h, r, 0)),
             pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
             pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
@@ -610,7 +622,7 @@ def _merge(lengths, out, lse, log_sum, schedule: Schedule, dtype, interpret: boo
         compiler_params=CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="pallas_flash_decode_merge",
-    )(lengths, out, lse, log_sum)
+    )(runs, out, lse, log_sum)
 
 
 def _combine_splits(out, lse, log_sum, splits: int):

@@ -236,8 +236,9 @@ class DecodeBlockSizes:
         `waves`, `min_split_keys`).
       schedule: how split programs share the keys. "balanced": the key tiles of the whole batch
         are cut into equal runs, a sequence taking as many runs as its length needs, so a batch
-        of ragged lengths keeps every program equally busy; "sequence": each sequence's tiles
-        are cut into kv_splits runs, whatever its length.
+        of ragged lengths keeps every program equally busy (XLA plans the runs once per call;
+        each program reads its own); "sequence": each sequence's tiles are cut into kv_splits
+        runs, whatever its length.
       merge: where split results are combined: "kernel" (one small Pallas kernel), "xla" (jnp
         reductions; schedule="sequence" only) or None: "xla" with schedule="sequence" (as
         fast as the kernel at B=8, 32k keys on the H200, and measured on every decode shape),

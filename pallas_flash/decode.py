@@ -115,14 +115,18 @@ def decode_attention(
         block_sizes,
         interpret,
     )
-    reference = functools.partial(_decode_reference, **options.math)
+    # With sinks, the keys' log_sum too: a sink's share is exact from it where lse rounds it.
+    with_log_sum = sinks is not None
+    reference = functools.partial(_decode_reference, **options.math, with_log_sum=with_log_sum)
     if options.backend == "xla":
-        out, lse = reference(query, key_cache, value_cache, lengths)
+        out, lse, *log_sum = reference(query, key_cache, value_cache, lengths)
     else:
-        kernel = functools.partial(_decode_forward, **options.kernel)
-        out, lse = with_reference_vjp(kernel, reference, query, key_cache, value_cache, lengths)
+        kernel = functools.partial(_decode_forward, **options.kernel, with_log_sum=with_log_sum)
+        out, lse, *log_sum = with_reference_vjp(
+            kernel, reference, query, key_cache, value_cache, lengths
+        )
     if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks)
+        out, lse = with_sinks(out, lse, sinks, *log_sum)
     return (out, lse) if return_residuals else out
 
 
@@ -189,16 +193,17 @@ def paged_attention(
         interpret,
         page_size=page_size,
     )
-    reference = functools.partial(_paged_reference, **options.math)
+    with_log_sum = sinks is not None  # as in decode_attention
+    reference = functools.partial(_paged_reference, **options.math, with_log_sum=with_log_sum)
     if options.backend == "xla":
-        out, lse = reference(query, key_pages, value_pages, lengths, block_tables)
+        out, lse, *log_sum = reference(query, key_pages, value_pages, lengths, block_tables)
     else:
-        kernel = functools.partial(_decode_forward, **options.kernel)
-        out, lse = with_reference_vjp(
+        kernel = functools.partial(_decode_forward, **options.kernel, with_log_sum=with_log_sum)
+        out, lse, *log_sum = with_reference_vjp(
             kernel, reference, query, key_pages, value_pages, lengths, block_tables
         )
     if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks)
+        out, lse = with_sinks(out, lse, sinks, *log_sum)
     return (out, lse) if return_residuals else out
 
 
@@ -264,8 +269,9 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------
 
 
-def decode_reference(q, k, v, lengths, *, scale, soft_cap, window_left):
-    """(out, lse) of `decode_attention` by plain jnp over the whole cache."""
+def decode_reference(q, k, v, lengths, *, scale, soft_cap, window_left, with_log_sum=False):
+    """(out, lse) of `decode_attention` by plain jnp over the whole cache; with_log_sum: and
+    log_sum (`reference_attention`'s)."""
     batch, q_len = q.shape[:2]
     capacity = k.shape[1]
     lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, capacity)
@@ -279,12 +285,24 @@ def decode_reference(q, k, v, lengths, *, scale, soft_cap, window_left):
     k, v = jnp.where(stored, k, 0), jnp.where(stored, v, 0)
     spec = MaskSpec(q_len=q_len, kv_len=capacity, mask_shape=(batch, 1, q_len, capacity))
     arrays = MaskArrays(mask=visible[:, None].astype(jnp.int8))
-    return reference_attention(q, k, v, None, arrays, spec=spec, scale=scale, soft_cap=soft_cap)
+    return reference_attention(
+        q,
+        k,
+        v,
+        None,
+        arrays,
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        with_log_sum=with_log_sum,
+    )
 
 
-def paged_reference(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, window_left):
-    """(out, lse) of `paged_attention` by gathering each sequence's pages into a contiguous
-    cache and running `decode_reference`."""
+def paged_reference(
+    q, k_pages, v_pages, lengths, block_tables, *, scale, soft_cap, window_left, with_log_sum=False
+):
+    """(out, lse[, log_sum]) of `paged_attention` by gathering each sequence's pages into a
+    contiguous cache and running `decode_reference`."""
     batch, max_pages = block_tables.shape
     num_pages, page_size = k_pages.shape[:2]
     tables = jnp.clip(block_tables, 0, num_pages - 1)
@@ -300,6 +318,7 @@ def paged_reference(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_c
         scale=scale,
         soft_cap=soft_cap,
         window_left=window_left,
+        with_log_sum=with_log_sum,
     )
 
 
@@ -307,10 +326,11 @@ def paged_reference(q, k_pages, v_pages, lengths, block_tables, *, scale, soft_c
 # compile the kernel once, not at every call.
 _MATH = ("scale", "soft_cap", "window_left")
 _decode_forward = jax.jit(
-    decode_forward, static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms")
+    decode_forward,
+    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "with_log_sum"),
 )
-_decode_reference = jax.jit(decode_reference, static_argnames=_MATH)
-_paged_reference = jax.jit(paged_reference, static_argnames=_MATH)
+_decode_reference = jax.jit(decode_reference, static_argnames=(*_MATH, "with_log_sum"))
+_paged_reference = jax.jit(paged_reference, static_argnames=(*_MATH, "with_log_sum"))
 
 
 # -- validation -----------------------------------------------------------------------------------

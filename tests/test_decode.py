@@ -711,3 +711,59 @@ def test_split_merge_of_tied_huge_logits(path, fields):
         want_out, want_lse = oracle(q, k, v, lengths, scale=1.0, soft_cap=None, window=None)
     np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(lse, np.float64), want_lse, atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize(
+    "path, fields",
+    [
+        (XLA, None),
+        (BACKEND_PATHS["triton-interpret"], dict(kv_splits=1)),
+        (BACKEND_PATHS["triton-interpret"], dict(kv_splits=2, merge="xla")),
+        (BACKEND_PATHS["triton-interpret"], dict(kv_splits=2, merge="kernel")),
+        (BACKEND_PATHS["triton-interpret"], dict(kv_splits=2, schedule="balanced")),
+        pytest.param(GPU, dict(kv_splits=1), marks=pytest.mark.gpu),
+        pytest.param(GPU, dict(kv_splits=2, merge="kernel"), marks=pytest.mark.gpu),
+    ],
+    ids=[
+        "xla",
+        "interpret-unsplit",
+        "interpret-xla-merge",
+        "interpret-kernel-merge",
+        "interpret-balanced",
+        "gpu-unsplit",
+        "gpu-kernel-merge",
+    ],
+)
+def test_a_sink_tied_with_a_huge_logit_takes_its_share(path, fields, paged):
+    """Two new tokens per head over 32 cached keys whose logits (scale 1) are 1e9 at keys 0 and
+    16 (one per page, one per split) and 0 elsewhere, with a sink of 1e9: float32's lse cannot
+    hold the keys' log 2, yet the sink takes a third of each row as in float64 (out = a third of
+    each tied key's value; lse = 1e9), split or not, contiguous or paged (the kernels return
+    the keys' log_sum, which the sink's share is taken from)."""
+    magnitude, num_keys, page = 1e9, 32, 16
+    rng = np.random.default_rng(13)
+    q = jnp.zeros((1, 2, 2, 16), jnp.float32).at[..., 0].set(1.0)
+    k = jnp.zeros((1, num_keys, 2, 16), jnp.float32).at[:, (0, page), :, 0].set(magnitude)
+    v = jnp.asarray(rng.standard_normal((1, num_keys, 2, 16)), jnp.float32)
+    sinks = jnp.full((2,), magnitude, jnp.float32)
+    lengths = jnp.asarray([num_keys], jnp.int32)
+    kwargs = dict(scale=1.0, sinks=sinks, return_residuals=True, **path.kwargs)
+    if fields is not None:
+        kwargs["block_sizes"] = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, **fields)
+    with path.scope():
+        if paged:  # the two pages in reverse order
+            pages = lambda x: x[0].reshape(2, page, 2, 16)[::-1]  # noqa: E731
+            tables = jnp.asarray([[1, 0]], jnp.int32)
+            out, lse = pallas_flash.paged_attention(
+                q, pages(k), pages(v), tables, lengths, **kwargs
+            )
+        else:
+            out, lse = pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=lengths, **kwargs
+            )
+        out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    tied = np.asarray(v, np.float64)[:, (0, page)].sum(axis=1, keepdims=True)
+    want = np.broadcast_to(tied / 3, out.shape)
+    np.testing.assert_allclose(out, want, atol=1e-6)
+    np.testing.assert_allclose(lse, magnitude, rtol=1e-7)

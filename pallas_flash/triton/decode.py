@@ -289,6 +289,7 @@ def _merge_kernel(
     log_sum_parts_ref,
     o_ref,
     lse_ref,
+    log_sum_ref,
     *,
     schedule: Schedule,
     num_rows: int,
@@ -299,10 +300,10 @@ def _merge_kernel(
     results over the sequence's items weighted by their softmax denominators (Flash-Decoding's
     reduction, as `_numerics.merge_weights`), one item per step. o_parts_ref: [items, block_r,
     Hp] f32, lse_parts_ref and log_sum_parts_ref: [items, block_r]; o_ref: [block_r, Hp],
-    lse_ref: [block_r]. An online softmax over the items: an item's row max is lse - log_sum
-    and its denominator relative to that max exp(log_sum), both exact where lse alone has
-    rounded the denominator away (keys that tie across items at |logits| beyond ~1e6). A row
-    no item saw a key of outputs 0 with lse = -inf."""
+    lse_ref and log_sum_ref: [block_r]. An online softmax over the items: an item's row max is
+    lse - log_sum and its denominator relative to that max exp(log_sum), both exact where lse
+    alone has rounded the denominator away (keys that tie across items at |logits| beyond
+    ~1e6). A row no item saw a key of outputs 0 with lse = -inf."""
     r_rows = num_rows - pl.program_id(0) * block_r  # rows of this tile that exist
     ragged = num_rows % block_r != 0
     first, count = schedule.items_of(pl.program_id(2), runs_ref)
@@ -328,8 +329,9 @@ def _merge_kernel(
         jnp.zeros((block_r,), jnp.float32),
     )
     carry = fold(0, count, body, init)
-    # The partial lse are natural logs: the logit unit is 1.
-    softmax_store(carry, 1.0, o_ref, lse_ref, block_r, r_rows, head_dim)
+    # The partial lse are natural logs: the logit unit is 1. The merged log_sum is relative to
+    # the largest item max, the row's max.
+    softmax_store(carry, 1.0, o_ref, lse_ref, block_r, r_rows, head_dim, log_sum_ref=log_sum_ref)
 
 
 def choose_decode_splits(
@@ -480,8 +482,11 @@ def decode_forward(
     block_sizes: DecodeBlockSizes,
     interpret: bool,
     num_sms: int = DEFAULT_NUM_SMS,
+    with_log_sum: bool = False,
 ):
-    """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log).
+    """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum:
+    also log_sum [B, N, T] float32, each row's log softmax denominator relative to its max
+    (`softmax_store`'s; what a sink's share is taken from where lse rounds it away).
 
     q: [B, T, N, H]; lengths: int32 [B] (clipped to [0, capacity]). Contiguous cache
     (block_tables None): k, v [B, S, K, H]. Paged: k, v [num_pages, page_size, K, H] and
@@ -530,7 +535,7 @@ def decode_forward(
         block_kv=block_kv,
         schedule=schedule,
         page_size=page_size,
-        with_log_sum=splits > 1,
+        with_log_sum=splits > 1 or with_log_sum,
     )
     # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
     lengths_spec = pl.BlockSpec((batch,), lambda m, h, z: (0,))
@@ -554,7 +559,7 @@ def decode_forward(
     row_spec = pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m))
     row_shape = jax.ShapeDtypeStruct((items, num_kv_heads, num_rows), jnp.float32)
     # Split items also store log_sum, which their merge weighs them by (lse and log_sum).
-    rows_out = 2 if splits > 1 else 1
+    rows_out = 2 if splits > 1 or with_log_sum else 1
     out, *rows = pl.pallas_call(
         kernel,
         grid=(num_m_tiles, num_kv_heads, items),
@@ -577,23 +582,26 @@ def decode_forward(
         name="pallas_flash_decode",
     )(*operands)
     if splits > 1 and decode_merge(block_sizes) == "xla":
-        out, lse = _combine_splits(out, *rows, splits)
+        out, *rows = _combine_splits(out, *rows, splits)
     elif splits > 1:
-        out, lse = _merge(
+        out, *rows = _merge(
             lengths if runs is None else runs, out, *rows, schedule, q.dtype, interpret
         )
-    else:
-        (lse,) = rows
     out = out.astype(q.dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
-    lse = lse.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)
-    return out, lse.reshape(batch, num_heads, q_len)
+
+    def by_head(row):  # [B, K, T * G] -> [B, N, T]
+        row = row.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)
+        return row.reshape(batch, num_heads, q_len)
+
+    return out, *(by_head(row) for row in rows[: 2 if with_log_sum else 1])
 
 
 def _merge(runs, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
     """The merge kernel over per-item results (out [items, K, M, H] f32, lse and log_sum
-    [items, K, M]): ([B, K, M, H] in dtype, [B, K, M]). runs: `Schedule.plan_runs`'s table
-    where the schedule is planned (any int32 vector otherwise: unread)."""
+    [items, K, M]): ([B, K, M, H] in dtype, lse [B, K, M], log_sum [B, K, M]). runs:
+    `Schedule.plan_runs`'s table where the schedule is planned (any int32 vector otherwise:
+    unread)."""
     items, num_kv_heads, num_rows, head_dim = out.shape
     batch = schedule.batch
     hp = padded_head_dim(head_dim)
@@ -613,9 +621,11 @@ def _merge(runs, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
         out_specs=[
             pl.BlockSpec((None, None, block_r, hp), lambda r, h, b: (b, h, r, 0)),
             pl.BlockSpec((None, None, block_r), lambda r, h, b: (b, h, r)),
+            pl.BlockSpec((None, None, block_r), lambda r, h, b: (b, h, r)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim), dtype),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
         ],
         # Two stages: the next item's partial results load while this one is added.
@@ -626,8 +636,8 @@ def _merge(runs, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
 
 
 def _combine_splits(out, lse, log_sum, splits: int):
-    """The result over all splits from per-split results (out [B * splits, K, M, H], lse and
-    log_sum [B * splits, K, M]; `merge_splits`)."""
-    weights, combined_lse, *_ = merge_splits(lse, log_sum, splits)  # weights [B, splits, K, M]
-    out = out.reshape(-1, splits, *out.shape[1:])
-    return jnp.sum(weights[..., None] * out, axis=1), combined_lse
+    """(out, lse, log_sum) over all splits from per-split results (out [B * splits, K, M, H],
+    lse and log_sum [B * splits, K, M]; `merge_splits`)."""
+    weights, combined_lse, combined_log_sum, _ = merge_splits(lse, log_sum, splits)
+    out = out.reshape(-1, splits, *out.shape[1:])  # weights: [B, splits, K, M]
+    return jnp.sum(weights[..., None] * out, axis=1), combined_lse, combined_log_sum

@@ -622,6 +622,17 @@ def test_default_tiles_at_h64_take_128_rows_when_plain_and_not_causal():
     assert default_tiles(128, q_len=512, kv_len=512, is_causal=True).block_q == 64
 
 
+def test_default_tiles_at_h64_take_256_keys_on_long_plain_non_causal_rows():
+    def block_kv(kv_len, is_causal=False, **kwargs):
+        tiles = default_tiles(64, q_len=1024, kv_len=kv_len, is_causal=is_causal, **kwargs)
+        return tiles.block_kv
+
+    assert [block_kv(n) for n in (2048, 4096, 8192, 16384)] == [128, 256, 256, 128]
+    assert [block_kv(n, True) for n in (4096, 8192, 16384)] == [128, 128, 128]
+    assert block_kv(8192, window=(64, 0)) == block_kv(8192, soft_cap=30.0) == 128
+    assert default_tiles(128, q_len=8192, kv_len=8192, is_causal=False).block_kv == 128
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_tiles_are_persistent_on_plain_non_causal_and_short_causal_calls(head_dim):
     def persistent(kv_len=1024, is_causal=False, **kwargs):
@@ -631,8 +642,8 @@ def test_default_tiles_are_persistent_on_plain_non_causal_and_short_causal_calls
     fits = head_dim <= 128  # H=256 has no room for a second Q buffer
     assert persistent() == persistent(kv_len=16384) == fits
     assert persistent(is_causal=True) == fits
-    assert persistent(kv_len=2048, is_causal=True) == (head_dim == 64)
-    assert not persistent(kv_len=4096, is_causal=True)
+    assert persistent(kv_len=4096, is_causal=True) == (head_dim == 64)
+    assert not persistent(kv_len=8192, is_causal=True)
     assert not persistent(window=(64, 64))
     assert not persistent(soft_cap=30.0)
     assert not persistent(segments=True)
@@ -815,6 +826,9 @@ def test_matches_oracle(p):
         (Problem(2, 512, 1024, 4, 2, 64, False, "f16"), ForwardTiles(block_q=128, block_kv=128)),
         (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), ForwardTiles(block_q=128, block_kv=64)),
         (Problem(1, 512, 512, 4, 1, 64, True, "bf16"), ForwardTiles(block_kv=64, num_stages=4)),
+        # H=64's long-row default (64 x 256), at lengths that leave ragged key tiles.
+        (Problem(2, 320, 1000, 4, 2, 64, False, "bf16"), ForwardTiles(block_kv=256)),
+        (Problem(1, 640, 640, 4, 1, 64, True, "bf16"), ForwardTiles(block_kv=256)),
         # Persistent CTAs with more work items than SMs (256 and 512 items on 132 SMs).
         (
             Problem(8, 512, 512, 16, 4, 64, False, "bf16"),

@@ -137,15 +137,20 @@ def default_tiles(
     slower, B=4, 4k, on the H200). 80 and 96 take the tiles of 128,
     192 those of 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
-    per item: plain non-causal calls at H 64/128, and plain causal ones up to 2k keys at H=64
+    per item: plain non-causal calls at H 64/128, and plain causal ones up to 4k keys at H=64
     and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
     faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent).
+    At H=64, plain non-causal rows of 4k-8k keys take 64 x 256 tiles, a CTA per item: half the
+    steps, each step's fixed cost spread over twice the keys (1-6% over 128 x 128 persistent
+    there in two runs; not at 2k nor 16k, and causal rows gained in one run only).
     A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
     of the two: MLA's (192, 128) those of 192."""
     head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
     masked = window is not None or soft_cap is not None or segments
-    short_causal = is_causal and kv_len <= (2048 if head_dim == 64 else 1024)
+    short_causal = is_causal and kv_len <= (4096 if head_dim == 64 else 1024)
     persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
+    if head_dim == 64 and not masked and not is_causal and 4096 <= kv_len < 16384:
+        return ForwardTiles(block_q=64, block_kv=256, num_stages=2)
     wide = head_dim == 64 and not masked and not is_causal and q_len % (NUM_CONSUMERS * 128) == 0
     if wide:
         return ForwardTiles(block_q=128, block_kv=128, num_stages=2, persistent=persistent)

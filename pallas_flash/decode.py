@@ -115,18 +115,7 @@ def decode_attention(
         block_sizes,
         interpret,
     )
-    # With sinks, the keys' log_sum too: a sink's share is exact from it where lse rounds it.
-    with_log_sum = sinks is not None
-    reference = functools.partial(_decode_reference, **options.math, with_log_sum=with_log_sum)
-    if options.backend == "xla":
-        out, lse, *log_sum = reference(query, key_cache, value_cache, lengths)
-    else:
-        kernel = functools.partial(_decode_forward, **options.kernel, with_log_sum=with_log_sum)
-        out, lse, *log_sum = with_reference_vjp(
-            kernel, reference, query, key_cache, value_cache, lengths
-        )
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks, *log_sum)
+    out, lse = _attend(options, _decode_reference, sinks, query, key_cache, value_cache, lengths)
     return (out, lse) if return_residuals else out
 
 
@@ -193,17 +182,9 @@ def paged_attention(
         interpret,
         page_size=page_size,
     )
-    with_log_sum = sinks is not None  # as in decode_attention
-    reference = functools.partial(_paged_reference, **options.math, with_log_sum=with_log_sum)
-    if options.backend == "xla":
-        out, lse, *log_sum = reference(query, key_pages, value_pages, lengths, block_tables)
-    else:
-        kernel = functools.partial(_decode_forward, **options.kernel, with_log_sum=with_log_sum)
-        out, lse, *log_sum = with_reference_vjp(
-            kernel, reference, query, key_pages, value_pages, lengths, block_tables
-        )
-    if sinks is not None:
-        out, lse = with_sinks(out, lse, sinks, *log_sum)
+    out, lse = _attend(
+        options, _paged_reference, sinks, query, key_pages, value_pages, lengths, block_tables
+    )
     return (out, lse) if return_residuals else out
 
 
@@ -264,6 +245,22 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
     key_pages = key_pages.at[page, row].set(key, mode="drop")
     value_pages = value_pages.at[page, row].set(value, mode="drop")
     return key_pages, value_pages
+
+
+def _attend(options, reference_fn, sinks, *args):
+    """(out, lse) of one decode call: the reference on the "xla" backend, else the kernel
+    differentiated through the reference; then the sinks. With sinks both also return the keys'
+    log_sum, from which a sink's share is exact where lse rounds it away."""
+    with_log_sum = sinks is not None
+    reference = functools.partial(reference_fn, **options.math, with_log_sum=with_log_sum)
+    if options.backend == "xla":
+        out, lse, *log_sum = reference(*args)
+    else:
+        kernel = functools.partial(_decode_forward, **options.kernel, with_log_sum=with_log_sum)
+        out, lse, *log_sum = with_reference_vjp(kernel, reference, *args)
+    if sinks is not None:
+        out, lse = with_sinks(out, lse, sinks, *log_sum)
+    return out, lse
 
 
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------

@@ -1532,17 +1532,21 @@ def test_default_masked_call_takes_mosaic_and_matches_oracle(p, options):
 
 # -- dQ in the dK/dV kernel (BackwardTiles.fused_dq) ----------------------------------------------
 
-# "slab" (each block of keys' partial apart, summed by XLA) runs the kernel of "add" but for the
+# "slab" (each kv tile's partial apart, summed by XLA) runs the kernel of "add" but for the
 # store: the interpreter has no TMA reductions. Causal GQA with a window, packed documents and
-# lengths, NaN at hidden keys, three query tiles (the last ragged), head splits, one consumer.
+# lengths, NaN at hidden keys, three query tiles (the last ragged), head splits; two consumers
+# taking turns at dQ's partial, with steps that one of them drains (the causal diagonal).
 FUSED_CI_CASE = MaskCase(
     Problem(2, 130, 128, 4, 2, 64, True, "bf16"),
     window=(40, 0),
     kind="packed-lengths",
-    tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2, fused_dq="slab"),
+    tiles=BackwardTiles(dkv_head_splits=2, fused_dq="slab"),
     poison=True,
 )
 FUSED_SWEEP_CASES = [
+    dataclasses.replace(
+        FUSED_CI_CASE, tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2, fused_dq="slab")
+    ),
     MaskCase(Problem(1, 192, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),
     MaskCase(
         Problem(2, 130, 200, 2, 1, 64, False, "f16"),

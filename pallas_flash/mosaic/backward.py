@@ -109,13 +109,13 @@ class BackwardTiles:
         XLA sums in a fixed order (still deterministic); 1: one CTA sums the whole group; 0
         (auto, the default): `head_splits` picks it from the grid.
       fused_dq: None (the default): dQ has a kernel of its own, which computes S and dP again
-        (seven matmuls per pair of tiles in all). "add": the dK/dV kernel's consumers also
-        compute each step's dQ partial dS K (five in all) and add it into an f32 dQ in global
-        memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
-        deterministic. "slab": the same partials stored apart, one f32 [B, T, N, H] per block
-        of keys, summed by XLA in a fixed order: deterministic, but S / block_kv_dkv times dQ's
-        memory (for tests; jax's Mosaic GPU interpreter has no TMA reductions). Not with
-        split_dkv.
+        (seven matmuls per pair of tiles in all). "add": the dK/dV kernel also computes each
+        step's dQ partial dS K over the CTA's keys (five in all; its consumers take turns) and
+        adds it into an f32 dQ in global memory by TMA reductions; the adds arrive in any
+        order, so dQ is not bitwise deterministic. "slab": the same partials stored apart, one
+        f32 [B, T, N, H] per kv tile, summed by XLA in a fixed order: deterministic, but
+        S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic GPU interpreter has no TMA
+        reductions). Not with split_dkv.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -224,8 +224,8 @@ class BackwardTiles:
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
-        # fused_dq: each consumer stages dS (16-bit, read transposed by dS K) and the f32
-        # partial that TMA adds into dQ.
+        # fused_dq: each consumer stores dS^T (16-bit, read by K^T dS^T) and stages the f32
+        # partials of the steps it computes, which TMA adds into dQ^T.
         fused = self.block_q_dkv * (self.block_kv_dkv * itemsize + head_dim * 4)
         fused = self.dkv_consumers * fused if self.fused_dq else 0
         return kv + ring + ids + (hashes if dropout else 0) + fused
@@ -638,7 +638,7 @@ def flash_backward(
         )
     if tiles.fused_dq:
         (dq,) = fused_dq
-        if tiles.fused_dq == "slab":  # one partial per block of keys, summed in a fixed order
+        if tiles.fused_dq == "slab":  # one partial per kv tile, summed in a fixed order
             dq = functools.reduce(jnp.add, jnp.unstack(dq))
         dq = (jnp.transpose(dq[..., :q_len], (0, 3, 1, 2)) * scale).astype(q.dtype)
     else:
@@ -780,8 +780,8 @@ def _dkv_call(
     dk [B, S', K, H], dv [B, S', K, Hv] in k's dtype, or with head_splits > 1 f32 partials
     [B, S', K * head_splits, H or Hv] (a KV head's splits side by side) for the caller to
     sum. With tiles.fused_dq also dQ^T unscaled, f32: [B, N, H, T''] over whole query tiles
-    ("add"), or [S'' / block_kv_dkv, B, N, H, T''], one per block of keys, for the caller to
-    sum ("slab")."""
+    ("add"), or [S'' / cta_kv_rows, B, N, H, T''], one per kv tile, for the caller to sum
+    ("slab")."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
@@ -861,15 +861,21 @@ def _dkv_call(
         return warp_specialised_kernel(kernel, out_type=out_type, scratch_types=scratch, **launch)(
             *operands
         )
-    # Each consumer stages its step's dS (read transposed by dS K) and dQ's f32 partial.
+    # Each consumer stores its step's dS^T (read as B by K^T dS^T) and stages the f32 partials
+    # of the steps it computes (`_DQSink`).
     scratch.update(
         ds_smem=_tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
         dq_partial_smem=plgpu.SMEM((n_c, head_dim, block_q), jnp.float32),
     )
-    # dQ^T starts at 0 (steps add into it) over whole query tiles (`_DQSink`).
+    if n_c > 1:
+        scratch.update(
+            ds_ready=plgpu.Barrier(num_arrivals=n_c, num_barriers=n_c),
+            ds_read=plgpu.Barrier(num_arrivals=1, num_barriers=n_c),
+        )
+    # dQ^T starts at 0 (steps add into it) over whole query tiles.
     dq_shape = (batch, num_heads, head_dim, cdiv(q.shape[1], block_q) * block_q)
     if tiles.fused_dq == "slab":
-        dq_shape = (grid[2] * kv_blocks, *dq_shape)
+        dq_shape = (grid[2], *dq_shape)
     into = (*(jnp.zeros(t.shape, t.dtype) for t in out_type), jnp.zeros(dq_shape, jnp.float32))
     return warp_specialised_kernel_into(kernel, into=into, scratch_types=scratch, **launch)(
         *operands
@@ -906,6 +912,8 @@ def _dkv_kernel(
     drop_col_smem=None,
     ds_smem=None,
     dq_partial_smem=None,
+    ds_ready=None,
+    ds_read=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
@@ -934,7 +942,7 @@ def _dkv_kernel(
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
     With tiles.fused_dq, refs ends with dq_ref, f32 [B, N, H, T''] (dQ^T, or a slab of them per
-    block of keys, `_DQSink`), to which each consumer adds its steps' K^T dS^T.
+    kv tile, `_DQSink`), to which the consumers add each step's K^T dS^T in turn.
     """
     dq_ref = refs[-1] if tiles.fused_dq else None
     *id_refs, dk_ref, dv_ref = refs[:-1] if tiles.fused_dq else refs
@@ -991,12 +999,16 @@ def _dkv_kernel(
         dq_sink = None
         if tiles.fused_dq:
             dq_sink = _DQSink(
-                ds_smem.at[wg],
+                ds_smem,
+                k_smem,
                 dq_partial_smem.at[wg],
                 dq_ref,
                 batch=batch,
                 first_head=cta_head * group,
-                slab=kv_tile * tiles.dkv_key_blocks + block if tiles.fused_dq == "slab" else None,
+                consumer=wg,
+                ds_ready=ds_ready,
+                ds_read=ds_read,
+                slab=kv_tile if tiles.fused_dq == "slab" else None,
             )
         consume = functools.partial(
             _consume_dkv,
@@ -1053,37 +1065,87 @@ def _dkv_kernel(
 
 @dataclasses.dataclass(frozen=True)
 class _DQSink:
-    """Where a dK/dV consumer puts dQ's partial of each step (tiles.fused_dq), transposed:
-    (dS K)^T = K^T dS^T of its keys for the step's query tile, added by TMA into dq_ref
-    [B, N, H, T''] f32 (dQ^T), or with `slab` (the consumer's block of keys, counted over the
-    grid) stored into dq_ref[slab] of [blocks, B, N, H, T'']. Transposed because dS^T is what
-    the consumer holds, in registers: Mosaic GPU transposes no register tile, and a tile
-    stored from registers cannot be read back as a transposed wgmma operand (layout inference
-    finds no layout for both), so dS^T is stored as it is and read as B, K's tile (loaded by
-    TMA) as A transposed. ds_smem [block_kv_dkv, block_q_dkv] (16-bit, swizzled) holds dS^T;
-    partial_smem [H, block_q_dkv] f32 stages the partial for TMA, one store in flight at a
+    """Where the dK/dV consumers put dQ's partial of each CTA step (tiles.fused_dq), transposed:
+    (dS K)^T = K^T dS^T over the CTA's keys for the step's query tile, added by TMA into dq_ref
+    [B, N, H, T''] f32 (dQ^T), or with `slab` (the CTA's kv tile) stored into dq_ref[slab] of
+    [kv tiles, B, N, H, T''].
+
+    Every consumer stores its dS^T of the step into its tile of ds_smem; one consumer, the
+    step's `computer` (step % consumers: they take turns), sums the products of every block of
+    keys in one accumulator and adds it: one f32 [H, block_q_dkv] add per CTA step, not one per
+    consumer, which halves the L2 reduction traffic with two consumers. Two barriers order the
+    tiles: ds_ready[c] completes when every consumer's dS^T of a step computed by consumer c has
+    landed, ds_read[c] when the partner has read consumer c's tile (so c may overwrite it: c's
+    next store after a step its partner computed is at a step c computes, which waits first).
+
+    Transposed because dS^T is what a consumer holds, in registers: Mosaic GPU transposes no
+    register tile, and a tile stored from registers cannot be read back as a transposed wgmma
+    operand (layout inference finds no layout for both), so dS^T is stored as it is and read as
+    B, K's tiles (loaded by TMA) as A transposed. ds_smem [consumers, block_kv_dkv,
+    block_q_dkv] (16-bit, swizzled); k_smem [consumers, block_kv_dkv, H], the CTA's keys;
+    partial_smem [H, block_q_dkv] f32, this consumer's staging tile, one store in flight at a
     time."""
 
     ds_smem: object
+    k_smem: object
     partial_smem: object
     dq_ref: object
     batch: object
     first_head: object
+    consumer: object
+    ds_ready: object = None  # Barrier(num_arrivals=consumers, num_barriers=consumers), 2 only
+    ds_read: object = None  # Barrier(num_arrivals=1, num_barriers=consumers), 2 only
     slab: object = None
 
-    def add(self, ds_t, k_smem, q_tile, head):
-        """K^T dS^T of dS^T (ds_t, 16-bit registers [keys, rows]) and the consumer's keys
-        k_smem, into the columns of query tile q_tile of query head first_head + head."""
-        block_q = self.partial_smem.shape[1]
-        self.ds_smem[...] = ds_t
+    @property
+    def consumers(self) -> int:
+        return self.ds_smem.shape[0]
+
+    def _computes(self, step):
+        if self.consumers == 1:
+            return True
+        return lax.rem(step, jnp.int32(self.consumers)) == self.consumer
+
+    def start(self):
+        """Before the first step: consumer 0 computes step 0 and waits on ds_read[0] first."""
+        if self.consumers > 1:
+            pl.when(self.consumer == 1)(lambda: plgpu.barrier_arrive(self.ds_read.at[0]))
+
+    def put(self, ds_t, step):
+        """This consumer's dS^T of CTA step `step`: 16-bit registers [keys, rows], or None for
+        a step outside its range (zeros)."""
+        if self.consumers > 1:
+            # The partner computed the step before this one: it must have read this tile.
+            pl.when(self._computes(step))(
+                lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer])
+            )
+        tile = self.ds_smem.at[self.consumer]
+        if ds_t is None:
+            ds_t = _wgmma_zeros(tile.shape).astype(tile.dtype)
+        tile[...] = ds_t
         plgpu.commit_smem()
+        if self.consumers > 1:
+            plgpu.barrier_arrive(self.ds_ready.at[lax.rem(step, jnp.int32(self.consumers))])
+
+    def take(self, step, q_tile, head):
+        """If this consumer computes CTA step `step`: K^T dS^T over every consumer's keys, added
+        into the columns of query tile q_tile of query head first_head + head."""
+        pl.when(self._computes(step))(lambda: self._add(q_tile, head))
+
+    def _add(self, q_tile, head):
+        block_q = self.partial_smem.shape[1]
+        if self.consumers > 1:
+            plgpu.barrier_wait(self.ds_ready.at[self.consumer])
 
         def dq_into(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem.T, self.ds_smem)
+            for block in range(self.consumers):
+                plgpu.wgmma(acc_ref, self.k_smem.at[block].T, self.ds_smem.at[block])
             return acc_ref[...]
 
         partial = pl.run_scoped(dq_into, plgpu.ACC(self.partial_smem.shape, jnp.float32))
-        # The previous step's store must have read the staging tile.
+        if self.consumers > 1:
+            plgpu.barrier_arrive(self.ds_read.at[1 - self.consumer])
+        # The previous add of this consumer must have read the staging tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         self.partial_smem[...] = partial
         plgpu.commit_smem()
@@ -1092,6 +1154,13 @@ class _DQSink:
             plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[rows], reduction_op="add")
         else:
             plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[(self.slab, *rows)])
+
+    def finish(self, steps):
+        """After the last of `steps` CTA steps, before this consumer's K buffer is overwritten:
+        the partner's last read of it, if the partner computed the last step."""
+        if self.consumers > 1:
+            partner_last = (steps > 0) & jnp.logical_not(self._computes(steps - 1))
+            pl.when(partner_last)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1338,15 +1407,19 @@ def _consume_dkv(
         )
         delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
-        return dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked, head=head), dv
+        step = base + i - first
+        return dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked, head=head), dv
 
-    def dk_update(dk, pd_t, dp_t, delta, i, slot, *, masked: bool, head):
+    def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool, head):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
         ds_t = ds_of(pd_t, dp_t, delta)
         if masked:
             # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN.
             ds_t = jnp.where(visible_in(i, slot), ds_t, 0.0)
         ds_in = ds_t.astype(dtype)
+        if dq_sink is not None:
+            # Stored first: the step's computer may be the other consumer.
+            dq_sink.put(ds_in, step)
 
         def dk_into(acc_ref):
             plgpu.wgmma(acc_ref, ds_in, ring.q_smem.at[slot])
@@ -1354,8 +1427,8 @@ def _consume_dkv(
         dk = pl.run_state(dk_into)(plgpu.ACC.init(dk))
         plgpu.barrier_arrive(ring.q_free.at[slot])
         if dq_sink is not None:
-            # After Q's slot is released: dS K reads only this consumer's K.
-            dq_sink.add(ds_in, k_smem, i, head)
+            # After Q's slot is released: dS K reads no Q.
+            dq_sink.take(step, i, head)
         return dk
 
     def dv_step(i, carry, *, base, head, masked: bool):
@@ -1399,25 +1472,31 @@ def _consume_dkv(
         # Q (and the query ids the mask reads) after the handoff: the dV consumer's S^T needed
         # it first.
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        return (dk_update(dk, pd_t, dp_t, delta, i, slot, masked=masked, head=head),)
+        step = base + i - first
+        return (dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked, head=head),)
 
     q_step = {"dkdv": dkdv_step, "dv": dv_step, "dk": dk_step}[role]
 
-    def drain_step(i, carry, *, base):
+    def drain_step(i, carry, *, base, head):
         # A CTA step outside this consumer's range: waited for (each barrier's phase is
         # tracked per thread and flips on every wait) and freed unread, so that the ring moves
-        # on for the other consumer.
-        slot = ring.slot(base + i - first)
+        # on for the other consumer. With dq_sink its dS^T is 0, and it may be the step's
+        # computer of dQ's partial.
+        step = base + i - first
+        slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         plgpu.barrier_wait(ring.do_ready.at[slot])
         plgpu.barrier_arrive(ring.do_free.at[slot])
         plgpu.barrier_arrive(ring.q_free.at[slot])
+        if dq_sink is not None:
+            dq_sink.put(None, step)
+            dq_sink.take(step, i, head)
         return carry
 
     def head_loop(h, carry):
         base = h * cta_tiles  # the producer's step of this head's tile `first`
         masked_step = functools.partial(q_step, base=base, head=h, masked=True)
-        drain = functools.partial(drain_step, base=base)
+        drain = functools.partial(drain_step, base=base, head=h)
         # In the producer's order. Without a side its loops are empty: not emitted.
         if before:
             lax.fori_loop(first, lo, drain, None)
@@ -1463,7 +1542,11 @@ def _consume_dkv(
         staging = partials[0] if partials is not None else (k_smem if crossed else v_smem)
         _store_rows(staging, dk * scale, dk_ref.at[out_rows])
         return
+    if dq_sink is not None:
+        dq_sink.start()
     dk, dv = lax.fori_loop(0, group, head_loop, (dk_zeros, dv_zeros))
+    if dq_sink is not None:
+        dq_sink.finish(group * cta_tiles)
     if partials is not None:
         # -- epilogue: the f32 partials one after the other through the staging tiles --
         _store_rows(partials[0], dk * scale, dk_ref.at[out_rows])

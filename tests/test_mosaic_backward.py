@@ -1543,11 +1543,19 @@ FUSED_CI_CASE = MaskCase(
     tiles=BackwardTiles(dkv_head_splits=2, fused_dq="slab"),
     poison=True,
 )
+# H=128: each consumer computes its half of dQ^T's rows a step late (`fused_dq_halves`).
+FUSED_CI_HALVES = MaskCase(
+    Problem(1, 192, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")
+)
 FUSED_SWEEP_CASES = [
     dataclasses.replace(
         FUSED_CI_CASE, tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2, fused_dq="slab")
     ),
-    MaskCase(Problem(1, 192, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),
+    dataclasses.replace(
+        FUSED_CI_CASE,
+        p=Problem(2, 130, 256, 4, 2, 128, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="slab"),
+    ),
     MaskCase(
         Problem(2, 130, 200, 2, 1, 64, False, "f16"),
         window=(50, 30),
@@ -1559,7 +1567,13 @@ FUSED_SWEEP_CASES = [
 
 
 @pytest.mark.parametrize(
-    "c", [FUSED_CI_CASE, *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES)], ids=str
+    "c",
+    [
+        FUSED_CI_CASE,
+        FUSED_CI_HALVES,
+        *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES),
+    ],
+    ids=str,
 )
 def test_fused_dq_matches_oracle_interpreted(c):
     """dQ from the dK/dV kernel's steps (K^T dS^T per step, stored per block of keys) against

@@ -226,7 +226,8 @@ class BackwardTiles:
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
         # fused_dq: each consumer stores dS^T (16-bit, read by K^T dS^T) and stages the f32
         # partials of the steps it computes, which TMA adds into dQ^T.
-        fused = self.block_q_dkv * (self.block_kv_dkv * itemsize + head_dim * 4)
+        rows = head_dim // 2 if fused_dq_halves(self, head_dim) else head_dim
+        fused = self.block_q_dkv * (self.block_kv_dkv * itemsize + rows * 4)
         fused = self.dkv_consumers * fused if self.fused_dq else 0
         return kv + ring + ids + (hashes if dropout else 0) + fused
 
@@ -865,7 +866,10 @@ def _dkv_call(
     # of the steps it computes (`_DQSink`).
     scratch.update(
         ds_smem=_tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
-        dq_partial_smem=plgpu.SMEM((n_c, head_dim, block_q), jnp.float32),
+        dq_partial_smem=plgpu.SMEM(
+            (n_c, head_dim // 2 if fused_dq_halves(tiles, head_dim) else head_dim, block_q),
+            jnp.float32,
+        ),
     )
     if n_c > 1:
         scratch.update(
@@ -1006,6 +1010,8 @@ def _dkv_kernel(
                 batch=batch,
                 first_head=cta_head * group,
                 consumer=wg,
+                cta_tiles=cta_range[1] - cta_range[0],
+                first=cta_range[0],
                 ds_ready=ds_ready,
                 ds_read=ds_read,
                 slab=kv_tile if tiles.fused_dq == "slab" else None,
@@ -1063,6 +1069,12 @@ def _dkv_kernel(
         )
 
 
+def fused_dq_halves(tiles: BackwardTiles, head_dim: int) -> bool:
+    """Whether the fused dQ of the dK/dV kernel (tiles.fused_dq) runs in halves (`_DQSink`):
+    two consumers, each with H / 2 of dQ^T's rows, a multiple of wgmma's 64."""
+    return tiles.dkv_consumers == 2 and head_dim % 128 == 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _DQSink:
     """Where the dK/dV consumers put dQ's partial of each CTA step (tiles.fused_dq), transposed:
@@ -1070,21 +1082,31 @@ class _DQSink:
     [B, N, H, T''] f32 (dQ^T), or with `slab` (the CTA's kv tile) stored into dq_ref[slab] of
     [kv tiles, B, N, H, T''].
 
-    Every consumer stores its dS^T of the step into its tile of ds_smem; one consumer, the
-    step's `computer` (step % consumers: they take turns), sums the products of every block of
-    keys in one accumulator and adds it: one f32 [H, block_q_dkv] add per CTA step, not one per
-    consumer, which halves the L2 reduction traffic with two consumers. Two barriers order the
-    tiles: ds_ready[c] completes when every consumer's dS^T of a step computed by consumer c has
-    landed, ds_read[c] when the partner has read consumer c's tile (so c may overwrite it: c's
-    next store after a step its partner computed is at a step c computes, which waits first).
+    Every consumer stores its dS^T of each step into its tile of ds_smem (zeros for a step it
+    drains), and the partial is summed over every consumer's block of keys: one f32 add of
+    [H, block_q_dkv] per CTA step, not one per consumer (half the L2 reduction traffic with two
+    consumers). Two ways to share the work:
+    - `halves` (`fused_dq_halves`): each consumer computes its half of dQ^T's rows (K's
+      columns [c * H / 2, (c + 1) * H / 2) as A) of step s at the start of step s + 1, in the
+      same wgmma wait as its S^T: waiting for dQ's partial on its own stopped the consumer
+      until the tensor cores drained both consumers' queues (NOTES, fused-dq). ds_ready[s % 2]
+      completes when both tiles of step s have landed (a prologue of zeros stands for step
+      -1); ds_read[c] when the partner has read consumer c's tile, which c waits for before
+      each store.
+    - otherwise the consumers take turns: step s's `computer` (s % consumers) computes the
+      whole partial right after its dK. ds_ready[c] completes when the tiles of a step that
+      consumer c computes have landed, ds_read[c] when the partner has read c's tile (c's
+      next store after a step its partner computed is at a step c computes, which waits
+      first). With one consumer neither barrier is needed.
 
     Transposed because dS^T is what a consumer holds, in registers: Mosaic GPU transposes no
     register tile, and a tile stored from registers cannot be read back as a transposed wgmma
     operand (layout inference finds no layout for both), so dS^T is stored as it is and read as
     B, K's tiles (loaded by TMA) as A transposed. ds_smem [consumers, block_kv_dkv,
     block_q_dkv] (16-bit, swizzled); k_smem [consumers, block_kv_dkv, H], the CTA's keys;
-    partial_smem [H, block_q_dkv] f32, this consumer's staging tile, one store in flight at a
-    time."""
+    partial_smem [rows, block_q_dkv] f32 (rows: H, or H / 2 in halves), this consumer's staging
+    tile, one store in flight at a time. cta_tiles, first: the CTA's query tiles per head and
+    the first (a step's head and tile)."""
 
     ds_smem: object
     k_smem: object
@@ -1093,6 +1115,8 @@ class _DQSink:
     batch: object
     first_head: object
     consumer: object
+    cta_tiles: object
+    first: object
     ds_ready: object = None  # Barrier(num_arrivals=consumers, num_barriers=consumers), 2 only
     ds_read: object = None  # Barrier(num_arrivals=1, num_barriers=consumers), 2 only
     slab: object = None
@@ -1101,20 +1125,34 @@ class _DQSink:
     def consumers(self) -> int:
         return self.ds_smem.shape[0]
 
+    @property
+    def halves(self) -> bool:
+        return self.partial_smem.shape[0] < self.k_smem.shape[-1]
+
     def _computes(self, step):
         if self.consumers == 1:
             return True
         return lax.rem(step, jnp.int32(self.consumers)) == self.consumer
 
     def start(self):
-        """Before the first step: consumer 0 computes step 0 and waits on ds_read[0] first."""
-        if self.consumers > 1:
+        """Before the first step. Halves: step -1's tiles are zeros (its partial is computed,
+        not added). Turns: consumer 0 computes step 0 and waits on ds_read[0] first."""
+        if self.halves:
+            self.ds_smem.at[self.consumer][...] = _wgmma_zeros(self.ds_smem.shape[1:]).astype(
+                self.ds_smem.dtype
+            )
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(self.ds_ready.at[1])
+        elif self.consumers > 1:
             pl.when(self.consumer == 1)(lambda: plgpu.barrier_arrive(self.ds_read.at[0]))
 
     def put(self, ds_t, step):
         """This consumer's dS^T of CTA step `step`: 16-bit registers [keys, rows], or None for
         a step outside its range (zeros)."""
-        if self.consumers > 1:
+        if self.halves:
+            # The partner has read this tile of the step before (of step -1 at step 0).
+            plgpu.barrier_wait(self.ds_read.at[self.consumer])
+        elif self.consumers > 1:
             # The partner computed the step before this one: it must have read this tile.
             pl.when(self._computes(step))(
                 lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer])
@@ -1127,40 +1165,102 @@ class _DQSink:
         if self.consumers > 1:
             plgpu.barrier_arrive(self.ds_ready.at[lax.rem(step, jnp.int32(self.consumers))])
 
-    def take(self, step, q_tile, head):
-        """If this consumer computes CTA step `step`: K^T dS^T over every consumer's keys, added
-        into the columns of query tile q_tile of query head first_head + head."""
-        pl.when(self._computes(step))(lambda: self._add(q_tile, head))
+    def take(self, step):
+        """Turns: if this consumer computes CTA step `step`, K^T dS^T over every consumer's
+        keys, added at once. Halves: nothing (the next step's `with_st` or `finish` adds it)."""
+        if self.halves:
+            return
+        pl.when(self._computes(step))(lambda: self._add(step))
 
-    def _add(self, q_tile, head):
-        block_q = self.partial_smem.shape[1]
+    def issue(self, acc_ref):
+        """The wgmmas of dQ^T's partial (this consumer's rows) into acc_ref."""
+        rows = self.partial_smem.shape[0]
+        for block in range(self.consumers):
+            k_t = self.k_smem.at[block]
+            if self.halves:
+                k_t = k_t.at[:, pl.ds(self.consumer * rows, rows)]
+            plgpu.wgmma(acc_ref, k_t.T, self.ds_smem.at[block])
+
+    def _wait_tiles(self, step):
+        """Until every consumer's tile of CTA step `step` has landed."""
         if self.consumers > 1:
-            plgpu.barrier_wait(self.ds_ready.at[self.consumer])
+            ready = lax.rem(step + 2, jnp.int32(2)) if self.halves else self.consumer
+            plgpu.barrier_wait(self.ds_ready.at[ready])
+
+    def _read_done(self):
+        if self.consumers > 1:
+            plgpu.barrier_arrive(self.ds_read.at[1 - self.consumer])
+
+    def with_st(self, st_into, st_shape, step):
+        """Halves, at a computed CTA step `step`: S^T (st_into(acc_ref) issues its wgmma) in
+        the same wait as dQ's partial of step - 1, which is then added; returns S^T."""
+        self._wait_tiles(step - 1)
+
+        def both(refs):
+            st_ref, dq_ref = refs
+            st_into(st_ref)
+            self.issue(dq_ref)
+
+        s_t, partial = pl.run_state(both)(
+            (
+                plgpu.ACC.init(_wgmma_zeros(st_shape)),
+                plgpu.ACC.init(_wgmma_zeros(self.partial_smem.shape)),
+            )
+        )
+        self._read_done()
+        pl.when(step >= 1)(lambda: self._store(partial, step - 1))
+        return s_t
+
+    def drained(self, step):
+        """Halves, at a CTA step `step` this consumer drains: dQ's partial of step - 1 on its
+        own."""
+        partial = self._compute(step - 1)
+        pl.when(step >= 1)(lambda: self._store(partial, step - 1))
+
+    def _compute(self, step):
+        """dQ's partial of CTA step `step` (this consumer's rows), waited for."""
+        self._wait_tiles(step)
 
         def dq_into(acc_ref):
-            for block in range(self.consumers):
-                plgpu.wgmma(acc_ref, self.k_smem.at[block].T, self.ds_smem.at[block])
+            self.issue(acc_ref)
             return acc_ref[...]
 
         partial = pl.run_scoped(dq_into, plgpu.ACC(self.partial_smem.shape, jnp.float32))
-        if self.consumers > 1:
-            plgpu.barrier_arrive(self.ds_read.at[1 - self.consumer])
+        self._read_done()
+        return partial
+
+    def _add(self, step):
+        self._store(self._compute(step), step)
+
+    def _store(self, partial, step):
+        """Adds this consumer's partial of CTA step `step` into dQ^T (or its slab)."""
+        rows, block_q = self.partial_smem.shape
+        head = self.first_head + lax.div(step, self.cta_tiles)
+        q_tile = self.first + lax.rem(step, self.cta_tiles)
         # The previous add of this consumer must have read the staging tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         self.partial_smem[...] = partial
         plgpu.commit_smem()
-        rows = (self.batch, self.first_head + head, slice(None), pl.ds(q_tile * block_q, block_q))
+        first_row = self.consumer * rows if self.halves else 0
+        window = (self.batch, head, pl.ds(first_row, rows), pl.ds(q_tile * block_q, block_q))
         if self.slab is None:
-            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[rows], reduction_op="add")
+            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[window], reduction_op="add")
         else:
-            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[(self.slab, *rows)])
+            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[(self.slab, *window)])
 
     def finish(self, steps):
         """After the last of `steps` CTA steps, before this consumer's K buffer is overwritten:
-        the partner's last read of it, if the partner computed the last step."""
-        if self.consumers > 1:
-            partner_last = (steps > 0) & jnp.logical_not(self._computes(steps - 1))
-            pl.when(partner_last)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
+        halves add the last step's partial; then the partner's last read of this consumer's
+        tile (and K) is waited for."""
+        if self.consumers == 1:
+            return
+        last = steps - 1
+        if self.halves:
+            pl.when(steps > 0)(lambda: self._add(last))
+            partner_read = steps > 0
+        else:
+            partner_read = (steps > 0) & jnp.logical_not(self._computes(last))
+        pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1350,20 +1450,29 @@ def _consume_dkv(
         )
         return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1)
 
-    def probs_t(i, slot, *, masked: bool):
+    def probs_t(i, slot, *, masked: bool, step=None):
         """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
 
         With dropout (P^T * keep^T, P^T * dcap negated where dropped): dV takes the first,
         scaled by 1 / (1 - rate) once in the epilogue. P^T * dcap >= 0, so its sign carries
         the keep-mask to dS^T (`ds_of`) without a mask tile held across the dP^T wgmma or
-        handed to the split dK consumer; where it is 0 (or -0) dS^T is 0 anyway."""
+        handed to the split dK consumer; where it is 0 (or -0) dS^T is 0 anyway.
+
+        step: the CTA step, where dq_sink computes dQ's partial of the step before in S^T's
+        wait (halves)."""
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
-        def st_into(acc_ref):
+        def st_issue(acc_ref):
             plgpu.wgmma(acc_ref, k_smem, ring.q_smem.at[slot].T)
+
+        def st_into(acc_ref):
+            st_issue(acc_ref)
             return acc_ref[...]
 
-        s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
+        if dq_sink is not None and dq_sink.halves:
+            s_t = dq_sink.with_st(st_issue, tile_shape, step)
+        else:
+            s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
         lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=col_layout) for j in (0, 1))
         # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
         p_t, pd_t = _probs(
@@ -1389,9 +1498,10 @@ def _consume_dkv(
 
     def dkdv_step(i, carry, *, base, head, masked: bool):
         dk, dv = carry
-        slot = ring.slot(base + i - first)
+        step = base + i - first
+        slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, masked=masked)
+        p_t, pd_t = probs_t(i, slot, masked=masked, step=step)
 
         # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -1407,7 +1517,6 @@ def _consume_dkv(
         )
         delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
-        step = base + i - first
         return dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked, head=head), dv
 
     def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool, head):
@@ -1428,7 +1537,7 @@ def _consume_dkv(
         plgpu.barrier_arrive(ring.q_free.at[slot])
         if dq_sink is not None:
             # After Q's slot is released: dS K reads no Q.
-            dq_sink.take(step, i, head)
+            dq_sink.take(step)
         return dk
 
     def dv_step(i, carry, *, base, head, masked: bool):
@@ -1488,9 +1597,12 @@ def _consume_dkv(
         plgpu.barrier_wait(ring.do_ready.at[slot])
         plgpu.barrier_arrive(ring.do_free.at[slot])
         plgpu.barrier_arrive(ring.q_free.at[slot])
-        if dq_sink is not None:
+        if dq_sink is not None and dq_sink.halves:
+            dq_sink.drained(step)
             dq_sink.put(None, step)
-            dq_sink.take(step, i, head)
+        elif dq_sink is not None:
+            dq_sink.put(None, step)
+            dq_sink.take(step)
         return carry
 
     def head_loop(h, carry):

@@ -1085,19 +1085,18 @@ class _DQSink:
     Every consumer stores its dS^T of each step into its tile of ds_smem (zeros for a step it
     drains), and the partial is summed over every consumer's block of keys: one f32 add of
     [H, block_q_dkv] per CTA step, not one per consumer (half the L2 reduction traffic with two
-    consumers). Two ways to share the work:
+    consumers). A consumer computes a partial of step s at the start of step s + 1, in the same
+    wgmma wait as its S^T there (on its own at a drained step, and after the last step):
+    waiting for it on its own, right after dK, stopped the consumer until the tensor cores
+    had drained both consumers' queues (NOTES, fused-dq). Two ways to share the work:
     - `halves` (`fused_dq_halves`): each consumer computes its half of dQ^T's rows (K's
-      columns [c * H / 2, (c + 1) * H / 2) as A) of step s at the start of step s + 1, in the
-      same wgmma wait as its S^T: waiting for dQ's partial on its own stopped the consumer
-      until the tensor cores drained both consumers' queues (NOTES, fused-dq). ds_ready[s % 2]
-      completes when both tiles of step s have landed (a prologue of zeros stands for step
-      -1); ds_read[c] when the partner has read consumer c's tile, which c waits for before
-      each store.
-    - otherwise the consumers take turns: step s's `computer` (s % consumers) computes the
-      whole partial right after its dK. ds_ready[c] completes when the tiles of a step that
-      consumer c computes have landed, ds_read[c] when the partner has read c's tile (c's
-      next store after a step its partner computed is at a step c computes, which waits
-      first). With one consumer neither barrier is needed.
+      columns [c * H / 2, (c + 1) * H / 2) as A) of every step. ds_ready[s % 2] completes when
+      both tiles of step s have landed (a prologue of zeros stands for step -1); ds_read[c]
+      when the partner has read consumer c's tile, which c waits for before each store.
+    - otherwise the consumers take turns: consumer s % consumers computes the whole partial of
+      step s. ds_ready[c] completes when the tiles of a step that consumer c computes have
+      landed, ds_read[c] when the partner has read c's tile (waited for before c's store at
+      the step after one its partner computes). With one consumer neither barrier is needed.
 
     Transposed because dS^T is what a consumer holds, in registers: Mosaic GPU transposes no
     register tile, and a tile stored from registers cannot be read back as a transposed wgmma
@@ -1130,21 +1129,26 @@ class _DQSink:
         return self.partial_smem.shape[0] < self.k_smem.shape[-1]
 
     def _computes(self, step):
+        """Turns: whether this consumer computes CTA step `step`'s partial."""
         if self.consumers == 1:
             return True
         return lax.rem(step, jnp.int32(self.consumers)) == self.consumer
 
+    def _adds_before(self, step):
+        """Whether this consumer adds a partial of step - 1 at CTA step `step` (>= 0)."""
+        if self.halves or self.consumers == 1:
+            return step >= 1
+        return (step >= 1) & self._computes(step - 1)
+
     def start(self):
         """Before the first step. Halves: step -1's tiles are zeros (its partial is computed,
-        not added). Turns: consumer 0 computes step 0 and waits on ds_read[0] first."""
+        never added), so that every step computes the partial of the one before."""
         if self.halves:
             self.ds_smem.at[self.consumer][...] = _wgmma_zeros(self.ds_smem.shape[1:]).astype(
                 self.ds_smem.dtype
             )
             plgpu.commit_smem()
             plgpu.barrier_arrive(self.ds_ready.at[1])
-        elif self.consumers > 1:
-            pl.when(self.consumer == 1)(lambda: plgpu.barrier_arrive(self.ds_read.at[0]))
 
     def put(self, ds_t, step):
         """This consumer's dS^T of CTA step `step`: 16-bit registers [keys, rows], or None for
@@ -1154,9 +1158,8 @@ class _DQSink:
             plgpu.barrier_wait(self.ds_read.at[self.consumer])
         elif self.consumers > 1:
             # The partner computed the step before this one: it must have read this tile.
-            pl.when(self._computes(step))(
-                lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer])
-            )
+            partner_read = (step >= 1) & jnp.logical_not(self._computes(step - 1))
+            pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
         tile = self.ds_smem.at[self.consumer]
         if ds_t is None:
             ds_t = _wgmma_zeros(tile.shape).astype(tile.dtype)
@@ -1164,13 +1167,6 @@ class _DQSink:
         plgpu.commit_smem()
         if self.consumers > 1:
             plgpu.barrier_arrive(self.ds_ready.at[lax.rem(step, jnp.int32(self.consumers))])
-
-    def take(self, step):
-        """Turns: if this consumer computes CTA step `step`, K^T dS^T over every consumer's
-        keys, added at once. Halves: nothing (the next step's `with_st` or `finish` adds it)."""
-        if self.halves:
-            return
-        pl.when(self._computes(step))(lambda: self._add(step))
 
     def issue(self, acc_ref):
         """The wgmmas of dQ^T's partial (this consumer's rows) into acc_ref."""
@@ -1191,34 +1187,54 @@ class _DQSink:
         if self.consumers > 1:
             plgpu.barrier_arrive(self.ds_read.at[1 - self.consumer])
 
-    def with_st(self, st_into, st_shape, step):
-        """Halves, at a computed CTA step `step`: S^T (st_into(acc_ref) issues its wgmma) in
-        the same wait as dQ's partial of step - 1, which is then added; returns S^T."""
-        self._wait_tiles(step - 1)
+    def with_st(self, st_issue, st_shape, step):
+        """At a computed CTA step `step`: S^T (st_issue(acc_ref) issues its wgmma), in the same
+        wait as this consumer's partial of step - 1 where it has one, which is then added;
+        returns S^T."""
 
-        def both(refs):
-            st_ref, dq_ref = refs
-            st_into(st_ref)
-            self.issue(dq_ref)
+        def with_partial():
+            self._wait_tiles(step - 1)
 
-        s_t, partial = pl.run_state(both)(
-            (
-                plgpu.ACC.init(_wgmma_zeros(st_shape)),
-                plgpu.ACC.init(_wgmma_zeros(self.partial_smem.shape)),
+            def both(refs):
+                st_ref, dq_ref = refs
+                st_issue(st_ref)
+                self.issue(dq_ref)
+
+            s_t, partial = pl.run_state(both)(
+                (
+                    plgpu.ACC.init(_wgmma_zeros(st_shape)),
+                    plgpu.ACC.init(_wgmma_zeros(self.partial_smem.shape)),
+                )
             )
-        )
-        self._read_done()
-        pl.when(step >= 1)(lambda: self._store(partial, step - 1))
-        return s_t
+            self._read_done()
+            if self.halves:  # step -1's partial (zeros) is computed, not added
+                pl.when(step >= 1)(lambda: self._store(partial, step - 1))
+            else:
+                self._store(partial, step - 1)
+            return s_t
+
+        if self.halves:
+            return with_partial()
+
+        def alone():
+            def st_into(acc_ref):
+                st_issue(acc_ref)
+                return acc_ref[...]
+
+            return pl.run_scoped(st_into, plgpu.ACC(st_shape, jnp.float32))
+
+        return lax.cond(self._adds_before(step), with_partial, alone)
 
     def drained(self, step):
-        """Halves, at a CTA step `step` this consumer drains: dQ's partial of step - 1 on its
-        own."""
-        partial = self._compute(step - 1)
-        pl.when(step >= 1)(lambda: self._store(partial, step - 1))
+        """At a CTA step `step` this consumer drains: its partial of step - 1 on its own."""
+        if self.halves:
+            partial = self._compute(step - 1)
+            pl.when(step >= 1)(lambda: self._store(partial, step - 1))
+        else:
+            pl.when(self._adds_before(step))(lambda: self._add(step - 1))
 
     def _compute(self, step):
-        """dQ's partial of CTA step `step` (this consumer's rows), waited for."""
+        """This consumer's partial of CTA step `step`, waited for."""
         self._wait_tiles(step)
 
         def dq_into(acc_ref):
@@ -1250,17 +1266,18 @@ class _DQSink:
 
     def finish(self, steps):
         """After the last of `steps` CTA steps, before this consumer's K buffer is overwritten:
-        halves add the last step's partial; then the partner's last read of this consumer's
-        tile (and K) is waited for."""
-        if self.consumers == 1:
-            return
+        the last step's partial, then the partner's last read of this consumer's tile (and
+        K), where it has one."""
         last = steps - 1
-        if self.halves:
+        if self.halves or self.consumers == 1:
             pl.when(steps > 0)(lambda: self._add(last))
-            partner_read = steps > 0
         else:
-            partner_read = (steps > 0) & jnp.logical_not(self._computes(last))
-        pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
+            pl.when((steps > 0) & self._computes(last))(lambda: self._add(last))
+        if self.consumers > 1:
+            partner_read = steps > 0
+            if not self.halves:
+                partner_read = partner_read & jnp.logical_not(self._computes(last))
+            pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1469,7 +1486,7 @@ def _consume_dkv(
             st_issue(acc_ref)
             return acc_ref[...]
 
-        if dq_sink is not None and dq_sink.halves:
+        if dq_sink is not None:
             s_t = dq_sink.with_st(st_issue, tile_shape, step)
         else:
             s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
@@ -1535,9 +1552,6 @@ def _consume_dkv(
 
         dk = pl.run_state(dk_into)(plgpu.ACC.init(dk))
         plgpu.barrier_arrive(ring.q_free.at[slot])
-        if dq_sink is not None:
-            # After Q's slot is released: dS K reads no Q.
-            dq_sink.take(step)
         return dk
 
     def dv_step(i, carry, *, base, head, masked: bool):
@@ -1597,12 +1611,9 @@ def _consume_dkv(
         plgpu.barrier_wait(ring.do_ready.at[slot])
         plgpu.barrier_arrive(ring.do_free.at[slot])
         plgpu.barrier_arrive(ring.q_free.at[slot])
-        if dq_sink is not None and dq_sink.halves:
+        if dq_sink is not None:
             dq_sink.drained(step)
             dq_sink.put(None, step)
-        elif dq_sink is not None:
-            dq_sink.put(None, step)
-            dq_sink.take(step)
         return carry
 
     def head_loop(h, carry):

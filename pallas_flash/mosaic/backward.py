@@ -1513,7 +1513,7 @@ def _consume_dkv(
             return pd_t * (dp_t - delta)
         return pd_t * jnp.where(pd_t > 0.0, dp_t * keep_scale - delta, delta)
 
-    def dkdv_step(i, carry, *, base, head, masked: bool):
+    def dkdv_step(i, carry, *, base, masked: bool):
         dk, dv = carry
         step = base + i - first
         slot = ring.slot(step)
@@ -1534,9 +1534,9 @@ def _consume_dkv(
         )
         delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
-        return dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked, head=head), dv
+        return dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked), dv
 
-    def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool, head):
+    def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
         ds_t = ds_of(pd_t, dp_t, delta)
         if masked:
@@ -1554,7 +1554,7 @@ def _consume_dkv(
         plgpu.barrier_arrive(ring.q_free.at[slot])
         return dk
 
-    def dv_step(i, carry, *, base, head, masked: bool):
+    def dv_step(i, carry, *, base, masked: bool):
         (dv,) = carry
         slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.q_ready.at[slot])
@@ -1576,7 +1576,7 @@ def _consume_dkv(
         plgpu.barrier_arrive(ring.do_free.at[slot])
         return (dv,)
 
-    def dk_step(i, carry, *, base, head, masked: bool):
+    def dk_step(i, carry, *, base, masked: bool):
         (dk,) = carry
         slot = ring.slot(base + i - first)
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -1596,11 +1596,11 @@ def _consume_dkv(
         # it first.
         plgpu.barrier_wait(ring.q_ready.at[slot])
         step = base + i - first
-        return (dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked, head=head),)
+        return (dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked),)
 
     q_step = {"dkdv": dkdv_step, "dv": dv_step, "dk": dk_step}[role]
 
-    def drain_step(i, carry, *, base, head):
+    def drain_step(i, carry, *, base):
         # A CTA step outside this consumer's range: waited for (each barrier's phase is
         # tracked per thread and flips on every wait) and freed unread, so that the ring moves
         # on for the other consumer. With dq_sink its dS^T is 0, and it may be the step's
@@ -1618,14 +1618,14 @@ def _consume_dkv(
 
     def head_loop(h, carry):
         base = h * cta_tiles  # the producer's step of this head's tile `first`
-        masked_step = functools.partial(q_step, base=base, head=h, masked=True)
-        drain = functools.partial(drain_step, base=base, head=h)
+        masked_step = functools.partial(q_step, base=base, masked=True)
+        drain = functools.partial(drain_step, base=base)
         # In the producer's order. Without a side its loops are empty: not emitted.
         if before:
             lax.fori_loop(first, lo, drain, None)
             carry = lax.fori_loop(lo, full_lo, masked_step, carry)
         carry = lax.fori_loop(
-            full_lo, full_hi, functools.partial(q_step, base=base, head=h, masked=False), carry
+            full_lo, full_hi, functools.partial(q_step, base=base, masked=False), carry
         )
         if after:
             carry = lax.fori_loop(full_hi, hi, masked_step, carry)

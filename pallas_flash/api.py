@@ -55,6 +55,7 @@ def flash_attention(
     backend: str | None = None,
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
+    deterministic_grads: bool = True,
 ):
     """Exact softmax attention, FlashAttention-2 style, called like `jax.nn.dot_product_attention`.
 
@@ -155,6 +156,13 @@ def flash_attention(
         (NotImplementedError otherwise).
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
+      deterministic_grads: True (the default): the gradients are bitwise the same on every run.
+        False lets the Hopper backward compute dQ in its dK/dV kernel and add each block of
+        keys' share into dQ by TMA reductions in the order they arrive (as FlashAttention-2
+        and -3 do by default): the same values within float32 rounding, not bitwise
+        repeatable, and faster where the dispatch takes it (`dispatch.fused_dq_is_faster`:
+        plain or causal calls of 4k tokens or more at H=64, and at H=128 but causal calls under
+        16k). Other calls and kernels are deterministic either way.
 
     Returns:
       out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.
@@ -218,6 +226,7 @@ def flash_attention(
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
         dropout_broadcast=dropout_broadcast,
+        deterministic_grads=deterministic_grads,
     )
     _check_sinks(sinks, call.query.shape[2])
     if call.config is None:
@@ -395,10 +404,13 @@ def _plan(
     dropout_rate=0.0,
     dropout_rng=None,
     dropout_broadcast=False,
+    deterministic_grads=True,
 ) -> _Call:
     """Validates and canonicalises a call's arguments and chooses its kernels."""
     query, key, value, unbatched = _canonical_arrays(query, key, value)
     _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret)
+    if not isinstance(deterministic_grads, bool):
+        raise TypeError(f"deterministic_grads={deterministic_grads!r} must be a bool")
     dropout_rate = _canonical_dropout(dropout_rate, dropout_rng)
     if not isinstance(dropout_broadcast, bool):
         raise TypeError(f"dropout_broadcast={dropout_broadcast!r} must be a bool")
@@ -451,6 +463,7 @@ def _plan(
         has_bias=bias is not None,
         dropout_rate=dropout_rate,
         value_head_dim=value.shape[-1],
+        deterministic_grads=deterministic_grads,
     )
     device = None if interpret or backend == "xla" else device_lib.target_device()
     config = dispatch.choose(

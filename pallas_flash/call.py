@@ -22,6 +22,8 @@ class Call:
       has_bias: whether a bias is added to the logits.
       dropout_rate: the attention dropout's rate (0: none).
       value_head_dim: Hv of the values (B, S, K, Hv) and the output; None: H.
+      deterministic_grads: whether the gradients must be bitwise the same on every run (False
+        lets the Hopper backward add dQ's partials in the order they arrive).
     """
 
     q_shape: tuple[int, int, int, int]
@@ -32,6 +34,7 @@ class Call:
     has_bias: bool = False
     dropout_rate: float = 0.0
     value_head_dim: int | None = None
+    deterministic_grads: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "q_shape", tuple(int(d) for d in self.q_shape))

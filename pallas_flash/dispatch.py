@@ -16,10 +16,14 @@ With backend=None on a GPU of compute capability >= 8.0:
   else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
-  them on the call's shapes, else its defaults.
+  them on the call's shapes, else its defaults. With `deterministic_grads=False` the Mosaic
+  backward's defaults compute dQ in the dK/dV kernel (`BackwardTiles(fused_dq="add")`) where
+  that is faster (`fused_dq_is_faster`).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from pallas_flash import mosaic, triton, tune_cache
 from pallas_flash._vjp import KernelConfig
@@ -39,6 +43,14 @@ MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 # tiles win (ViT's 197 and 577 tokens at H=64: Triton 150 and 247 TFLOP/s, Mosaic 82 and 183);
 # at 3000 tokens Mosaic is 1.6x Triton (benchmarks/NOTES.md, "Any length").
 MOSAIC_RAGGED_MIN_LEN = 1024
+
+# With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S),
+# where it was measured: from 4k tokens (shorter calls give its CTAs fewer query tiles, over
+# which its prologue and last partial spread; not measured), causal calls at H=128 from 16k
+# keys (at 4k 0.93x the two-kernel backward, at 16k 1.05x; 8k not measured). benchmarks/
+# NOTES.md, "fused-dq".
+FUSED_DQ_MIN_LEN = 4096
+FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -127,9 +139,7 @@ def choose(
             (tiles.forward or mosaic.default_forward_tiles(call)) if forward == "mosaic" else None
         ),
         mosaic_backward_tiles=(
-            (tiles.backward or mosaic.default_backward_tiles(call))
-            if backward == "mosaic"
-            else None
+            _mosaic_backward_tiles(call, device, tiles.backward) if backward == "mosaic" else None
         ),
         device=None if interpret else device,
     )
@@ -221,6 +231,38 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
     if short and kind != "mosaic":
         return "triton"
     return "mosaic"
+
+
+def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.BackwardTiles:
+    """The Mosaic backward's tiles: the given ones (the user's or the tuned), else its defaults,
+    with dQ fused into the dK/dV kernel where deterministic_grads=False allows it and it is
+    faster."""
+    if tiles is not None:
+        return tiles
+    tiles = mosaic.default_backward_tiles(call)
+    if call.deterministic_grads or not fused_dq_is_faster(call):
+        return tiles
+    fused = dataclasses.replace(tiles, fused_dq="add")
+    return tiles if mosaic.why_not_backward(call, device, fused) else fused
+
+
+def fused_dq_is_faster(call: Call) -> bool:
+    """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
+    the two-kernel one on the H200 for calls like this: fwd+bwd 1.04-1.14x at H=64 (4k and 16k
+    tokens, causal or not) and 1.05-1.09x at H=128 but for causal calls of 4k (0.93x);
+    measured on plain and causal self-attention of 4k and 16k tokens only (benchmarks/NOTES.md,
+    "fused-dq")."""
+    spec = call.spec
+    plain = spec.window is None and not spec.has_segments and spec.mask_shape is None
+    if not plain or call.soft_cap is not None or call.value_head_dim is not None:
+        return False
+    if min(call.q_len, call.kv_len) < FUSED_DQ_MIN_LEN:
+        return False
+    if call.head_dim == 64:
+        return True
+    if call.head_dim == 128:
+        return not spec.is_causal or call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
+    return False
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

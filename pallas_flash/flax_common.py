@@ -102,14 +102,24 @@ def check_dropout(dropout_rate, deterministic, dropout_rng) -> bool:
     return active
 
 
+# The modules' options whose default is neither None nor False.
+OPTION_DEFAULTS = {"deterministic_grads": True}
+
+
 def bind_options(attention_fn, **options):
     """`attention_fn` with the non-default `options` bound as keywords.
 
-    Options at their default (None or False) are left out, so that a user's attention_fn that
-    does not know them still works when they are not used. One that is used but not accepted
-    raises instead of being dropped.
+    Options at their default (None or False, or OPTION_DEFAULTS') are left out, so that a
+    user's attention_fn that does not know them still works when they are not used. One that
+    is used but not accepted raises instead of being dropped.
     """
-    options = {k: v for k, v in options.items() if v is not None and v is not False}
+
+    def at_default(name, value):
+        if name in OPTION_DEFAULTS:
+            return value is None or value == OPTION_DEFAULTS[name]
+        return value is None or value is False
+
+    options = {k: v for k, v in options.items() if not at_default(k, v)}
     if not options:
         return attention_fn
     params = inspect.signature(attention_fn).parameters
@@ -205,6 +215,7 @@ def attention(
     dropout_rate: float = 0.0,
     dropout_rng=None,
     dropout_broadcast: bool = False,
+    deterministic_grads: bool = True,
 ):
     """The shared body of both drop-in functions, after each has promoted the dtypes.
 
@@ -226,6 +237,8 @@ def attention(
         `flash_attention`); the
         callers pass a rate of 0 unless dropout is active. A decode step with active dropout
         runs `flash_attention` with the cache mask.
+      deterministic_grads: as in `flash_attention` (decode steps' gradients are deterministic
+        either way).
 
     Returns:
       `[batch..., T, N, H]`. Query rows that see no key output zeros on both paths (Flax's own
@@ -292,6 +305,7 @@ def attention(
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,
+        deterministic_grads=deterministic_grads,
     )
     return jnp.reshape(out, query.shape[:-1] + value.shape[-1:])
 

@@ -66,6 +66,7 @@ def dot_product_attention(
     block_sizes: BlockSizes | None = None,
     kv_cache_length=None,
     sinks=None,
+    deterministic_grads: bool = True,
 ):
     """`flax.linen.dot_product_attention` computed by the pallas_flash kernels.
 
@@ -100,7 +101,9 @@ def dot_product_attention(
       is_causal: query i sees keys j <= i (top-left aligned); the kernels' causal fast path.
       q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
         the same id only (packed documents). kv ids default to the query ids when T == S.
-      backend, interpret, block_sizes: as in `pallas_flash.flash_attention`.
+      backend, interpret, block_sizes, deterministic_grads: as in
+        `pallas_flash.flash_attention` (False: faster gradients on Hopper, not bitwise
+        repeatable).
       kv_cache_length: set by `MultiHeadDotProductAttention` in decode steps (you need not):
         int scalar, the filled slots of the KV cache that key/value are, the step's token
         included. The call then runs `pallas_flash.decode_attention` over those slots only,
@@ -168,6 +171,7 @@ def dot_product_attention(
         dropout_rate=dropout_rate if dropout else 0.0,
         dropout_rng=dropout_rng if dropout else None,
         dropout_broadcast=bool(broadcast_dropout),
+        deterministic_grads=deterministic_grads,
     )
 
 
@@ -187,6 +191,8 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         takes `kv_cache_length`.
       backend, interpret, block_sizes: passed to the attention function (see
         `pallas_flash.flash_attention`); None leaves the function's own choice.
+      deterministic_grads: False passes deterministic_grads=False to the attention function
+        (faster gradients on Hopper, not bitwise repeatable; see `pallas_flash.flash_attention`).
       attention_sinks: adds the parameter `sinks` `[num_heads]` (initialised to zeros, in
         `param_dtype`): one learned logit per head in each row's softmax denominator, as
         gpt-oss has; passed to the attention function as `sinks`.
@@ -198,6 +204,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
     backend: str | None = None
     interpret: bool | None = None
     block_sizes: BlockSizes | None = None
+    deterministic_grads: bool = True
 
     def __call__(
         self,
@@ -240,6 +247,7 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
             backend=self.backend,
             interpret=self.interpret,
             block_sizes=self.block_sizes,
+            deterministic_grads=self.deterministic_grads,
         )
         if self.attention_sinks:
             bound = self._with_sinks(bound)

@@ -64,6 +64,7 @@ def dot_product_attention(
     block_sizes: BlockSizes | None = None,
     kv_cache_length=None,
     sinks=None,
+    deterministic_grads: bool = True,
 ):
     """`flax.nnx.dot_product_attention` computed by the pallas_flash kernels.
 
@@ -97,7 +98,9 @@ def dot_product_attention(
         before calling this function), so it does not change the result.
       q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
         the same id only (packed documents). kv ids default to the query ids when T == S.
-      backend, interpret, block_sizes: as in `pallas_flash.flash_attention`.
+      backend, interpret, block_sizes, deterministic_grads: as in
+        `pallas_flash.flash_attention` (False: faster gradients on Hopper, not bitwise
+        repeatable).
       kv_cache_length: set by `MultiHeadAttention` in decode steps (you need not): int scalar,
         the filled slots of the KV cache that key/value are, the step's token included. The
         call then runs `pallas_flash.decode_attention` over those slots only, and `mask`
@@ -153,6 +156,7 @@ def dot_product_attention(
         dropout_rate=dropout_rate if dropout else 0.0,
         dropout_rng=dropout_rng if dropout else None,
         dropout_broadcast=bool(broadcast_dropout),
+        deterministic_grads=deterministic_grads,
     )
 
 
@@ -176,6 +180,8 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         the cache mask already limits each query to the cached keys.
       backend, interpret, block_sizes: passed to the attention function (see
         `pallas_flash.flash_attention`); None leaves the function's own choice.
+      deterministic_grads: False passes deterministic_grads=False to the attention function
+        (faster gradients on Hopper, not bitwise repeatable; see `pallas_flash.flash_attention`).
       attention_fn: defaults to `pallas_flash.nnx.dot_product_attention`.
       attention_sinks: adds the parameter `sinks` `[num_heads]` (zeros, in `param_dtype`): one
         learned logit per head in each row's softmax denominator, as gpt-oss has; passed to the
@@ -191,6 +197,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         block_sizes: BlockSizes | None = None,
         attention_fn=dot_product_attention,
         attention_sinks: bool = False,
+        deterministic_grads: bool = True,
         **kwargs,
     ):
         super().__init__(*args, attention_fn=attention_fn, **kwargs)
@@ -201,6 +208,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         self.backend = backend
         self.interpret = interpret
         self.block_sizes = block_sizes
+        self.deterministic_grads = deterministic_grads
 
     def __call__(
         self,
@@ -247,6 +255,7 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             backend=self.backend,
             interpret=self.interpret,
             block_sizes=self.block_sizes,
+            deterministic_grads=self.deterministic_grads,
             kv_cache_length=kv_cache_length,
             sinks=None if self.sinks is None else self.sinks[...],
         )

@@ -118,6 +118,13 @@ INVALID_CALLS = [
     ("is-causal", {}, dict(is_causal=1), TypeError, "is_causal=1"),
     ("return-residuals", {}, dict(return_residuals="yes"), TypeError, "return_residuals='yes'"),
     ("interpret", {}, dict(interpret=1), TypeError, "interpret=1"),
+    (
+        "deterministic-grads",
+        {},
+        dict(deterministic_grads=0),
+        TypeError,
+        "deterministic_grads=0 must be a bool",
+    ),
 ]
 
 

@@ -412,6 +412,26 @@ def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
     assert chosen(Device.h200(), name) == H200[name]
 
 
+# The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
+# on the H200: from 4k tokens, at H=64 and at H=128 but causal calls under 16k keys
+# (causal-h128-long has 8k); not where the fused form does not apply (H 192/256) or the Triton
+# backward runs.
+FUSED_DQ_CALLS = {"causal-h64-16k", "plain-h128-medium"}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_nondeterministic_grads_fuse_dq_where_it_is_faster(chosen, no_tune_cache, name):
+    """deterministic_grads=False changes the H200's choice only by fused_dq="add" in the Mosaic
+    backward's tiles, for the calls where it measured faster; the A100's not at all."""
+    row = chosen(Device.h200(), name, deterministic_grads=False)
+    expected = H200[name]
+    if name in FUSED_DQ_CALLS:
+        assert expected[1] == "mosaic", expected
+        expected = (*expected[:4], {**(expected[4] or {}), "fused_dq": "add"}, *expected[5:])
+    assert row == expected
+    assert chosen(Device.a100(), name, deterministic_grads=False) == A100[name]
+
+
 @pytest.mark.parametrize("name", list(CALLS))
 def test_a100_choice_is_pinned(chosen, no_tune_cache, name):
     assert chosen(Device.a100(), name) == A100[name]
@@ -527,6 +547,16 @@ def test_export_for_an_h200_packages_the_mosaic_kernels():
     # The forward, the dK/dV and the dQ kernels.
     assert custom_calls(exported) == ["mosaic_gpu_v2"] * 3
     assert not logits_shaped(exported, q_shape, k_shape)
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+def test_nondeterministic_grads_export_no_dq_kernel():
+    """deterministic_grads=False at H=64: the forward and one dK/dV kernel that also adds dQ."""
+    q_shape = (1, 4096, 8, 64)
+    with pallas_flash.target(Device.h200()):
+        exported = export_for_cuda(q_shape, q_shape, deterministic_grads=False)
+    assert custom_calls(exported) == ["mosaic_gpu_v2"] * 2
+    assert not logits_shaped(exported, q_shape, q_shape)
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")

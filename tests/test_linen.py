@@ -244,6 +244,24 @@ def test_function_options_and_errors():
         xla(q, q, q, mask=jnp.ones((3, 2, 8, 8)))
     # dtype: the computation dtype, as in Flax.
     assert xla(q, q, q, dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    # deterministic_grads=False reaches the attention function; True (the default) is not
+    # bound, so an attention_fn without the keyword still works.
+    seen = []
+
+    def recording(*args, deterministic_grads=True, **kwargs):
+        seen.append(deterministic_grads)
+        return xla(*args, **kwargs)
+
+    x = jnp.ones((1, 8, 16))
+    for flag in (False, True):
+        module = pfl.MultiHeadDotProductAttention(
+            num_heads=2, attention_fn=recording, deterministic_grads=flag
+        )
+        module.init(jax.random.key(0), x)
+    assert seen == [False, True]
+    pfl.MultiHeadDotProductAttention(num_heads=2, attention_fn=nn.dot_product_attention).init(
+        jax.random.key(0), x
+    )
     # A custom attention_fn that cannot take the module's options is refused, not ignored.
     module = pfl.MultiHeadDotProductAttention(
         num_heads=2, is_causal=True, attention_fn=nn.dot_product_attention

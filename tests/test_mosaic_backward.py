@@ -1662,6 +1662,33 @@ def test_fused_dq_matches_oracle(c):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, is_causal", [(64, True), (128, False)])
+def test_nondeterministic_grads_match_the_deterministic_ones(head_dim, is_causal):
+    """deterministic_grads=False through the public API (the fused dQ, `dispatch`): dK and dV
+    equal to those of the default call (the same products in the same order), dQ within
+    float32 rounding of its adds."""
+    needs_hopper()
+    shape = (1, 4096, 4, head_dim)
+    keys = jax.random.split(jax.random.key(3), 4)
+    q, k, v, d_out = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+
+    def grads(deterministic_grads):
+        def out(q, k, v):
+            return pallas_flash.flash_attention(
+                q, k, v, is_causal=is_causal, deterministic_grads=deterministic_grads
+            )
+
+        return jax.jit(lambda *a: jax.vjp(out, *a)[1](d_out))(q, k, v)
+
+    (dq, dk, dv), (dq_fast, dk_fast, dv_fast) = grads(True), grads(False)
+    for fast, default in ((dk_fast, dk), (dv_fast, dv)):
+        np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(default, np.float32))
+    dq, dq_fast = (np.asarray(x, np.float32) for x in (dq, dq_fast))
+    assert np.all(np.isfinite(dq_fast))
+    assert np.max(np.abs(dq_fast - dq)) <= 1e-2 * np.max(np.abs(dq))
+
+
+@pytest.mark.gpu
 def test_fused_dq_slab_is_deterministic():
     """ "slab" sums its partials in a fixed order: bitwise the same over repeated runs ("add"
     is not: its TMA adds land in any order)."""

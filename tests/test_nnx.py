@@ -226,6 +226,20 @@ def test_function_errors():
     with pytest.raises(ValueError, match="dropout_rng is required"):
         xla(q, q, q, dropout_rate=0.1)
     assert xla(q, q, q, precision="highest", dtype=jnp.bfloat16).dtype == jnp.bfloat16
+    # deterministic_grads=False reaches the attention function; True (the default) is not
+    # bound, so an attention_fn without the keyword still works.
+    seen = []
+
+    def recording(*args, deterministic_grads=True, **kwargs):
+        seen.append(deterministic_grads)
+        return xla(*args, **kwargs)
+
+    x = jnp.ones((1, 8, 16))
+    for flag in (False, True):
+        pfn.MultiHeadAttention(
+            2, 16, attention_fn=recording, deterministic_grads=flag, decode=False, rngs=nnx.Rngs(0)
+        )(x)
+    assert seen == [False, True]
     # A custom attention_fn that cannot take the module's options is refused, not ignored.
     module = pfn.MultiHeadAttention(
         2, 16, attention_fn=nnx.dot_product_attention, decode=False, rngs=nnx.Rngs(0)

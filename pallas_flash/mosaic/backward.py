@@ -18,6 +18,9 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
   derivative) passes between them through shared memory.
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
+- Or, with `BackwardTiles.fused_dq` (opt-in, `deterministic_grads=False` in the API), no dQ
+  kernel: the dK/dV kernel also computes dQ's partial of each step and adds it into an f32 dQ
+  by TMA reductions, in arrival order (`_DQSink`).
 
 Every head dim of HEAD_DIMS runs as it is, as in the forward: each shared-memory tile takes the
 widest swizzle that divides its rows (`launch.smem_transforms`: 80 and 96 run on 32- and 64-byte
@@ -26,8 +29,9 @@ latent attention's 192/128), taken as it is: the tiles of V and dO, the dV accum
 dP = dO V^T's contraction are Hv wide (with Hv's swizzle), those of Q, K, dQ and dK H wide.
 
 Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
-result is bitwise deterministic. The residuals are those of `pallas_flash.mosaic.forward` (and
-of the Triton forward): out, lse natural-log f32, and log_sum (`flash_backward`).
+result is bitwise deterministic (the fused dQ's adds aside). The residuals are those of
+`pallas_flash.mosaic.forward` (and of the Triton forward): out, lse natural-log f32, and
+log_sum (`flash_backward`).
 
 Masks are the forward's (causal, local windows, segment ids with sequence lengths folded in, a
 soft cap), from `pallas_flash.masks`: a CTA's producer streams the tiles of the hull of its
@@ -110,8 +114,9 @@ class BackwardTiles:
         (auto, the default): `head_splits` picks it from the grid.
       fused_dq: None (the default): dQ has a kernel of its own, which computes S and dP again
         (seven matmuls per pair of tiles in all). "add": the dK/dV kernel also computes each
-        step's dQ partial dS K over the CTA's keys (five in all; its consumers take turns) and
-        adds it into an f32 dQ in global memory by TMA reductions; the adds arrive in any
+        step's dQ partial dS K over the CTA's keys (five in all; its consumers split the rows
+        at H=128 and take turns otherwise, `_DQSink`) and adds it into an f32 dQ in global
+        memory by TMA reductions; the adds arrive in any
         order, so dQ is not bitwise deterministic. "slab": the same partials stored apart, one
         f32 [B, T, N, H] per kv tile, summed by XLA in a fixed order: deterministic, but
         S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic GPU interpreter has no TMA
@@ -1475,8 +1480,8 @@ def _consume_dkv(
         the keep-mask to dS^T (`ds_of`) without a mask tile held across the dP^T wgmma or
         handed to the split dK consumer; where it is 0 (or -0) dS^T is 0 anyway.
 
-        step: the CTA step, where dq_sink computes dQ's partial of the step before in S^T's
-        wait (halves)."""
+        step: the CTA step; with dq_sink, S^T's wait also takes this consumer's dQ partial of
+        the step before (`_DQSink.with_st`)."""
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
         def st_issue(acc_ref):
@@ -1603,8 +1608,8 @@ def _consume_dkv(
     def drain_step(i, carry, *, base):
         # A CTA step outside this consumer's range: waited for (each barrier's phase is
         # tracked per thread and flips on every wait) and freed unread, so that the ring moves
-        # on for the other consumer. With dq_sink its dS^T is 0, and it may be the step's
-        # computer of dQ's partial.
+        # on for the other consumer. With dq_sink its dS^T is 0, and this consumer's partial of
+        # the step before (if it has one) is computed on its own.
         step = base + i - first
         slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])

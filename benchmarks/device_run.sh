@@ -15,6 +15,8 @@
 #          the mosaic ones share its pool (PALLAS_FLASH_SWEEP_SHARD); every example logged, not
 #          failing, and counted by benchmarks/sweep_summary.py; logs in $OUT/sweep.tgz
 #   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
+#   fused  benchmarks/fused_dq_timing.py: the fused dQ against the default backward and cuDNN
+#          (FUSED_POINTS: H:SEQ pairs, default its POINTS)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
 #   scale  python -m pallas_flash.bench --suite scale on every GPU of the host (SCALE_ARGS)
@@ -136,6 +138,10 @@ for stage in ${@:-tests masks grid}; do
     mla)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/mla_timing.py $OUT/mla.jsonl > $OUT/mla.log 2>&1
       tail -n 4 $OUT/mla.log ;;
+    fused)
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/fused_dq_timing.py $OUT/fused.jsonl \
+        ${FUSED_POINTS:-} > $OUT/fused.log 2>&1
+      grep summary $OUT/fused.log ;;
     extras)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/sinks_dropout_timing.py $OUT/extras.jsonl \
         > $OUT/extras.log 2>&1

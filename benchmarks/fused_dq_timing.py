@@ -2,9 +2,11 @@
 (`BackwardTiles(fused_dq="add")`: five matmuls per pair of tiles, dQ added by TMA reductions)
 against the default two-kernel backward (seven) and cuDNN, on the H200 (a few minutes).
 
-    python benchmarks/fused_dq_timing.py [OUT.jsonl]
+    python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
-FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not. "default" and
+FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
+H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
+measurement yet). "default" and
 "fused" are the Mosaic forward differentiated by `mosaic.flash_backward` with the default tiles
 and with fused_dq="add"; "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")`.
 Prints one JSON row per point (ms, TFLOP/s by the FA2 count), dQ's largest difference between
@@ -44,13 +46,14 @@ def mosaic_attention(tiles, *, scale, is_causal):
 
 def main():
     out = open(sys.argv[1], "a") if len(sys.argv) > 1 else None
+    points = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[2:]] or POINTS
 
     def record(row):
         print(json.dumps(row), flush=True)
         if out:
             out.write(json.dumps(row) + "\n")
 
-    for h, seq in POINTS:
+    for h, seq in points:
         b, n = 16384 // seq, 2048 // h
         keys = jax.random.split(jax.random.key(0), 4)
         args = [jax.random.normal(key, (b, seq, n, h), jnp.bfloat16) for key in keys]

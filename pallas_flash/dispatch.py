@@ -242,8 +242,20 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
     tiles = mosaic.default_backward_tiles(call)
     if call.deterministic_grads or not fused_dq_is_faster(call):
         return tiles
+    # A grid that the two-kernel backward spreads by head splits (MQA) stays with it: the
+    # fused dQ's staging leaves no shared memory for the splits' (not measured side by side).
+    splits = mosaic.backward.head_splits(
+        tiles,
+        call.q_shape,
+        call.k_shape,
+        call.dtype.itemsize,
+        num_sms=device.num_sms,
+        causal=call.spec.is_causal,
+    )
     fused = dataclasses.replace(tiles, fused_dq="add")
-    return tiles if mosaic.why_not_backward(call, device, fused) else fused
+    if splits > 1 or mosaic.why_not_backward(call, device, fused):
+        return tiles
+    return fused
 
 
 def fused_dq_is_faster(call: Call) -> bool:

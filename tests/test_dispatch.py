@@ -21,8 +21,10 @@ from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh
 
 import pallas_flash
-from pallas_flash import api, mosaic, tune
+from pallas_flash import api, dispatch, mosaic, tune
+from pallas_flash.call import Call
 from pallas_flash.device import Device, target_device
+from pallas_flash.masks import MaskSpec
 from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
 
@@ -547,6 +549,26 @@ def test_export_for_an_h200_packages_the_mosaic_kernels():
     # The forward, the dK/dV and the dQ kernels.
     assert custom_calls(exported) == ["mosaic_gpu_v2"] * 3
     assert not logits_shaped(exported, q_shape, k_shape)
+
+
+def test_nondeterministic_grads_keep_the_head_splits_of_mqa():
+    """MQA whose dK/dV grid the two-kernel backward splits by heads keeps it (the fused dQ's
+    staging leaves no shared memory for the splits); GQA at the same length takes the fused."""
+
+    def fused_dq(num_kv_heads):
+        call = Call(
+            q_shape=(1, 8192, 32, 128),
+            k_shape=(1, 8192, num_kv_heads, 128),
+            dtype=bf16,
+            spec=MaskSpec(q_len=8192, kv_len=8192, is_causal=False),
+            deterministic_grads=False,
+        )
+        config = dispatch.choose(call, Device.h200(), scale=0.1)
+        assert config.backward == "mosaic"
+        return config.mosaic_backward_tiles.fused_dq
+
+    assert fused_dq(1) is None
+    assert fused_dq(8) == "add"
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")

@@ -1630,6 +1630,10 @@ def test_fused_dq_tiles_validate():
     assert "bytes of shared memory" in why(
         *((1, 256, 4, 128), (1, 256, 2, 128)), jnp.bfloat16, tiles=split
     )
+    # One consumer at H=128 would hold dQ's whole partial of the step before beside S^T.
+    alone = BackwardTiles(fused_dq="add", num_consumers=1)
+    assert "224 f32 registers" in why(*shapes, jnp.bfloat16, tiles=alone)
+    assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
 
 
 FUSED_ADD = BackwardTiles(fused_dq="add")
@@ -1646,8 +1650,10 @@ FUSED_GPU_CASES = [
         tiles=FUSED_ADD,
         poison=True,
     ),
+    # MQA with head splits: one consumer at H=64 (at H=128 one consumer would hold 224
+    # registers with dQ's partial beside S^T, two the splits' staging over shared memory).
     MaskCase(
-        Problem(1, 2048, 2048, 16, 1, 128, True, "bf16"),
+        Problem(1, 2048, 2048, 16, 1, 64, True, "bf16"),
         tiles=BackwardTiles(fused_dq="add", num_consumers=1, dkv_head_splits=4),
     ),
     MaskCase(Problem(2, 512, 512, 4, 2, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),

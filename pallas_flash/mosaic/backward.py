@@ -192,11 +192,12 @@ class BackwardTiles:
             accumulators = max(head_dim, value_head_dim)
         else:
             accumulators = head_dim + value_head_dim
-        # S^T and dP^T; with fused_dq, dQ^T's partial [H, block_q_dkv] after them (they are
-        # dead by then): the larger of the two.
+        # S^T and dP^T; with fused_dq, S^T beside dQ^T's partial of the step before ([H / 2 or
+        # H, block_q_dkv], `_DQSink`): the larger of the two.
         tiles = 2 * self.block_kv_dkv * self.block_q_dkv
         if self.fused_dq:
-            tiles = max(tiles, head_dim * self.block_q_dkv)
+            rows = head_dim // 2 if fused_dq_halves(self, head_dim) else head_dim
+            tiles = max(tiles, (self.block_kv_dkv + rows) * self.block_q_dkv)
         return {
             "dK/dV": (self.block_kv_dkv * accumulators + tiles) // 128,
             "dQ": self.block_q_dq * (head_dim + 2 * self.block_kv_dq) // 128,

@@ -458,10 +458,17 @@ def attention_oracle_f64(
     soft_cap=None,
     keep=None,
     rate=0.0,
+    sinks=None,
 ):
     """The float64 oracle of every test: out [B, T, N, H], lse [B, N, T] and, with cotangents
     d_out [B, T, N, H] and d_lse [B, N, T], dq, dk, dv and dlogits [B, N, T, S] (the caller sums
     it to a bias's shape), as numpy arrays. Rows that see no key: out 0, lse -inf, zero gradient.
+
+    With sinks [N] (attention sinks, -inf: none) each row's softmax denominator also holds
+    exp(sink): P shrinks by it, lse includes it (a row that sees no key has lse = its sink and
+    out 0), and dsinks [N] = sum over batch and rows of P_sink (d_lse - rowsum(dO O)). A row
+    that sees no key (masked, or -inf bias) counts P_sink = 1 also at a sink of -inf: its lse
+    is the sink (the library's convention, `test_sinks.py`).
 
     logits = soft_cap(scale q.k + bias), softmax over the `visible` keys ([T, S] or broadcastable
     to [B, N, T, S]). Backward: dP = dO V^T, dS = P (dP - rowsum(dO O) + dlse) (1 - tanh^2 under
@@ -472,7 +479,7 @@ def attention_oracle_f64(
     (1 - rate), and so do dV and dP (dS = P (Z dP - rowsum(dO O) + dlse)); lse is the
     un-dropped softmax's.
     """
-    arrays = [q, k, v, d_out, d_lse, visible, bias, keep]
+    arrays = [q, k, v, d_out, d_lse, visible, bias, keep, sinks]
     arrays = [None if x is None else np.asarray(x) for x in arrays]
     arrays = [x if x is None or x.dtype == bool else x.astype(np.float64) for x in arrays]
     if not oracle_on_device():
@@ -489,7 +496,9 @@ def attention_oracle_f64(
         return {name: np.asarray(x) for name, x in result.items()}
 
 
-def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, keep=None, *, scale, soft_cap, rate=0.0):
+def _oracle(
+    xp, q, k, v, d_out, d_lse, visible, bias, keep=None, sinks=None, *, scale, soft_cap, rate=0.0
+):
     """attention_oracle_f64 in the array module xp (numpy, or jax.numpy under float64)."""
     num_heads, num_kv_heads = q.shape[2], k.shape[2]
     k_n, v_n = (xp.repeat(x, num_heads // num_kv_heads, axis=2) for x in (k, v))
@@ -501,9 +510,15 @@ def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, keep=None, *, scale, soft_
         tanh = xp.tanh(logits / soft_cap)
         logits, d_cap = soft_cap * tanh, 1.0 - tanh * tanh
     row_max = xp.max(xp.where(visible, logits, -xp.inf), axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks[None, :, None, None]  # [1, N, 1, 1]
+        row_max = xp.maximum(row_max, sink)
     row_max = xp.where(xp.isfinite(row_max), row_max, 0.0)
     unnormalised = xp.where(visible, xp.exp(logits - row_max), 0.0)
     row_sum = unnormalised.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink_term = xp.exp(sink - row_max)
+        row_sum = row_sum + sink_term
     empty = row_sum == 0.0
     row_sum = xp.where(empty, 1.0, row_sum)
     probs = unnormalised / row_sum
@@ -528,6 +543,10 @@ def _oracle(xp, q, k, v, d_out, d_lse, visible, bias, keep=None, *, scale, soft_
     result["dk"] = group_sum(scale * xp.einsum("bnts,btnh->bsnh", d_logits, q, optimize=True))
     result["dv"] = group_sum(xp.einsum("bnts,btnh->bsnh", dropped, d_out, optimize=True))
     result["dlogits"] = d_logits
+    if sinks is not None:
+        no_key = ~xp.any(visible & (logits > -xp.inf), axis=-1)  # masked, or -inf bias
+        p_sink = xp.where(no_key, 1.0, (sink_term / row_sum)[..., 0])  # [B, N, T]
+        result["dsinks"] = (p_sink * (d_lse - delta)).sum(axis=(0, 2))
     return result
 
 
@@ -613,10 +632,11 @@ MASKED_OUTPUT_NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
 def masked_outputs_and_grads(attention, xs, **kwargs) -> dict:
     """out, lse, dq, dk, dv, dbias of one jitted call of `attention` (flash_attention or
     attention_reference) and its VJP. xs: q, k, v, bias, d_out, d_lse and the mask arguments
-    (MASK_ARGUMENTS: dense mask, lengths, segment ids; None where absent); kwargs: the rest."""
+    (MASK_ARGUMENTS: dense mask, lengths, segment ids; None where absent), and optionally sinks
+    (then dsinks too); kwargs: the rest."""
 
-    def f(q, k, v, bias, d_out, d_lse, extra):
-        def call(q, k, v, bias):
+    def f(q, k, v, bias, sinks, d_out, d_lse, extra):
+        def call(q, k, v, bias, sinks):
             return attention(
                 q,
                 k,
@@ -627,16 +647,19 @@ def masked_outputs_and_grads(attention, xs, **kwargs) -> dict:
                 key_value_seq_lengths=extra["kv_lens"],
                 q_segment_ids=extra["q_seg"],
                 kv_segment_ids=extra["kv_seg"],
+                sinks=sinks,
                 return_residuals=True,
                 **kwargs,
             )
 
-        (out, lse), vjp = jax.vjp(call, q, k, v, bias)
-        return dict(zip(MASKED_OUTPUT_NAMES, (out, lse, *vjp((d_out, d_lse))), strict=True))
+        (out, lse), vjp = jax.vjp(call, q, k, v, bias, sinks)
+        *grads, dsinks = vjp((d_out, d_lse))
+        results = dict(zip(MASKED_OUTPUT_NAMES, (out, lse, *grads), strict=True))
+        return results if sinks is None else results | {"dsinks": dsinks}
 
     extra = {name: xs[name] for name in MASK_ARGUMENTS}
-    args = [xs[name] for name in ("q", "k", "v", "bias", "d_out", "d_lse")]
-    return jax.jit(f)(*args, extra)
+    args = [xs[name] for name in ("q", "k", "v", "bias")]
+    return jax.jit(f)(*args, xs.get("sinks"), xs["d_out"], xs["d_lse"], extra)
 
 
 def outputs_and_grads(attn, q, k, v, d_out, d_lse):

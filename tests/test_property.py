@@ -3,8 +3,9 @@
 Hypothesis draws the configuration: shapes with odd sizes and T != S, batch 1-2, head dims 16 to
 128, float32/bfloat16/float16, MHA/GQA/MQA, every mask argument and their combinations (causal,
 windows, sequence lengths, segment ids sorted or not, a dense bool mask, a bias of every
-broadcast shape and rank), soft caps, explicit scales and extreme values. Every output is
-checked: out, lse and the gradients of q, k, v and the bias for random cotangents of both outputs.
+broadcast shape and rank), soft caps, explicit scales, attention sinks (some at -inf) and
+extreme values. Every output is checked: out, lse and the gradients of q, k, v, the bias and the
+sinks for random cotangents of both outputs.
 
 Tolerance (FlashAttention's rule): the error against the float64 oracle is at most twice that of
 a plain attention computed in the input dtype (capped, so that a poor baseline cannot loosen the
@@ -125,6 +126,7 @@ class Config:
     sorted_segments: bool = True
     extreme: str = "none"
     block: str | None = None
+    sinks: bool = False
 
     def dims(self, code: str) -> tuple[int, ...]:
         full = {"b": self.batch, "n": self.num_heads, "t": self.q_len, "s": self.kv_len, "1": 1}
@@ -180,6 +182,8 @@ def configs(draw, extremes=EXTREMES):
         sorted_segments=draw(st.booleans()),
         extreme=extreme,
         block=draw(st.one_of(st.none(), st.sampled_from(sorted(BLOCKS)))),
+        # Drawn last: the draws before it, and so the examples without sinks, stay as they were.
+        sinks=draw(st.booleans()),
     )
 
 
@@ -256,6 +260,11 @@ def make_inputs(c: Config, seed: int):
 
     x64.update(extra)
     xs.update({name: None if a is None else jnp.asarray(a) for name, a in extra.items()})
+    xs["sinks"] = x64["sinks"] = None
+    if c.sinks:  # drawn last, so that the other arrays of a seed stay as they were
+        sinks = rng.standard_normal(n) * rng.choice([1.0, 4.0])
+        sinks = np.where(rng.random(n) < 0.2, -np.inf, sinks).astype(np.float32)
+        xs["sinks"], x64["sinks"] = jnp.asarray(sinks), np.asarray(sinks, np.float64)
     return xs, x64, vis
 
 
@@ -280,6 +289,7 @@ def oracle(c: Config, x64, vis):
             visible=vis,
             bias=bias,
             soft_cap=c.soft_cap,
+            sinks=x64["sinks"],
         )
     dlogits = r.pop("dlogits")
     r["dbias"] = None if bias is None else sum_to_shape(dlogits, x64["bias"].shape)
@@ -336,9 +346,15 @@ def plain_in_dtype(c: Config, x64, vis):
             tanh = r(np.tanh(r(logits / c.soft_cap)))
             logits, d_cap = r(c.soft_cap * tanh), r(1.0 - r(tanh * tanh))
         row_max = np.max(np.where(vis, logits, -np.inf), axis=-1, keepdims=True)
+        sinks = None if x64["sinks"] is None else r(x64["sinks"])[None, :, None, None]
+        if sinks is not None:
+            row_max = np.maximum(row_max, sinks)
         row_max = np.where(np.isfinite(row_max), row_max, 0.0)
         p = np.where(vis, r(np.exp(r(logits - row_max))), 0.0)
         row_sum = r(np.asarray(p, np.float32).sum(axis=-1, keepdims=True))
+        if sinks is not None:
+            sink_term = r(np.exp(r(sinks - row_max)))
+            row_sum = r(row_sum + sink_term)
         empty = row_sum == 0
         row_sum = np.where(empty, 1.0, row_sum)
         probs = r(p / row_sum)
@@ -358,11 +374,17 @@ def plain_in_dtype(c: Config, x64, vis):
         dq = r(matmul("bnts,bsnh->btnh", d_logits, k) * scale)
         dk = group_sum(r(matmul("bnts,btnh->bsnh", d_logits, q) * scale))
         dv = group_sum(matmul("bnts,btnh->bsnh", probs, d_out))
+        dsinks = None
+        if sinks is not None:
+            # A row that sees no key: lse is its sink, also at -inf (`conftest._oracle`).
+            no_key = ~np.any(vis & (logits > -np.inf), axis=-1)
+            p_sink = np.where(no_key, 1.0, r(sink_term / row_sum)[..., 0])
+            dsinks = r(np.sum(np.asarray(r(p_sink * r(d_lse - delta)), np.float32), axis=(0, 2)))
     dbias = None
     if bias is not None:
         dbias = sum_to_shape(d_logits, x64["bias"].shape)
         dbias = np.asarray(dbias.astype(np.float32).astype(DTYPES[c.bias_dtype]), np.float64)
-    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=dbias, dsinks=dsinks)
 
 
 def violations(c: Config, results, baselines, oracles, names=MASKED_OUTPUT_NAMES) -> list[str]:
@@ -434,7 +456,11 @@ def check(c: Config, seed: int, path):
         ]
         if c.bias is not None and results["dbias"].dtype != xs["bias"].dtype:
             msgs.append(f"dbias: dtype {results['dbias'].dtype} != {xs['bias'].dtype}")
-        msgs += violations(c, results, plain_in_dtype(c, x64, vis), oracle(c, x64, vis))
+        if c.sinks and results["dsinks"].dtype != xs["sinks"].dtype:
+            msgs.append(f"dsinks: dtype {results['dsinks'].dtype} != {xs['sinks'].dtype}")
+        names = MASKED_OUTPUT_NAMES + (("dsinks",) if c.sinks else ())
+        baselines = plain_in_dtype(c, x64, vis)
+        msgs += violations(c, results, baselines, oracle(c, x64, vis), names)
     except Exception as e:
         if not SWEEP_LOG:
             raise

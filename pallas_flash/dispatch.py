@@ -260,7 +260,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
-    the two-kernel one on the H200 for calls like this: fwd+bwd 1.04-1.14x at H=64 (4k and 16k
+    the two-kernel one on the H200 for calls like this: fwd+bwd 1.07-1.14x at H=64 (4k and 16k
     tokens, causal or not) and 1.05-1.09x at H=128 but for causal calls of 4k (0.93x);
     measured on plain and causal self-attention of 4k and 16k tokens only (benchmarks/NOTES.md,
     "fused-dq")."""

@@ -265,7 +265,7 @@ def fused_dq_is_faster(call: Call) -> bool:
     measured on plain and causal self-attention of 4k and 16k tokens only (benchmarks/NOTES.md,
     "fused-dq")."""
     spec = call.spec
-    plain = spec.window is None and not spec.has_segments and spec.mask_shape is None
+    plain = spec.window is None and not spec.has_arrays
     if not plain or call.soft_cap is not None or call.value_head_dim is not None:
         return False
     if min(call.q_len, call.kv_len) < FUSED_DQ_MIN_LEN:

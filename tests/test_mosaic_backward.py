@@ -1543,7 +1543,7 @@ FUSED_CI_CASE = MaskCase(
     tiles=BackwardTiles(dkv_head_splits=2, fused_dq="slab"),
     poison=True,
 )
-# H=128: each consumer computes its half of dQ^T's rows a step late (`fused_dq_halves`).
+# H=128: each consumer computes its half of dQ^T's rows a step late (`fused_dq_rows`).
 FUSED_CI_HALVES = MaskCase(
     Problem(1, 192, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")
 )

@@ -116,11 +116,11 @@ class BackwardTiles:
         (seven matmuls per pair of tiles in all). "add": the dK/dV kernel also computes each
         step's dQ partial dS K over the CTA's keys (five in all; its consumers split the rows
         at H=128 and take turns otherwise, `_DQSink`) and adds it into an f32 dQ in global
-        memory by TMA reductions; the adds arrive in any
-        order, so dQ is not bitwise deterministic. "slab": the same partials stored apart, one
-        f32 [B, T, N, H] per kv tile, summed by XLA in a fixed order: deterministic, but
-        S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic GPU interpreter has no TMA
-        reductions). Not with split_dkv.
+        memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
+        deterministic. "slab": the same partials stored apart, one f32 [B, T, N, H] per kv
+        tile, summed by XLA in a fixed order: deterministic, but S / cta_kv_rows times dQ's
+        memory (for tests; jax's Mosaic GPU interpreter has no TMA reductions). Not with
+        split_dkv.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -196,7 +196,7 @@ class BackwardTiles:
         # H, block_q_dkv], `_DQSink`): the larger of the two.
         tiles = 2 * self.block_kv_dkv * self.block_q_dkv
         if self.fused_dq:
-            rows = head_dim // 2 if fused_dq_halves(self, head_dim) else head_dim
+            rows = fused_dq_rows(self, head_dim)
             tiles = max(tiles, (self.block_kv_dkv + rows) * self.block_q_dkv)
         return {
             "dK/dV": (self.block_kv_dkv * accumulators + tiles) // 128,
@@ -232,7 +232,7 @@ class BackwardTiles:
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
         # fused_dq: each consumer stores dS^T (16-bit, read by K^T dS^T) and stages the f32
         # partials of the steps it computes, which TMA adds into dQ^T.
-        rows = head_dim // 2 if fused_dq_halves(self, head_dim) else head_dim
+        rows = fused_dq_rows(self, head_dim)
         fused = self.block_q_dkv * (self.block_kv_dkv * itemsize + rows * 4)
         fused = self.dkv_consumers * fused if self.fused_dq else 0
         return kv + ring + ids + (hashes if dropout else 0) + fused
@@ -872,10 +872,7 @@ def _dkv_call(
     # of the steps it computes (`_DQSink`).
     scratch.update(
         ds_smem=_tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
-        dq_partial_smem=plgpu.SMEM(
-            (n_c, head_dim // 2 if fused_dq_halves(tiles, head_dim) else head_dim, block_q),
-            jnp.float32,
-        ),
+        dq_partial_smem=plgpu.SMEM((n_c, fused_dq_rows(tiles, head_dim), block_q), jnp.float32),
     )
     if n_c > 1:
         scratch.update(
@@ -1075,10 +1072,10 @@ def _dkv_kernel(
         )
 
 
-def fused_dq_halves(tiles: BackwardTiles, head_dim: int) -> bool:
-    """Whether the fused dQ of the dK/dV kernel (tiles.fused_dq) runs in halves (`_DQSink`):
-    two consumers, each with H / 2 of dQ^T's rows, a multiple of wgmma's 64."""
-    return tiles.dkv_consumers == 2 and head_dim % 128 == 0
+def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
+    """Rows of dQ^T's partial that each consumer of the fused dQ computes (tiles.fused_dq,
+    `_DQSink`): H / 2 in halves (two consumers and H / 2 a multiple of wgmma's 64), else H."""
+    return head_dim // 2 if tiles.dkv_consumers == 2 and head_dim % 128 == 0 else head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1095,7 +1092,7 @@ class _DQSink:
     wgmma wait as its S^T there (on its own at a drained step, and after the last step):
     waiting for it on its own, right after dK, stopped the consumer until the tensor cores
     had drained both consumers' queues (NOTES, fused-dq). Two ways to share the work:
-    - `halves` (`fused_dq_halves`): each consumer computes its half of dQ^T's rows (K's
+    - `halves` (`fused_dq_rows`): each consumer computes its half of dQ^T's rows (K's
       columns [c * H / 2, (c + 1) * H / 2) as A) of every step. ds_ready[s % 2] completes when
       both tiles of step s have landed (a prologue of zeros stands for step -1); ds_read[c]
       when the partner has read consumer c's tile, which c waits for before each store.
@@ -1135,15 +1132,18 @@ class _DQSink:
         return self.partial_smem.shape[0] < self.k_smem.shape[-1]
 
     def _computes(self, step):
-        """Turns: whether this consumer computes CTA step `step`'s partial."""
-        if self.consumers == 1:
+        """Whether this consumer computes (its rows of) CTA step `step`'s partial: always in
+        halves or alone, on its turns otherwise."""
+        if self.halves or self.consumers == 1:
             return True
         return lax.rem(step, jnp.int32(self.consumers)) == self.consumer
 
+    def _partner_reads(self, step):
+        """Whether the partner reads this consumer's tile of CTA step `step` (two consumers)."""
+        return True if self.halves else jnp.logical_not(self._computes(step))
+
     def _adds_before(self, step):
         """Whether this consumer adds a partial of step - 1 at CTA step `step` (>= 0)."""
-        if self.halves or self.consumers == 1:
-            return step >= 1
         return (step >= 1) & self._computes(step - 1)
 
     def start(self):
@@ -1163,9 +1163,8 @@ class _DQSink:
             # The partner has read this tile of the step before (of step -1 at step 0).
             plgpu.barrier_wait(self.ds_read.at[self.consumer])
         elif self.consumers > 1:
-            # The partner computed the step before this one: it must have read this tile.
-            partner_read = (step >= 1) & jnp.logical_not(self._computes(step - 1))
-            pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
+            read = (step >= 1) & self._partner_reads(step - 1)
+            pl.when(read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
         tile = self.ds_smem.at[self.consumer]
         if ds_t is None:
             ds_t = _wgmma_zeros(tile.shape).astype(tile.dtype)
@@ -1275,14 +1274,9 @@ class _DQSink:
         the last step's partial, then the partner's last read of this consumer's tile (and
         K), where it has one."""
         last = steps - 1
-        if self.halves or self.consumers == 1:
-            pl.when(steps > 0)(lambda: self._add(last))
-        else:
-            pl.when((steps > 0) & self._computes(last))(lambda: self._add(last))
+        pl.when((steps > 0) & self._computes(last))(lambda: self._add(last))
         if self.consumers > 1:
-            partner_read = steps > 0
-            if not self.halves:
-                partner_read = partner_read & jnp.logical_not(self._computes(last))
+            partner_read = (steps > 0) & self._partner_reads(last)
             pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
 
 
@@ -1550,7 +1544,7 @@ def _consume_dkv(
             ds_t = jnp.where(visible_in(i, slot), ds_t, 0.0)
         ds_in = ds_t.astype(dtype)
         if dq_sink is not None:
-            # Stored first: the step's computer may be the other consumer.
+            # Stored before dK's wgmma: the other consumer may read it too.
             dq_sink.put(ds_in, step)
 
         def dk_into(acc_ref):
@@ -1584,7 +1578,8 @@ def _consume_dkv(
 
     def dk_step(i, carry, *, base, masked: bool):
         (dk,) = carry
-        slot = ring.slot(base + i - first)
+        step = base + i - first
+        slot = ring.slot(step)
         plgpu.barrier_wait(ring.do_ready.at[slot])
 
         # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
@@ -1601,7 +1596,6 @@ def _consume_dkv(
         # Q (and the query ids the mask reads) after the handoff: the dV consumer's S^T needed
         # it first.
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        step = base + i - first
         return (dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked),)
 
     q_step = {"dkdv": dkdv_step, "dv": dv_step, "dk": dk_step}[role]

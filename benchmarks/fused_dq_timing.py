@@ -1,16 +1,18 @@
 """Forward+backward time of the Mosaic kernels with dQ computed in the dK/dV kernel
-(`BackwardTiles(fused_dq="add")`: five matmuls per pair of tiles, dQ added by TMA reductions)
-against the default two-kernel backward (seven) and cuDNN, on the H200 (a few minutes).
+(`BackwardTiles(fused_dq="add")`: five matmuls per pair of tiles, dQ added by TMA reductions;
+"ordered": the same adds in a fixed order, deterministic) against the default two-kernel
+backward (seven) and cuDNN, on the H200 (a few minutes).
 
     python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
 H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
-measurement yet). "default" and
-"fused" are the Mosaic forward differentiated by `mosaic.flash_backward` with the default tiles
-and with fused_dq="add"; "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")`.
-Prints one JSON row per point (ms, TFLOP/s by the FA2 count), dQ's largest difference between
-the two backwards relative to dQ's largest magnitude, then fused over default and over cuDNN.
+measurement yet). "default",
+"fused" and "ordered" are the Mosaic forward differentiated by `mosaic.flash_backward` with
+the default tiles and with fused_dq="add" and "ordered"; "cudnn" is
+`jax.nn.dot_product_attention(implementation="cudnn")`. Prints one JSON row per point (ms,
+TFLOP/s by the FA2 count), dQ's largest difference from the default backward's relative to
+dQ's largest magnitude, whether two runs of "ordered" gave the same bits, then the ratios.
 """
 
 import functools
@@ -64,6 +66,9 @@ def main():
                 "fused": mosaic_attention(
                     BackwardTiles(fused_dq="add"), scale=scale, is_causal=causal
                 ),
+                "ordered": mosaic_attention(
+                    BackwardTiles(fused_dq="ordered"), scale=scale, is_causal=causal
+                ),
                 "cudnn": functools.partial(
                     jax.nn.dot_product_attention, implementation="cudnn", is_causal=causal
                 ),
@@ -73,9 +78,14 @@ def main():
                 ms[name] = median_ms(timed_fn(fn, "fwd+bwd"), args)
                 tflops = attention_flops(b, seq, seq, n, h, causal, "fwd+bwd") / ms[name] / 1e9
                 record(dict(H=h, seq=seq, causal=causal, impl=name, ms=ms[name], tflops=tflops))
-            dq = [timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in ("default", "fused")]
+            names = ("default", "fused", "ordered", "ordered")
+            dq = [timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in names]
+            repeatable = bool(jnp.all(dq[2] == dq[3]))
             dq = [x.astype(jnp.float32) for x in dq]
-            error = float(jnp.max(jnp.abs(dq[1] - dq[0])) / jnp.max(jnp.abs(dq[0])))
+
+            def error(x):
+                return float(jnp.max(jnp.abs(x - dq[0])) / jnp.max(jnp.abs(dq[0])))
+
             record(
                 dict(
                     H=h,
@@ -84,8 +94,12 @@ def main():
                     summary="fwd+bwd",
                     fused_over_default=ms["default"] / ms["fused"],
                     fused_over_cudnn=ms["cudnn"] / ms["fused"],
+                    ordered_over_default=ms["default"] / ms["ordered"],
+                    ordered_over_cudnn=ms["cudnn"] / ms["ordered"],
                     default_over_cudnn=ms["cudnn"] / ms["default"],
-                    dq_relative_difference=error,
+                    dq_relative_difference=error(dq[1]),
+                    ordered_dq_relative_difference=error(dq[2]),
+                    ordered_repeatable=repeatable,
                 )
             )
 

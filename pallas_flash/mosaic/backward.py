@@ -81,6 +81,7 @@ REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 1
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`). 40 is
 # what the defaults at H=128 leave (232 - 192); not measured yet.
 REGISTER_HEADROOM = 40
+FUSED_DQ_MODES = (None, "add", "ordered", "slab")
 
 
 def consumer_registers(num_consumers: int) -> int:
@@ -117,10 +118,13 @@ class BackwardTiles:
         step's dQ partial dS K over the CTA's keys (five in all; its consumers split the rows
         at H=128 and take turns otherwise, `_DQSink`) and adds it into an f32 dQ in global
         memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
-        deterministic. "slab": the same partials stored apart, one f32 [B, T, N, H] per kv
-        tile, summed by XLA in a fixed order: deterministic, but S / cta_kv_rows times dQ's
-        memory (for tests; jax's Mosaic GPU interpreter has no TMA reductions). Not with
-        split_dkv.
+        deterministic. "ordered": the same adds, each query tile's in a fixed order of the
+        CTAs (`AddOrder`: global semaphores, one per query tile and head), so dQ is bitwise
+        deterministic; plain and causal calls only (no window or segment ids). "slab": the
+        same partials stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
+        order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
+        GPU interpreter has no TMA reductions or semaphores). It walks the steps in the order
+        "ordered" does where that applies. Not with split_dkv.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -154,9 +158,9 @@ class BackwardTiles:
         splits = self.dkv_head_splits
         if not isinstance(splits, int) or isinstance(splits, bool) or splits < 0:
             raise ValueError(f"BackwardTiles.dkv_head_splits={splits!r} must be an int >= 0")
-        if self.fused_dq not in (None, "add", "slab"):
+        if self.fused_dq not in FUSED_DQ_MODES:
             raise ValueError(
-                f"BackwardTiles.fused_dq={self.fused_dq!r} must be None, 'add' or 'slab'"
+                f"BackwardTiles.fused_dq={self.fused_dq!r} must be one of {FUSED_DQ_MODES}"
             )
         if self.fused_dq is not None and self.split_dkv:
             raise ValueError("BackwardTiles.fused_dq needs split_dkv=False")
@@ -416,6 +420,11 @@ def why_not(
         )
     if tiles.fused_dq and (dropout or value_head_dim != head_dim):
         return f"{tiles}: fused_dq is not tested with dropout or a value head dim of its own yet"
+    if tiles.fused_dq == "ordered" and (window is not None or segments):
+        return (
+            f"{tiles} orders its adds by the query tiles that plain and causal calls give each "
+            "CTA: not with a window, segment ids or sequence lengths"
+        )
     group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
     if splits > 1 and group % splits:
         return (
@@ -620,12 +629,20 @@ def flash_backward(
         soft_cap=None if soft_cap is None else float(soft_cap),
         tiles=tiles,
     )
+    sms = num_sms() if device is None else device.num_sms
+    order = AddOrder.of(spec, tiles)
+    if tiles.fused_dq == "ordered" and not order.causal and order.kv_tiles > sms:
+        raise ValueError(
+            f"{tiles} without a causal mask chains every kv tile's CTA to the next in a ring: "
+            f"kv_len={kv_len} gives {order.kv_tiles} of them, over the {sms} SMs that must "
+            "hold them at once"
+        )
     splits = head_splits(
         tiles,
         q.shape,
         k.shape,
         q.dtype.itemsize,
-        num_sms=num_sms() if device is None else device.num_sms,
+        num_sms=sms,
         causal=spec.is_causal,
         value_head_dim=value_head_dim,
         segments=segment_ids is not None,
@@ -807,6 +824,8 @@ def _dkv_call(
         head_splits=head_splits,
         tiles=tiles,
         dropout_rate=drop[0] if has_drop else 0.0,
+        order=AddOrder.of(spec, tiles),
+        num_heads=num_heads,
     )
     scratch = dict(
         k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
@@ -929,6 +948,8 @@ def _dkv_kernel(
     head_splits: int,
     tiles: BackwardTiles,
     dropout_rate: float = 0.0,
+    order: AddOrder | None = None,
+    num_heads: int = 0,
 ):
     """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop), over
     `group` of its query heads (all of them, or one of head_splits shares).
@@ -949,7 +970,10 @@ def _dkv_kernel(
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
     With tiles.fused_dq, refs ends with dq_ref, f32 [B, N, H, T''] (dQ^T, or a slab of them per
-    kv tile, `_DQSink`), to which the consumers add each step's K^T dS^T in turn.
+    kv tile, `_DQSink`), to which the consumers add each step's K^T dS^T in turn. With
+    `order` (`AddOrder`) the grid's kv axis runs in its launch order and each head's steps
+    start at its rotation; "ordered" adds in its order, through num_heads * order.q_tiles *
+    (2 with two halves, else 1) global semaphores per batch entry.
     """
     dq_ref = refs[-1] if tiles.fused_dq else None
     *id_refs, dk_ref, dv_ref = refs[:-1] if tiles.fused_dq else refs
@@ -959,6 +983,10 @@ def _dkv_kernel(
     batch, cta_head = lax.axis_index("batch"), lax.axis_index("kv_head")
     kv_head = lax.div(cta_head, jnp.int32(head_splits)) if head_splits > 1 else cta_head
     kv_tile = lax.axis_index("kv_tile")
+    rotation = None
+    if order is not None:
+        kv_tile = order.kv_tile(kv_tile)
+        rotation = None if order.causal else order.rotation(kv_tile)
     cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
     # Split consumers both own the CTA's one block of keys.
@@ -1005,6 +1033,11 @@ def _dkv_kernel(
             )
         dq_sink = None
         if tiles.fused_dq:
+            sems = None
+            if tiles.fused_dq == "ordered":
+                halves = 2 if fused_dq_rows(tiles, q_ref.shape[-1]) < q_ref.shape[-1] else 1
+                count = q_ref.shape[0] * num_heads * order.q_tiles * halves
+                sems = pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
             dq_sink = _DQSink(
                 ds_smem,
                 k_smem,
@@ -1018,6 +1051,11 @@ def _dkv_kernel(
                 ds_ready=ds_ready,
                 ds_read=ds_read,
                 slab=kv_tile if tiles.fused_dq == "slab" else None,
+                rotation=rotation,
+                order=order if sems is not None else None,
+                sems=sems,
+                kv_tile=kv_tile,
+                num_heads=num_heads,
             )
         consume = functools.partial(
             _consume_dkv,
@@ -1044,6 +1082,7 @@ def _dkv_kernel(
             key_block=block,
             dropout_rate=dropout_rate,
             dq_sink=dq_sink,
+            rotation=rotation,
             **common,
         )
         if not tiles.split_dkv:
@@ -1068,6 +1107,7 @@ def _dkv_kernel(
             tiles=tiles,
             drop_refs=(drop_rows_ref, drop_col_ref) if dropout_rate else None,
             kv_tile=kv_tile,
+            rotation=rotation,
             **common,
         )
 
@@ -1076,6 +1116,83 @@ def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
     """Rows of dQ^T's partial that each consumer of the fused dQ computes (tiles.fused_dq,
     `_DQSink`): H / 2 in halves (two consumers and H / 2 a multiple of wgmma's 64), else H."""
     return head_dim // 2 if tiles.dkv_consumers == 2 and head_dim % 128 == 0 else head_dim
+
+
+def _div(a, b):
+    """a // b of non-negative ints: Python's, or the kernel's on int32 scalars."""
+    return a // b if isinstance(a, int) and isinstance(b, int) else lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b):
+    return a % b if isinstance(a, int) and isinstance(b, int) else lax.rem(a, jnp.int32(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class AddOrder:
+    """The order in which the dK/dV CTAs of one (batch entry, query head) add their partials
+    into each query tile of dQ (fused_dq="ordered", which makes dQ bitwise deterministic), and
+    the launch and step orders that let the CTAs run it as a wavefront.
+
+    The CTA of rank r in a tile's order waits until the tile's counter (a global semaphore)
+    reaches r, adds, and once its add has landed signals +1. A CTA that waits for one that is
+    not running would deadlock, and one that waits for one a step behind it would fall a step
+    further behind at every tile: so the CTA before it must reach the tile earlier, by its own
+    steps, and run at the same time.
+    - causal: kv tile j streams the query tiles from its diagonal, f_j = j * cta_kv_rows //
+      block_q, on. Tile i is added to by kv tiles J(i), J(i) - 1, .., 0 in that order (J(i) the
+      last tile that reaches it), each streaming it f_j - f_{j-1} steps before the next one in
+      the order. The grid launches the kv tiles last first, so that the CTA each waits for
+      started before it (whatever the number of SMs).
+    - not causal: every kv tile streams every query tile, kv tile j starting at tile
+      rot_j = j * q_tiles // kv_tiles and wrapping around. Tile i is added to by j0(i) (the
+      last j with rot_j <= i), j0 - 1, .., 0, then kv_tiles - 1, .., j0 + 1: each CTA's
+      predecessor reaches the tile q_tiles / kv_tiles steps earlier. The order is a ring, so
+      every kv tile's CTA of a (batch entry, KV head) must be resident at once: kv_tiles <= the
+      SMs (`flash_backward` checks).
+
+    Works on Python ints (tests) and on the kernel's int32 scalars."""
+
+    causal: bool
+    q_tiles: int
+    kv_tiles: int
+    block_q: int
+    cta_kv_rows: int
+
+    @classmethod
+    def of(cls, spec: MaskSpec, tiles: BackwardTiles) -> AddOrder | None:
+        """The order of a call, or None where its CTAs' query tiles are not those of a plain or
+        causal call (windows, segment ids), or dQ is not fused."""
+        if tiles.fused_dq not in ("ordered", "slab") or spec.window is not None:
+            return None
+        if spec.has_segments:
+            return None
+        return cls(
+            causal=spec.is_causal,
+            q_tiles=cdiv(spec.q_len, tiles.block_q_dkv),
+            kv_tiles=cdiv(spec.kv_len, tiles.cta_kv_rows),
+            block_q=tiles.block_q_dkv,
+            cta_kv_rows=tiles.cta_kv_rows,
+        )
+
+    def kv_tile(self, launched):
+        """The kv tile of the CTA at position `launched` of the grid's kv axis."""
+        return self.kv_tiles - 1 - launched if self.causal else launched
+
+    def rotation(self, kv_tile):
+        """The query tile (from the CTA's first) of kv tile kv_tile's first step per head."""
+        return 0 if self.causal else _div(kv_tile * self.q_tiles, self.kv_tiles)
+
+    def rank(self, q_tile, kv_tile):
+        """How many CTAs add to query tile q_tile before kv tile kv_tile's CTA."""
+        if self.causal:
+            last = _div((q_tile + 1) * self.block_q - 1, self.cta_kv_rows)
+            if isinstance(last, int):
+                last = min(last, self.kv_tiles - 1)
+            else:
+                last = jnp.minimum(last, jnp.int32(self.kv_tiles - 1))
+            return last - kv_tile
+        first = _div((q_tile + 1) * self.kv_tiles - 1, self.q_tiles)
+        return _rem(first - kv_tile + self.kv_tiles, self.kv_tiles)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1122,6 +1239,13 @@ class _DQSink:
     ds_ready: object = None  # Barrier(num_arrivals=consumers, num_barriers=consumers), 2 only
     ds_read: object = None  # Barrier(num_arrivals=1, num_barriers=consumers), 2 only
     slab: object = None
+    rotation: object = None  # `_step_tile`'s
+    # fused_dq="ordered": the AddOrder, its semaphores [B * N * q_tiles * (2 in halves, else
+    # 1)], this CTA's kv tile, N.
+    order: AddOrder | None = None
+    sems: object = None
+    kv_tile: object = None
+    num_heads: int = 0
 
     @property
     def consumers(self) -> int:
@@ -1196,6 +1320,7 @@ class _DQSink:
         """At a computed CTA step `step`: S^T (st_issue(acc_ref) issues its wgmma), in the same
         wait as this consumer's partial of step - 1 where it has one, which is then added;
         returns S^T."""
+        self.settle(step)
 
         def with_partial():
             self._wait_tiles(step - 1)
@@ -1232,6 +1357,7 @@ class _DQSink:
 
     def drained(self, step):
         """At a CTA step `step` this consumer drains: its partial of step - 1 on its own."""
+        self.settle(step)
         if self.halves:
             partial = self._compute(step - 1)
             pl.when(step >= 1)(lambda: self._store(partial, step - 1))
@@ -1253,28 +1379,62 @@ class _DQSink:
     def _add(self, step):
         self._store(self._compute(step), step)
 
-    def _store(self, partial, step):
-        """Adds this consumer's partial of CTA step `step` into dQ^T (or its slab)."""
-        rows, block_q = self.partial_smem.shape
+    def _head_tile(self, step):
+        """(query head, query tile) of CTA step `step`."""
         head = self.first_head + lax.div(step, self.cta_tiles)
-        q_tile = self.first + lax.rem(step, self.cta_tiles)
+        return head, _step_tile(step, self.first, self.cta_tiles, self.rotation)
+
+    def _sem(self, step):
+        """The semaphore that counts the adds into this consumer's rows of step's tile."""
+        head, q_tile = self._head_tile(step)
+        tile = (self.batch * self.num_heads + head) * self.order.q_tiles + q_tile
+        return self.sems.at[tile * 2 + self.consumer if self.halves else tile]
+
+    def settle(self, step):
+        """At the start of CTA step `step` (fused_dq="ordered"): the add this consumer issued
+        in the step before (its partial of step - 2), if any, has landed; the next CTA in the
+        tile's order may add. A step later than the add itself, so that the add has time to
+        land while the consumer works."""
+        if self.sems is not None:
+            before = step - 2
+            pl.when((before >= 0) & self._computes(before))(lambda: self._signal(before))
+
+    def _signal(self, step):
+        plgpu.wait_smem_to_gmem(0)
+        plgpu.semaphore_signal(self._sem(step), 1, memory_scope="gpu")
+
+    def _store(self, partial, step):
+        """Adds this consumer's partial of CTA step `step` into dQ^T (or its slab); with
+        fused_dq="ordered" once the CTAs before this one in the tile's order have."""
+        rows, block_q = self.partial_smem.shape
+        head, q_tile = self._head_tile(step)
         # The previous add of this consumer must have read the staging tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         self.partial_smem[...] = partial
         plgpu.commit_smem()
         first_row = self.consumer * rows if self.halves else 0
         window = (self.batch, head, pl.ds(first_row, rows), pl.ds(q_tile * block_q, block_q))
-        if self.slab is None:
-            plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[window], reduction_op="add")
-        else:
+        if self.slab is not None:
             plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[(self.slab, *window)])
+            return
+        if self.sems is not None:
+            rank = self.order.rank(q_tile, self.kv_tile)
+            plgpu.semaphore_wait(self._sem(step), rank, decrement=False, memory_scope="gpu")
+        plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[window], reduction_op="add")
 
     def finish(self, steps):
         """After the last of `steps` CTA steps, before this consumer's K buffer is overwritten:
         the last step's partial, then the partner's last read of this consumer's tile (and
-        K), where it has one."""
+        K), where it has one. Ordered: every add of this consumer settled."""
         last = steps - 1
-        pl.when((steps > 0) & self._computes(last))(lambda: self._add(last))
+        self.settle(steps)
+
+        def add_last():
+            self._add(last)
+            if self.sems is not None:
+                self._signal(last)
+
+        pl.when((steps > 0) & self._computes(last))(add_last)
         if self.consumers > 1:
             partner_read = (steps > 0) & self._partner_reads(last)
             pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
@@ -1317,6 +1477,15 @@ class _PHandoff:
     k_loaded: object
 
 
+def _step_tile(step, first, cta_tiles, rotation):
+    """The query tile of a dK/dV CTA's step: the CTA streams tiles [first, first + cta_tiles)
+    per head, from first + rotation (None: 0) on, wrapping around."""
+    within = lax.rem(step, cta_tiles)
+    if rotation is not None:
+        within = lax.rem(within + rotation, cta_tiles)
+    return first + within
+
+
 def _produce_dkv(
     q_ref,
     do_ref,
@@ -1332,10 +1501,13 @@ def _produce_dkv(
     tiles: BackwardTiles,
     drop_refs=None,
     kv_tile=None,
+    rotation=None,
 ):
     """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids; with drop_refs,
     the dropout tables' hashes of the rows and of the CTA kv_tile's keys) of every (head,
-    query tile) step, in order, over query heads [first_head, first_head + group)."""
+    query tile) step, in order, over query heads [first_head, first_head + group); each head's
+    tiles from the CTA's first, or from `rotation` tiles past it, wrapping around
+    (`_step_tile`)."""
     block_q, num_stages = tiles.block_q_dkv, tiles.num_stages
     first, end = cta_range
     cta_tiles = end - first
@@ -1344,7 +1516,7 @@ def _produce_dkv(
     def _step(step):
         slot = ring.slot(step)
         head = first_head + lax.div(step, cta_tiles)
-        q_start = (first + lax.rem(step, cta_tiles)) * block_q
+        q_start = _step_tile(step, first, cta_tiles, rotation) * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
         # The first num_stages steps fill empty slots; later ones wait for the consumers. Q and
@@ -1401,6 +1573,7 @@ def _consume_dkv(
     key_block=0,
     dropout_rate: float = 0.0,
     dq_sink: _DQSink | None = None,
+    rotation=None,
 ):
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
     every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
@@ -1418,7 +1591,9 @@ def _consume_dkv(
     key_block: the consumer's block of the CTA's keys (its slice of the ring's key hashes).
     dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
     Z = keep / (1 - rate) (see `probs_t`).
-    dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there."""
+    dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there.
+    rotation (role "dkdv", a plain call without masked tiles only): each head's steps start at
+    that query tile past the CTA's first and wrap around (`AddOrder`)."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
     first, end = cta_range
@@ -1513,9 +1688,9 @@ def _consume_dkv(
             return pd_t * (dp_t - delta)
         return pd_t * jnp.where(pd_t > 0.0, dp_t * keep_scale - delta, delta)
 
-    def dkdv_step(i, carry, *, base, masked: bool):
+    def dkdv_step(i, carry, *, base, masked: bool, step=None):
         dk, dv = carry
-        step = base + i - first
+        step = base + i - first if step is None else step
         slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         p_t, pd_t = probs_t(i, slot, masked=masked, step=step)
@@ -1618,6 +1793,14 @@ def _consume_dkv(
 
     def head_loop(h, carry):
         base = h * cta_tiles  # the producer's step of this head's tile `first`
+        if rotation is not None:
+            assert role == "dkdv" and not (before or after), (role, before, after)
+
+            def rotated_step(pos, carry):
+                i = _step_tile(pos, first, cta_tiles, rotation)
+                return q_step(i, carry, base=base, masked=False, step=base + pos)
+
+            return lax.fori_loop(0, cta_tiles, rotated_step, carry)
         masked_step = functools.partial(q_step, base=base, masked=True)
         drain = functools.partial(drain_step, base=base)
         # In the producer's order. Without a side its loops are empty: not emitted.

@@ -120,7 +120,9 @@ class BackwardTiles:
         memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
         deterministic. "ordered": the same adds, each query tile's in a fixed order of the
         CTAs (`AddOrder`: global semaphores, one per query tile and head), so dQ is bitwise
-        deterministic; plain and causal calls only (no window or segment ids). "slab": the
+        deterministic; plain and causal calls only (no window or segment ids). Measured
+        slower than the default (0.52-0.98x fwd+bwd on the H200: benchmarks/NOTES.md), so the
+        dispatch never picks it. "slab": the
         same partials stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
         GPU interpreter has no TMA reductions or semaphores). It walks the steps in the order

@@ -45,11 +45,12 @@ MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 MOSAIC_RAGGED_MIN_LEN = 1024
 
 # With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S),
-# where it was measured: from 4k tokens (shorter calls give its CTAs fewer query tiles, over
-# which its prologue and last partial spread; not measured), causal calls at H=128 from 16k
-# keys (at 4k 0.93x the two-kernel backward, at 16k 1.05x; 8k not measured). benchmarks/
-# NOTES.md, "fused-dq".
+# where it was measured faster than the two-kernel backward (fwd+bwd): at H=64 from 2k tokens
+# (1.11x non-causal, 1.02x causal at 2k; shorter calls keep the Triton backward), at H=128
+# from 4k (1.01x at 2k non-causal, 0.83x causal), causal calls at H=128 from 16k keys (0.93x at
+# 4k, 0.97x at 8k, 1.05x at 16k). benchmarks/NOTES.md, "fused-dq".
 FUSED_DQ_MIN_LEN = 4096
+FUSED_DQ_H64_MIN_LEN = 2048
 FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
 
 
@@ -260,18 +261,19 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
-    the two-kernel one on the H200 for calls like this: fwd+bwd 1.07-1.14x at H=64 (4k and 16k
-    tokens, causal or not) and 1.05-1.09x at H=128 but for causal calls of 4k (0.93x);
-    measured on plain and causal self-attention of 4k and 16k tokens only (benchmarks/NOTES.md,
-    "fused-dq")."""
+    the two-kernel one on the H200 for calls like this: fwd+bwd 1.02-1.14x at H=64 (2k to 16k
+    tokens, causal or not) and 1.05-1.11x at H=128 from 4k non-causal and 16k causal (causal
+    0.83x at 2k, 0.93x at 4k, 0.97x at 8k); measured on plain and causal self-attention of 2k
+    to 16k tokens only (benchmarks/NOTES.md, "fused-dq")."""
     spec = call.spec
     plain = spec.window is None and not spec.has_arrays
     if not plain or call.soft_cap is not None or call.value_head_dim is not None:
         return False
-    if min(call.q_len, call.kv_len) < FUSED_DQ_MIN_LEN:
-        return False
+    shortest = min(call.q_len, call.kv_len)
     if call.head_dim == 64:
-        return True
+        return shortest >= FUSED_DQ_H64_MIN_LEN
+    if shortest < FUSED_DQ_MIN_LEN:
+        return False
     if call.head_dim == 128:
         return not spec.is_causal or call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
     return False

@@ -415,10 +415,10 @@ def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
 
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
-# on the H200: from 4k tokens, at H=64 and at H=128 but causal calls under 16k keys
+# on the H200: at H=64 from 2k tokens, at H=128 from 4k but causal calls under 16k keys
 # (causal-h128-long has 8k); not where the fused form does not apply (H 192/256) or the Triton
 # backward runs.
-FUSED_DQ_CALLS = {"causal-h64-16k", "plain-h128-medium"}
+FUSED_DQ_CALLS = {"causal-h64-16k", "plain-h128-medium", "plain-h64-2k", "causal-h64-2k"}
 
 
 @pytest.mark.parametrize("name", list(CALLS))

@@ -575,7 +575,7 @@ MOSAIC_POOL = mosaic_static_pool()[_SHARD::_SHARDS]
 def mosaic_configs(draw):
     """Configurations of MOSAIC_POOL with drawn data: the extremes of MOSAIC_EXTREMES (NaN at
     hidden keys brings key lengths: such entries draw another extreme when they have none),
-    segment layouts."""
+    segment layouts, attention sinks (a second program per pool entry)."""
     static = draw(st.sampled_from(MOSAIC_POOL))
     extremes = MOSAIC_EXTREMES if static["kv_lengths"] else MOSAIC_EXTREMES[:-1]
     return Config(
@@ -583,6 +583,7 @@ def mosaic_configs(draw):
         num_segments=draw(st.integers(1, 3)),
         sorted_segments=draw(st.booleans()),
         extreme=draw(st.sampled_from(extremes)),
+        sinks=draw(st.booleans()),
     )
 
 
@@ -598,11 +599,12 @@ def runs_mosaic_backward(c: Config) -> bool:
 @functools.cache
 def mosaic_program(static: tuple, path_name: str, grads: bool):
     """The jitted call of one static configuration on a path: (q, k, v, d_out, d_lse, mask
-    arguments) -> out, lse and, with grads, dq, dk, dv (dbias None). Cached, so that examples
-    of one pool entry reuse its compiled program."""
+    arguments and sinks, None or [N]) -> out, lse and, with grads, dq, dk, dv (dbias None) and
+    dsinks (None without sinks). Cached, so that examples of one pool entry reuse its compiled
+    program (one with sinks, one without)."""
     c = dict(zip(STATIC_FIELDS, static, strict=True))
 
-    def call(q, k, v, extra):
+    def call(q, k, v, extra, sinks):
         return pallas_flash.flash_attention(
             q,
             k,
@@ -616,16 +618,17 @@ def mosaic_program(static: tuple, path_name: str, grads: bool):
             is_causal=c["is_causal"],
             local_window_size=c["window"],
             logits_soft_cap=c["soft_cap"],
+            sinks=sinks,
             **BACKEND_PATHS[path_name].call_kwargs(),
         )
 
-    def program(q, k, v, d_out, d_lse, extra):
+    def program(q, k, v, d_out, d_lse, extra, sinks):
         if not grads:
-            out, lse = call(q, k, v, extra)
+            out, lse = call(q, k, v, extra, sinks)
             return dict(out=out, lse=lse)
-        (out, lse), vjp = jax.vjp(lambda q, k, v: call(q, k, v, extra), q, k, v)
-        dq, dk, dv = vjp((d_out, d_lse))
-        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=None)
+        (out, lse), vjp = jax.vjp(lambda q, k, v, s: call(q, k, v, extra, s), q, k, v, sinks)
+        dq, dk, dv, dsinks = vjp((d_out, d_lse))
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dbias=None, dsinks=dsinks)
 
     return jax.jit(program)
 
@@ -635,6 +638,8 @@ def check_mosaic(c: Config, seed: int, path):
     interpreted sweep leaves the gradients out (`runs_mosaic_backward`)."""
     grads = not (path.interpreted and not runs_mosaic_backward(c))
     names = MASKED_OUTPUT_NAMES if grads else ("out", "lse")
+    if grads and c.sinks:
+        names += ("dsinks",)
     xs, x64, vis = make_inputs(c, seed)
     try:
         static = tuple(getattr(c, name) for name in STATIC_FIELDS)
@@ -642,7 +647,7 @@ def check_mosaic(c: Config, seed: int, path):
         make = mosaic_program.__wrapped__ if path.interpreted else mosaic_program
         program = make(static, path.name, grads)
         extra = {name: xs[name] for name in MASK_ARGUMENTS if name != "mask"}
-        results = program(xs["q"], xs["k"], xs["v"], xs["d_out"], xs["d_lse"], extra)
+        results = program(xs["q"], xs["k"], xs["v"], xs["d_out"], xs["d_lse"], extra, xs["sinks"])
         results = {name: results[name] for name in names}
         wanted = oracle(c, x64, vis)
         msgs = violations(c, results, plain_in_dtype(c, x64, vis), wanted, names=names)

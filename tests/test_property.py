@@ -822,3 +822,32 @@ def test_violations_accept_inf_only_where_the_dtype_overflows():
     assert msgs([1.0, np.inf, np.inf, 2.0]) == ["dq: 1 non-finite values"]
     assert msgs([1.0, np.nan, -np.inf, 2.0]) == ["dq: 1 non-finite values"]
     assert msgs([np.inf, np.inf, -np.inf, 2.0]) == ["dq: 1 non-finite values"]
+
+
+# A bias broadcast over every dim (dbias sums dS over B, N, T and S) with a soft cap, MQA, a
+# window and sinks: compiled on the H200 the Triton path's dbias missed the bar 2x (0.067 >
+# 0.032) when each row's sum of dS took delta = rowsum(dO * out) from the 16-bit output
+# (`triton.backward._dbias_kernel`'s capped_rows). Seed 330 is the same call without sinks.
+CAPPED_BROADCAST_BIAS = Config(
+    batch=2,
+    q_len=58,
+    kv_len=58,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=32,
+    dtype="bf16",
+    window=22,
+    soft_cap=5.0,
+    bias="11",
+    bias_dtype="f32",
+    mask="11",
+    block="q32kv16",
+    sinks=True,
+)
+
+
+@pytest.mark.parametrize("path", backend_paths())
+@pytest.mark.parametrize("seed, sinks", [(326, True), (330, False)])
+def test_capped_bias_broadcast_over_keys(path, seed, sinks):
+    """The sweep's check on CAPPED_BROADCAST_BIAS with the seeds that found it."""
+    check(dataclasses.replace(CAPPED_BROADCAST_BIAS, sinks=sinks), seed, path)

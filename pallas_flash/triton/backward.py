@@ -186,7 +186,31 @@ def tile_d_logits(
     from the rows' (max_u, bound, delta) (`recomputed_probs`), zero where `visible` (None:
     everywhere visible) is False.
     kept_scale: None, or dropout's Z (1 / (1 - rate) where kept, else 0): dP = Z * (dO V^T)."""
-    max_u, bound, delta = rows
+    p, dp, dcap = _tile_p_dp(
+        q,
+        k,
+        v,
+        do,
+        rows,
+        bias,
+        visible,
+        scale=scale,
+        soft_cap=soft_cap,
+        kept_scale=kept_scale,
+        at_max=at_max,
+    )
+    ds = p * (dp - rows[2][:, None])
+    if dcap is None:
+        return ds
+    ds = ds * dcap
+    # inf in K at a hidden key makes its logit NaN, and tanh's derivative with it.
+    return ds if visible is None else jnp.where(visible, ds, 0.0)
+
+
+def _tile_p_dp(q, k, v, do, rows, bias, visible, *, scale, soft_cap, kept_scale, at_max):
+    """(P, dP, dcap) of one tile as `tile_d_logits` computes dS from them (dcap None without
+    a soft cap); P is 0 where `visible` is False."""
+    max_u, bound, _ = rows
     u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
     unit = logit_unit(scale, bias is not None, soft_cap)
     p = recomputed_probs(u, max_u[:, None], bound[:, None], unit, at_max=at_max)
@@ -197,12 +221,32 @@ def tile_d_logits(
     dp = dot(do, v, trans_b=True)
     if kept_scale is not None:
         dp = dp * kept_scale
-    ds = p * (dp - delta[:, None])
-    if dcap is None:
-        return ds
-    ds = ds * dcap
-    # inf in K at a hidden key makes its logit NaN, and tanh's derivative with it.
-    return ds if visible is None else jnp.where(visible, ds, 0.0)
+    return p, dp, dcap
+
+
+def tile_capped_row_parts(
+    q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None, at_max=False
+):
+    """Row sums [block_q, 1] over one tile's keys of (P * dcap * dP, P * dcap, P * dP), from
+    which `_dbias_kernel` forms each row's sum of dS with a delta of the backward's own P (a
+    soft cap and a bias broadcast over the keys)."""
+    p, dp, dcap = _tile_p_dp(
+        q,
+        k,
+        v,
+        do,
+        rows,
+        bias,
+        visible,
+        scale=scale,
+        soft_cap=soft_cap,
+        kept_scale=kept_scale,
+        at_max=at_max,
+    )
+    pd = p * dcap
+    if visible is not None:  # inf in K at a hidden key: NaN in dcap
+        pd = jnp.where(visible, pd, 0.0)
+    return tuple(jnp.sum(x, axis=1, keepdims=True) for x in (pd * dp, pd, p * dp))
 
 
 def _dq_kernel(
@@ -316,6 +360,7 @@ def _dbias_kernel(
     sum_cols: bool,
     dropout_rate: float = 0.0,
     at_max: bool = False,
+    capped_rows: bool = False,
 ):
     """dBias of one query tile of one (bias batch, bias head), summed over the bias's broadcast
     dims in registers: the loop over KV tiles sums, inside, over the `batches` x `heads` (batch,
@@ -325,14 +370,29 @@ def _dbias_kernel(
     are written once. Nothing of shape [B, N, T, S] is written for a broadcast bias; the sums have
     a fixed order. Every output entry is written (zeros for tiles nobody sees).
 
+    capped_rows (sum_cols with a soft cap): refs starts with dlse_ref [batches, heads, block_q],
+    and each pair's row sum of dS = P * dcap * (dP - delta) is formed from the row sums
+    (`tile_capped_row_parts`) as sum(P dcap dP) - (sum(P dP) - dlse) * sum(P dcap): with
+    rowsum(P * dP), of the backward's own P, in place of rowsum(dO * out). The two agree but for
+    rounding: out is the forward's, from P rounded to 16 bits for P V, then stored in 16 bits;
+    the rows' differences, each times sum(P dcap) (no closed form cancels them as without a
+    cap), summed over every row of a broadcast bias, were 3-6x the error of attention computed
+    in 16 bits (benchmarks/NOTES.md, the sweep with sinks compiled).
+
     q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
     max_ref, delta_ref, bound_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg
     [batches, block_q], kv_seg [batches, S]; mask [batches|1, heads|1, block_q|1, S|1]; ranges;
     out [block_q|1, S|1].
     """
     *refs, out_ref = refs
+    dlse_ref = None
+    if capped_rows:
+        dlse_ref, *refs = refs
     ops = Operands(refs, spec, has_bias=True, has_dropout=dropout_rate > 0)
     tile_ds = functools.partial(tile_d_logits, scale=scale, soft_cap=soft_cap, at_max=at_max)
+    tile_parts = functools.partial(
+        tile_capped_row_parts, scale=scale, soft_cap=soft_cap, at_max=at_max
+    )
     tile = query_tile(pl.program_id(0), spec.q_len, block_q)
     bias_head, bias_batch = pl.program_id(1), pl.program_id(2)
     q_start = tile * block_q
@@ -378,7 +438,8 @@ def _dbias_kernel(
     # One pair (a bias broadcast over queries/keys only): its rows stay loaded across KV tiles.
     hoisted = query_rows(zero) if members == 1 else None
 
-    def d_logits(m, kv_start, bias, masked):
+    def d_logits(m, kv_start, bias, masked, parts=False):
+        """dS of pair m's tile; with parts, `tile_capped_row_parts`'s row sums instead."""
         bi, ni = member(m)
         q, do, row_values, q_seg = hoisted or query_rows(m)
         kv_head = jax.lax.div(ni, jnp.int32(group)) if k_ref.shape[2] > 1 else zero
@@ -414,6 +475,8 @@ def _dbias_kernel(
             )
             keep = _dropout.keep(row_mul[:, None], row_add[:, None], col[None, :], dropout_rate)
             z = _dropout.kept_scale(keep, dropout_rate)
+        if parts:
+            return tile_parts(q, k, v, do, row_values, bias, visible, kept_scale=z)
         return tile_ds(q, k, v, do, row_values, bias, visible, kept_scale=z)
 
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
@@ -472,6 +535,26 @@ def _dbias_kernel(
 
     lo, _, _, hi = ranges
     row_sums = jnp.zeros((out_rows, 1), jnp.float32)
+    if capped_rows:
+        # Pair by pair: each pair's rows need all of its keys' sums before they combine.
+        def pair_rows(m, row_sums):
+            def parts_body(j, sums, *, masked: bool):
+                kv_start = pl.multiple_of(j * block_kv, block_kv)
+                bias = tile_bias(ops, spec, q_rows, kv_start, block_q, block_kv)
+                parts = d_logits(m, kv_start, bias, masked, parts=True)
+                return tuple(a + b for a, b in zip(sums, parts, strict=True))
+
+            zeros = tuple(jnp.zeros((block_q, 1), jnp.float32) for _ in range(3))
+            capped_dp, capped, dp = visit_tiles(ranges, parts_body, zeros)
+            bi, ni = member(m)
+            dlse = load_vector(dlse_ref, 0, block_q, q_rows, ragged=ragged_q, head=ni, lead=(bi,))
+            rows = capped_dp - (dp - dlse[:, None]) * capped
+            if sum_rows:
+                rows = jnp.sum(rows, axis=0, keepdims=True)
+            return row_sums + rows
+
+        store(0, fold(0, members, pair_rows, row_sums), 1)
+        return
     if not sum_cols:
         fold(0, lo, zero_body, 0)
     row_sums = visit_tiles(ranges, tile_body, row_sums)
@@ -664,6 +747,7 @@ def flash_backward(
             interpret=interpret,
             dropout_rate=dropout_rate,
             at_max=at_max,
+            d_lse=d_lse,
         )
     return dq, dk, dv, dbias
 
@@ -688,9 +772,12 @@ def _dbias(
     interpret,
     dropout_rate=0.0,
     at_max=False,
+    d_lse=None,
 ):
     """dBias with the bias's shape [Bb, Nb, Tb, Sb], summed over its broadcast dims in the kernel
-    (_dbias_kernel); over queries, the per-query-tile sums are added here (in float32)."""
+    (_dbias_kernel); over queries, the per-query-tile sums are added here (in float32). d_lse
+    [B, N, T] float32: the lse cotangent, which a bias broadcast over the keys with a soft cap
+    reads (`_dbias_kernel`'s capped_rows)."""
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -715,8 +802,13 @@ def _dbias(
     row_spec = pl.BlockSpec(
         (batches, heads, block_q), lambda i, n, b: (b_idx(b), 0 if sum_n else n, q_tile(i))
     )
-    operands = [q, k, v, d_out, max_u, delta, bound, bias]
+    operands = [q, k, v, d_out, max_u, delta, bound]
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
+    capped_rows = sum_cols and soft_cap is not None
+    if capped_rows:
+        operands.append(d_lse.astype(jnp.float32))
+        in_specs.append(row_spec)
+    operands.append(bias)
     in_specs.append(pair_spec(bias.shape, block_q, q_tile))
     if spec.has_segments:
         operands += [arrays.q_segment_ids, arrays.kv_segment_ids]
@@ -764,6 +856,7 @@ def _dbias(
         sum_cols=sum_cols,
         dropout_rate=dropout_rate,
         at_max=at_max,
+        capped_rows=capped_rows,
     )
     num_q_tiles = pl.cdiv(q_len, block_q)
     out_rows, out_cols = (1 if sum_rows else block_q), (1 if sum_cols else kv_len)

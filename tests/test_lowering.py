@@ -259,6 +259,9 @@ MASKED = {
     "key-broadcast-bias-window": dict(
         bias=(1, 8, 1000, 1), local_window_size=(100, 0), is_causal=True
     ),
+    # The dbias kernel's capped rows: each pair's row sums over its keys, then delta's fix.
+    "broadcast-bias-soft-cap": dict(bias=(1, 1, 1, 1), logits_soft_cap=5.0, is_causal=True),
+    "key-broadcast-bias-soft-cap": dict(bias=(2, 8, 1000, 1), logits_soft_cap=5.0),
 }
 _ARRAY_DTYPES = dict(
     bias=jnp.bfloat16, mask=jnp.bool_, q_segment_ids=jnp.int32, kv_segment_ids=jnp.int32

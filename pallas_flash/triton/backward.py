@@ -179,26 +179,11 @@ def _dkv_kernel(
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
 
 
-def tile_d_logits(
-    q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None, at_max=False
-):
+def tile_d_logits(q, k, v, do, rows, bias, visible, **options):
     """dS [block_q, block_kv] of one tile, w.r.t. the logits before the soft cap: P recomputed
     from the rows' (max_u, bound, delta) (`recomputed_probs`), zero where `visible` (None:
-    everywhere visible) is False.
-    kept_scale: None, or dropout's Z (1 / (1 - rate) where kept, else 0): dP = Z * (dO V^T)."""
-    p, dp, dcap = _tile_p_dp(
-        q,
-        k,
-        v,
-        do,
-        rows,
-        bias,
-        visible,
-        scale=scale,
-        soft_cap=soft_cap,
-        kept_scale=kept_scale,
-        at_max=at_max,
-    )
+    everywhere visible) is False. options: `_tile_p_dp`'s."""
+    p, dp, dcap = _tile_p_dp(q, k, v, do, rows, bias, visible, **options)
     ds = p * (dp - rows[2][:, None])
     if dcap is None:
         return ds
@@ -207,9 +192,23 @@ def tile_d_logits(
     return ds if visible is None else jnp.where(visible, ds, 0.0)
 
 
-def _tile_p_dp(q, k, v, do, rows, bias, visible, *, scale, soft_cap, kept_scale, at_max):
-    """(P, dP, dcap) of one tile as `tile_d_logits` computes dS from them (dcap None without
-    a soft cap); P is 0 where `visible` is False."""
+def tile_capped_row_parts(q, k, v, do, rows, bias, visible, **options):
+    """Row sums [block_q, 1] over one tile's keys of (P * dcap * dP, P * dcap, P * dP), from
+    which `_dbias_kernel` forms each row's sum of dS with a delta of the backward's own P (a
+    soft cap and a bias broadcast over the keys). options: `_tile_p_dp`'s."""
+    p, dp, dcap = _tile_p_dp(q, k, v, do, rows, bias, visible, **options)
+    pd = p * dcap
+    if visible is not None:  # inf in K at a hidden key: NaN in dcap
+        pd = jnp.where(visible, pd, 0.0)
+    return tuple(jnp.sum(x, axis=1, keepdims=True) for x in (pd * dp, pd, p * dp))
+
+
+def _tile_p_dp(
+    q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None, at_max=False
+):
+    """(P, dP, dcap) of one tile (dcap None without a soft cap); P is 0 where `visible` is
+    False. kept_scale: None, or dropout's Z (1 / (1 - rate) where kept, else 0): dP = Z * (dO
+    V^T)."""
     max_u, bound, _ = rows
     u, dcap = scores(dot(q, k, trans_b=True), scale, bias, soft_cap)
     unit = logit_unit(scale, bias is not None, soft_cap)
@@ -222,31 +221,6 @@ def _tile_p_dp(q, k, v, do, rows, bias, visible, *, scale, soft_cap, kept_scale,
     if kept_scale is not None:
         dp = dp * kept_scale
     return p, dp, dcap
-
-
-def tile_capped_row_parts(
-    q, k, v, do, rows, bias, visible, *, scale: float, soft_cap, kept_scale=None, at_max=False
-):
-    """Row sums [block_q, 1] over one tile's keys of (P * dcap * dP, P * dcap, P * dP), from
-    which `_dbias_kernel` forms each row's sum of dS with a delta of the backward's own P (a
-    soft cap and a bias broadcast over the keys)."""
-    p, dp, dcap = _tile_p_dp(
-        q,
-        k,
-        v,
-        do,
-        rows,
-        bias,
-        visible,
-        scale=scale,
-        soft_cap=soft_cap,
-        kept_scale=kept_scale,
-        at_max=at_max,
-    )
-    pd = p * dcap
-    if visible is not None:  # inf in K at a hidden key: NaN in dcap
-        pd = jnp.where(visible, pd, 0.0)
-    return tuple(jnp.sum(x, axis=1, keepdims=True) for x in (pd * dp, pd, p * dp))
 
 
 def _dq_kernel(

@@ -121,7 +121,7 @@ class BackwardTiles:
         deterministic. "ordered": the same adds, each query tile's in a fixed order of the
         CTAs (`AddOrder`: global semaphores, one per query tile and head), so dQ is bitwise
         deterministic; plain and causal calls only (no window or segment ids). Measured
-        slower than the default (0.52-0.98x fwd+bwd on the H200: benchmarks/NOTES.md), so the
+        slower than the default (0.48-0.98x fwd+bwd on the H200: benchmarks/NOTES.md), so the
         dispatch never picks it. "slab": the
         same partials stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
@@ -1163,10 +1163,10 @@ class AddOrder:
     @classmethod
     def of(cls, spec: MaskSpec, tiles: BackwardTiles) -> AddOrder | None:
         """The order of a call, or None where its CTAs' query tiles are not those of a plain or
-        causal call (windows, segment ids), or dQ is not fused."""
+        causal call (windows, segment ids), or its dQ is neither "ordered" nor "slab"."""
         if tiles.fused_dq not in ("ordered", "slab") or spec.window is not None:
             return None
-        if spec.has_segments:
+        if spec.has_segments:  # segment ids, or lengths folded into them
             return None
         return cls(
             causal=spec.is_causal,

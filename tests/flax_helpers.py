@@ -78,3 +78,15 @@ def reference_dropout_attention(
         dropout_broadcast=broadcast_dropout,
         backend="xla",
     )
+
+
+def recording_deterministic_grads(attention_fn):
+    """(fn, seen): fn calls attention_fn without deterministic_grads and appends the value it
+    was given (True when not bound) to seen: whether a module passes the option on."""
+    seen = []
+
+    def recording(*args, deterministic_grads=True, **kwargs):
+        seen.append(deterministic_grads)
+        return attention_fn(*args, **kwargs)
+
+    return recording, seen

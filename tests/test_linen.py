@@ -29,6 +29,7 @@ from flax_helpers import (
     T,
     assert_close,
     inputs,
+    recording_deterministic_grads,
     reference_dropout_attention,
     segment_ids,
     sink_attention,
@@ -246,12 +247,7 @@ def test_function_options_and_errors():
     assert xla(q, q, q, dtype=jnp.bfloat16).dtype == jnp.bfloat16
     # deterministic_grads=False reaches the attention function; True (the default) is not
     # bound, so an attention_fn without the keyword still works.
-    seen = []
-
-    def recording(*args, deterministic_grads=True, **kwargs):
-        seen.append(deterministic_grads)
-        return xla(*args, **kwargs)
-
+    recording, seen = recording_deterministic_grads(xla)
     x = jnp.ones((1, 8, 16))
     for flag in (False, True):
         module = pfl.MultiHeadDotProductAttention(

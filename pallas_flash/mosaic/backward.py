@@ -651,7 +651,7 @@ def flash_backward(
         dropout=dropout is not None,
     )
     dk, dv, *fused_dq = _dkv_call(
-        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs
+        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, order=order, **kwargs
     )
     if splits > 1:
         # f32 partials [B, S', K * splits, H or Hv], a KV head's splits side by side: summed
@@ -799,6 +799,7 @@ def _dkv_call(
     soft_cap,
     tiles,
     head_splits: int = 1,
+    order: AddOrder | None = None,
 ):
     """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan);
     drop: None, or (rate, the rows' hashes [B, N, 2, T''], the keys' [B, N, S'' / block_kv_dkv,
@@ -826,7 +827,7 @@ def _dkv_call(
         head_splits=head_splits,
         tiles=tiles,
         dropout_rate=drop[0] if has_drop else 0.0,
-        order=AddOrder.of(spec, tiles),
+        order=order,
         num_heads=num_heads,
     )
     scratch = dict(
@@ -1037,8 +1038,9 @@ def _dkv_kernel(
         if tiles.fused_dq:
             sems = None
             if tiles.fused_dq == "ordered":
-                halves = 2 if fused_dq_rows(tiles, q_ref.shape[-1]) < q_ref.shape[-1] else 1
-                count = q_ref.shape[0] * num_heads * order.q_tiles * halves
+                head_dim = q_ref.shape[-1]
+                parts = head_dim // fused_dq_rows(tiles, head_dim)  # 2 in halves
+                count = q_ref.shape[0] * num_heads * order.q_tiles * parts
                 sems = pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
             dq_sink = _DQSink(
                 ds_smem,
@@ -1054,7 +1056,7 @@ def _dkv_kernel(
                 ds_read=ds_read,
                 slab=kv_tile if tiles.fused_dq == "slab" else None,
                 rotation=rotation,
-                order=order if sems is not None else None,
+                order=order,
                 sems=sems,
                 kv_tile=kv_tile,
                 num_heads=num_heads,
@@ -1120,15 +1122,6 @@ def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
     return head_dim // 2 if tiles.dkv_consumers == 2 and head_dim % 128 == 0 else head_dim
 
 
-def _div(a, b):
-    """a // b of non-negative ints: Python's, or the kernel's on int32 scalars."""
-    return a // b if isinstance(a, int) and isinstance(b, int) else lax.div(a, jnp.int32(b))
-
-
-def _rem(a, b):
-    return a % b if isinstance(a, int) and isinstance(b, int) else lax.rem(a, jnp.int32(b))
-
-
 @dataclasses.dataclass(frozen=True)
 class AddOrder:
     """The order in which the dK/dV CTAs of one (batch entry, query head) add their partials
@@ -1182,19 +1175,19 @@ class AddOrder:
 
     def rotation(self, kv_tile):
         """The query tile (from the CTA's first) of kv tile kv_tile's first step per head."""
-        return 0 if self.causal else _div(kv_tile * self.q_tiles, self.kv_tiles)
+        return 0 if self.causal else kv_tile * self.q_tiles // self.kv_tiles
 
     def rank(self, q_tile, kv_tile):
         """How many CTAs add to query tile q_tile before kv tile kv_tile's CTA."""
         if self.causal:
-            last = _div((q_tile + 1) * self.block_q - 1, self.cta_kv_rows)
+            last = ((q_tile + 1) * self.block_q - 1) // self.cta_kv_rows
             if isinstance(last, int):
                 last = min(last, self.kv_tiles - 1)
             else:
                 last = jnp.minimum(last, jnp.int32(self.kv_tiles - 1))
             return last - kv_tile
-        first = _div((q_tile + 1) * self.kv_tiles - 1, self.q_tiles)
-        return _rem(first - kv_tile + self.kv_tiles, self.kv_tiles)
+        first = ((q_tile + 1) * self.kv_tiles - 1) // self.q_tiles
+        return (first - kv_tile + self.kv_tiles) % self.kv_tiles
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,151 @@
+"""What ptxas made of the Mosaic GPU kernels: registers, spills and SASS instruction counts.
+
+    python benchmarks/kernel_resources.py OUT_DIR [CASE ...]     (on the GPU; default: all cases)
+
+Each case compiles one call's forward and backward in a child process with Mosaic GPU's dump
+switches on (MOSAIC_GPU_DUMP_PTXAS, MOSAIC_GPU_DUMP_SASS: jaxlib prints ptxas' verbose report and
+nvdisasm's listing of each kernel to stdout). The parent keeps each child's raw output in
+OUT_DIR/CASE.txt and writes one JSON row per kernel to OUT_DIR/resources.jsonl: the case, the
+kernel, ptxas' register count, spill stores and loads (bytes), and counts of SASS opcodes (the
+spill traffic LDL/STL, MUFU, HGMMA, integer and float ALU groups). The counts are static
+(instructions in the binary, not executed): they compare two versions of a kernel, or a kernel
+with an option and without it.
+"""
+
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+
+# (B, T, S, N, K, H, kwargs): the calls whose kernels are read (bf16).
+CASES = {
+    "h128": (4, 4096, 4096, 16, 16, 128, {}),
+    "h128-causal": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True)),
+    "h128-dropout": (4, 4096, 4096, 16, 16, 128, dict(dropout_rate=0.1)),
+    "h64": (4, 4096, 4096, 32, 32, 64, {}),
+    "h64-causal": (4, 4096, 4096, 32, 32, 64, dict(is_causal=True)),
+    "h64-dropout": (4, 4096, 4096, 32, 32, 64, dict(dropout_rate=0.1)),
+    "h128-cap": (2, 8192, 8192, 16, 16, 128, dict(is_causal=True, logits_soft_cap=30.0)),
+    "gemma2": (1, 8192, 8192, 16, 8, 256, dict(is_causal=True, logits_soft_cap=50.0)),
+}
+
+# SASS opcode groups counted (by the opcode's first word, before any '.').
+GROUPS = {
+    "spill": ("LDL", "STL"),
+    "mufu": ("MUFU",),
+    "hgmma": ("HGMMA",),
+    "int": ("IMAD", "IADD3", "ISETP", "LOP3", "SHF", "LEA", "IMNMX", "PRMT", "SEL"),
+    "float": ("FFMA", "FADD", "FMUL", "FMNMX", "FSEL", "FSETP", "F2FP", "F2F", "I2F", "F2I"),
+    "shared": ("LDS", "STS", "LDSM", "STSM"),
+    "sync": ("BAR", "SYNCS", "WARPGROUP", "DEPBAR", "WARPSYNC"),
+}
+
+
+def _with_nvdisasm():
+    """Point Mosaic GPU's tools at a CUDA root that has nvdisasm: jax's (pip's nvcc, if any:
+    ptxas, no nvdisasm; on the device image it reads "None") with the system's nvdisasm linked
+    beside its tools."""
+    import shutil
+
+    import jax.experimental.mosaic.gpu  # noqa: F401  (sets MOSAIC_GPU_CUDA_ROOT)
+
+    root = os.environ.get("MOSAIC_GPU_CUDA_ROOT", "")
+    nvdisasm = shutil.which("nvdisasm") or "/usr/local/cuda/bin/nvdisasm"
+    if os.path.exists(os.path.join(root, "bin", "nvdisasm")) or not os.path.exists(nvdisasm):
+        return
+    merged = f"/tmp/kernel_resources_cuda_{os.getpid()}"
+    os.makedirs(os.path.join(merged, "bin"), exist_ok=True)
+    if os.path.isdir(root):
+        for entry in os.listdir(root):
+            if entry != "bin":
+                os.symlink(os.path.join(root, entry), os.path.join(merged, entry))
+        for tool in os.listdir(os.path.join(root, "bin")) if os.path.isdir(root + "/bin") else ():
+            os.symlink(os.path.join(root, "bin", tool), os.path.join(merged, "bin", tool))
+    os.symlink(nvdisasm, os.path.join(merged, "bin", "nvdisasm"))
+    os.environ["MOSAIC_GPU_CUDA_ROOT"] = merged
+
+
+def compile_case(name):
+    """Child: compile the case's forward and backward (the dumps go to stdout)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_flash
+    from pallas_flash.bench import make_inputs, timed_fn
+
+    _with_nvdisasm()
+
+    b, t, s, n, k, h, kwargs = CASES[name]
+    if kwargs.get("dropout_rate"):
+        kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
+    q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
+    fn = functools.partial(pallas_flash.flash_attention, **kwargs)
+    timed_fn(fn, "fwd+bwd").lower(q, kk, v, do).compile()
+
+
+def parse(text):
+    """Rows of one child's output: per kernel, ptxas' numbers and the SASS opcode counts."""
+    kernels = collections.OrderedDict()
+    current = None
+    for line in text.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            current = kernels.setdefault(m.group(1), {"kernel": m.group(1)})
+            continue
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current is not None:
+            current["registers"] = int(m.group(1))
+        m = re.search(r"stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current is not None:
+            current["spill_stores"], current["spill_loads"] = map(int, m.groups())
+        m = re.match(r"\.text\.(\S+):$", line)
+        if m:
+            current = kernels.setdefault(m.group(1), {"kernel": m.group(1)})
+            current.setdefault("sass", collections.Counter())
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+        if m and current is not None and "sass" in current:
+            current["sass"][m.group(1)] += 1
+    rows = []
+    for row in kernels.values():
+        sass = row.pop("sass", collections.Counter())
+        row["instructions"] = sum(sass.values())
+        for group, ops in GROUPS.items():
+            row[group] = sum(sass[op] for op in ops)
+        row["top"] = dict(sass.most_common(12))
+        rows.append(row)
+    return rows
+
+
+def main():
+    if sys.argv[1] == "--child":
+        compile_case(sys.argv[2])
+        return
+    out_dir, *names = sys.argv[1:]
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
+    children = {}
+    for name in names or list(CASES):
+        log = open(os.path.join(out_dir, f"{name}.txt"), "w")
+        cmd = [sys.executable, __file__, "--child", name]
+        children[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    with open(os.path.join(out_dir, "resources.jsonl"), "w") as out:
+        for name, (child, log) in children.items():
+            rc = child.wait()
+            log.close()
+            with open(log.name) as f:
+                rows = parse(f.read())
+            if rc or not rows:
+                print(f"{name}: rc {rc}, {len(rows)} kernels (see {log.name})", flush=True)
+            for row in rows:
+                row = dict(case=name, **row)
+                print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+                out.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

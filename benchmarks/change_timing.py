@@ -5,12 +5,14 @@ trees (main's and a change's) run in turns, each in its own process, on one GPU 
 
 Cases (default: all): "triton" (Triton fwd+bwd, bf16 and float32: the backward's P from the
 forward's row max), "softcap" (the Mosaic kernels with Gemma 2's soft cap, forward and fwd+bwd,
-and without the cap beside them). One JSON row per case and pass: label, case, ms (median of 7
-repeats of 10 calls), compile_s (the first call).
+and without the cap beside them), "masked" (the Mosaic backward's masked steps: causal and
+windowed calls, a plain one beside them). One JSON row per case and pass: label, case, ms
+(median of 7 repeats of 10 calls), compile_s (the first call). PASSES="fwd+bwd" times one pass.
 """
 
 import functools
 import json
+import os
 import sys
 import time
 
@@ -37,6 +39,14 @@ CASES = {
         ("h128-8k-cap", 2, 8192, 8192, 16, 16, 128, jnp.bfloat16,
          dict(is_causal=True, logits_soft_cap=30.0)),
     ],
+    "masked": [
+        ("h128-4k-causal", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict(is_causal=True)),
+        ("h128-16k-causal", 1, 16384, 16384, 16, 16, 128, jnp.bfloat16, dict(is_causal=True)),
+        ("h64-4k-causal", 4, 4096, 4096, 32, 32, 64, jnp.bfloat16, dict(is_causal=True)),
+        ("h128-4k-window", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16,
+         dict(local_window_size=(1023, 0))),
+        ("h128-4k", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict()),
+    ],
 }  # fmt: skip
 
 
@@ -48,7 +58,7 @@ def main():
             for name, b, t, s, n, k, h, dtype, kwargs in CASES[case]:
                 q, kk, v, do = make_inputs(b, t, s, n, k, h, dtype)
                 fn = functools.partial(pallas_flash.flash_attention, backend=backend, **kwargs)
-                for pass_ in ("fwd", "fwd+bwd"):
+                for pass_ in os.environ.get("PASSES", "fwd fwd+bwd").split():
                     f = timed_fn(fn, pass_)
                     start = time.perf_counter()
                     jax.block_until_ready(f(q, kk, v, do))

@@ -1709,9 +1709,13 @@ def _consume_dkv(
     def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
         ds_t = ds_of(pd_t, dp_t, delta)
-        if masked:
-            # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN.
-            ds_t = jnp.where(visible_in(i, slot), ds_t, 0.0)
+        if masked and not dropout_rate:
+            # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN. probs_t zeroed pd_t
+            # wherever the mask hides a pair, so the select reads pd_t instead of the mask:
+            # the mask held across the dV and dP^T wgmma (or its positions recomputed) spilled
+            # registers at H=128 (a visible pair whose P underflows to 0 gets dS^T = 0, as it
+            # would from finite inputs). With dropout, ds_of already takes 0 * delta there.
+            ds_t = jnp.where(pd_t == 0.0, 0.0, ds_t)
         ds_in = ds_t.astype(dtype)
         if dq_sink is not None:
             # Stored before dK's wgmma: the other consumer may read it too.

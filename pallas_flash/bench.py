@@ -90,6 +90,40 @@ def median_ms(f, args, *, calls: int = 10, repeats: int = 7) -> float:
     return statistics.median(times)
 
 
+def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
+    """(ms per call of f's GPU kernels, summed; {kernel name: ms per call}), read from jax's
+    profiler over `calls` back-to-back calls after a warm-up. Unlike `median_ms` it leaves out
+    what the host spends dispatching a call and the gaps between kernels: what a call costs
+    inside a larger jitted step (a model's decode step), where a short call's wall time is
+    the host's. GPU only (the trace's /device:GPU planes)."""
+    jax.block_until_ready(f(*args))
+    jax.block_until_ready(f(*args))
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        jax.profiler.stop_trace()
+        paths = [
+            os.path.join(root, name)
+            for root, _, names in os.walk(trace_dir)
+            for name in names
+            if name.endswith(".xplane.pb")
+        ]
+        data = jax.profiler.ProfileData.from_file(paths[0])
+    kernels: dict[str, float] = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        # Kernels run on the stream lines; the "XLA Ops" and "XLA Modules" lines repeat them.
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                for event in line.events:
+                    ms = event.duration_ns / 1e6 / calls
+                    kernels[event.name] = kernels.get(event.name, 0.0) + ms
+    return sum(kernels.values()), kernels
+
+
 def attention_flops(b, t, s, n, h, causal: bool, pass_: str) -> float:
     flops = 4.0 * b * n * t * s * h
     if causal:
@@ -856,10 +890,17 @@ def run_decode_suite(out_path, repeats, *, quick: bool, on_gpu: bool):
             runs.append(("memcpy", jax.jit(jnp.copy), (flat,)))
             for impl, fn, args in runs:
                 row = dict(suite="decode", impl=impl, dtype=jnp.dtype(dtype).name, **case)
+                traffic = 2 * nbytes if impl == "memcpy" else nbytes
                 try:
                     ms = median_ms(fn, args, calls=calls, repeats=repeats)
-                    traffic = 2 * nbytes if impl == "memcpy" else nbytes
                     row.update(ms=round(ms, 5), tbps=round(traffic / ms / 1e9, 4))
+                    if on_gpu:
+                        kernel_ms, kernels = device_ms(fn, args)
+                        row.update(
+                            device_ms=round(kernel_ms, 5),
+                            device_tbps=round(traffic / kernel_ms / 1e9, 4),
+                            kernels={name: round(t, 5) for name, t in kernels.items()},
+                        )
                 except Exception as e:  # noqa: BLE001 -- cuDNN refusing T=1 is data
                     row.update(ms=None, tbps=None, error=f"{type(e).__name__}: {str(e)[:200]}")
                 row["kv_bytes"] = nbytes
@@ -871,6 +912,8 @@ def run_decode_suite(out_path, repeats, *, quick: bool, on_gpu: bool):
                     if row["ms"] is not None
                     else "failed: " + row["error"][:80]
                 )
+                if row.get("device_ms") is not None:
+                    shown += f", kernels {row['device_ms']:.4f} ms {row['device_tbps']:.2f} TB/s"
                 print(f"{_decode_name(case):34s} {impl:13s} {shown}", flush=True)
             del q, k, v, flat
     print_decode_table(rows)
@@ -886,25 +929,30 @@ def _decode_name(case) -> str:
 
 
 def print_decode_table(rows, out=sys.stdout):
+    """One table of each call's wall time (`ms`, host dispatch included) and, where measured,
+    one of its kernels' time (`device_ms`)."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    print(
-        "\n| case | " + " | ".join(f"{i} ms (TB/s)" for i in impls) + " | pf / memcpy |", file=out
-    )
-    print("|---|" + "---|" * (len(impls) + 1), file=out)
     by_case = {}
     for r in rows:
         by_case.setdefault(_decode_name(r), {})[r["impl"]] = r
-    for name, got in by_case.items():
-        cells = [
-            "-"
-            if got.get(i, {}).get("ms") is None
-            else f"{got[i]['ms']:.3f} ({got[i]['tbps']:.2f})"
-            for i in impls
-        ]
-        # pf's TB/s over memcpy's (which counts bytes read and written)
-        pf, mc = got.get("pallas_flash", {}).get("ms"), got.get("memcpy", {}).get("ms")
-        cells.append(f"{mc / (2 * pf):.2f}" if pf and mc else "-")
-        print(f"| {name} | " + " | ".join(cells) + " |", file=out)
+    for key, title in (("ms", "wall time per call"), ("device_ms", "kernel time per call")):
+        if not any(r.get(key) is not None for r in rows):
+            continue
+        rate = "tbps" if key == "ms" else "device_tbps"
+        print(f"\n{title}, ms (TB/s of K/V read):", file=out)
+        print("| case | " + " | ".join(impls) + " | pf / memcpy |", file=out)
+        print("|---|" + "---|" * (len(impls) + 1), file=out)
+        for name, got in by_case.items():
+            cells = [
+                "-"
+                if got.get(i, {}).get(key) is None
+                else f"{got[i][key]:.3f} ({got[i][rate]:.2f})"
+                for i in impls
+            ]
+            # pf's TB/s over memcpy's (which counts bytes read and written)
+            pf, mc = got.get("pallas_flash", {}).get(key), got.get("memcpy", {}).get(key)
+            cells.append(f"{mc / (2 * pf):.2f}" if pf and mc else "-")
+            print(f"| {name} | " + " | ".join(cells) + " |", file=out)
 
 
 def main(argv=None):

@@ -62,3 +62,39 @@ def test_model_table_ratios():
     out = io.StringIO()
     bench.print_model_table(rows, out=out)
     assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 |" in out.getvalue()
+
+
+def test_decode_table_shows_wall_and_kernel_times():
+    case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
+    rows = [
+        dict(case, impl="pallas_flash", ms=0.1, tbps=1.0, device_ms=0.04, device_tbps=2.5),
+        dict(case, impl="memcpy", ms=0.1, tbps=2.0, device_ms=0.06, device_tbps=3.33),
+    ]
+    out = io.StringIO()
+    bench.print_decode_table(rows, out=out)
+    text = out.getvalue()
+    wall, kernels = text.split("kernel time per call")
+    assert "| B1 S1024 N8/K2 H64 T1 | 0.100 (1.00) | 0.100 (2.00) | 0.50 |" in wall
+    # memcpy's 0.06 ms moved twice pf's bytes: pf reads at 0.06 / (2 * 0.04) of its rate.
+    assert "| B1 S1024 N8/K2 H64 T1 | 0.040 (2.50) | 0.060 (3.33) | 0.75 |" in kernels
+
+
+def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
+    case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
+    out = io.StringIO()
+    bench.print_decode_table([dict(case, impl="pallas_flash", ms=0.1, tbps=1.0)], out=out)
+    assert "wall time per call" in out.getvalue()
+    assert "kernel time" not in out.getvalue()
+
+
+@pytest.mark.gpu
+def test_device_ms_reads_the_kernels_of_a_call():
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((64, 1024, 1024), jnp.float32)  # 256 MiB: a copy takes ~0.1 ms
+    f = jax.jit(lambda x: x * 2.0)
+    total, kernels = bench.device_ms(f, (x,), calls=5)
+    assert kernels and total == pytest.approx(sum(kernels.values()))
+    # At most the wall time, at least what 512 MiB of traffic takes at 5 TB/s.
+    assert 512 * 2**20 / 5e12 * 1e3 < total < bench.median_ms(f, (x,), calls=5, repeats=3)

@@ -6,7 +6,8 @@ trees (main's and a change's) run in turns, each in its own process, on one GPU 
 Cases (default: all): "triton" (Triton fwd+bwd, bf16 and float32: the backward's P from the
 forward's row max), "softcap" (the Mosaic kernels with Gemma 2's soft cap, forward and fwd+bwd,
 and without the cap beside them), "masked" (the Mosaic backward's masked steps: causal and
-windowed calls, a plain one beside them). One JSON row per case and pass: label, case, ms
+windowed calls, a plain one beside them), "dropout" (the Mosaic kernels with dropout 0.1
+beside the same calls without). One JSON row per case and pass: label, case, ms
 (median of 7 repeats of 10 calls), compile_s (the first call). PASSES="fwd+bwd" times one pass.
 """
 
@@ -39,6 +40,15 @@ CASES = {
         ("h128-8k-cap", 2, 8192, 8192, 16, 16, 128, jnp.bfloat16,
          dict(is_causal=True, logits_soft_cap=30.0)),
     ],
+    "dropout": [
+        ("h128-4k", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict()),
+        ("h128-4k-dropout", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict(dropout_rate=0.1)),
+        ("h128-4k-causal", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict(is_causal=True)),
+        ("h128-4k-causal-dropout", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16,
+         dict(is_causal=True, dropout_rate=0.1)),
+        ("h64-4k", 4, 4096, 4096, 32, 32, 64, jnp.bfloat16, dict()),
+        ("h64-4k-dropout", 4, 4096, 4096, 32, 32, 64, jnp.bfloat16, dict(dropout_rate=0.1)),
+    ],
     "masked": [
         ("h128-4k-causal", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict(is_causal=True)),
         ("h128-16k-causal", 1, 16384, 16384, 16, 16, 128, jnp.bfloat16, dict(is_causal=True)),
@@ -57,6 +67,8 @@ def main():
             backend = "triton" if case == "triton" else None
             for name, b, t, s, n, k, h, dtype, kwargs in CASES[case]:
                 q, kk, v, do = make_inputs(b, t, s, n, k, h, dtype)
+                if kwargs.get("dropout_rate"):
+                    kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
                 fn = functools.partial(pallas_flash.flash_attention, backend=backend, **kwargs)
                 for pass_ in os.environ.get("PASSES", "fwd fwd+bwd").split():
                     f = timed_fn(fn, pass_)

@@ -60,6 +60,7 @@ from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import tiles as forward_tiles
 from pallas_flash.mosaic.launch import (
     check_segment_ids,
+    dropped_value,
     num_sms,
     pad_ids,
     pad_to,
@@ -1460,11 +1461,11 @@ class _QRing:
 
 @dataclasses.dataclass(frozen=True)
 class _PHandoff:
-    """P^T * dcap (with dropout signed by the keep-mask: `_consume_dkv`'s probs_t) from the dV
-    consumer to the dK consumer of a split dK/dV CTA (split_dkv), one computed step at a time:
-    p_ready completes when a step's tile is in p_smem, p_free when the dK consumer has copied it
-    out (once more before its first step, so that the dV consumer waits for p_free before every
-    write). k_loaded: the dV consumer's barrier on which K lands."""
+    """P^T * dcap from the dV consumer to the dK consumer of a split dK/dV CTA (split_dkv), one
+    computed step at a time: p_ready completes when a step's tile is in p_smem, p_free when the
+    dK consumer has copied it out (once more before its first step, so that the dV consumer
+    waits for p_free before every write). k_loaded: the dV consumer's barrier on which K
+    lands."""
 
     p_smem: object
     p_ready: object
@@ -1630,20 +1631,21 @@ def _consume_dkv(
         )
 
     def keep_t(slot):
-        # The step's hashes share Q's slot: read before it is released.
+        """(keep^T, a zero row vector for `dropped_value`) of the step in ring slot `slot`. The
+        step's hashes share Q's slot: read before it is released (probs_t and dk_update each
+        read them: the mask is not held across the wgmma between them)."""
         q_hashes = [plgpu.load(ring.drop_rows_smem.at[slot, j], layout=col_layout) for j in (0, 1)]
         kv_hashes = plgpu.load(
             ring.drop_col_smem.at[slot, key_block], layout=plgpu.Layout.WGMMA.reduce(1)
         )
-        return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1)
+        keep = _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1)
+        return keep, dropped_value(kv_hashes)
 
     def probs_t(i, slot, *, masked: bool, step=None):
         """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
 
-        With dropout (P^T * keep^T, P^T * dcap negated where dropped): dV takes the first,
-        scaled by 1 / (1 - rate) once in the epilogue. P^T * dcap >= 0, so its sign carries
-        the keep-mask to dS^T (`ds_of`) without a mask tile held across the dP^T wgmma or
-        handed to the split dK consumer; where it is 0 (or -0) dS^T is 0 anyway.
+        With dropout P^T * keep^T: dV takes it, scaled by 1 / (1 - rate) once in the epilogue;
+        dS^T computes the mask again (`ds_of`).
 
         step: the CTA step; with dq_sink, S^T's wait also takes this consumer's dQ partial of
         the step before (`_DQSink.with_st`)."""
@@ -1671,17 +1673,17 @@ def _consume_dkv(
             p_t = jnp.where(visible, p_t, 0.0)
             pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
         if dropout_rate:
-            keep = keep_t(slot)
-            p_t, pd_t = jnp.where(keep, p_t, 0.0), jnp.where(keep, pd_t, -pd_t)
+            keep, zero = keep_t(slot)
+            p_t = jnp.where(keep, p_t, _rows(zero, tile_shape))
         return p_t, pd_t
 
-    def ds_of(pd_t, dp_t, delta):
-        """dS^T = P^T * dcap * (Z^T * dP^T - delta); with dropout pd_t is signed (`probs_t`):
-        where dropped (pd_t < 0) dS^T = -|pd_t| * delta = pd_t * delta."""
+    def ds_of(pd_t, dp_t, delta, slot):
+        """dS^T = P^T * dcap * (Z^T * dP^T - delta), Z = keep / (1 - rate) with dropout."""
         delta = _cols(delta, tile_shape)
         if not dropout_rate:
             return pd_t * (dp_t - delta)
-        return pd_t * jnp.where(pd_t > 0.0, dp_t * keep_scale - delta, delta)
+        keep, _ = keep_t(slot)
+        return pd_t * (jnp.where(keep, dp_t, 0.0) * keep_scale - delta)
 
     def dkdv_step(i, carry, *, base, masked: bool, step=None):
         dk, dv = carry
@@ -1708,13 +1710,13 @@ def _consume_dkv(
 
     def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool):
         # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
-        ds_t = ds_of(pd_t, dp_t, delta)
-        if masked and not dropout_rate:
+        ds_t = ds_of(pd_t, dp_t, delta, slot)
+        if masked:
             # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN. probs_t zeroed pd_t
             # wherever the mask hides a pair, so the select reads pd_t instead of the mask:
             # the mask held across the dV and dP^T wgmma (or its positions recomputed) spilled
             # registers at H=128 (a visible pair whose P underflows to 0 gets dS^T = 0, as it
-            # would from finite inputs). With dropout, ds_of already takes 0 * delta there.
+            # would from finite inputs).
             ds_t = jnp.where(pd_t == 0.0, 0.0, ds_t)
         ds_in = ds_t.astype(dtype)
         if dq_sink is not None:

@@ -37,6 +37,7 @@ from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.launch import (
     check_segment_ids,
+    dropped_value,
     num_sms,
     pad_ids,
     pad_to,
@@ -813,7 +814,7 @@ def _consume(
         l_i = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * _rows(alpha, acc.shape)
         if keep is not None:  # l_i keeps the dropped p: lse is the un-dropped softmax's
-            p = jnp.where(keep, p, 0.0)
+            p = jnp.where(keep, p, _rows(drop_zero, p.shape))
         p_in = p.astype(dtype)  # wgmma takes A from registers in the input dtype
         plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the MMAs
         plgpu.barrier_wait(ring.v_ready.at[slot])
@@ -858,9 +859,10 @@ def _consume(
     plgpu.barrier_wait(q_ready)
     if q_ids_smem is not None:
         q_seg = plgpu.load(q_ids_smem, layout=row_layout)
-    drop_rows = None
+    drop_rows = drop_zero = None
     if drop_rows_smem is not None:
         drop_rows = tuple(plgpu.load(drop_rows_smem.at[i], layout=row_layout) for i in range(2))
+        drop_zero = dropped_value(drop_rows[0])
     pl.when(wg == 1)(functools.partial(_schedule_sync, schedule))
     # Without a left (right) side and segment ids the loops before full_lo (after full_hi) are
     # empty: not emitted.

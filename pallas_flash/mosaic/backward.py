@@ -1608,6 +1608,9 @@ def _consume_dkv(
     tile_shape = (block_kv, block_q)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
     keep_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
+    # dK's factor, applied once in the epilogue: the softmax scale, and with dropout the keep
+    # scale that `ds_of` leaves out of dS^T (one multiply per element fewer).
+    dk_scale = scale * keep_scale
     # The keys' segment ids [block_kv] (row layout): loaded once kv_loaded completes, before the
     # loops trace visible_in, which reads them.
     kv_seg = None
@@ -1678,12 +1681,14 @@ def _consume_dkv(
         return p_t, pd_t
 
     def ds_of(pd_t, dp_t, delta, slot):
-        """dS^T = P^T * dcap * (Z^T * dP^T - delta), Z = keep / (1 - rate) with dropout."""
-        delta = _cols(delta, tile_shape)
+        """dS^T = P^T * dcap * (Z^T * dP^T - delta), Z = keep / (1 - rate) with dropout: there
+        it is returned over 1 / (1 - rate), P^T * dcap * (keep^T * dP^T - delta * (1 - rate)),
+        and dK's epilogue multiplies it back (dk_scale)."""
         if not dropout_rate:
-            return pd_t * (dp_t - delta)
+            return pd_t * (dp_t - _cols(delta, tile_shape))
         keep, _ = keep_t(slot)
-        return pd_t * (jnp.where(keep, dp_t, 0.0) * keep_scale - delta)
+        delta = _cols(delta * (1.0 - dropout_rate), tile_shape)
+        return pd_t * (jnp.where(keep, dp_t, 0.0) - delta)
 
     def dkdv_step(i, carry, *, base, masked: bool, step=None):
         dk, dv = carry
@@ -1847,7 +1852,7 @@ def _consume_dkv(
             # (no P^T at all).
             plgpu.barrier_wait(handoff.k_loaded)
         staging = partials[0] if partials is not None else (k_smem if crossed else v_smem)
-        _store_rows(staging, dk * scale, dk_ref.at[out_rows])
+        _store_rows(staging, dk * dk_scale, dk_ref.at[out_rows])
         return
     if dq_sink is not None:
         dq_sink.start()
@@ -1856,12 +1861,12 @@ def _consume_dkv(
         dq_sink.finish(group * cta_tiles)
     if partials is not None:
         # -- epilogue: the f32 partials one after the other through the staging tiles --
-        _store_rows(partials[0], dk * scale, dk_ref.at[out_rows])
+        _store_rows(partials[0], dk * dk_scale, dk_ref.at[out_rows])
         _store_rows(partials[1], _times(dv, keep_scale), dv_ref.at[out_rows])
         return
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
-    k_smem[...] = (dk * scale).astype(dtype)
+    k_smem[...] = (dk * dk_scale).astype(dtype)
     v_smem[...] = _times(dv, keep_scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])

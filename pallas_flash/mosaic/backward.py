@@ -1634,15 +1634,14 @@ def _consume_dkv(
         )
 
     def keep_t(slot):
-        """(keep^T, a zero row vector for `dropped_value`) of the step in ring slot `slot`. The
-        step's hashes share Q's slot: read before it is released (probs_t and dk_update each
-        read them: the mask is not held across the wgmma between them)."""
+        """(keep^T, the keys' hashes) of the step in ring slot `slot`. The step's hashes share
+        Q's slot: read before it is released (probs_t and dk_update each read them: the mask
+        is not held across the wgmma between them)."""
         q_hashes = [plgpu.load(ring.drop_rows_smem.at[slot, j], layout=col_layout) for j in (0, 1)]
         kv_hashes = plgpu.load(
             ring.drop_col_smem.at[slot, key_block], layout=plgpu.Layout.WGMMA.reduce(1)
         )
-        keep = _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1)
-        return keep, dropped_value(kv_hashes)
+        return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1), kv_hashes
 
     def probs_t(i, slot, *, masked: bool, step=None):
         """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
@@ -1676,8 +1675,8 @@ def _consume_dkv(
             p_t = jnp.where(visible, p_t, 0.0)
             pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
         if dropout_rate:
-            keep, zero = keep_t(slot)
-            p_t = jnp.where(keep, p_t, _rows(zero, tile_shape))
+            keep, kv_hashes = keep_t(slot)
+            p_t = jnp.where(keep, p_t, _rows(dropped_value(kv_hashes), tile_shape))
         return p_t, pd_t
 
     def ds_of(pd_t, dp_t, delta, slot):

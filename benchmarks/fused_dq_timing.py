@@ -1,22 +1,25 @@
 """Forward+backward time of the Mosaic kernels with dQ computed in the dK/dV kernel
 (`BackwardTiles(fused_dq="add")`: five matmuls per pair of tiles, dQ added by TMA reductions;
-"ordered": the same adds in a fixed order, deterministic) against the default two-kernel
-backward (seven) and cuDNN, on the H200 (a few minutes).
+"fixed": the same adds of integers, deterministic; "ordered": the f32 adds in a fixed order,
+deterministic) against the default two-kernel backward (seven) and cuDNN, on the H200 (a few
+minutes).
 
-    python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
+    [MODES=default,fused,fixed,ordered] python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
 H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
 measurement yet). "default",
-"fused" and "ordered" are the Mosaic forward differentiated by `mosaic.flash_backward` with
-the default tiles and with fused_dq="add" and "ordered"; "cudnn" is
-`jax.nn.dot_product_attention(implementation="cudnn")`. Prints one JSON row per point (ms,
-TFLOP/s by the FA2 count), dQ's largest difference from the default backward's relative to
-dQ's largest magnitude, whether two runs of "ordered" gave the same bits, then the ratios.
+"fused", "fixed" and "ordered" are the Mosaic forward differentiated by
+`mosaic.flash_backward` with the default tiles and with fused_dq="add", "fixed" and "ordered";
+"cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")`. Prints one JSON row per
+point and backward (ms, TFLOP/s by the FA2 count), then per point the ratios, each fused
+dQ's largest difference from the default backward's relative to dQ's largest magnitude, and
+whether two runs of it gave the same bits.
 """
 
 import functools
 import json
+import os
 import sys
 
 import jax
@@ -46,9 +49,20 @@ def mosaic_attention(tiles, *, scale, is_causal):
     return attention
 
 
+# Every backward this script can time (MODES env: a comma-separated subset, in this order).
+TILES = {
+    "default": None,
+    "fused": BackwardTiles(fused_dq="add"),
+    "fixed": BackwardTiles(fused_dq="fixed"),
+    "ordered": BackwardTiles(fused_dq="ordered"),
+}
+
+
 def main():
     out = open(sys.argv[1], "a") if len(sys.argv) > 1 else None
     points = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[2:]] or POINTS
+    modes = os.environ.get("MODES", "default,fused,fixed,ordered").split(",")
+    modes = ["default", *(m for m in modes if m != "default")]
 
     def record(row):
         print(json.dumps(row), flush=True)
@@ -62,46 +76,34 @@ def main():
         for causal in (False, True):
             scale = h**-0.5
             impls = {
-                "default": mosaic_attention(None, scale=scale, is_causal=causal),
-                "fused": mosaic_attention(
-                    BackwardTiles(fused_dq="add"), scale=scale, is_causal=causal
-                ),
-                "ordered": mosaic_attention(
-                    BackwardTiles(fused_dq="ordered"), scale=scale, is_causal=causal
-                ),
-                "cudnn": functools.partial(
-                    jax.nn.dot_product_attention, implementation="cudnn", is_causal=causal
-                ),
+                name: mosaic_attention(TILES[name], scale=scale, is_causal=causal) for name in modes
             }
+            impls["cudnn"] = functools.partial(
+                jax.nn.dot_product_attention, implementation="cudnn", is_causal=causal
+            )
             ms = {}
             for name, fn in impls.items():
                 ms[name] = median_ms(timed_fn(fn, "fwd+bwd"), args)
                 tflops = attention_flops(b, seq, seq, n, h, causal, "fwd+bwd") / ms[name] / 1e9
                 record(dict(H=h, seq=seq, causal=causal, impl=name, ms=ms[name], tflops=tflops))
-            names = ("default", "fused", "ordered", "ordered")
-            dq = [timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in names]
-            repeatable = bool(jnp.all(dq[2] == dq[3]))
-            dq = [x.astype(jnp.float32) for x in dq]
-
-            def error(x):
-                return float(jnp.max(jnp.abs(x - dq[0])) / jnp.max(jnp.abs(dq[0])))
-
-            record(
-                dict(
-                    H=h,
-                    seq=seq,
-                    causal=causal,
-                    summary="fwd+bwd",
-                    fused_over_default=ms["default"] / ms["fused"],
-                    fused_over_cudnn=ms["cudnn"] / ms["fused"],
-                    ordered_over_default=ms["default"] / ms["ordered"],
-                    ordered_over_cudnn=ms["cudnn"] / ms["ordered"],
-                    default_over_cudnn=ms["cudnn"] / ms["default"],
-                    dq_relative_difference=error(dq[1]),
-                    ordered_dq_relative_difference=error(dq[2]),
-                    ordered_repeatable=repeatable,
+            dq = {name: timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in modes}
+            summary = dict(H=h, seq=seq, causal=causal, summary="fwd+bwd")
+            reference = dq["default"].astype(jnp.float32)
+            for name in modes[1:]:
+                again = timed_fn(impls[name], "fwd+bwd")(*args)[0]
+                difference = jnp.max(jnp.abs(dq[name].astype(jnp.float32) - reference))
+                summary.update(
+                    {
+                        f"{name}_over_default": ms["default"] / ms[name],
+                        f"{name}_over_cudnn": ms["cudnn"] / ms[name],
+                        f"{name}_dq_relative_difference": float(
+                            difference / jnp.max(jnp.abs(reference))
+                        ),
+                        f"{name}_repeatable": bool(jnp.all(again == dq[name])),
+                    }
                 )
-            )
+            summary["default_over_cudnn"] = ms["cudnn"] / ms["default"]
+            record(summary)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,11 @@ CASES = {
     "h64-dropout": (4, 4096, 4096, 32, 32, 64, dict(dropout_rate=0.1)),
     "h128-cap": (2, 8192, 8192, 16, 16, 128, dict(is_causal=True, logits_soft_cap=30.0)),
     "gemma2": (1, 8192, 8192, 16, 8, 256, dict(is_causal=True, logits_soft_cap=50.0)),
+    # The Mosaic backward with dQ in its dK/dV kernel (`BackwardTiles.fused_dq`).
+    "h128-add": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="add")),
+    "h128-fixed": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="fixed")),
+    "h128-causal-fixed": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True, fused_dq="fixed")),
+    "h64-fixed": (4, 4096, 4096, 32, 32, 64, dict(fused_dq="fixed")),
 }
 
 # SASS opcode groups counted (by the opcode's first word, before any '.').
@@ -84,6 +89,13 @@ def compile_case(name):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
     fn = functools.partial(pallas_flash.flash_attention, **kwargs)
+    if "fused_dq" in kwargs:
+        from fused_dq_timing import mosaic_attention
+
+        from pallas_flash.mosaic import BackwardTiles
+
+        tiles = BackwardTiles(fused_dq=kwargs["fused_dq"])
+        fn = mosaic_attention(tiles, scale=h**-0.5, is_causal=kwargs.get("is_causal", False))
     timed_fn(fn, "fwd+bwd").lower(q, kk, v, do).compile()
 
 

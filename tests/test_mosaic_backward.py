@@ -53,6 +53,7 @@ from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, fla
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.backward import (
+    FIXED_POINT_BITS,
     SMEM_BYTES,
     AddOrder,
     _dkv_mask_sides,
@@ -60,6 +61,7 @@ from pallas_flash.mosaic.backward import (
     _kv_tile_ranges,
     _q_tile_ranges,
     default_tiles,
+    fixed_point_exponents,
 )
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
@@ -1554,6 +1556,18 @@ FUSED_CI_HALVES = MaskCase(
 FUSED_CI_ROTATED = MaskCase(
     Problem(1, 200, 256, 2, 1, 64, False, "bf16"), tiles=BackwardTiles(fused_dq="slab")
 )
+# "fixed_slab": the integer partials of "fixed" (dS^T scaled by each row's 2^e, int32),
+# stored apart. Causal halves at H=128 with a ragged T; non-causal turns at H=64 with a soft
+# cap and T != S.
+FUSED_CI_FIXED = MaskCase(
+    Problem(1, 200, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="fixed_slab")
+)
+FUSED_CI_FIXED_CAPPED = MaskCase(
+    Problem(2, 130, 200, 2, 1, 64, False, "bf16"),
+    soft_cap=10.0,
+    scale=1.0,
+    tiles=BackwardTiles(fused_dq="fixed_slab"),
+)
 FUSED_SWEEP_CASES = [
     dataclasses.replace(
         FUSED_CI_CASE, tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2, fused_dq="slab")
@@ -1579,6 +1593,8 @@ FUSED_SWEEP_CASES = [
         FUSED_CI_CASE,
         FUSED_CI_HALVES,
         FUSED_CI_ROTATED,
+        FUSED_CI_FIXED,
+        FUSED_CI_FIXED_CAPPED,
         *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES),
     ],
     ids=str,
@@ -1595,6 +1611,8 @@ def test_fused_dq_matches_oracle_interpreted(c):
         (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), BackwardTiles(fused_dq="add")),
         (Problem(2, 256, 512, 4, 2, 128, False, "bf16"), BackwardTiles(fused_dq="ordered")),
         (Problem(1, 256, 192, 4, 1, 64, True, "f16"), BackwardTiles(fused_dq="ordered")),
+        (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), BackwardTiles(fused_dq="fixed")),
+        (Problem(1, 256, 192, 4, 1, 64, False, "bf16"), BackwardTiles(fused_dq="fixed")),
         pytest.param(
             Problem(1, 256, 192, 4, 1, 64, False, "f16"),
             BackwardTiles(fused_dq="add", num_consumers=1, dkv_head_splits=2),
@@ -1733,6 +1751,12 @@ def test_fused_dq_tiles_validate():
     assert "not with a window" in ordered(*shapes, jnp.bfloat16, window=(64, 0))
     assert "not with a window" in ordered(*shapes, jnp.bfloat16, segments=True)
     assert ordered(*shapes, jnp.bfloat16) is None
+    for mode in ("fixed", "fixed_slab"):
+        fixed = functools.partial(why, tiles=BackwardTiles(fused_dq=mode))
+        assert "not with a window" in fixed(*shapes, jnp.bfloat16, window=(64, 0))
+        assert "not with a window" in fixed(*shapes, jnp.bfloat16, segments=True)
+        assert "bfloat16 only, not float16" in fixed(*shapes, jnp.float16)
+        assert fixed(*shapes, jnp.bfloat16) is None
     # The staging tiles count in shared memory: with head splits' partials too they overflow.
     split = BackwardTiles(fused_dq="add", dkv_head_splits=2)
     assert "bytes of shared memory" in why(
@@ -1742,6 +1766,72 @@ def test_fused_dq_tiles_validate():
     alone = BackwardTiles(fused_dq="add", num_consumers=1)
     assert "224 f32 registers" in why(*shapes, jnp.bfloat16, tiles=alone)
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("group", [1, 2])
+def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group):
+    """fused_dq "fixed": for every row, 2^e times the largest sum of |dS_ij K_jh| over the keys
+    the row sees (what any partial sum of its dQ reaches at most, in float64 from the
+    oracle's P and dP) stays under 2^FIXED_POINT_BITS; dQ summed as the kernel does (per block
+    of 64 keys, truncated to integers) is within 1e-5 of its largest magnitude, far under
+    bfloat16's rounding; huge keys past a causal row's diagonal leave its e as it was; NaN in
+    a row's dO gives it no finite bound."""
+    rng = np.random.default_rng(7)
+    b, t, s, k_heads, h = 2, 96, 256, 2, 64
+    n = k_heads * group
+    # Rows of widely different magnitudes in q, k, v and dO.
+    q = rng.normal(size=(b, t, n, h)) * np.exp(rng.normal(size=(b, t, n, 1)))
+    k = rng.normal(size=(b, s, k_heads, h)) * np.exp(rng.normal(size=(b, s, k_heads, 1)))
+    v = rng.normal(size=(b, s, k_heads, h)) * np.exp(rng.normal(size=(b, s, k_heads, 1)))
+    d_out = rng.normal(size=(b, t, n, h)) * np.exp(2 * rng.normal(size=(b, t, n, 1)))
+    d_lse = rng.normal(size=(b, n, t))
+    spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal)
+    kk, vv = (np.repeat(x, group, axis=2) for x in (k, v))
+    logits = np.einsum("btnh,bsnh->bnts", q, kk) / 8.0
+    visible = np.asarray(spec.geometry(np.arange(t)[:, None], np.arange(s)[None, :]))
+    logits = np.where(visible, logits, -np.inf)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    out = np.einsum("bnts,bsnh->btnh", p, vv)
+    delta = np.einsum("btnh,btnh->bnt", d_out, out) - d_lse
+    dp = np.einsum("btnh,bsnh->bnts", d_out, vv)
+    ds = p * (dp - delta[..., None])
+    worst = np.einsum("bnts,bsnh->bnth", np.abs(ds), np.abs(kk)).max(-1)  # [B, N, T]
+
+    def exponents(k, v, d_out):
+        args = (jnp.asarray(x, jnp.float32) for x in (k, v, d_out))
+        e, finite = fixed_point_exponents(
+            *args, jnp.asarray(delta, jnp.float32), spec=spec, num_heads=n
+        )
+        return np.asarray(e), np.asarray(finite)
+
+    e, finite = exponents(k, v, d_out)
+    assert finite.all()
+    units = worst * np.exp2(e)
+    assert (units < 2.0**FIXED_POINT_BITS).all(), units.max()
+    unit = np.exp2(e)[..., None]
+    parts = [
+        np.trunc(np.einsum("bnts,bsnh->bnth", ds[..., j : j + 64], kk[:, j : j + 64]) * unit)
+        for j in range(0, s, 64)
+    ]
+    sums = np.cumsum(parts, axis=0)
+    assert np.abs(sums).max() < 2.0**31
+    exact = np.einsum("bnts,bsnh->bnth", ds, kk)
+    error = np.abs(sums[-1] / unit - exact).max()
+    assert error <= 1e-5 * np.abs(exact).max(), error / np.abs(exact).max()
+    if is_causal:
+        # Keys past row 40's diagonal 1e15 times larger: rows up to 40 keep their e.
+        k_huge, v_huge = k.copy(), v.copy()
+        k_huge[:, 41:] *= 1e15
+        v_huge[:, 41:] *= 1e15
+        e_huge, _ = exponents(k_huge, v_huge, d_out)
+        np.testing.assert_array_equal(e_huge[..., :41], e[..., :41])
+        assert (e_huge[..., 41:] < e[..., 41:] - 80).all()
+    d_nan = d_out.copy()
+    d_nan[0, 5, 1, 3] = np.nan
+    _, finite = exponents(k, v, d_nan)
+    assert not finite[0, 1, 5] and finite.sum() == finite.size - 1
 
 
 FUSED_ADD = BackwardTiles(fused_dq="add")
@@ -1786,8 +1876,30 @@ FUSED_ORDERED_GPU_CASES = [
 ]
 
 
+FUSED_FIXED = BackwardTiles(fused_dq="fixed")
+# "fixed": causal and not, ragged T and S, T != S, GQA, a soft cap, one consumer taking every
+# step with head splits, NaN and inf at keys past the diagonal.
+FUSED_FIXED_GPU_CASES = [
+    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=FUSED_FIXED),
+    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "bf16"), tiles=FUSED_FIXED),
+    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_FIXED, poison=True),
+    MaskCase(
+        Problem(1, 1000, 1500, 4, 2, 128, False, "bf16"),
+        soft_cap=20.0,
+        scale=1.0,
+        tiles=FUSED_FIXED,
+    ),
+    MaskCase(
+        Problem(1, 2048, 2048, 16, 1, 64, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="fixed", num_consumers=1, dkv_head_splits=4),
+    ),
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", FUSED_GPU_CASES + FUSED_ORDERED_GPU_CASES, ids=str)
+@pytest.mark.parametrize(
+    "c", FUSED_GPU_CASES + FUSED_ORDERED_GPU_CASES + FUSED_FIXED_GPU_CASES, ids=str
+)
 def test_fused_dq_matches_oracle(c):
     needs_hopper()
     check_masked_backward(c, interpreted=False, mosaic_forward=not c.poison)
@@ -1843,6 +1955,54 @@ def test_fused_dq_ordered_is_deterministic(p):
     default = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))(*args)
     dq, dq_default = (np.asarray(x[2], np.float32) for x in (first, default))
     assert np.max(np.abs(dq - dq_default)) <= 1e-2 * np.max(np.abs(dq_default))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "p",
+    [
+        Problem(1, 4096, 4096, 8, 2, 128, True, "bf16"),
+        Problem(1, 4096, 4096, 8, 2, 128, False, "bf16"),
+        Problem(2, 2048, 3000, 8, 8, 64, False, "bf16"),
+    ],
+    ids=str,
+)
+def test_fused_dq_fixed_is_deterministic(p):
+    """ "fixed" adds integers, in any order: bitwise the same dQ over repeated runs and as
+    "fixed_slab"'s (its partials stored apart and summed by XLA), and within rounding of the
+    two-kernel backward's."""
+    needs_hopper()
+    args, _ = random_inputs(p)
+
+    def run(tiles):
+        return jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, tiles)))(*args)
+
+    first = run(FUSED_FIXED)
+    for _ in range(5):
+        assert_bitwise_equal(run(FUSED_FIXED), first)
+    assert_bitwise_equal(run(BackwardTiles(fused_dq="fixed_slab")), first)
+    default = run(None)
+    dq, dq_default = (np.asarray(x[2], np.float32) for x in (first, default))
+    assert np.max(np.abs(dq - dq_default)) <= 1e-2 * np.max(np.abs(dq_default))
+
+
+@pytest.mark.gpu
+def test_fused_dq_fixed_keeps_rows_from_huge_keys_they_cannot_see():
+    """Causal "fixed": keys 1e15 times larger past a row's diagonal (a cache's stale entries)
+    leave that row's dQ as it is with them cleared: its fixed point's unit comes from the
+    keys it sees."""
+    needs_hopper()
+    p = Problem(1, 1024, 1024, 4, 2, 128, True, "bf16")
+    (q, k, v, d_out, _), _ = random_inputs(p)
+    huge_k = k.at[:, 512:].multiply(1e15)
+    huge_v = v.at[:, 512:].multiply(1e15)
+    backward = jax.jit(backward_fn(p, FUSED_FIXED))
+    out, lse = jax.jit(functools.partial(flash_forward, scale=p.scale, is_causal=True))(q, k, v)
+    clean = backward(q, k, v, out, lse, d_out, None)[0]
+    huge = backward(q, huge_k, huge_v, out, lse, d_out, None)[0]
+    np.testing.assert_array_equal(
+        np.asarray(huge[:, :512], np.float32), np.asarray(clean[:, :512], np.float32)
+    )
 
 
 @pytest.mark.gpu

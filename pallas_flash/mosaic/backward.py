@@ -18,9 +18,11 @@ FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3
   derivative) passes between them through shared memory.
 - dQ: a CTA owns `num_consumers * block_q_dq` query rows of one head. Each consumer keeps Q, dO
   in shared memory and dQ in f32 registers; the producer streams K, V tiles through a TMA ring.
-- Or, with `BackwardTiles.fused_dq` (opt-in, `deterministic_grads=False` in the API), no dQ
-  kernel: the dK/dV kernel also computes dQ's partial of each step and adds it into an f32 dQ
-  by TMA reductions, in arrival order (`_DQSink`).
+- Or, with `BackwardTiles.fused_dq`, no dQ kernel: the dK/dV kernel also computes dQ's
+  partial of each step and adds it into dQ by TMA reductions, in arrival order (`_DQSink`):
+  f32 adds ("add", not bitwise deterministic), or int32 adds of fixed-point partials
+  ("fixed": each row's dS scaled by a power of two from a bound on its sums,
+  `fixed_point_exponents`; integer adds give the same bits in any order).
 
 Every head dim of HEAD_DIMS runs as it is, as in the forward: each shared-memory tile takes the
 widest swizzle that divides its rows (`launch.smem_transforms`: 80 and 96 run on 32- and 64-byte
@@ -29,7 +31,7 @@ latent attention's 192/128), taken as it is: the tiles of V and dO, the dV accum
 dP = dO V^T's contraction are Hv wide (with Hv's swizzle), those of Q, K, dQ and dK H wide.
 
 Both write their gradients once (head splits: partials summed in XLA in a fixed order), so the
-result is bitwise deterministic (the fused dQ's adds aside). The residuals are those of
+result is bitwise deterministic (the fused dQ's f32 adds aside). The residuals are those of
 `pallas_flash.mosaic.forward` (and of the Triton forward): out, lse natural-log f32, and
 log_sum (`flash_backward`).
 
@@ -82,7 +84,10 @@ REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 1
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`). 40 is
 # what the defaults at H=128 leave (232 - 192); not measured yet.
 REGISTER_HEADROOM = 40
-FUSED_DQ_MODES = (None, "add", "ordered", "slab")
+FUSED_DQ_MODES = (None, "add", "ordered", "fixed", "slab", "fixed_slab")
+# fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
+# every partial sum stays under 2^FIXED_POINT_BITS in magnitude (`fixed_point_exponents`).
+FIXED_POINT_BITS = 30
 
 
 def consumer_registers(num_consumers: int) -> int:
@@ -123,11 +128,18 @@ class BackwardTiles:
         CTAs (`AddOrder`: global semaphores, one per query tile and head), so dQ is bitwise
         deterministic; plain and causal calls only (no window or segment ids). Measured
         slower than the default (0.48-0.98x fwd+bwd on the H200: benchmarks/NOTES.md), so the
-        dispatch never picks it. "slab": the
-        same partials stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
+        dispatch never picks it. "fixed": the same adds in any order, but of integers: each
+        query row's dS is scaled by a power of two 2^e (exactly, in 16 bits) before the dQ
+        wgmma, its partial converted to int32 and added by TMA; integer adds are associative,
+        so dQ is bitwise deterministic at the speed of "add". e comes from a bound on the row's
+        partial sums (`fixed_point_exponents`), which XLA computes before the kernel from the
+        keys the row sees: plain and causal calls in bfloat16 only. "slab": the same partials
+        as "add" stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
         GPU interpreter has no TMA reductions or semaphores). It walks the steps in the order
-        "ordered" does where that applies. Not with split_dkv.
+        "ordered" does where that applies. "fixed_slab": "fixed"'s integer partials stored
+        apart the same way (its integer sums are those of "fixed", bitwise). Not with
+        split_dkv.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -189,6 +201,16 @@ class BackwardTiles:
         """Query rows per CTA of the dQ kernel."""
         return self.num_consumers * self.block_q_dq
 
+    @property
+    def fixed_point_dq(self) -> bool:
+        """The fused dQ sums integers (fused_dq "fixed" or "fixed_slab")."""
+        return self.fused_dq in ("fixed", "fixed_slab")
+
+    @property
+    def slab_dq(self) -> bool:
+        """The fused dQ's partials are stored apart, one per kv tile, for XLA to sum."""
+        return self.fused_dq in ("slab", "fixed_slab")
+
     def tile_registers(self, head_dim: int, value_head_dim: int | None = None) -> dict[str, int]:
         """f32 registers per consumer thread that each kernel holds across a step: dK [.., H]
         and dV [.., Hv] with S^T and dP^T (split_dkv: the larger share of the dK consumer's dK
@@ -233,7 +255,13 @@ class BackwardTiles:
             kv += self.block_kv_dkv * self.block_q_dkv * 4
         if head_splits > 1:
             kv += self.block_kv_dkv * 4 * _partial_columns(self, head_dim, value_head_dim)
-        ring = self.num_stages * self.block_q_dkv * ((head_dim + value_head_dim) * itemsize + 3 * 4)
+        # Per streamed query row: lse2, bound and delta (and "fixed"'s scale), f32.
+        row_words = 4 if self.fixed_point_dq else 3
+        ring = (
+            self.num_stages
+            * self.block_q_dkv
+            * ((head_dim + value_head_dim) * itemsize + row_words * 4)
+        )
         id_rows = self.dkv_consumers * self.block_kv_dkv + self.num_stages * self.block_q_dkv
         ids = id_rows * 4 if segments else 0
         hashes = self.num_stages * (2 * self.block_q_dkv + self.cta_kv_rows) * 4
@@ -428,6 +456,16 @@ def why_not(
             f"{tiles} orders its adds by the query tiles that plain and causal calls give each "
             "CTA: not with a window, segment ids or sequence lengths"
         )
+    if tiles.fixed_point_dq and (window is not None or segments):
+        return (
+            f"{tiles} bounds each row's dQ from the keys it sees, which plain and causal calls "
+            "give as a prefix: not with a window, segment ids or sequence lengths"
+        )
+    if tiles.fixed_point_dq and jnp.dtype(dtype) != jnp.bfloat16:
+        return (
+            f"{tiles} scales dS by up to 2^{FIXED_POINT_BITS} in the input dtype: bfloat16 "
+            f"only, not {jnp.dtype(dtype).name} (float16's range ends at 2^16)"
+        )
     group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
     if splits > 1 and group % splits:
         return (
@@ -444,6 +482,54 @@ def why_not(
         if smem > SMEM_BYTES:
             return f"{tiles} needs {smem} bytes of shared memory in {kernel} at {dims}"
     return None
+
+
+def fixed_point_exponents(k, v, d_out, delta, *, spec: MaskSpec, num_heads: int):
+    """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
+    [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T].
+
+    k [B, S', K, H], v [B, S', K, Hv], d_out [B, T', N, Hv] (padded or not: spec's T and S are
+    read), delta f32 [B, N, T], rowsum(dO * O) - dlse; a plain or causal call (no window, no
+    segment ids).
+
+    Row i's partial of dQ (unscaled) over any set J of the keys it sees is sum_{j in J} dS_ij
+    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, sum_j P_ij <= 1 and dcap
+    in [0, 1]: each entry of it is at most B_i = (|dO_i|_1 max_j |V_j|_max + |delta_i|)
+    max_j |K_j|_max over the keys j that the row sees (all of them; j <= i causal), in any order
+    of the sums. e = FIXED_POINT_BITS - ceil(log2 B_i) keeps every partial and every partial
+    sum of the row under 2^FIXED_POINT_BITS < 2^31 in units of 2^-e (with room for the
+    rounding of P and of dS to 16 bits), so int32 adds of them neither overflow nor depend on
+    their order; the sum's resolution is 2^-FIXED_POINT_BITS of B_i. e also keeps 2^e |dS_ij|
+    far inside bfloat16's range. Keys a row cannot see are not in its maxima: huge values
+    past its diagonal cost it no precision. Non-finite entries of K and V count as 0 (a row
+    that sees them gets NaN from the kernel's own products, as from the default backward); a
+    row whose B_i is not finite (NaN or inf in dO_i or delta_i, or B_i past float32) gets
+    e = 0 and finite_bound False."""
+    assert spec.window is None and not spec.has_segments, spec
+    q_len, kv_len = spec.q_len, spec.kv_len
+
+    def key_max(x):  # [B, S, K] of max_h |x|, non-finite entries as 0
+        x = jnp.abs(x[:, :kv_len].astype(jnp.float32))
+        return jnp.max(jnp.where(x < jnp.inf, x, 0.0), axis=-1)
+
+    kv = jnp.stack([key_max(k), key_max(v)])  # [2, B, S, K]
+    if spec.is_causal:  # row i sees keys j <= i (top-left aligned)
+        kv = lax.cummax(kv, axis=2)[:, :, jnp.minimum(jnp.arange(q_len), kv_len - 1)]
+    else:
+        kv = jnp.max(kv, axis=2, keepdims=True)
+    # [2, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
+    kv = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
+    k_max, v_max = kv[0], kv[1]
+    d_out = jnp.abs(d_out[:, :q_len].astype(jnp.float32))
+    d_out_l1 = jnp.transpose(jnp.sum(d_out, axis=-1), (0, 2, 1))  # [B, N, T]
+    ds_max = d_out_l1 * v_max + jnp.abs(delta)  # >= sum_j |dS_ij|
+    bound = ds_max * k_max
+    finite = bound < jnp.inf  # False for NaN too
+    _, bound_exp = jnp.frexp(jnp.where(finite, bound, 0.0))  # bound < 2^bound_exp
+    _, ds_exp = jnp.frexp(jnp.where(finite, ds_max, 0.0))
+    exponents = jnp.minimum(FIXED_POINT_BITS - bound_exp, 120 - ds_exp)
+    exponents = jnp.where(finite, jnp.clip(exponents, -120, 120), 0)
+    return exponents.astype(jnp.int32), finite
 
 
 def flash_backward(
@@ -583,12 +669,26 @@ def flash_backward(
     # lse = +inf: P = 0 there, so they add nothing to dK and dV whatever their Q and dO.
     rows = math.lcm(tiles.block_q_dkv, tiles.cta_q_rows)
     lse_to = cdiv(q_len, rows) * rows
+    pad_rows = ((0, 0), (0, 0), (0, lse_to - q_len))
+    delta_rows = delta
     if lse_to != q_len:
-        pad = ((0, 0), (0, 0), (0, lse_to - q_len))
-        lse2, delta = jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta, pad)
-        bound = jnp.pad(bound, pad)
-    # [B, N, 2, T'']: a tile's lse2 and bound rows land in one TMA copy.
-    lse2 = jnp.stack([lse2, bound], axis=2)
+        lse2, delta = jnp.pad(lse2, pad_rows, constant_values=jnp.inf), jnp.pad(delta, pad_rows)
+        bound = jnp.pad(bound, pad_rows)
+    rows_of_lse = [lse2, bound]
+    if tiles.fixed_point_dq:
+        # Each row's dS is scaled by 2^e before dQ's wgmma; dQ = scale * 2^-e * its integer sum
+        # (NaN for rows whose bound is not finite: NaN or inf in their dO, out or lse).
+        exponents, finite_bound = fixed_point_exponents(
+            k, v, d_out, delta_rows, spec=spec, num_heads=q.shape[2]
+        )
+        see_keys = lse > -jnp.inf
+        unit = jnp.ldexp(jnp.float32(scale), -exponents)
+        unit = jnp.where(finite_bound | ~see_keys, unit, jnp.nan)
+        unit = jnp.where(jnp.isnan(lse), jnp.nan, unit)
+        rows_of_lse.append(jnp.pad(jnp.ldexp(jnp.float32(1.0), exponents), pad_rows))
+    # [B, N, 2 (3 with "fixed"), T'']: a tile's lse2 and bound rows (and the fixed point's
+    # scales) land in one TMA copy.
+    lse2 = jnp.stack(rows_of_lse, axis=2)
     dkv_ids = dq_ids = None
     if segment_ids is not None:
         q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
@@ -665,9 +765,14 @@ def flash_backward(
         )
     if tiles.fused_dq:
         (dq,) = fused_dq
-        if tiles.fused_dq == "slab":  # one partial per kv tile, summed in a fixed order
+        if tiles.slab_dq:  # one partial per kv tile, summed in a fixed order
             dq = functools.reduce(jnp.add, jnp.unstack(dq))
-        dq = (jnp.transpose(dq[..., :q_len], (0, 3, 1, 2)) * scale).astype(q.dtype)
+        dq = dq[..., :q_len]
+        if tiles.fixed_point_dq:
+            dq = dq.astype(jnp.float32) * unit[:, :, None, :]
+        else:
+            dq = dq * scale
+        dq = jnp.transpose(dq, (0, 3, 1, 2)).astype(q.dtype)
     else:
         dq = _dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
     if q_to != q_len:
@@ -809,7 +914,8 @@ def _dkv_call(
     [B, S', K * head_splits, H or Hv] (a KV head's splits side by side) for the caller to
     sum. With tiles.fused_dq also dQ^T unscaled, f32: [B, N, H, T''] over whole query tiles
     ("add"), or [S'' / cta_kv_rows, B, N, H, T''], one per kv tile, for the caller to sum
-    ("slab")."""
+    ("slab"); int32 in each row's units of 2^-e with "fixed" and "fixed_slab" (lse2 then has
+    a third row, 2^e)."""
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads, value_head_dim = k.shape[2], v.shape[3]
     n_c, n_s, block_q = tiles.dkv_consumers, tiles.num_stages, tiles.block_q_dkv
@@ -836,7 +942,8 @@ def _dkv_call(
         v_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, value_head_dim), q.dtype),
         q_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
         do_smem=_tile_smem((n_s, block_q, value_head_dim), q.dtype),
-        lse_smem=plgpu.SMEM((n_s, 2, block_q), jnp.float32),  # lse2 and bound rows
+        # lse2 and bound rows (and with fused_dq "fixed" the rows' scales)
+        lse_smem=plgpu.SMEM((n_s, lse2.shape[2], block_q), jnp.float32),
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
         # Two TMA copies arrive on each: K and V (split: K or V); Q and its lse rows; dO and its
         # delta rows. With segment ids the keys' ids land with K and V, the rows' ids with Q;
@@ -893,9 +1000,10 @@ def _dkv_call(
         )
     # Each consumer stores its step's dS^T (read as B by K^T dS^T) and stages the f32 partials
     # of the steps it computes (`_DQSink`).
+    dq_dtype = jnp.int32 if tiles.fixed_point_dq else jnp.float32
     scratch.update(
         ds_smem=_tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
-        dq_partial_smem=plgpu.SMEM((n_c, fused_dq_rows(tiles, head_dim), block_q), jnp.float32),
+        dq_partial_smem=plgpu.SMEM((n_c, fused_dq_rows(tiles, head_dim), block_q), dq_dtype),
     )
     if n_c > 1:
         scratch.update(
@@ -904,9 +1012,9 @@ def _dkv_call(
         )
     # dQ^T starts at 0 (steps add into it) over whole query tiles.
     dq_shape = (batch, num_heads, head_dim, cdiv(q.shape[1], block_q) * block_q)
-    if tiles.fused_dq == "slab":
+    if tiles.slab_dq:
         dq_shape = (grid[2], *dq_shape)
-    into = (*(jnp.zeros(t.shape, t.dtype) for t in out_type), jnp.zeros(dq_shape, jnp.float32))
+    into = (*(jnp.zeros(t.shape, t.dtype) for t in out_type), jnp.zeros(dq_shape, dq_dtype))
     return warp_specialised_kernel_into(kernel, into=into, scratch_types=scratch, **launch)(
         *operands
     )
@@ -1055,7 +1163,7 @@ def _dkv_kernel(
                 first=cta_range[0],
                 ds_ready=ds_ready,
                 ds_read=ds_read,
-                slab=kv_tile if tiles.fused_dq == "slab" else None,
+                slab=kv_tile if tiles.slab_dq else None,
                 rotation=rotation,
                 order=order,
                 sems=sems,
@@ -1219,9 +1327,9 @@ class _DQSink:
     operand (layout inference finds no layout for both), so dS^T is stored as it is and read as
     B, K's tiles (loaded by TMA) as A transposed. ds_smem [consumers, block_kv_dkv,
     block_q_dkv] (16-bit, swizzled); k_smem [consumers, block_kv_dkv, H], the CTA's keys;
-    partial_smem [rows, block_q_dkv] f32 (rows: H, or H / 2 in halves), this consumer's staging
-    tile, one store in flight at a time. cta_tiles, first: the CTA's query tiles per head and
-    the first (a step's head and tile)."""
+    partial_smem [rows, block_q_dkv] f32 (int32 with "fixed"; rows: H, or H / 2 in halves),
+    this consumer's staging tile, one store in flight at a time. cta_tiles, first: the CTA's
+    query tiles per head and the first (a step's head and tile)."""
 
     ds_smem: object
     k_smem: object
@@ -1406,7 +1514,8 @@ class _DQSink:
         head, q_tile = self._head_tile(step)
         # The previous add of this consumer must have read the staging tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        self.partial_smem[...] = partial
+        # fused_dq "fixed": to int32 (truncated), in the units its dS^T was scaled to.
+        self.partial_smem[...] = partial.astype(self.partial_smem.dtype)
         plgpu.commit_smem()
         first_row = self.consumer * rows if self.halves else 0
         window = (self.batch, head, pl.ds(first_row, rows), pl.ds(q_tile * block_q, block_q))
@@ -1724,8 +1833,13 @@ def _consume_dkv(
             ds_t = jnp.where(pd_t == 0.0, 0.0, ds_t)
         ds_in = ds_t.astype(dtype)
         if dq_sink is not None:
+            ds_dq = ds_in
+            if tiles.fixed_point_dq:
+                # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point_exponents`).
+                unit = plgpu.load(ring.lse_smem.at[slot, 2], layout=col_layout).astype(dtype)
+                ds_dq = ds_in * _cols(unit, tile_shape)
             # Stored before dK's wgmma: the other consumer may read it too.
-            dq_sink.put(ds_in, step)
+            dq_sink.put(ds_dq, step)
 
         def dk_into(acc_ref):
             plgpu.wgmma(acc_ref, ds_in, ring.q_smem.at[slot])

@@ -31,6 +31,7 @@ CASES = {
     "gemma2": (1, 8192, 8192, 16, 8, 256, dict(is_causal=True, logits_soft_cap=50.0)),
     # The Mosaic backward with dQ in its dK/dV kernel (`BackwardTiles.fused_dq`).
     "h128-add": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="add")),
+    "h128-causal-add": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True, fused_dq="add")),
     "h128-fixed": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="fixed")),
     "h128-causal-fixed": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True, fused_dq="fixed")),
     "h64-fixed": (4, 4096, 4096, 32, 32, 64, dict(fused_dq="fixed")),

@@ -16,9 +16,10 @@ With backend=None on a GPU of compute capability >= 8.0:
   else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
-  them on the call's shapes, else its defaults. With `deterministic_grads=False` the Mosaic
-  backward's defaults compute dQ in the dK/dV kernel (`BackwardTiles(fused_dq="add")`) where
-  that is faster (`fused_dq_is_faster`).
+  them on the call's shapes, else its defaults. The Mosaic backward's defaults compute dQ in the
+  dK/dV kernel where that is faster: by integer adds (`BackwardTiles(fused_dq="fixed")`,
+  bitwise deterministic, `fixed_dq_is_faster`), or with `deterministic_grads=False` by f32
+  adds in any order (`fused_dq="add"`, `fused_dq_is_faster`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ MOSAIC_RAGGED_MIN_LEN = 1024
 FUSED_DQ_MIN_LEN = 4096
 FUSED_DQ_H64_MIN_LEN = 2048
 FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
+
+# Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
+# lengths per head dim, where it measured faster than the two-kernel backward (fwd+bwd, bf16):
+# plain calls of both T and S, causal ones of S. H=64: 1.05x at 4k and 1.09x at 16k plain,
+# 1.05x at 16k causal (0.99x at 4k); H=128: 1.06x at 16k plain (1.00x at 4k), causal 0.89x at
+# 4k and 1.01x at 16k. benchmarks/NOTES.md, "fused-dq".
+FIXED_DQ_MIN_LEN = {64: 4096, 128: 16384}
+FIXED_DQ_CAUSAL_MIN_KV_LEN = {64: 16384}
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -236,12 +245,16 @@ def _choose_backward(kind, forward, call: Call, device: Device, tiles, user_bloc
 
 def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.BackwardTiles:
     """The Mosaic backward's tiles: the given ones (the user's or the tuned), else its defaults,
-    with dQ fused into the dK/dV kernel where deterministic_grads=False allows it and it is
-    faster."""
+    with dQ fused into the dK/dV kernel where that is faster: by integer adds (deterministic),
+    or where deterministic_grads=False allows it by f32 adds."""
     if tiles is not None:
         return tiles
     tiles = mosaic.default_backward_tiles(call)
-    if call.deterministic_grads or not fused_dq_is_faster(call):
+    if call.deterministic_grads:
+        mode = "fixed" if fixed_dq_is_faster(call) else None
+    else:
+        mode = "add" if fused_dq_is_faster(call) else None
+    if mode is None:
         return tiles
     # A grid that the two-kernel backward spreads by head splits (MQA) stays with it: the
     # fused dQ's staging leaves no shared memory for the splits' (not measured side by side).
@@ -253,7 +266,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         num_sms=device.num_sms,
         causal=call.spec.is_causal,
     )
-    fused = dataclasses.replace(tiles, fused_dq="add")
+    fused = dataclasses.replace(tiles, fused_dq=mode)
     if splits > 1 or mosaic.why_not_backward(call, device, fused):
         return tiles
     return fused
@@ -277,6 +290,22 @@ def fused_dq_is_faster(call: Call) -> bool:
     if call.head_dim == 128:
         return not spec.is_causal or call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
     return False
+
+
+def fixed_dq_is_faster(call: Call) -> bool:
+    """Whether the Mosaic backward with dQ summed as integers in its dK/dV kernel
+    (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
+    this (`FIXED_DQ_MIN_LEN`); measured on plain and causal self-attention of 2k to 16k tokens
+    in bf16 only. It needs bfloat16 and no window or segment ids (`mosaic.backward.why_not`)."""
+    spec = call.spec
+    plain = spec.window is None and not spec.has_arrays
+    if not plain or call.soft_cap is not None or call.value_head_dim is not None:
+        return False
+    if spec.is_causal:
+        shortest = FIXED_DQ_CAUSAL_MIN_KV_LEN.get(call.head_dim)
+        return shortest is not None and call.kv_len >= shortest
+    shortest = FIXED_DQ_MIN_LEN.get(call.head_dim)
+    return shortest is not None and min(call.q_len, call.kv_len) >= shortest
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

@@ -12,6 +12,9 @@ its duration only:
 - TMA write checks against the issuing thread's generic-proxy clock: the shimmed wgmma reads
   are generic-proxy reads, where the hardware's are async-proxy ones; the barrier
   happens-before relations are kept.
+- `pallas_flash.mosaic.launch.truncate_to_int32` (inline Mosaic GPU code, which the
+  interpreter does not run) becomes the plain cast, whose clamps change nothing for the
+  values the kernels convert.
 - Barrier deallocation with phases unobserved by some thread is allowed (the interpreter's rule,
   not the hardware's): a producer does not wait for the free phases of the last ring slots.
 
@@ -46,6 +49,8 @@ from jax._src.pallas.mosaic_gpu.interpret.params import (
 )
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash.mosaic import launch as mosaic_launch
 
 
 class _Accumulator:
@@ -144,6 +149,9 @@ def _patches(deadlock_s: float, oob_fill):
         (shared_memory.Barrier, "deallocate", deallocate),
         (shared_memory.Barrier, "__init__", barrier_init),
         (gpu_callbacks.AsyncCopyGmemToSmemTask, "out_of_bounds_source_fill", oob_fill),
+        # The interpreter runs no inline Mosaic GPU code: the conversion that the kernels
+        # write as one (to skip Pallas' clamps) is the plain cast here.
+        (mosaic_launch, "truncate_to_int32", lambda x: x.astype(jnp.int32)),
     ]
 
 

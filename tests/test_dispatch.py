@@ -189,7 +189,8 @@ H200 = {
         None,
     ),
     "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
-    "causal-h64-16k": ("mosaic", "mosaic", H64, {}, {}, None),
+    # dQ summed as integers in the dK/dV kernel (deterministic, `dispatch.fixed_dq_is_faster`).
+    "causal-h64-16k": ("mosaic", "mosaic", H64, {}, dict(fused_dq="fixed"), None),
     # H 192 and 256: the Mosaic backward with split dK/dV consumers (1.1-2.3x the Triton one).
     "plain-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "causal-h256-long": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
@@ -432,6 +433,36 @@ def test_nondeterministic_grads_fuse_dq_where_it_is_faster(chosen, no_tune_cache
         expected = (*expected[:4], {**(expected[4] or {}), "fused_dq": "add"}, *expected[5:])
     assert row == expected
     assert chosen(Device.a100(), name, deterministic_grads=False) == A100[name]
+
+
+@pytest.mark.parametrize(
+    "shape, causal, dtype, expected",
+    [
+        ((1, 16384, 32, 64), True, jnp.bfloat16, "fixed"),
+        ((1, 8192, 32, 64), True, jnp.bfloat16, None),
+        ((2, 4096, 32, 64), False, jnp.bfloat16, "fixed"),
+        ((2, 2048, 32, 64), False, jnp.bfloat16, None),
+        ((1, 16384, 16, 128), False, jnp.bfloat16, "fixed"),
+        ((2, 8192, 16, 128), False, jnp.bfloat16, None),
+        ((1, 16384, 16, 128), True, jnp.bfloat16, None),
+        # float16's range cannot hold dS scaled to 2^30: the two-kernel backward.
+        ((2, 4096, 32, 64), False, jnp.float16, None),
+    ],
+)
+def test_deterministic_grads_sum_dq_as_integers_where_it_is_faster(
+    no_tune_cache, shape, causal, dtype, expected
+):
+    """The H200's default (bitwise deterministic) Mosaic backward computes dQ in its dK/dV
+    kernel by integer adds (fused_dq="fixed") exactly where that measured faster."""
+    call = Call(
+        q_shape=shape,
+        k_shape=shape,
+        dtype=jnp.dtype(dtype),
+        spec=MaskSpec(q_len=shape[1], kv_len=shape[1], is_causal=causal),
+    )
+    config = dispatch.choose(call, Device.h200(), scale=0.1)
+    assert config.backward == "mosaic"
+    assert config.mosaic_backward_tiles.fused_dq == expected
 
 
 @pytest.mark.parametrize("name", list(CALLS))

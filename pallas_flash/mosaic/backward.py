@@ -59,6 +59,7 @@ from pallas_flash import _dropout, masks
 from pallas_flash._numerics import LOG2E, MIN_LOGIT, lowered_reference, probability_bound
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import launch
 from pallas_flash.mosaic import tiles as forward_tiles
 from pallas_flash.mosaic.launch import (
     check_segment_ids,
@@ -1514,8 +1515,10 @@ class _DQSink:
         head, q_tile = self._head_tile(step)
         # The previous add of this consumer must have read the staging tile.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        # fused_dq "fixed": to int32 (truncated), in the units its dS^T was scaled to.
-        self.partial_smem[...] = partial.astype(self.partial_smem.dtype)
+        if self.partial_smem.dtype == jnp.int32:
+            # fused_dq "fixed": to int32 (truncated), in the units its dS^T was scaled to.
+            partial = launch.truncate_to_int32(partial)
+        self.partial_smem[...] = partial
         plgpu.commit_smem()
         first_row = self.consumer * rows if self.halves else 0
         window = (self.batch, head, pl.ds(first_row, rows), pl.ds(q_tile * block_q, block_q))

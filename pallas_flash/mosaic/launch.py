@@ -10,6 +10,7 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
+from jax._src.lib.mlir import ir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -134,6 +135,23 @@ def soft_cap_share(e):
     e = inf gives 0 (tanh 1), e = 0 gives 1 (tanh -1)."""
     r = lax.rsqrt(e + 1.0)
     return r * r
+
+
+def truncate_to_int32(x):
+    """int32 of an f32 tile x in the WGMMA layout, truncated toward zero: one cvt.rzi per
+    element. Pallas' `astype` clamps to int32's range first, as XLA does (a NaN-propagating min
+    and max and a select per element, read in the H200's SASS), which the conversion does by
+    itself on the GPU; callers keep |x| < 2^31. jax's Mosaic GPU interpreter runs no
+    `inline_mgpu`: tests/mosaic_interpret.py puts `astype` in its place."""
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA,),
+        return_type=plgpu.ShapeDtypeStruct(x.shape, jnp.int32, plgpu.Layout.WGMMA),
+    )
+    def convert(_, tile):
+        return tile.astype(ir.IntegerType.get_signless(32), is_signed=True)
+
+    return convert(x)
 
 
 def dropped_value(hashes):

@@ -8,7 +8,7 @@ minutes).
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
 H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
-measurement yet). "default",
+measurement yet), or H:SEQ:K for GQA with K KV heads. "default",
 "fused", "fixed" and "ordered" are the Mosaic forward differentiated by
 `mosaic.flash_backward` with the default tiles and with fused_dq="add", "fixed" and "ordered";
 "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")`. Prints one JSON row per
@@ -61,6 +61,7 @@ TILES = {
 def main():
     out = open(sys.argv[1], "a") if len(sys.argv) > 1 else None
     points = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[2:]] or POINTS
+    points = [(*p, None)[:3] for p in points]  # (H, SEQ, KV heads or None: as many as N)
     modes = os.environ.get("MODES", "default,fused,fixed,ordered").split(",")
     modes = ["default", *(m for m in modes if m != "default")]
 
@@ -69,10 +70,11 @@ def main():
         if out:
             out.write(json.dumps(row) + "\n")
 
-    for h, seq in points:
+    for h, seq, kv_heads in points:
         b, n = 16384 // seq, 2048 // h
         keys = jax.random.split(jax.random.key(0), 4)
-        args = [jax.random.normal(key, (b, seq, n, h), jnp.bfloat16) for key in keys]
+        shapes = [(b, seq, n if kv_heads is None or i in (0, 3) else kv_heads, h) for i in range(4)]
+        args = [jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes)]
         for causal in (False, True):
             scale = h**-0.5
             impls = {
@@ -85,9 +87,12 @@ def main():
             for name, fn in impls.items():
                 ms[name] = median_ms(timed_fn(fn, "fwd+bwd"), args)
                 tflops = attention_flops(b, seq, seq, n, h, causal, "fwd+bwd") / ms[name] / 1e9
-                record(dict(H=h, seq=seq, causal=causal, impl=name, ms=ms[name], tflops=tflops))
+                record(
+                    dict(H=h, seq=seq, K=kv_heads or n, causal=causal, impl=name, ms=ms[name])
+                    | dict(tflops=tflops)
+                )
             dq = {name: timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in modes}
-            summary = dict(H=h, seq=seq, causal=causal, summary="fwd+bwd")
+            summary = dict(H=h, seq=seq, K=kv_heads or n, causal=causal, summary="fwd+bwd")
             reference = dq["default"].astype(jnp.float32)
             for name in modes[1:]:
                 again = timed_fn(impls[name], "fwd+bwd")(*args)[0]

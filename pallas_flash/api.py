@@ -157,15 +157,14 @@ def flash_attention(
       interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
         tests on CPU.
       deterministic_grads: True (the default): the gradients are bitwise the same on every run
-        (where the Hopper backward computes dQ in its dK/dV kernel,
-        `dispatch.fixed_dq_is_faster`, it adds integer partials, whose sum does not depend on
-        their order). False lets the Hopper backward compute dQ in its dK/dV kernel and add
-        each block of keys' share into dQ as float32 by TMA reductions in the order they
-        arrive (as FlashAttention-2 and -3 do by default): the same values within float32
-        rounding, not bitwise repeatable, and faster where the dispatch takes it
-        (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H=64,
-        of 4k or more at H=128 but causal calls under 16k). Other calls and kernels are
-        deterministic either way.
+        (where the Hopper backward computes dQ in its dK/dV kernel, `dispatch.fixed_dq_is_faster`,
+        it adds integer partials, whose sum does not depend on their order). False lets the Hopper
+        backward compute dQ in its dK/dV kernel and add each block of keys' share into dQ as float32
+        by TMA reductions in the order they arrive (as FlashAttention-2 and -3 do by default): the
+        same values within float32 rounding, not bitwise repeatable, and faster where the dispatch
+        takes it (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H=64,
+        of 4k or more at H=128 but causal calls under 16k and plain ones with GQA). Other calls and
+        kernels are deterministic either way.
 
     Returns:
       out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.

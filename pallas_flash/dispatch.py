@@ -57,8 +57,9 @@ FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths per head dim, where it measured faster than the two-kernel backward (fwd+bwd, bf16):
 # plain calls of both T and S, causal ones of S. H=64: 1.05x at 4k and 1.09x at 16k plain,
-# 1.05x at 16k causal (0.99x at 4k); H=128: 1.06x at 16k plain (1.00x at 4k), causal 0.89x at
-# 4k and 1.01x at 16k. benchmarks/NOTES.md, "fused-dq".
+# 1.05x at 16k causal (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128: 1.06x at 16k plain (1.00x at
+# 4k; not with GQA, `_grouped`), causal 0.89x at 4k and 1.01x at 16k. benchmarks/NOTES.md,
+# "fused-dq".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 16384}
 FIXED_DQ_CAUSAL_MIN_KV_LEN = {64: 16384}
 
@@ -288,8 +289,18 @@ def fused_dq_is_faster(call: Call) -> bool:
     if shortest < FUSED_DQ_MIN_LEN:
         return False
     if call.head_dim == 128:
-        return not spec.is_causal or call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
+        if spec.is_causal:
+            return call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
+        return not _grouped(call)
     return False
+
+
+def _grouped(call: Call) -> bool:
+    """Whether the call's query heads share KV heads (GQA or MQA). A plain (not causal) call at
+    H=128 with groups runs the fused dQ slower than the two-kernel backward on the H200
+    (N=16 over K=4, fwd+bwd: "add" 0.69x at 4k and 0.88x at 16k, "fixed" 0.63x and 0.82x;
+    causal 0.98-1.05x; H=64 GQA 1.07-1.08x with "fixed"): benchmarks/NOTES.md, "fused-dq"."""
+    return call.q_shape[2] != call.k_shape[2]
 
 
 def fixed_dq_is_faster(call: Call) -> bool:
@@ -304,6 +315,8 @@ def fixed_dq_is_faster(call: Call) -> bool:
     if spec.is_causal:
         shortest = FIXED_DQ_CAUSAL_MIN_KV_LEN.get(call.head_dim)
         return shortest is not None and call.kv_len >= shortest
+    if call.head_dim == 128 and _grouped(call):
+        return False
     shortest = FIXED_DQ_MIN_LEN.get(call.head_dim)
     return shortest is not None and min(call.q_len, call.kv_len) >= shortest
 

@@ -1,16 +1,15 @@
 """Forward+backward time of the Mosaic kernels with dQ computed in the dK/dV kernel
 (`BackwardTiles(fused_dq="add")`: five matmuls per pair of tiles, dQ added by TMA reductions;
-"fixed": the same adds of integers, deterministic; "ordered": the f32 adds in a fixed order,
-deterministic) against the default two-kernel backward (seven) and cuDNN, on the H200 (a few
-minutes).
+"fixed": the same adds of integers, deterministic) against the default two-kernel backward
+(seven) and cuDNN, on the H200 (a few minutes).
 
-    [MODES=default,fused,fixed,ordered] python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
+    [MODES=default,fused,fixed] python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
 H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
 measurement yet), or H:SEQ:K for GQA with K KV heads. "default",
-"fused", "fixed" and "ordered" are the Mosaic forward differentiated by
-`mosaic.flash_backward` with the default tiles and with fused_dq="add", "fixed" and "ordered";
+"fused" and "fixed" are the Mosaic forward differentiated by `mosaic.flash_backward` with the
+default tiles and with fused_dq="add" and "fixed";
 "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")`. Prints one JSON row per
 point and backward (ms, TFLOP/s by the FA2 count), then per point the ratios, each fused
 dQ's largest difference from the default backward's relative to dQ's largest magnitude, and
@@ -54,7 +53,6 @@ TILES = {
     "default": None,
     "fused": BackwardTiles(fused_dq="add"),
     "fixed": BackwardTiles(fused_dq="fixed"),
-    "ordered": BackwardTiles(fused_dq="ordered"),
 }
 
 
@@ -62,7 +60,7 @@ def main():
     out = open(sys.argv[1], "a") if len(sys.argv) > 1 else None
     points = [tuple(int(x) for x in arg.split(":")) for arg in sys.argv[2:]] or POINTS
     points = [(*p, None)[:3] for p in points]  # (H, SEQ, KV heads or None: as many as N)
-    modes = os.environ.get("MODES", "default,fused,fixed,ordered").split(",")
+    modes = os.environ.get("MODES", "default,fused,fixed").split(",")
     modes = ["default", *(m for m in modes if m != "default")]
 
     def record(row):

@@ -55,7 +55,6 @@ from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.backward import (
     FIXED_POINT_BITS,
     SMEM_BYTES,
-    AddOrder,
     _dkv_mask_sides,
     _dq_mask_sides,
     _kv_tile_ranges,
@@ -1609,8 +1608,7 @@ def test_fused_dq_matches_oracle_interpreted(c):
     "p, tiles",
     [
         (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), BackwardTiles(fused_dq="add")),
-        (Problem(2, 256, 512, 4, 2, 128, False, "bf16"), BackwardTiles(fused_dq="ordered")),
-        (Problem(1, 256, 192, 4, 1, 64, True, "f16"), BackwardTiles(fused_dq="ordered")),
+        (Problem(1, 256, 192, 4, 1, 64, True, "f16"), BackwardTiles(fused_dq="add")),
         (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), BackwardTiles(fused_dq="fixed")),
         (Problem(1, 256, 192, 4, 1, 64, False, "bf16"), BackwardTiles(fused_dq="fixed")),
         pytest.param(
@@ -1635,103 +1633,13 @@ def test_fused_dq_lowers_for_h200(monkeypatch, p, tiles):
 
         monkeypatch.setattr(mosaic_backward_module.plgpu, name, traced)
 
-    for name in ("copy_smem_to_gmem", "semaphore_wait", "semaphore_signal"):
-        spy(name)
+    spy("copy_smem_to_gmem")
     lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
     assert "add" in calls
-    # "ordered" waits for its turn before each add and signals the next CTA after it.
-    ordered = tiles.fused_dq == "ordered"
-    assert ("semaphore_wait" in calls) == ordered and ("semaphore_signal" in calls) == ordered
     dq = lowered.out_info[0]
     q = abstract_inputs(p)[0]
     assert (dq.shape, dq.dtype) == (q.shape, q.dtype)
-
-
-def _add_order_run(spec, tiles, residency):
-    """Runs one (batch entry, head)'s dK/dV CTAs in `AddOrder`'s launch and step orders, a step
-    per CTA per round, a CTA adding to a query tile only once every CTA before it in the
-    tile's order has: at most `residency` CTAs at once, a finished one freeing its place.
-    Returns the rounds it took, or None if it deadlocked."""
-    order = AddOrder.of(spec, tiles)
-    tiles_of = {}
-    for j in range(order.kv_tiles):
-        start = j * tiles.cta_kv_rows
-        (first, end), _ = _q_tile_ranges(spec, tiles, start, start)
-        count = end - first
-        rotation = order.rotation(j)
-        tiles_of[j] = [first + (p + rotation) % count for p in range(count)]
-    waiting = [order.kv_tile(launched) for launched in range(order.kv_tiles)]
-    added = {i: 0 for i in range(order.q_tiles)}  # the tiles' counters
-    position = dict.fromkeys(tiles_of, 0)
-    running, rounds = [], 0
-    while waiting or running:
-        while waiting and len(running) < residency:
-            running.append(waiting.pop(0))
-        ready = [
-            j
-            for j in running
-            if position[j] < len(tiles_of[j])
-            and added[tiles_of[j][position[j]]] == order.rank(tiles_of[j][position[j]], j)
-        ]
-        done = [j for j in running if position[j] == len(tiles_of[j])]
-        if not ready and not done:
-            return None
-        for j in ready:
-            added[tiles_of[j][position[j]]] += 1
-            position[j] += 1
-        running = [j for j in running if j not in done]
-        rounds += 1
-    # Every CTA that streams a tile added to it once.
-    for i, count in added.items():
-        assert count == sum(i in t for t in tiles_of.values()), i
-    return rounds
-
-
-@pytest.mark.parametrize("is_causal", [True, False])
-@pytest.mark.parametrize(
-    "q_len, kv_len, tiles",
-    [
-        (4096, 4096, BackwardTiles(fused_dq="ordered")),
-        (1000, 3000, BackwardTiles(fused_dq="ordered")),
-        (3000, 1000, BackwardTiles(fused_dq="ordered", block_kv_dkv=128, num_consumers=1)),
-        (64, 512, BackwardTiles(fused_dq="ordered")),
-    ],
-)
-def test_add_order_is_a_wavefront(q_len, kv_len, tiles, is_causal):
-    """fused_dq="ordered"'s order of the adds into each query tile: ranks 0.. of the CTAs that
-    stream the tile; every CTA reaches its turn at once when the CTAs run side by side (a
-    wavefront, not a staircase of whole steps); causal grids finish with any number of CTAs
-    resident (each waits only for CTAs launched before it); non-causal ones need them all
-    resident (a ring), and deadlock with one fewer."""
-    spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal)
-    order = AddOrder.of(spec, tiles)
-    longest = max(
-        end - first
-        for j in range(order.kv_tiles)
-        for (first, end), _ in [_q_tile_ranges(spec, tiles, j * tiles.cta_kv_rows, 0)]
-    )
-    rounds = _add_order_run(spec, tiles, residency=order.kv_tiles)
-    # Ties (more kv tiles than query tiles) serialise the CTAs of one step.
-    ties = -(-order.kv_tiles // order.q_tiles)
-    assert rounds is not None and rounds <= longest * ties + 1, (rounds, longest)
-    if is_causal:
-        assert _add_order_run(spec, tiles, residency=1) is not None
-        assert _add_order_run(spec, tiles, residency=3) is not None
-    elif order.kv_tiles > 1:
-        assert _add_order_run(spec, tiles, residency=order.kv_tiles - 1) is None
-
-
-def test_ordered_fused_dq_checks_the_ring_fits_the_gpu():
-    """Non-causal "ordered" needs every kv tile's CTA of a head resident: refused beyond the SMs
-    (causal runs whatever the count)."""
-    p = Problem(1, 1024, 1024, 2, 1, 64, False, "bf16")
-    device = Device.of_kind("NVIDIA H200", num_sms=4)
-    tiles = BackwardTiles(fused_dq="ordered")
-    with pytest.raises(ValueError, match="8 of them, over the 4 SMs"):
-        lower_for_h200(backward_fn(p, tiles, device=device), *abstract_backward_args(p))
-    causal = dataclasses.replace(p, is_causal=True)
-    lower_for_h200(backward_fn(causal, tiles, device=device), *abstract_backward_args(causal))
 
 
 def test_fused_dq_tiles_validate():
@@ -1747,10 +1655,6 @@ def test_fused_dq_tiles_validate():
     shapes = ((1, 256, 4, 128), (1, 256, 4, 128))
     assert "not tested with dropout" in why(*shapes, jnp.bfloat16, dropout=True)
     assert why(*shapes, jnp.bfloat16) is None
-    ordered = functools.partial(why, tiles=BackwardTiles(fused_dq="ordered"))
-    assert "not with a window" in ordered(*shapes, jnp.bfloat16, window=(64, 0))
-    assert "not with a window" in ordered(*shapes, jnp.bfloat16, segments=True)
-    assert ordered(*shapes, jnp.bfloat16) is None
     for mode in ("fixed", "fixed_slab"):
         fixed = functools.partial(why, tiles=BackwardTiles(fused_dq=mode))
         assert "not with a window" in fixed(*shapes, jnp.bfloat16, window=(64, 0))
@@ -1856,26 +1760,6 @@ FUSED_GPU_CASES = [
     ),
     MaskCase(Problem(2, 512, 512, 4, 2, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),
 ]
-FUSED_ORDERED = BackwardTiles(fused_dq="ordered")
-# "ordered": causal (launched last kv tile first) and not (rotated steps, a ring of CTAs),
-# ragged T and S, T != S, GQA, a soft cap, one consumer taking every step with head splits.
-FUSED_ORDERED_GPU_CASES = [
-    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=FUSED_ORDERED),
-    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "f16"), tiles=FUSED_ORDERED),
-    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_ORDERED),
-    MaskCase(
-        Problem(1, 1000, 1500, 4, 2, 128, False, "bf16"),
-        soft_cap=20.0,
-        scale=1.0,
-        tiles=FUSED_ORDERED,
-    ),
-    MaskCase(
-        Problem(1, 2048, 2048, 16, 1, 64, False, "bf16"),
-        tiles=BackwardTiles(fused_dq="ordered", num_consumers=1, dkv_head_splits=4),
-    ),
-]
-
-
 FUSED_FIXED = BackwardTiles(fused_dq="fixed")
 # "fixed": causal and not, ragged T and S, T != S, GQA, a soft cap, one consumer taking every
 # step with head splits, NaN and inf at keys past the diagonal.
@@ -1897,9 +1781,7 @@ FUSED_FIXED_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "c", FUSED_GPU_CASES + FUSED_ORDERED_GPU_CASES + FUSED_FIXED_GPU_CASES, ids=str
-)
+@pytest.mark.parametrize("c", FUSED_GPU_CASES + FUSED_FIXED_GPU_CASES, ids=str)
 def test_fused_dq_matches_oracle(c):
     needs_hopper()
     check_masked_backward(c, interpreted=False, mosaic_forward=not c.poison)
@@ -1964,31 +1846,6 @@ def test_default_grads_sum_dq_as_integers_and_repeat_bitwise():
         np.testing.assert_array_equal(np.asarray(fast, np.float32), np.asarray(default, np.float32))
     dq, dq_fast = (np.asarray(x, np.float32) for x in (dq, dq_fast))
     assert np.max(np.abs(dq_fast - dq)) <= 1e-2 * np.max(np.abs(dq))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    "p",
-    [
-        Problem(1, 4096, 4096, 8, 2, 128, True, "bf16"),
-        Problem(1, 4096, 4096, 8, 2, 128, False, "bf16"),
-        Problem(2, 2048, 3000, 8, 8, 64, False, "bf16"),
-    ],
-    ids=str,
-)
-def test_fused_dq_ordered_is_deterministic(p):
-    """ "ordered" adds each query tile's partials in one order: bitwise the same dQ over
-    repeated runs (32 or more CTAs add into every tile), and within float32 rounding of the
-    two-kernel backward's."""
-    needs_hopper()
-    args, _ = random_inputs(p)
-    ordered = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p, FUSED_ORDERED)))
-    first = ordered(*args)
-    for _ in range(5):
-        assert_bitwise_equal(ordered(*args), first)
-    default = jax.jit(functools.partial(outputs_and_grads, mosaic_fn(p)))(*args)
-    dq, dq_default = (np.asarray(x[2], np.float32) for x in (first, default))
-    assert np.max(np.abs(dq - dq_default)) <= 1e-2 * np.max(np.abs(dq_default))
 
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """FlashAttention backward for Hopper as warp-specialised Pallas Mosaic GPU kernels.
 
 FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3 (Shah et al.
-2024) but without atomics: delta = rowsum(dO * O) - dlse in XLA, then two kernels.
+2024) but without float atomics: delta = rowsum(dO * O) - dlse in XLA, then two kernels (or
+one, with the fused dQ below).
 
 - dK/dV: a CTA owns `num_consumers * block_kv_dkv` keys of one KV head. Each consumer
   warpgroup keeps its `block_kv_dkv` rows of K and V in shared memory and its dK, dV in f32
@@ -85,7 +86,7 @@ REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 1
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`). 40 is
 # what the defaults at H=128 leave (232 - 192); not measured yet.
 REGISTER_HEADROOM = 40
-FUSED_DQ_MODES = (None, "add", "ordered", "fixed", "slab", "fixed_slab")
+FUSED_DQ_MODES = (None, "add", "fixed", "slab", "fixed_slab")
 # fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
 # every partial sum stays under 2^FIXED_POINT_BITS in magnitude (`fixed_point_exponents`).
 FIXED_POINT_BITS = 30
@@ -125,11 +126,7 @@ class BackwardTiles:
         step's dQ partial dS K over the CTA's keys (five in all; its consumers split the rows
         at H=128 and take turns otherwise, `_DQSink`) and adds it into an f32 dQ in global
         memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
-        deterministic. "ordered": the same adds, each query tile's in a fixed order of the
-        CTAs (`AddOrder`: global semaphores, one per query tile and head), so dQ is bitwise
-        deterministic; plain and causal calls only (no window or segment ids). Measured
-        slower than the default (0.48-0.98x fwd+bwd on the H200: benchmarks/NOTES.md), so the
-        dispatch never picks it. "fixed": the same adds in any order, but of integers: each
+        deterministic. "fixed": the same adds in any order, but of integers: each
         query row's dS is scaled by a power of two 2^e (exactly, in 16 bits) before the dQ
         wgmma, its partial converted to int32 and added by TMA; integer adds are associative,
         so dQ is bitwise deterministic at the speed of "add". e comes from a bound on the row's
@@ -137,8 +134,7 @@ class BackwardTiles:
         keys the row sees: plain and causal calls in bfloat16 only. "slab": the same partials
         as "add" stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
-        GPU interpreter has no TMA reductions or semaphores). It walks the steps in the order
-        "ordered" does where that applies. "fixed_slab": "fixed"'s integer partials stored
+        GPU interpreter has no TMA reductions). "fixed_slab": "fixed"'s integer partials stored
         apart the same way (its integer sums are those of "fixed", bitwise). Not with
         split_dkv.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
@@ -452,11 +448,6 @@ def why_not(
         )
     if tiles.fused_dq and (dropout or value_head_dim != head_dim):
         return f"{tiles}: fused_dq is not tested with dropout or a value head dim of its own yet"
-    if tiles.fused_dq == "ordered" and (window is not None or segments):
-        return (
-            f"{tiles} orders its adds by the query tiles that plain and causal calls give each "
-            "CTA: not with a window, segment ids or sequence lengths"
-        )
     if tiles.fixed_point_dq and (window is not None or segments):
         return (
             f"{tiles} bounds each row's dQ from the keys it sees, which plain and causal calls "
@@ -734,13 +725,6 @@ def flash_backward(
         tiles=tiles,
     )
     sms = num_sms() if device is None else device.num_sms
-    order = AddOrder.of(spec, tiles)
-    if tiles.fused_dq == "ordered" and not order.causal and order.kv_tiles > sms:
-        raise ValueError(
-            f"{tiles} without a causal mask chains every kv tile's CTA to the next in a ring: "
-            f"kv_len={kv_len} gives {order.kv_tiles} of them, over the {sms} SMs that must "
-            "hold them at once"
-        )
     splits = head_splits(
         tiles,
         q.shape,
@@ -753,7 +737,7 @@ def flash_backward(
         dropout=dropout is not None,
     )
     dk, dv, *fused_dq = _dkv_call(
-        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, order=order, **kwargs
+        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs
     )
     if splits > 1:
         # f32 partials [B, S', K * splits, H or Hv], a KV head's splits side by side: summed
@@ -906,7 +890,6 @@ def _dkv_call(
     soft_cap,
     tiles,
     head_splits: int = 1,
-    order: AddOrder | None = None,
 ):
     """ids: None, or (q_segment_ids [B, T'], kv_segment_ids [B, S'], the dK/dV tile plan);
     drop: None, or (rate, the rows' hashes [B, N, 2, T''], the keys' [B, N, S'' / block_kv_dkv,
@@ -935,8 +918,6 @@ def _dkv_call(
         head_splits=head_splits,
         tiles=tiles,
         dropout_rate=drop[0] if has_drop else 0.0,
-        order=order,
-        num_heads=num_heads,
     )
     scratch = dict(
         k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
@@ -1061,8 +1042,6 @@ def _dkv_kernel(
     head_splits: int,
     tiles: BackwardTiles,
     dropout_rate: float = 0.0,
-    order: AddOrder | None = None,
-    num_heads: int = 0,
 ):
     """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop), over
     `group` of its query heads (all of them, or one of head_splits shares).
@@ -1083,10 +1062,7 @@ def _dkv_kernel(
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
     With tiles.fused_dq, refs ends with dq_ref, f32 [B, N, H, T''] (dQ^T, or a slab of them per
-    kv tile, `_DQSink`), to which the consumers add each step's K^T dS^T in turn. With
-    `order` (`AddOrder`) the grid's kv axis runs in its launch order and each head's steps
-    start at its rotation; "ordered" adds in its order, through num_heads * order.q_tiles *
-    (2 with two halves, else 1) global semaphores per batch entry.
+    kv tile, `_DQSink`), to which the consumers add each step's K^T dS^T in turn.
     """
     dq_ref = refs[-1] if tiles.fused_dq else None
     *id_refs, dk_ref, dv_ref = refs[:-1] if tiles.fused_dq else refs
@@ -1096,10 +1072,6 @@ def _dkv_kernel(
     batch, cta_head = lax.axis_index("batch"), lax.axis_index("kv_head")
     kv_head = lax.div(cta_head, jnp.int32(head_splits)) if head_splits > 1 else cta_head
     kv_tile = lax.axis_index("kv_tile")
-    rotation = None
-    if order is not None:
-        kv_tile = order.kv_tile(kv_tile)
-        rotation = None if order.causal else order.rotation(kv_tile)
     cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
     # Split consumers both own the CTA's one block of keys.
@@ -1146,12 +1118,6 @@ def _dkv_kernel(
             )
         dq_sink = None
         if tiles.fused_dq:
-            sems = None
-            if tiles.fused_dq == "ordered":
-                head_dim = q_ref.shape[-1]
-                parts = head_dim // fused_dq_rows(tiles, head_dim)  # 2 in halves
-                count = q_ref.shape[0] * num_heads * order.q_tiles * parts
-                sems = pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
             dq_sink = _DQSink(
                 ds_smem,
                 k_smem,
@@ -1165,11 +1131,6 @@ def _dkv_kernel(
                 ds_ready=ds_ready,
                 ds_read=ds_read,
                 slab=kv_tile if tiles.slab_dq else None,
-                rotation=rotation,
-                order=order,
-                sems=sems,
-                kv_tile=kv_tile,
-                num_heads=num_heads,
             )
         consume = functools.partial(
             _consume_dkv,
@@ -1196,7 +1157,6 @@ def _dkv_kernel(
             key_block=block,
             dropout_rate=dropout_rate,
             dq_sink=dq_sink,
-            rotation=rotation,
             **common,
         )
         if not tiles.split_dkv:
@@ -1221,7 +1181,6 @@ def _dkv_kernel(
             tiles=tiles,
             drop_refs=(drop_rows_ref, drop_col_ref) if dropout_rate else None,
             kv_tile=kv_tile,
-            rotation=rotation,
             **common,
         )
 
@@ -1230,74 +1189,6 @@ def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
     """Rows of dQ^T's partial that each consumer of the fused dQ computes (tiles.fused_dq,
     `_DQSink`): H / 2 in halves (two consumers and H / 2 a multiple of wgmma's 64), else H."""
     return head_dim // 2 if tiles.dkv_consumers == 2 and head_dim % 128 == 0 else head_dim
-
-
-@dataclasses.dataclass(frozen=True)
-class AddOrder:
-    """The order in which the dK/dV CTAs of one (batch entry, query head) add their partials
-    into each query tile of dQ (fused_dq="ordered", which makes dQ bitwise deterministic), and
-    the launch and step orders that let the CTAs run it as a wavefront.
-
-    The CTA of rank r in a tile's order waits until the tile's counter (a global semaphore)
-    reaches r, adds, and once its add has landed signals +1. A CTA that waits for one that is
-    not running would deadlock, and one that waits for one a step behind it would fall a step
-    further behind at every tile: so the CTA before it must reach the tile earlier, by its own
-    steps, and run at the same time.
-    - causal: kv tile j streams the query tiles from its diagonal, f_j = j * cta_kv_rows //
-      block_q, on. Tile i is added to by kv tiles J(i), J(i) - 1, .., 0 in that order (J(i) the
-      last tile that reaches it), each streaming it f_j - f_{j-1} steps before the next one in
-      the order. The grid launches the kv tiles last first, so that the CTA each waits for
-      started before it (whatever the number of SMs).
-    - not causal: every kv tile streams every query tile, kv tile j starting at tile
-      rot_j = j * q_tiles // kv_tiles and wrapping around. Tile i is added to by j0(i) (the
-      last j with rot_j <= i), j0 - 1, .., 0, then kv_tiles - 1, .., j0 + 1: each CTA's
-      predecessor reaches the tile q_tiles / kv_tiles steps earlier. The order is a ring, so
-      every kv tile's CTA of a (batch entry, KV head) must be resident at once: kv_tiles <= the
-      SMs (`flash_backward` checks).
-
-    Works on Python ints (tests) and on the kernel's int32 scalars."""
-
-    causal: bool
-    q_tiles: int
-    kv_tiles: int
-    block_q: int
-    cta_kv_rows: int
-
-    @classmethod
-    def of(cls, spec: MaskSpec, tiles: BackwardTiles) -> AddOrder | None:
-        """The order of a call, or None where its CTAs' query tiles are not those of a plain or
-        causal call (windows, segment ids), or its dQ is neither "ordered" nor "slab"."""
-        if tiles.fused_dq not in ("ordered", "slab") or spec.window is not None:
-            return None
-        if spec.has_segments:  # segment ids, or lengths folded into them
-            return None
-        return cls(
-            causal=spec.is_causal,
-            q_tiles=cdiv(spec.q_len, tiles.block_q_dkv),
-            kv_tiles=cdiv(spec.kv_len, tiles.cta_kv_rows),
-            block_q=tiles.block_q_dkv,
-            cta_kv_rows=tiles.cta_kv_rows,
-        )
-
-    def kv_tile(self, launched):
-        """The kv tile of the CTA at position `launched` of the grid's kv axis."""
-        return self.kv_tiles - 1 - launched if self.causal else launched
-
-    def rotation(self, kv_tile):
-        """The query tile (from the CTA's first) of kv tile kv_tile's first step per head."""
-        return 0 if self.causal else kv_tile * self.q_tiles // self.kv_tiles
-
-    def rank(self, q_tile, kv_tile):
-        """How many CTAs add to query tile q_tile before kv tile kv_tile's CTA."""
-        if self.causal:
-            last = ((q_tile + 1) * self.block_q - 1) // self.cta_kv_rows
-            if isinstance(last, int):
-                last = min(last, self.kv_tiles - 1)
-            else:
-                last = jnp.minimum(last, jnp.int32(self.kv_tiles - 1))
-            return last - kv_tile
-        first = ((q_tile + 1) * self.kv_tiles - 1) // self.q_tiles
-        return (first - kv_tile + self.kv_tiles) % self.kv_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1344,13 +1235,6 @@ class _DQSink:
     ds_ready: object = None  # Barrier(num_arrivals=consumers, num_barriers=consumers), 2 only
     ds_read: object = None  # Barrier(num_arrivals=1, num_barriers=consumers), 2 only
     slab: object = None
-    rotation: object = None  # `_step_tile`'s
-    # fused_dq="ordered": the AddOrder, its semaphores [B * N * q_tiles * (2 in halves, else
-    # 1)], this CTA's kv tile, N.
-    order: AddOrder | None = None
-    sems: object = None
-    kv_tile: object = None
-    num_heads: int = 0
 
     @property
     def consumers(self) -> int:
@@ -1425,7 +1309,6 @@ class _DQSink:
         """At a computed CTA step `step`: S^T (st_issue(acc_ref) issues its wgmma), in the same
         wait as this consumer's partial of step - 1 where it has one, which is then added;
         returns S^T."""
-        self.settle(step)
 
         def with_partial():
             self._wait_tiles(step - 1)
@@ -1462,7 +1345,6 @@ class _DQSink:
 
     def drained(self, step):
         """At a CTA step `step` this consumer drains: its partial of step - 1 on its own."""
-        self.settle(step)
         if self.halves:
             partial = self._compute(step - 1)
             pl.when(step >= 1)(lambda: self._store(partial, step - 1))
@@ -1487,30 +1369,11 @@ class _DQSink:
     def _head_tile(self, step):
         """(query head, query tile) of CTA step `step`."""
         head = self.first_head + lax.div(step, self.cta_tiles)
-        return head, _step_tile(step, self.first, self.cta_tiles, self.rotation)
-
-    def _sem(self, step):
-        """The semaphore that counts the adds into this consumer's rows of step's tile."""
-        head, q_tile = self._head_tile(step)
-        tile = (self.batch * self.num_heads + head) * self.order.q_tiles + q_tile
-        return self.sems.at[tile * 2 + self.consumer if self.halves else tile]
-
-    def settle(self, step):
-        """At the start of CTA step `step` (fused_dq="ordered"): the add this consumer issued
-        in the step before (its partial of step - 2), if any, has landed; the next CTA in the
-        tile's order may add. A step later than the add itself, so that the add has time to
-        land while the consumer works."""
-        if self.sems is not None:
-            before = step - 2
-            pl.when((before >= 0) & self._computes(before))(lambda: self._signal(before))
-
-    def _signal(self, step):
-        plgpu.wait_smem_to_gmem(0)
-        plgpu.semaphore_signal(self._sem(step), 1, memory_scope="gpu")
+        return head, _step_tile(step, self.first, self.cta_tiles)
 
     def _store(self, partial, step):
-        """Adds this consumer's partial of CTA step `step` into dQ^T (or its slab); with
-        fused_dq="ordered" once the CTAs before this one in the tile's order have."""
+        """Adds this consumer's partial of CTA step `step` into dQ^T (or stores it into its
+        slab)."""
         rows, block_q = self.partial_smem.shape
         head, q_tile = self._head_tile(step)
         # The previous add of this consumer must have read the staging tile.
@@ -1525,24 +1388,14 @@ class _DQSink:
         if self.slab is not None:
             plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[(self.slab, *window)])
             return
-        if self.sems is not None:
-            rank = self.order.rank(q_tile, self.kv_tile)
-            plgpu.semaphore_wait(self._sem(step), rank, decrement=False, memory_scope="gpu")
         plgpu.copy_smem_to_gmem(self.partial_smem, self.dq_ref.at[window], reduction_op="add")
 
     def finish(self, steps):
         """After the last of `steps` CTA steps, before this consumer's K buffer is overwritten:
         the last step's partial, then the partner's last read of this consumer's tile (and
-        K), where it has one. Ordered: every add of this consumer settled."""
+        K), where it has one."""
         last = steps - 1
-        self.settle(steps)
-
-        def add_last():
-            self._add(last)
-            if self.sems is not None:
-                self._signal(last)
-
-        pl.when((steps > 0) & self._computes(last))(add_last)
+        pl.when((steps > 0) & self._computes(last))(lambda: self._add(last))
         if self.consumers > 1:
             partner_read = (steps > 0) & self._partner_reads(last)
             pl.when(partner_read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
@@ -1585,13 +1438,10 @@ class _PHandoff:
     k_loaded: object
 
 
-def _step_tile(step, first, cta_tiles, rotation):
+def _step_tile(step, first, cta_tiles):
     """The query tile of a dK/dV CTA's step: the CTA streams tiles [first, first + cta_tiles)
-    per head, from first + rotation (None: 0) on, wrapping around."""
-    within = lax.rem(step, cta_tiles)
-    if rotation is not None:
-        within = lax.rem(within + rotation, cta_tiles)
-    return first + within
+    of each head in turn."""
+    return first + lax.rem(step, cta_tiles)
 
 
 def _produce_dkv(
@@ -1609,13 +1459,10 @@ def _produce_dkv(
     tiles: BackwardTiles,
     drop_refs=None,
     kv_tile=None,
-    rotation=None,
 ):
     """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids; with drop_refs,
     the dropout tables' hashes of the rows and of the CTA kv_tile's keys) of every (head,
-    query tile) step, in order, over query heads [first_head, first_head + group); each head's
-    tiles from the CTA's first, or from `rotation` tiles past it, wrapping around
-    (`_step_tile`)."""
+    query tile) step, in order, over query heads [first_head, first_head + group) (`_step_tile`)."""
     block_q, num_stages = tiles.block_q_dkv, tiles.num_stages
     first, end = cta_range
     cta_tiles = end - first
@@ -1624,7 +1471,7 @@ def _produce_dkv(
     def _step(step):
         slot = ring.slot(step)
         head = first_head + lax.div(step, cta_tiles)
-        q_start = _step_tile(step, first, cta_tiles, rotation) * block_q
+        q_start = _step_tile(step, first, cta_tiles) * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
         # The first num_stages steps fill empty slots; later ones wait for the consumers. Q and
@@ -1681,7 +1528,6 @@ def _consume_dkv(
     key_block=0,
     dropout_rate: float = 0.0,
     dq_sink: _DQSink | None = None,
-    rotation=None,
 ):
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
     every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
@@ -1699,9 +1545,7 @@ def _consume_dkv(
     key_block: the consumer's block of the CTA's keys (its slice of the ring's key hashes).
     dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
     Z = keep / (1 - rate) (see `probs_t`).
-    dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there.
-    rotation (role "dkdv", a plain call without masked tiles only): each head's steps start at
-    that query tile past the CTA's first and wrap around (`AddOrder`)."""
+    dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
     head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
     first, end = cta_range
@@ -1801,9 +1645,9 @@ def _consume_dkv(
         delta = _cols(delta * (1.0 - dropout_rate), tile_shape)
         return pd_t * (jnp.where(keep, dp_t, 0.0) - delta)
 
-    def dkdv_step(i, carry, *, base, masked: bool, step=None):
+    def dkdv_step(i, carry, *, base, masked: bool):
         dk, dv = carry
-        step = base + i - first if step is None else step
+        step = base + i - first
         slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         p_t, pd_t = probs_t(i, slot, masked=masked, step=step)
@@ -1915,14 +1759,6 @@ def _consume_dkv(
 
     def head_loop(h, carry):
         base = h * cta_tiles  # the producer's step of this head's tile `first`
-        if rotation is not None:
-            assert role == "dkdv" and not (before or after), (role, before, after)
-
-            def rotated_step(pos, carry):
-                i = _step_tile(pos, first, cta_tiles, rotation)
-                return q_step(i, carry, base=base, masked=False, step=base + pos)
-
-            return lax.fori_loop(0, cta_tiles, rotated_step, carry)
         masked_step = functools.partial(q_step, base=base, masked=True)
         drain = functools.partial(drain_step, base=base)
         # In the producer's order. Without a side its loops are empty: not emitted.

@@ -55,13 +55,13 @@ FUSED_DQ_H64_MIN_LEN = 2048
 FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
 
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
-# lengths per head dim, where it measured faster than the two-kernel backward (fwd+bwd, bf16):
-# plain calls of both T and S, causal ones of S. H=64: 1.05x at 4k and 1.09x at 16k plain,
+# lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
+# (fwd+bwd, bf16, T == S). H=64: 1.05x at 4k and 1.09x at 16k plain,
 # 1.05x at 16k causal (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128: 1.06x at 16k plain (1.00x at
 # 4k; not with GQA, `_grouped`), causal 0.89x at 4k and 1.01x at 16k. benchmarks/NOTES.md,
 # "fused-dq".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 16384}
-FIXED_DQ_CAUSAL_MIN_KV_LEN = {64: 16384}
+FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384}
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -312,13 +312,10 @@ def fixed_dq_is_faster(call: Call) -> bool:
     plain = spec.window is None and not spec.has_arrays
     if not plain or call.soft_cap is not None or call.value_head_dim is not None:
         return False
-    if spec.is_causal:
-        shortest = FIXED_DQ_CAUSAL_MIN_KV_LEN.get(call.head_dim)
-        return shortest is not None and call.kv_len >= shortest
-    if call.head_dim == 128 and _grouped(call):
+    least = (FIXED_DQ_CAUSAL_MIN_LEN if spec.is_causal else FIXED_DQ_MIN_LEN).get(call.head_dim)
+    if least is None or (call.head_dim == 128 and not spec.is_causal and _grouped(call)):
         return False
-    shortest = FIXED_DQ_MIN_LEN.get(call.head_dim)
-    return shortest is not None and min(call.q_len, call.kv_len) >= shortest
+    return min(call.q_len, call.kv_len) >= least
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

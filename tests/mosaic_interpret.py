@@ -13,8 +13,8 @@ its duration only:
   are generic-proxy reads, where the hardware's are async-proxy ones; the barrier
   happens-before relations are kept.
 - `pallas_flash.mosaic.launch.truncate_to_int32` (inline Mosaic GPU code, which the
-  interpreter does not run) becomes the plain cast, whose clamps change nothing for the
-  values the kernels convert.
+  interpreter does not run) becomes the plain cast (its clamps and NaN -> 0 touch only
+  values whose rows the caller makes NaN or 0).
 - Barrier deallocation with phases unobserved by some thread is allowed (the interpreter's rule,
   not the hardware's): a producer does not wait for the free phases of the last ring slots.
 

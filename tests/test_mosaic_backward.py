@@ -1551,15 +1551,17 @@ FUSED_CI_CASE = MaskCase(
 FUSED_CI_HALVES = MaskCase(
     Problem(1, 192, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")
 )
-# Non-causal: rotated step order (each CTA starts at its own query tile) with a ragged T.
-FUSED_CI_ROTATED = MaskCase(
+# Non-causal, one KV head, a ragged T.
+FUSED_CI_PLAIN = MaskCase(
     Problem(1, 200, 256, 2, 1, 64, False, "bf16"), tiles=BackwardTiles(fused_dq="slab")
 )
 # "fixed_slab": the integer partials of "fixed" (dS^T scaled by each row's 2^e, int32),
-# stored apart. Causal halves at H=128 with a ragged T; non-causal turns at H=64 with a soft
-# cap and T != S.
+# stored apart. Causal halves at H=128 with a ragged T and NaN in K and V at the keys past T
+# (in no row's bound); non-causal turns at H=64 with a soft cap and T != S.
 FUSED_CI_FIXED = MaskCase(
-    Problem(1, 200, 256, 4, 2, 128, True, "bf16"), tiles=BackwardTiles(fused_dq="fixed_slab")
+    Problem(1, 200, 256, 4, 2, 128, True, "bf16"),
+    tiles=BackwardTiles(fused_dq="fixed_slab"),
+    poison=True,
 )
 FUSED_CI_FIXED_CAPPED = MaskCase(
     Problem(2, 130, 200, 2, 1, 64, False, "bf16"),
@@ -1591,7 +1593,7 @@ FUSED_SWEEP_CASES = [
     [
         FUSED_CI_CASE,
         FUSED_CI_HALVES,
-        FUSED_CI_ROTATED,
+        FUSED_CI_PLAIN,
         FUSED_CI_FIXED,
         FUSED_CI_FIXED_CAPPED,
         *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES),
@@ -1678,9 +1680,9 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group):
     """fused_dq "fixed": for every row, 2^e times the largest sum of |dS_ij K_jh| over the keys
     the row sees (what any partial sum of its dQ reaches at most, in float64 from the
     oracle's P and dP) stays under 2^FIXED_POINT_BITS; dQ summed as the kernel does (per block
-    of 64 keys, truncated to integers) is within 1e-5 of its largest magnitude, far under
-    bfloat16's rounding; huge keys past a causal row's diagonal leave its e as it was; NaN in
-    a row's dO gives it no finite bound."""
+    of 64 keys, truncated to integers) adds far less error per row than dS's rounding to
+    bfloat16 (median 1%); a huge |lse| lowers e; huge keys past a causal row's diagonal leave
+    its e as it was; NaN in a row's dO gives it no finite bound."""
     rng = np.random.default_rng(7)
     b, t, s, k_heads, h = 2, 96, 256, 2, 64
     n = k_heads * group
@@ -1703,27 +1705,38 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group):
     ds = p * (dp - delta[..., None])
     worst = np.einsum("bnts,bsnh->bnth", np.abs(ds), np.abs(kk)).max(-1)  # [B, N, T]
 
-    def exponents(k, v, d_out):
-        args = (jnp.asarray(x, jnp.float32) for x in (k, v, d_out))
-        e, finite = fixed_point_exponents(
-            *args, jnp.asarray(delta, jnp.float32), spec=spec, num_heads=n
-        )
+    lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+
+    def exponents(k, v, d_out, lse=lse):
+        args = (jnp.asarray(x, jnp.float32) for x in (k, v, d_out, delta, lse))
+        e, finite = fixed_point_exponents(*args, spec=spec, num_heads=n)
         return np.asarray(e), np.asarray(finite)
 
     e, finite = exponents(k, v, d_out)
     assert finite.all()
     units = worst * np.exp2(e)
     assert (units < 2.0**FIXED_POINT_BITS).all(), units.max()
+    # dQ as the kernel sums it: dS in bfloat16 (as both backwards take it), per block of 64
+    # keys scaled by 2^e, truncated to integers. Its error per row against the same sum in
+    # float64 is a small part of what dS's rounding to bfloat16 already costs the row.
+    ds16 = np.asarray(jnp.asarray(ds, jnp.bfloat16).astype(jnp.float32), np.float64)
     unit = np.exp2(e)[..., None]
     parts = [
-        np.trunc(np.einsum("bnts,bsnh->bnth", ds[..., j : j + 64], kk[:, j : j + 64]) * unit)
+        np.trunc(np.einsum("bnts,bsnh->bnth", ds16[..., j : j + 64], kk[:, j : j + 64]) * unit)
         for j in range(0, s, 64)
     ]
     sums = np.cumsum(parts, axis=0)
     assert np.abs(sums).max() < 2.0**31
     exact = np.einsum("bnts,bsnh->bnth", ds, kk)
-    error = np.abs(sums[-1] / unit - exact).max()
-    assert error <= 1e-5 * np.abs(exact).max(), error / np.abs(exact).max()
+    rounded = np.einsum("bnts,bsnh->bnth", ds16, kk)
+    fixed_error = np.abs(sums[-1] / unit - rounded).max(-1)  # per row
+    bf16_error = np.abs(rounded - exact).max(-1)
+    assert np.median(fixed_error / bf16_error) <= 0.01, np.median(fixed_error / bf16_error)
+    assert (fixed_error <= 0.5 * bf16_error).mean() >= 0.95, np.sort(fixed_error / bf16_error)
+    # Rows of a huge |lse|, whose recomputed P the backward lowers its reference for (exp of
+    # `_numerics.slack`, up to e^2 here): their e drops to keep the sums in range.
+    e_huge, _ = exponents(k, v, d_out, lse=lse + 2.0**23)
+    assert (e_huge <= e - 3).all()
     if is_causal:
         # Keys past row 40's diagonal 1e15 times larger: rows up to 40 keep their e.
         k_huge, v_huge = k.copy(), v.copy()
@@ -1736,6 +1749,37 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group):
     d_nan[0, 5, 1, 3] = np.nan
     _, finite = exponents(k, v, d_nan)
     assert not finite[0, 1, 5] and finite.sum() == finite.size - 1
+
+
+def test_fixed_dq_keeps_rows_of_a_huge_lse_in_range_interpreted():
+    """Logits of 2^23 (|lse| ~ 8.4e6), where the backward's recomputed P is high by up to e^2
+    (`_numerics.slack`, documented): "fixed_slab"'s dQ equals the two-kernel backward's
+    within rounding instead of wrapping around int32."""
+    batch, q_len, kv_len, heads, head_dim = 1, 64, 256, 1, 64
+    c, a = 1024.0, 2.0**14
+    alt = np.tile([1.0, -1.0], head_dim // 2)
+    sign = np.tile([1.0, -1.0], kv_len // 2)
+    q = np.full((batch, q_len, heads, head_dim), c)
+    k = (c + sign[:, None] * a * alt[None, :])[None, :, None, :]
+    v = np.broadcast_to(sign[:, None], (kv_len, head_dim))[None, :, None, :]
+    d_out = np.ones((batch, q_len, heads, head_dim))
+    q, k, v, d_out = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, d_out))
+    scale = 0.125
+    logits = np.einsum("bthd,bshd->bhts", np.float64(q), np.float64(k)) * scale
+    lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    assert np.abs(lse).min() > 2.0**22
+    p = np.exp(logits - lse[..., None])
+    out = jnp.asarray(np.einsum("bhts,bshd->bthd", p, np.float64(v)), jnp.bfloat16)
+    lse = jnp.asarray(lse, jnp.float32)
+
+    def dq(tiles):
+        fn = functools.partial(flash_backward, scale=scale, is_causal=False, tiles=tiles)
+        with interpret_mosaic():
+            return np.asarray(jax.jit(fn)(q, k, v, out, lse, d_out, None)[0], np.float32)
+
+    default, fixed = dq(None), dq(BackwardTiles(fused_dq="fixed_slab"))
+    assert np.isfinite(fixed).all()
+    np.testing.assert_allclose(fixed, default, rtol=2e-2, atol=1e-2 * np.abs(default).max())
 
 
 FUSED_ADD = BackwardTiles(fused_dq="add")

@@ -57,7 +57,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LOG2E, MIN_LOGIT, lowered_reference, probability_bound
+from pallas_flash._numerics import (
+    LOG2E,
+    MIN_LOGIT,
+    lowered_reference,
+    probability_bound,
+    slack,
+)
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import launch
@@ -126,12 +132,13 @@ class BackwardTiles:
         step's dQ partial dS K over the CTA's keys (five in all; its consumers split the rows
         at H=128 and take turns otherwise, `_DQSink`) and adds it into an f32 dQ in global
         memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
-        deterministic. "fixed": the same adds in any order, but of integers: each
-        query row's dS is scaled by a power of two 2^e (exactly, in 16 bits) before the dQ
-        wgmma, its partial converted to int32 and added by TMA; integer adds are associative,
-        so dQ is bitwise deterministic at the speed of "add". e comes from a bound on the row's
-        partial sums (`fixed_point_exponents`), which XLA computes before the kernel from the
-        keys the row sees: plain and causal calls in bfloat16 only. "slab": the same partials
+        deterministic. "fixed": the same adds in any order, but of integers: each query
+        row's dS is scaled by a power of two 2^e (exactly, in 16 bits) before the dQ wgmma,
+        its partial converted to int32 and added by TMA; integer adds are associative, so dQ
+        is bitwise deterministic (at 0.91-0.97x the speed of "add" on the H200). e comes from
+        a bound on the row's partial sums (`fixed_point_exponents`), which XLA computes before
+        the kernel from the keys the row sees: plain and causal calls in bfloat16 only.
+        "slab": the same partials
         as "add" stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
         GPU interpreter has no TMA reductions). "fixed_slab": "fixed"'s integer partials stored
@@ -455,8 +462,9 @@ def why_not(
         )
     if tiles.fixed_point_dq and jnp.dtype(dtype) != jnp.bfloat16:
         return (
-            f"{tiles} scales dS by up to 2^{FIXED_POINT_BITS} in the input dtype: bfloat16 "
-            f"only, not {jnp.dtype(dtype).name} (float16's range ends at 2^16)"
+            f"{tiles} scales dS in the input dtype until its dQ sums reach "
+            f"2^{FIXED_POINT_BITS}: bfloat16 only, not {jnp.dtype(dtype).name} (float16's "
+            "range ends at 2^16)"
         )
     group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
     if splits > 1 and group % splits:
@@ -476,45 +484,60 @@ def why_not(
     return None
 
 
-def fixed_point_exponents(k, v, d_out, delta, *, spec: MaskSpec, num_heads: int):
+def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
     """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
     [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T].
 
     k [B, S', K, H], v [B, S', K, Hv], d_out [B, T', N, Hv] (padded or not: spec's T and S are
-    read), delta f32 [B, N, T], rowsum(dO * O) - dlse; a plain or causal call (no window, no
-    segment ids).
+    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's; a plain
+    or causal call (no window, no segment ids).
 
     Row i's partial of dQ (unscaled) over any set J of the keys it sees is sum_{j in J} dS_ij
-    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, sum_j P_ij <= 1 and dcap
-    in [0, 1]: each entry of it is at most B_i = (|dO_i|_1 max_j |V_j|_max + |delta_i|)
-    max_j |K_j|_max over the keys j that the row sees (all of them; j <= i causal), in any order
-    of the sums. e = FIXED_POINT_BITS - ceil(log2 B_i) keeps every partial and every partial
-    sum of the row under 2^FIXED_POINT_BITS < 2^31 in units of 2^-e (with room for the
-    rounding of P and of dS to 16 bits), so int32 adds of them neither overflow nor depend on
-    their order; the sum's resolution is 2^-FIXED_POINT_BITS of B_i. e also keeps 2^e |dS_ij|
-    far inside bfloat16's range. Keys a row cannot see are not in its maxima: huge values
-    past its diagonal cost it no precision. Non-finite entries of K and V count as 0 (a row
-    that sees them gets NaN from the kernel's own products, as from the default backward); a
-    row whose B_i is not finite (NaN or inf in dO_i or delta_i, or B_i past float32) gets
-    e = 0 and finite_bound False."""
+    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, dcap in [0, 1] and
+    sum_j P_ij <= g_i, the factor by which the backward's recomputed P may exceed the exact
+    one (1 but for rounding where |lse| <= SLACK_FROM; the lowered reference's `slack` and a
+    few ulps of lse beyond). |dP_ij| <= min(|dO_i|_1 |V_j|_max, |dO_i|_2 |V_j|_2), so each
+    entry of the partial is at most B_i = g_i (min(|dO_i|_1 max_j |V_j|_max, |dO_i|_2 max_j
+    |V_j|_2) + |delta_i|) max_j |K_j|_max, the maxima over the keys j that the row sees (all of
+    them; j <= i causal), in any order of the sums. e = FIXED_POINT_BITS - (floor(log2 B_i) +
+    1) keeps every partial and every partial sum of the row under 2^FIXED_POINT_BITS < 2^31 in
+    units of 2^-e (with room for the rounding of dS to 16 bits), so int32 adds of them neither
+    overflow nor depend on their order; the sum's resolution is 2^-FIXED_POINT_BITS of B_i
+    (B_i is loose by the cancellation in the row's sums, 2^8-2^14 on random data: the error
+    grows with the number of key tiles, benchmarks/NOTES.md, "fused-dq"). e also keeps 2^e
+    |dS_ij| far inside bfloat16's range. Keys a row cannot see are not in its maxima: huge
+    values past its diagonal cost it no precision. NaN or inf in K, V or dO_i that the row
+    sees (or in delta_i, or B_i past float32) leaves it without a finite bound: e = 0 and
+    finite_bound False (the caller makes such a row NaN, as the default backward's products
+    would)."""
     assert spec.window is None and not spec.has_segments, spec
     q_len, kv_len = spec.q_len, spec.kv_len
 
-    def key_max(x):  # [B, S, K] of max_h |x|, non-finite entries as 0
-        x = jnp.abs(x[:, :kv_len].astype(jnp.float32))
-        return jnp.max(jnp.where(x < jnp.inf, x, 0.0), axis=-1)
+    def norms(x):  # (max |x|, |x|_2) over the last axis, f32; non-finite rows give inf
+        x = jnp.abs(x.astype(jnp.float32))
+        finite = x < jnp.inf
+        largest = jnp.max(jnp.where(finite, x, 0.0), axis=-1)
+        scaled = jnp.where(finite, x, 0.0) / jnp.where(largest > 0, largest, 1.0)[..., None]
+        l2 = largest * jnp.sqrt(jnp.sum(scaled * scaled, axis=-1))
+        all_finite = jnp.all(finite, axis=-1)
+        return jnp.where(all_finite, largest, jnp.inf), jnp.where(all_finite, l2, jnp.inf)
 
-    kv = jnp.stack([key_max(k), key_max(v)])  # [2, B, S, K]
+    # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
+    kv = jnp.stack([norms(k[:, :kv_len])[0], *norms(v[:, :kv_len])])
     if spec.is_causal:  # row i sees keys j <= i (top-left aligned)
         kv = lax.cummax(kv, axis=2)[:, :, jnp.minimum(jnp.arange(q_len), kv_len - 1)]
     else:
         kv = jnp.max(kv, axis=2, keepdims=True)
-    # [2, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
-    kv = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
-    k_max, v_max = kv[0], kv[1]
-    d_out = jnp.abs(d_out[:, :q_len].astype(jnp.float32))
-    d_out_l1 = jnp.transpose(jnp.sum(d_out, axis=-1), (0, 2, 1))  # [B, N, T]
-    ds_max = d_out_l1 * v_max + jnp.abs(delta)  # >= sum_j |dS_ij|
+    # [3, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
+    k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
+    d_out = d_out[:, :q_len].astype(jnp.float32)
+    d_out_l1 = jnp.transpose(jnp.sum(jnp.abs(d_out), axis=-1), (0, 2, 1))  # [B, N, T]
+    d_out_l2 = jnp.transpose(norms(d_out)[1], (0, 2, 1))
+    # How far the recomputed P may exceed the exact one (see `_numerics.slack`): twice the
+    # lowering, and 8 ulps of lse in log2 units for the rounding of lse2 and the logits.
+    abs_lse = jnp.where(jnp.isfinite(lse), jnp.abs(lse), 0.0)
+    gain = jnp.exp2(2.0 * LOG2E * slack(abs_lse) + 8.0 * jnp.spacing(abs_lse * LOG2E))
+    ds_max = gain * (jnp.minimum(d_out_l1 * v_max, d_out_l2 * v_l2) + jnp.abs(delta))
     bound = ds_max * k_max
     finite = bound < jnp.inf  # False for NaN too
     _, bound_exp = jnp.frexp(jnp.where(finite, bound, 0.0))  # bound < 2^bound_exp
@@ -669,14 +692,15 @@ def flash_backward(
     rows_of_lse = [lse2, bound]
     if tiles.fixed_point_dq:
         # Each row's dS is scaled by 2^e before dQ's wgmma; dQ = scale * 2^-e * its integer sum
-        # (NaN for rows whose bound is not finite: NaN or inf in their dO, out or lse).
+        # (NaN for rows that see keys without a finite bound: NaN or inf in what they see).
         exponents, finite_bound = fixed_point_exponents(
-            k, v, d_out, delta_rows, spec=spec, num_heads=q.shape[2]
+            k, v, d_out, delta_rows, lse, spec=spec, num_heads=q.shape[2]
         )
-        see_keys = lse > -jnp.inf
-        unit = jnp.ldexp(jnp.float32(scale), -exponents)
-        unit = jnp.where(finite_bound | ~see_keys, unit, jnp.nan)
-        unit = jnp.where(jnp.isnan(lse), jnp.nan, unit)
+        # A row whose lse is -inf (no key), +inf (a sink took it) or NaN gets P = 0, so dq 0,
+        # as from the default backward (whatever its partials converted to).
+        p_zero = ~jnp.isfinite(lse)
+        dq_unit = jnp.ldexp(jnp.float32(scale), -exponents)
+        dq_unit = jnp.where(p_zero, 0.0, jnp.where(finite_bound, dq_unit, jnp.nan))
         rows_of_lse.append(jnp.pad(jnp.ldexp(jnp.float32(1.0), exponents), pad_rows))
     # [B, N, 2 (3 with "fixed"), T'']: a tile's lse2 and bound rows (and the fixed point's
     # scales) land in one TMA copy.
@@ -754,7 +778,7 @@ def flash_backward(
             dq = functools.reduce(jnp.add, jnp.unstack(dq))
         dq = dq[..., :q_len]
         if tiles.fixed_point_dq:
-            dq = dq.astype(jnp.float32) * unit[:, :, None, :]
+            dq = dq.astype(jnp.float32) * dq_unit[:, :, None, :]
         else:
             dq = dq * scale
         dq = jnp.transpose(dq, (0, 3, 1, 2)).astype(q.dtype)
@@ -1061,8 +1085,9 @@ def _dkv_kernel(
     streams query tiles [first, end): the producer's step s loads query head
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
-    With tiles.fused_dq, refs ends with dq_ref, f32 [B, N, H, T''] (dQ^T, or a slab of them per
-    kv tile, `_DQSink`), to which the consumers add each step's K^T dS^T in turn.
+    With tiles.fused_dq, refs ends with dq_ref, f32 or int32 ("fixed") [B, N, H, T''] (dQ^T,
+    or a slab of them per kv tile, `_DQSink`), to which the consumers add each step's K^T
+    dS^T in turn.
     """
     dq_ref = refs[-1] if tiles.fused_dq else None
     *id_refs, dk_ref, dv_ref = refs[:-1] if tiles.fused_dq else refs
@@ -1195,11 +1220,11 @@ def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
 class _DQSink:
     """Where the dK/dV consumers put dQ's partial of each CTA step (tiles.fused_dq), transposed:
     (dS K)^T = K^T dS^T over the CTA's keys for the step's query tile, added by TMA into dq_ref
-    [B, N, H, T''] f32 (dQ^T), or with `slab` (the CTA's kv tile) stored into dq_ref[slab] of
-    [kv tiles, B, N, H, T''].
+    [B, N, H, T''] f32 (dQ^T; int32 with "fixed"), or with `slab` (the CTA's kv tile) stored
+    into dq_ref[slab] of [kv tiles, B, N, H, T''].
 
     Every consumer stores its dS^T of each step into its tile of ds_smem (zeros for a step it
-    drains), and the partial is summed over every consumer's block of keys: one f32 add of
+    drains), and the partial is summed over every consumer's block of keys: one add of
     [H, block_q_dkv] per CTA step, not one per consumer (half the L2 reduction traffic with two
     consumers). A consumer computes a partial of step s at the start of step s + 1, in the same
     wgmma wait as its S^T there (on its own at a drained step, and after the last step):
@@ -1683,8 +1708,8 @@ def _consume_dkv(
             ds_dq = ds_in
             if tiles.fixed_point_dq:
                 # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point_exponents`).
-                unit = plgpu.load(ring.lse_smem.at[slot, 2], layout=col_layout).astype(dtype)
-                ds_dq = ds_in * _cols(unit, tile_shape)
+                row_scale = plgpu.load(ring.lse_smem.at[slot, 2], layout=col_layout)
+                ds_dq = ds_in * _cols(row_scale.astype(dtype), tile_shape)
             # Stored before dK's wgmma: the other consumer may read it too.
             dq_sink.put(ds_dq, step)
 

@@ -141,8 +141,10 @@ def truncate_to_int32(x):
     """int32 of an f32 tile x in the WGMMA layout, truncated toward zero: one cvt.rzi per
     element. Pallas' `astype` clamps to int32's range first, as XLA does (a NaN-propagating min
     and max and a select per element, read in the H200's SASS), which the conversion does by
-    itself on the GPU; callers keep |x| < 2^31. jax's Mosaic GPU interpreter runs no
-    `inline_mgpu`: tests/mosaic_interpret.py puts `astype` in its place."""
+    itself on the GPU (cvt.rzi: NaN to 0, out of range saturated; LLVM treats those inputs as
+    poison, so callers must not use the value they give: the fused dQ's rows that they reach
+    are NaN or 0 after the kernel). jax's Mosaic GPU interpreter runs no `inline_mgpu`:
+    tests/mosaic_interpret.py puts `astype` in its place."""
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA,),

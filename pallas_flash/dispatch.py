@@ -56,9 +56,9 @@ FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
 
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
-# (fwd+bwd, bf16, T == S). H=64: 1.05x at 4k and 1.09x at 16k plain,
-# 1.05x at 16k causal (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128: 1.06x at 16k plain (1.00x at
-# 4k; not with GQA, `_grouped`), causal 0.89x at 4k and 1.01x at 16k. benchmarks/NOTES.md,
+# (fwd+bwd, bf16, T == S). H=64: 1.05x at 4k and 1.09x at 16k plain, 1.05x at 16k causal
+# (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128: 1.06x at 16k plain (1.00x at 4k; not with GQA,
+# `_like_fused_dq_measurements`), causal 0.89x at 4k and 1.01x at 16k. benchmarks/NOTES.md,
 # "fused-dq".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 16384}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384}
@@ -273,34 +273,36 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
     return fused
 
 
+def _like_fused_dq_measurements(call: Call) -> bool:
+    """Whether a call is like those the fused dQ was measured on: plain or causal
+    self-attention without a window, segment ids, sequence lengths, soft cap or value head dim
+    of its own; and not a plain call at H=128 whose query heads share KV heads, where both
+    fused forms ran slower than the two-kernel backward on the H200 (N=16 over K=4, fwd+bwd:
+    "add" 0.69x at 4k and 0.88x at 16k, "fixed" 0.63x and 0.82x; causal 0.98-1.05x; H=64 GQA
+    1.07-1.08x with "fixed"): benchmarks/NOTES.md, "fused-dq"."""
+    spec = call.spec
+    if spec.window is not None or spec.has_arrays:
+        return False
+    if call.soft_cap is not None or call.value_head_dim is not None:
+        return False
+    grouped = call.q_shape[2] != call.k_shape[2]
+    return not (call.head_dim == 128 and grouped and not spec.is_causal)
+
+
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
     the two-kernel one on the H200 for calls like this: fwd+bwd 1.02-1.14x at H=64 (2k to 16k
     tokens, causal or not) and 1.05-1.11x at H=128 from 4k non-causal and 16k causal (causal
     0.83x at 2k, 0.93x at 4k, 0.97x at 8k); measured on plain and causal self-attention of 2k
     to 16k tokens only (benchmarks/NOTES.md, "fused-dq")."""
-    spec = call.spec
-    plain = spec.window is None and not spec.has_arrays
-    if not plain or call.soft_cap is not None or call.value_head_dim is not None:
+    if not _like_fused_dq_measurements(call):
         return False
     shortest = min(call.q_len, call.kv_len)
     if call.head_dim == 64:
         return shortest >= FUSED_DQ_H64_MIN_LEN
-    if shortest < FUSED_DQ_MIN_LEN:
+    if call.head_dim != 128 or shortest < FUSED_DQ_MIN_LEN:
         return False
-    if call.head_dim == 128:
-        if spec.is_causal:
-            return call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
-        return not _grouped(call)
-    return False
-
-
-def _grouped(call: Call) -> bool:
-    """Whether the call's query heads share KV heads (GQA or MQA). A plain (not causal) call at
-    H=128 with groups runs the fused dQ slower than the two-kernel backward on the H200
-    (N=16 over K=4, fwd+bwd: "add" 0.69x at 4k and 0.88x at 16k, "fixed" 0.63x and 0.82x;
-    causal 0.98-1.05x; H=64 GQA 1.07-1.08x with "fixed"): benchmarks/NOTES.md, "fused-dq"."""
-    return call.q_shape[2] != call.k_shape[2]
+    return not call.spec.is_causal or call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
 
 
 def fixed_dq_is_faster(call: Call) -> bool:
@@ -308,14 +310,12 @@ def fixed_dq_is_faster(call: Call) -> bool:
     (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
     this (`FIXED_DQ_MIN_LEN`); measured on plain and causal self-attention of 2k to 16k tokens
     in bf16 only. It needs bfloat16 and no window or segment ids (`mosaic.backward.why_not`)."""
-    spec = call.spec
-    plain = spec.window is None and not spec.has_arrays
-    if not plain or call.soft_cap is not None or call.value_head_dim is not None:
+    if not _like_fused_dq_measurements(call):
         return False
-    least = (FIXED_DQ_CAUSAL_MIN_LEN if spec.is_causal else FIXED_DQ_MIN_LEN).get(call.head_dim)
-    if least is None or (call.head_dim == 128 and not spec.is_causal and _grouped(call)):
-        return False
-    return min(call.q_len, call.kv_len) >= least
+    least = (FIXED_DQ_CAUSAL_MIN_LEN if call.spec.is_causal else FIXED_DQ_MIN_LEN).get(
+        call.head_dim
+    )
+    return least is not None and min(call.q_len, call.kv_len) >= least
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

@@ -435,38 +435,45 @@ def test_nondeterministic_grads_fuse_dq_where_it_is_faster(chosen, no_tune_cache
     assert chosen(Device.a100(), name, deterministic_grads=False) == A100[name]
 
 
-@pytest.mark.parametrize(
-    "shape, causal, dtype, expected",
-    [
-        ((1, 16384, 32, 64), True, jnp.bfloat16, "fixed"),
-        ((1, 8192, 32, 64), True, jnp.bfloat16, None),
-        ((2, 4096, 32, 64), False, jnp.bfloat16, "fixed"),
-        ((2, 2048, 32, 64), False, jnp.bfloat16, None),
-        ((1, 16384, 16, 128), False, jnp.bfloat16, "fixed"),
-        ((2, 8192, 16, 128), False, jnp.bfloat16, None),
-        ((1, 16384, 16, 128), True, jnp.bfloat16, None),
-        # GQA: at H=64 as without; at H=128 plain the fused dQ measured slower.
-        ((2, 4096, 32, 64, 8), False, jnp.bfloat16, "fixed"),
-        ((1, 16384, 16, 128, 4), False, jnp.bfloat16, None),
-        # float16's range cannot hold dS scaled until the dQ sums reach 2^30: two kernels.
-        ((2, 4096, 32, 64), False, jnp.float16, None),
-    ],
-)
-def test_deterministic_grads_sum_dq_as_integers_where_it_is_faster(
-    no_tune_cache, shape, causal, dtype, expected
-):
-    """The H200's default (bitwise deterministic) Mosaic backward computes dQ in its dK/dV
-    kernel by integer adds (fused_dq="fixed") exactly where that measured faster."""
-    *shape, kv_heads = shape if len(shape) == 5 else (*shape, shape[2])
+def chosen_fused_dq(q_shape, num_kv_heads, *, is_causal, dtype=bf16, deterministic_grads=True):
+    """The H200's Mosaic backward's fused_dq for self-attention with queries of q_shape (None:
+    the two-kernel backward)."""
+    batch, length, _, head_dim = q_shape
     call = Call(
-        q_shape=tuple(shape),
-        k_shape=(*shape[:2], kv_heads, shape[3]),
+        q_shape=q_shape,
+        k_shape=(batch, length, num_kv_heads, head_dim),
         dtype=jnp.dtype(dtype),
-        spec=MaskSpec(q_len=shape[1], kv_len=shape[1], is_causal=causal),
+        spec=MaskSpec(q_len=length, kv_len=length, is_causal=is_causal),
+        deterministic_grads=deterministic_grads,
     )
     config = dispatch.choose(call, Device.h200(), scale=0.1)
     assert config.backward == "mosaic"
-    assert config.mosaic_backward_tiles.fused_dq == expected
+    return config.mosaic_backward_tiles.fused_dq
+
+
+@pytest.mark.parametrize(
+    "shape, kv_heads, causal, dtype, expected",
+    [
+        ((1, 16384, 32, 64), 32, True, jnp.bfloat16, "fixed"),
+        ((1, 8192, 32, 64), 32, True, jnp.bfloat16, None),
+        ((2, 4096, 32, 64), 32, False, jnp.bfloat16, "fixed"),
+        ((2, 2048, 32, 64), 32, False, jnp.bfloat16, None),
+        ((1, 16384, 16, 128), 16, False, jnp.bfloat16, "fixed"),
+        ((2, 8192, 16, 128), 16, False, jnp.bfloat16, None),
+        ((1, 16384, 16, 128), 16, True, jnp.bfloat16, None),
+        # GQA: at H=64 as without; at H=128 plain the fused dQ measured slower.
+        ((2, 4096, 32, 64), 8, False, jnp.bfloat16, "fixed"),
+        ((1, 16384, 16, 128), 4, False, jnp.bfloat16, None),
+        # float16's range cannot hold dS scaled until the dQ sums reach 2^30: two kernels.
+        ((2, 4096, 32, 64), 32, False, jnp.float16, None),
+    ],
+)
+def test_deterministic_grads_sum_dq_as_integers_where_it_is_faster(
+    no_tune_cache, shape, kv_heads, causal, dtype, expected
+):
+    """The H200's default (bitwise deterministic) Mosaic backward computes dQ in its dK/dV
+    kernel by integer adds (fused_dq="fixed") exactly where that measured faster."""
+    assert chosen_fused_dq(shape, kv_heads, is_causal=causal, dtype=dtype) == expected
 
 
 @pytest.mark.parametrize("name", list(CALLS))
@@ -591,16 +598,9 @@ def test_nondeterministic_grads_keep_the_head_splits_of_mqa():
     staging leaves no shared memory for the splits); GQA at the same length takes the fused."""
 
     def fused_dq(num_kv_heads):
-        call = Call(
-            q_shape=(1, 8192, 32, 64),
-            k_shape=(1, 8192, num_kv_heads, 64),
-            dtype=bf16,
-            spec=MaskSpec(q_len=8192, kv_len=8192, is_causal=False),
-            deterministic_grads=False,
+        return chosen_fused_dq(
+            (1, 8192, 32, 64), num_kv_heads, is_causal=False, deterministic_grads=False
         )
-        config = dispatch.choose(call, Device.h200(), scale=0.1)
-        assert config.backward == "mosaic"
-        return config.mosaic_backward_tiles.fused_dq
 
     assert fused_dq(1) is None
     assert fused_dq(8) == "add"
@@ -611,14 +611,9 @@ def test_nondeterministic_grads_keep_two_kernels_for_plain_gqa_at_h128():
     0.69-0.88x of it there); MHA and causal GQA from 16k keys take the fused dQ."""
 
     def fused_dq(num_kv_heads, is_causal=False):
-        call = Call(
-            q_shape=(1, 16384, 16, 128),
-            k_shape=(1, 16384, num_kv_heads, 128),
-            dtype=bf16,
-            spec=MaskSpec(q_len=16384, kv_len=16384, is_causal=is_causal),
-            deterministic_grads=False,
+        return chosen_fused_dq(
+            (1, 16384, 16, 128), num_kv_heads, is_causal=is_causal, deterministic_grads=False
         )
-        return dispatch.choose(call, Device.h200(), scale=0.1).mosaic_backward_tiles.fused_dq
 
     assert fused_dq(4) is None
     assert fused_dq(16) == "add"

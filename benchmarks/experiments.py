@@ -129,6 +129,7 @@ DECODE_SHAPES = {
     "S1k": dict(S=1024),
     "G16xT16": dict(K=2, T=16),
     "P128": dict(page=128),
+    "S128k": dict(S=131072),
 }
 # Candidates over the defaults (DecodeBlockSizes fields), per shape; every shape also runs
 # "default" (the cores rule: ceil(1056 / programs) splits of >= 1024 keys, capped at 64, cut per
@@ -138,9 +139,11 @@ DECODE_CANDIDATES = {
         occupancy_kernel_merge=dict(split_rule="occupancy", merge="kernel"),
         s16=dict(kv_splits=16),
         stages3=dict(num_stages=3),
+        s8=dict(kv_splits=8),
     ),
     "ragged": dict(s16=dict(kv_splits=16), s32=dict(kv_splits=32)),
     "T16": dict(
+        s4=dict(kv_splits=4),
         s8=dict(kv_splits=8),
         m32=dict(block_m=32),
         stages1=dict(num_stages=1),
@@ -151,16 +154,25 @@ DECODE_CANDIDATES = {
     "S8k": dict(s4=dict(kv_splits=4), s16=dict(kv_splits=16), stages3=dict(num_stages=3)),
     "G16": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
     "B1": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
-    "S1k": dict(s8=dict(kv_splits=8), unsplit=dict(kv_splits=1)),
+    "S1k": dict(
+        s2=dict(kv_splits=2),
+        s4=dict(kv_splits=4),
+        s8=dict(kv_splits=8),
+        s16=dict(kv_splits=16),
+        unsplit=dict(kv_splits=1),
+    ),
     "G16xT16": dict(m128w8=dict(block_m=128, num_warps=8), m32=dict(block_m=32)),
     "P128": {},
+    "S128k": dict(s8=dict(kv_splits=8), s16=dict(kv_splits=16), s33=dict(kv_splits=33)),
 }
 DECODE_QUICK = ("head", "ragged", "T16", "S8k", "G16", "B1", "P128")
 
 
-def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None):
+def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None):
     """smoke: tiny shapes in the interpreter, to check this code on a CPU; only: the candidate
-    names to time (None: all)."""
+    names to time (None: all); cases: the shapes (names of DECODE_SHAPES; None: all, or the
+    quick ones). On a GPU each row also has the kernel time of one call (`kernel_ms`), and
+    contiguous T=1 shapes a "cudnn" row."""
     from pallas_flash.device import DEFAULT_NUM_SMS
     from pallas_flash.triton import DecodeBlockSizes
     from pallas_flash.triton.decode import decode_plan
@@ -172,7 +184,7 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None):
     if smoke:
         base.update(S=256, N=8, K=2, H=64)
         dtype, repeats, calls_per_jit = jnp.float32, 1, 2
-    for name in DECODE_QUICK if quick else DECODE_SHAPES:
+    for name in cases or (DECODE_QUICK if quick else DECODE_SHAPES):
         case = {**base, **DECODE_SHAPES[name]}
         if smoke:
             case.update(S=min(case["S"], 256), K=max(1, case["K"] // 4))
@@ -222,6 +234,22 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None):
                 if cand == "default":
                     ms_call = bench.median_ms(jax.jit(one), (q, k, v, lengths), repeats=repeats)
                     row["ms_call"] = round(ms_call, 4)
+                if not smoke:
+                    # Kernel time of one call (the profiler's GPU events), as the suite reads.
+                    kernel_ms, _ = bench.device_ms(jax.jit(one), (q, k, v, lengths))
+                    row["kernel_ms"] = round(kernel_ms, 4)
+                    row["kernel_tbps"] = round(nbytes / kernel_ms / 1e9, 3)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            _record(out, row)
+        if not smoke and case["T"] == 1 and case["page"] is None:
+            cudnn = bench.decode_fns(case, interpret=False)["cudnn"]
+            row = dict(exp="decode", case=name, cand="cudnn")
+            try:
+                kernel_ms, _ = bench.device_ms(cudnn, (q, k, v, lengths, None))
+                row.update(
+                    kernel_ms=round(kernel_ms, 4), kernel_tbps=round(nbytes / kernel_ms / 1e9, 3)
+                )
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             _record(out, row)
@@ -426,6 +454,7 @@ def main():
     parser.add_argument(
         "--only", nargs="+", help="decode: time only these candidates (default, full_waves, ...)"
     )
+    parser.add_argument("--cases", nargs="+", help="decode: these shapes only (head, S1k, ...)")
     parser.add_argument(
         "--smoke", action="store_true", help="decode: tiny interpreted shapes (a CPU check)"
     )
@@ -438,7 +467,14 @@ def main():
         if args.experiment == "mosaic-tiles":
             mosaic_tiles(out, args.head_dims, args.seqs)
         elif args.experiment == "decode":
-            decode(out, args.quick, args.calls_per_jit, smoke=args.smoke, only=args.only)
+            decode(
+                out,
+                args.quick,
+                args.calls_per_jit,
+                smoke=args.smoke,
+                only=args.only,
+                cases=args.cases,
+            )
         elif args.experiment == "mosaic-backward":
             mosaic_backward(out, args.head_dims, args.seqs)
         elif args.experiment == "mosaic-gqa":

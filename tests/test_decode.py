@@ -346,7 +346,7 @@ def test_validation_contiguous():
         DecodeBlockSizes(schedule="batch")
     with pytest.raises(ValueError, match="merge='xla' needs schedule='sequence'"):
         DecodeBlockSizes(schedule="balanced", merge="xla")
-    with pytest.raises(ValueError, match="split_rule='waves' must be 'cores', 'full-waves' or"):
+    with pytest.raises(ValueError, match="split_rule='waves' must be 'slots', 'cores', 'full-"):
         DecodeBlockSizes(split_rule="waves")
     with pytest.raises(ValueError, match="waves=0 must be an int >= 1"):
         DecodeBlockSizes(waves=0)
@@ -518,22 +518,32 @@ def test_decode_plan_fills_the_gpu():
     assert (p.schedule.kind, p.schedule.splits, p.schedule.items) == ("sequence", 5, 40)
 
 
-def test_default_decode_plan_splits_per_core():
-    """The default "cores" rule: about eight programs per SM, at least 1024 keys per split, at
-    most 64 splits; the per-sequence schedule, merged in XLA."""
+def test_default_decode_plan_fills_two_waves_of_slots():
+    """The default "slots" rule on an H200 (528 slots for 16-row tiles, 264 for 64-row ones):
+    two waves of slots, lowered to a last wave 90% full; at least 1024 keys per split unless
+    the cache is cut in four or fewer; at most 64; the per-sequence schedule, merged in XLA."""
     from pallas_flash.triton.decode import decode_plan
 
-    def plan(b, t, k, s, num_sms=132):
-        return decode_plan((b, t, 32, 128), k, s, jnp.bfloat16, DecodeBlockSizes(), num_sms=num_sms)
+    def plan(b, t, k, s, num_sms=132, **fields):
+        bs = DecodeBlockSizes(**fields)
+        return decode_plan((b, t, 32, 128), k, s, jnp.bfloat16, bs, num_sms=num_sms)
 
     p = plan(8, 1, 8, 32768)
-    assert (p.programs, p.schedule.kind, p.schedule.splits) == (64, "sequence", 17)
+    assert (p.programs, p.slots, p.schedule.kind, p.schedule.splits) == (64, 528, "sequence", 16)
     assert decode_merge(DecodeBlockSizes()) == "xla"
+    assert plan(8, 1, 8, 131072).schedule.splits == 16  # 17 would leave 32 programs alone
+    p = plan(8, 16, 8, 32768)  # 64-row tiles: 264 slots, 8 splits (not 16: a smaller merge)
+    assert (p.slots, p.schedule.splits) == (264, 8)
     assert plan(1, 1, 8, 32768).schedule.splits == 32  # 1056 / 8 programs, capped at 32 runs
     assert plan(8, 1, 8, 8192).schedule.splits == 8  # 1024 keys per split
-    assert plan(8, 1, 8, 1024).schedule.splits == 1
+    assert plan(8, 1, 8, 1024).schedule.splits == 4  # a short cache: 4 splits of 256
+    assert plan(8, 1, 8, 128).schedule.splits == 2  # no split without a tile
+    assert plan(8, 1, 2, 32768).schedule.splits == 32  # GQA 16: 512 programs, 0.97 wave
     assert plan(256, 1, 8, 32768).schedule.splits == 1  # 2048 programs already
-    assert plan(8, 1, 8, 32768, num_sms=108).schedule.splits == 14  # an A100
+    assert plan(8, 1, 8, 32768, num_sms=108).schedule.splits == 13  # A100: 832 of 864 slots
+    # The former default, "cores": eight programs per SM, 1024 keys per split.
+    assert plan(8, 1, 8, 32768, split_rule="cores").schedule.splits == 17
+    assert plan(8, 1, 8, 1024, split_rule="cores").schedule.splits == 1
 
 
 def test_ctas_per_sm_estimate():

@@ -373,15 +373,23 @@ def choose_decode_splits(
     return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, best))
 
 
+def _fill_last_wave(programs: int, splits: int, slots: int) -> int:
+    """`splits` lowered to the most splits whose programs fill their last wave of CTA slots to
+    90%, if one does (a partly filled last wave runs its few programs alone, latency-bound);
+    else `splits`."""
+    for fewer in range(splits, 0, -1):
+        ctas = programs * fewer
+        if ctas / (pl.cdiv(ctas, slots) * slots) >= 0.9:
+            return fewer
+    return splits
+
+
 def splits_per_core(
     programs: int, num_kv_tiles: int, block_kv: int, *, num_sms: int, slots: int | None = None
 ) -> int:
     """The "cores" rule: enough splits for about eight programs per SM (a program streams one
     tile at a time; several per SM keep enough loads in flight), each keeping at least 1024
-    keys (below that the merge costs more than the parallelism gains), at most 64. On the H200
-    (benchmarks/NOTES.md, "Decode") it beats the occupancy rule with either schedule on ragged
-    lengths, 16 new tokens, B=1, GQA 16 and 8k caches; the occupancy rule's 8 splits win at
-    B=8 with 32k keys (3.90 against 3.59 TB/s).
+    keys (below that the merge costs more than the parallelism gains), at most 64.
 
     With `slots` (the "full-waves" rule), the count is then lowered to the most splits whose
     programs fill their last wave of CTA slots to 90%, if one does: at B=8, 32k keys the cores
@@ -391,12 +399,25 @@ def splits_per_core(
     if programs >= target:
         return 1
     splits = max(1, min(pl.cdiv(target, programs), num_kv_tiles * block_kv // 1024, 64))
-    if slots is not None:
-        for fewer in range(splits, 0, -1):
-            ctas = programs * fewer
-            if ctas / (pl.cdiv(ctas, slots) * slots) >= 0.9:
-                return fewer
-    return splits
+    return splits if slots is None else _fill_last_wave(programs, splits, slots)
+
+
+def splits_for_slots(programs: int, num_kv_tiles: int, block_kv: int, *, slots: int) -> int:
+    """The "slots" rule (the default): enough splits for two waves of the GPU's CTA slots
+    (`slots`: SMs x the tiles' programs per SM), lowered to the most whose last wave is 90%
+    full; each split keeps at least 1024 keys (the merge's cost) except that any cache may be
+    cut in four (a short cache is latency-bound: 1k keys read 1.7x faster in 4 splits of 256),
+    at most 64 splits. Counting slots rather than SMs gives tiles that fit fewer programs per
+    SM (16 new tokens, pages of 128) fewer splits, and so a smaller merge. Measured in kernel
+    time on the H200 (benchmarks/NOTES.md, "Decode"): B=8 at 32k keys 4.07 -> 4.36 TB/s and
+    at 128k 3.96 -> 4.54 against the cores rule, 16 new tokens 3.33 -> 3.46, 1k keys 1.71 ->
+    2.96; ragged lengths 3.93 -> 3.82."""
+    target = 2 * slots
+    if programs >= target:
+        return 1
+    most = min(64, max(min(4, num_kv_tiles), num_kv_tiles * block_kv // 1024))
+    splits = max(1, min(pl.cdiv(target, programs), most))
+    return _fill_last_wave(programs, splits, slots)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,12 +467,14 @@ def decode_plan(
             waves=block_sizes.waves,
             min_split_keys=block_sizes.min_split_keys,
         )
+    elif block_sizes.split_rule == "slots":
+        splits = splits_for_slots(programs, num_kv_tiles, block_kv, slots=slots)
     else:
         full_waves = block_sizes.split_rule == "full-waves"
         splits = splits_per_core(
             programs, num_kv_tiles, block_kv, num_sms=num_sms, slots=slots if full_waves else None
         )
-    # A requested split count is met, and so is the "cores" rule's; the occupancy rule keeps
+    # A requested split count is met, and so are the other rules'; the occupancy rule keeps
     # min_split_keys per run.
     auto = not block_sizes.kv_splits and block_sizes.split_rule == "occupancy"
     min_chunk = max(1, block_sizes.min_split_keys // block_kv) if auto else 1

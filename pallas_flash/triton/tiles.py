@@ -229,11 +229,13 @@ class DecodeBlockSizes:
       kv_splits: programs per sequence (on average, with schedule="balanced") that share the
         keys, combined by logsumexp; 0 (the default) picks it by `split_rule`; 1 turns
         splitting off.
-      split_rule: with kv_splits=0, "cores": about eight programs per SM, each split keeping
-        at least 1024 keys, at most 64 splits (the rule measured best across the decode
-        shapes on the H200); "full-waves": the cores rule lowered to the most splits whose
-        last wave of CTA slots is at least 90% full; "occupancy": from the CTA slots (see
-        `waves`, `min_split_keys`).
+      split_rule: with kv_splits=0, "slots" (the default, measured best across the decode
+        shapes on the H200): enough splits for two waves of the GPU's CTA slots, lowered to a
+        last wave at least 90% full, each split keeping at least 1024 keys unless the cache is
+        cut in four or fewer, at most 64 splits; "cores": about eight programs per SM, at
+        least 1024 keys per split, at most 64; "full-waves": the cores rule lowered to a last
+        wave at least 90% full; "occupancy": one wave of the CTA slots (see `waves`,
+        `min_split_keys`).
       schedule: how split programs share the keys. "balanced": the key tiles of the whole batch
         are cut into equal runs, a sequence taking as many runs as its length needs, so a batch
         of ragged lengths keeps every program equally busy (XLA plans the runs once per call;
@@ -255,7 +257,7 @@ class DecodeBlockSizes:
     num_warps: int = 4
     num_stages: int = 2
     kv_splits: int = 0
-    split_rule: str = "cores"
+    split_rule: str = "slots"
     schedule: str = "sequence"
     merge: str | None = None
     waves: int = 1
@@ -281,10 +283,10 @@ class DecodeBlockSizes:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"DecodeBlockSizes.{name}={value!r} must be an int >= {least}")
-        if self.split_rule not in ("cores", "full-waves", "occupancy"):
+        if self.split_rule not in ("slots", "cores", "full-waves", "occupancy"):
             raise ValueError(
-                f"DecodeBlockSizes.split_rule={self.split_rule!r} must be 'cores', 'full-waves' "
-                "or 'occupancy'"
+                f"DecodeBlockSizes.split_rule={self.split_rule!r} must be 'slots', 'cores', "
+                "'full-waves' or 'occupancy'"
             )
         if self.schedule not in ("balanced", "sequence"):
             raise ValueError(

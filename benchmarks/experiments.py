@@ -145,6 +145,7 @@ DECODE_CANDIDATES = {
     "T16": dict(
         s4=dict(kv_splits=4),
         s8=dict(kv_splits=8),
+        kv32=dict(block_kv=32),
         m32=dict(block_m=32),
         stages1=dict(num_stages=1),
         balanced_stages1=dict(
@@ -153,7 +154,13 @@ DECODE_CANDIDATES = {
     ),
     "S8k": dict(s4=dict(kv_splits=4), s16=dict(kv_splits=16), stages3=dict(num_stages=3)),
     "G16": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
-    "B1": dict(s16=dict(kv_splits=16), s64=dict(kv_splits=64), stages3=dict(num_stages=3)),
+    "B1": dict(
+        s16=dict(kv_splits=16),
+        s64=dict(kv_splits=64),
+        stages3=dict(num_stages=3),
+        kv128=dict(block_kv=128),
+        kv32s4=dict(block_kv=32, num_stages=4),
+    ),
     "S1k": dict(
         s2=dict(kv_splits=2),
         s4=dict(kv_splits=4),

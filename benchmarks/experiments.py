@@ -9,10 +9,11 @@ python benchmarks/experiments.py split-kv --out $OUT/split.jsonl
 python benchmarks/experiments.py decode --out $OUT/decode.jsonl [--quick]
     decode_attention's split-KV and tile levers (DecodeBlockSizes) on the shapes short of
     3.8 TB/s (ragged lengths, T=16, 8k cache, GQA 16, B=1), on the headline shape, and in pages
-    of 128: the default (the cores rule: 17 splits per sequence, XLA merge) and candidates,
-    with memcpy of the same bytes. ms is device time per call (several calls in one jit: the
-    host's dispatch of one call is not counted); ms_call (defaults only) times one call per
-    dispatch, as the bench does.
+    of 128: the default (the slots rule: 16 splits per sequence at B=8, 32k keys, XLA merge)
+    and candidates, with memcpy of the same bytes. ms is device time per call (several calls
+    in one jit: the host's dispatch of one call is not counted); ms_call (defaults only) times
+    one call per dispatch, as the bench does; kernel_ms (on a GPU) is one call's kernels in
+    jax's profiler. --cases picks shapes, --only candidates.
 python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-dims 64 --seqs 512]
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
@@ -132,8 +133,10 @@ DECODE_SHAPES = {
     "S128k": dict(S=131072),
 }
 # Candidates over the defaults (DecodeBlockSizes fields), per shape; every shape also runs
-# "default" (the cores rule: ceil(1056 / programs) splits of >= 1024 keys, capped at 64, cut per
-# sequence, merged in XLA), "occupancy", "full_waves", "balanced", "balanced_cores" and "waves2".
+# "default" (the slots rule: two waves of CTA slots, lowered to a full last wave, splits of >= 1024
+# keys unless cut in four or fewer, capped at 64, cut per sequence, merged in XLA), "cores" (the
+# former default), "occupancy", "full_waves", "balanced", "balanced_cores" (the default's count,
+# balanced) and "waves2".
 DECODE_CANDIDATES = {
     "head": dict(
         occupancy_kernel_merge=dict(split_rule="occupancy", merge="kernel"),
@@ -201,10 +204,11 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
         default = DecodeBlockSizes(block_kv=16 if smoke else 128 if case["page"] else 64)
         candidates = {
             "default": {},
+            "cores": dict(split_rule="cores"),
             "occupancy": dict(split_rule="occupancy"),
             "full_waves": dict(split_rule="full-waves"),
             "balanced": dict(split_rule="occupancy", schedule="balanced", merge="kernel"),
-            # The default's split count, cut over the batch by length (planned in XLA).
+            # The default rule's split count, cut over the batch by length (planned in XLA).
             "balanced_cores": dict(schedule="balanced"),
             "waves2": dict(split_rule="occupancy", waves=2),
             **DECODE_CANDIDATES[name],

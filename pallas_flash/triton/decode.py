@@ -409,9 +409,9 @@ def splits_for_slots(programs: int, num_kv_tiles: int, block_kv: int, *, slots: 
     cut in four (a short cache is latency-bound: 1k keys read 1.7x faster in 4 splits of 256),
     at most 64 splits. Counting slots rather than SMs gives tiles that fit fewer programs per
     SM (16 new tokens, pages of 128) fewer splits, and so a smaller merge. Measured in kernel
-    time on the H200 (benchmarks/NOTES.md, "Decode"): B=8 at 32k keys 4.07 -> 4.36 TB/s and
-    at 128k 3.96 -> 4.54 against the cores rule, 16 new tokens 3.33 -> 3.46, 1k keys 1.71 ->
-    2.96; ragged lengths 3.93 -> 3.82."""
+    time on the H200 against the cores rule (benchmarks/NOTES.md, "Decode"), TB/s: B=8 at
+    32k keys 4.36 against 4.07, at 128k 4.54 against 3.96, 16 new tokens 3.46 against 3.33,
+    1k keys 2.96 against 1.71; ragged lengths 3.82 against 3.93."""
     target = 2 * slots
     if programs >= target:
         return 1

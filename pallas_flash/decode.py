@@ -107,6 +107,7 @@ def decode_attention(
     api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        key_cache.shape[2],
         scale,
         logits_soft_cap,
         local_window_size,
@@ -173,6 +174,7 @@ def paged_attention(
     api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        key_pages.shape[2],
         scale,
         logits_soft_cap,
         local_window_size,
@@ -343,6 +345,7 @@ class _Options:
     def of(
         cls,
         query,
+        num_kv_heads,
         scale,
         soft_cap,
         window,
@@ -377,8 +380,10 @@ class _Options:
         )
         interpret = bool(interpret)
         if block_sizes is None:
+            # The packed rows of one KV head: its group of query heads times the new tokens.
+            rows = query.shape[1] * max(1, query.shape[2] // max(1, num_kv_heads))
             block_sizes = default_decode_block_sizes(
-                head_dim, query.dtype, interpret=interpret, page_size=page_size
+                head_dim, query.dtype, interpret=interpret, page_size=page_size, rows=rows
             )
         # The split count fills the SMs of the GPU the call is traced for.
         num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS

@@ -422,6 +422,8 @@ GPU_CASES = [
     Case((3000, 45), 4, 16, 4, 256, 3000, page=16, dtype="bfloat16", soft_cap=30.0),
     Case((3000, 45), 1, 8, 8, 64, 3072, page=256, dtype="float16"),
     Case((3000, 45), 3, 64, 4, 128, 3000, page=48, dtype="bfloat16"),
+    # 64 packed rows: the default's 32-key tiles in 4 stages, over pages of 16.
+    Case((3000, 45, 16), 16, 32, 8, 128, 3008, page=16, dtype="bfloat16"),
 ]
 
 
@@ -544,6 +546,26 @@ def test_default_decode_plan_fills_two_waves_of_slots():
     # The former default, "cores": eight programs per SM, 1024 keys per split.
     assert plan(8, 1, 8, 32768, split_rule="cores").schedule.splits == 17
     assert plan(8, 1, 8, 1024, split_rule="cores").schedule.splits == 1
+
+
+def test_default_decode_tiles():
+    """The shipped tiles by call: 64-key tiles in 2 stages; 128-key tiles for pages of a
+    multiple of 128; 32-key tiles for H=256 and float32; 32-key tiles in 4 stages where 64 or
+    more packed rows (new tokens x query heads per KV head) fill a wgmma tile."""
+    from pallas_flash.triton import default_decode_block_sizes as tiles
+
+    def kv_stages(*args, **kwargs):
+        bs = tiles(*args, interpret=False, **kwargs)
+        return bs.block_kv, bs.num_stages
+
+    assert kv_stages(128, jnp.bfloat16) == (64, 2)
+    assert kv_stages(128, jnp.bfloat16, rows=16) == (64, 2)
+    assert kv_stages(128, jnp.bfloat16, rows=64) == (32, 4)
+    assert kv_stages(128, jnp.bfloat16, rows=256, page_size=16) == (32, 4)
+    assert kv_stages(128, jnp.bfloat16, rows=64, page_size=128) == (128, 2)
+    assert kv_stages(256, jnp.bfloat16, rows=64) == (32, 2)
+    assert kv_stages(128, jnp.float32, rows=64) == (32, 2)
+    assert tiles(128, jnp.bfloat16, interpret=True, rows=64).block_kv == 16
 
 
 def test_ctas_per_sm_estimate():

@@ -345,14 +345,22 @@ _DECODE_INTERPRET = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, kv_s
 
 
 def default_decode_block_sizes(
-    head_dim: int, dtype, *, interpret: bool, page_size: int | None = None
+    head_dim: int,
+    dtype,
+    *,
+    interpret: bool,
+    page_size: int | None = None,
+    rows: int = 1,
 ) -> DecodeBlockSizes:
     """Decode tiles for a call: small ones in the interpreter, else the shipped defaults, from
-    a sweep on the H200 (64-key tiles, 4 warps, 2 stages: 3.7-3.9 TB/s at B=8, 32k keys,
-    H=128, bf16, contiguous and in pages of 16; 32- and 128-key tiles within 5%). Pages of a
-    multiple of 128 keys take 128-key tiles, each one contiguous block of a page (3.9 TB/s
-    against 3.5 with 64-key tiles). float32 and H=256 halve the key tile to keep the stages in
-    shared memory."""
+    sweeps on the H200 (benchmarks/NOTES.md, "Decode"). 64-key tiles, 4 warps, 2 stages (3.7-3.9
+    TB/s at B=8, 32k keys, H=128, bf16, contiguous and in pages of 16; 32- and 128-key tiles
+    within 5%). Pages of a multiple of 128 keys take 128-key tiles, each one contiguous block
+    of a page (3.9 TB/s against 3.5 with 64-key tiles). `rows` (the new tokens times the group
+    of query heads a KV head serves) of 64 or more fill 64-row wgmma tiles, whose programs
+    stream better from 32-key tiles in 4 stages (the same shared memory as 64-key tiles in 2;
+    T=16 over 4 heads per KV head: 3.76 TB/s of kernel time against 3.46). float32 and H=256
+    halve the key tile to keep the stages in shared memory."""
     if interpret:
         return _DECODE_INTERPRET
     wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
@@ -360,4 +368,6 @@ def default_decode_block_sizes(
         return DecodeBlockSizes(block_kv=32)
     if page_size is not None and page_size % 128 == 0:
         return DecodeBlockSizes(block_kv=128)
+    if rows >= 64:
+        return DecodeBlockSizes(block_kv=32, num_stages=4)
     return DecodeBlockSizes(block_kv=64)

@@ -149,6 +149,7 @@ DECODE_CANDIDATES = {
         s4=dict(kv_splits=4),
         s8=dict(kv_splits=8),
         kv32=dict(block_kv=32),
+        kv32s4_splits4=dict(block_kv=32, num_stages=4, kv_splits=4),
         m32=dict(block_m=32),
         stages1=dict(num_stages=1),
         balanced_stages1=dict(
@@ -162,7 +163,6 @@ DECODE_CANDIDATES = {
         s64=dict(kv_splits=64),
         stages3=dict(num_stages=3),
         kv128=dict(block_kv=128),
-        kv32s4=dict(block_kv=32, num_stages=4),
     ),
     "S1k": dict(
         s2=dict(kv_splits=2),
@@ -171,7 +171,11 @@ DECODE_CANDIDATES = {
         s16=dict(kv_splits=16),
         unsplit=dict(kv_splits=1),
     ),
-    "G16xT16": dict(m128w8=dict(block_m=128, num_warps=8), m32=dict(block_m=32)),
+    "G16xT16": dict(
+        m128w8=dict(block_m=128, num_warps=8),
+        m32=dict(block_m=32),
+        kv32s4_splits4=dict(block_kv=32, num_stages=4, kv_splits=4),
+    ),
     "P128": {},
     "S128k": dict(s8=dict(kv_splits=8), s16=dict(kv_splits=16), s33=dict(kv_splits=33)),
 }
@@ -211,6 +215,8 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
             # The default rule's split count, cut over the batch by length (planned in XLA).
             "balanced_cores": dict(schedule="balanced"),
             "waves2": dict(split_rule="occupancy", waves=2),
+            # Twice the tiles in flight per program for the same shared memory.
+            "kv32s4": dict(block_kv=32, num_stages=4),
             **DECODE_CANDIDATES[name],
         }
         if only:

@@ -522,8 +522,9 @@ def test_decode_plan_fills_the_gpu():
 
 def test_default_decode_plan_fills_two_waves_of_slots():
     """The default "slots" rule on an H200 (528 slots for 16-row tiles, 264 for 64-row ones):
-    two waves of slots, lowered to a last wave 90% full; at least 1024 keys per split unless
-    the cache is cut in four or fewer; at most 64; the per-sequence schedule, merged in XLA."""
+    two waves of slots (one for 64-row tiles), lowered to a last wave 90% full; at least 1024
+    keys per split unless the cache is cut in four or fewer; at most 64; the per-sequence
+    schedule, merged in XLA."""
     from pallas_flash.triton.decode import decode_plan
 
     def plan(b, t, k, s, num_sms=132, **fields):
@@ -534,8 +535,9 @@ def test_default_decode_plan_fills_two_waves_of_slots():
     assert (p.programs, p.slots, p.schedule.kind, p.schedule.splits) == (64, 528, "sequence", 16)
     assert decode_merge(DecodeBlockSizes()) == "xla"
     assert plan(8, 1, 8, 131072).schedule.splits == 16  # 17 would leave 32 programs alone
-    p = plan(8, 16, 8, 32768)  # 64-row tiles: 264 slots, 8 splits (not 16: a smaller merge)
-    assert (p.slots, p.schedule.splits) == (264, 8)
+    p = plan(8, 16, 8, 32768)  # 64-row tiles: 264 slots, one wave (a smaller merge)
+    assert (p.slots, p.schedule.splits) == (264, 4)
+    assert plan(8, 16, 2, 32768).schedule.splits == 4  # 4 row tiles per KV head: 256 programs
     assert plan(1, 1, 8, 32768).schedule.splits == 32  # 1056 / 8 programs, capped at 32 runs
     assert plan(8, 1, 8, 8192).schedule.splits == 8  # 1024 keys per split
     assert plan(8, 1, 8, 1024).schedule.splits == 4  # a short cache: 4 splits of 256

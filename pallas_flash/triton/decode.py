@@ -402,17 +402,20 @@ def splits_per_core(
     return splits if slots is None else _fill_last_wave(programs, splits, slots)
 
 
-def splits_for_slots(programs: int, num_kv_tiles: int, block_kv: int, *, slots: int) -> int:
+def splits_for_slots(
+    programs: int, num_kv_tiles: int, block_kv: int, *, slots: int, block_m: int = 16
+) -> int:
     """The "slots" rule (the default): enough splits for two waves of the GPU's CTA slots
-    (`slots`: SMs x the tiles' programs per SM), lowered to the most whose last wave is 90%
+    (`slots`: SMs x the tiles' programs per SM), one wave for tiles of 64 or more rows (their
+    f32 partials make the merge four times larger), lowered to the most whose last wave is 90%
     full; each split keeps at least 1024 keys (the merge's cost) except that any cache may be
     cut in four (a short cache is latency-bound: 1k keys read 1.7x faster in 4 splits of 256),
-    at most 64 splits. Counting slots rather than SMs gives tiles that fit fewer programs per
-    SM (16 new tokens, pages of 128) fewer splits, and so a smaller merge. Measured in kernel
-    time on the H200 against the cores rule (benchmarks/NOTES.md, "Decode"), TB/s: B=8 at
-    32k keys 4.36 against 4.07, at 128k 4.54 against 3.96, 16 new tokens 3.46 against 3.33,
-    1k keys 2.96 against 1.71; ragged lengths 3.82 against 3.93."""
-    target = 2 * slots
+    at most 64 splits. Measured in kernel time on the H200 (benchmarks/NOTES.md, "Decode"),
+    TB/s, against the former "cores" rule: B=8 at 32k keys 4.36 against 4.07, at 128k 4.54
+    against 3.96, 1k keys 2.96 against 1.71, ragged lengths 3.82 against 3.93; T=16 over 4
+    heads per KV head (64-row tiles of 32 keys in 4 stages) 3.86 in 4 splits against 3.77 in
+    8."""
+    target = (1 if block_m >= 64 else 2) * slots
     if programs >= target:
         return 1
     most = min(64, max(min(4, num_kv_tiles), num_kv_tiles * block_kv // 1024))
@@ -468,7 +471,7 @@ def decode_plan(
             min_split_keys=block_sizes.min_split_keys,
         )
     elif block_sizes.split_rule == "slots":
-        splits = splits_for_slots(programs, num_kv_tiles, block_kv, slots=slots)
+        splits = splits_for_slots(programs, num_kv_tiles, block_kv, slots=slots, block_m=block_m)
     else:
         full_waves = block_sizes.split_rule == "full-waves"
         splits = splits_per_core(

@@ -381,7 +381,7 @@ class _Options:
         interpret = bool(interpret)
         if block_sizes is None:
             # The packed rows of one KV head: its group of query heads times the new tokens.
-            rows = query.shape[1] * max(1, query.shape[2] // max(1, num_kv_heads))
+            rows = query.shape[1] * (query.shape[2] // num_kv_heads)
             block_sizes = default_decode_block_sizes(
                 head_dim, query.dtype, interpret=interpret, page_size=page_size, rows=rows
             )

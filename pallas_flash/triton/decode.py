@@ -373,6 +373,15 @@ def choose_decode_splits(
     return pl.cdiv(num_kv_tiles, pl.cdiv(num_kv_tiles, best))
 
 
+def _splits_toward(target: int, programs: int, most: int, slots: int | None) -> int:
+    """Splits for about `target` programs in all (none where `programs` reach it), at most
+    `most`; with `slots`, lowered to a full last wave (`_fill_last_wave`)."""
+    if programs >= target:
+        return 1
+    splits = max(1, min(pl.cdiv(target, programs), most))
+    return splits if slots is None else _fill_last_wave(programs, splits, slots)
+
+
 def _fill_last_wave(programs: int, splits: int, slots: int) -> int:
     """`splits` lowered to the most splits whose programs fill their last wave of CTA slots to
     90%, if one does (a partly filled last wave runs its few programs alone, latency-bound);
@@ -395,11 +404,8 @@ def splits_per_core(
     programs fill their last wave of CTA slots to 90%, if one does: at B=8, 32k keys the cores
     count 17 makes 1088 programs for 528 slots, a last wave of 32 programs running alone; 16
     makes 1024, 1.94 waves."""
-    target = 8 * num_sms
-    if programs >= target:
-        return 1
-    splits = max(1, min(pl.cdiv(target, programs), num_kv_tiles * block_kv // 1024, 64))
-    return splits if slots is None else _fill_last_wave(programs, splits, slots)
+    most = min(num_kv_tiles * block_kv // 1024, 64)
+    return _splits_toward(8 * num_sms, programs, most, slots)
 
 
 def splits_for_slots(
@@ -415,12 +421,9 @@ def splits_for_slots(
     against 3.96, 1k keys 2.96 against 1.71, ragged lengths 3.82 against 3.93; T=16 over 4
     heads per KV head (64-row tiles of 32 keys in 4 stages) 3.86 in 4 splits against 3.77 in
     8."""
-    target = (1 if block_m >= 64 else 2) * slots
-    if programs >= target:
-        return 1
+    waves = 1 if block_m >= 64 else 2
     most = min(64, max(min(4, num_kv_tiles), num_kv_tiles * block_kv // 1024))
-    splits = max(1, min(pl.cdiv(target, programs), most))
-    return _fill_last_wave(programs, splits, slots)
+    return _splits_toward(waves * slots, programs, most, slots)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,8 @@ from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
-from pallas_flash.triton import DecodeBlockSizes, default_decode_block_sizes
-from pallas_flash.triton.decode import decode_forward
+from pallas_flash.triton import DecodeBlockSizes
+from pallas_flash.triton.decode import decode_block_sizes, decode_forward
 
 _SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
     (the new tokens included), new token t sits at position L - T + t and sees keys
@@ -108,6 +108,7 @@ def decode_attention(
     options = _Options.of(
         query,
         key_cache.shape[2],
+        capacity,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -175,6 +176,7 @@ def paged_attention(
     options = _Options.of(
         query,
         key_pages.shape[2],
+        capacity,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -346,6 +348,7 @@ class _Options:
         cls,
         query,
         num_kv_heads,
+        capacity,
         scale,
         soft_cap,
         window,
@@ -379,14 +382,19 @@ class _Options:
             window_left=None if window is None else window[0],
         )
         interpret = bool(interpret)
-        if block_sizes is None:
-            # The packed rows of one KV head: its group of query heads times the new tokens.
-            rows = query.shape[1] * (query.shape[2] // num_kv_heads)
-            block_sizes = default_decode_block_sizes(
-                head_dim, query.dtype, interpret=interpret, page_size=page_size, rows=rows
-            )
         # The split count fills the SMs of the GPU the call is traced for.
         num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
+        if block_sizes is None:
+            block_sizes = decode_block_sizes(
+                query.shape,
+                num_kv_heads,
+                capacity,
+                query.dtype,
+                interpret=interpret,
+                page_size=page_size,
+                window_left=math_kwargs["window_left"],
+                num_sms=num_sms,
+            )
         kernel_kwargs = dict(
             math_kwargs, block_sizes=block_sizes, interpret=interpret, num_sms=num_sms
         )

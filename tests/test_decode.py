@@ -424,6 +424,9 @@ GPU_CASES = [
     Case((3000, 45), 3, 64, 4, 128, 3000, page=48, dtype="bfloat16"),
     # 64 packed rows: the default's 32-key tiles in 4 stages, over pages of 16.
     Case((3000, 45, 16), 16, 32, 8, 128, 3008, page=16, dtype="bfloat16"),
+    # One long sequence: 20 splits fill under half the slots, the default's 32-key tiles in 4
+    # stages (the T=16 group-16 case above takes 128-row tiles).
+    Case((20000,), 1, 32, 8, 128, 20480, dtype="bfloat16"),
 ]
 
 
@@ -431,13 +434,18 @@ GPU_CASES = [
 @pytest.mark.parametrize("c", GPU_CASES, ids=str)
 def test_gpu_matches_oracle(c):
     problem, (q, k, v) = make_problem(c)
-    want, _ = oracle(
+    want, want_lse = oracle(
         q, k, v, c.lengths, scale=c.head_dim**-0.5, soft_cap=c.soft_cap, window=c.window
     )
-    (xla, _), (ours, _) = run(c, problem, XLA, GPU)
+    (xla, xla_lse), (ours, lse) = run(c, problem, XLA, GPU)
     xla, ours = (np.asarray(x.astype(jnp.float32)) for x in (xla, ours))
     assert np.all(np.isfinite(ours))
     assert np.max(np.abs(ours - want)) <= 2 * np.max(np.abs(xla - want)) + 1e-3
+    lse, xla_lse = np.asarray(lse, np.float64), np.asarray(xla_lse, np.float64)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    seen = np.isfinite(want_lse)
+    lse_error = np.max(np.abs(lse[seen] - want_lse[seen]))
+    assert lse_error <= 2 * np.max(np.abs(xla_lse[seen] - want_lse[seen])) + 1e-4
 
 
 @pytest.mark.gpu
@@ -524,7 +532,7 @@ def test_default_decode_plan_fills_two_waves_of_slots():
     """The default "slots" rule on an H200 (528 slots for 16-row tiles, 264 for 64-row ones):
     two waves of slots (one for 64-row tiles), lowered to a last wave 90% full; at least 1024
     keys per split unless the cache is cut in four or fewer; at most 64; the per-sequence
-    schedule, merged in XLA."""
+    schedule, merged in the merge kernel."""
     from pallas_flash.triton.decode import decode_plan
 
     def plan(b, t, k, s, num_sms=132, **fields):
@@ -533,7 +541,7 @@ def test_default_decode_plan_fills_two_waves_of_slots():
 
     p = plan(8, 1, 8, 32768)
     assert (p.programs, p.slots, p.schedule.kind, p.schedule.splits) == (64, 528, "sequence", 16)
-    assert decode_merge(DecodeBlockSizes()) == "xla"
+    assert decode_merge(DecodeBlockSizes()) == "kernel"
     assert plan(8, 1, 8, 131072).schedule.splits == 16  # 17 would leave 32 programs alone
     p = plan(8, 16, 8, 32768)  # 64-row tiles: 264 slots, one wave (a smaller merge)
     assert (p.slots, p.schedule.splits) == (264, 4)
@@ -553,21 +561,50 @@ def test_default_decode_plan_fills_two_waves_of_slots():
 def test_default_decode_tiles():
     """The shipped tiles by call: 64-key tiles in 2 stages; 128-key tiles for pages of a
     multiple of 128; 32-key tiles for H=256 and float32; 32-key tiles in 4 stages where 64 or
-    more packed rows (new tokens x query heads per KV head) fill a wgmma tile."""
+    more packed rows (new tokens x query heads per KV head) fill a 64-row wgmma tile, 128-row
+    tiles of 64 keys from 128 rows."""
     from pallas_flash.triton import default_decode_block_sizes as tiles
 
     def kv_stages(*args, **kwargs):
         bs = tiles(*args, interpret=False, **kwargs)
-        return bs.block_kv, bs.num_stages
+        return bs.block_m, bs.block_kv, bs.num_stages
 
-    assert kv_stages(128, jnp.bfloat16) == (64, 2)
-    assert kv_stages(128, jnp.bfloat16, rows=16) == (64, 2)
-    assert kv_stages(128, jnp.bfloat16, rows=64) == (32, 4)
-    assert kv_stages(128, jnp.bfloat16, rows=256, page_size=16) == (32, 4)
-    assert kv_stages(128, jnp.bfloat16, rows=64, page_size=128) == (128, 2)
-    assert kv_stages(256, jnp.bfloat16, rows=64) == (32, 2)
-    assert kv_stages(128, jnp.float32, rows=64) == (32, 2)
+    assert kv_stages(128, jnp.bfloat16) == (64, 64, 2)
+    assert kv_stages(128, jnp.bfloat16, rows=16) == (64, 64, 2)
+    assert kv_stages(128, jnp.bfloat16, rows=64) == (64, 32, 4)
+    assert kv_stages(128, jnp.bfloat16, rows=127) == (64, 32, 4)
+    assert kv_stages(128, jnp.bfloat16, rows=128) == (128, 64, 2)
+    assert kv_stages(128, jnp.bfloat16, rows=256, page_size=16) == (128, 64, 2)
+    assert kv_stages(128, jnp.bfloat16, rows=64, page_size=128) == (64, 128, 2)
+    assert kv_stages(256, jnp.bfloat16, rows=64) == (64, 32, 2)
+    assert kv_stages(128, jnp.float32, rows=64) == (64, 32, 2)
     assert tiles(128, jnp.bfloat16, interpret=True, rows=64).block_kv == 16
+
+
+def test_default_tiles_deepen_the_pipeline_of_a_half_wave():
+    """decode_block_sizes on an H200 (132 SMs, 528 slots for 16-row tiles): 32-key tiles in
+    4 stages where the split programs fill at most half the slots in runs of >= 1024 keys;
+    the rows' tiles otherwise."""
+    from pallas_flash.triton.decode import decode_block_sizes
+
+    def kv_stages(b, t, k, s, **kwargs):
+        bs = decode_block_sizes(
+            (b, t, 32, 128), k, s, jnp.bfloat16, interpret=False, num_sms=132, **kwargs
+        )
+        return bs.block_m, bs.block_kv, bs.num_stages
+
+    assert kv_stages(1, 1, 8, 32768) == (64, 32, 4)  # 32 splits of 1024: 256 programs
+    assert kv_stages(1, 1, 8, 16384) == (64, 32, 4)  # 16 splits: 128 programs
+    assert kv_stages(2, 1, 8, 32768) == (64, 64, 2)  # 512 programs
+    assert kv_stages(8, 1, 8, 32768) == (64, 64, 2)
+    assert kv_stages(8, 1, 8, 8192) == (64, 64, 2)  # 512 of 528 slots
+    assert kv_stages(8, 1, 8, 1024) == (64, 64, 2)  # runs of 256 keys
+    assert kv_stages(1, 1, 8, 32768, window_left=2047) == (64, 64, 2)  # 2k keys: 4 splits
+    assert kv_stages(1, 1, 8, 32768, page_size=16) == (64, 32, 4)
+    assert kv_stages(1, 1, 8, 32768, page_size=128) == (64, 128, 2)  # the pages' tiles
+    assert kv_stages(1, 16, 2, 32768) == (128, 64, 2)  # rows' tiles
+    interpreted = decode_block_sizes((1, 1, 32, 128), 8, 32768, jnp.bfloat16, interpret=True)
+    assert (interpreted.block_kv, interpreted.num_stages) == (16, 1)
 
 
 def test_ctas_per_sm_estimate():
@@ -681,6 +718,68 @@ def test_schedules_match_oracle(fields):
     for c in (CASES[2], CASES[0]) if SWEEP else (CASES[2],):
         problem, oracle_inputs = make_problem(c)
         check_against_oracle(c, run(c, problem, path, block_sizes=bs), oracle_inputs)
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [(2, 2, 32), (8, 4, 128), (32, 16, 16)],
+    ids=["steps-of-2-narrow-columns", "one-step", "chunk-past-the-items"],
+)
+def test_merge_kernel_matches_xla_merge(tiles):
+    """The merge kernel (interpreter) against XLA's merge of the same partial results: several
+    steps of items, column tiles over a head dim that pads (80 -> 128), row tiles over 5
+    rows, items that saw no key of a row (lse -inf, NaN where they stored nothing) and a row
+    no item saw (0, lse -inf)."""
+    from pallas_flash.triton.decode import MergeTiles, Schedule, _combine_splits, _merge
+
+    batch, splits, num_kv_heads, num_rows, head_dim = 2, 5, 2, 5, 80
+    chunk, block_r, block_c = tiles
+    schedule = Schedule("sequence", batch, splits, batch * splits, 64, 1, None, 16, 1, 4)
+    rng = np.random.default_rng(3)
+    shape = (batch * splits, num_kv_heads, num_rows)
+    out = rng.standard_normal((*shape, head_dim)).astype(np.float32)
+    lse = (20 * rng.standard_normal(shape)).astype(np.float32)
+    log_sum = rng.uniform(0, 3, shape).astype(np.float32)
+    unseen = rng.uniform(size=shape) < 0.3
+    unseen[:, 1, 4] = True  # row 4 of KV head 1: no item saw a key
+    lse[unseen], log_sum[unseen], out[unseen] = -np.inf, 0.0, 0.0
+    want = _combine_splits(*(jnp.asarray(x) for x in (out, lse, log_sum)), splits)
+    pad = np.full((chunk - 1, *shape[1:]), np.nan, np.float32)
+    padded = [
+        np.concatenate([x, np.broadcast_to(pad[..., None], (chunk - 1, *x.shape[1:]))])
+        if x.ndim == 4
+        else np.concatenate([x, pad])
+        for x in (out, lse, log_sum)
+    ]
+    got = _merge(
+        jnp.zeros((batch,), jnp.int32),
+        *(jnp.asarray(x) for x in padded),
+        schedule,
+        MergeTiles(chunk, block_r, block_c),
+        jnp.float32,
+        interpret=True,
+    )
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    assert np.all(np.asarray(got[0])[:, 1, 4] == 0) and np.asarray(got[1])[:, 1, 4].max() == -np.inf
+
+
+def test_merge_tiles_fit_their_budget():
+    """MergeTiles: a sequence's items per step up to 32, narrower columns before fewer rows,
+    within 4096 f32 elements per step."""
+    from pallas_flash.triton.decode import MergeTiles, Schedule
+
+    def tiles(splits, rows, head_dim):
+        schedule = Schedule("sequence", 8, splits, 8 * splits, 32768, 1, None, 64, 1, 512)
+        t = MergeTiles.of(schedule, rows, head_dim)
+        assert t.chunk * t.block_r * t.block_c <= MergeTiles.BUDGET
+        return t.chunk, t.block_r, t.block_c
+
+    assert tiles(32, 4, 128) == (32, 4, 32)  # B=1, 32k keys: 32 splits of a group of 4
+    assert tiles(16, 4, 128) == (16, 4, 64)
+    assert tiles(4, 64, 128) == (4, 16, 64)  # T=16 over 4 heads per KV head
+    assert tiles(3, 1, 80) == (4, 2, 128)
+    assert tiles(64, 16, 256) == (32, 8, 16)
 
 
 def tied_huge_logits_problem(seed=5):

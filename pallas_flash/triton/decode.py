@@ -20,14 +20,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash._numerics import MIN_LOGIT
+from pallas_flash._numerics import LN2, MIN_LOGIT
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
     CompilerParams,
     dot,
     fold,
     load_rows,
-    load_vector,
     logit_unit,
     merge_splits,
     scores,
@@ -40,6 +39,7 @@ from pallas_flash.triton.tiles import (
     DecodeBlockSizes,
     decode_ctas_per_sm,
     decode_merge,
+    default_decode_block_sizes,
     padded_head_dim,
 )
 
@@ -296,43 +296,68 @@ def _merge_kernel(
     num_rows: int,
     head_dim: int,
     block_r: int,
+    block_c: int,
+    col_tiles: int,
+    chunk: int,
 ):
-    """A tile of `block_r` packed rows of one (sequence, KV head): the sum of the rows' partial
-    results over the sequence's items weighted by their softmax denominators (Flash-Decoding's
-    reduction, as `_numerics.merge_weights`), one item per step. o_parts_ref: [items, block_r,
-    Hp] f32, lse_parts_ref and log_sum_parts_ref: [items, block_r]; o_ref: [block_r, Hp],
-    lse_ref and log_sum_ref: [block_r]. An online softmax over the items: an item's row max is
-    lse - log_sum and its denominator relative to that max exp(log_sum), both exact where lse
-    alone has rounded the denominator away (keys that tie across items at |logits| beyond
-    ~1e6). A row no item saw a key of outputs 0 with lse = -inf."""
-    r_rows = num_rows - pl.program_id(0) * block_r  # rows of this tile that exist
-    ragged = num_rows % block_r != 0
+    """A tile of `block_r` packed rows and `block_c` columns of one (sequence, KV head): the
+    sum of the rows' partial results over the sequence's items weighted by their softmax
+    denominators (Flash-Decoding's reduction, as `_numerics.merge_weights`), `chunk` items per
+    step: the items' loads are independent, so a step waits for one memory round trip, not
+    one per item; grid axis 0 is the row tile times `col_tiles`, plus the column tile.
+    o_parts_ref: [items + chunk - 1, block_r, block_c] f32 (the items, then
+    padding that masked loads never read), lse_parts_ref and log_sum_parts_ref:
+    [items + chunk - 1, block_r]; o_ref: [block_r, block_c], lse_ref and log_sum_ref:
+    [block_r], stored by the first column tile. An online softmax over the steps: an item's
+    row max is lse - log_sum and its denominator relative to that max exp(log_sum), both exact
+    where lse alone has rounded the denominator away (keys that tie across items at |logits|
+    beyond ~1e6). A row no item saw a key of outputs 0 with lse = -inf."""
+    row_tile = jax.lax.div(pl.program_id(0), col_tiles)
+    col_tile = jax.lax.rem(pl.program_id(0), col_tiles)
+    r_rows = num_rows - row_tile * block_r  # rows of this tile that exist
     first, count = schedule.items_of(pl.program_id(2), runs_ref)
+    row_ok = jax.lax.broadcasted_iota(jnp.int32, (1, block_r), 1) < r_rows
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, 1, block_c), 2)
+    col_ok = cols < head_dim - col_tile * block_c
 
     def body(j, carry):
         acc, m_i, l_i = carry
-        item = (first + j,)
-        load = functools.partial(load_vector, start=0, block=block_r, length=r_rows, ragged=ragged)
-        lse = load(lse_parts_ref, other=-jnp.inf, lead=item)
-        log_sum = load(log_sum_parts_ref, other=0.0, lead=item)
-        part = load_rows(o_parts_ref, 0, block_r, r_rows, head_dim, ragged=ragged, lead=item)
+        start = first + j * chunk
+        in_run = (j * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)) < count
+        ok = in_run & row_ok  # [chunk, block_r]
+        items = pl.ds(start, chunk)
+        lse = plgpu.load(lse_parts_ref.at[items, :], mask=ok, other=-jnp.inf)
+        log_sum = plgpu.load(log_sum_parts_ref.at[items, :], mask=ok, other=0.0)
+        part = plgpu.load(o_parts_ref.at[items, :, :], mask=ok[:, :, None] & col_ok, other=0.0)
         seen = lse > -jnp.inf  # the item saw a key of the row
         row_max = jnp.where(seen, lse - log_sum, MIN_LOGIT)
-        m_new = jnp.maximum(m_i, row_max)
-        weight = jnp.where(seen, jnp.exp((row_max - m_new) + log_sum), 0.0)
+        m_new = jnp.maximum(m_i, jnp.max(row_max, axis=0))
+        weight = jnp.where(seen, jnp.exp((row_max - m_new[None, :]) + log_sum), 0.0)
         alpha = jnp.exp(m_i - m_new)
-        acc = acc * alpha[:, None] + weight[:, None] * part
-        return acc, m_new, l_i * alpha + weight
+        acc = acc * alpha[:, None] + jnp.sum(weight[:, :, None] * part, axis=0)
+        return acc, m_new, l_i * alpha + jnp.sum(weight, axis=0)
 
     init = (
-        jnp.zeros((block_r, o_parts_ref.shape[-1]), jnp.float32),
+        jnp.zeros((block_r, block_c), jnp.float32),
         jnp.full((block_r,), MIN_LOGIT, jnp.float32),
         jnp.zeros((block_r,), jnp.float32),
     )
-    carry = fold(0, count, body, init)
-    # The partial lse are natural logs: the logit unit is 1. The merged log_sum is relative to
-    # the largest item max, the row's max.
-    softmax_store(carry, 1.0, o_ref, lse_ref, block_r, r_rows, head_dim, log_sum_ref=log_sum_ref)
+    acc, m_i, l_i = fold(0, pl.cdiv(count, chunk), body, init)
+    # The partial lse are natural logs. The merged log_sum is relative to the largest item
+    # max, the row's max.
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    rows = jax.lax.broadcasted_iota(jnp.int32, (block_r, 1), 0)
+    plgpu.store(
+        o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype), mask=(rows < r_rows) & col_ok[0]
+    )
+    log_sum = jnp.log2(l_safe) * LN2
+    lse = jnp.where(empty, -jnp.inf, m_i + log_sum)
+
+    @pl.when(col_tile == 0)
+    def _():
+        plgpu.store(lse_ref, lse, mask=row_ok[0])
+        plgpu.store(log_sum_ref, log_sum, mask=row_ok[0])
 
 
 def choose_decode_splits(
@@ -434,6 +459,7 @@ class DecodePlan:
     block_m: int
     block_kv: int
     num_m_tiles: int
+    num_kv_tiles: int
     programs: int
     slots: int
     schedule: Schedule
@@ -496,7 +522,43 @@ def decode_plan(
         min_chunk=min_chunk,
         max_tiles=max_tiles,
     )
-    return DecodePlan(block_m, block_kv, num_m_tiles, programs, slots, schedule)
+    return DecodePlan(block_m, block_kv, num_m_tiles, num_kv_tiles, programs, slots, schedule)
+
+
+def decode_block_sizes(
+    q_shape,
+    num_kv_heads: int,
+    capacity: int,
+    dtype,
+    *,
+    interpret: bool,
+    page_size: int | None = None,
+    window_left: int | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> DecodeBlockSizes:
+    """The default tiles of a call with queries of `q_shape` [B, T, N, H] over a cache of
+    `capacity` keys: `default_decode_block_sizes` for its rows, head dim and pages, except
+    that a call whose split programs fill at most half a wave of CTA slots in runs of 1024 or
+    more keys (the split cap, not the GPU, set their number: one sequence, or a few) takes
+    32-key tiles in 4 stages. Each SM then holds one or two programs, and the loads each
+    keeps in flight set the bandwidth: three 32-key tiles in the shared memory of one 64-key
+    tile and its successor (B=1, 32k keys on the H200: 3.70 TB/s of kernel time against 3.40;
+    short runs lose with them, 1k keys in 4 splits 2.74 against 2.95)."""
+    batch, q_len, num_heads, head_dim = q_shape
+    rows = q_len * (num_heads // num_kv_heads)
+    base = default_decode_block_sizes(
+        head_dim, dtype, interpret=interpret, page_size=page_size, rows=rows
+    )
+    if interpret or base != DecodeBlockSizes(block_kv=64):
+        return base
+    plan = decode_plan(
+        q_shape, num_kv_heads, capacity, dtype, base, window_left=window_left, num_sms=num_sms
+    )
+    splits = plan.schedule.splits
+    keys_per_split = plan.num_kv_tiles * plan.block_kv // splits
+    if 2 * plan.programs * splits <= plan.slots and keys_per_split >= 1024:
+        return dataclasses.replace(base, block_kv=32, num_stages=4)
+    return base
 
 
 def decode_forward(
@@ -586,8 +648,13 @@ def decode_forward(
         in_specs.append(pl.BlockSpec(runs.shape, lambda m, h, z: (0,)))
         operands.append(runs)
     items = schedule.items
+    merge_tiles = None
+    if splits > 1 and decode_merge(block_sizes) == "kernel":
+        merge_tiles = MergeTiles.of(schedule, num_rows, head_dim)
+    # The merge kernel's steps read past the last item (masked): padding, never written.
+    padded_items = items if merge_tiles is None else items + merge_tiles.chunk - 1
     row_spec = pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m))
-    row_shape = jax.ShapeDtypeStruct((items, num_kv_heads, num_rows), jnp.float32)
+    row_shape = jax.ShapeDtypeStruct((padded_items, num_kv_heads, num_rows), jnp.float32)
     # Split items also store log_sum, which their merge weighs them by (lse and log_sum).
     rows_out = 2 if splits > 1 or with_log_sum else 1
     out, *rows = pl.pallas_call(
@@ -600,7 +667,7 @@ def decode_forward(
         ],
         out_shape=[
             jax.ShapeDtypeStruct(
-                (items, num_kv_heads, num_rows, head_dim),
+                (padded_items, num_kv_heads, num_rows, head_dim),
                 q.dtype if splits == 1 else jnp.float32,
             ),
             *[row_shape] * rows_out,
@@ -611,11 +678,11 @@ def decode_forward(
         interpret=interpret,
         name="pallas_flash_decode",
     )(*operands)
-    if splits > 1 and decode_merge(block_sizes) == "xla":
+    if splits > 1 and merge_tiles is None:
         out, *rows = _combine_splits(out, *rows, splits)
     elif splits > 1:
         out, *rows = _merge(
-            lengths if runs is None else runs, out, *rows, schedule, q.dtype, interpret
+            lengths if runs is None else runs, out, *rows, schedule, merge_tiles, q.dtype, interpret
         )
     out = out.astype(q.dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
@@ -627,38 +694,79 @@ def decode_forward(
     return out, *(by_head(row) for row in rows[: 2 if with_log_sum else 1])
 
 
-def _merge(runs, out, lse, log_sum, schedule: Schedule, dtype, interpret: bool):
-    """The merge kernel over per-item results (out [items, K, M, H] f32, lse and log_sum
-    [items, K, M]): ([B, K, M, H] in dtype, lse [B, K, M], log_sum [B, K, M]). runs:
-    `Schedule.plan_runs`'s table where the schedule is planned (any int32 vector otherwise:
-    unread)."""
-    items, num_kv_heads, num_rows, head_dim = out.shape
+@dataclasses.dataclass(frozen=True)
+class MergeTiles:
+    """The merge kernel's tiles: `chunk` items per step, `block_r` packed rows and `block_c`
+    columns per program. The split kernel pads its per-item results by chunk - 1 items, so
+    that a step's loads stay in bounds in the interpreter too (masked there, never read)."""
+
+    chunk: int
+    block_r: int
+    block_c: int
+
+    # f32 elements of one step's partial results per program: 32 per thread of 4 warps, so
+    # that the step's loads all issue before the first one is waited for.
+    BUDGET = 4096
+
+    @classmethod
+    def of(cls, schedule: Schedule, num_rows: int, head_dim: int) -> MergeTiles:
+        items = max(2, 1 << (schedule.splits - 1).bit_length())  # a sequence's, on average
+        chunk = min(items, 32)
+        block_r = min(16, max(2, 1 << (num_rows - 1).bit_length()))
+        block_c = padded_head_dim(head_dim)
+        # Narrower columns before fewer items: more programs, each one round trip.
+        while chunk * block_r * block_c > cls.BUDGET and block_c > 16:
+            block_c //= 2
+        while chunk * block_r * block_c > cls.BUDGET and block_r > 2:
+            block_r //= 2
+        return cls(chunk, block_r, block_c)
+
+
+def _merge(runs, out, lse, log_sum, schedule: Schedule, tiles: MergeTiles, dtype, interpret):
+    """The merge kernel over per-item results (out [items + tiles.chunk - 1, K, M, H] f32, lse
+    and log_sum [items + tiles.chunk - 1, K, M], the items then padding): ([B, K, M, H] in
+    dtype, lse [B, K, M], log_sum [B, K, M]). runs: `Schedule.plan_runs`'s table where the
+    schedule is planned (any int32 vector otherwise: unread)."""
+    padded_items, num_kv_heads, num_rows, head_dim = out.shape
     batch = schedule.batch
-    hp = padded_head_dim(head_dim)
-    block_r = min(16, max(2, 1 << (num_rows - 1).bit_length()))
+    block_r, block_c = tiles.block_r, tiles.block_c
+    col_tiles = pl.cdiv(padded_head_dim(head_dim), block_c)
     kernel = functools.partial(
-        _merge_kernel, schedule=schedule, num_rows=num_rows, head_dim=head_dim, block_r=block_r
+        _merge_kernel,
+        schedule=schedule,
+        num_rows=num_rows,
+        head_dim=head_dim,
+        block_r=block_r,
+        block_c=block_c,
+        col_tiles=col_tiles,
+        chunk=tiles.chunk,
     )
+    # Grid axis 0: the row tile and the column tile of a program, columns fastest.
+    rows = lambda rc: jax.lax.div(rc, col_tiles)  # noqa: E731
+    cols = lambda rc: jax.lax.rem(rc, col_tiles)  # noqa: E731
     return pl.pallas_call(
         kernel,
-        grid=(pl.cdiv(num_rows, block_r), num_kv_heads, batch),
+        grid=(pl.cdiv(num_rows, block_r) * col_tiles, num_kv_heads, batch),
         in_specs=[
-            pl.BlockSpec(runs.shape, lambda r, h, b: (0,)),
-            pl.BlockSpec((items, None, block_r, hp), lambda r, h, b: (0, h, r, 0)),
-            pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
-            pl.BlockSpec((items, None, block_r), lambda r, h, b: (0, h, r)),
+            pl.BlockSpec(runs.shape, lambda rc, h, b: (0,)),
+            pl.BlockSpec(
+                (padded_items, None, block_r, block_c), lambda rc, h, b: (0, h, rows(rc), cols(rc))
+            ),
+            pl.BlockSpec((padded_items, None, block_r), lambda rc, h, b: (0, h, rows(rc))),
+            pl.BlockSpec((padded_items, None, block_r), lambda rc, h, b: (0, h, rows(rc))),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, block_r, hp), lambda r, h, b: (b, h, r, 0)),
-            pl.BlockSpec((None, None, block_r), lambda r, h, b: (b, h, r)),
-            pl.BlockSpec((None, None, block_r), lambda r, h, b: (b, h, r)),
+            pl.BlockSpec(
+                (None, None, block_r, block_c), lambda rc, h, b: (b, h, rows(rc), cols(rc))
+            ),
+            pl.BlockSpec((None, None, block_r), lambda rc, h, b: (b, h, rows(rc))),
+            pl.BlockSpec((None, None, block_r), lambda rc, h, b: (b, h, rows(rc))),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim), dtype),
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
         ],
-        # Two stages: the next item's partial results load while this one is added.
         compiler_params=CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="pallas_flash_decode_merge",

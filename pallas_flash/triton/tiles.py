@@ -241,10 +241,8 @@ class DecodeBlockSizes:
         of ragged lengths keeps every program equally busy (XLA plans the runs once per call;
         each program reads its own); "sequence": each sequence's tiles are cut into kv_splits
         runs, whatever its length.
-      merge: where split results are combined: "kernel" (one small Pallas kernel), "xla" (jnp
-        reductions; schedule="sequence" only) or None: "xla" with schedule="sequence" (as
-        fast as the kernel at B=8, 32k keys on the H200, and measured on every decode shape),
-        "kernel" with "balanced".
+      merge: where split results are combined: "kernel" (one small Pallas kernel; the
+        default, None), or "xla" (jnp reductions, three kernels; schedule="sequence" only).
       waves: with kv_splits=0, the programs fill at least this many waves of the GPU's CTA
         slots (SMs times `ctas_per_sm`), the last one at least 90% full.
       min_split_keys: with kv_splits=0, the fewest keys a split keeps (fewer splits otherwise).
@@ -305,9 +303,7 @@ class DecodeBlockSizes:
 
 def decode_merge(block_sizes: DecodeBlockSizes) -> str:
     """Where a split call's partial results are combined ("kernel" or "xla")."""
-    if block_sizes.merge is not None:
-        return block_sizes.merge
-    return "xla" if block_sizes.schedule == "sequence" else "kernel"
+    return block_sizes.merge or "kernel"
 
 
 def decode_ctas_per_sm(block_sizes: DecodeBlockSizes, block_m: int, hp: int, itemsize: int) -> int:
@@ -359,8 +355,11 @@ def default_decode_block_sizes(
     of a page (3.9 TB/s against 3.5 with 64-key tiles). `rows` (the new tokens times the group
     of query heads a KV head serves) of 64 or more fill 64-row wgmma tiles, whose programs
     stream better from 32-key tiles in 4 stages (the same shared memory as 64-key tiles in 2;
-    T=16 over 4 heads per KV head: 3.76 TB/s of kernel time against 3.46). float32 and H=256
-    halve the key tile to keep the stages in shared memory."""
+    T=16 over 4 heads per KV head: 3.76 TB/s of kernel time against 3.46); 128 or more rows
+    fill 128-row tiles of 64 keys, half the programs reading each K/V tile again (T=16 over 8
+    or 16 heads per KV head, compute-bound: 1.41-1.45x faster than 64-row tiles). float32
+    and H=256 halve the key tile to keep the stages in shared memory. `decode_block_sizes`
+    refines these for a call's whole shape (its split count)."""
     if interpret:
         return _DECODE_INTERPRET
     wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
@@ -368,6 +367,8 @@ def default_decode_block_sizes(
         return DecodeBlockSizes(block_kv=32)
     if page_size is not None and page_size % 128 == 0:
         return DecodeBlockSizes(block_kv=128)
+    if rows >= 128:
+        return DecodeBlockSizes(block_m=128)
     if rows >= 64:
         return DecodeBlockSizes(block_kv=32, num_stages=4)
     return DecodeBlockSizes(block_kv=64)

@@ -168,6 +168,10 @@ DECODE_CANDIDATES = {
         # Deeper pipelines for a half wave of programs, and the merge in one kernel.
         kv32s4_kernel_merge=dict(block_kv=32, num_stages=4, merge="kernel"),
         kv32s4w2_kernel_merge=dict(block_kv=32, num_stages=4, num_warps=2, merge="kernel"),
+        kv32s4_s64=dict(block_kv=32, num_stages=4, kv_splits=64),
+        kv32s4_s48=dict(block_kv=32, num_stages=4, kv_splits=48),
+        kv32s3=dict(block_kv=32, num_stages=3),
+        kv32s5=dict(block_kv=32, num_stages=5),
         stages4=dict(num_stages=4),
         kv32s6=dict(block_kv=32, num_stages=6),
         kv32s8=dict(block_kv=32, num_stages=8),
@@ -314,6 +318,14 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
         ms = bench.median_ms(copies, (flat,), calls=3, repeats=repeats) / calls_per_jit
         row = dict(exp="decode", case=name, cand="memcpy", ms=round(ms, 4))
         _record(out, dict(row, tbps=round(2 * nbytes / ms / 1e9, 3)))
+        if not smoke:
+            # A read of the same bytes alone (XLA's sum), in kernel time: launch and ramp
+            # included, what a short call can reach.
+            total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+            kernel_ms, kernels = bench.device_ms(total, (flat,))
+            row = dict(exp="decode", case=name, cand="read", kernel_ms=round(kernel_ms, 4))
+            row["kernels_us"] = {n: round(1e3 * t, 2) for n, t in kernels.items()}
+            _record(out, dict(row, kernel_tbps=round(nbytes / kernel_ms / 1e9, 3)))
         del q, k, v, qs, flat
 
 

@@ -239,6 +239,10 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
             is_causal = self.is_causal
         decode = kwargs.get("decode")
         decode = self.decode if decode is None else decode
+        # A decode step's cache mask already limits each query to the cached keys; Flax before
+        # 0.12.11 passed is_causal on to the attention function there (a causal mask of one
+        # query row would keep key 0 alone), later versions drop it.
+        is_causal = is_causal and not decode
         kv_cache_length = None
         if (
             decode

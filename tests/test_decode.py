@@ -550,6 +550,8 @@ def test_default_decode_plan_fills_two_waves_of_slots():
     assert plan(8, 1, 8, 8192).schedule.splits == 8  # 1024 keys per split
     assert plan(8, 1, 8, 1024).schedule.splits == 4  # a short cache: 4 splits of 256
     assert plan(8, 1, 8, 128).schedule.splits == 2  # no split without a tile
+    # A cache shorter than the key tile clips it, and the slots are counted for the clipped tile.
+    assert (plan(8, 1, 8, 32).block_kv, plan(8, 1, 8, 32).slots) == (32, 660)
     assert plan(8, 1, 2, 32768).schedule.splits == 32  # GQA 16: 512 programs, 0.97 wave
     assert plan(256, 1, 8, 32768).schedule.splits == 1  # 2048 programs already
     assert plan(8, 1, 8, 32768, num_sms=108).schedule.splits == 13  # A100: 832 of 864 slots

@@ -488,7 +488,9 @@ def decode_plan(
         num_kv_tiles = min(num_kv_tiles, pl.cdiv(window_left + q_len, block_kv) + 1)
     programs = num_m_tiles * num_kv_heads * batch
     hp = padded_head_dim(head_dim)
-    slots = num_sms * decode_ctas_per_sm(block_sizes, block_m, hp, jnp.dtype(dtype).itemsize)
+    # The CTAs one SM holds with the tiles as clipped to the call (a short cache's key tile).
+    clipped = dataclasses.replace(block_sizes, block_kv=block_kv)
+    slots = num_sms * decode_ctas_per_sm(clipped, block_m, hp, jnp.dtype(dtype).itemsize)
     if block_sizes.kv_splits or block_sizes.split_rule == "occupancy":
         splits = choose_decode_splits(
             block_sizes.kv_splits,

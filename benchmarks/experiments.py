@@ -209,6 +209,12 @@ DECODE_CANDIDATES = {
         m128w8_s8=dict(block_m=128, num_warps=8, kv_splits=8),
         m128w4_kernel_merge=dict(block_m=128, num_warps=4, merge="kernel"),
         m64w4_s8=dict(kv_splits=8),
+        # A KV head's 256 rows in one tile: its K/V read once per split.
+        m256w8=dict(block_m=256, num_warps=8),
+        m256w8_kv32s4=dict(block_m=256, num_warps=8, block_kv=32, num_stages=4),
+        m256w8_s16=dict(block_m=256, num_warps=8, kv_splits=16),
+        m128w8_kv128=dict(block_m=128, num_warps=8, block_kv=128),
+        m128w4_s3=dict(block_m=128, num_warps=4, num_stages=3),
     ),
     "G8xT16": dict(
         m128w4=dict(block_m=128, num_warps=4),

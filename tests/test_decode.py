@@ -427,6 +427,8 @@ GPU_CASES = [
     # One long sequence: 20 splits fill under half the slots, the default's 32-key tiles in 4
     # stages (the T=16 group-16 case above takes 128-row tiles).
     Case((20000,), 1, 32, 8, 128, 20480, dtype="bfloat16"),
+    # A head dim that pads (80 -> 128) over 32 splits: the merge kernel's column tiles.
+    Case((30000,), 1, 32, 8, 80, 32768, dtype="bfloat16"),
 ]
 
 

@@ -732,7 +732,7 @@ def _merge(runs, out, lse, log_sum, schedule: Schedule, tiles: MergeTiles, dtype
     padded_items, num_kv_heads, num_rows, head_dim = out.shape
     batch = schedule.batch
     block_r, block_c = tiles.block_r, tiles.block_c
-    col_tiles = pl.cdiv(padded_head_dim(head_dim), block_c)
+    col_tiles = pl.cdiv(head_dim, block_c)  # none wholly past the head dim
     kernel = functools.partial(
         _merge_kernel,
         schedule=schedule,

@@ -208,7 +208,7 @@ H200 = {
     ),
     "odd-q-h64": ("mosaic", "triton", H64_FULL_SHORT, dict(persistent=True), None, None),
     "small-grid-long-keys": ("triton", "triton", H128, None, None, 16),
-    "mqa": ("mosaic", "mosaic", H128_RANGED, {}, {}, None),
+    "mqa": ("mosaic", "mosaic", H128_RANGED, dict(persistent=True), {}, None),
     "f16": ("mosaic", "mosaic", H128_RANGED, dict(persistent=True), {}, None),
     "f32": ("triton", "triton", F32, None, None, 1),
     # Any T and S, and H=96 (the forward as it is, the backward padded to 128): the Mosaic
@@ -221,12 +221,12 @@ H200 = {
     "mask-causal-f32": ("triton", "triton", F32, None, None, 1),
     # The Mosaic backward takes every mask of the Mosaic forward; H=64 below 2048 keys keeps
     # the Triton backward (kv-lengths).
-    "window": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, {}, {}, None),
-    "window-wide": ("mosaic", "mosaic", H128, {}, {}, None),
-    "soft-cap": ("mosaic", "mosaic", H128_FULL_SHORT, {}, {}, None),
-    "segments": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, {}, {}, None),
-    "kv-lengths": ("mosaic", "triton", H64, {}, None, None),
-    "q-lengths": ("mosaic", "mosaic", H64, {}, {}, None),
+    "window": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, dict(persistent=True), {}, None),
+    "window-wide": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
+    "soft-cap": ("mosaic", "mosaic", H128_FULL_SHORT, dict(persistent=True), {}, None),
+    "segments": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, dict(persistent=True), {}, None),
+    "kv-lengths": ("mosaic", "triton", H64, dict(persistent=True), None, None),
+    "q-lengths": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
     "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
     "triton": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
     "mosaic-h64-short": (
@@ -246,7 +246,7 @@ H200 = {
         None,
     ),
     "mosaic-small-grid": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
-    "unbatched": ("mosaic", "mosaic", H128_RANGED, {}, {}, None),
+    "unbatched": ("mosaic", "mosaic", H128_RANGED, dict(persistent=True), {}, None),
     "interpret": ("triton", "triton", INTERPRET, None, None, 1),
     "mosaic-bias": (NotImplementedError, MOSAIC_LACKS.format("bias")),
     "mosaic-f32": (

@@ -60,6 +60,7 @@ from pallas_flash.mosaic.tiles import (
     ForwardTiles,
     default_tiles,
     why_not,
+    window_span,
 )
 from pallas_flash.triton import backward as triton_backward
 
@@ -634,19 +635,36 @@ def test_default_tiles_at_h64_take_256_keys_on_long_plain_non_causal_rows():
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_default_tiles_are_persistent_on_plain_non_causal_and_short_causal_calls(head_dim):
+def test_default_tiles_are_persistent_but_on_long_causal_rows(head_dim):
     def persistent(kv_len=1024, is_causal=False, **kwargs):
         tiles = default_tiles(head_dim, q_len=1024, kv_len=kv_len, is_causal=is_causal, **kwargs)
         return tiles.persistent
 
     fits = head_dim <= 128  # H=256 has no room for a second Q buffer
     assert persistent() == persistent(kv_len=16384) == fits
-    assert persistent(is_causal=True) == fits
-    assert persistent(kv_len=4096, is_causal=True) == (head_dim == 64)
-    assert not persistent(kv_len=8192, is_causal=True)
-    assert not persistent(window=(64, 64))
-    assert not persistent(soft_cap=30.0)
-    assert not persistent(segments=True)
+    # Causal rows: up to 8k keys at H=64; at H=128 1k, 4k with GQA groups.
+    longest = {64: 8192, 128: 1024, 256: 0}[head_dim]
+    longest_grouped = {64: 8192, 128: 4096, 256: 0}[head_dim]
+    for kv_len in (512, 1024, 2048, 4096, 8192, 16384):
+        assert persistent(kv_len, is_causal=True) == (kv_len <= longest), kv_len
+        got = persistent(kv_len, is_causal=True, group=4)
+        assert got == (kv_len <= longest_grouped), kv_len
+        # Soft caps and segment ids as plain calls.
+        assert persistent(kv_len, is_causal=True, soft_cap=30.0) == (kv_len <= longest)
+        assert persistent(kv_len, is_causal=True, segments=True) == (kv_len <= longest)
+    assert persistent(kv_len=16384, soft_cap=30.0) == persistent(segments=True) == fits
+    # Windows bound the rows, causal or not; one with no right side has causal rows.
+    assert persistent(kv_len=16384, window=(8192, 0), is_causal=True) == fits
+    assert persistent(kv_len=16384, window=(8192, 0)) == fits
+    assert persistent(kv_len=16384, window=(8193, 0)) == (longest >= 16384)
+    assert persistent(kv_len=32768, window=(16384, 16384)) == fits  # rows of equal length
+
+
+def test_window_span_counts_the_keys_a_row_sees():
+    assert window_span((128, 0), 4096, True) == 129
+    assert window_span((128, 5), 4096, True) == 129  # causal: nothing to the right
+    assert window_span((128, 5), 4096, False) == 134
+    assert window_span((1 << 30, 1 << 30), 300, False) == 601  # sides clipped to the keys
 
 
 def test_supports_counts_the_segment_id_buffers(monkeypatch):

@@ -116,6 +116,25 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Causal rows (keys) up to which persistent CTAs measured faster than a CTA per item (kernel
+# time on the H200, benchmarks/NOTES.md "Mosaic forward", B * T = 16k): at H=64 up to 8k (512
+# +27%, 4k +5%, 8k +2-4%; 16k -1%); at H=128 with one query head per KV head up to 1k (+10%;
+# 2k -1%, 4k -4%, 8k -6%), with GQA groups up to 4k (2k +9%, 4k +2%, 8k even, 16k -6%).
+PERSISTENT_CAUSAL_KEYS_H64 = 8192
+PERSISTENT_CAUSAL_KEYS_MHA = 1024
+PERSISTENT_CAUSAL_KEYS_GQA = 4096
+# Window rows see the same number of keys past the first window's rows: persistent up to the
+# longest measured, the window (8192, 0) (8192 keys left of the diagonal and its own; +2-9%).
+PERSISTENT_WINDOW_KEYS = 8192 + 1
+
+
+def window_span(window: tuple[int, int], kv_len: int, is_causal: bool) -> int:
+    """The most keys one query row sees under `window` (left, right): causal rows see none
+    to their right."""
+    left, right = window
+    return min(left, kv_len) + (0 if is_causal else min(right, kv_len)) + 1
+
+
 def default_tiles(
     head_dim: int,
     *,
@@ -126,6 +145,7 @@ def default_tiles(
     window=None,
     soft_cap=None,
     segments: bool = False,
+    group: int = 1,
 ) -> ForwardTiles:
     """Tiles per head dim and call, from tile probes on the H200 (benchmarks/NOTES.md, "Mosaic
     forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
@@ -137,9 +157,11 @@ def default_tiles(
     slower, B=4, 4k, on the H200). 80 and 96 take the tiles of 128,
     192 those of 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
-    per item: plain non-causal calls at H 64/128, and plain causal ones up to 4k keys at H=64
-    and 1k at H=128, with 64-row items (finer items balance better; longer causal rows run
-    faster with a CTA per item). Masked calls keep a CTA per item (not measured persistent).
+    per item, with 64-row items (finer items balance better): every call at H <= 128 with
+    non-causal rows or windows up to PERSISTENT_WINDOW_KEYS keys, and causal calls up to the
+    PERSISTENT_CAUSAL_KEYS_* bounds (longer causal rows run faster with a CTA per item, their
+    long query tiles first). Soft caps and segment ids go as plain calls do (gpt-oss's window
+    of 128 keys: 0.283 ms per item, 0.215 persistent). group: query heads per KV head.
     At H=64, plain non-causal rows of 4k-8k keys take 64 x 256 tiles, a CTA per item: half the
     steps, each step's fixed cost spread over twice the keys (1-6% over 128 x 128 persistent
     there in two runs; not at 2k nor 16k, and causal rows gained in one run only).
@@ -147,8 +169,17 @@ def default_tiles(
     of the two: MLA's (192, 128) those of 192."""
     head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
     masked = window is not None or soft_cap is not None or segments
-    short_causal = is_causal and kv_len <= (4096 if head_dim == 64 else 1024)
-    persistent = not masked and head_dim <= 128 and (not is_causal or short_causal)
+    # A window with nothing to the right of the diagonal has causal rows, marked causal or not.
+    causal_rows = is_causal or (window is not None and window[1] == 0)
+    short_window = (
+        window is not None and window_span(window, kv_len, is_causal) <= PERSISTENT_WINDOW_KEYS
+    )
+    if head_dim <= 64:
+        causal_keys = PERSISTENT_CAUSAL_KEYS_H64
+    else:
+        causal_keys = PERSISTENT_CAUSAL_KEYS_GQA if group > 1 else PERSISTENT_CAUSAL_KEYS_MHA
+    long_causal_rows = causal_rows and not short_window and kv_len > causal_keys
+    persistent = head_dim <= 128 and not long_causal_rows
     if head_dim == 64 and not masked and not is_causal and 4096 <= kv_len < 16384:
         return ForwardTiles(block_q=64, block_kv=256, num_stages=2)
     wide = head_dim == 64 and not masked and not is_causal and q_len % (NUM_CONSUMERS * 128) == 0
@@ -269,6 +300,7 @@ def why_not(
             window=window,
             soft_cap=soft_cap,
             segments=segments,
+            group=q_shape[2] // k_shape[2],
         )
     dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     if tiles.block_kv > 256:

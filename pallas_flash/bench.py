@@ -203,7 +203,16 @@ def shapes_grid():
     64/128, as models use them, at batches that fill an H200 (about 16k tokens or more).
     Llama-like T = S = 3000 (hidden 2048, H=128); ViT-B at 224 px (197 tokens, 12 heads of 64)
     and ViT-L at 384 px (577 tokens, 16 heads of 64); Phi-like H=80 and H=96 (32 heads) at 2k;
-    H=192 at 4k (both on Mosaic, split dK/dV consumers)."""
+    H=192 at 4k (both on Mosaic, split dK/dV consumers). Before those, the calls off the FA2
+    grid that real models make (H=128 unless said): MQA (32 query heads over 1 KV head, 2k,
+    causal), GQA (32 over 8, 4k, causal), cross-attention (1k queries over 8k keys), one 64k
+    causal GQA sequence, H=256 causal at 4k. Masked calls (windows, packed documents, padding)
+    are the masks suite's."""
+    yield dict(b=8, t=2048, s=2048, n=32, k=1, h=128, causal=True)
+    yield dict(b=4, t=4096, s=4096, n=32, k=8, h=128, causal=True)
+    yield dict(b=16, t=1024, s=8192, n=16, k=16, h=128, causal=False)
+    yield dict(b=1, t=65536, s=65536, n=32, k=8, h=128, causal=True)
+    yield dict(b=4, t=4096, s=4096, n=8, k=8, h=256, causal=True)
     yield dict(b=5, t=3000, s=3000, n=16, k=16, h=128, causal=True)
     yield dict(b=5, t=3000, s=3000, n=16, k=16, h=128, causal=False)
     yield dict(b=256, t=197, s=197, n=12, k=12, h=64, causal=False)
@@ -231,15 +240,17 @@ def print_table(rows, impls, out=sys.stdout, metric="tflops"):
     """TFLOP/s (or ms) per implementation, and pallas_flash / cudnn, per grid point and pass."""
     by_point = {}
     for r in rows:
-        key = (r["H"], r["causal"], r["T"], r["B"], r["pass"])
+        key = (r["H"], r["causal"], r["T"], r["S"], r["B"], r["N"], r["K"], r["pass"])
         by_point.setdefault(key, {})[r["impl"]] = r[metric]
-    header = ["H", "causal", "seq", "B", "pass", *impls]
+    header = ["H", "causal", "seq", "B", "heads", "pass", *impls]
     if "cudnn" in impls and "pallas_flash" in impls:
         header.append("pf/cudnn")
     print("| " + " | ".join(header) + " |", file=out)
     print("|" + "---|" * len(header), file=out)
-    for (h, causal, seq, b, pass_), vals in sorted(by_point.items()):
-        cells = [str(h), str(int(causal)), str(seq), str(b), pass_]
+    for (h, causal, t, s, b, n, k, pass_), vals in sorted(by_point.items()):
+        # T, or T/S for cross-attention; N, or N/K for GQA.
+        seq, heads = str(t) if t == s else f"{t}/{s}", str(n) if n == k else f"{n}/{k}"
+        cells = [str(h), str(int(causal)), seq, str(b), heads, pass_]
         cells += [
             "-" if vals.get(i) is None else f"{vals[i]:.{0 if metric == 'tflops' else 2}f}"
             for i in impls
@@ -1096,7 +1107,8 @@ def main(argv=None):
                         f" mosaic_calls={row['mosaic_calls']}" if "mosaic_calls" in row else ""
                     )
                     print(
-                        f"[{len(rows)}/{total}] {impl:12s} H={p['h']} seq={p['t']} B={p['b']} "
+                        f"[{len(rows)}/{total}] {impl:12s} H={p['h']} T={p['t']} S={p['s']} "
+                        f"B={p['b']} N={p['n']} K={p['k']} "
                         f"causal={int(p['causal'])} {pass_:7s} {shown}{kernels}",
                         flush=True,
                     )

@@ -52,6 +52,29 @@ def test_model_cases_name_every_family_once_with_a_baseline():
     assert [c[3][4:] for c in mla] == [(192, 128), (192, 192)]
 
 
+def test_shapes_suite_covers_the_calls_off_the_grid():
+    shapes = list(bench.shapes_grid())
+    assert any(p["k"] == 1 and p["n"] > 1 and p["causal"] for p in shapes)  # MQA
+    assert any(1 < p["k"] < p["n"] for p in shapes)  # GQA
+    assert any(p["t"] != p["s"] for p in shapes)  # cross-attention
+    assert any(p["t"] >= 65536 and p["b"] == 1 for p in shapes)
+    assert {80, 96, 192, 256} <= {p["h"] for p in shapes}
+    assert any(p["t"] % 128 for p in shapes)  # lengths off the tiles
+
+
+def test_grid_table_names_cross_attention_and_gqa():
+    point = dict(H=128, causal=False, B=16, **{"pass": "fwd"})
+    rows = [
+        dict(point, T=1024, S=8192, N=16, K=16, impl="pallas_flash", tflops=500.0),
+        dict(point, T=1024, S=8192, N=16, K=16, impl="cudnn", tflops=400.0),
+        dict(point, T=1024, S=1024, N=32, K=8, impl="pallas_flash", tflops=300.0),
+    ]
+    out = io.StringIO()
+    bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 |" in out.getvalue()
+    assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - |" in out.getvalue()
+
+
 def test_model_table_ratios():
     row = dict(family="f", H=64)
     rows = [

@@ -28,6 +28,11 @@ python benchmarks/experiments.py mosaic-gqa --out $OUT/mosaic-gqa.jsonl
     at 8k, GQA 32/4 at 16k) with the dK/dV kernel's group of query heads summed in one CTA
     (dkv_head_splits=1, the default), split over 2, 4 and 8 CTAs, and the automatic choice
     (0; the impl name says what it chose), beside the default call and cuDNN.
+python benchmarks/experiments.py mosaic-persistent --out $OUT/persistent.jsonl
+    the Mosaic forward of masked and causal calls (windows, soft caps, segment ids, causal rows
+    of 1k-16k, MHA and GQA) with its default tiles made persistent and not, in kernel time
+    (jax's profiler), outputs compared, cuDNN beside where it runs the call: the measurements
+    behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: tiny interpreted shapes.
 """
 
 from __future__ import annotations
@@ -507,6 +512,102 @@ def mosaic_gqa(out, head_dim=128):
         _time_impls(out, fns, args, flops, exp="mosaic-gqa", B=b, T=t, N=n, K=k, causal=causal)
 
 
+# (name, B, T, N, K, H, causal, window, soft cap, segments per sequence)
+PERSISTENT_CASES = [
+    ("gpt-oss: sinks, window 128", 2, 4096, 64, 8, 64, True, (128, 0), None, 0),
+    ("H64 window 1k at 8k", 2, 8192, 32, 8, 64, True, (1024, 0), None, 0),
+    ("H128 window 128 at 4k", 4, 4096, 16, 8, 128, True, (128, 0), None, 0),
+    ("H128 window 4k at 16k", 1, 16384, 16, 8, 128, True, (4096, 0), None, 0),
+    ("H128 window 8k at 16k", 1, 16384, 16, 8, 128, True, (8192, 0), None, 0),
+    ("H64 window 8k at 16k", 1, 16384, 32, 8, 64, True, (8192, 0), None, 0),
+    ("H128 window 2k+2k at 8k", 2, 8192, 16, 8, 128, False, (2048, 2048), None, 0),
+    ("H128 cap 30 causal 1k", 16, 1024, 16, 8, 128, True, None, 30.0, 0),
+    ("H128 cap 30 causal 4k", 4, 4096, 16, 8, 128, True, None, 30.0, 0),
+    ("H128 cap 30 causal 16k", 1, 16384, 16, 8, 128, True, None, 30.0, 0),
+    ("H128 cap 30 4k", 4, 4096, 16, 8, 128, False, None, 30.0, 0),
+    ("H128 4 documents causal 4k", 4, 4096, 16, 8, 128, True, None, None, 4),
+    ("H128 4 documents causal 16k", 1, 16384, 16, 8, 128, True, None, None, 4),
+    ("H64 2 documents causal 16k", 1, 16384, 32, 8, 64, True, None, None, 2),
+    *(
+        (f"H128 causal {t // 1024}k GQA", 16384 // t, t, 16, 8, 128, True, None, None, 0)
+        for t in (2048, 4096, 8192, 16384)
+    ),
+    *(
+        (f"H128 causal {t // 1024}k MHA", 16384 // t, t, 16, 16, 128, True, None, None, 0)
+        for t in (1024, 2048, 4096, 8192)
+    ),
+    *(
+        (f"H64 causal {t}", 16384 // t, t, 32, 32, 64, True, None, None, 0)
+        for t in (512, 4096, 8192, 16384)
+    ),
+]
+
+
+def mosaic_persistent(out, smoke=False):
+    """Each case's Mosaic forward with its default tiles, persistent and a CTA per item: kernel
+    ms (jax's profiler), the largest difference between the two outputs, cuDNN's kernel ms
+    where it runs the call (no soft cap or segment ids here). smoke: no run, only `why_not` of
+    each candidate at the case's shapes (None: the kernel takes it), on any machine."""
+    for name, b, t, n, k, h, causal, window, cap, docs in PERSISTENT_CASES:
+        options = dict(is_causal=causal, window=window, soft_cap=cap)
+        default = mosaic.default_tiles(
+            h, q_len=t, kv_len=t, segments=bool(docs), group=n // k, **options
+        )
+        row = dict(exp="mosaic-persistent", case=name, B=b, T=t, N=n, K=k, H=h, causal=causal)
+        row.update(window=window, soft_cap=cap, documents=docs, default=str(default))
+        candidates = {p: dataclasses.replace(default, persistent=p) for p in (False, True)}
+        if smoke:
+            for persistent, tiles in candidates.items():
+                row[f"why_not_{persistent}"] = mosaic.forward_tiles.why_not(
+                    (b, t, n, h),
+                    (b, t, k, h),
+                    jnp.bfloat16,
+                    segments=bool(docs),
+                    tiles=tiles,
+                    **options,
+                )
+            _record(out, row)
+            continue
+        q, kk, v, _ = bench.make_inputs(b, t, t, n, k, h, jnp.bfloat16)
+        segment_ids = None
+        if docs:
+            ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) // (t // docs), (b, t))
+            segment_ids = (ids, ids)
+        sinks = None
+        if name.startswith("gpt-oss"):
+            sinks = jnp.linspace(-1, 1, b * n, dtype=jnp.float32).reshape(b, n)
+        outs = {}
+        for persistent, tiles in candidates.items():
+            fn = jax.jit(
+                functools.partial(
+                    mosaic.flash_forward,
+                    scale=h**-0.5,
+                    segment_ids=segment_ids,
+                    sinks=sinks,
+                    tiles=tiles,
+                    **options,
+                )
+            )
+            outs[persistent] = fn(q, kk, v)[0].astype(jnp.float32)
+            key = "persistent_ms" if persistent else "per_item_ms"
+            row[key] = round(bench.device_ms(fn, (q, kk, v))[0], 4)
+        row["max_abs_diff"] = float(jnp.max(jnp.abs(outs[True] - outs[False])))
+        if cap is None and not docs:
+            cudnn = jax.jit(
+                functools.partial(
+                    jax.nn.dot_product_attention,
+                    is_causal=causal,
+                    local_window_size=window,
+                    implementation="cudnn",
+                )
+            )
+            try:
+                row["cudnn_ms"] = round(bench.device_ms(cudnn, (q, kk, v))[0], 4)
+            except Exception as e:  # noqa: BLE001 -- cuDNN refusing a window is data
+                row["cudnn_error"] = f"{type(e).__name__}: {str(e)[:100]}"
+        _record(out, row)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument(
@@ -518,6 +619,7 @@ def main():
             "mosaic-backward",
             "mosaic-gqa",
             "decode",
+            "mosaic-persistent",
         ],
     )
     parser.add_argument("--quick", action="store_true", help="decode: six shapes only")
@@ -529,7 +631,9 @@ def main():
     )
     parser.add_argument("--cases", nargs="+", help="decode: these shapes only (head, S1k, ...)")
     parser.add_argument(
-        "--smoke", action="store_true", help="decode: tiny interpreted shapes (a CPU check)"
+        "--smoke",
+        action="store_true",
+        help="decode: tiny interpreted shapes; mosaic-persistent: tile checks (CPU checks)",
     )
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
@@ -552,6 +656,8 @@ def main():
             mosaic_backward(out, args.head_dims, args.seqs)
         elif args.experiment == "mosaic-gqa":
             mosaic_gqa(out)
+        elif args.experiment == "mosaic-persistent":
+            mosaic_persistent(out, smoke=args.smoke)
         else:
             {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
 

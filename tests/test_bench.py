@@ -1,6 +1,9 @@
 """The bench's models suite: its cases and its FLOP count (the timings run on a GPU)."""
 
+import importlib.util
 import io
+import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -121,3 +124,21 @@ def test_device_ms_reads_the_kernels_of_a_call():
     assert kernels and total == pytest.approx(sum(kernels.values()))
     # At most the wall time, at least what 512 MiB of traffic takes at 5 TB/s.
     assert 512 * 2**20 / 5e12 * 1e3 < total < bench.median_ms(f, (x,), calls=5, repeats=3)
+
+
+def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
+    """benchmarks/experiments.py mosaic-persistent --smoke: both candidates of every case (the
+    default tiles, persistent and not) pass `why_not` at the case's shapes."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments.py"
+    spec = importlib.util.spec_from_file_location("experiments", path)
+    experiments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiments)
+    out = io.StringIO()
+    experiments.mosaic_persistent(out, smoke=True)
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(rows) == len(experiments.PERSISTENT_CASES)
+    for row in rows:
+        assert row["why_not_False"] is None and row["why_not_True"] is None, row
+    defaults = {row["case"]: row["default"] for row in rows}
+    assert "persistent=True" in defaults["gpt-oss: sinks, window 128"]
+    assert "persistent=False" in defaults["H128 causal 16k GQA"]

@@ -478,7 +478,9 @@ def _visible_pairs(t: int, kwargs) -> float:
 def run_model_suite(out_path, repeats, *, on_gpu: bool):
     """Per model family (model_cases): ms of pallas_flash's call, of the nearest plain call and
     of cuDNN's closest call, forward and forward+backward, and TFLOP/s counting the visible
-    pairs (2 * pairs * (H + Hv) per head forward; x 3.5 forward+backward). On a CPU: the
+    pairs (2 * pairs * (H + Hv) per head forward; x 3.5 forward+backward). On a GPU also
+    kernel_ms, the call's kernels in jax's profiler (`device_ms`): a lone call of ~0.2 ms
+    shows the host's dispatch in its wall time, a model's jitted step does not. On a CPU: the
     cases at batch 1 and 1/64 of their lengths' work through the interpreter (a smoke run)."""
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
     rows = []
@@ -519,14 +521,21 @@ def run_model_suite(out_path, repeats, *, on_gpu: bool):
                             pallas_flash.flash_attention, interpret=not on_gpu, **kw
                         )
                     try:
+                        timed = timed_fn(fn, pass_)
                         ms = median_ms(
-                            timed_fn(fn, pass_),
+                            timed,
                             args,
                             calls=10 if on_gpu else 1,
                             repeats=repeats if on_gpu else 1,
                         )
                         flops = 2.0 * b * n * pairs * (h + hv) * (3.5 if pass_ != "fwd" else 1)
                         row.update(ms=round(ms, 4), tflops=float(f"{flops / ms / 1e9:.4g}"))
+                        if on_gpu:
+                            kernel_ms = device_ms(timed, args)[0]
+                            row.update(
+                                kernel_ms=round(kernel_ms, 4),
+                                kernel_tflops=float(f"{flops / kernel_ms / 1e9:.4g}"),
+                            )
                     except Exception as e:  # noqa: BLE001 -- a peer refusing a shape is data
                         row.update(
                             ms=None, tflops=None, error=f"{type(e).__name__}: {str(e)[:200]}"
@@ -544,33 +553,29 @@ def run_model_suite(out_path, repeats, *, on_gpu: bool):
 
 
 def print_model_table(rows, out=sys.stdout):
-    """Per family and pass: TFLOP/s of the model's call, the plain call and cuDNN, and the
-    model's call's speed over cuDNN's (cuDNN's ms / ours) and over the plain call's (time per
-    FLOP)."""
+    """Per family and pass: TFLOP/s of the model's call, the plain call and cuDNN (wall time),
+    and the model's call's speed over cuDNN's (cuDNN's ms / ours) and over the plain call's
+    (time per FLOP), in wall time and, where the rows have it, in kernel time."""
     by = {}
     for r in rows:
         by.setdefault((r["family"], r["pass"]), {})[r["impl"]] = r
     print(
-        "\n| family | pass | pallas_flash | plain | cudnn | vs cudnn | vs plain |\n"
-        "|---|---|---|---|---|---|---|",
+        "\n| family | pass | pallas_flash | plain | cudnn | vs cudnn | vs plain "
+        "| vs cudnn, kernels | vs plain, kernels |\n|---|---|---|---|---|---|---|---|---|",
         file=out,
     )
+
+    def ratio(num, den, key):
+        both = num and den and num.get(key) and den.get(key)
+        return f"{num[key] / den[key]:.2f}" if both else "-"
+
     for (family, pass_), impls in by.items():
         ours, plain, cudnn = (impls.get(i) for i in ("pallas_flash", "pallas_flash_plain", "cudnn"))
         cell = lambda r: "-" if not r or r["tflops"] is None else f"{r['tflops']:.3g}"  # noqa: E731
-        vs_cudnn = (
-            f"{cudnn['ms'] / ours['ms']:.2f}"
-            if ours and cudnn and ours["ms"] and cudnn["ms"]
-            else "-"
-        )
-        vs_plain = (
-            f"{ours['tflops'] / plain['tflops']:.2f}"
-            if ours and plain and ours["tflops"] and plain["tflops"]
-            else "-"
-        )
         print(
-            f"| {family} | {pass_} | {cell(ours)} | {cell(plain)} | {cell(cudnn)} | {vs_cudnn} "
-            f"| {vs_plain} |",
+            f"| {family} | {pass_} | {cell(ours)} | {cell(plain)} | {cell(cudnn)} "
+            f"| {ratio(cudnn, ours, 'ms')} | {ratio(ours, plain, 'tflops')} "
+            f"| {ratio(cudnn, ours, 'kernel_ms')} | {ratio(ours, plain, 'kernel_tflops')} |",
             file=out,
         )
 

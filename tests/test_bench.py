@@ -87,7 +87,14 @@ def test_model_table_ratios():
     ]
     out = io.StringIO()
     bench.print_model_table(rows, out=out)
-    assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 |" in out.getvalue()
+    assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 | - | - |" in out.getvalue()
+    # Kernel time where the rows have it (a GPU run): its own ratios beside the wall time's.
+    kernels = [dict(ms=1.5, tflops=133.3), dict(ms=1.0, tflops=200.0), dict(ms=2.7, tflops=74.1)]
+    for r, k in zip(rows, kernels):
+        r.update(kernel_ms=k["ms"], kernel_tflops=k["tflops"])
+    out = io.StringIO()
+    bench.print_model_table(rows, out=out)
+    assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 | 1.80 | 0.67 |" in out.getvalue()
 
 
 def test_decode_table_shows_wall_and_kernel_times():

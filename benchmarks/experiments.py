@@ -32,7 +32,8 @@ python benchmarks/experiments.py mosaic-persistent --out $OUT/persistent.jsonl
     the Mosaic forward of masked and causal calls (windows, soft caps, segment ids, causal rows
     of 1k-16k, MHA and GQA) with its default tiles made persistent and not, in kernel time
     (jax's profiler), outputs compared, cuDNN beside where it runs the call: the measurements
-    behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: tiny interpreted shapes.
+    behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: `why_not` of both
+    candidates at every case's shapes, no run.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ from pallas_flash.mosaic.tiles import (
     ForwardTiles,
     default_tiles,
     why_not,
-    window_span,
 )
 from pallas_flash.triton import backward as triton_backward
 
@@ -636,8 +635,9 @@ def test_default_tiles_at_h64_take_256_keys_on_long_plain_non_causal_rows():
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_default_tiles_are_persistent_but_on_long_causal_rows(head_dim):
-    def persistent(kv_len=1024, is_causal=False, **kwargs):
-        tiles = default_tiles(head_dim, q_len=1024, kv_len=kv_len, is_causal=is_causal, **kwargs)
+    def persistent(kv_len=1024, is_causal=False, q_len=None, **kwargs):
+        q_len = kv_len if q_len is None else q_len
+        tiles = default_tiles(head_dim, q_len=q_len, kv_len=kv_len, is_causal=is_causal, **kwargs)
         return tiles.persistent
 
     fits = head_dim <= 128  # H=256 has no room for a second Q buffer
@@ -652,19 +652,18 @@ def test_default_tiles_are_persistent_but_on_long_causal_rows(head_dim):
         # Soft caps and segment ids as plain calls.
         assert persistent(kv_len, is_causal=True, soft_cap=30.0) == (kv_len <= longest)
         assert persistent(kv_len, is_causal=True, segments=True) == (kv_len <= longest)
+        # A window that bounds nothing leaves the rows causal.
+        window = (kv_len - 1, 0)
+        assert persistent(kv_len, is_causal=True, window=window) == (kv_len <= longest)
+        assert persistent(kv_len, is_causal=True, window=(1 << 30, 0)) == (kv_len <= longest)
     assert persistent(kv_len=16384, soft_cap=30.0) == persistent(segments=True) == fits
-    # Windows bound the rows, causal or not; one with no right side has causal rows.
+    # Top-left aligned causal rows see at most T keys.
+    assert persistent(kv_len=16384, q_len=512, is_causal=True) == fits
+    # A causal window of at most half the keys evens the rows out, up to (8192, 0).
     assert persistent(kv_len=16384, window=(8192, 0), is_causal=True) == fits
-    assert persistent(kv_len=16384, window=(8192, 0)) == fits
-    assert persistent(kv_len=16384, window=(8193, 0)) == (longest >= 16384)
-    assert persistent(kv_len=32768, window=(16384, 16384)) == fits  # rows of equal length
-
-
-def test_window_span_counts_the_keys_a_row_sees():
-    assert window_span((128, 0), 4096, True) == 129
-    assert window_span((128, 5), 4096, True) == 129  # causal: nothing to the right
-    assert window_span((128, 5), 4096, False) == 134
-    assert window_span((1 << 30, 1 << 30), 300, False) == 601  # sides clipped to the keys
+    assert persistent(kv_len=4096, window=(128, 0), is_causal=True) == fits
+    assert not persistent(kv_len=32768, window=(8193, 0), is_causal=True)
+    assert persistent(kv_len=32768, window=(16384, 16384)) == fits  # not causal
 
 
 def test_supports_counts_the_segment_id_buffers(monkeypatch):

@@ -117,22 +117,16 @@ def cdiv(a: int, b: int) -> int:
 
 
 # Causal rows (keys) up to which persistent CTAs measured faster than a CTA per item (kernel
-# time on the H200, benchmarks/NOTES.md "Mosaic forward", B * T = 16k): at H=64 up to 8k (512
-# +27%, 4k +5%, 8k +2-4%; 16k -1%); at H=128 with one query head per KV head up to 1k (+10%;
-# 2k -1%, 4k -4%, 8k -6%), with GQA groups up to 4k (2k +9%, 4k +2%, 8k even, 16k -6%).
+# time on the H200, benchmarks/NOTES.md "Mosaic forward"): at H=64 up to 8k (512 +27%, 4k +5%,
+# 8k +2-4%; 16k -1%); at H=128 with one query head per KV head up to 1k (+10%; 2k -1%, 4k -4%,
+# 8k -6%), with GQA groups up to 4k (2k +9%, 4k +2%, 8k even, 16k -6%).
 PERSISTENT_CAUSAL_KEYS_H64 = 8192
 PERSISTENT_CAUSAL_KEYS_MHA = 1024
 PERSISTENT_CAUSAL_KEYS_GQA = 4096
-# Window rows see the same number of keys past the first window's rows: persistent up to the
-# longest measured, the window (8192, 0) (8192 keys left of the diagonal and its own; +2-9%).
+# A causal window of at most half the keys leaves most rows seeing the same number of keys:
+# persistent up to the longest measured, (8192, 0) at 16k keys (8192 keys left of the diagonal
+# and its own; wall and kernel time, +2-9%).
 PERSISTENT_WINDOW_KEYS = 8192 + 1
-
-
-def window_span(window: tuple[int, int], kv_len: int, is_causal: bool) -> int:
-    """The most keys one query row sees under `window` (left, right): causal rows see none
-    to their right."""
-    left, right = window
-    return min(left, kv_len) + (0 if is_causal else min(right, kv_len)) + 1
 
 
 def default_tiles(
@@ -157,11 +151,12 @@ def default_tiles(
     slower, B=4, 4k, on the H200). 80 and 96 take the tiles of 128,
     192 those of 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
-    per item, with 64-row items (finer items balance better): every call at H <= 128 with
-    non-causal rows or windows up to PERSISTENT_WINDOW_KEYS keys, and causal calls up to the
-    PERSISTENT_CAUSAL_KEYS_* bounds (longer causal rows run faster with a CTA per item, their
-    long query tiles first). Soft caps and segment ids go as plain calls do (gpt-oss's window
-    of 128 keys: 0.283 ms per item, 0.215 persistent). group: query heads per KV head.
+    per item, with 64-row items (finer items balance better): every call at H <= 128 but
+    causal ones whose rows see more keys than the PERSISTENT_CAUSAL_KEYS_* bounds, which run
+    faster with a CTA per item (their long query tiles first), unless a window of at most
+    half the keys (and PERSISTENT_WINDOW_KEYS) evens the rows out. Soft caps and segment ids
+    go as plain calls do (gpt-oss's window of 128 keys: 0.283 ms per item, 0.215
+    persistent). group: query heads per KV head.
     At H=64, plain non-causal rows of 4k-8k keys take 64 x 256 tiles, a CTA per item: half the
     steps, each step's fixed cost spread over twice the keys (1-6% over 128 x 128 persistent
     there in two runs; not at 2k nor 16k, and causal rows gained in one run only).
@@ -169,16 +164,16 @@ def default_tiles(
     of the two: MLA's (192, 128) those of 192."""
     head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
     masked = window is not None or soft_cap is not None or segments
-    # A window with nothing to the right of the diagonal has causal rows, marked causal or not.
-    causal_rows = is_causal or (window is not None and window[1] == 0)
+    # Causal rows (top-left aligned) see at most min(T, S) keys, fewer under a window.
+    row_keys = min(q_len, kv_len) if window is None else min(q_len, kv_len, window[0] + 1)
     short_window = (
-        window is not None and window_span(window, kv_len, is_causal) <= PERSISTENT_WINDOW_KEYS
+        window is not None and window[0] + 1 <= PERSISTENT_WINDOW_KEYS and window[0] <= kv_len // 2
     )
     if head_dim <= 64:
         causal_keys = PERSISTENT_CAUSAL_KEYS_H64
     else:
         causal_keys = PERSISTENT_CAUSAL_KEYS_GQA if group > 1 else PERSISTENT_CAUSAL_KEYS_MHA
-    long_causal_rows = causal_rows and not short_window and kv_len > causal_keys
+    long_causal_rows = is_causal and not short_window and row_keys > causal_keys
     persistent = head_dim <= 128 and not long_causal_rows
     if head_dim == 64 and not masked and not is_causal and 4096 <= kv_len < 16384:
         return ForwardTiles(block_q=64, block_kv=256, num_stages=2)

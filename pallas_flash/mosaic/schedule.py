@@ -28,25 +28,44 @@ class _Work:
     head as neighbours, C even and two tiles per head, every other CTA would get only the
     long ones). `reverse` (causal):
     query tile q_tile maps to Q - 1 - q_tile, so that the longest rows start first and the
-    short ones fill in at the end."""
+    short ones fill in at the end. The rounds snake: CTA c takes the c-th item of even rounds
+    and the (C - 1 - c)-th of odd ones, so that with the longest items first no CTA takes the
+    longest of every round (in round-robin CTA 0 did: 3-6% over the mean work at the grid's
+    causal 1k-16k, which the snake cuts to 0.1-0.2% from 4k)."""
 
     batch: int
     num_heads: int
     num_q_tiles: int
     reverse: bool
 
+    @property
+    def total(self) -> int:
+        return self.batch * self.num_heads * self.num_q_tiles
+
     def count(self, persistent: bool):
         """Items this CTA walks: a Python int, or a traced int32 when persistent."""
         if not persistent:
             return 1
-        cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
-        total = self.batch * self.num_heads * self.num_q_tiles
-        return lax.div(total - cta + num_ctas - 1, num_ctas)
+        return self.persistent_count(lax.axis_index("cta"), lax.axis_size("cta"))
+
+    def persistent_count(self, cta, num_ctas: int):
+        """Items CTA cta of num_ctas walks: every whole round's, and the last round's if its
+        place there (`round_place`) is among the round's items."""
+        rounds, left = divmod(self.total, num_ctas)
+        return rounds + (self.round_place(cta, rounds, num_ctas) < left).astype(jnp.int32)
+
+    @staticmethod
+    def round_place(cta, n, num_ctas: int):
+        """CTA cta's place in round n (its n-th item is item n * C + place): c on even rounds,
+        C - 1 - c on odd ones. Ints or int32 scalars, without a branch."""
+        odd = lax.rem(jnp.asarray(n, jnp.int32), 2)
+        return cta + odd * (num_ctas - 1 - 2 * cta)
 
     def item(self, n, persistent: bool):
         """(batch, head, q_tile) of this CTA's n-th item."""
         if persistent:
-            return self.persistent_item(lax.axis_index("cta") + n * lax.axis_size("cta"))
+            cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
+            return self.persistent_item(n * num_ctas + self.round_place(cta, n, num_ctas))
         batch, head = lax.axis_index("batch"), lax.axis_index("head")
         q_tile = lax.axis_index("q_tile")
         if self.reverse:

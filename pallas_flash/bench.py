@@ -156,8 +156,11 @@ def run_point(
     calls=10,
     repeats=7,
     block_sizes=None,
+    kernel_time=False,
 ):
-    """One measurement as a dict (ms and tflops are None, with an error, if the call failed)."""
+    """One measurement as a dict (ms and tflops are None, with an error, if the call failed).
+    kernel_time (GPU only): also kernel_ms and kernel_tflops, the call's kernels in jax's
+    profiler (`device_ms`), steadier than wall time for short calls."""
     row = dict(
         impl=impl,
         B=b,
@@ -173,11 +176,15 @@ def run_point(
     try:
         fn = attention_fn(impl, is_causal=causal, interpret=interpret, block_sizes=block_sizes)
         args = make_inputs(b, t, s, n, k, h, dtype)
-        ms = median_ms(timed_fn(fn, pass_), args, calls=calls, repeats=repeats)
-        row.update(
-            ms=round(ms, 4),
-            tflops=round(attention_flops(b, t, s, n, h, causal, pass_) / ms / 1e9, 1),
-        )
+        timed = timed_fn(fn, pass_)
+        ms = median_ms(timed, args, calls=calls, repeats=repeats)
+        flops = attention_flops(b, t, s, n, h, causal, pass_)
+        row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
+        if kernel_time:
+            kernel_ms = device_ms(timed, args)[0]
+            row.update(
+                kernel_ms=round(kernel_ms, 4), kernel_tflops=round(flops / kernel_ms / 1e9, 1)
+            )
     except Exception as e:  # noqa: BLE001 -- a peer failing (OOM, unsupported) is data, not a crash
         row.update(ms=None, tflops=None, error=f"{type(e).__name__}: {str(e)[:200]}")
     return row
@@ -237,17 +244,22 @@ def mosaic_calls(impl, p, dtype, pass_) -> int | None:
 
 
 def print_table(rows, impls, out=sys.stdout, metric="tflops"):
-    """TFLOP/s (or ms) per implementation, and pallas_flash / cudnn, per grid point and pass."""
-    by_point = {}
+    """TFLOP/s (or ms) per implementation, and pallas_flash / cudnn, per grid point and pass;
+    also pallas_flash / cudnn in kernel time where the rows have it (run_point's kernel_time)."""
+    by_point, kernels = {}, {}
     for r in rows:
         key = (r["H"], r["causal"], r["T"], r["S"], r["B"], r["N"], r["K"], r["pass"])
         by_point.setdefault(key, {})[r["impl"]] = r[metric]
+        kernels.setdefault(key, {})[r["impl"]] = r.get("kernel_tflops")
     header = ["H", "causal", "seq", "B", "heads", "pass", *impls]
     if "cudnn" in impls and "pallas_flash" in impls:
         header.append("pf/cudnn")
+        if any(r.get("kernel_tflops") for r in rows):
+            header.append("pf/cudnn, kernels")
     print("| " + " | ".join(header) + " |", file=out)
     print("|" + "---|" * len(header), file=out)
-    for (h, causal, t, s, b, n, k, pass_), vals in sorted(by_point.items()):
+    for key, vals in sorted(by_point.items()):
+        h, causal, t, s, b, n, k, pass_ = key
         # T, or T/S for cross-attention; N, or N/K for GQA.
         seq, heads = str(t) if t == s else f"{t}/{s}", str(n) if n == k else f"{n}/{k}"
         cells = [str(h), str(int(causal)), seq, str(b), heads, pass_]
@@ -255,9 +267,10 @@ def print_table(rows, impls, out=sys.stdout, metric="tflops"):
             "-" if vals.get(i) is None else f"{vals[i]:.{0 if metric == 'tflops' else 2}f}"
             for i in impls
         ]
-        if "pf/cudnn" in header:
-            pf, cu = vals.get("pallas_flash"), vals.get("cudnn")
-            cells.append("-" if not pf or not cu else f"{pf / cu:.2f}")
+        for column, got in (("pf/cudnn", vals), ("pf/cudnn, kernels", kernels[key])):
+            if column in header:
+                pf, cu = got.get("pallas_flash"), got.get("cudnn")
+                cells.append("-" if not pf or not cu else f"{pf / cu:.2f}")
         print("| " + " | ".join(cells) + " |", file=out)
 
 
@@ -1097,6 +1110,7 @@ def main(argv=None):
                         interpret=interpret,
                         calls=calls,
                         repeats=args.repeats,
+                        kernel_time=on_gpu,
                     )
                     if args.suite == "shapes":
                         row.update(suite="shapes", mosaic_calls=mosaic_calls(impl, p, dtype, pass_))

@@ -76,6 +76,12 @@ def test_grid_table_names_cross_attention_and_gqa():
     bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - |" in out.getvalue()
+    # Kernel time where the rows have it: its own ratio beside the wall time's.
+    rows[0]["kernel_tflops"], rows[1]["kernel_tflops"] = 560.0, 400.0
+    out = io.StringIO()
+    bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 | 1.40 |" in out.getvalue()
+    assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - | - |" in out.getvalue()
 
 
 def test_model_table_ratios():

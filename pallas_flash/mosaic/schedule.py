@@ -21,8 +21,8 @@ class _Work:
     """The work items, one per (batch, head, query tile) of cta_rows rows, and which CTA takes
     which. A CTA of the plain grid takes its own (batch, head, q_tile); the hardware launches
     the query tiles of one head next to each other (they share K/V in L2). A persistent CTA c
-    of C takes items c, c + C, c + 2C, ... of a fixed order: (batch, head, q_tile) with q_tile
-    fastest, neighbours sharing K/V as in the grid, when every item costs the same; causal
+    of C takes one item of each round of C items of a fixed order: (batch, head, q_tile) with
+    q_tile fastest, neighbours sharing K/V as in the grid, when every item costs the same; causal
     items grow with their query tile, so there q_tile is slowest: each round of C items is of
     one or two query tiles (when C <= B * N) and the CTAs stay balanced (with the tiles of a
     head as neighbours, C even and two tiles per head, every other CTA would get only the

@@ -124,6 +124,12 @@ def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
     return sum(kernels.values()), kernels
 
 
+def kernel_timing(f, args, flops: float) -> dict:
+    """kernel_ms (f's kernels per call in jax's profiler, `device_ms`) and kernel_tflops."""
+    ms = device_ms(f, args)[0]
+    return dict(kernel_ms=round(ms, 4), kernel_tflops=round(flops / ms / 1e9, 1))
+
+
 def attention_flops(b, t, s, n, h, causal: bool, pass_: str) -> float:
     flops = 4.0 * b * n * t * s * h
     if causal:
@@ -181,10 +187,7 @@ def run_point(
         flops = attention_flops(b, t, s, n, h, causal, pass_)
         row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
         if kernel_time:
-            kernel_ms = device_ms(timed, args)[0]
-            row.update(
-                kernel_ms=round(kernel_ms, 4), kernel_tflops=round(flops / kernel_ms / 1e9, 1)
-            )
+            row.update(kernel_timing(timed, args, flops))
     except Exception as e:  # noqa: BLE001 -- a peer failing (OOM, unsupported) is data, not a crash
         row.update(ms=None, tflops=None, error=f"{type(e).__name__}: {str(e)[:200]}")
     return row
@@ -544,11 +547,7 @@ def run_model_suite(out_path, repeats, *, on_gpu: bool):
                         flops = 2.0 * b * n * pairs * (h + hv) * (3.5 if pass_ != "fwd" else 1)
                         row.update(ms=round(ms, 4), tflops=float(f"{flops / ms / 1e9:.4g}"))
                         if on_gpu:
-                            kernel_ms = device_ms(timed, args)[0]
-                            row.update(
-                                kernel_ms=round(kernel_ms, 4),
-                                kernel_tflops=float(f"{flops / kernel_ms / 1e9:.4g}"),
-                            )
+                            row.update(kernel_timing(timed, args, flops))
                     except Exception as e:  # noqa: BLE001 -- a peer refusing a shape is data
                         row.update(
                             ms=None, tflops=None, error=f"{type(e).__name__}: {str(e)[:200]}"

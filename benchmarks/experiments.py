@@ -535,7 +535,7 @@ PERSISTENT_CASES = [
     ),
     *(
         (f"H128 causal {t // 1024}k MHA", 16384 // t, t, 16, 16, 128, True, None, None, 0)
-        for t in (1024, 2048, 4096, 8192)
+        for t in (1024, 2048, 4096, 8192, 16384)
     ),
     *(
         (f"H64 causal {t}", 16384 // t, t, 32, 32, 64, True, None, None, 0)
@@ -551,9 +551,7 @@ def mosaic_persistent(out, smoke=False):
     each candidate at the case's shapes (None: the kernel takes it), on any machine."""
     for name, b, t, n, k, h, causal, window, cap, docs in PERSISTENT_CASES:
         options = dict(is_causal=causal, window=window, soft_cap=cap)
-        default = mosaic.default_tiles(
-            h, q_len=t, kv_len=t, segments=bool(docs), group=n // k, **options
-        )
+        default = mosaic.default_tiles(h, q_len=t, kv_len=t, segments=bool(docs), **options)
         row = dict(exp="mosaic-persistent", case=name, B=b, T=t, N=n, K=k, H=h, causal=causal)
         row.update(window=window, soft_cap=cap, documents=docs, default=str(default))
         candidates = {p: dataclasses.replace(default, persistent=p) for p in (False, True)}

@@ -190,12 +190,19 @@ H200 = {
     ),
     "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
     # dQ summed as integers in the dK/dV kernel (deterministic, `dispatch.fixed_dq_is_faster`).
-    "causal-h64-16k": ("mosaic", "mosaic", H64, {}, dict(fused_dq="fixed"), None),
+    "causal-h64-16k": (
+        "mosaic",
+        "mosaic",
+        H64,
+        dict(persistent=True),
+        dict(fused_dq="fixed"),
+        None,
+    ),
     # H 192 and 256: the Mosaic backward with split dK/dV consumers (1.1-2.3x the Triton one).
     "plain-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "causal-h256-long": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "causal-h192": ("mosaic", "mosaic", H256, dict(block_kv=64), dict(split_dkv=True), None),
-    "causal-h128-long": ("mosaic", "mosaic", H128_RANGED, {}, {}, None),
+    "causal-h128-long": ("mosaic", "mosaic", H128_RANGED, dict(persistent=True), {}, None),
     "plain-h128-medium": ("mosaic", "mosaic", H128, dict(persistent=True), {}, None),
     "short-keys-h128": ("mosaic", "mosaic", H128_CAUSAL_SHORT, dict(persistent=True), {}, None),
     "short-keys-h64": (

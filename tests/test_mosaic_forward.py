@@ -662,13 +662,10 @@ def test_default_tiles_are_persistent_but_on_long_causal_rows(head_dim):
 
     fits = head_dim <= 128  # H=256 has no room for a second Q buffer
     assert persistent() == persistent(kv_len=16384) == fits
-    # Causal rows: up to 8k keys at H=64; at H=128 1k, 4k with GQA groups.
-    longest = {64: 8192, 128: 1024, 256: 0}[head_dim]
-    longest_grouped = {64: 8192, 128: 4096, 256: 0}[head_dim]
-    for kv_len in (512, 1024, 2048, 4096, 8192, 16384):
+    # Causal rows: up to 16k keys at H=64, 8k at H=128.
+    longest = {64: 16384, 128: 8192, 256: 0}[head_dim]
+    for kv_len in (512, 1024, 2048, 4096, 8192, 16384, 32768):
         assert persistent(kv_len, is_causal=True) == (kv_len <= longest), kv_len
-        got = persistent(kv_len, is_causal=True, group=4)
-        assert got == (kv_len <= longest_grouped), kv_len
         # Soft caps and segment ids as plain calls.
         assert persistent(kv_len, is_causal=True, soft_cap=30.0) == (kv_len <= longest)
         assert persistent(kv_len, is_causal=True, segments=True) == (kv_len <= longest)
@@ -682,7 +679,8 @@ def test_default_tiles_are_persistent_but_on_long_causal_rows(head_dim):
     # A causal window of at most half the keys evens the rows out, up to (8192, 0).
     assert persistent(kv_len=16384, window=(8192, 0), is_causal=True) == fits
     assert persistent(kv_len=4096, window=(128, 0), is_causal=True) == fits
-    assert not persistent(kv_len=32768, window=(8193, 0), is_causal=True)
+    assert persistent(kv_len=32768, window=(8193, 0), is_causal=True) == (head_dim == 64)
+    assert not persistent(kv_len=65536, window=(32768, 0), is_causal=True)
     assert persistent(kv_len=32768, window=(16384, 16384)) == fits  # not causal
 
 

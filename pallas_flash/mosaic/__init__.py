@@ -88,7 +88,6 @@ def default_forward_tiles(call: Call) -> ForwardTiles:
         window=call.spec.window,
         soft_cap=call.soft_cap,
         segments=call.spec.has_segments,
-        group=call.q_shape[2] // call.k_shape[2],
     )
 
 

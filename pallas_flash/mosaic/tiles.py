@@ -116,13 +116,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Causal rows (keys) up to which persistent CTAs measured faster than a CTA per item (kernel
-# time on the H200, benchmarks/NOTES.md "Mosaic forward"): at H=64 up to 8k (512 +27%, 4k +5%,
-# 8k +2-4%; 16k -1%); at H=128 with one query head per KV head up to 1k (+10%; 2k -1%, 4k -4%,
-# 8k -6%), with GQA groups up to 4k (2k +9%, 4k +2%, 8k even, 16k -6%).
-PERSISTENT_CAUSAL_KEYS_H64 = 8192
-PERSISTENT_CAUSAL_KEYS_MHA = 1024
-PERSISTENT_CAUSAL_KEYS_GQA = 4096
+# Causal rows (keys) up to which persistent CTAs, in their snake order, measured faster than a
+# CTA per item (kernel time on the H200, benchmarks/NOTES.md "Mosaic forward"): at H=64 up to
+# the longest measured (512 +38%, 4k +10%, 8k +7%, 16k +2.5%); at H=128 up to 8k (MHA 1k +11%,
+# 2k even, 4k +4%, 8k +2%, 16k -2%; GQA 2k +11%, 4k +10%, 8k +6%, 16k -0.5%).
+PERSISTENT_CAUSAL_KEYS_H64 = 16384
+PERSISTENT_CAUSAL_KEYS_H128 = 8192
 # A causal window of at most half the keys leaves most rows seeing the same number of keys:
 # persistent up to the longest measured, (8192, 0) at 16k keys (8192 keys left of the diagonal
 # and its own; wall and kernel time, +2-9%).
@@ -139,7 +138,6 @@ def default_tiles(
     window=None,
     soft_cap=None,
     segments: bool = False,
-    group: int = 1,
 ) -> ForwardTiles:
     """Tiles per head dim and call, from tile probes on the H200 (benchmarks/NOTES.md, "Mosaic
     forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
@@ -156,7 +154,7 @@ def default_tiles(
     faster with a CTA per item (their long query tiles first), unless a window of at most
     half the keys (and PERSISTENT_WINDOW_KEYS) evens the rows out. Soft caps and segment ids
     go as plain calls do (gpt-oss's window of 128 keys: 0.283 ms per item, 0.215
-    persistent). group: query heads per KV head.
+    persistent).
     At H=64, plain non-causal rows of 4k-8k keys take 64 x 256 tiles, a CTA per item: half the
     steps, each step's fixed cost spread over twice the keys (1-6% over 128 x 128 persistent
     there in two runs; not at 2k nor 16k, and causal rows gained in one run only).
@@ -169,10 +167,7 @@ def default_tiles(
     short_window = (
         window is not None and window[0] + 1 <= PERSISTENT_WINDOW_KEYS and window[0] <= kv_len // 2
     )
-    if head_dim <= 64:
-        causal_keys = PERSISTENT_CAUSAL_KEYS_H64
-    else:
-        causal_keys = PERSISTENT_CAUSAL_KEYS_GQA if group > 1 else PERSISTENT_CAUSAL_KEYS_MHA
+    causal_keys = PERSISTENT_CAUSAL_KEYS_H64 if head_dim <= 64 else PERSISTENT_CAUSAL_KEYS_H128
     long_causal_rows = is_causal and not short_window and row_keys > causal_keys
     persistent = head_dim <= 128 and not long_causal_rows
     if head_dim == 64 and not masked and not is_causal and 4096 <= kv_len < 16384:
@@ -295,7 +290,6 @@ def why_not(
             window=window,
             soft_cap=soft_cap,
             segments=segments,
-            group=q_shape[2] // k_shape[2],
         )
     dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     if tiles.block_kv > 256:

@@ -91,11 +91,13 @@ def median_ms(f, args, *, calls: int = 10, repeats: int = 7) -> float:
 
 
 def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
-    """(ms per call of f's GPU kernels, summed; {kernel name: ms per call}), read from jax's
-    profiler over `calls` back-to-back calls after a warm-up. Unlike `median_ms` it leaves out
-    what the host spends dispatching a call and the gaps between kernels: what a call costs
-    inside a larger jitted step (a model's decode step), where a short call's wall time is
-    the host's. GPU only (the trace's /device:GPU planes)."""
+    """(ms per call of f's GPU kernels, summed: the median over `calls` back-to-back calls
+    after a warm-up; {kernel name: mean ms per call}), read from jax's profiler. Unlike
+    `median_ms` it leaves out what the host spends dispatching a call and the gaps between
+    kernels: what a call costs inside a larger jitted step (a model's decode step), where a
+    short call's wall time is the host's. The median, not the mean: the same kernel's mean
+    over 20 calls read 0.674 and 0.724 ms in one process on the H200 (benchmarks/NOTES.md,
+    "Methodology"). GPU only (the trace's /device:GPU planes)."""
     jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -112,6 +114,7 @@ def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
         ]
         data = jax.profiler.ProfileData.from_file(paths[0])
     kernels: dict[str, float] = {}
+    events = []  # (start, ms) of every kernel
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
@@ -119,9 +122,20 @@ def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
         for line in plane.lines:
             if line.name.startswith("Stream"):
                 for event in line.events:
-                    ms = event.duration_ns / 1e6 / calls
-                    kernels[event.name] = kernels.get(event.name, 0.0) + ms
-    return sum(kernels.values()), kernels
+                    ms = event.duration_ns / 1e6
+                    kernels[event.name] = kernels.get(event.name, 0.0) + ms / calls
+                    events.append((event.start_ns, ms))
+    return per_call_median(events, calls), kernels
+
+
+def per_call_median(events, calls: int) -> float:
+    """The median over calls of each call's summed kernel ms, the (start, ms) events taken in
+    start order, as many per call (the mean where they do not divide evenly)."""
+    per_call, left = divmod(len(events), calls)
+    if per_call == 0 or left:
+        return sum(ms for _, ms in events) / calls
+    ordered = [ms for _, ms in sorted(events)]
+    return statistics.median(sum(ordered[i * per_call : (i + 1) * per_call]) for i in range(calls))
 
 
 def kernel_timing(f, args, flops: float) -> dict:

@@ -1,0 +1,100 @@
+"""The kernels of a few calls under Nsight Compute's hardware counters, on the GPU machine.
+
+    ncu --profile-from-start off --clock-control none --set full -o $OUT/prof \
+        python benchmarks/ncu_profile.py [CASE ...]
+    ncu --import $OUT/prof.ncu-rep --page details --csv > $OUT/details.csv
+
+Each case builds its inputs and compiles (and runs) its function once outside the profiled
+range, then runs it once between cuProfilerStart and cuProfilerStop: with
+`--profile-from-start off` ncu profiles only those kernels (the attention kernels, cuDNN's, and
+the small XLA ops of the call). `--list` prints the cases. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flash import bench, mosaic
+from pallas_flash.mosaic import backward as mosaic_backward
+
+
+def _attention(b, t, n, h, causal, impl):
+    """fwd of the default call (impl "pallas_flash") or cuDNN's, as the bench times them."""
+    fn = bench.attention_fn(impl, is_causal=causal)
+    return jax.jit(fn), bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)[:3]
+
+
+def _backward(b, t, n, h, causal, tiles, impl="mosaic"):
+    """The Mosaic backward alone with `tiles` (its dK/dV and dQ kernels, or the fused one), on
+    the Mosaic forward's out and lse; impl "cudnn": cuDNN's fwd+bwd."""
+    q, k, v, do = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+    if impl == "cudnn":
+        fn = bench.timed_fn(bench.attention_fn("cudnn", is_causal=causal), "fwd+bwd")
+        return fn, (q, k, v, do)
+    scale = h**-0.5
+    out, lse, log_sum = jax.jit(
+        functools.partial(mosaic.flash_forward, scale=scale, is_causal=causal, with_log_sum=True)
+    )(q, k, v)
+    fn = jax.jit(
+        functools.partial(
+            mosaic_backward.flash_backward, scale=scale, is_causal=causal, tiles=tiles
+        )
+    )
+    return (lambda *args: fn(*args, log_sum=log_sum)), (q, k, v, out, lse, do, None)
+
+
+OURS = functools.partial(_attention, impl="pallas_flash")
+CUDNN = functools.partial(_attention, impl="cudnn")
+# name: (function of (b, t, n, h, causal) -> (fn, args), b, t, n, h, causal)
+CASES = {
+    "fwd-h64-16k": (OURS, 1, 16384, 32, 64, False),
+    "fwd-h64-16k-cudnn": (CUDNN, 1, 16384, 32, 64, False),
+    "fwd-h128-causal-2k": (OURS, 8, 2048, 16, 128, True),
+    "fwd-h128-causal-2k-cudnn": (CUDNN, 8, 2048, 16, 128, True),
+    "bwd-h128-16k": (
+        functools.partial(_backward, tiles=mosaic.BackwardTiles()), 1, 16384, 16, 128, False
+    ),
+    "bwd-h128-16k-fixed": (
+        functools.partial(_backward, tiles=mosaic.BackwardTiles(fused_dq="fixed")),
+        1, 16384, 16, 128, False,
+    ),
+    "bwd-h128-16k-cudnn": (
+        functools.partial(_backward, tiles=None, impl="cudnn"), 1, 16384, 16, 128, False
+    ),
+    "bwd-h64-16k": (
+        functools.partial(_backward, tiles=mosaic.BackwardTiles()), 1, 16384, 32, 64, False
+    ),
+}  # fmt: skip
+
+
+def _profiler(call: str):
+    """cuProfilerStart / cuProfilerStop of the CUDA driver: ncu's profiled range."""
+    getattr(ctypes.CDLL("libcuda.so.1"), call)()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cases", nargs="*", help="default: every case")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args()
+    names = args.cases or list(CASES)
+    if args.list:
+        print("\n".join(CASES))
+        return
+    for name in names:
+        make, b, t, n, h, causal = CASES[name]
+        fn, fn_args = make(b, t, n, h, causal)
+        jax.block_until_ready(fn(*fn_args))  # compile and warm up outside the profiled range
+        _profiler("cuProfilerStart")
+        jax.block_until_ready(fn(*fn_args))
+        _profiler("cuProfilerStop")
+        print(name, "profiled", flush=True)
+
+
+if __name__ == "__main__":
+    main()

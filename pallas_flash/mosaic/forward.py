@@ -174,7 +174,6 @@ def flash_forward(
             window=window,
             soft_cap=soft_cap,
             segments=segment_ids is not None,
-            group=q.shape[2] // k.shape[2],
         )
     window = None if window is None else (int(window[0]), int(window[1]))
     soft_cap = None if soft_cap is None else float(soft_cap)

@@ -49,6 +49,8 @@ import jax.numpy as jnp
 import pallas_flash
 from pallas_flash import bench, mosaic, tune, tune_cache
 from pallas_flash.device import gpu_device_kind, target_device
+from pallas_flash.masks import MaskSpec
+from pallas_flash.mosaic.schedule import paired_causal_rows
 from pallas_flash.triton.tiles import heuristic_block_sizes
 
 # (block_q, block_kv, num_warps, num_stages) of the forward kernel.
@@ -553,20 +555,32 @@ PERSISTENT_CASES = [
 ]
 
 
-def mosaic_persistent(out, smoke=False):
-    """Each case's Mosaic forward with its default tiles, persistent and a CTA per item: kernel
-    ms (jax's profiler), the largest difference between the two outputs, cuDNN's kernel ms
-    where it runs the call (no soft cap or segment ids here). smoke: no run, only `why_not` of
-    each candidate at the case's shapes (None: the kernel takes it), on any machine."""
+def mosaic_persistent(out, smoke=False, cases=None):
+    """Each case's Mosaic forward with its default tiles, persistent and a CTA per item, and
+    for causal calls that take their query tiles in pairs (`schedule.paired_causal_rows`) also
+    persistent in the snake order: kernel ms (jax's profiler) as `{candidate}_ms`, the largest
+    difference between each output and the CTA per item's, cuDNN's kernel ms where it runs the
+    call (no soft cap or segment ids here). smoke: no run, only `why_not_{candidate}` at the
+    case's shapes (None: the kernel takes it), on any machine. cases: names of PERSISTENT_CASES
+    that contain one of these strings (None: all)."""
     for name, b, t, n, k, h, causal, window, cap, docs in PERSISTENT_CASES:
+        if cases and not any(c in name for c in cases):
+            continue
         options = dict(is_causal=causal, window=window, soft_cap=cap)
         default = mosaic.default_tiles(h, q_len=t, kv_len=t, segments=bool(docs), **options)
         row = dict(exp="mosaic-persistent", case=name, B=b, T=t, N=n, K=k, H=h, causal=causal)
         row.update(window=window, soft_cap=cap, documents=docs, default=str(default))
-        candidates = {p: dataclasses.replace(default, persistent=p) for p in (False, True)}
+        persistent = dataclasses.replace(default, persistent=True)
+        candidates = {
+            "per_item": dataclasses.replace(default, persistent=False),
+            "persistent": persistent,
+        }
+        spec = MaskSpec(q_len=t, kv_len=t, is_causal=causal, window=window)
+        if paired_causal_rows(spec, persistent, has_segments=bool(docs)):
+            candidates["snake"] = dataclasses.replace(persistent, causal_pairs=False)
         if smoke:
-            for persistent, tiles in candidates.items():
-                row[f"why_not_{persistent}"] = mosaic.forward_tiles.why_not(
+            for candidate, tiles in candidates.items():
+                row[f"why_not_{candidate}"] = mosaic.forward_tiles.why_not(
                     (b, t, n, h),
                     (b, t, k, h),
                     jnp.bfloat16,
@@ -585,7 +599,7 @@ def mosaic_persistent(out, smoke=False):
         if name.startswith("gpt-oss"):
             sinks = jnp.linspace(-1, 1, b * n, dtype=jnp.float32).reshape(b, n)
         outs = {}
-        for persistent, tiles in candidates.items():
+        for candidate, tiles in candidates.items():
             fn = jax.jit(
                 functools.partial(
                     mosaic.flash_forward,
@@ -596,10 +610,11 @@ def mosaic_persistent(out, smoke=False):
                     **options,
                 )
             )
-            outs[persistent] = fn(q, kk, v)[0].astype(jnp.float32)
-            key = "persistent_ms" if persistent else "per_item_ms"
-            row[key] = round(bench.device_ms(fn, (q, kk, v))[0], 4)
-        row["max_abs_diff"] = float(jnp.max(jnp.abs(outs[True] - outs[False])))
+            outs[candidate] = fn(q, kk, v)[0].astype(jnp.float32)
+            row[f"{candidate}_ms"] = round(bench.device_ms(fn, (q, kk, v))[0], 4)
+        row["max_abs_diff"] = max(
+            float(jnp.max(jnp.abs(x - outs["per_item"]))) for x in outs.values()
+        )
         if cap is None and not docs:
             cudnn = jax.jit(
                 functools.partial(
@@ -637,7 +652,12 @@ def main():
     parser.add_argument(
         "--only", nargs="+", help="decode: time only these candidates (default, full_waves, ...)"
     )
-    parser.add_argument("--cases", nargs="+", help="decode: these shapes only (head, S1k, ...)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        help="decode: these shapes only (head, S1k, ...); mosaic-persistent: cases whose name"
+        " contains one of these",
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -665,7 +685,7 @@ def main():
         elif args.experiment == "mosaic-gqa":
             mosaic_gqa(out)
         elif args.experiment == "mosaic-persistent":
-            mosaic_persistent(out, smoke=args.smoke)
+            mosaic_persistent(out, smoke=args.smoke, cases=args.cases)
         else:
             {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
 

@@ -150,7 +150,8 @@ def test_device_ms_reads_the_kernels_of_a_call():
 
 def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     """benchmarks/experiments.py mosaic-persistent --smoke: both candidates of every case (the
-    default tiles, persistent and not) pass `why_not` at the case's shapes."""
+    default tiles, persistent and not, and persistent in the snake order where the causal pairs
+    apply) pass `why_not` at the case's shapes."""
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments.py"
     spec = importlib.util.spec_from_file_location("experiments", path)
     experiments = importlib.util.module_from_spec(spec)
@@ -160,7 +161,12 @@ def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
     assert len(rows) == len(experiments.PERSISTENT_CASES)
     for row in rows:
-        assert row["why_not_False"] is None and row["why_not_True"] is None, row
+        assert row["why_not_per_item"] is None and row["why_not_persistent"] is None, row
+        assert row.get("why_not_snake") is None, row
+    # The snake beside the pairs where the pairs apply: plain causal calls.
+    snakes = {row["case"] for row in rows if "why_not_snake" in row}
+    assert "H128 causal 2k MHA" in snakes and "H128 cap 30 causal 4k" in snakes
+    assert "H128 window 4k at 16k" not in snakes and "H128 4 documents causal 4k" not in snakes
     defaults = {row["case"]: row["default"] for row in rows}
     assert "persistent=True" in defaults["gpt-oss: sinks, window 128"]
     assert "persistent=False" in defaults["H128 causal 16k GQA"]

@@ -604,6 +604,70 @@ def test_persistent_work_covers_every_item_once(batch, heads, q_tiles, ctas, rev
         assert [q for _, _, q in order[:q_tiles]] == list(range(q_tiles))  # one head's tiles
 
 
+@pytest.mark.parametrize(
+    "batch, heads, q_tiles, ctas",
+    [(1, 3, 4, 4), (2, 3, 2, 8), (8, 16, 16, 132), (4, 16, 32, 132), (1, 16, 128, 132)],
+)
+def test_paired_work_covers_every_item_once_in_equal_pairs(batch, heads, q_tiles, ctas):
+    """Causal pairs: CTA c's items 2m and 2m + 1 are query tiles Q - 1 - i and i of one head
+    (the long one first), every (batch, head, q_tile) once; no CTA does more than one pair's
+    work over another, and a round of pairs spans few heads (their K/V shared in L2)."""
+    work = mosaic_schedule._Work(batch, heads, q_tiles, reverse=True, paired=True)
+    per_cta = []
+    for c in range(ctas):
+        count = int(work.persistent_count(c, ctas))
+        assert count % 2 == 0
+        items = [tuple(int(x) for x in work.cta_item(c, n, ctas)) for n in range(count)]
+        for long, short in zip(items[::2], items[1::2]):
+            assert long[:2] == short[:2] and long[2] + short[2] == q_tiles - 1, (long, short)
+            assert long[2] > short[2]
+        per_cta.append(items)
+    everything = [item for items in per_cta for item in items]
+    assert sorted(everything) == sorted(np.ndindex(batch, heads, q_tiles))
+    loads = [sum(q + 1 for _, _, q in items) for items in per_cta]
+    assert max(loads) - min(loads) <= q_tiles + 1, loads
+    # Round m: pair m of every CTA; the heads it spans.
+    for m in range(min(len(items) // 2 for items in per_cta)):
+        heads_of_round = {items[2 * m][:2] for items in per_cta}
+        assert len(heads_of_round) <= -(-2 * ctas // q_tiles) + 1, (m, heads_of_round)
+
+
+def test_paired_work_needs_reverse_and_even_tiles():
+    with pytest.raises(ValueError, match="even"):
+        mosaic_schedule._Work(1, 2, 3, reverse=True, paired=True)
+    with pytest.raises(ValueError, match="reverse"):
+        mosaic_schedule._Work(1, 2, 4, reverse=False, paired=True)
+
+
+@pytest.mark.parametrize(
+    "q_len, kv_len, options, paired",
+    [
+        (2048, 2048, {}, True),
+        (2048, 4096, {}, True),  # T < S: row i still sees keys 0..i
+        (4096, 2048, {}, False),  # rows past S see every key: pairs of unequal work
+        (1280, 1280, {}, False),  # 5 query tiles of 256 rows (block_q=128)
+        (2048, 2048, dict(window=(256, 0)), False),
+        (2048, 2048, dict(window=(4096, 0)), True),  # a window that hides nothing
+        (2048, 2048, dict(segments=True), False),
+        (2048, 2048, dict(is_causal=False), False),
+        (2048, 2048, dict(persistent=False), False),
+        (2048, 2048, dict(causal_pairs=False), False),
+    ],
+)
+def test_paired_causal_rows(q_len, kv_len, options, paired):
+    options = {"is_causal": True, "persistent": True, **options}
+    spec = MaskSpec(
+        q_len=q_len, kv_len=kv_len, is_causal=options["is_causal"], window=options.get("window")
+    )
+    tiles = ForwardTiles(
+        block_q=128 if q_len == 1280 else 64,
+        persistent=options["persistent"],
+        causal_pairs=options.get("causal_pairs", True),
+    )
+    segments = options.get("segments", False)
+    assert mosaic_schedule.paired_causal_rows(spec, tiles, has_segments=segments) == paired
+
+
 def test_supports_rejects_tiles_over_shared_memory():
     tiles = ForwardTiles(block_q=64, block_kv=128, num_stages=2)
     got = why_not((1, 256, 2, 256), (1, 256, 2, 256), BF16, is_causal=False, tiles=tiles)
@@ -1261,7 +1325,19 @@ def test_persistent_snake_matches_oracle_interpreted(monkeypatch):
     unwritten."""
     monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 5)
     p = Problem(2, 512, 512, 2, 1, 128, True, "bf16")
-    check_masked(p, {}, None, ForwardTiles(persistent=True), interpreted=True)
+    check_masked(p, {}, None, ForwardTiles(persistent=True, causal_pairs=False), interpreted=True)
+
+
+def test_persistent_pairs_match_oracle_interpreted(monkeypatch):
+    """Causal query tiles in pairs: 3 heads x 4 query tiles (ragged T) are 6 pairs on 4 CTAs,
+    a whole round and half of one (CTAs 0 and 1 take 4 items, 2 and 3 take 2); with GQA, so
+    that a pair's head maps to its KV head."""
+    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 4)
+    p = Problem(1, 500, 512, 3, 1, 64, True, "bf16")
+    tiles = ForwardTiles(persistent=True)
+    spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True)
+    assert mosaic_schedule.paired_causal_rows(spec, tiles, has_segments=False)
+    check_masked(p, {}, None, tiles, interpreted=True)
 
 
 @pytest.mark.gpu

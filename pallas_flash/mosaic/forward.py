@@ -51,6 +51,7 @@ from pallas_flash.mosaic.schedule import (
     consumer_tile_range,
     cta_tile_range,
     mask_sides,
+    paired_causal_rows,
     segment_tile_plan,
 )
 from pallas_flash.mosaic.tiles import (
@@ -256,7 +257,13 @@ def _forward_call(
         scale=scale,
         soft_cap=soft_cap,
         group=num_heads // num_kv_heads,
-        work=_Work(batch, num_heads, num_q_tiles, reverse=spec.is_causal),
+        work=_Work(
+            batch,
+            num_heads,
+            num_q_tiles,
+            reverse=spec.is_causal,
+            paired=paired_causal_rows(spec, tiles, has_segments=has_ids),
+        ),
         tiles=tiles,
         has_sinks=sinks is not None,
         dropout_rate=drop[0] if has_drop else 0.0,

@@ -31,12 +31,25 @@ class _Work:
     short ones fill in at the end. The rounds snake: CTA c takes the c-th item of even rounds
     and the (C - 1 - c)-th of odd ones, so that with the longest items first no CTA takes the
     longest of every round (in round-robin CTA 0 did: 3-6% over the mean work at the grid's
-    causal 1k-16k, which the snake cuts to 0.1-0.2% from 4k)."""
+    causal 1k-16k, which the snake cuts to 0.1-0.2% from 4k).
+    But each round of the snake spans up to C heads, whose K/V do not stay in L2 from one round
+    to the next (the H=128 causal 2k forward read 1.18 GB from DRAM, 4.6 times q, k, v and out,
+    at 76% of its bandwidth: Nsight Compute, benchmarks/NOTES.md). `paired` (causal rows that
+    see keys 0..i, an even number of query tiles Q): a head's query tiles go in pairs
+    (Q - 1 - i, i), the long one first, of equal work (Q + 1 KV tiles' worth); a persistent CTA
+    c takes pairs c, c + C, ... of the order (batch, head, pair) with the pair fastest, so that
+    a round of C pairs spans about 2 C / Q heads, and no CTA does more than one pair over
+    another."""
 
     batch: int
     num_heads: int
     num_q_tiles: int
     reverse: bool
+    paired: bool = False
+
+    def __post_init__(self):
+        if self.paired and (not self.reverse or self.num_q_tiles % 2):
+            raise ValueError(f"paired work needs reverse and an even num_q_tiles: {self}")
 
     @property
     def total(self) -> int:
@@ -51,6 +64,9 @@ class _Work:
     def persistent_count(self, cta, num_ctas: int):
         """Items CTA cta of num_ctas walks: every whole round's, and the last round's if its
         place there (`round_place`) is among the round's items."""
+        if self.paired:
+            rounds, left = divmod(self.total // 2, num_ctas)
+            return 2 * (rounds + (jnp.asarray(cta, jnp.int32) < left).astype(jnp.int32))
         rounds, left = divmod(self.total, num_ctas)
         return rounds + (self.round_place(cta, rounds, num_ctas) < left).astype(jnp.int32)
 
@@ -65,12 +81,23 @@ class _Work:
         """(batch, head, q_tile) of this CTA's n-th item."""
         if persistent:
             cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
-            return self.persistent_item(n * num_ctas + self.round_place(cta, n, num_ctas))
+            return self.cta_item(cta, n, num_ctas)
         batch, head = lax.axis_index("batch"), lax.axis_index("head")
         q_tile = lax.axis_index("q_tile")
         if self.reverse:
             q_tile = self.num_q_tiles - 1 - q_tile
         return batch, head, q_tile
+
+    def cta_item(self, cta, n, num_ctas: int):
+        """(batch, head, q_tile) of CTA cta's n-th item (ints or int32 scalars)."""
+        if not self.paired:
+            return self.persistent_item(n * num_ctas + self.round_place(cta, n, num_ctas))
+        n = jnp.asarray(n, jnp.int32)
+        pair = lax.div(n, 2) * num_ctas + cta
+        pairs_per_head = self.num_q_tiles // 2
+        batch_head, i = lax.div(pair, pairs_per_head), lax.rem(pair, pairs_per_head)
+        q_tile = jnp.where(lax.rem(n, 2) == 0, self.num_q_tiles - 1 - i, i)
+        return lax.div(batch_head, self.num_heads), lax.rem(batch_head, self.num_heads), q_tile
 
     def persistent_item(self, w):
         """(batch, head, q_tile) of item w of the persistent order (ints or int32 scalars)."""
@@ -80,6 +107,23 @@ class _Work:
         else:
             q_tile, batch_head = w % self.num_q_tiles, w // self.num_q_tiles
         return batch_head // self.num_heads, batch_head % self.num_heads, q_tile
+
+
+def paired_causal_rows(spec: MaskSpec, tiles: ForwardTiles, *, has_segments: bool) -> bool:
+    """Whether a persistent causal forward takes its query tiles in pairs of equal work
+    (`_Work.paired`): tiles.causal_pairs, and rows i that see keys 0..i (no left side of a
+    window, no segment ids, T <= S, so that a query tile's work grows by the same with each
+    tile), over an even number of CTA query tiles."""
+    left, _ = mask_sides(spec, tiles)
+    return (
+        tiles.persistent
+        and tiles.causal_pairs
+        and spec.is_causal
+        and not left
+        and not has_segments
+        and spec.q_len <= spec.kv_len
+        and cdiv(spec.q_len, tiles.cta_rows) % 2 == 0
+    )
 
 
 def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):

@@ -48,12 +48,18 @@ class ForwardTiles:
         The K/V ring then runs on from one item into the next and the next item's Q loads
         during this one (a second Q buffer), so that short rows (few KV steps per item) stop
         paying a CTA's launch, Q load and ring fill per item.
+      causal_pairs: a persistent CTA of a causal call whose rows see keys 0..i (no window's
+        left side, no segment ids, T <= S, an even number of CTA query tiles) takes a head's
+        query tiles in pairs (Q - 1 - i, i) of equal work, the heads' pairs in turn, so that
+        the CTAs of a round share K/V in L2 (`schedule._Work`); False, or where the rows differ
+        otherwise: every head's longest query tiles first, the rounds in a snake.
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     persistent: bool = False
+    causal_pairs: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -62,8 +68,9 @@ class ForwardTiles:
                 raise ValueError(f"ForwardTiles.{name}={value!r} must be a positive multiple of 64")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool")
+        for name in ("persistent", "causal_pairs"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ForwardTiles.{name}={getattr(self, name)!r} must be a bool")
 
     @property
     def cta_rows(self) -> int:

@@ -557,12 +557,13 @@ PERSISTENT_CASES = [
 
 def mosaic_persistent(out, smoke=False, cases=None):
     """Each case's Mosaic forward with its default tiles, persistent and a CTA per item, and
-    for causal calls that take their query tiles in pairs (`schedule.paired_causal_rows`) also
-    persistent in the snake order: kernel ms (jax's profiler) as `{candidate}_ms`, the largest
-    difference between each output and the CTA per item's, cuDNN's kernel ms where it runs the
-    call (no soft cap or segment ids here). smoke: no run, only `why_not_{candidate}` at the
-    case's shapes (None: the kernel takes it), on any machine. cases: names of PERSISTENT_CASES
-    that contain one of these strings (None: all)."""
+    for causal calls whose query tiles can go in pairs (`schedule.paired_causal_rows`) also
+    persistent in the other order of the two (pairs or snake): kernel ms (jax's profiler) as
+    `{candidate}_ms`, the largest difference between each output and the CTA per item's,
+    cuDNN's kernel ms where it runs the call (no soft cap or segment ids here). smoke: no run,
+    only `why_not_{candidate}` at the case's shapes (None: the kernel takes it), on any
+    machine. cases: names of PERSISTENT_CASES that contain one of these strings (None: all).
+    """
     for name, b, t, n, k, h, causal, window, cap, docs in PERSISTENT_CASES:
         if cases and not any(c in name for c in cases):
             continue
@@ -575,9 +576,15 @@ def mosaic_persistent(out, smoke=False, cases=None):
             "per_item": dataclasses.replace(default, persistent=False),
             "persistent": persistent,
         }
+        # The other order of causal items where the pairs apply: "snake" beside the pairs, or
+        # "pairs" beside the snake (H=64's default).
         spec = MaskSpec(q_len=t, kv_len=t, is_causal=causal, window=window)
-        if paired_causal_rows(spec, persistent, has_segments=bool(docs)):
-            candidates["snake"] = dataclasses.replace(persistent, causal_pairs=False)
+        paired = dataclasses.replace(persistent, causal_pairs=True)
+        if paired_causal_rows(spec, paired, has_segments=bool(docs)):
+            other = "snake" if persistent.causal_pairs else "pairs"
+            candidates[other] = dataclasses.replace(
+                persistent, causal_pairs=not persistent.causal_pairs
+            )
         if smoke:
             for candidate, tiles in candidates.items():
                 row[f"why_not_{candidate}"] = mosaic.forward_tiles.why_not(

@@ -162,11 +162,15 @@ def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     assert len(rows) == len(experiments.PERSISTENT_CASES)
     for row in rows:
         assert row["why_not_per_item"] is None and row["why_not_persistent"] is None, row
-        assert row.get("why_not_snake") is None, row
-    # The snake beside the pairs where the pairs apply: plain causal calls.
+        assert row.get("why_not_snake") is None and row.get("why_not_pairs") is None, row
+    # The other order where the pairs apply (plain causal calls): the snake beside H=128's
+    # pairs, the pairs beside H=64's snake.
     snakes = {row["case"] for row in rows if "why_not_snake" in row}
+    pairs = {row["case"] for row in rows if "why_not_pairs" in row}
     assert "H128 causal 2k MHA" in snakes and "H128 cap 30 causal 4k" in snakes
-    assert "H128 window 4k at 16k" not in snakes and "H128 4 documents causal 4k" not in snakes
+    assert "H64 causal 4096" in pairs and not pairs & snakes
+    others = snakes | pairs
+    assert "H128 window 4k at 16k" not in others and "H128 4 documents causal 4k" not in others
     defaults = {row["case"]: row["default"] for row in rows}
     assert "persistent=True" in defaults["gpt-oss: sinks, window 128"]
     assert "persistent=False" in defaults["H128 causal 16k GQA"]

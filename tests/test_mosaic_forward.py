@@ -606,30 +606,60 @@ def test_persistent_work_covers_every_item_once(batch, heads, q_tiles, ctas, rev
 
 @pytest.mark.parametrize(
     "batch, heads, q_tiles, ctas",
-    [(1, 3, 4, 4), (2, 3, 2, 8), (8, 16, 16, 132), (4, 16, 32, 132), (1, 16, 128, 132)],
+    [
+        (1, 3, 4, 4),  # no whole round of pairs: all tail
+        (3, 1, 10, 4),  # the tail starts inside a head
+        (1, 1, 8, 3),  # one head: the tail is that head's pairs alone
+        (1, 5, 6, 7),
+        (8, 16, 16, 132),  # the grid's causal 2k at H=128
+        (4, 16, 32, 132),
+        (1, 24, 12, 132),  # 144 pairs on 132 CTAs
+        (1, 16, 128, 132),
+    ],
 )
-def test_paired_work_covers_every_item_once_in_equal_pairs(batch, heads, q_tiles, ctas):
-    """Causal pairs: CTA c's items 2m and 2m + 1 are query tiles Q - 1 - i and i of one head
-    (the long one first), every (batch, head, q_tile) once; no CTA does more than one pair's
-    work over another, and a round of pairs spans few heads (their K/V shared in L2)."""
+def test_paired_work_covers_every_item_once(batch, heads, q_tiles, ctas):
+    """Causal pairs: CTA c's items 2m and 2m + 1 (m < the pair rounds) are query tiles Q - 1 - i
+    and i of one head, a round of them spanning few heads (their K/V shared in L2); the tail's
+    single tiles go longest first in a snake. Every (batch, head, q_tile) once, and the work
+    per CTA as even as the snake's over every item (or better)."""
+
+    def per_cta(work):
+        return [
+            [tuple(int(x) for x in work.cta_item(c, n, ctas)) for n in range(count)]
+            for c in range(ctas)
+            for count in [int(work.persistent_count(c, ctas))]
+        ]
+
     work = mosaic_schedule._Work(batch, heads, q_tiles, reverse=True, paired=True)
-    per_cta = []
-    for c in range(ctas):
-        count = int(work.persistent_count(c, ctas))
-        assert count % 2 == 0
-        items = [tuple(int(x) for x in work.cta_item(c, n, ctas)) for n in range(count)]
-        for long, short in zip(items[::2], items[1::2]):
+    tail = work.tail(ctas)
+    items = per_cta(work)
+    everything = [item for cta_items in items for item in cta_items]
+    assert sorted(everything) == sorted(np.ndindex(batch, heads, q_tiles))
+    assert tail.items == len(everything) - 2 * tail.pair_rounds * ctas
+    for cta_items in items:
+        pairs = cta_items[: 2 * tail.pair_rounds]
+        for long, short in zip(pairs[::2], pairs[1::2]):
             assert long[:2] == short[:2] and long[2] + short[2] == q_tiles - 1, (long, short)
             assert long[2] > short[2]
-        per_cta.append(items)
-    everything = [item for items in per_cta for item in items]
-    assert sorted(everything) == sorted(np.ndindex(batch, heads, q_tiles))
-    loads = [sum(q + 1 for _, _, q in items) for items in per_cta]
-    assert max(loads) - min(loads) <= q_tiles + 1, loads
-    # Round m: pair m of every CTA; the heads it spans.
-    for m in range(min(len(items) // 2 for items in per_cta)):
-        heads_of_round = {items[2 * m][:2] for items in per_cta}
+    for m in range(tail.pair_rounds):
+        heads_of_round = {cta_items[2 * m][:2] for cta_items in items}
         assert len(heads_of_round) <= -(-2 * ctas // q_tiles) + 1, (m, heads_of_round)
+    # The tail, in the order CTAs take it, round by round: longest first.
+    tail_order = [tail.item(r) for r in range(tail.items)]
+    levels = [int(q) for _, q in tail_order]
+    assert levels == sorted(levels, reverse=True)
+
+    def load(cta_items):
+        return sum(q + 2 for _, _, q in cta_items)  # KV tiles and a start per item
+
+    snake = [load(c) for c in per_cta(mosaic_schedule._Work(batch, heads, q_tiles, True))]
+    loads = [load(c) for c in items]
+    mean = sum(loads) / ctas
+    # Whole pairs to the end would leave CTAs a pair apart: 1.83 x the mean at 144 pairs on
+    # 132 CTAs, 1.031 at the grid's 2k (where the snake's partial round gives 1.031 too).
+    assert max(loads) <= max(snake) + 0.015 * mean, (max(loads) / mean, max(snake) / mean)
+    if (batch, heads, q_tiles) == (8, 16, 16):
+        assert max(loads) <= 1.01 * mean
 
 
 def test_paired_work_needs_reverse_and_even_tiles():
@@ -1329,14 +1359,16 @@ def test_persistent_snake_matches_oracle_interpreted(monkeypatch):
 
 
 def test_persistent_pairs_match_oracle_interpreted(monkeypatch):
-    """Causal query tiles in pairs: 3 heads x 4 query tiles (ragged T) are 6 pairs on 4 CTAs,
-    a whole round and half of one (CTAs 0 and 1 take 4 items, 2 and 3 take 2); with GQA, so
-    that a pair's head maps to its KV head."""
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 4)
-    p = Problem(1, 500, 512, 3, 1, 64, True, "bf16")
+    """Causal query tiles in pairs: 3 heads x 4 query tiles (ragged T) are 6 pairs on 3 CTAs,
+    a round of whole pairs, then a tail of 6 single tiles that starts at the second pair of
+    the second head; with GQA, so that each item's head maps to its KV head."""
+    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    p = Problem(1, 500, 512, 3, 1, 128, True, "bf16")
     tiles = ForwardTiles(persistent=True)
     spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True)
     assert mosaic_schedule.paired_causal_rows(spec, tiles, has_segments=False)
+    tail = mosaic_schedule._Work(1, 3, 4, reverse=True, paired=True).tail(3)
+    assert (tail.pair_rounds, tail.first_head, tail.first_pair, tail.items) == (1, 1, 1, 6)
     check_masked(p, {}, None, tiles, interpreted=True)
 
 

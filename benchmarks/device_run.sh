@@ -18,6 +18,9 @@
 #   fused  benchmarks/fused_dq_timing.py: the fused dQ against the default backward and cuDNN
 #          (FUSED_POINTS: H:SEQ pairs, default its POINTS)
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
+#   ncu    benchmarks/ncu_profile.py's NCU_CASES (default: all) under Nsight Compute (NCU_ARGS,
+#          default "--set full": 38 replays per kernel), the report's details page to
+#          $OUT/ncu-details.csv and every metric to $OUT/ncu-raw.csv.gz (~30 KB a kernel)
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
 #   scale  python -m pallas_flash.bench --suite scale on every GPU of the host (SCALE_ARGS)
 #   mesh   examples/train_gpt.py on a mesh of the host's GPUs: MESHES holds MESH:BATCH entries
@@ -148,6 +151,14 @@ for stage in ${@:-tests masks grid}; do
       tail -n 6 $OUT/extras.log ;;
     train)
       bash benchmarks/device_train.sh ;;
+    ncu)
+      timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none \
+        ${NCU_ARGS:---set full} -f -o $OUT/ncu python3 benchmarks/ncu_profile.py ${NCU_CASES:-} \
+        > $OUT/ncu.log 2>&1
+      grep "profiled\|ERROR" $OUT/ncu.log | tail -n 20
+      ncu --import $OUT/ncu.ncu-rep --page details --csv > $OUT/ncu-details.csv 2>/dev/null
+      ncu --import $OUT/ncu.ncu-rep --page raw --csv 2>/dev/null | gzip > $OUT/ncu-raw.csv.gz
+      rm -f $OUT/ncu.ncu-rep ;;
     tune)
       timeout ${TUNE_TIMEOUT:-300} python3 -m pallas_flash.tune --cache $OUT/tune.json \
         --log $OUT/tune.jsonl ${TUNE_ARGS:-} > $OUT/tune.log 2>&1

@@ -354,6 +354,10 @@ MOSAIC_TILES = {
         (64, 256, 2),
         (128, 128, 2, True),
         (64, 128, 2, True),
+        # 128 rows without the spills of 128 x 128 (Nsight Compute, NOTES "Tooling"): S and P
+        # of 64 keys.
+        (128, 64, 2, True),
+        (128, 64, 3, True),
     ],
     128: [
         (64, 128, 2),

@@ -114,10 +114,11 @@ def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
         ]
         data = jax.profiler.ProfileData.from_file(paths[0])
     kernels: dict[str, float] = {}
-    events = []  # (start, ms) of every kernel
+    planes = []  # per GPU, (start, ms) of every kernel
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
+        events = []
         # Kernels run on the stream lines; the "XLA Ops" and "XLA Modules" lines repeat them.
         for line in plane.lines:
             if line.name.startswith("Stream"):
@@ -125,17 +126,23 @@ def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
                     ms = event.duration_ns / 1e6
                     kernels[event.name] = kernels.get(event.name, 0.0) + ms / calls
                     events.append((event.start_ns, ms))
-    return per_call_median(events, calls), kernels
+        planes.append(events)
+    return per_call_median(planes, calls), kernels
 
 
-def per_call_median(events, calls: int) -> float:
-    """The median over calls of each call's summed kernel ms, the (start, ms) events taken in
-    start order, as many per call (the mean where they do not divide evenly)."""
-    per_call, left = divmod(len(events), calls)
-    if per_call == 0 or left:
-        return sum(ms for _, ms in events) / calls
-    ordered = [ms for _, ms in sorted(events)]
-    return statistics.median(sum(ordered[i * per_call : (i + 1) * per_call]) for i in range(calls))
+def per_call_median(planes, calls: int) -> float:
+    """The median over calls of each call's summed kernel ms: each plane's (a GPU's) (start,
+    ms) events taken in start order, as many per call, summed over the planes. The mean
+    instead where a plane's events do not divide evenly into the calls."""
+    sums = [0.0] * calls
+    for events in planes:
+        per_call, left = divmod(len(events), calls)
+        if per_call == 0 or left:
+            return sum(ms for events in planes for _, ms in events) / calls
+        ordered = [ms for _, ms in sorted(events)]
+        for i in range(calls):
+            sums[i] += sum(ordered[i * per_call : (i + 1) * per_call])
+    return statistics.median(sums)
 
 
 def kernel_timing(f, args, flops: float) -> dict:

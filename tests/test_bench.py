@@ -129,9 +129,12 @@ def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
 def test_per_call_median_sums_each_calls_kernels_in_start_order():
     # Two kernels per call (0.1 and 0.2 ms, the second call slowed), events out of order.
     events = [(30, 0.2), (0, 0.1), (10, 0.2), (20, 0.5), (40, 0.1), (50, 0.2)]
-    assert bench.per_call_median(events, 3) == pytest.approx(0.3)
+    assert bench.per_call_median([events], 3) == pytest.approx(0.3)
+    # Two GPUs, each one kernel per call, their clocks apart: each plane in its own order.
+    other = [(1000, 0.4), (1010, 0.4), (1020, 0.9)]
+    assert bench.per_call_median([events, other], 3) == pytest.approx(1.1)  # 0.7, 1.1, 1.2
     # Not dividing evenly (a kernel the profiler missed): the mean.
-    assert bench.per_call_median(events[:5], 2) == pytest.approx(1.1 / 2)
+    assert bench.per_call_median([events[:5]], 2) == pytest.approx(1.1 / 2)
 
 
 @pytest.mark.gpu

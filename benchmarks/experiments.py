@@ -442,6 +442,8 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
 # head dim's defaults is not timed twice.
 MOSAIC_BACKWARD_TILES = {
     "plain": {},
+    # Causal grids in their own order, a head's tiles in turn (`schedule.grouped_launch`).
+    "ungrouped": dict(grouped_launch=False),
     "stages3": dict(num_stages=3),
     "kvdq128": dict(block_kv_dq=128),
     "kvdq128_stages3": dict(block_kv_dq=128, num_stages=3),

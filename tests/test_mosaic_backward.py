@@ -52,6 +52,7 @@ from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, flash_forward
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
+from pallas_flash.mosaic import schedule as mosaic_schedule
 from pallas_flash.mosaic.backward import (
     FIXED_POINT_BITS,
     SMEM_BYTES,
@@ -470,6 +471,7 @@ def test_supports_rejects_split_tiles_over_shared_memory(head_dim, tiles, kernel
         (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
         (dict(num_consumers=3), "num_consumers=3 must be 1 or 2"),
         (dict(split_dkv=1), "split_dkv=1 must be a bool"),
+        (dict(grouped_launch=0), "grouped_launch=0 must be a bool"),
         (dict(dkv_head_splits=-1), "dkv_head_splits=-1 must be an int >= 0"),
         (dict(dkv_head_splits=True), "dkv_head_splits=True must be an int >= 0"),
         (dict(dkv_head_splits=2.0), "dkv_head_splits=2.0 must be an int >= 0"),
@@ -665,6 +667,40 @@ def test_matches_oracle_interpreted(p, tiles):
     results = (np.asarray(out.astype(jnp.float32)), np.asarray(lse), *grads)
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
+
+
+def test_grouped_launch_matches_oracle_interpreted(monkeypatch):
+    """Causal backward grids launched two heads at a time, level by level, over three heads (a
+    smaller last group): dK/dV's and dQ's CTAs each find their (batch, head, tile)."""
+    monkeypatch.setattr(mosaic_schedule, "LAUNCH_L2_BYTES", 128 * 1024)
+    p = Problem(1, 256, 256, 3, 3, 64, True, "bf16")
+    unit_bytes = p.q_len * 2 * p.head_dim * 2  # Q and dO (or K and V) of one head
+    assert mosaic_schedule.launch_group(3, unit_bytes, is_causal=True) == 2
+    test_matches_oracle_interpreted(p, None)
+
+
+@pytest.mark.parametrize(
+    "units, tiles, group", [(3, 4, 2), (6, 5, 3), (5, 3, 5), (7, 1, 3), (4, 4, 1), (16, 32, 16)]
+)
+def test_grouped_launch_is_a_permutation_longest_first(units, tiles, group):
+    """Every grid position maps to one (unit, tile), a group of units at a time, level by level
+    (the tiles' levels in order within a group); group 1 is the grid's own order."""
+    order = [
+        tuple(
+            int(x)
+            for x in mosaic_schedule.grouped_launch(u, t, units=units, tiles=tiles, group=group)
+        )
+        for u in range(units)
+        for t in range(tiles)
+    ]
+    assert sorted(order) == [(u, t) for u in range(units) for t in range(tiles)]
+    for first in range(0, units, group):
+        members = range(first, min(first + group, units))
+        block = order[first * tiles : (first + len(members)) * tiles]
+        assert block == [(u, t) for t in range(tiles) for u in members]
+    assert mosaic_schedule.launch_group(units, 1 << 30, is_causal=True) == 1
+    assert mosaic_schedule.launch_group(units, 1, is_causal=False) == 1
+    assert mosaic_schedule.launch_group(units, 1, is_causal=True) == units
 
 
 @pytest.mark.parametrize(

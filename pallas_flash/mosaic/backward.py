@@ -79,7 +79,7 @@ from pallas_flash.mosaic.launch import (
     warp_specialised_kernel,
     warp_specialised_kernel_into,
 )
-from pallas_flash.mosaic.schedule import tile_plan
+from pallas_flash.mosaic.schedule import grouped_launch, launch_group, tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv
 
 # Head dims it takes, each as it is (the forward's). At H 192 and 256 one consumer's dK and dV
@@ -144,6 +144,8 @@ class BackwardTiles:
         GPU interpreter has no TMA reductions). "fixed_slab": "fixed"'s integer partials stored
         apart the same way (its integer sums are those of "fixed", bitwise). Not with
         split_dkv.
+      grouped_launch: causal calls' grids launch a group of heads at a time, level by level,
+        longest tiles first (`schedule.grouped_launch`); False: each head's tiles in turn.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -158,6 +160,7 @@ class BackwardTiles:
     split_dkv: bool = False
     dkv_head_splits: int = 0
     fused_dq: str | None = None
+    grouped_launch: bool = True
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -172,8 +175,9 @@ class BackwardTiles:
             raise ValueError(f"BackwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"BackwardTiles.num_consumers={self.num_consumers!r} must be 1 or 2")
-        if not isinstance(self.split_dkv, bool):
-            raise ValueError(f"BackwardTiles.split_dkv={self.split_dkv!r} must be a bool")
+        for name in ("split_dkv", "grouped_launch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"BackwardTiles.{name}={getattr(self, name)!r} must be a bool")
         splits = self.dkv_head_splits
         if not isinstance(splits, int) or isinstance(splits, bool) or splits < 0:
             raise ValueError(f"BackwardTiles.dkv_head_splits={splits!r} must be an int >= 0")
@@ -791,6 +795,23 @@ def flash_backward(
     return dq, dk, dv
 
 
+def _launched_cta(names, launch_units: int):
+    """(batch, unit, tile) of this CTA from its grid position (axes `names`), the units going
+    launch_units (batch, unit) pairs at a time (`schedule.grouped_launch`)."""
+    batch, unit, tile = (lax.axis_index(name) for name in names)
+    if launch_units == 1:
+        return batch, unit, tile
+    units = lax.axis_size(names[1])
+    unit, tile = grouped_launch(
+        batch * units + unit,
+        tile,
+        units=lax.axis_size(names[0]) * units,
+        tiles=lax.axis_size(names[2]),
+        group=launch_units,
+    )
+    return lax.div(unit, units), lax.rem(unit, units), tile
+
+
 def _tile_smem(shape, dtype):
     """A 16-bit tile [.., rows, cols] in shared memory under its column count's swizzle, as in
     the forward (`smem_transforms`): what TMA and wgmma both read without bank conflicts, also
@@ -932,16 +953,24 @@ def _dkv_call(
     # Split consumers share one block of K and V: the dV consumer reads only K, the dK consumer
     # only V, each loads its own (one TMA copy on its kv_loaded barrier, and its key ids).
     kv_blocks, kv_copies = tiles.dkv_key_blocks, 1 if tiles.split_dkv else 2
+    group = num_heads // num_kv_heads // head_splits
+    # A CTA streams the Q and dO rows of its share of the KV head's query heads.
+    unit_bytes = group * spec.q_len * (head_dim + value_head_dim) * q.dtype.itemsize
     kernel = functools.partial(
         _dkv_kernel,
         spec=spec,
         qk_scale=scale * LOG2E,
         scale=scale,
         soft_cap=soft_cap,
-        group=num_heads // num_kv_heads // head_splits,
+        group=group,
         head_splits=head_splits,
         tiles=tiles,
         dropout_rate=drop[0] if has_drop else 0.0,
+        launch_units=launch_group(
+            batch * num_kv_heads * head_splits,
+            unit_bytes,
+            is_causal=spec.is_causal and tiles.grouped_launch,
+        ),
     )
     scratch = dict(
         k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
@@ -996,7 +1025,8 @@ def _dkv_call(
             for h in (head_dim, value_head_dim)
         )
     # The last grid axis is launched first: neighbouring CTAs are KV tiles of one head and read
-    # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first.
+    # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first, a group
+    # of heads at a time (`schedule.grouped_launch`).
     grid = (batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows))
     launch = dict(grid=grid, grid_names=("batch", "kv_head", "kv_tile"), num_consumers=n_c)
     operands = (q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
@@ -1066,9 +1096,12 @@ def _dkv_kernel(
     head_splits: int,
     tiles: BackwardTiles,
     dropout_rate: float = 0.0,
+    launch_units: int = 1,
 ):
     """One CTA: tiles.cta_kv_rows keys of one KV head (FA2 Algorithm 2, outer loop), over
-    `group` of its query heads (all of them, or one of head_splits shares).
+    `group` of its query heads (all of them, or one of head_splits shares). The grid position
+    (batch, kv_head, kv_tile) maps to the CTA's by `schedule.grouped_launch` over
+    launch_units (batch, kv_head) pairs at a time.
 
     q_ref: [B, T', N, H], do_ref: [B, T', N, Hv]; k_ref, dk_ref: [B, S', K, H], v_ref,
     dv_ref: [B, S', K, Hv] (dk_ref and dv_ref with head_splits > 1 f32 partials
@@ -1094,9 +1127,8 @@ def _dkv_kernel(
     drop_col_ref = id_refs.pop() if dropout_rate else None
     drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
-    batch, cta_head = lax.axis_index("batch"), lax.axis_index("kv_head")
+    batch, cta_head, kv_tile = _launched_cta(("batch", "kv_head", "kv_tile"), launch_units)
     kv_head = lax.div(cta_head, jnp.int32(head_splits)) if head_splits > 1 else cta_head
-    kv_tile = lax.axis_index("kv_tile")
     cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
     # Split consumers both own the CTA's one block of keys.
@@ -1897,16 +1929,22 @@ def _dq_call(
     has_ids = ids is not None
     has_drop = drop is not None
     num_q_tiles = cdiv(spec.q_len, tiles.cta_q_rows)
+    group = num_heads // num_kv_heads
+    # A CTA streams its KV head's K and V, which the group's query heads share.
+    unit_bytes = spec.kv_len * (head_dim + value_head_dim) * q.dtype.itemsize // group
     kernel = functools.partial(
         _dq_kernel,
         spec=spec,
         qk_scale=scale * LOG2E,
         scale=scale,
         soft_cap=soft_cap,
-        group=num_heads // num_kv_heads,
+        group=group,
         num_q_tiles=num_q_tiles,
         tiles=tiles,
         dropout_rate=drop[0] if has_drop else 0.0,
+        launch_units=launch_group(
+            batch * num_heads, unit_bytes, is_causal=spec.is_causal and tiles.grouped_launch
+        ),
     )
     scratch = dict(
         q_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
@@ -1996,9 +2034,12 @@ def _dq_kernel(
     num_q_tiles: int,
     tiles: BackwardTiles,
     dropout_rate: float = 0.0,
+    launch_units: int = 1,
 ):
     """One CTA: num_consumers * block_q_dq query rows of one head against its keys (FA2
-    Algorithm 2's dQ, as its own kernel: no atomics). The CTA streams KV tiles [first, end),
+    Algorithm 2's dQ, as its own kernel: no atomics). The grid position (batch, head,
+    q_tile) maps to the CTA's by `schedule.grouped_launch` over launch_units (batch, head)
+    pairs at a time. The CTA streams KV tiles [first, end),
     tile first + s into ring slot s % num_stages. With segment ids, refs starts with q_ids_ref
     [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(T / cta_q_rows), num_consumers + 1, 4]
     (`schedule.tile_plan` over="q"). With dropout_rate > 0 the dropout tables follow:
@@ -2008,8 +2049,7 @@ def _dq_kernel(
     drop_col_ref = id_refs.pop() if dropout_rate else None
     drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
-    batch, head = lax.axis_index("batch"), lax.axis_index("head")
-    q_tile = lax.axis_index("q_tile")
+    batch, head, q_tile = _launched_cta(("batch", "head", "q_tile"), launch_units)
     if spec.is_causal:
         # The last query tiles see the most keys: launch them first (as in the forward).
         q_tile = num_q_tiles - 1 - q_tile

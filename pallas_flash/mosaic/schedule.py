@@ -1,6 +1,7 @@
 """The forward's work schedule, planned in Python and XLA before the kernel runs: which CTA takes
 which (batch, head, query tile), the KV tile ranges each CTA and consumer visits under the mask,
-which sides of a range need the element-wise mask, and the per-tile plan of segment ids."""
+which sides of a range need the element-wise mask, and the per-tile plan of segment ids; and
+the order in which the causal backward kernels' grids launch their CTAs (`grouped_launch`)."""
 
 from __future__ import annotations
 
@@ -193,6 +194,42 @@ def paired_causal_rows(spec: MaskSpec, tiles: ForwardTiles, *, has_segments: boo
         and spec.q_len <= spec.kv_len
         and cdiv(spec.q_len, tiles.cta_rows) % 2 == 0
     )
+
+
+# Of the H200's 50 MB L2, what the CTAs of a grid launched together may fill with the operand
+# they stream (`launch_group`).
+LAUNCH_L2_BYTES = 16 * 2**20
+
+
+def launch_group(units: int, unit_bytes: int, *, is_causal: bool) -> int:
+    """Units (a grid's batch entries times heads) that a causal grid launches together,
+    longest tiles first (`grouped_launch`): as many as keep the operand their CTAs stream
+    (unit_bytes each) within LAUNCH_L2_BYTES. 1 (the grid's own order) for other calls,
+    whose tiles all cost the same."""
+    if not is_causal:
+        return 1
+    return max(1, min(units, LAUNCH_L2_BYTES // max(unit_bytes, 1)))
+
+
+def grouped_launch(unit, tile, *, units: int, tiles: int, group: int):
+    """(unit, level) of the CTA that the hardware launches at grid position (unit, tile), the
+    grid's tile axis fastest, when units go `group` at a time and, within a group, level by
+    level (level 0, the longest tiles, first; each level's units in order).
+
+    A causal backward kernel's grid in its own order (a unit's tiles longest first, then the
+    next unit's) starts the last units' longest CTAs near the end of the launch: the hardware
+    hands CTAs to SMs as they free up, so the kernel ran 3-7% past an even share of its work
+    (modelled at the grid's causal 1k-8k, H=128; 16k 0.5%). A group of units at a time, level
+    by level, keeps each group's longest CTAs first (0.0-2% over an even share), and the
+    group's streamed operand (Q and dO, or K and V) shared in L2 as a unit's tiles were.
+    Ints or int32 scalars; group 1 is the grid's own order."""
+    if group == 1:
+        return unit, tile
+    position = unit * tiles + tile
+    first = lax.div(position, group * tiles) * group  # the group's first unit
+    size = jnp.minimum(group, units - first)  # the last group may be smaller
+    rank = lax.rem(position, group * tiles)
+    return first + lax.rem(rank, size), lax.div(rank, size)
 
 
 def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):

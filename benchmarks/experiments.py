@@ -586,10 +586,10 @@ def mosaic_persistent(out, smoke=False, cases=None):
         # "pairs" beside the snake (H=64's default).
         spec = MaskSpec(q_len=t, kv_len=t, is_causal=causal, window=window)
         paired = dataclasses.replace(persistent, causal_pairs=True)
-        if paired_causal_rows(spec, paired, has_segments=bool(docs)):
-            other = "snake" if persistent.causal_pairs else "pairs"
-            candidates[other] = dataclasses.replace(
-                persistent, causal_pairs=not persistent.causal_pairs
+        if paired_causal_rows(spec, paired, has_segments=bool(docs), head_dim=h):
+            pairs = persistent.pairs_causal_rows(h)
+            candidates["snake" if pairs else "pairs"] = dataclasses.replace(
+                persistent, causal_pairs=not pairs
             )
         if smoke:
             for candidate, tiles in candidates.items():

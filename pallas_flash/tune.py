@@ -83,8 +83,7 @@ MOSAIC_FORWARD = {
         dict(block_q=64, block_kv=256),
         dict(block_q=64, block_kv=128, num_stages=3),
         dict(block_q=128, block_kv=128, persistent=True),
-        # Causal rows at H=64 in the snake, as the default (`mosaic.tiles.default_tiles`).
-        dict(block_q=64, block_kv=128, persistent=True, causal_pairs=False),
+        dict(block_q=64, block_kv=128, persistent=True),
     ],
     128: [
         None,

@@ -176,7 +176,7 @@ H200 = {
         "mosaic",
         "triton",
         dict(block_q=64, block_q_dq=64, block_kv_dq=64),
-        dict(persistent=True, causal_pairs=False),
+        dict(persistent=True),
         None,
         None,
     ),
@@ -188,14 +188,13 @@ H200 = {
         {},
         None,
     ),
-    # H=64's causal rows: the snake, not the pairs (`mosaic.tiles.default_tiles`).
-    "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True, causal_pairs=False), {}, None),
+    "causal-h64-2k": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
     # dQ summed as integers in the dK/dV kernel (deterministic, `dispatch.fixed_dq_is_faster`).
     "causal-h64-16k": (
         "mosaic",
         "mosaic",
         H64,
-        dict(persistent=True, causal_pairs=False),
+        dict(persistent=True),
         dict(fused_dq="fixed"),
         None,
     ),
@@ -234,7 +233,7 @@ H200 = {
     "soft-cap": ("mosaic", "mosaic", H128_FULL_SHORT, dict(persistent=True), {}, None),
     "segments": ("mosaic", "mosaic", H128_FULL_SHORT_RANGED, dict(persistent=True), {}, None),
     "kv-lengths": ("mosaic", "triton", H64, dict(persistent=True), None, None),
-    "q-lengths": ("mosaic", "mosaic", H64, dict(persistent=True, causal_pairs=False), {}, None),
+    "q-lengths": ("mosaic", "mosaic", H64, dict(persistent=True), {}, None),
     "block-sizes": ("triton", "triton", dict(block_q=64), None, None, 1),
     "triton": ("triton", "triton", H128_CAUSAL_SHORT, None, None, 1),
     "mosaic-h64-short": (

@@ -262,7 +262,9 @@ def _forward_call(
             num_heads,
             num_q_tiles,
             reverse=spec.is_causal,
-            paired=paired_causal_rows(spec, tiles, has_segments=has_ids),
+            paired=paired_causal_rows(
+                spec, tiles, has_segments=has_ids, head_dim=max(head_dim, value_head_dim)
+            ),
         ),
         tiles=tiles,
         has_sinks=sinks is not None,

@@ -179,15 +179,18 @@ class _Tail:
         return head, q_tile
 
 
-def paired_causal_rows(spec: MaskSpec, tiles: ForwardTiles, *, has_segments: bool) -> bool:
+def paired_causal_rows(
+    spec: MaskSpec, tiles: ForwardTiles, *, has_segments: bool, head_dim: int
+) -> bool:
     """Whether a persistent causal forward takes its query tiles in pairs of equal work
-    (`_Work.paired`): tiles.causal_pairs, and rows i that see keys 0..i (no left side of a
-    window, no segment ids, T <= S, so that a query tile's work grows by the same with each
-    tile), over an even number of CTA query tiles."""
+    (`_Work.paired`): tiles say so at head_dim (the larger of H and Hv;
+    `ForwardTiles.pairs_causal_rows`), and rows i see keys 0..i (no left side of a window, no
+    segment ids, T <= S, so that a query tile's work grows by the same with each tile), over
+    an even number of CTA query tiles."""
     left, _ = mask_sides(spec, tiles)
     return (
         tiles.persistent
-        and tiles.causal_pairs
+        and tiles.pairs_causal_rows(head_dim)
         and spec.is_causal
         and not left
         and not has_segments

@@ -177,3 +177,22 @@ def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     defaults = {row["case"]: row["default"] for row in rows}
     assert "persistent=True" in defaults["gpt-oss: sinks, window 128"]
     assert "persistent=False" in defaults["H128 causal 16k GQA"]
+
+
+def test_ncu_summary_reads_the_committed_profile():
+    """benchmarks/ncu_summary.py on the forward kernels profiled on the H200
+    (results/h200-ncu-forward.csv.gz): ours and cuDNN's, the numbers NOTES quotes."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "ncu_summary.py"
+    spec = importlib.util.spec_from_file_location("ncu_summary", path)
+    ncu_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ncu_summary)
+    profile = path.parent / "results" / "h200-ncu-forward.csv.gz"
+    table = dict(ncu_summary.summary(str(profile)))
+    assert [name.startswith("pallas_flash") for name in table["kernel"]] == [1, 0, 1, 0]
+    assert all(value != "-" for values in table.values() for value in values)
+    # H=128 causal 2k in the snake: DRAM-bound, L2 missed (ours) against cuDNN's.
+    dram, l2 = (list(map(ncu_summary.number, table[k])) for k in ("DRAM %", "L2 hit %"))
+    assert dram[2] > 70 and dram[3] < 25 and l2[2] < 15 and l2[3] > 70
+    # H=64 16k: ours spills, cuDNN does not.
+    spills = list(map(ncu_summary.number, table["local (spill) requests"]))
+    assert spills[0] > 1e6 and spills[1] == 0

@@ -40,12 +40,12 @@ class _Work:
     (Q - 1 - i, i), the long one first, of equal work (Q + 1 KV tiles' worth); a persistent CTA
     c takes pairs c, c + C, ... of the order (batch, head, pair) with the pair fastest, so that
     a round of C pairs spans about 2 C / Q heads. Whole pairs would leave the last round's
-    CTAs a pair apart (3% of the grid's causal calls, and 1.8x the mean with 144 pairs on 132
-    CTAs), so the last whole round and the partial one (the tail, `_Tail`) go as single query
-    tiles, longest first, in a snake, with a round of the tail spanning the tail's few heads:
-    modelled, the busiest CTA does 1.004-1.014x the mean work at the grid's shapes (the snake
-    over every item 1.000-1.031x), at worst 5% more than the snake's busiest (B=2, 22 heads,
-    14 query tiles: one more short tile in the tail's partial round)."""
+    CTAs a pair apart (the busiest 1.031x the mean work at the grid's causal shapes, 1.8x with
+    144 pairs on 132 CTAs), so the last whole round and the partial one (the tail, `_Tail`)
+    go as single query tiles, longest first, in a snake, with a round of the tail spanning the
+    tail's few heads: modelled, the busiest CTA does 1.004-1.014x the mean work at the grid's
+    shapes (the snake over every item 1.000-1.031x), at worst 5% more than the snake's busiest
+    (B=2, 22 heads, 14 query tiles: one more short tile in the tail's partial round)."""
 
     batch: int
     num_heads: int

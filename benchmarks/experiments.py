@@ -30,10 +30,11 @@ python benchmarks/experiments.py mosaic-gqa --out $OUT/mosaic-gqa.jsonl
     (0; the impl name says what it chose), beside the default call and cuDNN.
 python benchmarks/experiments.py mosaic-persistent --out $OUT/persistent.jsonl
     the Mosaic forward of masked and causal calls (windows, soft caps, segment ids, causal rows
-    of 1k-16k, MHA and GQA) with its default tiles made persistent and not, in kernel time
+    of 1k-16k, MHA and GQA) with its default tiles made persistent and not (and causal rows in
+    pairs or in the snake, the other order of the default's), in kernel time
     (jax's profiler), outputs compared, cuDNN beside where it runs the call: the measurements
-    behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: `why_not` of both
-    candidates at every case's shapes, no run.
+    behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: `why_not` of each
+    candidate at every case's shapes, no run.
 """
 
 from __future__ import annotations
@@ -587,7 +588,7 @@ def mosaic_persistent(out, smoke=False, cases=None):
         spec = MaskSpec(q_len=t, kv_len=t, is_causal=causal, window=window)
         paired = dataclasses.replace(persistent, causal_pairs=True)
         if paired_causal_rows(spec, paired, has_segments=bool(docs), head_dim=h):
-            pairs = persistent.pairs_causal_rows(h)
+            pairs = persistent.causal_pairs_at(h)
             candidates["snake" if pairs else "pairs"] = dataclasses.replace(
                 persistent, causal_pairs=not pairs
             )

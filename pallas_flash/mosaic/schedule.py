@@ -69,7 +69,8 @@ class _Work:
 
     def persistent_count(self, cta, num_ctas: int):
         """Items CTA cta of num_ctas walks: every whole round's, and the last round's if its
-        place there (`round_place`) is among the round's items."""
+        place there (`round_place`) is among the round's items; paired, two per round of
+        whole pairs and then the tail's snake."""
         if self.paired:
             tail = self.tail(num_ctas)
             return 2 * tail.pair_rounds + self._snake_count(cta, tail.items, num_ctas)
@@ -184,13 +185,13 @@ def paired_causal_rows(
 ) -> bool:
     """Whether a persistent causal forward takes its query tiles in pairs of equal work
     (`_Work.paired`): tiles say so at head_dim (the larger of H and Hv;
-    `ForwardTiles.pairs_causal_rows`), and rows i see keys 0..i (no left side of a window, no
+    `ForwardTiles.causal_pairs_at`), and rows i see keys 0..i (no left side of a window, no
     segment ids, T <= S, so that a query tile's work grows by the same with each tile), over
     an even number of CTA query tiles."""
     left, _ = mask_sides(spec, tiles)
     return (
         tiles.persistent
-        and tiles.pairs_causal_rows(head_dim)
+        and tiles.causal_pairs_at(head_dim)
         and spec.is_causal
         and not left
         and not has_segments

@@ -77,7 +77,7 @@ class ForwardTiles:
                 f"ForwardTiles.causal_pairs={self.causal_pairs!r} must be a bool or None"
             )
 
-    def pairs_causal_rows(self, head_dim: int) -> bool:
+    def causal_pairs_at(self, head_dim: int) -> bool:
         """Whether causal rows go in pairs where they can (`causal_pairs`, None: H > 64), at
         the larger of the call's two head dims."""
         return head_dim > 64 if self.causal_pairs is None else self.causal_pairs

@@ -31,7 +31,7 @@ python benchmarks/experiments.py mosaic-gqa --out $OUT/mosaic-gqa.jsonl
 python benchmarks/experiments.py mosaic-persistent --out $OUT/persistent.jsonl
     the Mosaic forward of masked and causal calls (windows, soft caps, segment ids, causal rows
     of 1k-16k, MHA and GQA) with its default tiles made persistent and not (and causal rows in
-    pairs or in the snake, the other order of the default's), in kernel time
+    the snake beside the default's pairs), in kernel time
     (jax's profiler), outputs compared, cuDNN beside where it runs the call: the measurements
     behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: `why_not` of each
     candidate at every case's shapes, no run.
@@ -564,8 +564,8 @@ PERSISTENT_CASES = [
 
 def mosaic_persistent(out, smoke=False, cases=None):
     """Each case's Mosaic forward with its default tiles, persistent and a CTA per item, and
-    for causal calls whose query tiles can go in pairs (`schedule.paired_causal_rows`) also
-    persistent in the other order of the two (pairs or snake): kernel ms (jax's profiler) as
+    for causal calls whose query tiles go in pairs (`schedule.paired_causal_rows`) also
+    persistent in the snake order: kernel ms (jax's profiler) as
     `{candidate}_ms`, the largest difference between each output and the CTA per item's,
     cuDNN's kernel ms where it runs the call (no soft cap or segment ids here). smoke: no run,
     only `why_not_{candidate}` at the case's shapes (None: the kernel takes it), on any
@@ -583,15 +583,10 @@ def mosaic_persistent(out, smoke=False, cases=None):
             "per_item": dataclasses.replace(default, persistent=False),
             "persistent": persistent,
         }
-        # The other order of causal items where the pairs apply: "snake" beside the pairs, or
-        # "pairs" beside the snake (H=64's default).
+        # The other order of causal items where the pairs apply: the snake.
         spec = MaskSpec(q_len=t, kv_len=t, is_causal=causal, window=window)
-        paired = dataclasses.replace(persistent, causal_pairs=True)
-        if paired_causal_rows(spec, paired, has_segments=bool(docs), head_dim=h):
-            pairs = persistent.causal_pairs_at(h)
-            candidates["snake" if pairs else "pairs"] = dataclasses.replace(
-                persistent, causal_pairs=not pairs
-            )
+        if paired_causal_rows(spec, persistent, has_segments=bool(docs)):
+            candidates["snake"] = dataclasses.replace(persistent, causal_pairs=False)
         if smoke:
             for candidate, tiles in candidates.items():
                 row[f"why_not_{candidate}"] = mosaic.forward_tiles.why_not(

@@ -682,23 +682,20 @@ def test_paired_work_needs_reverse_and_even_tiles():
         (2048, 2048, dict(is_causal=False), False),
         (2048, 2048, dict(persistent=False), False),
         (2048, 2048, dict(causal_pairs=False), False),
-        (2048, 2048, dict(head_dim=64), False),  # H=64: the snake by default
-        (2048, 2048, dict(head_dim=64, causal_pairs=True), True),
-        (2048, 2048, dict(head_dim=96), True),
     ],
 )
 def test_paired_causal_rows(q_len, kv_len, options, paired):
-    options = {"is_causal": True, "persistent": True, "head_dim": 128, **options}
+    options = {"is_causal": True, "persistent": True, **options}
     spec = MaskSpec(
         q_len=q_len, kv_len=kv_len, is_causal=options["is_causal"], window=options.get("window")
     )
     tiles = ForwardTiles(
         block_q=128 if q_len == 1280 else 64,
         persistent=options["persistent"],
-        causal_pairs=options.get("causal_pairs"),
+        causal_pairs=options.get("causal_pairs", True),
     )
     got = mosaic_schedule.paired_causal_rows(
-        spec, tiles, has_segments=options.get("segments", False), head_dim=options["head_dim"]
+        spec, tiles, has_segments=options.get("segments", False)
     )
     assert got == paired
 
@@ -806,7 +803,7 @@ def test_supports_counts_the_segment_id_buffers(monkeypatch):
         (dict(block_kv=32), "block_kv=32 must be a positive multiple of 64"),
         (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
         (dict(persistent=1), "persistent=1 must be a bool"),
-        (dict(causal_pairs=1), "causal_pairs=1 must be a bool or None"),
+        (dict(causal_pairs=1), "causal_pairs=1 must be a bool"),
     ],
 )
 def test_tiles_validate(kwargs, match):
@@ -1372,7 +1369,7 @@ def test_persistent_pairs_match_oracle_interpreted(monkeypatch):
     p = Problem(1, 500, 512, 3, 1, 128, True, "bf16")
     tiles = ForwardTiles(persistent=True)
     spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True)
-    assert mosaic_schedule.paired_causal_rows(spec, tiles, has_segments=False, head_dim=128)
+    assert mosaic_schedule.paired_causal_rows(spec, tiles, has_segments=False)
     tail = mosaic_schedule._Work(1, 3, 4, reverse=True, paired=True).tail(3)
     assert (tail.pair_rounds, tail.first_head, tail.first_pair, tail.items) == (1, 1, 1, 6)
     check_masked(p, {}, None, tiles, interpreted=True)

@@ -262,9 +262,7 @@ def _forward_call(
             num_heads,
             num_q_tiles,
             reverse=spec.is_causal,
-            paired=paired_causal_rows(
-                spec, tiles, has_segments=has_ids, head_dim=max(head_dim, value_head_dim)
-            ),
+            paired=paired_causal_rows(spec, tiles, has_segments=has_ids),
         ),
         tiles=tiles,
         has_sinks=sinks is not None,

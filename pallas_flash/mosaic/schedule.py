@@ -180,18 +180,16 @@ class _Tail:
         return head, q_tile
 
 
-def paired_causal_rows(
-    spec: MaskSpec, tiles: ForwardTiles, *, has_segments: bool, head_dim: int
-) -> bool:
+def paired_causal_rows(spec: MaskSpec, tiles: ForwardTiles, *, has_segments: bool) -> bool:
     """Whether a persistent causal forward takes its query tiles in pairs of equal work
-    (`_Work.paired`): tiles say so at head_dim (the larger of H and Hv;
-    `ForwardTiles.causal_pairs_at`), and rows i see keys 0..i (no left side of a window, no
+    (`_Work.paired`): tiles say so (`ForwardTiles.causal_pairs`), and rows i see keys 0..i (no
+    left side of a window, no
     segment ids, T <= S, so that a query tile's work grows by the same with each tile), over
     an even number of CTA query tiles."""
     left, _ = mask_sides(spec, tiles)
     return (
         tiles.persistent
-        and tiles.causal_pairs_at(head_dim)
+        and tiles.causal_pairs
         and spec.is_causal
         and not left
         and not has_segments

@@ -52,16 +52,16 @@ class ForwardTiles:
         left side, no segment ids, T <= S, an even number of CTA query tiles) takes a head's
         query tiles in pairs (Q - 1 - i, i) of equal work, the heads' pairs in turn, so that
         the CTAs of a round share K/V in L2 (`schedule._Work`); False, or where the rows differ
-        otherwise: every head's longest query tiles first, the rounds in a snake. None (the
-        default): pairs where the larger head dim is over 64, as measured on the H200 (H=128
-        causal 1k-8k 3-14% faster than the snake; H=64 8k-16k 3% slower).
+        otherwise: every head's longest query tiles first, the rounds in a snake. Measured on
+        the H200 in kernel time, pairs against the snake: H=128 causal 1k-8k 2-16% faster,
+        16k even; H=64 4k 5% and 8k 2% faster, 512 and 16k even.
     """
 
     block_q: int = 64
     block_kv: int = 128
     num_stages: int = 2
     persistent: bool = False
-    causal_pairs: bool | None = None
+    causal_pairs: bool = True
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -72,15 +72,8 @@ class ForwardTiles:
             raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
         if not isinstance(self.persistent, bool):
             raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool")
-        if self.causal_pairs is not None and not isinstance(self.causal_pairs, bool):
-            raise ValueError(
-                f"ForwardTiles.causal_pairs={self.causal_pairs!r} must be a bool or None"
-            )
-
-    def causal_pairs_at(self, head_dim: int) -> bool:
-        """Whether causal rows go in pairs where they can (`causal_pairs`, None: H > 64), at
-        the larger of the call's two head dims."""
-        return head_dim > 64 if self.causal_pairs is None else self.causal_pairs
+        if not isinstance(self.causal_pairs, bool):
+            raise ValueError(f"ForwardTiles.causal_pairs={self.causal_pairs!r} must be a bool")
 
     @property
     def cta_rows(self) -> int:
@@ -175,10 +168,9 @@ def default_tiles(
     At H=64, plain non-causal rows of 4k-8k keys take 64 x 256 tiles, a CTA per item: half the
     steps, each step's fixed cost spread over twice the keys (1-6% over 128 x 128 persistent
     there in two runs; not at 2k nor 16k, and causal rows gained in one run only).
-    Causal rows go in pairs where H > 64 (`ForwardTiles.causal_pairs`' default): their rounds
-    share K/V in L2 (H=128 causal, kernel time: 1k and 2k 14% faster than the snake, 4k 6%, 8k
-    3%; with GQA 2k 4%, 4k and 8k even); at H=64 in the snake (whole pairs 3% slower at 8k and
-    16k: a pair of imbalance in the last round, where the snake balances within 0.2%).
+    Causal rows go in pairs (`ForwardTiles.causal_pairs`): their rounds share K/V in L2 (kernel
+    time against the snake: H=128 1k 14% faster, 2k 16%, 4k 9%, 8k 5%, with GQA 2k-8k 2-6%;
+    H=64 4k 5%, 8k 2%; even at 16k and at H=64 512).
     A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
     of the two: MLA's (192, 128) those of 192."""
     head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)

@@ -87,10 +87,14 @@ from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv
 # (the most a thread can have is 255): there the dK/dV kernel splits its consumers by
 # accumulator (`BackwardTiles.split_dkv`).
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
-PRODUCER_REGISTERS = 40
+# The producer's loop holds a slot, a step, a head and a tile start: 24 registers keep it
+# unspilled and give two consumers 240 each. The fused dQ's dK/dV consumers spill (ptxas, H=128
+# causal "fixed": 812/912 bytes stored/loaded at 232 registers, 752/800 at 240; fwd+bwd kernel
+# time 4-7% lower, benchmarks/NOTES.md "Mosaic backward").
+PRODUCER_REGISTERS = 24
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
-# Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`). 40 is
-# what the defaults at H=128 leave (232 - 192); not measured yet.
+# Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`): the
+# 16-bit copies of P and dS, lse, delta and indices; a rule of thumb, not measured.
 REGISTER_HEADROOM = 40
 FUSED_DQ_MODES = (None, "add", "fixed", "slab", "fixed_slab")
 # fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
@@ -100,8 +104,8 @@ FIXED_POINT_BITS = 30
 
 def consumer_registers(num_consumers: int) -> int:
     """Registers per consumer thread so that the consumers and the producer fit the register
-    file: 2 consumers get 232 (as in the forward), 1 consumer 240 (setmaxnreg takes multiples
-    of 8 up to 256)."""
+    file: 240 for one or two consumers (setmaxnreg takes multiples of 8 up to 256; the forward's
+    two get 232)."""
     per_consumer = (REGISTER_FILE - PRODUCER_REGISTERS) // num_consumers
     return min(240, per_consumer // 8 * 8)
 

@@ -165,28 +165,30 @@ def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     assert len(rows) == len(experiments.PERSISTENT_CASES)
     for row in rows:
         assert row["why_not_per_item"] is None and row["why_not_persistent"] is None, row
-        assert row.get("why_not_snake") is None and row.get("why_not_pairs") is None, row
-    # The other order where the pairs apply (plain causal calls): the snake beside H=128's
-    # pairs, the pairs beside H=64's snake.
+        assert row.get("why_not_snake") is None, row
+    # The snake beside the pairs where they apply (plain causal calls), at every head dim.
     snakes = {row["case"] for row in rows if "why_not_snake" in row}
-    pairs = {row["case"] for row in rows if "why_not_pairs" in row}
     assert "H128 causal 2k MHA" in snakes and "H128 cap 30 causal 4k" in snakes
-    assert "H64 causal 4096" in pairs and not pairs & snakes
-    others = snakes | pairs
-    assert "H128 window 4k at 16k" not in others and "H128 4 documents causal 4k" not in others
+    assert "H64 causal 4096" in snakes
+    assert "H128 window 4k at 16k" not in snakes and "H128 4 documents causal 4k" not in snakes
     defaults = {row["case"]: row["default"] for row in rows}
     assert "persistent=True" in defaults["gpt-oss: sinks, window 128"]
     assert "persistent=False" in defaults["H128 causal 16k GQA"]
 
 
-def test_ncu_summary_reads_the_committed_profile():
-    """benchmarks/ncu_summary.py on the forward kernels profiled on the H200
-    (results/h200-ncu-forward.csv.gz): ours and cuDNN's, the numbers NOTES quotes."""
+def _ncu_summary():
     path = pathlib.Path(__file__).parents[1] / "benchmarks" / "ncu_summary.py"
     spec = importlib.util.spec_from_file_location("ncu_summary", path)
     ncu_summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ncu_summary)
-    profile = path.parent / "results" / "h200-ncu-forward.csv.gz"
+    return ncu_summary, path.parent / "results"
+
+
+def test_ncu_summary_reads_the_committed_profile():
+    """benchmarks/ncu_summary.py on the forward kernels profiled on the H200
+    (results/h200-ncu-forward.csv.gz): ours and cuDNN's, the numbers NOTES quotes."""
+    ncu_summary, results = _ncu_summary()
+    profile = results / "h200-ncu-forward.csv.gz"
     table = dict(ncu_summary.summary(str(profile)))
     assert [name.startswith("pallas_flash") for name in table["kernel"]] == [1, 0, 1, 0]
     assert all(value != "-" for values in table.values() for value in values)
@@ -196,3 +198,29 @@ def test_ncu_summary_reads_the_committed_profile():
     # H=64 16k: ours spills, cuDNN does not.
     spills = list(map(ncu_summary.number, table["local (spill) requests"]))
     assert spills[0] > 1e6 and spills[1] == 0
+
+
+def test_ncu_summary_reads_the_backward_profiles():
+    """The backward profiles NOTES quotes ("What limits the backward"): the two-kernel
+    backward's kernels keep the tensor pipe busier than the fused "fixed" one, which spills,
+    and cuDNN's backward is one persistent kernel between them."""
+    ncu_summary, results = _ncu_summary()
+    tables = [
+        dict(ncu_summary.summary(str(results / f"h200-ncu-backward-{name}.csv.gz")))
+        for name in ("two-kernel", "fixed")
+    ]
+    for table in tables:
+        assert all(value != "-" for values in table.values() for value in values)
+    two, fixed = (
+        {column[0]: dict(zip(table, column)) for column in zip(*table.values())} for table in tables
+    )
+
+    def metric(kernels, prefix, label):
+        (row,) = [row for name, row in kernels.items() if name.startswith(prefix)]
+        return ncu_summary.number(row[label])
+
+    fused_tensor = metric(fixed, "pallas_flash__dkv", "tensor pipe %")
+    assert metric(two, "pallas_flash__dkv", "tensor pipe %") > fused_tensor + 10
+    assert metric(two, "pallas_flash__dq", "tensor pipe %") > fused_tensor + 10
+    assert metric(fixed, "pallas_flash__dkv", "local (spill) requests") > 5e7
+    assert metric(two, "pallas_flash__dkv", "local (spill) requests") == 0

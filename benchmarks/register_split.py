@@ -1,0 +1,162 @@
+"""The Mosaic kernels' register split between the producer warpgroup and the consumers, probed
+on the GPU:
+
+    python benchmarks/register_split.py OUT_DIR [--kernels forward backward] [--producer 40 24]
+
+For each producer count P, the consumers get min(240, (512 - P) / 2) registers (rounded down to
+a multiple of 8: setmaxnreg's unit), in the kernels named by --kernels; the others keep the
+package's split. Each P runs in child processes that patch the kernels' constants before
+anything is traced (jax caches traced kernels by function, not by these constants, so one
+process cannot hold two splits): one compiles RESOURCE_CASES with ptxas' report on
+(`kernel_resources.py`: registers, spill bytes, SASS counts) into OUT_DIR/resources.jsonl; one
+times TIMING_POINTS by kernel time (`bench.device_ms`, median call) into OUT_DIR/timing.jsonl.
+The timings of two splits come from two processes: compare them with a case neither split
+changes (NOTES: up to 2.4% apart between processes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+# kernel_resources.py's cases, plus H=64 16k, whose forward takes 128-row consumers (they spill
+# at 232 registers: NOTES, Tooling) and whose backward takes dQ in the dK/dV kernel ("fixed").
+RESOURCE_CASES = {
+    "h64-16k": (1, 16384, 16384, 32, 32, 64, {}),
+    "h128-causal-fixed": None,
+    "h128-fixed": None,
+    "h128-causal": None,
+}
+# (H, T, causal, pass, fused_dq): B * T = 16k tokens, N = 2048 / H, bf16. fused_dq: the Mosaic
+# backward with BackwardTiles(fused_dq=...) under the Mosaic forward; None: the default call.
+TIMING_POINTS = [
+    (64, 2048, False, "fwd", None),
+    (64, 16384, False, "fwd", None),
+    (64, 4096, True, "fwd", None),
+    (128, 2048, True, "fwd", None),
+    (128, 16384, False, "fwd", None),
+    (64, 16384, False, "fwd+bwd", None),
+    (128, 4096, True, "fwd+bwd", None),
+    (128, 4096, True, "fwd+bwd", "fixed"),
+    (128, 16384, False, "fwd+bwd", None),
+    (128, 16384, True, "fwd+bwd", "fixed"),
+]
+
+
+def consumer_registers(producer: int) -> int:
+    return min(240, (512 - producer) // 2 // 8 * 8)
+
+
+def patch(producer: int, kernels) -> None:
+    """The kernels' constants, before anything is traced."""
+    from pallas_flash.mosaic import backward, forward
+
+    if "forward" in kernels:
+        forward.PRODUCER_REGISTERS = producer
+        forward.CONSUMER_REGISTERS = consumer_registers(producer)
+    if "backward" in kernels:
+        backward.PRODUCER_REGISTERS = producer  # its consumer_registers() follows
+
+
+def compile_case(producer, kernels, name):
+    import kernel_resources
+
+    patch(producer, kernels)
+    kernel_resources.CASES.update({k: v for k, v in RESOURCE_CASES.items() if v is not None})
+    kernel_resources.compile_case(name)
+
+
+def time_points(producer, kernels, out_path):
+    import jax.numpy as jnp
+
+    import pallas_flash
+    from pallas_flash import bench
+    from pallas_flash.mosaic import BackwardTiles
+
+    patch(producer, kernels)
+    from fused_dq_timing import mosaic_attention
+
+    with open(out_path, "a") as out:
+        for h, t, causal, pass_, fused in TIMING_POINTS:
+            b, n = 16384 // t, 2048 // h
+            args = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
+            if fused is None:
+                fn = functools.partial(pallas_flash.flash_attention, is_causal=causal)
+            else:
+                tiles = BackwardTiles(fused_dq=fused)
+                fn = mosaic_attention(tiles, scale=h**-0.5, is_causal=causal)
+            ms, _ = bench.device_ms(bench.timed_fn(fn, pass_), args)
+            row = dict(
+                producer=producer,
+                consumers=consumer_registers(producer),
+                kernels=list(kernels),
+                H=h,
+                T=t,
+                causal=causal,
+                pass_=pass_,
+                fused_dq=fused,
+                kernel_ms=round(ms, 4),
+            )
+            print(json.dumps(row), flush=True)
+            out.write(json.dumps(row) + "\n")
+
+
+def main():
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _, _, mode, producer, kernels, *rest = sys.argv
+        kernels = kernels.split(",")
+        if mode == "compile":
+            compile_case(int(producer), kernels, rest[0])
+        else:
+            time_points(int(producer), kernels, rest[0])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("--kernels", nargs="+", default=["forward", "backward"])
+    parser.add_argument("--producer", type=int, nargs="+", default=[40, 24])
+    parser.add_argument("--no-resources", action="store_true")
+    args = parser.parse_args()
+    import kernel_resources
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    kernels = ",".join(args.kernels)
+    # Several processes share the GPU: none may take most of its memory up front.
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    if not args.no_resources:
+        # A child per split and case, side by side (kernel_resources.py's way: the dumps are
+        # the child's whole stdout).
+        dump = dict(env, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
+        children = []
+        for producer in args.producer:
+            for name in RESOURCE_CASES:
+                log = open(os.path.join(args.out_dir, f"{name}-{producer}.txt"), "w")
+                cmd = [sys.executable, __file__, "--child", "compile", str(producer), kernels, name]
+                child = subprocess.Popen(cmd, env=dump, stdout=log, stderr=subprocess.STDOUT)
+                children.append((producer, name, child, log))
+        with open(os.path.join(args.out_dir, "resources.jsonl"), "a") as out:
+            for producer, name, child, log in children:
+                rc = child.wait()
+                log.close()
+                with open(log.name) as f:
+                    rows = kernel_resources.parse(f.read())
+                if rc or not rows:
+                    print(f"{name} at {producer}: rc {rc}, {len(rows)} kernels ({log.name})")
+                for row in rows:
+                    row = dict(producer=producer, kernels=args.kernels, case=name, **row)
+                    print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+                    out.write(json.dumps(row) + "\n")
+    # Timings one process at a time, in turns.
+    timing = os.path.join(args.out_dir, "timing.jsonl")
+    for producer in args.producer:
+        cmd = [sys.executable, __file__, "--child", "time", str(producer), kernels, timing]
+        subprocess.run(cmd, env=env, check=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -445,6 +445,9 @@ MOSAIC_BACKWARD_TILES = {
     "plain": {},
     # Causal grids in their own order, a head's tiles in turn (`schedule.grouped_launch`).
     "ungrouped": dict(grouped_launch=False),
+    # The dK/dV consumers' K/V descriptors rebuilt each step, not held (with fused dQ:
+    # `fused_dq_timing.py`'s "fixed_step").
+    "step": dict(step_descriptors=True),
     "stages3": dict(num_stages=3),
     "kvdq128": dict(block_kv_dq=128),
     "kvdq128_stages3": dict(block_kv_dq=128, num_stages=3),

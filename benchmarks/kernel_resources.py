@@ -35,7 +35,16 @@ CASES = {
     "h128-fixed": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="fixed")),
     "h128-causal-fixed": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True, fused_dq="fixed")),
     "h64-fixed": (4, 4096, 4096, 32, 32, 64, dict(fused_dq="fixed")),
-}
+    # The dK/dV consumers' descriptors rebuilt each step (`BackwardTiles.step_descriptors`).
+    "h128-step": (4, 4096, 4096, 16, 16, 128, dict(tiles=dict(step_descriptors=True))),
+    "h128-causal-fixed-step": (
+        4, 4096, 4096, 16, 16, 128,
+        dict(is_causal=True, tiles=dict(fused_dq="fixed", step_descriptors=True)),
+    ),
+    "h128-fixed-step": (
+        4, 4096, 4096, 16, 16, 128, dict(tiles=dict(fused_dq="fixed", step_descriptors=True))
+    ),
+}  # fmt: skip
 
 # SASS opcode groups counted (by the opcode's first word, before any '.').
 GROUPS = {
@@ -90,12 +99,13 @@ def compile_case(name):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
     fn = functools.partial(pallas_flash.flash_attention, **kwargs)
-    if "fused_dq" in kwargs:
+    if "fused_dq" in kwargs or "tiles" in kwargs:
+        # The Mosaic forward and the Mosaic backward with these BackwardTiles fields.
         from fused_dq_timing import mosaic_attention
 
         from pallas_flash.mosaic import BackwardTiles
 
-        tiles = BackwardTiles(fused_dq=kwargs["fused_dq"])
+        tiles = BackwardTiles(**kwargs.get("tiles", dict(fused_dq=kwargs.get("fused_dq"))))
         fn = mosaic_attention(tiles, scale=h**-0.5, is_causal=kwargs.get("is_causal", False))
     timed_fn(fn, "fwd+bwd").lower(q, kk, v, do).compile()
 

@@ -32,6 +32,7 @@ RESOURCE_CASES = {
     "h128-causal-fixed": None,
     "h128-fixed": None,
     "h128-causal": None,
+    "h128-causal-fixed-step": None,
 }
 # (H, T, causal, pass, fused_dq): B * T = 16k tokens, N = 2048 / H, bf16. fused_dq: the Mosaic
 # backward with BackwardTiles(fused_dq=...) under the Mosaic forward; None: the default call.

@@ -224,9 +224,12 @@ OTHER_TILES = [
     (128, BackwardTiles(dkv_head_splits=2)),
     (64, BackwardTiles(num_consumers=1, dkv_head_splits=0)),
     (128, BackwardTiles(split_dkv=True, dkv_head_splits=2)),
+    # K and V addressed through an opaque zero (descriptors rebuilt each step), split or not.
+    (128, BackwardTiles(step_descriptors=True)),
+    (64, BackwardTiles(split_dkv=True, block_q_dkv=128, num_consumers=1, step_descriptors=True)),
 ]
 # Lowered with PALLAS_FLASH_SWEEP only (CI lowers one split tile).
-SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8, 11)]
+SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8, 11, 13)]
 
 
 @pytest.mark.parametrize(
@@ -472,6 +475,7 @@ def test_supports_rejects_split_tiles_over_shared_memory(head_dim, tiles, kernel
         (dict(num_consumers=3), "num_consumers=3 must be 1 or 2"),
         (dict(split_dkv=1), "split_dkv=1 must be a bool"),
         (dict(grouped_launch=0), "grouped_launch=0 must be a bool"),
+        (dict(step_descriptors=1), "step_descriptors=1 must be a bool"),
         (dict(dkv_head_splits=-1), "dkv_head_splits=-1 must be an int >= 0"),
         (dict(dkv_head_splits=True), "dkv_head_splits=True must be an int >= 0"),
         (dict(dkv_head_splits=2.0), "dkv_head_splits=2.0 must be an int >= 0"),
@@ -1605,6 +1609,21 @@ FUSED_CI_FIXED_CAPPED = MaskCase(
     scale=1.0,
     tiles=BackwardTiles(fused_dq="fixed_slab"),
 )
+# The consumers' K, V (and the fused dQ's K^T and dS^T tiles) addressed through an opaque zero
+# (`BackwardTiles.step_descriptors`): "fixed_slab"'s causal halves at H=128 (its step -1 of
+# zeros included), the two-kernel backward's plan of packed documents.
+STEP_DESCRIPTOR_CASES = [
+    dataclasses.replace(
+        FUSED_CI_FIXED, tiles=BackwardTiles(fused_dq="fixed_slab", step_descriptors=True)
+    ),
+    MaskCase(
+        Problem(2, 130, 128, 4, 2, 64, True, "bf16"),
+        window=(40, 0),
+        kind="packed-lengths",
+        tiles=BackwardTiles(step_descriptors=True),
+        poison=True,
+    ),
+]
 FUSED_SWEEP_CASES = [
     dataclasses.replace(
         FUSED_CI_CASE, tiles=BackwardTiles(num_consumers=1, dkv_head_splits=2, fused_dq="slab")
@@ -1642,6 +1661,19 @@ def test_fused_dq_matches_oracle_interpreted(c):
     check_masked_backward(c, interpreted=True, mosaic_forward=False)
 
 
+@pytest.mark.parametrize("c", STEP_DESCRIPTOR_CASES, ids=str)
+def test_step_descriptors_match_oracle_interpreted(c):
+    """BackwardTiles.step_descriptors: the same buffers through an index that is always 0 (a
+    1 would read the other consumer's keys and dS^T, or past the buffers)."""
+    check_masked_backward(c, interpreted=True, mosaic_forward=False)
+
+
+def test_opaque_zero_is_zero_from_step_minus_one():
+    steps = jnp.array([-1, 0, 1, 2**20, 2**31 - 2], jnp.int32)
+    assert np.all(np.asarray(mosaic_backward_module._opaque_zero(steps)) == 0)
+    assert int(mosaic_backward_module._opaque_zero(jnp.int32(-2))) == 1
+
+
 @pytest.mark.parametrize(
     "p, tiles",
     [
@@ -1649,6 +1681,10 @@ def test_fused_dq_matches_oracle_interpreted(c):
         (Problem(1, 256, 192, 4, 1, 64, True, "f16"), BackwardTiles(fused_dq="add")),
         (Problem(2, 256, 512, 4, 2, 128, True, "bf16"), BackwardTiles(fused_dq="fixed")),
         (Problem(1, 256, 192, 4, 1, 64, False, "bf16"), BackwardTiles(fused_dq="fixed")),
+        (
+            Problem(2, 256, 512, 4, 2, 128, True, "bf16"),
+            BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        ),
         pytest.param(
             Problem(1, 256, 192, 4, 1, 64, False, "f16"),
             BackwardTiles(fused_dq="add", num_consumers=1, dkv_head_splits=2),
@@ -1845,6 +1881,11 @@ FUSED_FIXED = BackwardTiles(fused_dq="fixed")
 # step with head splits, NaN and inf at keys past the diagonal.
 FUSED_FIXED_GPU_CASES = [
     MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=FUSED_FIXED),
+    MaskCase(
+        Problem(2, 1024, 1000, 8, 2, 128, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        poison=True,
+    ),
     MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "bf16"), tiles=FUSED_FIXED),
     MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_FIXED, poison=True),
     MaskCase(

@@ -150,6 +150,12 @@ class BackwardTiles:
         split_dkv.
       grouped_launch: causal calls' grids launch a group of heads at a time, level by level,
         longest tiles first (`schedule.grouped_launch`); False: each head's tiles in turn.
+      step_descriptors: the dK/dV consumers address their K and V blocks (and the fused dQ's
+        K^T and dS^T tiles) through an index that is 0 but that the compiler cannot see
+        through (`_opaque_zero` of the step), so that the wgmma descriptors of those operands
+        are rebuilt every step from one base instead of computed once before the loop and
+        held, two registers each, which the fused dQ's consumers spill (NOTES, "What the fused
+        dQ's consumers spill"); False: held.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -165,6 +171,7 @@ class BackwardTiles:
     dkv_head_splits: int = 0
     fused_dq: str | None = None
     grouped_launch: bool = True
+    step_descriptors: bool = False
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -179,7 +186,7 @@ class BackwardTiles:
             raise ValueError(f"BackwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"BackwardTiles.num_consumers={self.num_consumers!r} must be 1 or 2")
-        for name in ("split_dkv", "grouped_launch"):
+        for name in ("split_dkv", "grouped_launch", "step_descriptors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardTiles.{name}={getattr(self, name)!r} must be a bool")
         splits = self.dkv_head_splits
@@ -848,6 +855,13 @@ def _times(x, factor: float):
     return x if factor == 1.0 else x * factor
 
 
+def _opaque_zero(step):
+    """0 for a step in [-1, 2^31 - 1) (the fused dQ's step before the first is -1), which the
+    compiler cannot prove: an index term that keeps a buffer's address, and the wgmma
+    descriptors built from it, inside the step's loop."""
+    return lax.shift_right_logical(step + 1, jnp.int32(31))
+
+
 def _clip(x, lo, hi):
     if all(isinstance(v, int) for v in (x, lo, hi)):
         return min(max(x, lo), hi)
@@ -1192,6 +1206,7 @@ def _dkv_kernel(
                 ds_ready=ds_ready,
                 ds_read=ds_read,
                 slab=kv_tile if tiles.slab_dq else None,
+                step_descriptors=tiles.step_descriptors,
             )
         consume = functools.partial(
             _consume_dkv,
@@ -1200,8 +1215,8 @@ def _dkv_kernel(
             kv_ids_ref,
             dk_ref,
             dv_ref,
-            k_smem.at[block],
-            v_smem.at[block],
+            k_smem,
+            v_smem,
             None if kv_ids_smem is None else kv_ids_smem.at[wg],
             partials,
             kv_loaded.at[wg],
@@ -1296,6 +1311,7 @@ class _DQSink:
     ds_ready: object = None  # Barrier(num_arrivals=consumers, num_barriers=consumers), 2 only
     ds_read: object = None  # Barrier(num_arrivals=1, num_barriers=consumers), 2 only
     slab: object = None
+    step_descriptors: bool = False  # BackwardTiles.step_descriptors
 
     @property
     def consumers(self) -> int:
@@ -1347,14 +1363,16 @@ class _DQSink:
         if self.consumers > 1:
             plgpu.barrier_arrive(self.ds_ready.at[lax.rem(step, jnp.int32(self.consumers))])
 
-    def issue(self, acc_ref):
-        """The wgmmas of dQ^T's partial (this consumer's rows) into acc_ref."""
+    def issue(self, acc_ref, step):
+        """The wgmmas of dQ^T's partial (this consumer's rows) of CTA step `step` (>= -1) into
+        acc_ref."""
         rows = self.partial_smem.shape[0]
+        zero = _opaque_zero(step) if self.step_descriptors else 0
         for block in range(self.consumers):
-            k_t = self.k_smem.at[block]
+            k_t = self.k_smem.at[block + zero]
             if self.halves:
                 k_t = k_t.at[:, pl.ds(self.consumer * rows, rows)]
-            plgpu.wgmma(acc_ref, k_t.T, self.ds_smem.at[block])
+            plgpu.wgmma(acc_ref, k_t.T, self.ds_smem.at[block + zero])
 
     def _wait_tiles(self, step):
         """Until every consumer's tile of CTA step `step` has landed."""
@@ -1377,7 +1395,7 @@ class _DQSink:
             def both(refs):
                 st_ref, dq_ref = refs
                 st_issue(st_ref)
-                self.issue(dq_ref)
+                self.issue(dq_ref, step)
 
             s_t, partial = pl.run_state(both)(
                 (
@@ -1417,7 +1435,7 @@ class _DQSink:
         self._wait_tiles(step)
 
         def dq_into(acc_ref):
-            self.issue(acc_ref)
+            self.issue(acc_ref, step)
             return acc_ref[...]
 
         partial = pl.run_scoped(dq_into, plgpu.ACC(self.partial_smem.shape, jnp.float32))
@@ -1565,8 +1583,8 @@ def _consume_dkv(
     kv_ids_ref,
     dk_ref,
     dv_ref,
-    k_smem,
-    v_smem,
+    k_blocks,
+    v_blocks,
     kv_ids_smem,
     partials,
     kv_loaded,
@@ -1603,12 +1621,23 @@ def _consume_dkv(
     f32 partials through partials = (dK's staging tile, dV's) when it is given (head
     splits), else through the dead K and V buffers.
 
-    key_block: the consumer's block of the CTA's keys (its slice of the ring's key hashes).
+    key_block: the consumer's block of the CTA's keys: its K and V in k_blocks and v_blocks
+    [key blocks, block_kv_dkv, ..], its slice of the ring's key hashes.
     dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
     Z = keep / (1 - rate) (see `probs_t`).
     dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there."""
     block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
+    k_smem, v_smem = k_blocks.at[key_block], v_blocks.at[key_block]
     head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
+
+    def kv_at(step):
+        """(K, V) of this consumer's keys as the wgmmas of CTA step `step` read them: with
+        tiles.step_descriptors through `_opaque_zero` (their descriptors rebuilt each step)."""
+        if not tiles.step_descriptors:
+            return k_smem, v_smem
+        block = key_block + _opaque_zero(step)
+        return k_blocks.at[block], v_blocks.at[block]
+
     first, end = cta_range
     cta_tiles = end - first
     lo, full_lo, full_hi, hi = ranges
@@ -1660,7 +1689,7 @@ def _consume_dkv(
         )
         return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1), kv_hashes
 
-    def probs_t(i, slot, *, masked: bool, step=None):
+    def probs_t(i, slot, step, *, masked: bool):
         """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
 
         With dropout P^T * keep^T: dV takes it, scaled by 1 / (1 - rate) once in the epilogue;
@@ -1671,7 +1700,7 @@ def _consume_dkv(
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
         def st_issue(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem, ring.q_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, kv_at(step)[0], ring.q_smem.at[slot].T)
 
         def st_into(acc_ref):
             st_issue(acc_ref)
@@ -1711,7 +1740,7 @@ def _consume_dkv(
         step = base + i - first
         slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, masked=masked, step=step)
+        p_t, pd_t = probs_t(i, slot, step, masked=masked)
 
         # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -1720,7 +1749,7 @@ def _consume_dkv(
         def dv_dpt_into(refs):
             dv_ref, dpt_ref = refs
             plgpu.wgmma(dv_ref, p_in, ring.do_smem.at[slot])
-            plgpu.wgmma(dpt_ref, v_smem, ring.do_smem.at[slot].T)
+            plgpu.wgmma(dpt_ref, kv_at(step)[1], ring.do_smem.at[slot].T)
 
         dv, dp_t = pl.run_state(dv_dpt_into)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(_wgmma_zeros(tile_shape)))
@@ -1758,9 +1787,10 @@ def _consume_dkv(
 
     def dv_step(i, carry, *, base, masked: bool):
         (dv,) = carry
-        slot = ring.slot(base + i - first)
+        step = base + i - first
+        slot = ring.slot(step)
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, masked=masked)
+        p_t, pd_t = probs_t(i, slot, step, masked=masked)
         # Q's (and the query ids' and hashes') last reader in this consumer was S^T (and the
         # masks): free them for the producer before dV's wgmma.
         plgpu.barrier_arrive(ring.q_free.at[slot])
@@ -1786,7 +1816,7 @@ def _consume_dkv(
 
         # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
         def dpt_into(acc_ref):
-            plgpu.wgmma(acc_ref, v_smem, ring.do_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, kv_at(step)[1], ring.do_smem.at[slot].T)
             return acc_ref[...]
 
         dp_t = pl.run_scoped(dpt_into, plgpu.ACC(tile_shape, jnp.float32))

@@ -1670,8 +1670,8 @@ def test_step_descriptors_match_oracle_interpreted(c):
 
 def test_opaque_zero_is_zero_from_step_minus_one():
     steps = jnp.array([-1, 0, 1, 2**20, 2**31 - 2], jnp.int32)
-    assert np.all(np.asarray(mosaic_backward_module._opaque_zero(steps)) == 0)
-    assert int(mosaic_backward_module._opaque_zero(jnp.int32(-2))) == 1
+    assert np.all(np.asarray(mosaic_backward_module.launch.opaque_zero(steps)) == 0)
+    assert int(mosaic_backward_module.launch.opaque_zero(jnp.int32(-2))) == 1
 
 
 @pytest.mark.parametrize(

@@ -152,10 +152,10 @@ class BackwardTiles:
         longest tiles first (`schedule.grouped_launch`); False: each head's tiles in turn.
       step_descriptors: the dK/dV consumers address their K and V blocks (and the fused dQ's
         K^T and dS^T tiles) through an index that is 0 but that the compiler cannot see
-        through (`_opaque_zero` of the step), so that the wgmma descriptors of those operands
-        are rebuilt every step from one base instead of computed once before the loop and
-        held, two registers each, which the fused dQ's consumers spill (NOTES, "What the fused
-        dQ's consumers spill"); False: held.
+        through (`launch.opaque_zero` of the step), so that the wgmma descriptors of those
+        operands are rebuilt every step from one base instead of computed once before the
+        loop and held, two registers each, which the fused dQ's consumers spill (NOTES, "What
+        the fused dQ's consumers spill"); False: held.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -855,13 +855,6 @@ def _times(x, factor: float):
     return x if factor == 1.0 else x * factor
 
 
-def _opaque_zero(step):
-    """0 for a step in [-1, 2^31 - 1) (the fused dQ's step before the first is -1), which the
-    compiler cannot prove: an index term that keeps a buffer's address, and the wgmma
-    descriptors built from it, inside the step's loop."""
-    return lax.shift_right_logical(step + 1, jnp.int32(31))
-
-
 def _clip(x, lo, hi):
     if all(isinstance(v, int) for v in (x, lo, hi)):
         return min(max(x, lo), hi)
@@ -1367,7 +1360,7 @@ class _DQSink:
         """The wgmmas of dQ^T's partial (this consumer's rows) of CTA step `step` (>= -1) into
         acc_ref."""
         rows = self.partial_smem.shape[0]
-        zero = _opaque_zero(step) if self.step_descriptors else 0
+        zero = launch.opaque_zero(step) if self.step_descriptors else 0
         for block in range(self.consumers):
             k_t = self.k_smem.at[block + zero]
             if self.halves:
@@ -1632,10 +1625,10 @@ def _consume_dkv(
 
     def kv_at(step):
         """(K, V) of this consumer's keys as the wgmmas of CTA step `step` read them: with
-        tiles.step_descriptors through `_opaque_zero` (their descriptors rebuilt each step)."""
+        tiles.step_descriptors through `launch.opaque_zero` (descriptors rebuilt each step)."""
         if not tiles.step_descriptors:
             return k_smem, v_smem
-        block = key_block + _opaque_zero(step)
+        block = key_block + launch.opaque_zero(step)
         return k_blocks.at[block], v_blocks.at[block]
 
     first, end = cta_range

@@ -16,7 +16,10 @@
 #          failing, and counted by benchmarks/sweep_summary.py; logs in $OUT/sweep.tgz
 #   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
 #   fused  benchmarks/fused_dq_timing.py: the fused dQ against the default backward and cuDNN
-#          (FUSED_POINTS: H:SEQ pairs, default its POINTS)
+#          (FUSED_POINTS: H:SEQ pairs, default its POINTS; MODES: its backwards)
+#   resources  benchmarks/kernel_resources.py $OUT/resources RESOURCE_CASES (ptxas' registers
+#          and spills, SASS counts; default: all its cases)
+#   regsplit  benchmarks/register_split.py $OUT/regsplit REGSPLIT_ARGS (e.g. "--kernels forward")
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   ncu    benchmarks/ncu_profile.py's NCU_CASES (default: all) under Nsight Compute (NCU_ARGS,
 #          default "--set full": 38 replays per kernel), the report's details page to
@@ -145,6 +148,19 @@ for stage in ${@:-tests masks grid}; do
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/fused_dq_timing.py $OUT/fused.jsonl \
         ${FUSED_POINTS:-} > $OUT/fused.log 2>&1
       grep summary $OUT/fused.log ;;
+    resources)
+      timeout ${RESOURCES_TIMEOUT:-240} python3 benchmarks/kernel_resources.py $OUT/resources \
+        ${RESOURCE_CASES:-} > $OUT/resources.log 2>&1
+      tail -n 30 $OUT/resources.log
+      # At most 8 files come back from $OUT: the rows apart, the dumps in one archive.
+      cp $OUT/resources/resources.jsonl $OUT/ 2>/dev/null
+      tar -czf $OUT/resources.tgz -C $OUT resources && rm -rf $OUT/resources ;;
+    regsplit)
+      timeout ${REGSPLIT_TIMEOUT:-400} python3 benchmarks/register_split.py $OUT/regsplit \
+        ${REGSPLIT_ARGS:-} > $OUT/regsplit.log 2>&1
+      grep -v '^WARNING' $OUT/regsplit.log | tail -n 40
+      for f in resources timing; do cp $OUT/regsplit/$f.jsonl $OUT/regsplit-$f.jsonl 2>/dev/null; done
+      tar -czf $OUT/regsplit.tgz -C $OUT regsplit && rm -rf $OUT/regsplit ;;
     extras)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/sinks_dropout_timing.py $OUT/extras.jsonl \
         > $OUT/extras.log 2>&1

@@ -150,7 +150,14 @@ def main():
         return
     out_dir, *names = sys.argv[1:]
     os.makedirs(out_dir, exist_ok=True)
-    env = dict(os.environ, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
+    # The children compile side by side on one GPU: none may take most of its memory up front
+    # (four or more with jax's preallocation ran out of it in session26-call4).
+    env = dict(
+        os.environ,
+        MOSAIC_GPU_DUMP_PTXAS="1",
+        MOSAIC_GPU_DUMP_SASS="1",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+    )
     children = {}
     for name in names or list(CASES):
         log = open(os.path.join(out_dir, f"{name}.txt"), "w")

@@ -89,8 +89,8 @@ from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # The producer's loop holds a slot, a step, a head and a tile start: 24 registers keep it
 # unspilled and give two consumers 240 each. The fused dQ's dK/dV consumers spill (ptxas, H=128
-# causal "fixed": 812/912 bytes stored/loaded at 232 registers, 752/800 at 240; fwd+bwd kernel
-# time 4-7% lower, benchmarks/NOTES.md "Mosaic backward").
+# causal "fixed": 812/912 bytes stored/loaded at 232 registers, 752/800 at 240; its fwd+bwd
+# kernel time 1-7% lower, causal 4-7%: benchmarks/NOTES.md "Mosaic backward").
 PRODUCER_REGISTERS = 24
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`): the

@@ -344,7 +344,8 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
         del q, k, v, qs, flat
 
 
-# (block_q, block_kv, num_stages[, persistent]) of the Mosaic forward, per head dim.
+# (block_q, block_kv, num_stages[, persistent[, step_descriptors]]) of the Mosaic forward, per
+# head dim.
 MOSAIC_TILES = {
     64: [
         (64, 128, 2),

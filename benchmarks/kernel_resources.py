@@ -29,13 +29,21 @@ CASES = {
     "h64-dropout": (4, 4096, 4096, 32, 32, 64, dict(dropout_rate=0.1)),
     "h128-cap": (2, 8192, 8192, 16, 16, 128, dict(is_causal=True, logits_soft_cap=30.0)),
     "gemma2": (1, 8192, 8192, 16, 8, 256, dict(is_causal=True, logits_soft_cap=50.0)),
-    # The Mosaic backward with dQ in its dK/dV kernel (`BackwardTiles.fused_dq`).
-    "h128-add": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="add")),
-    "h128-causal-add": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True, fused_dq="add")),
-    "h128-fixed": (4, 4096, 4096, 16, 16, 128, dict(fused_dq="fixed")),
-    "h128-causal-fixed": (4, 4096, 4096, 16, 16, 128, dict(is_causal=True, fused_dq="fixed")),
-    "h64-fixed": (4, 4096, 4096, 32, 32, 64, dict(fused_dq="fixed")),
-    # The dK/dV consumers' descriptors rebuilt each step (`BackwardTiles.step_descriptors`).
+    # H=64 16k: the forward's 128-row consumers (they spill: NOTES, Tooling), the backward's dQ
+    # in the dK/dV kernel ("fixed").
+    "h64-16k": (1, 16384, 16384, 32, 32, 64, {}),
+    # kwargs "tiles": the Mosaic forward and the Mosaic backward with these BackwardTiles
+    # fields, dQ in the dK/dV kernel (`BackwardTiles.fused_dq`) or descriptors rebuilt each
+    # step (`BackwardTiles.step_descriptors`).
+    "h128-add": (4, 4096, 4096, 16, 16, 128, dict(tiles=dict(fused_dq="add"))),
+    "h128-causal-add": (
+        4, 4096, 4096, 16, 16, 128, dict(is_causal=True, tiles=dict(fused_dq="add"))
+    ),
+    "h128-fixed": (4, 4096, 4096, 16, 16, 128, dict(tiles=dict(fused_dq="fixed"))),
+    "h128-causal-fixed": (
+        4, 4096, 4096, 16, 16, 128, dict(is_causal=True, tiles=dict(fused_dq="fixed"))
+    ),
+    "h64-fixed": (4, 4096, 4096, 32, 32, 64, dict(tiles=dict(fused_dq="fixed"))),
     "h128-step": (4, 4096, 4096, 16, 16, 128, dict(tiles=dict(step_descriptors=True))),
     "h128-causal-fixed-step": (
         4, 4096, 4096, 16, 16, 128,
@@ -98,15 +106,15 @@ def compile_case(name):
     if kwargs.get("dropout_rate"):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
-    fn = functools.partial(pallas_flash.flash_attention, **kwargs)
-    if "fused_dq" in kwargs or "tiles" in kwargs:
-        # The Mosaic forward and the Mosaic backward with these BackwardTiles fields.
+    if "tiles" in kwargs:
         from fused_dq_timing import mosaic_attention
 
         from pallas_flash.mosaic import BackwardTiles
 
-        tiles = BackwardTiles(**kwargs.get("tiles", dict(fused_dq=kwargs.get("fused_dq"))))
+        tiles = BackwardTiles(**kwargs["tiles"])
         fn = mosaic_attention(tiles, scale=h**-0.5, is_causal=kwargs.get("is_causal", False))
+    else:
+        fn = functools.partial(pallas_flash.flash_attention, **kwargs)
     timed_fn(fn, "fwd+bwd").lower(q, kk, v, do).compile()
 
 
@@ -144,37 +152,48 @@ def parse(text):
     return rows
 
 
-def main():
-    if sys.argv[1] == "--child":
-        compile_case(sys.argv[2])
-        return
-    out_dir, *names = sys.argv[1:]
-    os.makedirs(out_dir, exist_ok=True)
-    # The children compile side by side on one GPU: none may take most of its memory up front
-    # (four or more with jax's preallocation ran out of it in session26-call4).
+def compile_in_children(out_dir, jobs, out):
+    """Runs each job (log name, command, row fields) in a child process, side by side, with
+    Mosaic GPU's dump switches on; writes one JSON row per kernel of each child's output to out
+    (the fields, then `parse`'s), its raw output to OUT_DIR/LOG.txt."""
+    # The children share one GPU: none may take most of its memory up front (four or more
+    # with jax's preallocation ran out of it in session26-call4).
     env = dict(
         os.environ,
         MOSAIC_GPU_DUMP_PTXAS="1",
         MOSAIC_GPU_DUMP_SASS="1",
         XLA_PYTHON_CLIENT_PREALLOCATE="false",
     )
-    children = {}
-    for name in names or list(CASES):
-        log = open(os.path.join(out_dir, f"{name}.txt"), "w")
-        cmd = [sys.executable, __file__, "--child", name]
-        children[name] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+    children = []
+    for log_name, cmd, fields in jobs:
+        log = open(os.path.join(out_dir, f"{log_name}.txt"), "w")
+        child = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        children.append((log_name, child, log, fields))
+    for log_name, child, log, fields in children:
+        rc = child.wait()
+        log.close()
+        with open(log.name) as f:
+            rows = parse(f.read())
+        if rc or not rows:
+            print(f"{log_name}: rc {rc}, {len(rows)} kernels (see {log.name})", flush=True)
+        for row in rows:
+            row = dict(fields, **row)
+            print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
+            out.write(json.dumps(row) + "\n")
+
+
+def main():
+    if sys.argv[1] == "--child":
+        compile_case(sys.argv[2])
+        return
+    out_dir, *names = sys.argv[1:]
+    os.makedirs(out_dir, exist_ok=True)
+    jobs = [
+        (name, [sys.executable, __file__, "--child", name], dict(case=name))
+        for name in names or list(CASES)
+    ]
     with open(os.path.join(out_dir, "resources.jsonl"), "w") as out:
-        for name, (child, log) in children.items():
-            rc = child.wait()
-            log.close()
-            with open(log.name) as f:
-                rows = parse(f.read())
-            if rc or not rows:
-                print(f"{name}: rc {rc}, {len(rows)} kernels (see {log.name})", flush=True)
-            for row in rows:
-                row = dict(case=name, **row)
-                print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
-                out.write(json.dumps(row) + "\n")
+        compile_in_children(out_dir, jobs, out)
 
 
 if __name__ == "__main__":

@@ -25,15 +25,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-# kernel_resources.py's cases, plus H=64 16k, whose forward takes 128-row consumers (they spill
-# at 232 registers: NOTES, Tooling) and whose backward takes dQ in the dK/dV kernel ("fixed").
-RESOURCE_CASES = {
-    "h64-16k": (1, 16384, 16384, 32, 32, 64, {}),
-    "h128-causal-fixed": None,
-    "h128-fixed": None,
-    "h128-causal": None,
-    "h128-causal-fixed-step": None,
-}
+# kernel_resources.py's cases compiled at each split.
+RESOURCE_CASES = (
+    "h64-16k",
+    "h128-causal-fixed",
+    "h128-fixed",
+    "h128-causal",
+    "h128-causal-fixed-step",
+)
 # (H, T, causal, pass, fused_dq): B * T = 16k tokens, N = 2048 / H, bf16. fused_dq: the Mosaic
 # backward with BackwardTiles(fused_dq=...) under the Mosaic forward; None: the default call.
 TIMING_POINTS = [
@@ -51,7 +50,10 @@ TIMING_POINTS = [
 
 
 def consumer_registers(producer: int) -> int:
-    return min(240, (512 - producer) // 2 // 8 * 8)
+    """Registers of each of two consumers beside a producer of `producer`."""
+    from pallas_flash.mosaic import backward
+
+    return backward.consumer_registers(2, producer_registers=producer)
 
 
 def patch(producer: int, kernels) -> None:
@@ -69,7 +71,6 @@ def compile_case(producer, kernels, name):
     import kernel_resources
 
     patch(producer, kernels)
-    kernel_resources.CASES.update({k: v for k, v in RESOURCE_CASES.items() if v is not None})
     kernel_resources.compile_case(name)
 
 
@@ -127,36 +128,23 @@ def main():
 
     os.makedirs(args.out_dir, exist_ok=True)
     kernels = ",".join(args.kernels)
-    # Several processes share the GPU: none may take most of its memory up front.
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     if not args.no_resources:
-        # A child per split and case, side by side (kernel_resources.py's way: the dumps are
-        # the child's whole stdout).
-        dump = dict(env, MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_SASS="1")
-        children = []
-        for producer in args.producer:
-            for name in RESOURCE_CASES:
-                log = open(os.path.join(args.out_dir, f"{name}-{producer}.txt"), "w")
-                cmd = [sys.executable, __file__, "--child", "compile", str(producer), kernels, name]
-                child = subprocess.Popen(cmd, env=dump, stdout=log, stderr=subprocess.STDOUT)
-                children.append((producer, name, child, log))
+        jobs = [
+            (
+                f"{name}-{producer}",
+                [sys.executable, __file__, "--child", "compile", str(producer), kernels, name],
+                dict(producer=producer, kernels=args.kernels, case=name),
+            )
+            for producer in args.producer
+            for name in RESOURCE_CASES
+        ]
         with open(os.path.join(args.out_dir, "resources.jsonl"), "a") as out:
-            for producer, name, child, log in children:
-                rc = child.wait()
-                log.close()
-                with open(log.name) as f:
-                    rows = kernel_resources.parse(f.read())
-                if rc or not rows:
-                    print(f"{name} at {producer}: rc {rc}, {len(rows)} kernels ({log.name})")
-                for row in rows:
-                    row = dict(producer=producer, kernels=args.kernels, case=name, **row)
-                    print(json.dumps({k: v for k, v in row.items() if k != "top"}), flush=True)
-                    out.write(json.dumps(row) + "\n")
+            kernel_resources.compile_in_children(args.out_dir, jobs, out)
     # Timings one process at a time, in turns.
     timing = os.path.join(args.out_dir, "timing.jsonl")
     for producer in args.producer:
         cmd = [sys.executable, __file__, "--child", "time", str(producer), kernels, timing]
-        subprocess.run(cmd, env=env, check=False)
+        subprocess.run(cmd, check=False)
 
 
 if __name__ == "__main__":

@@ -102,11 +102,12 @@ FUSED_DQ_MODES = (None, "add", "fixed", "slab", "fixed_slab")
 FIXED_POINT_BITS = 30
 
 
-def consumer_registers(num_consumers: int) -> int:
-    """Registers per consumer thread so that the consumers and the producer fit the register
-    file: 240 for one or two consumers (setmaxnreg takes multiples of 8 up to 256; the forward's
-    two get 232)."""
-    per_consumer = (REGISTER_FILE - PRODUCER_REGISTERS) // num_consumers
+def consumer_registers(num_consumers: int, producer_registers: int | None = None) -> int:
+    """Registers per consumer thread so that the consumers and a producer of
+    producer_registers (None: PRODUCER_REGISTERS) fit the register file: 240 for one or two
+    consumers (setmaxnreg takes multiples of 8 up to 256; the forward's two get 232)."""
+    producer = PRODUCER_REGISTERS if producer_registers is None else producer_registers
+    per_consumer = (REGISTER_FILE - producer) // num_consumers
     return min(240, per_consumer // 8 * 8)
 
 

@@ -491,10 +491,10 @@ def _forward_kernel(
             else:
                 ranges = tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
             b = buffer(n)
-            if tiles.step_descriptors:
-                q_at = lambda tile: q_smem.at[b + opaque_zero(tile)]  # noqa: E731
-            else:
-                q_at = lambda tile: q_smem.at[b]  # noqa: E731
+
+            def q_at(tile):
+                return q_smem.at[b + opaque_zero(tile) if tiles.step_descriptors else b]
+
             _consume(
                 out_ref,
                 row_refs,

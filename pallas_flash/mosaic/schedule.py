@@ -183,9 +183,8 @@ class _Tail:
 def paired_causal_rows(spec: MaskSpec, tiles: ForwardTiles, *, has_segments: bool) -> bool:
     """Whether a persistent causal forward takes its query tiles in pairs of equal work
     (`_Work.paired`): tiles say so (`ForwardTiles.causal_pairs`), and rows i see keys 0..i (no
-    left side of a window, no
-    segment ids, T <= S, so that a query tile's work grows by the same with each tile), over
-    an even number of CTA query tiles."""
+    left side of a window, no segment ids, T <= S, so that a query tile's work grows by the
+    same with each tile), over an even number of CTA query tiles."""
     left, _ = mask_sides(spec, tiles)
     return (
         tiles.persistent

@@ -5,14 +5,15 @@
 
     [MODES=default,fused,fixed] python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
-(MODES may also name "step" and "fixed_step".)
+(MODES may also name "step", "fixed_step" and "fused_step".)
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
 H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
 measurement yet), or H:SEQ:K for GQA with K KV heads. "default",
 "fused" and "fixed" are the Mosaic forward differentiated by `mosaic.flash_backward` with the
 default tiles and with fused_dq="add" and "fixed";
-"step" and "fixed_step" the two-kernel and "fixed" backwards with `step_descriptors`;
+"step", "fixed_step" and "fused_step" the two-kernel, "fixed" and "add" backwards with
+`step_descriptors`;
 "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")`. Prints one JSON row per
 point and backward (ms, TFLOP/s by the FA2 count), then per point the ratios, each fused
 dQ's largest difference from the default backward's relative to dQ's largest magnitude, and
@@ -59,6 +60,7 @@ TILES = {
     # The dK/dV consumers' operand descriptors rebuilt each step (not held across the loop).
     "step": BackwardTiles(step_descriptors=True),
     "fixed_step": BackwardTiles(fused_dq="fixed", step_descriptors=True),
+    "fused_step": BackwardTiles(fused_dq="add", step_descriptors=True),
 }
 
 

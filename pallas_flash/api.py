@@ -163,8 +163,8 @@ def flash_attention(
         by TMA reductions in the order they arrive (as FlashAttention-2 and -3 do by default): the
         same values within float32 rounding, not bitwise repeatable, and faster where the dispatch
         takes it (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H=64,
-        of 4k or more at H=128 but causal calls under 16k and plain ones with GQA). Other calls and
-        kernels are deterministic either way.
+        of 4k or more at H=128 but plain ones with GQA). Other calls and kernels are
+        deterministic either way.
 
     Returns:
       out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.

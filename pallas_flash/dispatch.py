@@ -48,20 +48,19 @@ MOSAIC_RAGGED_MIN_LEN = 1024
 # With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S),
 # where it was measured faster than the two-kernel backward (fwd+bwd): at H=64 from 2k tokens
 # (1.11x non-causal, 1.02x causal at 2k; shorter calls keep the Triton backward), at H=128
-# from 4k (1.01x at 2k non-causal, 0.83x causal), causal calls at H=128 from 16k keys (0.93x at
-# 4k, 0.97x at 8k, 1.05x at 16k). benchmarks/NOTES.md, "fused-dq".
+# from 4k (1.01x at 2k non-causal, 0.83x causal; with step descriptors causal 1.06x at 4k,
+# 1.08x at 8k, 1.14x at 16k). benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
 FUSED_DQ_MIN_LEN = 4096
 FUSED_DQ_H64_MIN_LEN = 2048
-FUSED_DQ_CAUSAL_H128_MIN_KV_LEN = 16384
 
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
 # (fwd+bwd, bf16, T == S). H=64: 1.05x at 4k and 1.09x at 16k plain, 1.05x at 16k causal
-# (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128: 1.06x at 16k plain (1.00x at 4k; not with GQA,
-# `_like_fused_dq_measurements`), causal 0.89x at 4k and 1.01x at 16k. benchmarks/NOTES.md,
-# "fused-dq".
-FIXED_DQ_MIN_LEN = {64: 4096, 128: 16384}
-FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384}
+# (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: 1.05x at 8k and 1.06x at
+# 16k plain (1.03x at 4k; not with GQA, `_like_fused_dq_measurements`), causal 1.07x at 16k
+# (0.98x at 4k, 1.02x at 8k). benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+FIXED_DQ_MIN_LEN = {64: 4096, 128: 8192}
+FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -267,7 +266,10 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         num_sms=device.num_sms,
         causal=call.spec.is_causal,
     )
-    fused = dataclasses.replace(tiles, fused_dq=mode)
+    # The fused dQ's consumers rebuild their operands' descriptors each step instead of
+    # spilling them: H=128 causal fwd+bwd 5-10% faster from 4k to 16k, plain calls and H=64
+    # within 2% (benchmarks/NOTES.md, "Step descriptors").
+    fused = dataclasses.replace(tiles, fused_dq=mode, step_descriptors=True)
     if splits > 1 or mosaic.why_not_backward(call, device, fused):
         return tiles
     return fused
@@ -291,18 +293,16 @@ def _like_fused_dq_measurements(call: Call) -> bool:
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
-    the two-kernel one on the H200 for calls like this: fwd+bwd 1.02-1.14x at H=64 (2k to 16k
-    tokens, causal or not) and 1.05-1.11x at H=128 from 4k non-causal and 16k causal (causal
-    0.83x at 2k, 0.93x at 4k, 0.97x at 8k); measured on plain and causal self-attention of 2k
-    to 16k tokens only (benchmarks/NOTES.md, "fused-dq")."""
+    the two-kernel one on the H200 for calls like this: fwd+bwd 1.02-1.15x at H=64 (2k to 16k
+    tokens, causal or not) and 1.06-1.14x at H=128 from 4k (causal 0.83x at 2k); measured on
+    plain and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq"
+    and "Step descriptors")."""
     if not _like_fused_dq_measurements(call):
         return False
     shortest = min(call.q_len, call.kv_len)
     if call.head_dim == 64:
         return shortest >= FUSED_DQ_H64_MIN_LEN
-    if call.head_dim != 128 or shortest < FUSED_DQ_MIN_LEN:
-        return False
-    return not call.spec.is_causal or call.kv_len >= FUSED_DQ_CAUSAL_H128_MIN_KV_LEN
+    return call.head_dim == 128 and shortest >= FUSED_DQ_MIN_LEN
 
 
 def fixed_dq_is_faster(call: Call) -> bool:

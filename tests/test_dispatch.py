@@ -195,7 +195,7 @@ H200 = {
         "mosaic",
         H64,
         dict(persistent=True),
-        dict(fused_dq="fixed"),
+        dict(fused_dq="fixed", step_descriptors=True),
         None,
     ),
     # H 192 and 256: the Mosaic backward with split dK/dV consumers (1.1-2.3x the Triton one).
@@ -423,10 +423,15 @@ def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
 
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
-# on the H200: at H=64 from 2k tokens, at H=128 from 4k but causal calls under 16k keys
-# (causal-h128-long has 8k); not where the fused form does not apply (H 192/256) or the Triton
-# backward runs.
-FUSED_DQ_CALLS = {"causal-h64-16k", "plain-h128-medium", "plain-h64-2k", "causal-h64-2k"}
+# on the H200: at H=64 from 2k tokens, at H=128 from 4k; not where the fused form does not
+# apply (H 192/256) or the Triton backward runs.
+FUSED_DQ_CALLS = {
+    "causal-h64-16k",
+    "plain-h128-medium",
+    "plain-h64-2k",
+    "causal-h64-2k",
+    "causal-h128-long",
+}
 
 
 @pytest.mark.parametrize("name", list(CALLS))
@@ -437,7 +442,8 @@ def test_nondeterministic_grads_fuse_dq_where_it_is_faster(chosen, no_tune_cache
     expected = H200[name]
     if name in FUSED_DQ_CALLS:
         assert expected[1] == "mosaic", expected
-        expected = (*expected[:4], {**(expected[4] or {}), "fused_dq": "add"}, *expected[5:])
+        fused = {**(expected[4] or {}), "fused_dq": "add", "step_descriptors": True}
+        expected = (*expected[:4], fused, *expected[5:])
     assert row == expected
     assert chosen(Device.a100(), name, deterministic_grads=False) == A100[name]
 
@@ -455,7 +461,10 @@ def chosen_fused_dq(q_shape, num_kv_heads, *, is_causal, dtype=bf16, determinist
     )
     config = dispatch.choose(call, Device.h200(), scale=0.1)
     assert config.backward == "mosaic"
-    return config.mosaic_backward_tiles.fused_dq
+    tiles = config.mosaic_backward_tiles
+    # The fused dQ's consumers rebuild their descriptors each step; the two kernels hold them.
+    assert tiles.step_descriptors == (tiles.fused_dq is not None)
+    return tiles.fused_dq
 
 
 @pytest.mark.parametrize(
@@ -466,8 +475,10 @@ def chosen_fused_dq(q_shape, num_kv_heads, *, is_causal, dtype=bf16, determinist
         ((2, 4096, 32, 64), 32, False, jnp.bfloat16, "fixed"),
         ((2, 2048, 32, 64), 32, False, jnp.bfloat16, None),
         ((1, 16384, 16, 128), 16, False, jnp.bfloat16, "fixed"),
-        ((2, 8192, 16, 128), 16, False, jnp.bfloat16, None),
-        ((1, 16384, 16, 128), 16, True, jnp.bfloat16, None),
+        ((2, 8192, 16, 128), 16, False, jnp.bfloat16, "fixed"),
+        ((4, 4096, 16, 128), 16, False, jnp.bfloat16, None),
+        ((1, 16384, 16, 128), 16, True, jnp.bfloat16, "fixed"),
+        ((2, 8192, 16, 128), 16, True, jnp.bfloat16, None),
         # GQA: at H=64 as without; at H=128 plain the fused dQ measured slower.
         ((2, 4096, 32, 64), 8, False, jnp.bfloat16, "fixed"),
         ((1, 16384, 16, 128), 4, False, jnp.bfloat16, None),

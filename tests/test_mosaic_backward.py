@@ -1610,11 +1610,16 @@ FUSED_CI_FIXED_CAPPED = MaskCase(
     tiles=BackwardTiles(fused_dq="fixed_slab"),
 )
 # The consumers' K, V (and the fused dQ's K^T and dS^T tiles) addressed through an opaque zero
-# (`BackwardTiles.step_descriptors`): "fixed_slab"'s causal halves at H=128 (its step -1 of
-# zeros included), the two-kernel backward's plan of packed documents.
+# (`BackwardTiles.step_descriptors`, which the dispatch gives every fused dQ): "fixed_slab"'s
+# causal halves at H=128 (its step -1 of zeros included), "slab"'s turns at H=64 with head
+# splits, the two-kernel backward's plan of packed documents.
 STEP_DESCRIPTOR_CASES = [
     dataclasses.replace(
         FUSED_CI_FIXED, tiles=BackwardTiles(fused_dq="fixed_slab", step_descriptors=True)
+    ),
+    dataclasses.replace(
+        FUSED_CI_CASE,
+        tiles=BackwardTiles(dkv_head_splits=2, fused_dq="slab", step_descriptors=True),
     ),
     MaskCase(
         Problem(2, 130, 128, 4, 2, 64, True, "bf16"),
@@ -1875,6 +1880,12 @@ FUSED_GPU_CASES = [
         tiles=BackwardTiles(fused_dq="add", num_consumers=1, dkv_head_splits=4),
     ),
     MaskCase(Problem(2, 512, 512, 4, 2, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")),
+    # With the descriptors rebuilt each step, as the dispatch takes it.
+    MaskCase(
+        Problem(2, 1024, 1000, 8, 2, 128, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
+        poison=True,
+    ),
 ]
 FUSED_FIXED = BackwardTiles(fused_dq="fixed")
 # "fixed": causal and not, ragged T and S, T != S, GQA, a soft cap, one consumer taking every
@@ -1888,6 +1899,11 @@ FUSED_FIXED_GPU_CASES = [
     ),
     MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "bf16"), tiles=FUSED_FIXED),
     MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_FIXED, poison=True),
+    MaskCase(
+        Problem(2, 2048, 1500, 8, 2, 64, False, "bf16"),
+        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        poison=True,
+    ),
     MaskCase(
         Problem(1, 1000, 1500, 4, 2, 128, False, "bf16"),
         soft_cap=20.0,

@@ -169,6 +169,7 @@ def dropped_value(hashes):
 def opaque_zero(step):
     """0 for a loop step in [-1, 2^31 - 1) (the fused dQ's step before the first is -1),
     which the compiler cannot prove: added to a buffer's index, it keeps the buffer's address,
-    and the wgmma descriptors built from it, inside the step's loop (`step_descriptors` of the
-    kernels' tiles), instead of computed once before the loop and held in registers."""
+    and the wgmma descriptors built from it, inside the step's loop
+    (`BackwardTiles.step_descriptors`), instead of computed once before the loop and held in
+    registers."""
     return lax.shift_right_logical(step + 1, jnp.int32(31))

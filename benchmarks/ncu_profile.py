@@ -63,6 +63,19 @@ CASES = {
         functools.partial(_backward, tiles=mosaic.BackwardTiles(fused_dq="fixed")),
         1, 16384, 16, 128, False,
     ),
+    # The dispatch's fused dQ: its consumers' descriptors rebuilt each step.
+    "bwd-h128-16k-fixed-step": (
+        functools.partial(
+            _backward, tiles=mosaic.BackwardTiles(fused_dq="fixed", step_descriptors=True)
+        ),
+        1, 16384, 16, 128, False,
+    ),
+    "bwd-h128-causal-16k-fixed-step": (
+        functools.partial(
+            _backward, tiles=mosaic.BackwardTiles(fused_dq="fixed", step_descriptors=True)
+        ),
+        1, 16384, 16, 128, True,
+    ),
     "bwd-h128-16k-cudnn": (
         functools.partial(_backward, tiles=None, impl="cudnn"), 1, 16384, 16, 128, False
     ),

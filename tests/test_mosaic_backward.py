@@ -15,6 +15,7 @@ import functools
 import re
 
 import jax
+import jax.experimental.mosaic.gpu.core as mosaic_gpu_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -1671,6 +1672,28 @@ def test_step_descriptors_match_oracle_interpreted(c):
     """BackwardTiles.step_descriptors: the same buffers through an index that is always 0 (a
     1 would read the other consumer's keys and dS^T, or past the buffers)."""
     check_masked_backward(c, interpreted=True, mosaic_forward=False)
+
+
+def test_step_descriptors_keep_the_step_opaque_to_llvm(monkeypatch):
+    """A plain call's loop runs over constant bounds, from which LLVM bounded the step and
+    folded `(step + 1) >> 31` to 0 (the H200's plain "fixed" kernel compiled to the same
+    instructions with step_descriptors as without): the step reaches the shift through an
+    empty inline asm tied to its register, which LLVM cannot see through."""
+    modules = []
+    serde = mosaic_gpu_core._run_serde_pass
+
+    def spy(module, **kwargs):
+        modules.append(str(module))
+        return serde(module, **kwargs)
+
+    monkeypatch.setattr(mosaic_gpu_core, "_run_serde_pass", spy)
+    p = Problem(1, 256, 256, 2, 2, 128, False, "bf16")
+    opaque_steps = []
+    for step_descriptors in (False, True):
+        tiles = BackwardTiles(fused_dq="fixed", step_descriptors=step_descriptors)
+        lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
+        opaque_steps.append(modules[-1].count('asm_dialect = att "", "=r,0"'))
+    assert opaque_steps[0] == 0 and opaque_steps[1] >= 2, opaque_steps
 
 
 def test_opaque_zero_is_zero_from_step_minus_one():

@@ -171,5 +171,8 @@ def opaque_zero(step):
     which the compiler cannot prove: added to a buffer's index, it keeps the buffer's address,
     and the wgmma descriptors built from it, inside the step's loop
     (`BackwardTiles.step_descriptors`), instead of computed once before the loop and held in
-    registers."""
-    return lax.shift_right_logical(step + 1, jnp.int32(31))
+    registers. The step passes an optimization barrier (Mosaic GPU: an empty inline asm with
+    side effects, its register tied to the step's) first: where the loop's bounds are
+    constants (plain calls) LLVM bounds the step otherwise and folds the shift to 0 (ptxas'
+    spills and instructions of the plain "fixed" kernel were the same with and without it)."""
+    return lax.shift_right_logical(lax.optimization_barrier(step) + 1, jnp.int32(31))

@@ -22,7 +22,8 @@
 #   regsplit  benchmarks/register_split.py $OUT/regsplit REGSPLIT_ARGS (e.g. "--kernels forward")
 #   tune   python -m pallas_flash.tune (TUNE_ARGS), cache to $OUT/tune.json
 #   ncu    benchmarks/ncu_profile.py's NCU_CASES (default: all) under Nsight Compute (NCU_ARGS,
-#          default "--set full": 38 replays per kernel), the report's details page to
+#          default "--set full -k regex:pallas_flash|cudnn": 38 replays per kernel, ours and
+#          cuDNN's only; XLA's small kernels took the whole call once), the details page to
 #          $OUT/ncu-details.csv and every metric to $OUT/ncu-raw.csv.gz (~30 KB a kernel)
 #   anchors  the anchors' tokamax / jax / torch scripts (carry .whl and .anchors)
 #   scale  python -m pallas_flash.bench --suite scale on every GPU of the host (SCALE_ARGS)
@@ -169,7 +170,7 @@ for stage in ${@:-tests masks grid}; do
       bash benchmarks/device_train.sh ;;
     ncu)
       timeout ${NCU_TIMEOUT:-300} ncu --profile-from-start off --clock-control none \
-        ${NCU_ARGS:---set full} -f -o $OUT/ncu python3 benchmarks/ncu_profile.py ${NCU_CASES:-} \
+        ${NCU_ARGS:---set full -k regex:pallas_flash|cudnn} -f -o $OUT/ncu python3 benchmarks/ncu_profile.py ${NCU_CASES:-} \
         > $OUT/ncu.log 2>&1
       grep "profiled\|ERROR" $OUT/ncu.log | tail -n 20
       ncu --import $OUT/ncu.ncu-rep --page details --csv > $OUT/ncu-details.csv 2>/dev/null

@@ -34,13 +34,23 @@ METRICS = [
 ]  # fmt: skip
 
 
+# ncu scales a duration's unit to its size: short kernels' come in us.
+MILLISECONDS_PER = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
+
+
 def read_raw(path: str) -> tuple[list[str], list[dict[str, str]]]:
-    """(kernel names, one {metric: value} per kernel) of a raw page, gzipped or not."""
+    """(kernel names, one {metric: value} per kernel) of a raw page, gzipped or not; the
+    kernels' durations (gpu__time_duration.sum) in ms whatever unit the page gives."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt") as f:
         rows = list(csv.reader(f))
-    header, data = rows[0], rows[2:]  # the second row holds the units
+    header, units, data = rows[0], dict(zip(rows[0], rows[1])), rows[2:]
     kernels = [dict(zip(header, row)) for row in data]
+    duration = "gpu__time_duration.sum"
+    for k in kernels:
+        if duration in k and units.get(duration) in MILLISECONDS_PER:
+            ms = number(k[duration]) * MILLISECONDS_PER[units[duration]]
+            k[duration] = f"{ms:.6f}"
     return [k.get("Kernel Name", "?") for k in kernels], kernels
 
 

@@ -224,3 +224,13 @@ def test_ncu_summary_reads_the_backward_profiles():
     assert metric(two, "pallas_flash__dq", "tensor pipe %") > fused_tensor + 10
     assert metric(fixed, "pallas_flash__dkv", "local (spill) requests") > 5e7
     assert metric(two, "pallas_flash__dkv", "local (spill) requests") == 0
+
+
+def test_ncu_summary_gives_durations_in_ms(tmp_path):
+    """ncu scales each page's duration unit to the kernels' size (us for XLA's small ones):
+    the summary's ms row converts it."""
+    ncu_summary, _ = _ncu_summary()
+    page = tmp_path / "raw.csv"
+    page.write_text('"Kernel Name","gpu__time_duration.sum"\n"","us"\n"small_fusion","20.32"\n')
+    (duration,) = dict(ncu_summary.summary(str(page)))["ms"]
+    assert ncu_summary.number(duration) == pytest.approx(0.02032)

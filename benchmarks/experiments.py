@@ -344,7 +344,8 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
         del q, k, v, qs, flat
 
 
-# (block_q, block_kv, num_stages[, persistent]) of the Mosaic forward, per head dim.
+# (block_q, block_kv, num_stages[, persistent[, step_descriptors]]) of the Mosaic forward, per
+# head dim.
 MOSAIC_TILES = {
     64: [
         (64, 128, 2),
@@ -359,6 +360,9 @@ MOSAIC_TILES = {
         # of 64 keys.
         (128, 64, 2, True),
         (128, 64, 3, True),
+        # Q's descriptors rebuilt each KV step (ForwardTiles.step_descriptors): the 128-row
+        # consumer's spills.
+        (128, 128, 2, True, True),
     ],
     128: [
         (64, 128, 2),
@@ -427,14 +431,18 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
             impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd")
             for impl in ("pallas_flash_triton", "cudnn")
         }
-        for bq, bkv, stages, *persistent in MOSAIC_TILES[h]:
-            persistent = bool(persistent and persistent[0])
+        for bq, bkv, stages, *flags in MOSAIC_TILES[h]:
+            persistent, step = (*flags, False, False)[:2]
             tiles = mosaic.ForwardTiles(
-                block_q=bq, block_kv=bkv, num_stages=stages, persistent=persistent
+                block_q=bq,
+                block_kv=bkv,
+                num_stages=stages,
+                persistent=persistent,
+                step_descriptors=step,
             )
             fn = _mosaic_fn(t, n, h, causal, "fwd", forward_tiles=tiles)
             if fn is not None:
-                name = f"mosaic_{bq}x{bkv}s{stages}{'p' if persistent else ''}"
+                name = f"mosaic_{bq}x{bkv}s{stages}{'p' if persistent else ''}{'d' if step else ''}"
                 fns[name] = fn
         flops = bench.attention_flops(b, t, t, n, h, causal, "fwd")
         _time_impls(out, fns, args, flops, exp="mosaic-tiles", B=b, T=t, N=n, H=h, causal=causal)

@@ -52,6 +52,18 @@ CASES = {
     "h128-fixed-step": (
         4, 4096, 4096, 16, 16, 128, dict(tiles=dict(fused_dq="fixed", step_descriptors=True))
     ),
+    # kwargs "forward_tiles": the Mosaic forward alone with these ForwardTiles fields: H=64's
+    # 128-row persistent consumers, Q's descriptors held or rebuilt each KV step.
+    "h64-16k-fwd128": (
+        1, 16384, 16384, 32, 32, 64,
+        dict(forward_tiles=dict(block_q=128, block_kv=128, persistent=True)),
+    ),
+    "h64-16k-fwd128-step": (
+        1, 16384, 16384, 32, 32, 64,
+        dict(
+            forward_tiles=dict(block_q=128, block_kv=128, persistent=True, step_descriptors=True)
+        ),
+    ),
 }  # fmt: skip
 
 # SASS opcode groups counted (by the opcode's first word, before any '.').
@@ -106,6 +118,13 @@ def compile_case(name):
     if kwargs.get("dropout_rate"):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
+    if "forward_tiles" in kwargs:
+        from pallas_flash.mosaic import ForwardTiles, flash_forward
+
+        tiles = ForwardTiles(**kwargs["forward_tiles"])
+        fn = functools.partial(flash_forward, scale=h**-0.5, is_causal=False, tiles=tiles)
+        timed_fn(lambda q, k, v: fn(q, k, v)[0], "fwd").lower(q, kk, v, do).compile()
+        return
     if "tiles" in kwargs:
         from fused_dq_timing import mosaic_attention
 

@@ -15,6 +15,7 @@ import os
 import re
 
 import jax
+import jax.experimental.mosaic.gpu.core as mosaic_gpu_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -162,6 +163,7 @@ def test_lse_rows_of_a_ragged_last_tile_stay_in_their_head():
     [
         ForwardTiles(block_q=64, block_kv=64, num_stages=4),
         ForwardTiles(block_q=128, block_kv=64, num_stages=2),
+        ForwardTiles(persistent=True, step_descriptors=True),
     ],
     ids=str,
 )
@@ -169,6 +171,29 @@ def test_lowers_with_other_tiles(tiles):
     p = Problem(1, 512, 512, 2, 1, 128, True, "bf16")
     lowered = lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
+
+
+def test_step_descriptors_keep_the_step_opaque_to_llvm(monkeypatch):
+    """A plain call's KV loop runs over constant bounds, from which LLVM would bound the step
+    and fold `launch.opaque_zero` to 0: the step reaches it through an empty inline asm tied
+    to its register (in the lowered module with step_descriptors, not without)."""
+    modules = []
+    serde = mosaic_gpu_core._run_serde_pass
+
+    def spy(module, **kwargs):
+        modules.append(str(module))
+        return serde(module, **kwargs)
+
+    monkeypatch.setattr(mosaic_gpu_core, "_run_serde_pass", spy)
+    p = Problem(1, 1024, 1024, 2, 2, 64, False, "bf16")
+    opaque_steps = []
+    for step_descriptors in (False, True):
+        tiles = ForwardTiles(
+            block_q=128, block_kv=128, persistent=True, step_descriptors=step_descriptors
+        )
+        lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
+        opaque_steps.append(modules[-1].count('asm_dialect = att "", "=r,0"'))
+    assert opaque_steps[0] == 0 and opaque_steps[1] >= 2, opaque_steps
 
 
 # Windows (left, right) for lowering and numerics: narrow ones that leave whole row blocks
@@ -804,6 +829,7 @@ def test_supports_counts_the_segment_id_buffers(monkeypatch):
         (dict(num_stages=1), "num_stages=1 must be an int >= 2"),
         (dict(persistent=1), "persistent=1 must be a bool"),
         (dict(causal_pairs=1), "causal_pairs=1 must be a bool"),
+        (dict(step_descriptors=0), "step_descriptors=0 must be a bool"),
     ],
 )
 def test_tiles_validate(kwargs, match):
@@ -967,6 +993,11 @@ def test_matches_oracle(p):
             ForwardTiles(block_q=128, block_kv=128, persistent=True),
         ),
         (Problem(4, 1024, 1024, 16, 4, 128, True, "bf16"), ForwardTiles(persistent=True)),
+        # Q's descriptors rebuilt every KV step (persistent: its two buffers in turn).
+        (
+            Problem(8, 512, 512, 16, 4, 64, False, "bf16"),
+            ForwardTiles(block_q=128, block_kv=128, persistent=True, step_descriptors=True),
+        ),
     ],
     ids=str,
 )
@@ -1359,6 +1390,16 @@ def test_persistent_snake_matches_oracle_interpreted(monkeypatch):
     monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 5)
     p = Problem(2, 512, 512, 2, 1, 128, True, "bf16")
     check_masked(p, {}, None, ForwardTiles(persistent=True, causal_pairs=False), interpreted=True)
+
+
+def test_step_descriptors_match_oracle_interpreted(monkeypatch):
+    """ForwardTiles.step_descriptors: each consumer's Q through an index that is always 0, over
+    persistent items that alternate Q's buffers (a 1 would read the other buffer's Q, or the
+    other consumer's)."""
+    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    p = Problem(1, 500, 512, 3, 1, 64, True, "bf16")
+    tiles = ForwardTiles(persistent=True, step_descriptors=True)
+    check_masked(p, {}, None, tiles, interpreted=True)
 
 
 def test_persistent_pairs_match_oracle_interpreted(monkeypatch):

@@ -39,6 +39,7 @@ from pallas_flash.mosaic.launch import (
     check_segment_ids,
     dropped_value,
     num_sms,
+    opaque_zero,
     pad_ids,
     pad_to,
     smem_transforms,
@@ -490,10 +491,14 @@ def _forward_kernel(
             else:
                 ranges = tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
             b = buffer(n)
+
+            def q_at(tile):
+                return q_smem.at[b + opaque_zero(tile) if tiles.step_descriptors else b]
+
             _consume(
                 out_ref,
                 row_refs,
-                q_smem.at[b],
+                q_at,
                 q_smem.at[b] if o_smem is None else o_smem.at[wg],
                 lse_smem.at[wg],
                 q_ready.at[b],
@@ -685,7 +690,7 @@ def _capped_logits(qk, *, scale: float, soft_cap: float):
 def _consume(
     out_ref,
     row_refs,
-    q_smem,
+    q_at,
     o_smem,
     lse_smem,
     q_ready,
@@ -708,8 +713,10 @@ def _consume(
     tiles: ForwardTiles,
 ):
     """Consumer warpgroup: block_q query rows of a work item through its KV tiles (FA2
-    Algorithm 1). Their Q (and query ids) are on their way to q_smem, signalled by q_ready;
-    o_smem [block_q, Hv] takes the output tile (q_smem itself when Hv == H: Q is dead by then).
+    Algorithm 1). Their Q (and query ids) are on their way to q_smem = q_at(0), signalled by
+    q_ready; q_at(tile) is the same buffer as KV tile `tile`'s Q.K^T reads it (through an
+    opaque zero with tiles.step_descriptors). o_smem [block_q, Hv] takes the output tile
+    (q_smem itself when Hv == H: Q is dead by then).
     row_refs: (lse_ref,) or (lse_ref, log_sum_ref) in GMEM; lse_smem [len(row_refs), block_q]
     stages their rows.
 
@@ -734,6 +741,7 @@ def _consume(
     from the ring slot (before K's slot is released) and zeroes the dropped P before P.V.
     """
     block_q, block_kv = tiles.block_q, tiles.block_kv
+    q_smem = q_at(0)
     value_head_dim, dtype = o_smem.shape[-1], q_smem.dtype
     q_rows = (batch, pl.ds(q_start, block_q), head)
     lo, full_lo, full_hi, hi = ranges
@@ -786,7 +794,7 @@ def _consume(
 
         # -- compute qk --
         def qk_into(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, ring.k_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, q_at(tile), ring.k_smem.at[slot].T)
             _schedule_sync(schedule)  # the other consumer may now issue its matmuls
             return acc_ref[...]  # waits for the wgmma
 

@@ -169,10 +169,10 @@ def dropped_value(hashes):
 def opaque_zero(step):
     """0 for a loop step in [-1, 2^31 - 1) (the fused dQ's step before the first is -1),
     which the compiler cannot prove: added to a buffer's index, it keeps the buffer's address,
-    and the wgmma descriptors built from it, inside the step's loop
-    (`BackwardTiles.step_descriptors`), instead of computed once before the loop and held in
-    registers. The step passes an optimization barrier (Mosaic GPU: an empty inline asm with
-    side effects, its register tied to the step's) first: where the loop's bounds are
-    constants (plain calls) LLVM bounds the step otherwise and folds the shift to 0 (ptxas'
-    spills and instructions of the plain "fixed" kernel were the same with and without it)."""
+    and the wgmma descriptors built from it, inside the step's loop (`step_descriptors` of the
+    kernels' tiles), instead of computed once before the loop and held in registers. The step
+    passes an optimization barrier (Mosaic GPU: an empty inline asm with side effects, its
+    register tied to the step's) first: where the loop's bounds are constants (plain calls)
+    LLVM bounds the step otherwise and folds the shift to 0 (ptxas' spills and instructions of
+    the plain "fixed" backward kernel were the same with and without it)."""
     return lax.shift_right_logical(lax.optimization_barrier(step) + 1, jnp.int32(31))

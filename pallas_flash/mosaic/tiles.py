@@ -55,6 +55,11 @@ class ForwardTiles:
         otherwise: every head's longest query tiles first, the rounds in a snake. Measured on
         the H200 in kernel time, pairs against the snake: H=128 causal 1k-8k 2-16% faster,
         16k even; H=64 4k 5% and 8k 2% faster, 512 and 16k even.
+      step_descriptors: each consumer addresses its Q through an index that is 0 but that the
+        compiler cannot see through (`launch.opaque_zero` of the KV step), so that Q's wgmma
+        descriptors are rebuilt every step instead of computed once per item and held, two
+        registers each (8 of them at block_q=128, H=64, where the consumer spills; NOTES,
+        "Mosaic backward", "What the fused dQ's consumers spill"); False: held.
     """
 
     block_q: int = 64
@@ -62,6 +67,7 @@ class ForwardTiles:
     num_stages: int = 2
     persistent: bool = False
     causal_pairs: bool = True
+    step_descriptors: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -72,8 +78,9 @@ class ForwardTiles:
             raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
         if not isinstance(self.persistent, bool):
             raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool")
-        if not isinstance(self.causal_pairs, bool):
-            raise ValueError(f"ForwardTiles.causal_pairs={self.causal_pairs!r} must be a bool")
+        for name in ("causal_pairs", "step_descriptors"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ForwardTiles.{name}={getattr(self, name)!r} must be a bool")
 
     @property
     def cta_rows(self) -> int:

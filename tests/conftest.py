@@ -303,6 +303,22 @@ def backend_paths(
 # -- problems and random inputs -------------------------------------------------------------------
 
 
+def case_id(value) -> str:
+    """A parametrized case's id: kernel tiles (`pallas_flash.BlockSizes`, the Mosaic
+    `ForwardTiles` and `BackwardTiles`) by the fields that differ from their defaults, so that
+    a field added to them does not rename every case; anything else by str."""
+    from pallas_flash.mosaic import BackwardTiles, ForwardTiles
+
+    if not isinstance(value, (pallas_flash.BlockSizes, ForwardTiles, BackwardTiles)):
+        return str(value)
+    changed = [
+        f"{field.name}={getattr(value, field.name)!r}"
+        for field in dataclasses.fields(value)
+        if field.default is dataclasses.MISSING or getattr(value, field.name) != field.default
+    ]
+    return f"{type(value).__name__}({', '.join(changed)})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Problem:
     """Shapes and options of one attention call: q [B, T, N, H], k and v [B, S, K, H]."""

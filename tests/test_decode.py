@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, SWEEP, backend_paths
+from conftest import BACKEND_PATHS, SWEEP, backend_paths, case_id
 
 import pallas_flash
 from pallas_flash.triton import DecodeBlockSizes
@@ -184,7 +184,7 @@ def check_against_oracle(c: Case, results, oracle_inputs, atol=2e-5, sinks=None)
         np.testing.assert_allclose(lse[finite], want_lse[finite], atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("c", CASES, ids=str)
+@pytest.mark.parametrize("c", CASES, ids=case_id)
 @pytest.mark.parametrize("path", backend_paths())
 @pytest.mark.ci_slice(4)
 def test_matches_oracle(path, c):
@@ -193,7 +193,7 @@ def test_matches_oracle(path, c):
     check_against_oracle(c, run(c, problem, path), oracle_inputs)
 
 
-@pytest.mark.parametrize("c", CASES[:2], ids=str)
+@pytest.mark.parametrize("c", CASES[:2], ids=case_id)
 @pytest.mark.parametrize("path", backend_paths())
 def test_sinks_match_oracle(path, c):
     """Attention sinks on the contiguous and the paged cache: the float64 softmax with a sink
@@ -433,7 +433,7 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", GPU_CASES, ids=str)
+@pytest.mark.parametrize("c", GPU_CASES, ids=case_id)
 def test_gpu_matches_oracle(c):
     problem, (q, k, v) = make_problem(c)
     want, want_lse = oracle(
@@ -461,9 +461,9 @@ def test_gpu_matches_oracle(c):
         dict(split_rule="occupancy", schedule="balanced"),
         dict(split_rule="occupancy", waves=2, num_stages=3),
     ],
-    ids=str,
+    ids=case_id,
 )
-@pytest.mark.parametrize("c", [GPU_CASES[0], GPU_CASES[2]], ids=str)
+@pytest.mark.parametrize("c", [GPU_CASES[0], GPU_CASES[2]], ids=case_id)
 def test_gpu_schedules_match_oracle(c, fields):
     """Every split lever compiled: unsplit, a forced split count, both schedules and merges."""
     problem, (q, k, v) = make_problem(c)

@@ -21,6 +21,7 @@ from conftest import (
     assert_within_tolerance,
     attention_oracle_f64,
     backend_paths,
+    case_id,
     masked_in_dtype,
     outputs_and_grads,
     random_inputs,
@@ -365,7 +366,7 @@ def test_mosaic_forward_applies_the_shared_mask(path, segments):
         ((2, 1024, 8, 256), dict(is_causal=True)),
         ((2, 1024, 8, 192), {}),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_mosaic_kernels_run_dropout_where_they_run_the_plain_call(q_shape, spec_options):
     """On Hopper a dropout call takes the kernels that the same call without dropout takes,
@@ -627,7 +628,7 @@ MOSAIC_DROPOUT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("c", MOSAIC_DROPOUT_CASES, ids=str)
+@pytest.mark.parametrize("c", MOSAIC_DROPOUT_CASES, ids=case_id)
 def test_mosaic_backward_matches_float64_oracle_interpreted(c):
     """The Mosaic backward with dropout in the Mosaic GPU interpreter (race detector on): the
     keep-mask regenerated from the tables streamed with Q and K, with masks and the split
@@ -700,7 +701,7 @@ def test_mosaic_and_triton_backwards_agree_interpreted():
         pytest.param(64, BackwardTiles(split_dkv=True, block_q_dkv=128), marks=SWEEP_ONLY),
         pytest.param(192, BackwardTiles(split_dkv=True, num_consumers=1), marks=SWEEP_ONLY),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_mosaic_backward_with_dropout_lowers_for_h200(head_dim, tiles):
     """Mosaic GPU's layout inference takes the hash on the transposed dK/dV tiles (query
@@ -785,7 +786,7 @@ MOSAIC_DROPOUT_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", MOSAIC_DROPOUT_GPU_CASES, ids=str)
+@pytest.mark.parametrize("c", MOSAIC_DROPOUT_GPU_CASES, ids=case_id)
 def test_mosaic_backward_matches_float64_oracle(c):
     needs_hopper()
     check_mosaic_dropout_backward(c, interpreted=False, mosaic_forward=not c.poison)
@@ -801,7 +802,7 @@ def test_mosaic_backward_matches_float64_oracle(c):
         (Problem(1, 1024, 1024, 8, 2, 256, True, "bf16"), "mosaic"),
         (Problem(1, 1024, 1024, 8, 2, 192, False, "bf16"), "mosaic"),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_mosaic_dropout_call_matches_oracle_and_the_triton_backward(p, backend):
     """The public call with dropout on the H200 (by default at H 64 and 128, asked for at H

@@ -17,7 +17,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import BLOCK_SIZES, Problem
+from conftest import BLOCK_SIZES, Problem, case_id
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -163,7 +163,7 @@ PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("p", PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", PROBLEMS, ids=case_id)
 def test_lowers_forward_and_backward_with_default_block_sizes(p):
     lowered = lower_for_h200(forward_and_backward(p), *abstract_inputs(p))
     assert triton_calls(lowered) == expected_calls(p, chosen_block_sizes(p))

@@ -27,6 +27,7 @@ from conftest import (
     SWEEP,
     attention_oracle_f64,
     backend_paths,
+    case_id,
     masked_outputs_and_grads,
     rounded,
     sum_to_shape,
@@ -343,7 +344,7 @@ SINGLE = [
 ]
 
 
-@pytest.mark.parametrize("c", SINGLE, ids=str)
+@pytest.mark.parametrize("c", SINGLE, ids=case_id)
 @pytest.mark.ci_slice(3)
 def test_each_argument_alone(c):
     check_against_oracle(c)
@@ -408,7 +409,7 @@ COMBINED = [
 ]
 
 
-@pytest.mark.parametrize("c", COMBINED, ids=str)
+@pytest.mark.parametrize("c", COMBINED, ids=case_id)
 @pytest.mark.ci_slice(2)
 def test_combined_arguments(c):
     check_against_oracle(c)
@@ -432,7 +433,7 @@ BF16 = [
 ]
 
 
-@pytest.mark.parametrize("c", BF16, ids=str)
+@pytest.mark.parametrize("c", BF16, ids=case_id)
 def test_bfloat16(c):
     check_against_oracle(c)
 
@@ -721,7 +722,7 @@ def test_key_broadcast_bias_gradient_in_16_bits(path, with_sinks):
     np.testing.assert_allclose(np.asarray(ours, np.float32), want, atol=1e-2 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("c", XLA_CASES, ids=str)
+@pytest.mark.parametrize("c", XLA_CASES, ids=case_id)
 def test_attention_reference_matches_oracle(c):
     """The xla backend (`attention_reference`) in float32 is close to the float64 oracle."""
     xs, x64 = make_inputs(c, 7)

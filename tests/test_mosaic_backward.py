@@ -25,6 +25,7 @@ from conftest import (
     assert_bitwise_equal,
     assert_within_tolerance,
     attention_oracle_f64,
+    case_id,
     masked_in_dtype,
     oracle_outputs_and_grads,
     outputs_and_grads,
@@ -117,7 +118,7 @@ LOWERING_PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(3)
 def test_lowers_for_h200(p):
     """Two Mosaic GPU calls (dK/dV, dQ) on the inputs as given, no transposes in XLA around
@@ -180,7 +181,7 @@ MASKED_LOWERING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, options, tiles", MASKED_LOWERING_CASES, ids=str)
+@pytest.mark.parametrize("p, options, tiles", MASKED_LOWERING_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_lowers_with_masks(p, options, tiles):
     options = dict(options)
@@ -236,7 +237,7 @@ SWEEP_ONLY_TILES = [OTHER_TILES[i] for i in (7, 8, 11, 13)]
 @pytest.mark.parametrize(
     "head_dim, tiles",
     [x if x not in SWEEP_ONLY_TILES else pytest.param(*x, marks=long_only) for x in OTHER_TILES],
-    ids=str,
+    ids=case_id,
 )
 @pytest.mark.ci_slice(2)
 def test_lowers_with_other_tiles(head_dim, tiles):
@@ -301,7 +302,7 @@ RANGE_TILES = [
         for i, (q_len, kv_len) in enumerate(RANGE_LENGTHS)
         for j, tiles in enumerate(RANGE_TILES)
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_geometry_tile_ranges_match_the_mask(q_len, kv_len, tiles):
     """The ranges the kernels compute from the geometry (no segment ids), against brute force
@@ -656,7 +657,7 @@ INTERPRET_PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_matches_oracle_interpreted(p, tiles):
     """The Mosaic forward, then the Mosaic backward on its out and lse, both in the interpreter
@@ -717,7 +718,7 @@ def test_grouped_launch_is_a_permutation_longest_first(units, tiles, group):
         pytest.param(Problem(1, 128, 256, 4, 2, 256, True, "bf16"), marks=long_only),
         pytest.param(Problem(1, 256, 128, 2, 1, 192, False, "bf16"), marks=long_only),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
     """The public call as a Hopper runs it (backend=None: the Mosaic forward and backward),
@@ -817,7 +818,7 @@ def check_against_oracle(p: Problem, tiles: BackwardTiles | None = None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=case_id)
 def test_matches_oracle(p):
     """out, lse (Mosaic forward) and dq, dk, dv (Mosaic backward) against the float64 oracle."""
     needs_hopper()
@@ -825,7 +826,7 @@ def test_matches_oracle(p):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, tiles", OTHER_TILES, ids=str)
+@pytest.mark.parametrize("head_dim, tiles", OTHER_TILES, ids=case_id)
 def test_matches_oracle_with_other_tiles(head_dim, tiles):
     needs_hopper()
     check_against_oracle(Problem(2, 512, 512, 4, 2, head_dim, True, "bf16"), tiles)
@@ -853,7 +854,7 @@ DETERMINISM_GPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("head_dim, tiles", DETERMINISM_GPU_CASES, ids=str)
+@pytest.mark.parametrize("head_dim, tiles", DETERMINISM_GPU_CASES, ids=case_id)
 def test_deterministic_cases_fit(head_dim, tiles):
     """test_deterministic's tiles are ones the kernels take (budgets checked before tracing)."""
     p = Problem(2, 512, 512, 8, 2, head_dim, True, "bf16")
@@ -862,7 +863,7 @@ def test_deterministic_cases_fit(head_dim, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, tiles", DETERMINISM_GPU_CASES, ids=str)
+@pytest.mark.parametrize("head_dim, tiles", DETERMINISM_GPU_CASES, ids=case_id)
 def test_deterministic(head_dim, tiles):
     """Bitwise the same over repeated runs: a race on a staged shared-memory buffer (the split
     dK/dV consumers at H 192 and 256 stage through each other's K and V) shows first as a
@@ -892,7 +893,7 @@ HEAD_SPLIT_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p, tiles", HEAD_SPLIT_GPU_CASES, ids=str)
+@pytest.mark.parametrize("p, tiles", HEAD_SPLIT_GPU_CASES, ids=case_id)
 def test_head_splits_match_oracle(p, tiles):
     needs_hopper()
     check_against_oracle(p, tiles)
@@ -954,7 +955,7 @@ RAGGED_LOWERING_PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("p", RAGGED_LOWERING_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", RAGGED_LOWERING_PROBLEMS, ids=case_id)
 def test_lowers_with_any_lengths_and_head_dims(p):
     """Two Mosaic GPU calls; dq, dk, dv at the caller's T, S and H."""
     lowered = lower_for_h200(backward_fn(p), *abstract_backward_args(p))
@@ -984,7 +985,7 @@ RAGGED_INTERPRET_PROBLEMS = [
 
 
 @long_only  # slow in the interpreter: outside CI
-@pytest.mark.parametrize("p, tiles, oob_fill", RAGGED_INTERPRET_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p, tiles, oob_fill", RAGGED_INTERPRET_PROBLEMS, ids=case_id)
 def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
     """The Mosaic forward and backward at ragged lengths and narrow head dims, with garbage
     past the arrays' ends where given: out, lse, dq, dk, dv against the float64 oracle."""
@@ -1013,7 +1014,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(p, tiles, oob_fill):
         pytest.param(Problem(16, 577, 577, 16, 16, 128, False, "bf16"), 0, marks=long_only),
         pytest.param(Problem(2, 1024, 1024, 16, 4, 192, True, "bf16"), 3, marks=long_only),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_default_call_on_hopper_takes_mosaic_at_narrow_head_dims(monkeypatch, p, mosaic_calls):
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
@@ -1031,7 +1032,7 @@ def test_default_call_on_hopper_takes_mosaic_at_narrow_head_dims(monkeypatch, p,
         pytest.param(Problem(1, 197, 197, 4, 2, 80, True, "bf16"), marks=long_only),
         pytest.param(Problem(2, 130, 200, 2, 1, 128, False, "f16"), marks=long_only),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_mosaic_call_at_any_lengths_matches_oracle_interpreted(monkeypatch, p):
     """The public call on a Hopper with backend="mosaic" (the default takes Triton below 1024
@@ -1066,7 +1067,7 @@ RAGGED_GPU_PROBLEMS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", RAGGED_GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", RAGGED_GPU_PROBLEMS, ids=case_id)
 def test_any_lengths_and_head_dims_match_oracle(p):
     """out, lse (Mosaic forward) and dq, dk, dv (Mosaic backward) against the float64 oracle.
     The kernels are called directly."""
@@ -1134,7 +1135,7 @@ class MaskCase:
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)}")
         if self.tiles is not None:
-            parts.append(str(self.tiles).replace("BackwardTiles", ""))
+            parts.append(case_id(self.tiles).replace("BackwardTiles", ""))
         if self.poison:
             parts.append("nan-at-hidden-keys")
         return "-".join(parts)
@@ -1324,7 +1325,7 @@ MASK_SWEEP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("c", MASK_CI_CASES, ids=str)
+@pytest.mark.parametrize("c", MASK_CI_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_masked_matches_oracle_interpreted(c):
     """Windows, soft caps, segment ids and lengths in the Mosaic GPU interpreter (race
@@ -1334,7 +1335,7 @@ def test_masked_matches_oracle_interpreted(c):
 
 
 @long_only
-@pytest.mark.parametrize("c", MASK_CI_CASES + MASK_SWEEP_CASES, ids=str)
+@pytest.mark.parametrize("c", MASK_CI_CASES + MASK_SWEEP_CASES, ids=case_id)
 def test_masked_forward_and_backward_match_oracle_interpreted(c):
     """The Mosaic forward, then the Mosaic backward on its out and lse (the reference's
     residuals where K and V hold NaN: the Mosaic forward lets NaN in V at a hidden key reach
@@ -1377,7 +1378,7 @@ def public_masked_fn(p: Problem, options: dict):
 
 
 @long_only
-@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=str)
+@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=case_id)
 def test_default_masked_call_on_hopper_lowers_to_mosaic(monkeypatch, p, options):
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
     fn = functools.partial(outputs_and_grads, public_masked_fn(p, options))
@@ -1412,7 +1413,7 @@ def check_public_masked_call(p: Problem, options, results, inputs, f64):
 
 
 @long_only
-@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=str)
+@pytest.mark.parametrize("p, options", PUBLIC_MASKED_CALLS, ids=case_id)
 def test_default_masked_call_on_hopper_matches_oracle_interpreted(monkeypatch, p, options):
     """backend=None on a Hopper with a window, a soft cap, lengths: validation, dispatch,
     residuals and the mask arrays through the custom_vjp to the Mosaic kernels."""
@@ -1503,7 +1504,7 @@ MASK_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", MASK_GPU_CASES, ids=str)
+@pytest.mark.parametrize("c", MASK_GPU_CASES, ids=case_id)
 def test_masked_matches_oracle(c):
     needs_hopper()
     check_masked_backward(c, interpreted=False, mosaic_forward=True)
@@ -1529,7 +1530,7 @@ def test_masked_matches_oracle(c):
             poison=True,
         ),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_nan_at_hidden_keys_reaches_no_gradient(c):
     """Backward only, from the reference's residuals of the clean inputs (the Mosaic forward
@@ -1561,7 +1562,7 @@ def test_masked_deterministic(index):
         (Problem(2, 2048, 2048, 8, 2, 128, True, "bf16"), dict(local_window_size=(512, 0))),
         (Problem(4, 2048, 2048, 8, 8, 64, False, "bf16"), dict(logits_soft_cap=30.0)),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_default_masked_call_takes_mosaic_and_matches_oracle(p, options):
     """backend=None on the H200: three Mosaic calls, values and gradients against the
@@ -1659,7 +1660,7 @@ FUSED_SWEEP_CASES = [
         FUSED_CI_FIXED_CAPPED,
         *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_fused_dq_matches_oracle_interpreted(c):
     """dQ from the dK/dV kernel's steps (K^T dS^T per step, stored per block of keys) against
@@ -1667,7 +1668,7 @@ def test_fused_dq_matches_oracle_interpreted(c):
     check_masked_backward(c, interpreted=True, mosaic_forward=False)
 
 
-@pytest.mark.parametrize("c", STEP_DESCRIPTOR_CASES, ids=str)
+@pytest.mark.parametrize("c", STEP_DESCRIPTOR_CASES, ids=case_id)
 def test_step_descriptors_match_oracle_interpreted(c):
     """BackwardTiles.step_descriptors: the same buffers through an index that is always 0 (a
     1 would read the other consumer's keys and dS^T, or past the buffers)."""
@@ -1719,7 +1720,7 @@ def test_opaque_zero_is_zero_from_step_minus_one():
             marks=long_only,
         ),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_fused_dq_lowers_for_h200(monkeypatch, p, tiles):
     """One Mosaic GPU call (no dQ kernel), whose consumers add their partials by TMA
@@ -1941,7 +1942,7 @@ FUSED_FIXED_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", FUSED_GPU_CASES + FUSED_FIXED_GPU_CASES, ids=str)
+@pytest.mark.parametrize("c", FUSED_GPU_CASES + FUSED_FIXED_GPU_CASES, ids=case_id)
 def test_fused_dq_matches_oracle(c):
     needs_hopper()
     check_masked_backward(c, interpreted=False, mosaic_forward=not c.poison)
@@ -2016,7 +2017,7 @@ def test_default_grads_sum_dq_as_integers_and_repeat_bitwise():
         Problem(1, 4096, 4096, 8, 2, 128, False, "bf16"),
         Problem(2, 2048, 3000, 8, 8, 64, False, "bf16"),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_fused_dq_fixed_is_deterministic(p):
     """ "fixed" adds integers, in any order: bitwise the same dQ over repeated runs and as

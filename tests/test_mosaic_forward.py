@@ -27,6 +27,7 @@ from conftest import (
     attention_grads_f64,
     attention_in_dtype,
     attention_oracle_f64,
+    case_id,
     oracle_outputs_and_grads,
     outputs_and_grads,
     plain_fn,
@@ -134,7 +135,7 @@ def custom_call_targets(text: str) -> list[str]:
     return re.findall(r"stablehlo\.custom_call @(\w+)", text)
 
 
-@pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", LOWERING_PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(2)
 def test_lowers_for_h200(p):
     """One Mosaic GPU custom call on the [B, T, N, H] inputs as given: no transposes or copies
@@ -165,7 +166,7 @@ def test_lse_rows_of_a_ragged_last_tile_stay_in_their_head():
         ForwardTiles(block_q=128, block_kv=64, num_stages=2),
         ForwardTiles(persistent=True, step_descriptors=True),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_lowers_with_other_tiles(tiles):
     p = Problem(1, 512, 512, 2, 1, 128, True, "bf16")
@@ -209,7 +210,7 @@ WINDOW_LOWERING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, window", WINDOW_LOWERING_CASES, ids=str)
+@pytest.mark.parametrize("p, window", WINDOW_LOWERING_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_lowers_with_a_window(p, window):
     lowered = lower_for_h200(forward_fn(p, window=window), *abstract_qkv(p))
@@ -227,7 +228,7 @@ def test_lowers_with_a_window(p, window):
         (Problem(1, 512, 256, 4, 2, 256, True, "bf16"), (64, 0)),
         (Problem(1, 256, 512, 4, 2, 128, False, "bf16"), (32, 96)),
     ],
-    ids=str,
+    ids=case_id,
 )
 @pytest.mark.ci_slice(2)
 def test_lowers_with_a_soft_cap(p, window):
@@ -352,7 +353,7 @@ SEGMENT_LOWERING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, options, tiles", SEGMENT_LOWERING_CASES, ids=str)
+@pytest.mark.parametrize("p, options, tiles", SEGMENT_LOWERING_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_lowers_with_segment_ids(p, options, tiles):
     """One Mosaic GPU call; the tile plan is computed by XLA around it (no other custom call)."""
@@ -570,7 +571,7 @@ def test_persistent_tiles_count_the_second_q_buffer():
         ),
         (Problem(1, 256, 512, 2, 1, 128, True, "f16"), ForwardTiles(persistent=True)),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_persistent_lowers_with_a_cta_per_sm(p, tiles, monkeypatch):
     """One CTA per SM, or one per work item when there are fewer items than SMs."""
@@ -871,7 +872,7 @@ INTERPRET_PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p, tiles", INTERPRET_PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(2)
 def test_matches_oracle_interpreted(p, tiles):
     """The kernel's logic (tiles, masks, online softmax, barrier protocol, with the race detector
@@ -963,7 +964,7 @@ def needs_hopper():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=case_id)
 def test_matches_oracle(p):
     needs_hopper()
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
@@ -999,7 +1000,7 @@ def test_matches_oracle(p):
             ForwardTiles(block_q=128, block_kv=128, persistent=True, step_descriptors=True),
         ),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_matches_oracle_with_other_tiles(p, tiles):
     needs_hopper()
@@ -1092,7 +1093,7 @@ def check_masked(p: Problem, options: dict, scale, tiles=None, *, interpreted=Fa
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p, options, scale", MASKED_GPU_CASES, ids=str)
+@pytest.mark.parametrize("p, options, scale", MASKED_GPU_CASES, ids=case_id)
 def test_masked_matches_oracle(p, options, scale):
     needs_hopper()
     check_masked(p, options, scale)
@@ -1123,7 +1124,7 @@ def test_masked_matches_oracle(p, options, scale):
             ForwardTiles(persistent=True),
         ),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_masked_matches_oracle_with_other_tiles(p, options, tiles):
     needs_hopper()
@@ -1188,7 +1189,7 @@ def check_segments(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p, kind, options, scale", SEGMENT_GPU_CASES, ids=str)
+@pytest.mark.parametrize("p, kind, options, scale", SEGMENT_GPU_CASES, ids=case_id)
 def test_segments_match_oracle(p, kind, options, scale):
     needs_hopper()
     check_segments(p, kind, options, scale)
@@ -1219,7 +1220,7 @@ def test_segments_match_oracle(p, kind, options, scale):
             ForwardTiles(persistent=True),
         ),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_segments_match_oracle_with_other_tiles(p, kind, tiles):
     needs_hopper()
@@ -1279,7 +1280,7 @@ MASKED_INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, options, scale, tiles", MASKED_INTERPRET_CASES, ids=str)
+@pytest.mark.parametrize("p, options, scale, tiles", MASKED_INTERPRET_CASES, ids=case_id)
 @pytest.mark.ci_slice(2)
 def test_masked_matches_oracle_interpreted(p, options, scale, tiles):
     """Windows and soft caps: the tile ranges, drain steps, element-wise masks and empty rows
@@ -1320,7 +1321,7 @@ SEGMENT_INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, kind, options, scale, tiles", SEGMENT_INTERPRET_CASES, ids=str)
+@pytest.mark.parametrize("p, kind, options, scale, tiles", SEGMENT_INTERPRET_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_segments_match_oracle_interpreted(p, kind, options, scale, tiles):
     """Segment ids and lengths: the XLA tile plan read in the kernel, ids in shared memory
@@ -1372,7 +1373,7 @@ PERSISTENT_INTERPRET_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, kind, options, tiles", PERSISTENT_INTERPRET_CASES, ids=str)
+@pytest.mark.parametrize("p, kind, options, tiles", PERSISTENT_INTERPRET_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_persistent_matches_oracle_interpreted(p, kind, options, tiles, monkeypatch):
     monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
@@ -1504,7 +1505,7 @@ RAGGED_LOWERING_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p, options", RAGGED_LOWERING_CASES, ids=str)
+@pytest.mark.parametrize("p, options", RAGGED_LOWERING_CASES, ids=case_id)
 def test_lowers_with_any_lengths_and_head_dims(p, options):
     """One Mosaic GPU call; out [B, T, N, H] and lse [B, N, T] at the caller's T and H."""
     lowered = lower_for_h200(forward_fn(p, **options), *abstract_qkv(p))
@@ -1584,7 +1585,7 @@ RAGGED_INTERPRET_CASES = [
 # Ragged last tiles: the interpreter is slow on these lengths, so beyond
 # test_lse_rows_of_a_ragged_last_tile_stay_in_their_head they run with PALLAS_FLASH_SWEEP.
 @long_only
-@pytest.mark.parametrize("p, options, tiles, oob_fill", RAGGED_INTERPRET_CASES, ids=str)
+@pytest.mark.parametrize("p, options, tiles, oob_fill", RAGGED_INTERPRET_CASES, ids=case_id)
 def test_any_lengths_and_head_dims_match_oracle_interpreted(
     p, options, tiles, oob_fill, monkeypatch
 ):
@@ -1617,7 +1618,7 @@ RAGGED_GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p, options", RAGGED_GPU_CASES, ids=str)
+@pytest.mark.parametrize("p, options", RAGGED_GPU_CASES, ids=case_id)
 def test_any_lengths_and_head_dims_match_oracle(p, options):
     needs_hopper()
     check_masked(p, options, None)
@@ -1630,7 +1631,7 @@ def test_any_lengths_and_head_dims_match_oracle(p, options):
         (Problem(2, 1000, 1000, 4, 2, 128, True, "bf16"), "packed-lengths"),
         (Problem(2, 197, 333, 4, 2, 80, False, "bf16"), "lengths"),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_segments_at_any_lengths_match_oracle(p, kind):
     needs_hopper()
@@ -1661,7 +1662,7 @@ def public_fn(p: Problem, **kwargs):
             ["pallas_flash_backward_dkv", "pallas_flash_backward_dq"],
         ),
     ],
-    ids=str,
+    ids=case_id,
 )
 @pytest.mark.ci_slice(2)
 def test_default_call_on_hopper_lowers_to_the_chosen_kernels(
@@ -1688,7 +1689,7 @@ PUBLIC_GPU_PROBLEMS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", PUBLIC_GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", PUBLIC_GPU_PROBLEMS, ids=case_id)
 def test_default_call_on_hopper_matches_oracle(p):
     """out, lse and dq, dk, dv of backend=None against the float64 oracle, and the lowered call
     holds the Mosaic kernel (so this is the Mosaic forward feeding the Triton backward)."""
@@ -1800,7 +1801,7 @@ def test_masked_default_call_lowers_to_the_mosaic_forward_and_backward(monkeypat
         (Problem(2, 256, 512, 8, 2, 64, False, "f16"), dict(local_window_size=(64, 100))),
         (Problem(2, 512, 512, 8, 2, 128, True, "bf16"), dict(logits_soft_cap=5.0)),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_masked_call_through_the_api_matches_oracle(monkeypatch, p, kwargs):
     """backend='mosaic' with masks: out, lse and the Triton backward's

@@ -25,6 +25,7 @@ from conftest import (
     Problem,
     assert_within_tolerance,
     attention_oracle_f64,
+    case_id,
     outputs_and_grads,
     random_inputs,
     segment_arrays,
@@ -236,7 +237,7 @@ def operand_types(text: str) -> list[str]:
     return re.findall(r"tensor<[^>]*>", operands)
 
 
-@pytest.mark.parametrize("variant", LOWERING_VARIANTS, ids=str)
+@pytest.mark.parametrize("variant", LOWERING_VARIANTS, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_lowers_for_h200_without_padding_the_head_dim(variant, monkeypatch):
     """One Mosaic GPU call on q, k, v as the caller gave them (no pad, no [.., 128] operand),
@@ -297,7 +298,7 @@ def test_default_call_runs_the_forward_and_the_backward_unpadded(head_dim, monke
         (Problem(1, 61, 45, 2, 1, 80, False, "f16"), dict(window=(20, 9))),
         pytest.param(Problem(1, 77, 139, 2, 1, 96, True, "bf16"), {}, marks=sweep_only),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_matches_oracle_interpreted(p, options, monkeypatch):
     monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
@@ -334,7 +335,7 @@ def _tiles(p: Problem, options: dict, persistent):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p, options, persistent", GPU_CASES, ids=str)
+@pytest.mark.parametrize("p, options, persistent", GPU_CASES, ids=case_id)
 def test_matches_oracle(p, options, persistent):
     needs_hopper()
     check_masked(p, options, None, _tiles(p, options, persistent))
@@ -348,7 +349,7 @@ def test_matches_oracle(p, options, persistent):
         (Problem(2, 197, 333, 4, 2, 80, False, "bf16"), "lengths", {}),
         (Problem(2, 512, 512, 4, 2, 80, True, "bf16"), "packed", dict(window=(100, 0))),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_segments_match_oracle(p, kind, options):
     needs_hopper()
@@ -362,7 +363,7 @@ def test_segments_match_oracle(p, kind, options):
         (Problem(2, 1000, 1000, 4, 2, 96, True, "bf16"), {}),
         (Problem(2, 512, 777, 4, 2, 80, False, "bf16"), dict(soft_cap=30.0)),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_sinks_match_oracle(p, options):
     """A sink joins each row's denominator: lse' = logaddexp(lse, sink), out' = out e^(lse -
@@ -397,7 +398,7 @@ def test_sinks_match_oracle(p, options):
         (Problem(2, 1024, 1024, 4, 2, 96, True, "bf16"), False),
         (Problem(2, 512, 333, 4, 2, 80, False, "bf16"), True),
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_dropout_matches_oracle(p, segments):
     """The keep-mask of `pallas_flash._dropout` on P before P.V; lse the un-dropped one."""
@@ -446,7 +447,7 @@ DEFAULT_CALL_GPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=str)
+@pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=case_id)
 @pytest.mark.ci_slice(2)
 def test_default_call_cases_take_the_mosaic_forward_on_h200(p, monkeypatch):
     """What test_default_call_matches_oracle asserts on the GPU, checked here by lowering for
@@ -457,7 +458,7 @@ def test_default_call_cases_take_the_mosaic_forward_on_h200(p, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=str)
+@pytest.mark.parametrize("p", DEFAULT_CALL_GPU_CASES, ids=case_id)
 def test_default_call_matches_oracle(p):
     """out, lse and dq, dk, dv of backend=None: the unpadded Mosaic forward's out and lse feed
     the backward (the Mosaic one, unpadded too, from 2k keys; else Triton)."""
@@ -556,7 +557,7 @@ def _lower_backward(c: BackwardCase, dropout: float | None):
     return lower_for_h200(run, q, k, v, out, lse, out, lse, *extras)
 
 
-@pytest.mark.parametrize("c, dropout", BACKWARD_LOWERING_VARIANTS, ids=str)
+@pytest.mark.parametrize("c, dropout", BACKWARD_LOWERING_VARIANTS, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_backward_lowers_for_h200_without_padding_the_head_dim(c, dropout, monkeypatch):
     """Two Mosaic GPU calls (dK/dV, dQ) on q, k, v and d_out as the caller gave them (no pad,
@@ -616,7 +617,7 @@ BACKWARD_INTERPRET_CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("c", BACKWARD_INTERPRET_CASES, ids=str)
+@pytest.mark.parametrize("c", BACKWARD_INTERPRET_CASES, ids=case_id)
 def test_backward_matches_oracle_interpreted(c):
     check_mosaic_backward(c, interpreted=True)
 
@@ -635,7 +636,7 @@ BACKWARD_GPU_PROBLEMS = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", BACKWARD_GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", BACKWARD_GPU_PROBLEMS, ids=case_id)
 def test_forward_and_backward_match_oracle(p):
     needs_hopper()
     check_against_oracle(p)
@@ -685,7 +686,7 @@ def test_backward_gpu_cases_fit():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", BACKWARD_GPU_CASES, ids=str)
+@pytest.mark.parametrize("c", BACKWARD_GPU_CASES, ids=case_id)
 def test_backward_matches_oracle(c):
     needs_hopper()
     check_mosaic_backward(c, interpreted=False)
@@ -707,7 +708,7 @@ def _determinism_problem(head_dim):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim, tiles", BACKWARD_DETERMINISM_CASES, ids=str)
+@pytest.mark.parametrize("head_dim, tiles", BACKWARD_DETERMINISM_CASES, ids=case_id)
 def test_backward_deterministic(head_dim, tiles):
     """Bitwise the same over repeated runs of the Mosaic forward and backward at odd lengths:
     a race on a staged shared-memory tile of a narrow swizzle shows first as a run-to-run

@@ -24,7 +24,7 @@ import random
 
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64, segment_arrays
+from conftest import attention_oracle_f64, case_id, segment_arrays
 
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT
@@ -514,7 +514,7 @@ ARITHMETIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", ARITHMETIC_CASES, ids=str)
+@pytest.mark.parametrize("case", ARITHMETIC_CASES, ids=case_id)
 def test_consumer_arithmetic_matches_oracle(case):
     """The kernel's float32 arithmetic (MIN_LOGIT start, -inf hidden logits, the row max
     subtracted before scaling, exp2 soft cap, guarded epilogue) replayed in numpy: no NaN, rows
@@ -549,7 +549,7 @@ SEGMENT_ARITHMETIC_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", SEGMENT_ARITHMETIC_CASES, ids=str)
+@pytest.mark.parametrize("case", SEGMENT_ARITHMETIC_CASES, ids=case_id)
 def test_consumer_arithmetic_with_segments_matches_oracle(case):
     """The replay with segment ids and the ranges of `segment_tile_plan`: padding rows, rows of
     a batch entry without keys and rows whose document has no key in reach give exactly 0 and

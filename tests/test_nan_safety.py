@@ -26,6 +26,7 @@ from conftest import (
     SWEEP,
     attention_oracle_f64,
     backend_paths,
+    case_id,
     has_gpu,
     has_hopper,
     to64,
@@ -711,7 +712,7 @@ def check_mosaic_forward_nan(options, poisoned, *, interpreted: bool):
 @pytest.mark.parametrize(
     "options, poisoned",
     [pytest.param(*case, marks=SLOW_INTERPRETED) for case in MOSAIC_FORWARD_NAN_CASES],
-    ids=str,
+    ids=case_id,
 )
 def test_mosaic_forward_nan_at_hidden_keys_interpreted(options, poisoned):
     """The Mosaic forward (jax's Mosaic GPU interpreter): NaN in V and inf in K at keys hidden
@@ -721,7 +722,7 @@ def test_mosaic_forward_nan_at_hidden_keys_interpreted(options, poisoned):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options, poisoned", MOSAIC_FORWARD_NAN_CASES, ids=str)
+@pytest.mark.parametrize("options, poisoned", MOSAIC_FORWARD_NAN_CASES, ids=case_id)
 def test_mosaic_forward_nan_at_hidden_keys_gpu(options, poisoned):
     if pallas_flash.device.gpu_compute_capability() != (9, 0):
         pytest.skip("the Mosaic GPU kernels need sm_90")

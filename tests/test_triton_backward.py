@@ -13,6 +13,7 @@ from conftest import (
     SWEEP_ONLY,
     Problem,
     assert_within_tolerance,
+    case_id,
     flash_fn,
     oracle_outputs_and_grads,
     outputs_and_grads,
@@ -59,7 +60,7 @@ def check_grads_against_oracle(p: Problem, mode: str, q_factor: float = 1.0):
     assert_within_tolerance(results, run(plain_fn(p)), oracles, floor=p.floor)
 
 
-@pytest.mark.parametrize("p", PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(5)
 def test_grads_match_oracle(p, mode):
     check_grads_against_oracle(p, mode)
@@ -95,7 +96,7 @@ def test_grads_without_lse(dtype, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=case_id)
 def test_grads_match_oracle_large(p):
     check_grads_against_oracle(p, "gpu")
 
@@ -109,7 +110,7 @@ TINY_PROBLEMS = [
 ]
 
 
-@pytest.mark.parametrize("p", TINY_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", TINY_PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(2)
 def test_check_grads(p, mode):
     (q, k, v, _, _), _ = random_inputs(p, seed=1)

@@ -18,6 +18,7 @@ from conftest import (
     assert_within_tolerance,
     attention_f64,
     attention_grads_f64,
+    case_id,
     flash_fn,
     oracle_outputs_and_grads,
     outputs_and_grads,
@@ -66,7 +67,7 @@ def check_forward(p: Problem, mode: str):
     assert_within_tolerance((out, lse), baseline, oracle, floor=p.floor, names=("out", "lse"))
 
 
-@pytest.mark.parametrize("p", PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", PROBLEMS, ids=case_id)
 @pytest.mark.ci_slice(5)
 def test_forward_matches_oracle(p, mode):
     check_forward(p, mode)
@@ -80,7 +81,7 @@ def test_forward_dtypes(dtype, is_causal, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=str)
+@pytest.mark.parametrize("p", GPU_PROBLEMS, ids=case_id)
 def test_forward_matches_oracle_large(p):
     check_forward(p, "gpu")
 
@@ -237,7 +238,7 @@ def test_deterministic(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("p", GPU_PROBLEMS[:3], ids=str)
+@pytest.mark.parametrize("p", GPU_PROBLEMS[:3], ids=case_id)
 def test_deterministic_large(p):
     check_deterministic(p, "gpu")
 

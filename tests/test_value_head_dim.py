@@ -35,6 +35,7 @@ from conftest import (
     assert_within_tolerance,
     attention_oracle_f64,
     backend_paths,
+    case_id,
     has_hopper,
     masked_in_dtype,
     outputs_and_grads,
@@ -506,7 +507,7 @@ class BackwardCase:
             if getattr(self, name) is not None:
                 parts.append(f"{name}={getattr(self, name)}")
         if self.tiles is not None:
-            parts.append(str(self.tiles).replace("BackwardTiles", ""))
+            parts.append(case_id(self.tiles).replace("BackwardTiles", ""))
         return "-".join(parts + (["nan-at-hidden-keys"] if self.poison else []))
 
 
@@ -613,7 +614,7 @@ def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
     assert_within_tolerance(grads, baselines, oracles, floor=FLOOR[jnp.bfloat16], names=names)
 
 
-@pytest.mark.parametrize("c", MOSAIC_BACKWARD_CASES, ids=str)
+@pytest.mark.parametrize("c", MOSAIC_BACKWARD_CASES, ids=case_id)
 def test_mosaic_backward_takes_the_value_head_dim_interpreted(c):
     """The Mosaic backward's kernels (interpreter, race detector on) on v, out, d_out at Hv:
     dq, dk and dv against float64 (see `check_mosaic_backward`)."""
@@ -640,7 +641,7 @@ MOSAIC_BACKWARD_GPU_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_hopper(), reason="the Mosaic kernels need sm_90")
-@pytest.mark.parametrize("c", MOSAIC_BACKWARD_GPU_CASES, ids=str)
+@pytest.mark.parametrize("c", MOSAIC_BACKWARD_GPU_CASES, ids=case_id)
 def test_mosaic_backward_takes_the_value_head_dim_on_gpu(c):
     check_mosaic_backward(c, interpreted=False)
 
@@ -653,7 +654,7 @@ def test_mosaic_backward_takes_the_value_head_dim_on_gpu(c):
         BackwardCase(192, 128, 2, 1000, 1000, 8, 2, True),
         BackwardCase(192, 128, 1, 300, 1000, 4, 1, True),  # CTAs that take no P^T
     ],
-    ids=str,
+    ids=case_id,
 )
 def test_mosaic_backward_split_epilogue_is_bitwise_repeatable_on_gpu(c):
     """The split dK/dV consumers at H != Hv stage dK through K's buffer and dV through V's,

@@ -8,8 +8,7 @@
 (MODES may also name "step", "fixed_step" and "fused_step".)
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
-H:SEQ pairs given (e.g. 64:2048 128:8192, where `dispatch.fused_dq_is_faster` has no
-measurement yet), or H:SEQ:K for GQA with K KV heads. "default",
+H:SEQ pairs given (e.g. 64:2048 128:8192), or H:SEQ:K for GQA with K KV heads. "default",
 "fused" and "fixed" are the Mosaic forward differentiated by `mosaic.flash_backward` with the
 default tiles and with fused_dq="add" and "fixed";
 "step", "fixed_step" and "fused_step" the two-kernel, "fixed" and "add" backwards with

@@ -55,10 +55,11 @@ FUSED_DQ_H64_MIN_LEN = 2048
 
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
-# (fwd+bwd, bf16, T == S). H=64: 1.05x at 4k and 1.09x at 16k plain, 1.05x at 16k causal
-# (0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: 1.05x at 8k and 1.06x at
-# 16k plain (1.03x at 4k; not with GQA, `_like_fused_dq_measurements`), causal 1.07x at 16k
-# (0.98x at 4k, 1.02x at 8k). benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+# (fwd+bwd, bf16, T == S). H=64: 1.04-1.05x at 4k and 1.09x at 16k plain, 1.02-1.05x at 16k
+# causal (0.97-0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: 1.05x at 8k
+# and 1.06x at 16k plain (1.03x at 4k; not with GQA, `_like_fused_dq_measurements`), causal
+# 1.07x at 16k (0.98x at 4k, 1.02x at 8k). benchmarks/NOTES.md, "fused-dq" and "Step
+# descriptors".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 8192}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 
@@ -267,8 +268,10 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         causal=call.spec.is_causal,
     )
     # The fused dQ's consumers rebuild their operands' descriptors each step instead of
-    # spilling them: H=128 causal fwd+bwd 5-10% faster from 4k to 16k, plain calls and H=64
-    # within 2% (benchmarks/NOTES.md, "Step descriptors").
+    # spilling them: H=128 causal fwd+bwd 5-10% faster from 4k to 16k. Plain calls measured
+    # within 2% of the same code (LLVM had folded their step's zero); since the zero passes an
+    # optimization barrier they rebuild them too, not yet timed (benchmarks/NOTES.md, "Step
+    # descriptors").
     fused = dataclasses.replace(tiles, fused_dq=mode, step_descriptors=True)
     if splits > 1 or mosaic.why_not_backward(call, device, fused):
         return tiles

@@ -626,7 +626,7 @@ def test_nondeterministic_grads_keep_the_head_splits_of_mqa():
 
 def test_nondeterministic_grads_keep_two_kernels_for_plain_gqa_at_h128():
     """GQA at H=128 without a causal mask keeps the two-kernel backward (the fused dQ measured
-    0.69-0.88x of it there); MHA and causal GQA from 16k keys take the fused dQ."""
+    0.69-0.88x of it there); MHA and causal GQA (from 4k keys) take the fused dQ."""
 
     def fused_dq(num_kv_heads, is_causal=False):
         return chosen_fused_dq(

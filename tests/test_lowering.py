@@ -15,6 +15,7 @@ import re
 import warnings
 
 import jax
+import jax.experimental.mosaic.gpu.core as mosaic_gpu_core
 import jax.numpy as jnp
 import pytest
 from conftest import BLOCK_SIZES, Problem, case_id
@@ -59,6 +60,28 @@ def lower_for_h200(fn, *args):
     mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
     with jax.sharding.use_abstract_mesh(mesh), verified_triton_modules():
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+
+
+# An empty inline asm with side effects whose i32 output is tied to its input: how Mosaic GPU
+# lowers `lax.optimization_barrier` of a scalar (`launch.opaque_zero`'s step).
+OPAQUE_I32_ASM = 'asm_dialect = att "", "=r,0"'
+
+
+def mosaic_opaque_i32s(monkeypatch, fn, *args) -> int:
+    """How many i32 optimization barriers the Mosaic GPU module of fn (lowered for an
+    abstract H200, one Mosaic GPU kernel) holds."""
+    modules = []
+    serde = mosaic_gpu_core._run_serde_pass
+
+    def spy(module, **kwargs):
+        modules.append(str(module))
+        return serde(module, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(mosaic_gpu_core, "_run_serde_pass", spy)
+        lower_for_h200(fn, *args)
+    (module,) = modules
+    return module.count(OPAQUE_I32_ASM)
 
 
 def chosen_block_sizes(p: Problem, block_sizes=None):

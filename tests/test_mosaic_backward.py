@@ -15,7 +15,6 @@ import functools
 import re
 
 import jax
-import jax.experimental.mosaic.gpu.core as mosaic_gpu_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,7 +33,7 @@ from conftest import (
     segment_arrays,
 )
 from mosaic_interpret import interpret_mosaic
-from test_lowering import abstract_inputs, lower_for_h200
+from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s
 from test_mosaic_forward import (
     GARBAGE,
     abstract_ids,
@@ -1680,20 +1679,15 @@ def test_step_descriptors_keep_the_step_opaque_to_llvm(monkeypatch):
     folded `(step + 1) >> 31` to 0 (the H200's plain "fixed" kernel compiled to the same
     instructions with step_descriptors as without): the step reaches the shift through an
     empty inline asm tied to its register, which LLVM cannot see through."""
-    modules = []
-    serde = mosaic_gpu_core._run_serde_pass
-
-    def spy(module, **kwargs):
-        modules.append(str(module))
-        return serde(module, **kwargs)
-
-    monkeypatch.setattr(mosaic_gpu_core, "_run_serde_pass", spy)
     p = Problem(1, 256, 256, 2, 2, 128, False, "bf16")
-    opaque_steps = []
-    for step_descriptors in (False, True):
-        tiles = BackwardTiles(fused_dq="fixed", step_descriptors=step_descriptors)
-        lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
-        opaque_steps.append(modules[-1].count('asm_dialect = att "", "=r,0"'))
+    opaque_steps = [
+        mosaic_opaque_i32s(
+            monkeypatch,
+            backward_fn(p, BackwardTiles(fused_dq="fixed", step_descriptors=step_descriptors)),
+            *abstract_backward_args(p),
+        )
+        for step_descriptors in (False, True)
+    ]
     assert opaque_steps[0] == 0 and opaque_steps[1] >= 2, opaque_steps
 
 

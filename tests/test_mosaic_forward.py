@@ -15,7 +15,6 @@ import os
 import re
 
 import jax
-import jax.experimental.mosaic.gpu.core as mosaic_gpu_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -36,7 +35,7 @@ from conftest import (
     vmapped_outputs_and_grads,
 )
 from mosaic_interpret import interpret_mosaic
-from test_lowering import abstract_inputs, lower_for_h200, triton_calls
+from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s, triton_calls
 
 import pallas_flash
 from pallas_flash import device as device_lib
@@ -178,22 +177,18 @@ def test_step_descriptors_keep_the_step_opaque_to_llvm(monkeypatch):
     """A plain call's KV loop runs over constant bounds, from which LLVM would bound the step
     and fold `launch.opaque_zero` to 0: the step reaches it through an empty inline asm tied
     to its register (in the lowered module with step_descriptors, not without)."""
-    modules = []
-    serde = mosaic_gpu_core._run_serde_pass
-
-    def spy(module, **kwargs):
-        modules.append(str(module))
-        return serde(module, **kwargs)
-
-    monkeypatch.setattr(mosaic_gpu_core, "_run_serde_pass", spy)
     p = Problem(1, 1024, 1024, 2, 2, 64, False, "bf16")
-    opaque_steps = []
-    for step_descriptors in (False, True):
-        tiles = ForwardTiles(
-            block_q=128, block_kv=128, persistent=True, step_descriptors=step_descriptors
+    opaque_steps = [
+        mosaic_opaque_i32s(
+            monkeypatch,
+            forward_fn(
+                p,
+                ForwardTiles(block_q=128, block_kv=128, persistent=True, step_descriptors=step),
+            ),
+            *abstract_inputs(p)[:3],
         )
-        lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
-        opaque_steps.append(modules[-1].count('asm_dialect = att "", "=r,0"'))
+        for step in (False, True)
+    ]
     assert opaque_steps[0] == 0 and opaque_steps[1] >= 2, opaque_steps
 
 

@@ -267,12 +267,13 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         num_sms=device.num_sms,
         causal=call.spec.is_causal,
     )
-    # The fused dQ's consumers rebuild their operands' descriptors each step instead of
-    # spilling them: H=128 causal fwd+bwd 5-10% faster from 4k to 16k. Plain calls measured
-    # within 2% of the same code (LLVM had folded their step's zero); since the zero passes an
-    # optimization barrier they rebuild them too, not yet timed (benchmarks/NOTES.md, "Step
-    # descriptors").
-    fused = dataclasses.replace(tiles, fused_dq=mode, step_descriptors=True)
+    # At H=128 the fused dQ's consumers rebuild their operands' descriptors each step instead
+    # of spilling them: causal fwd+bwd 5-10% faster from 4k to 16k. Plain calls measured within
+    # 2% of the same code (LLVM had folded their step's zero); since the zero passes an
+    # optimization barrier they rebuild them too, not yet timed. At H=64 nothing spills (ptxas:
+    # 0 bytes) and causal calls measured even (benchmarks/NOTES.md, "Step descriptors").
+    step_descriptors = call.head_dim > 64
+    fused = dataclasses.replace(tiles, fused_dq=mode, step_descriptors=step_descriptors)
     if splits > 1 or mosaic.why_not_backward(call, device, fused):
         return tiles
     return fused

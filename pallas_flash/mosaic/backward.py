@@ -156,8 +156,8 @@ class BackwardTiles:
         through (`launch.opaque_zero` of the step), so that the wgmma descriptors of those
         operands are rebuilt every step from one base instead of computed once before the
         loop and held, two registers each, which the fused dQ's consumers spill (NOTES, "What
-        the fused dQ's consumers spill"); False: held. The dispatch takes it with every fused
-        dQ (NOTES, "Step descriptors").
+        the fused dQ's consumers spill"); False: held. The dispatch takes it with the fused
+        dQ at H=128 (NOTES, "Step descriptors").
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).

@@ -82,6 +82,14 @@ CASES = {
     "bwd-h64-16k": (
         functools.partial(_backward, tiles=mosaic.BackwardTiles()), 1, 16384, 32, 64, False
     ),
+    # The H=64 default's fused dQ (no spills by ptxas: what else limits it) and cuDNN's.
+    "bwd-h64-16k-fixed": (
+        functools.partial(_backward, tiles=mosaic.BackwardTiles(fused_dq="fixed")),
+        1, 16384, 32, 64, False,
+    ),
+    "bwd-h64-16k-cudnn": (
+        functools.partial(_backward, tiles=None, impl="cudnn"), 1, 16384, 32, 64, False
+    ),
 }  # fmt: skip
 
 

@@ -1262,6 +1262,13 @@ def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
     return head_dim // 2 if tiles.dkv_consumers == 2 and head_dim % 128 == 0 else head_dim
 
 
+def _step_zero(step, step_descriptors: bool):
+    """0 for CTA step `step` (>= -1), computed once per step: with step_descriptors through
+    `launch.opaque_zero`, so that the tiles a step's wgmmas address at block + it (K, V, the
+    fused dQ's K^T and dS^T) have their descriptors rebuilt each step."""
+    return launch.opaque_zero(step) if step_descriptors else 0
+
+
 @dataclasses.dataclass(frozen=True)
 class _DQSink:
     """Where the dK/dV consumers put dQ's partial of each CTA step (tiles.fused_dq), transposed:
@@ -1358,11 +1365,10 @@ class _DQSink:
         if self.consumers > 1:
             plgpu.barrier_arrive(self.ds_ready.at[lax.rem(step, jnp.int32(self.consumers))])
 
-    def issue(self, acc_ref, step):
-        """The wgmmas of dQ^T's partial (this consumer's rows) of CTA step `step` (>= -1) into
-        acc_ref."""
+    def issue(self, acc_ref, zero):
+        """The wgmmas of dQ^T's partial (this consumer's rows) into acc_ref; the tiles at
+        block + zero (`_step_zero`)."""
         rows = self.partial_smem.shape[0]
-        zero = launch.opaque_zero(step) if self.step_descriptors else 0
         for block in range(self.consumers):
             k_t = self.k_smem.at[block + zero]
             if self.halves:
@@ -1379,7 +1385,7 @@ class _DQSink:
         if self.consumers > 1:
             plgpu.barrier_arrive(self.ds_read.at[1 - self.consumer])
 
-    def with_st(self, st_issue, st_shape, step):
+    def with_st(self, st_issue, st_shape, step, zero):
         """At a computed CTA step `step`: S^T (st_issue(acc_ref) issues its wgmma), in the same
         wait as this consumer's partial of step - 1 where it has one, which is then added;
         returns S^T."""
@@ -1390,7 +1396,7 @@ class _DQSink:
             def both(refs):
                 st_ref, dq_ref = refs
                 st_issue(st_ref)
-                self.issue(dq_ref, step)
+                self.issue(dq_ref, zero)
 
             s_t, partial = pl.run_state(both)(
                 (
@@ -1430,7 +1436,7 @@ class _DQSink:
         self._wait_tiles(step)
 
         def dq_into(acc_ref):
-            self.issue(acc_ref, step)
+            self.issue(acc_ref, _step_zero(step, self.step_descriptors))
             return acc_ref[...]
 
         partial = pl.run_scoped(dq_into, plgpu.ACC(self.partial_smem.shape, jnp.float32))
@@ -1625,13 +1631,12 @@ def _consume_dkv(
     k_smem, v_smem = k_blocks.at[key_block], v_blocks.at[key_block]
     head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
 
-    def kv_at(step):
-        """(K, V) of this consumer's keys as the wgmmas of CTA step `step` read them: with
-        tiles.step_descriptors through `launch.opaque_zero` (descriptors rebuilt each step)."""
+    def kv_at(zero):
+        """(K, V) of this consumer's keys as a step's wgmmas read them, at key_block + zero
+        (`_step_zero`)."""
         if not tiles.step_descriptors:
             return k_smem, v_smem
-        block = key_block + launch.opaque_zero(step)
-        return k_blocks.at[block], v_blocks.at[block]
+        return k_blocks.at[key_block + zero], v_blocks.at[key_block + zero]
 
     first, end = cta_range
     cta_tiles = end - first
@@ -1684,25 +1689,25 @@ def _consume_dkv(
         )
         return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1), kv_hashes
 
-    def probs_t(i, slot, step, *, masked: bool):
+    def probs_t(i, slot, step, zero, *, masked: bool):
         """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
 
         With dropout P^T * keep^T: dV takes it, scaled by 1 / (1 - rate) once in the epilogue;
         dS^T computes the mask again (`ds_of`).
 
-        step: the CTA step; with dq_sink, S^T's wait also takes this consumer's dQ partial of
-        the step before (`_DQSink.with_st`)."""
+        step: the CTA step, zero its `_step_zero`; with dq_sink, S^T's wait also takes this
+        consumer's dQ partial of the step before (`_DQSink.with_st`)."""
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
         def st_issue(acc_ref):
-            plgpu.wgmma(acc_ref, kv_at(step)[0], ring.q_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, kv_at(zero)[0], ring.q_smem.at[slot].T)
 
         def st_into(acc_ref):
             st_issue(acc_ref)
             return acc_ref[...]
 
         if dq_sink is not None:
-            s_t = dq_sink.with_st(st_issue, tile_shape, step)
+            s_t = dq_sink.with_st(st_issue, tile_shape, step, zero)
         else:
             s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
         lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=col_layout) for j in (0, 1))
@@ -1734,8 +1739,9 @@ def _consume_dkv(
         dk, dv = carry
         step = base + i - first
         slot = ring.slot(step)
+        zero = _step_zero(step, tiles.step_descriptors)
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, step, masked=masked)
+        p_t, pd_t = probs_t(i, slot, step, zero, masked=masked)
 
         # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
         plgpu.barrier_wait(ring.do_ready.at[slot])
@@ -1744,7 +1750,7 @@ def _consume_dkv(
         def dv_dpt_into(refs):
             dv_ref, dpt_ref = refs
             plgpu.wgmma(dv_ref, p_in, ring.do_smem.at[slot])
-            plgpu.wgmma(dpt_ref, kv_at(step)[1], ring.do_smem.at[slot].T)
+            plgpu.wgmma(dpt_ref, kv_at(zero)[1], ring.do_smem.at[slot].T)
 
         dv, dp_t = pl.run_state(dv_dpt_into)(
             (plgpu.ACC.init(dv), plgpu.ACC.init(_wgmma_zeros(tile_shape)))
@@ -1784,8 +1790,9 @@ def _consume_dkv(
         (dv,) = carry
         step = base + i - first
         slot = ring.slot(step)
+        zero = _step_zero(step, tiles.step_descriptors)
         plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, step, masked=masked)
+        p_t, pd_t = probs_t(i, slot, step, zero, masked=masked)
         # Q's (and the query ids' and hashes') last reader in this consumer was S^T (and the
         # masks): free them for the producer before dV's wgmma.
         plgpu.barrier_arrive(ring.q_free.at[slot])
@@ -1807,11 +1814,12 @@ def _consume_dkv(
         (dk,) = carry
         step = base + i - first
         slot = ring.slot(step)
+        zero = _step_zero(step, tiles.step_descriptors)
         plgpu.barrier_wait(ring.do_ready.at[slot])
 
         # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
         def dpt_into(acc_ref):
-            plgpu.wgmma(acc_ref, kv_at(step)[1], ring.do_smem.at[slot].T)
+            plgpu.wgmma(acc_ref, kv_at(zero)[1], ring.do_smem.at[slot].T)
             return acc_ref[...]
 
         dp_t = pl.run_scoped(dpt_into, plgpu.ACC(tile_shape, jnp.float32))

@@ -76,9 +76,7 @@ class ForwardTiles:
                 raise ValueError(f"ForwardTiles.{name}={value!r} must be a positive multiple of 64")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"ForwardTiles.persistent={self.persistent!r} must be a bool")
-        for name in ("causal_pairs", "step_descriptors"):
+        for name in ("persistent", "causal_pairs", "step_descriptors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ForwardTiles.{name}={getattr(self, name)!r} must be a bool")
 

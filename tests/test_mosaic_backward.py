@@ -1769,6 +1769,30 @@ def test_fused_dq_tiles_validate():
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
 
 
+def test_fixed_point_exponents_of_a_constant_d_out_are_not_folded_at_compile_time():
+    """A loss like out.mean() makes d_out a constant: XLA would fold its norms on the host
+    while compiling (29 s at [1, 8192, 16, 128] on this CPU, 4-8 s per layer on the H200's),
+    so fixed_point_exponents keeps them as the same reductions as for a d_out argument."""
+    b, t, n, h = 1, 64, 2, 64
+    spec = MaskSpec(q_len=t, kv_len=t, is_causal=True)
+    inputs = (jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16),) * 3
+    rows = (jax.ShapeDtypeStruct((b, n, t), jnp.float32),) * 2
+
+    def reductions(fn, *args):
+        text = jax.jit(fn).lower(*args).compile().as_text()
+        return len(re.findall(r"\breduce\(", text))
+
+    def exponents(k, v, d_out, delta, lse):
+        return fixed_point_exponents(k, v, d_out, delta, lse, spec=spec, num_heads=n)
+
+    def constant_d_out(k, v, delta, lse):
+        return exponents(k, v, jnp.full((b, t, n, h), 0.5, jnp.bfloat16), delta, lse)
+
+    given = reductions(exponents, *inputs, *rows)
+    assert given >= 6  # max, |.|_2 of K and V, and of dO with its |.|_1
+    assert reductions(constant_d_out, *inputs[:2], *rows) == given
+
+
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("group", [1, 2])
 def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group):

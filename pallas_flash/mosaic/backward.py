@@ -529,6 +529,11 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     would)."""
     assert spec.window is None and not spec.has_segments, spec
     q_len, kv_len = spec.q_len, spec.kv_len
+    # A loss like out.mean() makes d_out a constant (a broadcast), and XLA would fold the norms
+    # below on the host at compile time: 4-8 s per call site at [1, 8192, 16, 128] on the H200
+    # (its evaluator's reduce), minutes for a model of 24 layers. The barrier keeps them on the
+    # GPU, where they take microseconds.
+    k, v, d_out, delta, lse = lax.optimization_barrier((k, v, d_out, delta, lse))
 
     def norms(x):  # (max |x|, |x|_2) over the last axis, f32; non-finite rows give inf
         x = jnp.abs(x.astype(jnp.float32))

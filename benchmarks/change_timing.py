@@ -7,7 +7,8 @@ Cases (default: all): "triton" (Triton fwd+bwd, bf16 and float32: the backward's
 forward's row max), "softcap" (the Mosaic kernels with Gemma 2's soft cap, forward and fwd+bwd,
 and without the cap beside them), "masked" (the Mosaic backward's masked steps: causal and
 windowed calls, a plain one beside them), "dropout" (the Mosaic kernels with dropout 0.1
-beside the same calls without). One JSON row per case and pass: label, case, ms
+beside the same calls without), "small-grid" (plain H=64 grids too small for 256-row CTAs, the
+default beside backend="triton"). One JSON row per case and pass: label, case, ms
 (median of 7 repeats of 10 calls), compile_s (the first call). PASSES="fwd+bwd" times one pass.
 """
 
@@ -57,6 +58,13 @@ CASES = {
          dict(local_window_size=(1023, 0))),
         ("h128-4k", 4, 4096, 4096, 16, 16, 128, jnp.bfloat16, dict()),
     ],
+    # Plain H=64 grids of 64-128 CTAs (of 128 query rows): the default (Mosaic) beside Triton.
+    "small-grid": [
+        ("h64-2k-n8", 1, 2048, 2048, 8, 8, 64, jnp.bfloat16, dict()),
+        ("h64-2k-n8-triton", 1, 2048, 2048, 8, 8, 64, jnp.bfloat16, dict(backend="triton")),
+        ("h64-4k-n4", 1, 4096, 4096, 4, 4, 64, jnp.bfloat16, dict()),
+        ("h64-4k-n4-triton", 1, 4096, 4096, 4, 4, 64, jnp.bfloat16, dict(backend="triton")),
+    ],
 }  # fmt: skip
 
 
@@ -66,10 +74,12 @@ def main():
         for case in names or list(CASES):
             backend = "triton" if case == "triton" else None
             for name, b, t, s, n, k, h, dtype, kwargs in CASES[case]:
+                kwargs = dict(kwargs)
+                case_backend = kwargs.pop("backend", backend)
                 q, kk, v, do = make_inputs(b, t, s, n, k, h, dtype)
                 if kwargs.get("dropout_rate"):
                     kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
-                fn = functools.partial(pallas_flash.flash_attention, backend=backend, **kwargs)
+                fn = functools.partial(pallas_flash.flash_attention, backend=case_backend, **kwargs)
                 for pass_ in os.environ.get("PASSES", "fwd fwd+bwd").split():
                     f = timed_fn(fn, pass_)
                     start = time.perf_counter()

@@ -363,6 +363,8 @@ MOSAIC_TILES = {
         # Q's descriptors rebuilt each KV step (ForwardTiles.step_descriptors): the 128-row
         # consumer's spills.
         (128, 128, 2, True, True),
+        (64, 128, 2, True, True),
+        (64, 256, 2, False, True),
     ],
     128: [
         (64, 128, 2),
@@ -425,7 +427,9 @@ def _mosaic_fn(t, n, h, causal, pass_, **kwargs):
     return None if kernels is None else bench.timed_fn(lambda q, k, v: kernels(q, k, v)[0], pass_)
 
 
-def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
+def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384), only=None):
+    """Forward tiles against cuDNN and the Triton forward; only: the mosaic_* names to time
+    (None: all of MOSAIC_TILES)."""
     for b, t, n, h, causal, args in _grid_points(head_dims, seqs):
         fns = {
             impl: bench.timed_fn(bench.attention_fn(impl, is_causal=causal), "fwd")
@@ -440,9 +444,11 @@ def mosaic_tiles(out, head_dims=(64, 128, 256), seqs=(512, 2048, 16384)):
                 persistent=persistent,
                 step_descriptors=step,
             )
+            name = f"mosaic_{bq}x{bkv}s{stages}{'p' if persistent else ''}{'d' if step else ''}"
+            if only and name not in only:
+                continue
             fn = _mosaic_fn(t, n, h, causal, "fwd", forward_tiles=tiles)
             if fn is not None:
-                name = f"mosaic_{bq}x{bkv}s{stages}{'p' if persistent else ''}{'d' if step else ''}"
                 fns[name] = fn
         flops = bench.attention_flops(b, t, t, n, h, causal, "fwd")
         _time_impls(out, fns, args, flops, exp="mosaic-tiles", B=b, T=t, N=n, H=h, causal=causal)
@@ -692,7 +698,7 @@ def main():
     print("device:", jax.devices()[0].device_kind, flush=True)
     with open(args.out, "a") as out:
         if args.experiment == "mosaic-tiles":
-            mosaic_tiles(out, args.head_dims, args.seqs)
+            mosaic_tiles(out, args.head_dims, args.seqs, args.only)
         elif args.experiment == "decode":
             decode(
                 out,

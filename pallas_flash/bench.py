@@ -1063,6 +1063,8 @@ def main(argv=None):
             print("No NVIDIA GPU: compile times of the interpret-mode kernels on a toy model.")
             impls, shape, interpret = ["pallas_flash", "xla"], (1, 128, 2, 64), True
             layers = args.layers or [1, 6]
+        if "--impls" in (argv if argv is not None else sys.argv):
+            impls = args.impls
         run_compile_suite(args.out, impls, layers, shape, interpret=interpret)
         return
     if args.suite == "decode":

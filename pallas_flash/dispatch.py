@@ -56,12 +56,11 @@ FUSED_DQ_H64_MIN_LEN = 2048
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
 # (fwd+bwd, bf16, T == S). H=64: 1.04-1.05x at 4k and 1.09x at 16k plain, 1.02-1.05x at 16k
-# causal (0.97-0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: 1.05x at 8k
-# and 1.06x at 16k plain (1.03x at 4k; not with GQA, `_like_fused_dq_measurements`), causal
-# 1.07x at 16k (0.98x at 4k, 1.02x at 8k). benchmarks/NOTES.md, "fused-dq" and "Step
-# descriptors".
-FIXED_DQ_MIN_LEN = {64: 4096, 128: 8192}
-FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
+# causal (0.97-0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: plain 1.08x at
+# 4k, 1.09x at 8k, 1.08x at 16k (GQA 16/4 1.07-1.11x), causal 1.01-1.02x at 4k, 1.04-1.05x at
+# 8k, 1.08-1.10x at 16k. benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+FIXED_DQ_MIN_LEN = {64: 4096, 128: 4096}
+FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -202,7 +201,21 @@ def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> Mosai
         forward = None
     if backward is not None and mosaic.why_not_backward(call, device, backward):
         backward = None
+    if forward is None:
+        forward = _narrow_forward_tiles(call, device)
     return MosaicTiles(forward, backward)
+
+
+def _narrow_forward_tiles(call: Call, device: Device) -> mosaic.ForwardTiles | None:
+    """The default forward's 64-row tiles where its 128-row ones (plain H=64) would leave the
+    GPU half idle and the 64-row grid fills it: twice the CTAs keep the call, forward and
+    backward, on the Mosaic kernels (B=1, N=4, 4k keys: 64 CTAs of 256 rows, 128 of 128). None:
+    the defaults as they are."""
+    tiles = mosaic.default_forward_tiles(call)
+    if tiles.block_q == 64 or _mosaic_fills_gpu(call, device, tiles):
+        return None
+    narrow = mosaic.default_forward_tiles(call, wide=False)
+    return narrow if _mosaic_fills_gpu(call, device, narrow) else None
 
 
 def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -> str:
@@ -268,10 +281,9 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         causal=call.spec.is_causal,
     )
     # At H=128 the fused dQ's consumers rebuild their operands' descriptors each step instead
-    # of spilling them: causal fwd+bwd 5-10% faster from 4k to 16k. Plain calls measured within
-    # 2% of the same code (LLVM had folded their step's zero); since the zero passes an
-    # optimization barrier they rebuild them too, not yet timed. At H=64 nothing spills (ptxas:
-    # 0 bytes) and causal calls measured even (benchmarks/NOTES.md, "Step descriptors").
+    # of spilling them: fwd+bwd 4-11% faster, plain or causal, 4k to 16k ("fixed" plain 124/104
+    # spill bytes to none). At H=64 nothing spills (ptxas: 0 bytes) and causal calls measured
+    # even (benchmarks/NOTES.md, "Step descriptors").
     step_descriptors = call.head_dim > 64
     fused = dataclasses.replace(tiles, fused_dq=mode, step_descriptors=step_descriptors)
     if splits > 1 or mosaic.why_not_backward(call, device, fused):
@@ -281,26 +293,20 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
 
 def _like_fused_dq_measurements(call: Call) -> bool:
     """Whether a call is like those the fused dQ was measured on: plain or causal
-    self-attention without a window, segment ids, sequence lengths, soft cap or value head dim
-    of its own; and not a plain call at H=128 whose query heads share KV heads, where both
-    fused forms ran slower than the two-kernel backward on the H200 (N=16 over K=4, fwd+bwd:
-    "add" 0.69x at 4k and 0.88x at 16k, "fixed" 0.63x and 0.82x; causal 0.98-1.05x; H=64 GQA
-    1.07-1.08x with "fixed"): benchmarks/NOTES.md, "fused-dq"."""
+    self-attention, MHA or GQA, without a window, segment ids, sequence lengths, soft cap or
+    value head dim of its own (benchmarks/NOTES.md, "fused-dq")."""
     spec = call.spec
     if spec.window is not None or spec.has_arrays:
         return False
-    if call.soft_cap is not None or call.value_head_dim is not None:
-        return False
-    grouped = call.q_shape[2] != call.k_shape[2]
-    return not (call.head_dim == 128 and grouped and not spec.is_causal)
+    return call.soft_cap is None and call.value_head_dim is None
 
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
     the two-kernel one on the H200 for calls like this: fwd+bwd 1.02-1.15x at H=64 (2k to 16k
-    tokens, causal or not) and 1.06-1.14x at H=128 from 4k (causal 0.83x at 2k); measured on
-    plain and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq"
-    and "Step descriptors")."""
+    tokens, causal or not) and 1.06-1.16x at H=128 from 4k, MHA or GQA (causal 0.83x at 2k);
+    measured on plain and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md,
+    "fused-dq" and "Step descriptors")."""
     if not _like_fused_dq_measurements(call):
         return False
     shortest = min(call.q_len, call.kv_len)

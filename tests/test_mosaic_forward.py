@@ -58,6 +58,7 @@ from pallas_flash.mosaic.schedule import (
 from pallas_flash.mosaic.tiles import (
     NUM_CONSUMERS,
     SMEM_BYTES,
+    STEP_DESCRIPTORS_MIN_KEYS,
     ForwardTiles,
     default_tiles,
     why_not,
@@ -759,9 +760,28 @@ def test_default_tiles_at_h64_take_128_rows_when_plain_and_not_causal():
     assert default_tiles(128, q_len=512, kv_len=512, is_causal=True).block_q == 64
 
 
-def test_default_tiles_at_h64_take_256_keys_on_long_plain_non_causal_rows():
+def test_default_tiles_at_h64_rebuild_q_descriptors_at_128_rows():
+    """Plain H=64 rows of 128 query rows per consumer rebuild Q's descriptors each step (held,
+    they spill) from 1k keys; 64-row consumers hold them, as do rows of 512 keys."""
+    for kv_len in (512, 1024, 2048, 4096, 8192, 16384):
+        tiles = default_tiles(64, q_len=1024, kv_len=kv_len, is_causal=False)
+        step = kv_len >= STEP_DESCRIPTORS_MIN_KEYS
+        assert (tiles.block_q, tiles.block_kv, tiles.step_descriptors) == (128, 128, step)
+    # A small grid's 64-row tiles (the dispatch's wide=False).
+    narrow = default_tiles(64, q_len=4096, kv_len=4096, is_causal=False, wide=False)
+    assert (narrow.block_q, narrow.block_kv, narrow.step_descriptors) == (64, 256, False)
+    for kwargs in (dict(is_causal=True), dict(is_causal=False, soft_cap=30.0)):
+        tiles = default_tiles(64, q_len=1024, kv_len=1024, **kwargs)
+        assert (tiles.block_q, tiles.step_descriptors) == (64, False)
+    assert not default_tiles(128, q_len=1024, kv_len=1024, is_causal=False).step_descriptors
+
+
+def test_default_tiles_at_h64_take_256_keys_on_long_plain_rows_of_other_lengths():
+    """Plain rows of 4k-8k keys whose T is not a multiple of 256 (no 128-row consumers) take
+    256-key tiles."""
+
     def block_kv(kv_len, is_causal=False, **kwargs):
-        tiles = default_tiles(64, q_len=1024, kv_len=kv_len, is_causal=is_causal, **kwargs)
+        tiles = default_tiles(64, q_len=1000, kv_len=kv_len, is_causal=is_causal, **kwargs)
         return tiles.block_kv
 
     assert [block_kv(n) for n in (2048, 4096, 8192, 16384)] == [128, 256, 256, 128]

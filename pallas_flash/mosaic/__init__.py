@@ -78,7 +78,7 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
     )
 
 
-def default_forward_tiles(call: Call) -> ForwardTiles:
+def default_forward_tiles(call: Call, *, wide: bool = True) -> ForwardTiles:
     return forward_tiles.default_tiles(
         call.head_dim,
         value_head_dim=call.v_head_dim,
@@ -88,6 +88,7 @@ def default_forward_tiles(call: Call) -> ForwardTiles:
         window=call.spec.window,
         soft_cap=call.soft_cap,
         segments=call.spec.has_segments,
+        wide=wide,
     )
 
 

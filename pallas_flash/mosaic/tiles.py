@@ -58,8 +58,9 @@ class ForwardTiles:
       step_descriptors: each consumer addresses its Q through an index that is 0 but that the
         compiler cannot see through (`launch.opaque_zero` of the KV step), so that Q's wgmma
         descriptors are rebuilt every step instead of computed once per item and held, two
-        registers each (8 of them at block_q=128, H=64, where the consumer spills; NOTES,
-        "Mosaic backward", "What the fused dQ's consumers spill"); False: held.
+        registers each (8 of them at block_q=128, H=64, where the consumer spills 12 bytes
+        held and none rebuilt, and runs 4-6% faster; NOTES, "Mosaic forward", "Step
+        descriptors"); False: held.
     """
 
     block_q: int = 64
@@ -141,6 +142,10 @@ PERSISTENT_CAUSAL_KEYS_H128 = 8192
 # persistent up to the longest measured, (8192, 0) at 16k keys (8192 keys left of the diagonal
 # and its own; wall and kernel time, +2-9%).
 PERSISTENT_WINDOW_KEYS = 8192 + 1
+# Plain H=64 rows of 128-row consumers rebuild Q's descriptors each step from this many keys:
+# 4-6% faster from 1k to 16k on the H200; at 512 keys (4 steps an item) 19% slower
+# (benchmarks/NOTES.md, "Mosaic forward", "Step descriptors").
+STEP_DESCRIPTORS_MIN_KEYS = 1024
 
 
 def default_tiles(
@@ -153,16 +158,18 @@ def default_tiles(
     window=None,
     soft_cap=None,
     segments: bool = False,
+    wide: bool = True,
 ) -> ForwardTiles:
     """Tiles per head dim and call, from tile probes on the H200 (benchmarks/NOTES.md, "Mosaic
     forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
     halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
-    non-causal calls take 128 rows per consumer (they need T % 256 == 0); causal calls, a window,
-    soft cap or segment ids keep 64 rows, whose registers leave room for the mask and for
-    zeroing non-finite V on masked steps (at 128 rows that zeroing made the causal forward 1.32x
-    slower, B=4, 4k, on the H200). 80 and 96 take the tiles of 128,
-    192 those of 256 (64-key tiles).
+    non-causal calls take 128 rows per consumer (they need T % 256 == 0), whose Q descriptors
+    are rebuilt each step from STEP_DESCRIPTORS_MIN_KEYS (`ForwardTiles.step_descriptors`:
+    held, they spill); causal calls, a window, soft cap or segment ids keep 64
+    rows, whose registers leave room for the mask and for zeroing non-finite V on masked steps
+    (at 128 rows that zeroing made the causal forward 1.32x slower, B=4, 4k, on the H200). 80
+    and 96 take the tiles of 128, 192 those of 256 (64-key tiles).
     Persistent CTAs pay a CTA's start (launch, Q load, ring fill) once per SM instead of once
     per item, with 64-row items (finer items balance better): every call at H <= 128 but
     causal ones whose rows see more keys than the PERSISTENT_CAUSAL_KEYS_* bounds, which run
@@ -170,14 +177,15 @@ def default_tiles(
     half the keys (and PERSISTENT_WINDOW_KEYS) evens the rows out. Soft caps and segment ids
     go as plain calls do (gpt-oss's window of 128 keys: 0.283 ms per item, 0.215
     persistent).
-    At H=64, plain non-causal rows of 4k-8k keys take 64 x 256 tiles, a CTA per item: half the
-    steps, each step's fixed cost spread over twice the keys (1-6% over 128 x 128 persistent
-    there in two runs; not at 2k nor 16k, and causal rows gained in one run only).
+    At H=64, plain non-causal rows of 4k-8k keys whose T is not a multiple of 256 take 64 x 256
+    tiles, a CTA per item: half the steps, each step's fixed cost spread over twice the keys
+    (1-6% over 128 x 128 persistent with held descriptors; 4-5% behind it with rebuilt ones).
     Causal rows go in pairs (`ForwardTiles.causal_pairs`): their rounds share K/V in L2 (kernel
     time against the snake: H=128 1k 14% faster, 2k 16%, 4k 9%, 8k 5%, with GQA 2k-8k 2-6%;
     H=64 4k 5%, 8k 2%; even at 16k and at H=64 512).
     A value head dim of its own (value_head_dim, None: head_dim) takes the tiles of the larger
-    of the two: MLA's (192, 128) those of 192."""
+    of the two: MLA's (192, 128) those of 192. wide=False: 64-row consumers at H=64 too (for a
+    grid too small to fill the GPU with 128)."""
     head_dim = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
     masked = window is not None or soft_cap is not None or segments
     # Causal rows (top-left aligned) see at most min(T, S) keys, fewer under a window.
@@ -188,11 +196,18 @@ def default_tiles(
     causal_keys = PERSISTENT_CAUSAL_KEYS_H64 if head_dim <= 64 else PERSISTENT_CAUSAL_KEYS_H128
     long_causal_rows = is_causal and not short_window and row_keys > causal_keys
     persistent = head_dim <= 128 and not long_causal_rows
-    if head_dim == 64 and not masked and not is_causal and 4096 <= kv_len < 16384:
+    plain_h64 = head_dim == 64 and not masked and not is_causal
+    if plain_h64 and wide and q_len % (NUM_CONSUMERS * 128) == 0:
+        step_descriptors = kv_len >= STEP_DESCRIPTORS_MIN_KEYS
+        return ForwardTiles(
+            block_q=128,
+            block_kv=128,
+            num_stages=2,
+            persistent=persistent,
+            step_descriptors=step_descriptors,
+        )
+    if plain_h64 and 4096 <= kv_len < 16384:
         return ForwardTiles(block_q=64, block_kv=256, num_stages=2)
-    wide = head_dim == 64 and not masked and not is_causal and q_len % (NUM_CONSUMERS * 128) == 0
-    if wide:
-        return ForwardTiles(block_q=128, block_kv=128, num_stages=2, persistent=persistent)
     if head_dim <= 128:
         return ForwardTiles(block_q=64, block_kv=128, num_stages=2, persistent=persistent)
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)

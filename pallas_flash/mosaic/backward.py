@@ -535,26 +535,35 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     # GPU, where they take microseconds.
     k, v, d_out, delta, lse = lax.optimization_barrier((k, v, d_out, delta, lse))
 
-    def norms(x):  # (max |x|, |x|_2) over the last axis, f32; non-finite rows give inf
+    # Each reduction below is a fusion that XLA compiles once per call site (a model's every
+    # layer), so there are as few as the bound allows: NaN and inf both reach the max as inf
+    # (no reduction of their own), and |.|_1 shares its input with the max.
+    def largest(x):  # max |x| over the last axis, f32; inf for a row with NaN or inf
         x = jnp.abs(x.astype(jnp.float32))
-        finite = x < jnp.inf
-        largest = jnp.max(jnp.where(finite, x, 0.0), axis=-1)
-        scaled = jnp.where(finite, x, 0.0) / jnp.where(largest > 0, largest, 1.0)[..., None]
-        l2 = largest * jnp.sqrt(jnp.sum(scaled * scaled, axis=-1))
-        all_finite = jnp.all(finite, axis=-1)
-        return jnp.where(all_finite, largest, jnp.inf), jnp.where(all_finite, l2, jnp.inf)
+        return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1)
+
+    def l2(x, largest):  # |x|_2 over the last axis, scaled by the max against overflow
+        x = jnp.abs(x.astype(jnp.float32))
+        finite = largest < jnp.inf
+        scaled = x / jnp.where(finite & (largest > 0), largest, 1.0)[..., None]
+        return jnp.where(finite, largest * jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)), jnp.inf)
 
     # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
-    kv = jnp.stack([norms(k[:, :kv_len])[0], *norms(v[:, :kv_len])])
-    if spec.is_causal:  # row i sees keys j <= i (top-left aligned)
-        kv = lax.cummax(kv, axis=2)[:, :, jnp.minimum(jnp.arange(q_len), kv_len - 1)]
+    v_largest = largest(v[:, :kv_len])
+    kv = jnp.stack([largest(k[:, :kv_len]), v_largest, l2(v[:, :kv_len], v_largest)])
+    if spec.is_causal:  # row i sees keys j <= min(i, S - 1) (top-left aligned)
+        kv = lax.cummax(kv, axis=2)
+        if q_len <= kv_len:
+            kv = kv[:, :, :q_len]
+        else:  # rows past the last key see all of them
+            kv = jnp.pad(kv, ((0, 0), (0, 0), (0, q_len - kv_len), (0, 0)), mode="edge")
     else:
         kv = jnp.max(kv, axis=2, keepdims=True)
     # [3, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
     k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
     d_out = d_out[:, :q_len].astype(jnp.float32)
     d_out_l1 = jnp.transpose(jnp.sum(jnp.abs(d_out), axis=-1), (0, 2, 1))  # [B, N, T]
-    d_out_l2 = jnp.transpose(norms(d_out)[1], (0, 2, 1))
+    d_out_l2 = jnp.transpose(l2(d_out, largest(d_out)), (0, 2, 1))
     # How far the recomputed P may exceed the exact one (see `_numerics.slack`): twice the
     # lowering, and 8 ulps of lse in log2 units for the rounding of lse2 and the logits.
     abs_lse = jnp.where(jnp.isfinite(lse), jnp.abs(lse), 0.0)

@@ -1004,8 +1004,37 @@ def print_decode_table(rows, out=sys.stdout):
             print(f"| {name} | " + " | ".join(cells) + " |", file=out)
 
 
+# The flags each suite reads (--out: every suite); another one given is an error, not ignored.
+# The grid on a machine without a GPU runs a fixed interpreted demo (GRID_ON_CPU_FLAGS).
+SUITE_FLAGS = {
+    "grid": ("--head-dims", "--seqs", "--impls", "--passes", "--causal", "--repeats"),
+    "shapes": ("--impls", "--passes", "--causal", "--repeats"),
+    "models": ("--repeats",),
+    "masks": ("--repeats",),
+    "compile": ("--impls", "--layers"),
+    "decode": ("--repeats", "--quick"),
+    "scale": ("--repeats", "--seqs"),
+}
+GRID_ON_CPU_FLAGS = ("--passes", "--causal", "--repeats")
+
+
+def _given_flags(parser, argv, suite: str, on_gpu: bool) -> set[str]:
+    """The flags given on the command line argv; parser.error naming those that `suite` would
+    not read."""
+    given = {token.split("=")[0] for token in argv if token.startswith("--")}
+    reads = SUITE_FLAGS[suite] if on_gpu or suite != "grid" else GRID_ON_CPU_FLAGS
+    unread = sorted(given - {"--suite", "--out", *reads})
+    if unread:
+        where = "" if on_gpu or suite != "grid" else " without an NVIDIA GPU (a fixed demo)"
+        parser.error(
+            f"--suite {suite}{where} does not take {', '.join(unread)}; it takes "
+            f"{', '.join(('--out', *reads))}"
+        )
+    return given
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--seqs", type=int, nargs="+", help="sequence lengths (default per suite)")
     parser.add_argument(
@@ -1050,6 +1079,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         return
     on_gpu = (device_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    given = _given_flags(parser, sys.argv[1:] if argv is None else argv, args.suite, on_gpu)
     if args.suite == "scale":
         run_scale_suite(args.out, args.repeats, args.seqs, on_gpu)
         return
@@ -1063,7 +1093,7 @@ def main(argv=None):
             print("No NVIDIA GPU: compile times of the interpret-mode kernels on a toy model.")
             impls, shape, interpret = ["pallas_flash", "xla"], (1, 128, 2, 64), True
             layers = args.layers or [1, 6]
-        if "--impls" in (argv if argv is not None else sys.argv):
+        if "--impls" in given:
             impls = args.impls
         run_compile_suite(args.out, impls, layers, shape, interpret=interpret)
         return
@@ -1083,7 +1113,7 @@ def main(argv=None):
     if args.suite == "shapes":
         grid = list(shapes_grid())
         impls, interpret, dtype, calls = args.impls, False, jnp.bfloat16, 10
-        if "--impls" not in (argv if argv is not None else sys.argv):
+        if "--impls" not in given:
             impls = ["pallas_flash", "pallas_flash_triton", "cudnn"]
         print(
             f"GPU: {jax.devices()[0].device_kind}; {len(grid)} shapes x {len(args.passes)} "

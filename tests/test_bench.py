@@ -1,4 +1,4 @@
-"""The bench's models suite: its cases and its FLOP count (the timings run on a GPU)."""
+"""The bench: its suites' cases, FLOP counts, tables and flags (the timings run on a GPU)."""
 
 import importlib.util
 import io
@@ -234,3 +234,21 @@ def test_ncu_summary_gives_durations_in_ms(tmp_path):
     page.write_text('"Kernel Name","gpu__time_duration.sum"\n"","us"\n"small_fusion","20.32"\n')
     (duration,) = dict(ncu_summary.summary(str(page)))["ms"]
     assert ncu_summary.number(duration) == pytest.approx(0.02032)
+
+
+@pytest.mark.parametrize(
+    "argv, unread",
+    [
+        (["--suite", "compile", "--head-dims", "64"], "--head-dims"),
+        (["--suite", "decode", "--seqs=4096"], "--seqs"),
+        (["--suite", "masks", "--impls", "cudnn", "--causal", "yes"], "--causal, --impls"),
+        (["--suite", "scale", "--layers", "2"], "--layers"),
+    ],
+)
+def test_a_flag_the_suite_does_not_read_is_an_error(argv, unread, capsys):
+    """No flag is silently ignored: a suite given one it does not read exits with an error that
+    names it (before any work)."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    assert f"does not take {unread};" in capsys.readouterr().err

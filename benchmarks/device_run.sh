@@ -4,6 +4,8 @@
 #   masks  python -m pallas_flash.bench --suite masks
 #   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
 #   compile  python -m pallas_flash.bench --suite compile (COMPILE_ARGS adds flags)
+#   layers  benchmarks/compile_layers.py: compile time and XLA fusions per backward form and
+#          depth (LAYERS_POINTS, e.g. "fixed:1 fixed:24"; default each form at 1 and 24)
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
@@ -125,6 +127,9 @@ for stage in ${@:-tests masks grid}; do
       timeout ${COMPILE_TIMEOUT:-400} python3 -m pallas_flash.bench --suite compile \
         --out $OUT/compile.jsonl ${COMPILE_ARGS:-} > $OUT/compile.log 2>&1
       tail -n 20 $OUT/compile.log ;;
+    layers)
+      timeout ${LAYERS_TIMEOUT:-240} python3 benchmarks/compile_layers.py \
+        $OUT/compile-layers.jsonl ${LAYERS_POINTS:-} 2>&1 | grep "^{" ;;
     tiles|split)
       exp=$([ $stage = tiles ] && echo tiles-masked || echo split-kv)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py $exp --out $OUT/$exp.jsonl \

@@ -1004,8 +1004,8 @@ def print_decode_table(rows, out=sys.stdout):
             print(f"| {name} | " + " | ".join(cells) + " |", file=out)
 
 
-# The flags each suite reads (--out: every suite); another one given is an error, not ignored.
-# The grid on a machine without a GPU runs a fixed interpreted demo (GRID_ON_CPU_FLAGS).
+# The flags each suite reads on a GPU (--out: every suite); another one given is an error, not
+# ignored.
 SUITE_FLAGS = {
     "grid": ("--head-dims", "--seqs", "--impls", "--passes", "--causal", "--repeats"),
     "shapes": ("--impls", "--passes", "--causal", "--repeats"),
@@ -1015,17 +1015,29 @@ SUITE_FLAGS = {
     "decode": ("--repeats", "--quick"),
     "scale": ("--repeats", "--seqs"),
 }
-GRID_ON_CPU_FLAGS = ("--passes", "--causal", "--repeats")
+# Without a GPU the grid, models and decode suites run fixed interpreted demos, which read
+# fewer (the models demo times each call once; the decode demo's shapes are all tiny).
+SUITE_FLAGS_ON_CPU = {
+    "grid": ("--passes", "--causal", "--repeats"),
+    "models": (),
+    "decode": ("--repeats",),
+}
+
+
+def suite_flags(suite: str, on_gpu: bool) -> tuple[str, ...]:
+    """The flags besides --out that `suite` reads, on a GPU or (on_gpu False) without one."""
+    return SUITE_FLAGS[suite] if on_gpu else SUITE_FLAGS_ON_CPU.get(suite, SUITE_FLAGS[suite])
 
 
 def _given_flags(parser, argv, suite: str, on_gpu: bool) -> set[str]:
     """The flags given on the command line argv; parser.error naming those that `suite` would
     not read."""
-    given = {token.split("=")[0] for token in argv if token.startswith("--")}
-    reads = SUITE_FLAGS[suite] if on_gpu or suite != "grid" else GRID_ON_CPU_FLAGS
+    given = {token.split("=")[0] for token in argv if token.startswith("--") and token != "--"}
+    reads = suite_flags(suite, on_gpu)
     unread = sorted(given - {"--suite", "--out", *reads})
     if unread:
-        where = "" if on_gpu or suite != "grid" else " without an NVIDIA GPU (a fixed demo)"
+        demo = not on_gpu and suite in SUITE_FLAGS_ON_CPU
+        where = " without an NVIDIA GPU (a fixed demo)" if demo else ""
         parser.error(
             f"--suite {suite}{where} does not take {', '.join(unread)}; it takes "
             f"{', '.join(('--out', *reads))}"

@@ -16,7 +16,9 @@ With backend=None on a GPU of compute capability >= 8.0:
   else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
-  them on the call's shapes, else its defaults. The Mosaic backward's defaults compute dQ in the
+  them on the call's shapes, else its defaults (at H=64, 64-row forward tiles where the
+  128-row defaults would leave the GPU half idle). The Mosaic backward's defaults compute dQ in
+  the
   dK/dV kernel where that is faster: by integer adds (`BackwardTiles(fused_dq="fixed")`,
   bitwise deterministic, `fixed_dq_is_faster`), or with `deterministic_grads=False` by f32
   adds in any order (`fused_dq="add"`, `fused_dq_is_faster`).
@@ -57,8 +59,9 @@ FUSED_DQ_H64_MIN_LEN = 2048
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
 # (fwd+bwd, bf16, T == S). H=64: 1.04-1.05x at 4k and 1.09x at 16k plain, 1.02-1.05x at 16k
 # causal (0.97-0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: plain 1.08x at
-# 4k, 1.09x at 8k, 1.08x at 16k (GQA 16/4 1.07-1.11x), causal 1.01-1.02x at 4k, 1.04-1.05x at
-# 8k, 1.08-1.10x at 16k. benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+# 4k, 1.09x at 8k, 1.08x at 16k (GQA 16/4 1.07-1.11x), causal 1.04-1.05x at 8k and
+# 1.08-1.10x at 16k (1.01-1.02x at 4k, within two runs' spread: two kernels there).
+# benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 4096}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 
@@ -209,8 +212,9 @@ def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> Mosai
 def _narrow_forward_tiles(call: Call, device: Device) -> mosaic.ForwardTiles | None:
     """The default forward's 64-row tiles where its 128-row ones (plain H=64) would leave the
     GPU half idle and the 64-row grid fills it: twice the CTAs keep the call, forward and
-    backward, on the Mosaic kernels (B=1, N=4, 4k keys: 64 CTAs of 256 rows, 128 of 128). None:
-    the defaults as they are."""
+    backward, on the Mosaic kernels (B=1, N=4, 4k keys: 64 CTAs of 256 rows, 128 of 128).
+    Measured: fwd+bwd 1.14-1.47x Triton's; the forward alone at B=1, N=8, 2k 10% behind
+    Triton's split-KV, 14% ahead at N=4, 4k. None: the defaults as they are."""
     tiles = mosaic.default_forward_tiles(call)
     if tiles.block_q == 64 or _mosaic_fills_gpu(call, device, tiles):
         return None
@@ -281,7 +285,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         causal=call.spec.is_causal,
     )
     # At H=128 the fused dQ's consumers rebuild their operands' descriptors each step instead
-    # of spilling them: fwd+bwd 4-11% faster, plain or causal, 4k to 16k ("fixed" plain 124/104
+    # of spilling them: fwd+bwd 3-25% faster, plain or causal, 4k to 16k ("fixed" plain 124/104
     # spill bytes to none). At H=64 nothing spills (ptxas: 0 bytes) and causal calls measured
     # even (benchmarks/NOTES.md, "Step descriptors").
     step_descriptors = call.head_dim > 64

@@ -1,5 +1,6 @@
 """The bench: its suites' cases, FLOP counts, tables and flags (the timings run on a GPU)."""
 
+import argparse
 import importlib.util
 import io
 import json
@@ -252,3 +253,16 @@ def test_a_flag_the_suite_does_not_read_is_an_error(argv, unread, capsys):
         bench.main(argv)
     assert exit_info.value.code == 2
     assert f"does not take {unread};" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+@pytest.mark.parametrize("suite", list(bench.SUITE_FLAGS))
+def test_every_flag_a_suite_reads_is_accepted(suite, on_gpu):
+    """The flags listed for a suite pass the check (and --out always); one more is refused."""
+    parser = argparse.ArgumentParser()
+    argv = ["--suite", suite, "--out", "x.jsonl", *bench.suite_flags(suite, on_gpu)]
+    expected = {"--suite", "--out", *bench.suite_flags(suite, on_gpu)}
+    assert bench._given_flags(parser, argv, suite, on_gpu) == expected
+    unread = sorted({"--head-dims", "--quick", "--layers"} - set(bench.suite_flags(suite, on_gpu)))
+    with pytest.raises(SystemExit):
+        bench._given_flags(parser, [*argv, unread[0]], suite, on_gpu)

@@ -1869,6 +1869,17 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t):
     d_nan[0, 5, 1, 3] = np.nan
     _, finite = exponents(k, v, d_nan)
     assert not finite[0, 1, 5] and finite.sum() == finite.size - 1
+    # NaN or inf in K or V at key 60 (of KV head 1, batch 1): every row that sees it loses its
+    # finite bound (causal: rows 60 on; plain: all of its query heads' rows), the rest keep it.
+    heads = np.arange(n) // group == 1
+    sees = np.arange(t) >= 60 if is_causal else np.ones(t, bool)
+    for name, value in (("k", np.nan), ("k", np.inf), ("v", np.nan), ("v", -np.inf)):
+        bad = {"k": k.copy(), "v": v.copy()}
+        bad[name][1, 60, 1, 7] = value
+        _, finite = exponents(bad["k"], bad["v"], d_out)
+        lost = np.zeros_like(finite)
+        lost[1] = heads[:, None] & sees[None, :]
+        np.testing.assert_array_equal(finite, ~lost, err_msg=f"{value} in {name}")
 
 
 def test_fixed_dq_keeps_rows_of_a_huge_lse_in_range_interpreted():

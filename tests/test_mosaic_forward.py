@@ -58,7 +58,6 @@ from pallas_flash.mosaic.schedule import (
 from pallas_flash.mosaic.tiles import (
     NUM_CONSUMERS,
     SMEM_BYTES,
-    STEP_DESCRIPTORS_MIN_KEYS,
     ForwardTiles,
     default_tiles,
     why_not,
@@ -763,9 +762,8 @@ def test_default_tiles_at_h64_take_128_rows_when_plain_and_not_causal():
 def test_default_tiles_at_h64_rebuild_q_descriptors_at_128_rows():
     """Plain H=64 rows of 128 query rows per consumer rebuild Q's descriptors each step (held,
     they spill) from 1k keys; 64-row consumers hold them, as do rows of 512 keys."""
-    for kv_len in (512, 1024, 2048, 4096, 8192, 16384):
+    for kv_len, step in ((512, False), (1000, False), (1024, True), (4096, True), (16384, True)):
         tiles = default_tiles(64, q_len=1024, kv_len=kv_len, is_causal=False)
-        step = kv_len >= STEP_DESCRIPTORS_MIN_KEYS
         assert (tiles.block_q, tiles.block_kv, tiles.step_descriptors) == (128, 128, step)
     # A small grid's 64-row tiles (the dispatch's wide=False).
     narrow = default_tiles(64, q_len=4096, kv_len=4096, is_causal=False, wide=False)

@@ -59,7 +59,7 @@ class ForwardTiles:
         compiler cannot see through (`launch.opaque_zero` of the KV step), so that Q's wgmma
         descriptors are rebuilt every step instead of computed once per item and held, two
         registers each (8 of them at block_q=128, H=64, where the consumer spills 12 bytes
-        held and none rebuilt, and runs 4-6% faster; NOTES, "Mosaic forward", "Step
+        held and none rebuilt, and runs 4-8% faster; NOTES, "Mosaic forward", "Step
         descriptors"); False: held.
     """
 
@@ -143,7 +143,8 @@ PERSISTENT_CAUSAL_KEYS_H128 = 8192
 # and its own; wall and kernel time, +2-9%).
 PERSISTENT_WINDOW_KEYS = 8192 + 1
 # Plain H=64 rows of 128-row consumers rebuild Q's descriptors each step from this many keys:
-# 4-6% faster from 1k to 16k on the H200; at 512 keys (4 steps an item) 19% slower
+# 4-8% faster from 2k to 16k on the H200 (at 1k 1.04-1.05x cuDNN in the grid against 0.99x
+# held a run earlier); at 512 keys (4 steps an item) 19% slower
 # (benchmarks/NOTES.md, "Mosaic forward", "Step descriptors").
 STEP_DESCRIPTORS_MIN_KEYS = 1024
 

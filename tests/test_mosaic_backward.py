@@ -63,6 +63,8 @@ from pallas_flash.mosaic.backward import (
     _q_tile_ranges,
     default_tiles,
     fixed_point_exponents,
+    l2_norm,
+    largest_abs,
 )
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
@@ -1767,6 +1769,34 @@ def test_fused_dq_tiles_validate():
     alone = BackwardTiles(fused_dq="add", num_consumers=1)
     assert "224 f32 registers" in why(*shapes, jnp.bfloat16, tiles=alone)
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_norms_of_the_fixed_point_bound_match_float64_at_the_edges_of_the_range(dtype):
+    """largest_abs and l2_norm (jitted, as in the backward) against float64, rows from 1e-30 to
+    float32's largest: the max exactly, |.|_2 within rounding where it is finite in float32, inf
+    where it overflows or the row holds NaN or inf. A max from 2^126 on made 1 / max subnormal,
+    flushed to zero: |.|_2 read 0."""
+    rng = np.random.default_rng(3)
+    rows = rng.normal(size=(9, 128)) * np.exp(rng.normal(size=(9, 1)))
+    rows[0] *= 1e-30 / np.abs(rows[0]).max()
+    rows[1] *= 1e30 / np.abs(rows[1]).max()
+    rows[2] *= 3.0e38 / np.abs(rows[2]).max()  # max above 2^127, |.|_2 above float32's
+    rows[3] = 0.0
+    rows[3, 5] = 3.0e38  # |.|_2 = the max
+    rows[4] = 0.0
+    rows[5, 7], rows[6, 0], rows[7, 127] = np.nan, np.inf, -np.inf
+    x = jnp.asarray(rows, dtype)
+    exact = np.asarray(x.astype(jnp.float32), np.float64)
+    largest, norm = jax.jit(lambda x: (largest_abs(x), l2_norm(x, largest_abs(x))))(x)
+    largest, norm = np.asarray(largest, np.float64), np.asarray(norm, np.float64)
+    finite = np.isfinite(exact).all(axis=1)
+    np.testing.assert_array_equal(largest[finite], np.abs(exact[finite]).max(axis=1))
+    assert (largest[~finite] == np.inf).all() and (norm[~finite] == np.inf).all()
+    want = np.sqrt(np.sum(exact[finite] ** 2, axis=1))
+    fits = want <= np.finfo(np.float32).max
+    np.testing.assert_allclose(norm[finite][fits], want[fits], rtol=1e-6)
+    assert (norm[finite][~fits] == np.inf).all() and (~fits).sum() == 1
 
 
 def test_fixed_point_exponents_of_a_constant_d_out_are_not_folded_at_compile_time():

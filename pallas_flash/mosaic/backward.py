@@ -501,6 +501,38 @@ def why_not(
     return None
 
 
+# The norms of `fixed_point_exponents`. Each reduction is a fusion that XLA compiles once per
+# call site (a model's every layer), so there are as few as the bound allows: NaN and inf both
+# reach the max as inf (no all-finite reduction of their own), and |.|_1 shares its input with
+# the max.
+
+
+def largest_abs(x):
+    """max |x| over the last axis, float32; inf for a row that holds NaN or inf."""
+    x = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1)
+
+
+def _pow2(n):
+    """2^n, float32, for int32 n in [-126, 127] (the normal range), exact: built from its bits."""
+    return lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def l2_norm(x, largest):
+    """|x|_2 over the last axis, float32, from the row's `largest_abs`; inf where that is not
+    finite (or the norm overflows). The row is scaled by 2^-e, e the max's binary exponent,
+    before its squares are summed, so that none overflows; 2^-e in two normal factors, since
+    the scale itself (like 1 / max, which XLA multiplies by in place of dividing) is subnormal
+    for a max from 2^126 on, and the hardware flushes subnormals to zero: the norm would read 0."""
+    x = jnp.abs(x.astype(jnp.float32))
+    finite = largest < jnp.inf
+    _, e = jnp.frexp(jnp.where(finite, largest, 0.0))  # largest < 2^e, e in [-148, 128]
+    low, high = e // 2, e - e // 2  # each in [-74, 64]
+    scaled = x * _pow2(-low)[..., None] * _pow2(-high)[..., None]
+    norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)) * _pow2(low) * _pow2(high)
+    return jnp.where(finite, norm, jnp.inf)
+
+
 def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
     """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
     [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T].
@@ -535,22 +567,9 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     # GPU, where they take microseconds.
     k, v, d_out, delta, lse = lax.optimization_barrier((k, v, d_out, delta, lse))
 
-    # Each reduction below is a fusion that XLA compiles once per call site (a model's every
-    # layer), so there are as few as the bound allows: NaN and inf both reach the max as inf
-    # (no reduction of their own), and |.|_1 shares its input with the max.
-    def largest(x):  # max |x| over the last axis, f32; inf for a row with NaN or inf
-        x = jnp.abs(x.astype(jnp.float32))
-        return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1)
-
-    def l2(x, largest):  # |x|_2 over the last axis, scaled by the max against overflow
-        x = jnp.abs(x.astype(jnp.float32))
-        finite = largest < jnp.inf
-        scaled = x / jnp.where(finite & (largest > 0), largest, 1.0)[..., None]
-        return jnp.where(finite, largest * jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)), jnp.inf)
-
     # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
-    v_largest = largest(v[:, :kv_len])
-    kv = jnp.stack([largest(k[:, :kv_len]), v_largest, l2(v[:, :kv_len], v_largest)])
+    v_largest = largest_abs(v[:, :kv_len])
+    kv = jnp.stack([largest_abs(k[:, :kv_len]), v_largest, l2_norm(v[:, :kv_len], v_largest)])
     if spec.is_causal:  # row i sees keys j <= min(i, S - 1) (top-left aligned)
         kv = lax.cummax(kv, axis=2)
         if q_len <= kv_len:
@@ -563,7 +582,7 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
     d_out = d_out[:, :q_len].astype(jnp.float32)
     d_out_l1 = jnp.transpose(jnp.sum(jnp.abs(d_out), axis=-1), (0, 2, 1))  # [B, N, T]
-    d_out_l2 = jnp.transpose(l2(d_out, largest(d_out)), (0, 2, 1))
+    d_out_l2 = jnp.transpose(l2_norm(d_out, largest_abs(d_out)), (0, 2, 1))
     # How far the recomputed P may exceed the exact one (see `_numerics.slack`): twice the
     # lowering, and 8 ulps of lse in log2 units for the rounding of lse2 and the logits.
     abs_lse = jnp.where(jnp.isfinite(lse), jnp.abs(lse), 0.0)

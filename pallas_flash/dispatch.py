@@ -11,9 +11,8 @@ With backend=None on a GPU of compute capability >= 8.0:
   Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
   whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
 - Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs (dropout
-  too), unless `block_sizes` configure the Triton backward, H=64 below 2048 keys (Triton
-  measured faster there) or H above 128 (not yet run compiled; `backend="mosaic"` runs it);
-  else Triton.
+  too), unless `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton
+  measured faster there); else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults (at H=64, 64-row forward tiles where the

@@ -1,8 +1,9 @@
 """`python -m pallas_flash.tune`: autotune the kernels' tiles on this GPU and fill the on-disk
 cache.
 
-For each shape class (dtype, head dim, causal, masked, sequence bucket) it times a small search
-space greedily -- the Triton kernels' BlockSizes: forward tiles on the forward pass, then the
+For each unmasked shape class (the --dtype, head dim, causal, sequence bucket; calls with a
+bias, dense mask or narrow band take the shipped heuristics) it times a small search space
+greedily -- the Triton kernels' BlockSizes: forward tiles on the forward pass, then the
 dK/dV tiles and the dQ tiles on forward+backward; on Hopper then the Mosaic GPU kernels' tiles:
 forward tiles, then backward tiles -- checks the winners against the reference, and stores them
 under the GPU's kind (`jax.devices()[0].device_kind`) in the cache file

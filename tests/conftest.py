@@ -173,7 +173,7 @@ class BackendPath:
     (and the conversion of the results to numpy, which must happen inside it).
 
     tiles: the path takes `block_sizes` (the Triton kernels); mosaic: it runs the Mosaic GPU
-    kernels, which take bfloat16/float16, head dims 64/128/256 and lengths in whole tiles, and
+    kernels, which take bfloat16/float16, H 64/80/96/128/192/256 and any lengths, and
     whose backward runs at every head dim with the forward's masks (else the Triton backward
     runs, which the Mosaic interpreter cannot: forward-only checks there).
     """

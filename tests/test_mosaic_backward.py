@@ -65,6 +65,7 @@ from pallas_flash.mosaic.backward import (
     fixed_point_exponents,
     l2_norm,
     largest_abs,
+    prefix_max,
 )
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
@@ -1769,6 +1770,21 @@ def test_fused_dq_tiles_validate():
     alone = BackwardTiles(fused_dq="add", num_consumers=1)
     assert "224 f32 registers" in why(*shapes, jnp.bfloat16, tiles=alone)
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
+
+
+@pytest.mark.parametrize("shape, axis", [((3, 2, 1000, 4), 2), ((3, 1, 128, 2), 2), ((7, 1), 0)])
+@pytest.mark.parametrize("limit", [None, 0])  # 0: every call past the limit, lax.cummax
+def test_prefix_max_is_cummax(monkeypatch, shape, axis, limit):
+    """prefix_max (blocked masked maxima, or lax.cummax past PREFIX_MAX_ELEMENTS) equals
+    lax.cummax bitwise, inf included, on lengths of one, part of one and many blocks."""
+    if limit is not None:
+        monkeypatch.setattr(mosaic_backward_module, "PREFIX_MAX_ELEMENTS", limit)
+    rng = np.random.default_rng(5)
+    x = np.abs(rng.normal(size=shape)) * np.exp(20 * rng.normal(size=shape))
+    x.reshape(-1)[:: max(1, x.size // 5)] = np.inf
+    x = jnp.asarray(x, jnp.float32)
+    got = jax.jit(lambda x: prefix_max(x, axis))(x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.lax.cummax(x, axis=axis)))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -520,17 +520,50 @@ def _pow2(n):
 
 def l2_norm(x, largest):
     """|x|_2 over the last axis, float32, from the row's `largest_abs`; inf where that is not
-    finite (or the norm overflows). The row is scaled by 2^-e, e the max's binary exponent,
-    before its squares are summed, so that none overflows; 2^-e in two normal factors, since
-    the scale itself (like 1 / max, which XLA multiplies by in place of dividing) is subnormal
-    for a max from 2^126 on, and the hardware flushes subnormals to zero: the norm would read 0."""
+    finite (or the norm overflows). The row is scaled by 2^-e, e the max's binary exponent held
+    within [-126, 126], before its squares are summed, so that none overflows (scaled entries
+    stay below 4); the scale is a normal float, where 1 / max (which XLA multiplies by in place
+    of dividing) is subnormal for a max from 2^126 on, and the hardware flushes subnormals to
+    zero: the norm would read 0."""
     x = jnp.abs(x.astype(jnp.float32))
     finite = largest < jnp.inf
-    _, e = jnp.frexp(jnp.where(finite, largest, 0.0))  # largest < 2^e, e in [-148, 128]
-    low, high = e // 2, e - e // 2  # each in [-74, 64]
-    scaled = x * _pow2(-low)[..., None] * _pow2(-high)[..., None]
-    norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)) * _pow2(low) * _pow2(high)
+    _, e = jnp.frexp(jnp.where(finite, largest, 0.0))  # largest < 2^e
+    e = jnp.clip(e, -126, 126)
+    scaled = x * _pow2(-e)[..., None]
+    norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)) * _pow2(e)
     return jnp.where(finite, norm, jnp.inf)
+
+
+# Keys per block of `prefix_max`: a block's prefix is a masked max over a block x block square.
+PREFIX_BLOCK = 128
+# The most elements `prefix_max` reduces over (the blocks' squares, or the square of the
+# blocks): XLA on a GPU fuses the mask into the reduction, but where it did not, the squares
+# (4 bytes each) would be written out. Beyond it (3 B K S x 128 elements: S = 43k at B K = 16)
+# it takes `lax.cummax`.
+PREFIX_MAX_ELEMENTS = 1 << 28
+
+
+def prefix_max(x, axis: int):
+    """The running max of x (>= 0, no NaN) along `axis`: out[..., i, ...] = max of x[..., :i+1,
+    ...]. In two masked maxima (within blocks of PREFIX_BLOCK, then over the blocks before each),
+    two XLA reductions, where `lax.cummax` becomes a tree of reduce-windows (nine fusions at
+    8k on CPU), each compiled again at every call site."""
+    length = x.shape[axis]
+    block = min(PREFIX_BLOCK, length)
+    blocks = cdiv(length, block)
+    rows = x.size // length
+    if rows * blocks * max(block * block, blocks) > PREFIX_MAX_ELEMENTS:
+        return lax.cummax(x, axis=axis)
+    x = jnp.moveaxis(x, axis, -1)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block - length)])
+    x = x.reshape(*x.shape[:-1], blocks, block)
+    upto = jnp.arange(block)[None, :] <= jnp.arange(block)[:, None]  # [i, j]: j <= i
+    within = jnp.max(jnp.where(upto, x[..., None, :], 0.0), axis=-1)  # [..., blocks, block]
+    earlier = jnp.arange(blocks)[None, :] < jnp.arange(blocks)[:, None]  # [b, c]: c < b
+    block_max = jnp.max(x, axis=-1)  # [..., blocks]
+    before = jnp.max(jnp.where(earlier, block_max[..., None, :], 0.0), axis=-1)
+    out = jnp.maximum(within, before[..., None]).reshape(*x.shape[:-2], blocks * block)
+    return jnp.moveaxis(out[..., :length], -1, axis)
 
 
 def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
@@ -571,7 +604,7 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     v_largest = largest_abs(v[:, :kv_len])
     kv = jnp.stack([largest_abs(k[:, :kv_len]), v_largest, l2_norm(v[:, :kv_len], v_largest)])
     if spec.is_causal:  # row i sees keys j <= min(i, S - 1) (top-left aligned)
-        kv = lax.cummax(kv, axis=2)
+        kv = prefix_max(kv, axis=2)
         if q_len <= kv_len:
             kv = kv[:, :, :q_len]
         else:  # rows past the last key see all of them

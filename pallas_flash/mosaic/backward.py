@@ -782,9 +782,9 @@ def flash_backward(
         # A row whose lse is -inf (no key), +inf (a sink took it) or NaN gets P = 0, so dq 0,
         # as from the default backward (whatever its partials converted to).
         p_zero = ~jnp.isfinite(lse)
-        dq_unit = jnp.ldexp(jnp.float32(scale), -exponents)
+        dq_unit = jnp.float32(scale) * _pow2(-exponents)  # |exponents| <= 120: exact
         dq_unit = jnp.where(p_zero, 0.0, jnp.where(finite_bound, dq_unit, jnp.nan))
-        rows_of_lse.append(jnp.pad(jnp.ldexp(jnp.float32(1.0), exponents), pad_rows))
+        rows_of_lse.append(jnp.pad(_pow2(exponents), pad_rows))
     # [B, N, 2 (3 with "fixed"), T'']: a tile's lse2 and bound rows (and the fixed point's
     # scales) land in one TMA copy.
     lse2 = jnp.stack(rows_of_lse, axis=2)

@@ -1815,6 +1815,24 @@ def test_norms_of_the_fixed_point_bound_match_float64_at_the_edges_of_the_range(
     assert (norm[finite][~fits] == np.inf).all() and (~fits).sum() == 1
 
 
+def test_fixed_point_exponents_of_a_huge_d_out_over_zero_values_are_finite():
+    """dO of 1e37 (|dO|_1 past float32, |dO|_2 not) over V of zeros: dP = 0, so dQ is finite
+    (0 with delta 0) in float64, and the rows keep a finite bound (inf * 0 was NaN)."""
+    b, t, n, h = 1, 64, 2, 64
+    k = jnp.asarray(np.random.default_rng(0).normal(size=(b, t, n, h)), jnp.float32)
+    v = jnp.zeros((b, t, n, h), jnp.float32)
+    d_out = jnp.full((b, t, n, h), 1e37, jnp.float32)
+    rows = jnp.zeros((b, n, t), jnp.float32)
+    for is_causal in (False, True):
+        spec = MaskSpec(q_len=t, kv_len=t, is_causal=is_causal)
+        _, finite = fixed_point_exponents(k, v, d_out, rows, rows, spec=spec, num_heads=n)
+        assert np.asarray(finite).all()
+    # A NaN in a row's dO still takes its bound away.
+    d_nan = d_out.at[0, 3, 1, 0].set(jnp.nan)
+    _, finite = fixed_point_exponents(k, v, d_nan, rows, rows, spec=spec, num_heads=n)
+    assert not finite[0, 1, 3] and np.asarray(finite).sum() == finite.size - 1
+
+
 def test_fixed_point_exponents_of_a_constant_d_out_are_not_folded_at_compile_time():
     """A loss like out.mean() makes d_out a constant: XLA would fold its norms on the host
     while compiling (29 s at [1, 8192, 16, 128] on this CPU, 4-8 s per layer on the H200's),

@@ -620,7 +620,9 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     # lowering, and 8 ulps of lse in log2 units for the rounding of lse2 and the logits.
     abs_lse = jnp.where(jnp.isfinite(lse), jnp.abs(lse), 0.0)
     gain = jnp.exp2(2.0 * LOG2E * slack(abs_lse) + 8.0 * jnp.spacing(abs_lse * LOG2E))
-    ds_max = gain * (jnp.minimum(d_out_l1 * v_max, d_out_l2 * v_l2) + jnp.abs(delta))
+    # fmin: |dO|_1 may overflow where |dO|_2 does not, and inf * 0 (V of zeros) is NaN; a NaN or
+    # inf in what the row sees still leaves both NaN or inf.
+    ds_max = gain * (jnp.fmin(d_out_l1 * v_max, d_out_l2 * v_l2) + jnp.abs(delta))
     bound = ds_max * k_max
     finite = bound < jnp.inf  # False for NaN too
     _, bound_exp = jnp.frexp(jnp.where(finite, bound, 0.0))  # bound < 2^bound_exp

@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -659,8 +660,20 @@ def mosaic_persistent(out, smoke=False, cases=None):
         _record(out, row)
 
 
+# The flags each experiment reads besides --out; another one given is an error, not ignored.
+EXPERIMENT_FLAGS = {
+    "tiles-masked": (),
+    "split-kv": (),
+    "mosaic-tiles": ("--head-dims", "--seqs", "--only"),
+    "mosaic-backward": ("--head-dims", "--seqs"),
+    "mosaic-gqa": (),
+    "decode": ("--quick", "--calls-per-jit", "--smoke", "--only", "--cases"),
+    "mosaic-persistent": ("--smoke", "--cases"),
+}
+
+
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     parser.add_argument(
         "experiment",
         choices=[
@@ -695,6 +708,10 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 16384])
     args = parser.parse_args()
+    given = {token.split("=")[0] for token in sys.argv[1:] if token.startswith("--")}
+    unread = sorted(given - {"--out", *EXPERIMENT_FLAGS[args.experiment]})
+    if unread:
+        parser.error(f"{args.experiment} does not take {', '.join(unread)}")
     print("device:", jax.devices()[0].device_kind, flush=True)
     with open(args.out, "a") as out:
         if args.experiment == "mosaic-tiles":

@@ -66,6 +66,7 @@ from pallas_flash.mosaic.backward import (
     l2_norm,
     largest_abs,
     prefix_max,
+    seen_maxima,
 )
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
@@ -1613,6 +1614,14 @@ FUSED_CI_FIXED_CAPPED = MaskCase(
     scale=1.0,
     tiles=BackwardTiles(fused_dq="fixed_slab"),
 )
+# A window (left and right of the diagonal, T != S): each row's bound from the keys inside it,
+# NaN and inf past T outside every row's.
+FUSED_CI_FIXED_WINDOW = MaskCase(
+    Problem(1, 130, 200, 2, 1, 64, False, "bf16"),
+    window=(50, 30),
+    tiles=BackwardTiles(fused_dq="fixed_slab"),
+    poison=True,
+)
 # The consumers' K, V (and the fused dQ's K^T and dS^T tiles) addressed through an opaque zero
 # (`BackwardTiles.step_descriptors`, which the dispatch gives every fused dQ): "fixed_slab"'s
 # causal halves at H=128 (its step -1 of zeros included), "slab"'s turns at H=64 with head
@@ -1660,6 +1669,7 @@ FUSED_SWEEP_CASES = [
         FUSED_CI_PLAIN,
         FUSED_CI_FIXED,
         FUSED_CI_FIXED_CAPPED,
+        FUSED_CI_FIXED_WINDOW,
         *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES),
     ],
     ids=case_id,
@@ -1757,8 +1767,8 @@ def test_fused_dq_tiles_validate():
     assert why(*shapes, jnp.bfloat16) is None
     for mode in ("fixed", "fixed_slab"):
         fixed = functools.partial(why, tiles=BackwardTiles(fused_dq=mode))
-        assert "not with a window" in fixed(*shapes, jnp.bfloat16, window=(64, 0))
-        assert "not with a window" in fixed(*shapes, jnp.bfloat16, segments=True)
+        assert fixed(*shapes, jnp.bfloat16, window=(64, 0)) is None
+        assert "not with segment ids" in fixed(*shapes, jnp.bfloat16, segments=True)
         assert "bfloat16 only, not float16" in fixed(*shapes, jnp.float16)
         assert fixed(*shapes, jnp.bfloat16) is None
     # The staging tiles count in shared memory: with head splits' partials too they overflow.
@@ -1770,6 +1780,24 @@ def test_fused_dq_tiles_validate():
     alone = BackwardTiles(fused_dq="add", num_consumers=1)
     assert "224 f32 registers" in why(*shapes, jnp.bfloat16, tiles=alone)
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
+
+
+def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees():
+    """seen_maxima against a brute-force masked max (the mask's geometry), for random T, S,
+    causal or not, windows from none to wider than both lengths, inf among the keys: rows past
+    the last key, rows a window leaves without keys (0)."""
+    rng = np.random.default_rng(11)
+    for _ in range(40):
+        t, s = (int(x) for x in rng.integers(1, 300, size=2))
+        window = None if rng.integers(3) == 0 else tuple(int(x) for x in rng.integers(0, 400, 2))
+        spec = MaskSpec(q_len=t, kv_len=s, is_causal=bool(rng.integers(2)), window=window)
+        x = np.abs(rng.normal(size=(3, 2, s, 2))) * np.exp(3 * rng.normal(size=(3, 2, s, 2)))
+        x.reshape(-1)[rng.integers(x.size)] = np.inf
+        x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+        got = np.asarray(seen_maxima(jnp.asarray(x, jnp.float32), spec, axis=2), np.float64)
+        visible = np.broadcast_to(spec.geometry(np.arange(t)[:, None], np.arange(s)), (t, s))
+        want = np.where(visible[None, None, :, :, None], x[:, :, None], 0.0).max(axis=3)
+        np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want, err_msg=str(spec))
 
 
 @pytest.mark.parametrize("shape, axis", [((3, 2, 1000, 4), 2), ((3, 1, 128, 2), 2), ((7, 1), 0)])
@@ -1860,13 +1888,15 @@ def test_fixed_point_exponents_of_a_constant_d_out_are_not_folded_at_compile_tim
 @pytest.mark.parametrize("is_causal", [True, False])
 @pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("t", [96, 300])  # 300 > S: causal rows past the last key see all
-def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t):
+@pytest.mark.parametrize("window", [None, (40, 0), (30, 50)])
+def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t, window):
     """fused_dq "fixed": for every row, 2^e times the largest sum of |dS_ij K_jh| over the keys
     the row sees (what any partial sum of its dQ reaches at most, in float64 from the
     oracle's P and dP) stays under 2^FIXED_POINT_BITS; dQ summed as the kernel does (per block
     of 64 keys, truncated to integers) adds far less error per row than dS's rounding to
     bfloat16 (median 1%); a huge |lse| lowers e; huge keys past a causal row's diagonal leave
-    its e as it was; NaN in a row's dO gives it no finite bound."""
+    its e as it was; NaN in a row's dO gives it no finite bound. Windows: the keys each row
+    sees, none for the last rows when T > S."""
     rng = np.random.default_rng(7)
     b, s, k_heads, h = 2, 256, 2, 64
     n = k_heads * group
@@ -1876,20 +1906,25 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t):
     v = rng.normal(size=(b, s, k_heads, h)) * np.exp(rng.normal(size=(b, s, k_heads, 1)))
     d_out = rng.normal(size=(b, t, n, h)) * np.exp(2 * rng.normal(size=(b, t, n, 1)))
     d_lse = rng.normal(size=(b, n, t))
-    spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal)
+    spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal, window=window)
     kk, vv = (np.repeat(x, group, axis=2) for x in (k, v))
     logits = np.einsum("btnh,bsnh->bnts", q, kk) / 8.0
-    visible = np.asarray(spec.geometry(np.arange(t)[:, None], np.arange(s)[None, :]))
+    visible = np.broadcast_to(spec.geometry(np.arange(t)[:, None], np.arange(s)[None, :]), (t, s))
     logits = np.where(visible, logits, -np.inf)
-    p = np.exp(logits - logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
+    top = logits.max(-1, keepdims=True)
+    top = np.where(np.isfinite(top), top, 0.0)  # rows a window leaves without keys: P = 0
+    p = np.exp(logits - top)
+    total = p.sum(-1, keepdims=True)
+    p /= np.where(total > 0, total, 1.0)
+    has_key = visible.any(-1)  # [T]
     out = np.einsum("bnts,bsnh->btnh", p, vv)
     delta = np.einsum("btnh,btnh->bnt", d_out, out) - d_lse
     dp = np.einsum("btnh,bsnh->bnts", d_out, vv)
     ds = p * (dp - delta[..., None])
     worst = np.einsum("bnts,bsnh->bnth", np.abs(ds), np.abs(kk)).max(-1)  # [B, N, T]
 
-    lse = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    with np.errstate(divide="ignore"):
+        lse = np.log(total[..., 0]) + top[..., 0]  # -inf without keys
 
     def exponents(k, v, d_out, lse=lse):
         args = (jnp.asarray(x, jnp.float32) for x in (k, v, d_out, delta, lse))
@@ -1913,14 +1948,14 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t):
     assert np.abs(sums).max() < 2.0**31
     exact = np.einsum("bnts,bsnh->bnth", ds, kk)
     rounded = np.einsum("bnts,bsnh->bnth", ds16, kk)
-    fixed_error = np.abs(sums[-1] / unit - rounded).max(-1)  # per row
-    bf16_error = np.abs(rounded - exact).max(-1)
+    fixed_error = np.abs(sums[-1] / unit - rounded).max(-1)[..., has_key]  # per row with keys
+    bf16_error = np.abs(rounded - exact).max(-1)[..., has_key]
     assert np.median(fixed_error / bf16_error) <= 0.01, np.median(fixed_error / bf16_error)
     assert (fixed_error <= 0.5 * bf16_error).mean() >= 0.95, np.sort(fixed_error / bf16_error)
     # Rows of a huge |lse|, whose recomputed P the backward lowers its reference for (exp of
     # `_numerics.slack`, up to e^2 here): their e drops to keep the sums in range.
     e_huge, _ = exponents(k, v, d_out, lse=lse + 2.0**23)
-    assert (e_huge <= e - 3).all()
+    assert (e_huge <= e - 3)[..., has_key].all()
     if is_causal:
         # Keys past row 40's diagonal 1e15 times larger: rows up to 40 keep their e.
         k_huge, v_huge = k.copy(), v.copy()
@@ -1928,7 +1963,7 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t):
         v_huge[:, 41:] *= 1e15
         e_huge, _ = exponents(k_huge, v_huge, d_out)
         np.testing.assert_array_equal(e_huge[..., :41], e[..., :41])
-        assert (e_huge[..., 41:] < e[..., 41:] - 80).all()
+        assert (e_huge[..., 41:] < e[..., 41:] - 80)[..., has_key[41:]].all()
     d_nan = d_out.copy()
     d_nan[0, 5, 1, 3] = np.nan
     _, finite = exponents(k, v, d_nan)
@@ -1936,7 +1971,7 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t):
     # NaN or inf in K or V at key 60 (of KV head 1, batch 1): every row that sees it loses its
     # finite bound (causal: rows 60 on; plain: all of its query heads' rows), the rest keep it.
     heads = np.arange(n) // group == 1
-    sees = np.arange(t) >= 60 if is_causal else np.ones(t, bool)
+    sees = np.broadcast_to(spec.geometry(np.arange(t), 60), (t,))
     for name, value in (("k", np.nan), ("k", np.inf), ("v", np.nan), ("v", -np.inf)):
         bad = {"k": k.copy(), "v": v.copy()}
         bad[name][1, 60, 1, 7] = value
@@ -2031,6 +2066,20 @@ FUSED_FIXED_GPU_CASES = [
     MaskCase(
         Problem(1, 2048, 2048, 16, 1, 64, True, "bf16"),
         tiles=BackwardTiles(fused_dq="fixed", num_consumers=1, dkv_head_splits=4),
+    ),
+    # Windows: causal (Mistral's sliding window) at H=128 with step descriptors, and both sides
+    # of the diagonal at H=64 with T != S.
+    MaskCase(
+        Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"),
+        window=(300, 0),
+        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(1, 1000, 1500, 4, 2, 64, False, "bf16"),
+        window=(200, 300),
+        tiles=FUSED_FIXED,
+        poison=True,
     ),
 ]
 

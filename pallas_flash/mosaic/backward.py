@@ -142,7 +142,8 @@ class BackwardTiles:
         its partial converted to int32 and added by TMA; integer adds are associative, so dQ
         is bitwise deterministic (at 0.91-0.97x the speed of "add" on the H200). e comes from
         a bound on the row's partial sums (`fixed_point_exponents`), which XLA computes before
-        the kernel from the keys the row sees: plain and causal calls in bfloat16 only.
+        the kernel from the keys the row sees: plain, causal and windowed calls (no segment
+        ids or lengths) in bfloat16 only.
         "slab": the same partials
         as "add" stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
@@ -472,10 +473,10 @@ def why_not(
         )
     if tiles.fused_dq and (dropout or value_head_dim != head_dim):
         return f"{tiles}: fused_dq is not tested with dropout or a value head dim of its own yet"
-    if tiles.fixed_point_dq and (window is not None or segments):
+    if tiles.fixed_point_dq and segments:
         return (
-            f"{tiles} bounds each row's dQ from the keys it sees, which plain and causal calls "
-            "give as a prefix: not with a window, segment ids or sequence lengths"
+            f"{tiles} bounds each row's dQ from the keys it sees, which the mask's geometry "
+            "gives (causal, window): not with segment ids or sequence lengths"
         )
     if tiles.fixed_point_dq and jnp.dtype(dtype) != jnp.bfloat16:
         return (
@@ -566,13 +567,56 @@ def prefix_max(x, axis: int):
     return jnp.moveaxis(out[..., :length], -1, axis)
 
 
+def window_max(x, width: int, axis: int):
+    """out[..., i, ...] = max of x[..., i : i + width, ...] (x >= 0, no NaN; past the end, 0),
+    for i up to x's length - width: each window ends in the block (of `width`) after the one it
+    starts in, or is one, so it is the max of its start's suffix in one block and its end's
+    prefix in the next (van Herk, Gil and Werman), two `prefix_max`."""
+    x = jnp.moveaxis(x, axis, -1)
+    length = x.shape[-1]
+    blocks = cdiv(length + width - 1, width)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
+    x = x.reshape(*x.shape[:-1], blocks, width)
+    prefix = prefix_max(x, axis=-1).reshape(*x.shape[:-2], -1)
+    suffix = jnp.flip(prefix_max(jnp.flip(x, -1), axis=-1), -1).reshape(*x.shape[:-2], -1)
+    count = length - width + 1
+    out = jnp.maximum(suffix[..., :count], prefix[..., width - 1 : width - 1 + count])
+    return jnp.moveaxis(out, -1, axis)
+
+
+def seen_maxima(x, spec: MaskSpec, axis: int):
+    """Per query row i < T, the max of x (>= 0, no NaN; its keys along `axis`, S of them) over
+    the keys the row sees by spec's geometry, i - left <= j <= i + right and j < S (causal:
+    right 0): T values along `axis`, or 1 (the max of all) where every row sees every key. A
+    row that sees no key gets 0."""
+    q_len, kv_len = spec.q_len, spec.kv_len
+    if spec.window is None and not spec.is_causal:
+        return jnp.max(x, axis=axis, keepdims=True)
+    x = jnp.moveaxis(x, axis, -1)
+    # Bounds that no row reaches past change nothing: keys j >= 0 and j <= S - 1.
+    right = min(spec.right, kv_len - 1)
+    if spec.window is None:  # keys 0 ... min(i + right, S - 1): a prefix
+        seen = prefix_max(x, axis=-1)[..., right:]
+        shortfall = q_len - seen.shape[-1]
+        if shortfall > 0:  # rows past the last key see all of them
+            seen = jnp.pad(seen, [(0, 0)] * (x.ndim - 1) + [(0, shortfall)], mode="edge")
+        return jnp.moveaxis(seen[..., :q_len], -1, axis)
+    # Keys i - left ... i + right: window i of x shifted right by `left` (zeros before key 0),
+    # and zeros past key S - 1 (rows whose window starts there see none).
+    left = min(spec.left, q_len - 1)
+    width = left + right + 1
+    x = x[..., : min(kv_len, q_len + right)]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(left, q_len + right - x.shape[-1])])
+    return jnp.moveaxis(window_max(x, width, axis=-1), -1, axis)
+
+
 def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
     """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
     [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T].
 
     k [B, S', K, H], v [B, S', K, Hv], d_out [B, T', N, Hv] (padded or not: spec's T and S are
-    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's; a plain
-    or causal call (no window, no segment ids).
+    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's; a call
+    without segment ids or lengths (causal or not, with a window or not).
 
     Row i's partial of dQ (unscaled) over any set J of the keys it sees is sum_{j in J} dS_ij
     K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, dcap in [0, 1] and
@@ -580,19 +624,20 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     one (1 but for rounding where |lse| <= SLACK_FROM; the lowered reference's `slack` and a
     few ulps of lse beyond). |dP_ij| <= min(|dO_i|_1 |V_j|_max, |dO_i|_2 |V_j|_2), so each
     entry of the partial is at most B_i = g_i (min(|dO_i|_1 max_j |V_j|_max, |dO_i|_2 max_j
-    |V_j|_2) + |delta_i|) max_j |K_j|_max, the maxima over the keys j that the row sees (all of
-    them; j <= i causal), in any order of the sums. e = FIXED_POINT_BITS - (floor(log2 B_i) +
+    |V_j|_2) + |delta_i|) max_j |K_j|_max, the maxima over the keys j that the row sees
+    (`seen_maxima`: all of them, j <= i causal, i - left <= j <= i + right in a window), in
+    any order of the sums. e = FIXED_POINT_BITS - (floor(log2 B_i) +
     1) keeps every partial and every partial sum of the row under 2^FIXED_POINT_BITS < 2^31 in
     units of 2^-e (with room for the rounding of dS to 16 bits), so int32 adds of them neither
     overflow nor depend on their order; the sum's resolution is 2^-FIXED_POINT_BITS of B_i
     (B_i is loose by the cancellation in the row's sums, 2^8-2^14 on random data: the error
     grows with the number of key tiles, benchmarks/NOTES.md, "fused-dq"). e also keeps 2^e
     |dS_ij| far inside bfloat16's range. Keys a row cannot see are not in its maxima: huge
-    values past its diagonal cost it no precision. NaN or inf in K, V or dO_i that the row
-    sees (or in delta_i, or B_i past float32) leaves it without a finite bound: e = 0 and
-    finite_bound False (the caller makes such a row NaN, as the default backward's products
-    would)."""
-    assert spec.window is None and not spec.has_segments, spec
+    values past its diagonal or outside its window cost it no precision. NaN or inf in K, V or
+    dO_i that the row sees (or in delta_i, or B_i past float32) leaves it without a finite
+    bound: e = 0 and finite_bound False (the caller makes such a row NaN, as the default
+    backward's products would)."""
+    assert not spec.has_segments, spec
     q_len, kv_len = spec.q_len, spec.kv_len
     # A loss like out.mean() makes d_out a constant (a broadcast), and XLA would fold the norms
     # below on the host at compile time: 4-8 s per call site at [1, 8192, 16, 128] on the H200
@@ -603,14 +648,7 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
     v_largest = largest_abs(v[:, :kv_len])
     kv = jnp.stack([largest_abs(k[:, :kv_len]), v_largest, l2_norm(v[:, :kv_len], v_largest)])
-    if spec.is_causal:  # row i sees keys j <= min(i, S - 1) (top-left aligned)
-        kv = prefix_max(kv, axis=2)
-        if q_len <= kv_len:
-            kv = kv[:, :, :q_len]
-        else:  # rows past the last key see all of them
-            kv = jnp.pad(kv, ((0, 0), (0, 0), (0, q_len - kv_len), (0, 0)), mode="edge")
-    else:
-        kv = jnp.max(kv, axis=2, keepdims=True)
+    kv = seen_maxima(kv, spec, axis=2)
     # [3, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
     k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
     d_out = d_out[:, :q_len].astype(jnp.float32)

@@ -1782,10 +1782,13 @@ def test_fused_dq_tiles_validate():
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
 
 
-def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees():
+@pytest.mark.parametrize("limit", [None, 0])  # 0: lax.cummax inside, as for large calls
+def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees(monkeypatch, limit):
     """seen_maxima against a brute-force masked max (the mask's geometry), for random T, S,
     causal or not, windows from none to wider than both lengths, inf among the keys: rows past
     the last key, rows a window leaves without keys (0)."""
+    if limit is not None:
+        monkeypatch.setattr(mosaic_backward_module, "PREFIX_MAX_ELEMENTS", limit)
     rng = np.random.default_rng(11)
     for _ in range(40):
         t, s = (int(x) for x in rng.integers(1, 300, size=2))
@@ -1800,7 +1803,9 @@ def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees():
         np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want, err_msg=str(spec))
 
 
-@pytest.mark.parametrize("shape, axis", [((3, 2, 1000, 4), 2), ((3, 1, 128, 2), 2), ((7, 1), 0)])
+@pytest.mark.parametrize(
+    "shape, axis", [((3, 2, 1000, 4), 2), ((3, 1, 128, 2), -2), ((2, 300), -1), ((7, 1), 0)]
+)
 @pytest.mark.parametrize("limit", [None, 0])  # 0: every call past the limit, lax.cummax
 def test_prefix_max_is_cummax(monkeypatch, shape, axis, limit):
     """prefix_max (blocked masked maxima, or lax.cummax past PREFIX_MAX_ELEMENTS) equals
@@ -1812,7 +1817,8 @@ def test_prefix_max_is_cummax(monkeypatch, shape, axis, limit):
     x.reshape(-1)[:: max(1, x.size // 5)] = np.inf
     x = jnp.asarray(x, jnp.float32)
     got = jax.jit(lambda x: prefix_max(x, axis))(x)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.lax.cummax(x, axis=axis)))
+    want = jax.lax.cummax(x, axis=axis % x.ndim)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -1859,6 +1865,27 @@ def test_fixed_point_exponents_of_a_huge_d_out_over_zero_values_are_finite():
     d_nan = d_out.at[0, 3, 1, 0].set(jnp.nan)
     _, finite = fixed_point_exponents(k, v, d_nan, rows, rows, spec=spec, num_heads=n)
     assert not finite[0, 1, 3] and np.asarray(finite).sum() == finite.size - 1
+
+
+@pytest.mark.parametrize(
+    "b, s, k_heads, window",
+    [(8, 8192, 16, None), (1, 131072, 8, None), (8, 131072, 32, (8192, 8192)), (1, 4096, 8, None)],
+)
+def test_fixed_point_exponents_trace_at_model_sizes(b, s, k_heads, window):
+    """Causal calls of model sizes trace (abstractly), the large ones through lax.cummax."""
+    spec = MaskSpec(q_len=s, kv_len=s, is_causal=True, window=window)
+    kv = jax.ShapeDtypeStruct((b, s, k_heads, 128), jnp.bfloat16)
+    d_out = jax.ShapeDtypeStruct((b, s, 2 * k_heads, 128), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((b, 2 * k_heads, s), jnp.float32)
+    exponents, finite = jax.eval_shape(
+        functools.partial(fixed_point_exponents, spec=spec, num_heads=2 * k_heads),
+        kv,
+        kv,
+        d_out,
+        rows,
+        rows,
+    )
+    assert exponents.shape == finite.shape == (b, 2 * k_heads, s)
 
 
 def test_fixed_point_exponents_of_a_constant_d_out_are_not_folded_at_compile_time():

@@ -539,8 +539,9 @@ def l2_norm(x, largest):
 PREFIX_BLOCK = 128
 # The most elements `prefix_max` reduces over (the blocks' squares, or the square of the
 # blocks): XLA on a GPU fuses the mask into the reduction, but where it did not, the squares
-# (4 bytes each) would be written out. Beyond it (3 B K S x 128 elements: S = 43k at B K = 16)
-# it takes `lax.cummax`.
+# (4 bytes each) would be written out. Beyond it it takes `lax.cummax`: causal rows from
+# 3 B K S x 128 elements (S = 43k at B K = 16, 5.5k at B K = 128), windows from 3 B K (T +
+# 2 width) x 128.
 PREFIX_MAX_ELEMENTS = 1 << 28
 
 
@@ -549,6 +550,7 @@ def prefix_max(x, axis: int):
     ...]. In two masked maxima (within blocks of PREFIX_BLOCK, then over the blocks before each),
     two XLA reductions, where `lax.cummax` becomes a tree of reduce-windows (nine fusions at
     8k on CPU), each compiled again at every call site."""
+    axis = axis % x.ndim  # lax.cummax takes no negative axis
     length = x.shape[axis]
     block = min(PREFIX_BLOCK, length)
     blocks = cdiv(length, block)
@@ -574,7 +576,7 @@ def window_max(x, width: int, axis: int):
     prefix in the next (van Herk, Gil and Werman), two `prefix_max`."""
     x = jnp.moveaxis(x, axis, -1)
     length = x.shape[-1]
-    blocks = cdiv(length + width - 1, width)
+    blocks = cdiv(length, width)  # the last window's end, length - 1, is in the last block
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
     x = x.reshape(*x.shape[:-1], blocks, width)
     prefix = prefix_max(x, axis=-1).reshape(*x.shape[:-2], -1)

@@ -708,8 +708,7 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 16384])
     args = parser.parse_args()
-    given = {token.split("=")[0] for token in sys.argv[1:] if token.startswith("--")}
-    unread = sorted(given - {"--out", *EXPERIMENT_FLAGS[args.experiment]})
+    unread = sorted(bench.given_flags(sys.argv[1:]) - {"--out", *EXPERIMENT_FLAGS[args.experiment]})
     if unread:
         parser.error(f"{args.experiment} does not take {', '.join(unread)}")
     print("device:", jax.devices()[0].device_kind, flush=True)

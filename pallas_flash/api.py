@@ -146,8 +146,7 @@ def flash_attention(
         capability >= 8.0: on Hopper the Mosaic forward when it supports the call, its grid
         fills the GPU and block_sizes is None, with the Mosaic backward for the calls it
         supports (the forward's masks and dropout; at H=64 from 2048 keys); else "triton";
-        "triton" when
-        `interpret=True`; "xla" elsewhere.
+        "triton" when `interpret=True`; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
@@ -164,8 +163,7 @@ def flash_attention(
         by TMA reductions in the order they arrive (as FlashAttention-2 and -3 do by default): the
         same values within float32 rounding, not bitwise repeatable, and faster where the dispatch
         takes it (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H=64,
-        of 4k or more at H=128). Other calls and kernels are
-        deterministic either way.
+        of 4k or more at H=128). Other calls and kernels are deterministic either way.
 
     Returns:
       out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.

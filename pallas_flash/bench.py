@@ -1029,10 +1029,15 @@ def suite_flags(suite: str, on_gpu: bool) -> tuple[str, ...]:
     return SUITE_FLAGS[suite] if on_gpu else SUITE_FLAGS_ON_CPU.get(suite, SUITE_FLAGS[suite])
 
 
+def given_flags(argv) -> set[str]:
+    """The flags (--name, with or without =value) on the command line argv."""
+    return {token.split("=")[0] for token in argv if token.startswith("--") and token != "--"}
+
+
 def _given_flags(parser, argv, suite: str, on_gpu: bool) -> set[str]:
     """The flags given on the command line argv; parser.error naming those that `suite` would
     not read."""
-    given = {token.split("=")[0] for token in argv if token.startswith("--") and token != "--"}
+    given = given_flags(argv)
     reads = suite_flags(suite, on_gpu)
     unread = sorted(given - {"--suite", "--out", *reads})
     if unread:

@@ -17,8 +17,7 @@ With backend=None on a GPU of compute capability >= 8.0:
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults (at H=64, 64-row forward tiles where the
   128-row defaults would leave the GPU half idle). The Mosaic backward's defaults compute dQ in
-  the
-  dK/dV kernel where that is faster: by integer adds (`BackwardTiles(fused_dq="fixed")`,
+  the dK/dV kernel where that is faster: by integer adds (`BackwardTiles(fused_dq="fixed")`,
   bitwise deterministic, `fixed_dq_is_faster`), or with `deterministic_grads=False` by f32
   adds in any order (`fused_dq="add"`, `fused_dq_is_faster`).
 """

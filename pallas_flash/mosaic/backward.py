@@ -569,12 +569,11 @@ def prefix_max(x, axis: int):
     return jnp.moveaxis(out[..., :length], -1, axis)
 
 
-def window_max(x, width: int, axis: int):
-    """out[..., i, ...] = max of x[..., i : i + width, ...] (x >= 0, no NaN; past the end, 0),
-    for i up to x's length - width: each window ends in the block (of `width`) after the one it
+def window_max(x, width: int):
+    """out[..., i] = max of x[..., i : i + width] (x >= 0, no NaN), along the last axis, for i
+    up to its length - width: each window ends in the block (of `width`) after the one it
     starts in, or is one, so it is the max of its start's suffix in one block and its end's
     prefix in the next (van Herk, Gil and Werman), two `prefix_max`."""
-    x = jnp.moveaxis(x, axis, -1)
     length = x.shape[-1]
     blocks = cdiv(length, width)  # the last window's end, length - 1, is in the last block
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
@@ -582,8 +581,7 @@ def window_max(x, width: int, axis: int):
     prefix = prefix_max(x, axis=-1).reshape(*x.shape[:-2], -1)
     suffix = jnp.flip(prefix_max(jnp.flip(x, -1), axis=-1), -1).reshape(*x.shape[:-2], -1)
     count = length - width + 1
-    out = jnp.maximum(suffix[..., :count], prefix[..., width - 1 : width - 1 + count])
-    return jnp.moveaxis(out, -1, axis)
+    return jnp.maximum(suffix[..., :count], prefix[..., width - 1 : width - 1 + count])
 
 
 def seen_maxima(x, spec: MaskSpec, axis: int):
@@ -609,7 +607,7 @@ def seen_maxima(x, spec: MaskSpec, axis: int):
     width = left + right + 1
     x = x[..., : min(kv_len, q_len + right)]
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(left, q_len + right - x.shape[-1])])
-    return jnp.moveaxis(window_max(x, width, axis=-1), -1, axis)
+    return jnp.moveaxis(window_max(x, width), -1, axis)
 
 
 def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):

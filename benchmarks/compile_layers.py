@@ -7,9 +7,9 @@ Forms: "two-kernel" (the Mosaic backward's dK/dV and dQ kernels), "add" (dQ in t
 kernel by f32 adds, deterministic_grads=False), "fixed" (by integer adds: the default from 8k
 keys at H=128 causal), "fixed-bare" ("fixed" with its XLA prologue, `fixed_point_exponents`,
 replaced by constants: compile time only, its gradients are wrong). Default: each form at 1
-and 24 layers. The shape is the compile suite's
-(`bench --suite compile`): B=1, T=8192, N=16, H=128, bf16, causal, loss out.mean() per layer.
-One JSON row per run: form, layers, lower_s, compile_s, fusions, custom_calls.
+and 24 layers. The shape is the compile suite's (`bench --suite compile`): B=1, T=8192, N=16,
+H=128, bf16, causal, loss out.mean() per layer. One JSON row per run: form, layers, lower_s,
+compile_s, fusions, custom_calls.
 """
 
 import json

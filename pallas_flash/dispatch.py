@@ -45,13 +45,13 @@ MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 # at 3000 tokens Mosaic is 1.6x Triton (benchmarks/NOTES.md, "Any length").
 MOSAIC_RAGGED_MIN_LEN = 1024
 
-# With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S),
-# where it was measured faster than the two-kernel backward (fwd+bwd): at H=64 from 2k tokens
-# (1.11x non-causal, 1.02x causal at 2k; shorter calls keep the Triton backward), at H=128
-# from 4k (1.01x at 2k non-causal, 0.83x causal; with step descriptors causal 1.06x at 4k,
-# 1.08x at 8k, 1.14x at 16k). benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
-FUSED_DQ_MIN_LEN = 4096
-FUSED_DQ_H64_MIN_LEN = 2048
+# With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S)
+# per head dim, where it was measured faster than the two-kernel backward (fwd+bwd): at H=64
+# from 2k tokens (1.15x plain, 1.06x causal at 2k; shorter calls keep the Triton backward); at
+# H=128 with step descriptors plain 1.11x at 2k, causal 1.00x at 2k, 1.06x at 4k, 1.08x at 8k,
+# 1.14x at 16k. benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+FUSED_DQ_MIN_LEN = {64: 2048, 128: 2048}
+FUSED_DQ_CAUSAL_MIN_LEN = {64: 2048, 128: 4096}
 
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
@@ -305,29 +305,27 @@ def _like_fused_dq_measurements(call: Call) -> bool:
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
-    the two-kernel one on the H200 for calls like this: fwd+bwd 1.02-1.15x at H=64 (2k to 16k
-    tokens, causal or not) and 1.06-1.16x at H=128 from 4k, MHA or GQA (causal 0.83x at 2k);
-    measured on plain and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md,
-    "fused-dq" and "Step descriptors")."""
+    the two-kernel one on the H200 for calls like this (`FUSED_DQ_MIN_LEN`); measured on plain
+    and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq" and
+    "Step descriptors")."""
+    return _long_enough(call, FUSED_DQ_CAUSAL_MIN_LEN, FUSED_DQ_MIN_LEN)
+
+
+def _long_enough(call: Call, causal_min_len: dict, min_len: dict) -> bool:
+    """Whether a call is like the fused dQ's measurements and both its lengths reach the least
+    measured faster for its head dim (causal_min_len for causal calls, min_len otherwise)."""
     if not _like_fused_dq_measurements(call):
         return False
-    shortest = min(call.q_len, call.kv_len)
-    if call.head_dim == 64:
-        return shortest >= FUSED_DQ_H64_MIN_LEN
-    return call.head_dim == 128 and shortest >= FUSED_DQ_MIN_LEN
+    least = (causal_min_len if call.spec.is_causal else min_len).get(call.head_dim)
+    return least is not None and min(call.q_len, call.kv_len) >= least
 
 
 def fixed_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ summed as integers in its dK/dV kernel
     (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
     this (`FIXED_DQ_MIN_LEN`); measured on plain and causal self-attention of 2k to 16k tokens
-    in bf16 only. It needs bfloat16 and no window or segment ids (`mosaic.backward.why_not`)."""
-    if not _like_fused_dq_measurements(call):
-        return False
-    least = (FIXED_DQ_CAUSAL_MIN_LEN if call.spec.is_causal else FIXED_DQ_MIN_LEN).get(
-        call.head_dim
-    )
-    return least is not None and min(call.q_len, call.kv_len) >= least
+    in bf16 only. It needs bfloat16 and no segment ids (`mosaic.backward.why_not`)."""
+    return _long_enough(call, FIXED_DQ_CAUSAL_MIN_LEN, FIXED_DQ_MIN_LEN)
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

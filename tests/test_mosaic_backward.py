@@ -65,7 +65,6 @@ from pallas_flash.mosaic.backward import (
     fixed_point_exponents,
     l2_norm,
     largest_abs,
-    prefix_max,
     seen_maxima,
 )
 from pallas_flash.reference import reference_attention
@@ -1782,13 +1781,10 @@ def test_fused_dq_tiles_validate():
     assert why(*((1, 256, 4, 64), (1, 256, 4, 64)), jnp.bfloat16, tiles=alone) is None
 
 
-@pytest.mark.parametrize("limit", [None, 0])  # 0: lax.cummax inside, as for large calls
-def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees(monkeypatch, limit):
+def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees():
     """seen_maxima against a brute-force masked max (the mask's geometry), for random T, S,
     causal or not, windows from none to wider than both lengths, inf among the keys: rows past
     the last key, rows a window leaves without keys (0)."""
-    if limit is not None:
-        monkeypatch.setattr(mosaic_backward_module, "PREFIX_MAX_ELEMENTS", limit)
     rng = np.random.default_rng(11)
     for _ in range(40):
         t, s = (int(x) for x in rng.integers(1, 300, size=2))
@@ -1801,24 +1797,6 @@ def test_seen_maxima_are_the_maxima_over_the_keys_each_row_sees(monkeypatch, lim
         visible = np.broadcast_to(spec.geometry(np.arange(t)[:, None], np.arange(s)), (t, s))
         want = np.where(visible[None, None, :, :, None], x[:, :, None], 0.0).max(axis=3)
         np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want, err_msg=str(spec))
-
-
-@pytest.mark.parametrize(
-    "shape, axis", [((3, 2, 1000, 4), 2), ((3, 1, 128, 2), -2), ((2, 300), -1), ((7, 1), 0)]
-)
-@pytest.mark.parametrize("limit", [None, 0])  # 0: every call past the limit, lax.cummax
-def test_prefix_max_is_cummax(monkeypatch, shape, axis, limit):
-    """prefix_max (blocked masked maxima, or lax.cummax past PREFIX_MAX_ELEMENTS) equals
-    lax.cummax bitwise, inf included, on lengths of one, part of one and many blocks."""
-    if limit is not None:
-        monkeypatch.setattr(mosaic_backward_module, "PREFIX_MAX_ELEMENTS", limit)
-    rng = np.random.default_rng(5)
-    x = np.abs(rng.normal(size=shape)) * np.exp(20 * rng.normal(size=shape))
-    x.reshape(-1)[:: max(1, x.size // 5)] = np.inf
-    x = jnp.asarray(x, jnp.float32)
-    got = jax.jit(lambda x: prefix_max(x, axis))(x)
-    want = jax.lax.cummax(x, axis=axis % x.ndim)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

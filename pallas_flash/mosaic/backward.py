@@ -535,51 +535,20 @@ def l2_norm(x, largest):
     return jnp.where(finite, norm, jnp.inf)
 
 
-# Keys per block of `prefix_max`: a block's prefix is a masked max over a block x block square.
-PREFIX_BLOCK = 128
-# The most elements `prefix_max` reduces over (the blocks' squares, or the square of the
-# blocks): XLA on a GPU fuses the mask into the reduction, but where it did not, the squares
-# (4 bytes each) would be written out. Beyond it it takes `lax.cummax`: causal rows from
-# 3 B K S x 128 elements (S = 43k at B K = 16, 5.5k at B K = 128), windows from 3 B K (T +
-# 2 width) x 128.
-PREFIX_MAX_ELEMENTS = 1 << 28
-
-
-def prefix_max(x, axis: int):
-    """The running max of x (>= 0, no NaN) along `axis`: out[..., i, ...] = max of x[..., :i+1,
-    ...]. In two masked maxima (within blocks of PREFIX_BLOCK, then over the blocks before each),
-    two XLA reductions, where `lax.cummax` becomes a tree of reduce-windows (nine fusions at
-    8k on CPU), each compiled again at every call site."""
-    axis = axis % x.ndim  # lax.cummax takes no negative axis
-    length = x.shape[axis]
-    block = min(PREFIX_BLOCK, length)
-    blocks = cdiv(length, block)
-    rows = x.size // length
-    if rows * blocks * max(block * block, blocks) > PREFIX_MAX_ELEMENTS:
-        return lax.cummax(x, axis=axis)
-    x = jnp.moveaxis(x, axis, -1)
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * block - length)])
-    x = x.reshape(*x.shape[:-1], blocks, block)
-    upto = jnp.arange(block)[None, :] <= jnp.arange(block)[:, None]  # [i, j]: j <= i
-    within = jnp.max(jnp.where(upto, x[..., None, :], 0.0), axis=-1)  # [..., blocks, block]
-    earlier = jnp.arange(blocks)[None, :] < jnp.arange(blocks)[:, None]  # [b, c]: c < b
-    block_max = jnp.max(x, axis=-1)  # [..., blocks]
-    before = jnp.max(jnp.where(earlier, block_max[..., None, :], 0.0), axis=-1)
-    out = jnp.maximum(within, before[..., None]).reshape(*x.shape[:-2], blocks * block)
-    return jnp.moveaxis(out[..., :length], -1, axis)
-
-
 def window_max(x, width: int):
     """out[..., i] = max of x[..., i : i + width] (x >= 0, no NaN), along the last axis, for i
     up to its length - width: each window ends in the block (of `width`) after the one it
     starts in, or is one, so it is the max of its start's suffix in one block and its end's
-    prefix in the next (van Herk, Gil and Werman), two `prefix_max`."""
+    prefix in the next (van Herk, Gil and Werman), two `lax.cummax`: masked maxima over
+    blocks would fuse into fewer reductions, but XLA's GPU autotuner takes 40 s per call site
+    over them (benchmarks/NOTES.md, "fused dQ's XLA prologue")."""
     length = x.shape[-1]
     blocks = cdiv(length, width)  # the last window's end, length - 1, is in the last block
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
     x = x.reshape(*x.shape[:-1], blocks, width)
-    prefix = prefix_max(x, axis=-1).reshape(*x.shape[:-2], -1)
-    suffix = jnp.flip(prefix_max(jnp.flip(x, -1), axis=-1), -1).reshape(*x.shape[:-2], -1)
+    last = x.ndim - 1  # lax.cummax takes no negative axis
+    prefix = lax.cummax(x, axis=last).reshape(*x.shape[:-2], -1)
+    suffix = lax.cummax(x, axis=last, reverse=True).reshape(*x.shape[:-2], -1)
     count = length - width + 1
     return jnp.maximum(suffix[..., :count], prefix[..., width - 1 : width - 1 + count])
 
@@ -596,7 +565,7 @@ def seen_maxima(x, spec: MaskSpec, axis: int):
     # Bounds that no row reaches past change nothing: keys j >= 0 and j <= S - 1.
     right = min(spec.right, kv_len - 1)
     if spec.window is None:  # keys 0 ... min(i + right, S - 1): a prefix
-        seen = prefix_max(x, axis=-1)[..., right:]
+        seen = lax.cummax(x, axis=x.ndim - 1)[..., right:]
         shortfall = q_len - seen.shape[-1]
         if shortfall > 0:  # rows past the last key see all of them
             seen = jnp.pad(seen, [(0, 0)] * (x.ndim - 1) + [(0, shortfall)], mode="edge")

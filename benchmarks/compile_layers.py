@@ -5,20 +5,22 @@ fresh process, with the XLA fusions of the compiled module counted: what grows w
 
 Forms: "two-kernel" (the Mosaic backward's dK/dV and dQ kernels), "add" (dQ in the dK/dV
 kernel by f32 adds, deterministic_grads=False), "fixed" (by integer adds: the default from 8k
-keys at H=128 causal), "fixed-bare" ("fixed" with its XLA prologue, `fixed_point_exponents`,
-replaced by constants: compile time only, its gradients are wrong). Default: each form at 1
+keys at H=128 causal; its per-row scales from two Pallas kernels, `mosaic.fixed_point`),
+"fixed-xla" (those scales in jnp, as on a CPU), "fixed-bare" ("fixed" with its scales replaced
+by constants: compile time only, its gradients are wrong). Default: each form at 1
 and 24 layers. The shape is the compile suite's (`bench --suite compile`): B=1, T=8192, N=16,
 H=128, bf16, causal, loss out.mean() per layer. One JSON row per run: form, layers, lower_s,
 compile_s, fusions, custom_calls.
 """
 
+import functools
 import json
 import subprocess
 import sys
 import time
 
 SHAPE = (1, 8192, 16, 128)
-FORMS = ("two-kernel", "add", "fixed", "fixed-bare")
+FORMS = ("two-kernel", "add", "fixed", "fixed-xla", "fixed-bare")
 
 
 def row(form: str, layers: int) -> dict:
@@ -31,13 +33,18 @@ def row(form: str, layers: int) -> dict:
 
     if form == "two-kernel":  # no call is long enough for either fused form
         dispatch.FIXED_DQ_CAUSAL_MIN_LEN = {64: 1 << 30, 128: 1 << 30}
+    from pallas_flash.mosaic import fixed_point
+
+    if form == "fixed-xla":
+        scales = fixed_point.fixed_point_scales
+        fixed_point.fixed_point_scales = functools.partial(scales, kernels=False)
     if form == "fixed-bare":
-        from pallas_flash.mosaic import backward
 
-        def constant_exponents(k, v, d_out, delta, lse, **_):
-            return jnp.full(lse.shape, 8, jnp.int32), jnp.ones(lse.shape, bool)
+        def constant_scales(k, v, d_out, delta, lse, *, rows_out, **_):
+            ones = jnp.ones((*lse.shape[:2], rows_out), jnp.float32)
+            return ones * 2.0**8, ones * 2.0**-8
 
-        backward.fixed_point_exponents = constant_exponents
+        fixed_point.fixed_point_scales = constant_scales
     deterministic = form != "add"
 
     def loss(qkvs):

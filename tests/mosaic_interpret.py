@@ -12,6 +12,9 @@ its duration only:
 - TMA write checks against the issuing thread's generic-proxy clock: the shimmed wgmma reads
   are generic-proxy reads, where the hardware's are async-proxy ones; the barrier
   happens-before relations are kept.
+- `pallas_flash.mosaic.fixed_point.fixed_point_scales` takes its jnp form: the interpreter
+  would take its Triton-lowered kernels too, and runs no Triton (test_mosaic_fixed_point runs
+  them in Pallas' own interpreter against that form).
 - `pallas_flash.mosaic.launch.truncate_to_int32` (inline Mosaic GPU code, which the
   interpreter does not run) becomes the plain cast (its clamps and NaN -> 0 touch only
   values whose rows the caller makes NaN or 0).
@@ -34,6 +37,7 @@ the GPU (tests marked gpu) or the lowering tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import jax
@@ -50,6 +54,7 @@ from jax._src.pallas.mosaic_gpu.interpret.params import (
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flash.mosaic import fixed_point
 from pallas_flash.mosaic import launch as mosaic_launch
 
 
@@ -98,6 +103,7 @@ def _patches(deadlock_s: float, oob_fill):
     real_run_scoped = pl.run_scoped
     real_run_state = pl.run_state
     real_barrier_init = shared_memory.Barrier.__init__
+    real_scales = fixed_point.fixed_point_scales
 
     def barrier_init(self, *args, **kwargs):
         real_barrier_init(self, *args, **kwargs)
@@ -152,6 +158,7 @@ def _patches(deadlock_s: float, oob_fill):
         # The interpreter runs no inline Mosaic GPU code: the conversion that the kernels
         # write as one (to skip Pallas' clamps) is the plain cast here.
         (mosaic_launch, "truncate_to_int32", lambda x: x.astype(jnp.int32)),
+        (fixed_point, "fixed_point_scales", functools.partial(real_scales, kernels=False)),
     ]
 
 

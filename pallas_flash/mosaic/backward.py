@@ -23,7 +23,7 @@ one, with the fused dQ below).
   partial of each step and adds it into dQ by TMA reductions, in arrival order (`_DQSink`):
   f32 adds ("add", not bitwise deterministic), or int32 adds of fixed-point partials
   ("fixed": each row's dS scaled by a power of two from a bound on its sums,
-  `fixed_point_exponents`; integer adds give the same bits in any order).
+  `mosaic.fixed_point`; integer adds give the same bits in any order).
 
 Every head dim of HEAD_DIMS runs as it is, as in the forward: each shared-memory tile takes the
 widest swizzle that divides its rows (`launch.smem_transforms`: 80 and 96 run on 32- and 64-byte
@@ -62,12 +62,12 @@ from pallas_flash._numerics import (
     MIN_LOGIT,
     lowered_reference,
     probability_bound,
-    slack,
 )
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import launch
+from pallas_flash.mosaic import fixed_point, launch
 from pallas_flash.mosaic import tiles as forward_tiles
+from pallas_flash.mosaic.fixed_point import FIXED_POINT_BITS
 from pallas_flash.mosaic.launch import (
     check_segment_ids,
     dropped_value,
@@ -97,9 +97,6 @@ REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 1
 # 16-bit copies of P and dS, lse, delta and indices; a rule of thumb, not measured.
 REGISTER_HEADROOM = 40
 FUSED_DQ_MODES = (None, "add", "fixed", "slab", "fixed_slab")
-# fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
-# every partial sum stays under 2^FIXED_POINT_BITS in magnitude (`fixed_point_exponents`).
-FIXED_POINT_BITS = 30
 
 
 def consumer_registers(num_consumers: int, producer_registers: int | None = None) -> int:
@@ -141,8 +138,8 @@ class BackwardTiles:
         row's dS is scaled by a power of two 2^e (exactly, in 16 bits) before the dQ wgmma,
         its partial converted to int32 and added by TMA; integer adds are associative, so dQ
         is bitwise deterministic (at 0.91-0.97x the speed of "add" on the H200). e comes from
-        a bound on the row's partial sums (`fixed_point_exponents`), which XLA computes before
-        the kernel from the keys the row sees: plain, causal and windowed calls (no segment
+        a bound on the row's partial sums (`mosaic.fixed_point`), which two small kernels
+        compute before it from the keys the row sees: plain, causal and windowed calls (no segment
         ids or lengths) in bfloat16 only.
         "slab": the same partials
         as "add" stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
@@ -502,143 +499,6 @@ def why_not(
     return None
 
 
-# The norms of `fixed_point_exponents`. Each reduction is a fusion that XLA compiles once per
-# call site (a model's every layer), so there are as few as the bound allows: NaN and inf both
-# reach the max as inf (no all-finite reduction of their own), and |.|_1 shares its input with
-# the max.
-
-
-def largest_abs(x):
-    """max |x| over the last axis, float32; inf for a row that holds NaN or inf."""
-    x = jnp.abs(x.astype(jnp.float32))
-    return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1)
-
-
-def _pow2(n):
-    """2^n, float32, for int32 n in [-126, 127] (the normal range), exact: built from its bits."""
-    return lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
-
-
-def l2_norm(x, largest):
-    """|x|_2 over the last axis, float32, from the row's `largest_abs`; inf where that is not
-    finite (or the norm overflows). The row is scaled by 2^-e, e the max's binary exponent held
-    within [-126, 126], before its squares are summed, so that none overflows (scaled entries
-    stay below 4); the scale is a normal float, where 1 / max (which XLA multiplies by in place
-    of dividing) is subnormal for a max from 2^126 on, and the hardware flushes subnormals to
-    zero: the norm would read 0."""
-    x = jnp.abs(x.astype(jnp.float32))
-    finite = largest < jnp.inf
-    _, e = jnp.frexp(jnp.where(finite, largest, 0.0))  # largest < 2^e
-    e = jnp.clip(e, -126, 126)
-    scaled = x * _pow2(-e)[..., None]
-    norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)) * _pow2(e)
-    return jnp.where(finite, norm, jnp.inf)
-
-
-def window_max(x, width: int):
-    """out[..., i] = max of x[..., i : i + width] (x >= 0, no NaN), along the last axis, for i
-    up to its length - width: each window ends in the block (of `width`) after the one it
-    starts in, or is one, so it is the max of its start's suffix in one block and its end's
-    prefix in the next (van Herk, Gil and Werman), two `lax.cummax`: masked maxima over
-    blocks would fuse into fewer reductions, but XLA's GPU autotuner takes 40 s per call site
-    over them (benchmarks/NOTES.md, "fused dQ's XLA prologue")."""
-    length = x.shape[-1]
-    blocks = cdiv(length, width)  # the last window's end, length - 1, is in the last block
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
-    x = x.reshape(*x.shape[:-1], blocks, width)
-    last = x.ndim - 1  # lax.cummax takes no negative axis
-    prefix = lax.cummax(x, axis=last).reshape(*x.shape[:-2], -1)
-    suffix = lax.cummax(x, axis=last, reverse=True).reshape(*x.shape[:-2], -1)
-    count = length - width + 1
-    return jnp.maximum(suffix[..., :count], prefix[..., width - 1 : width - 1 + count])
-
-
-def seen_maxima(x, spec: MaskSpec, axis: int):
-    """Per query row i < T, the max of x (>= 0, no NaN; its keys along `axis`, S of them) over
-    the keys the row sees by spec's geometry, i - left <= j <= i + right and j < S (causal:
-    right 0): T values along `axis`, or 1 (the max of all) where every row sees every key. A
-    row that sees no key gets 0."""
-    q_len, kv_len = spec.q_len, spec.kv_len
-    if spec.window is None and not spec.is_causal:
-        return jnp.max(x, axis=axis, keepdims=True)
-    x = jnp.moveaxis(x, axis, -1)
-    # Bounds that no row reaches past change nothing: keys j >= 0 and j <= S - 1.
-    right = min(spec.right, kv_len - 1)
-    if spec.window is None:  # keys 0 ... min(i + right, S - 1): a prefix
-        seen = lax.cummax(x, axis=x.ndim - 1)[..., right:]
-        shortfall = q_len - seen.shape[-1]
-        if shortfall > 0:  # rows past the last key see all of them
-            seen = jnp.pad(seen, [(0, 0)] * (x.ndim - 1) + [(0, shortfall)], mode="edge")
-        return jnp.moveaxis(seen[..., :q_len], -1, axis)
-    # Keys i - left ... i + right: window i of x shifted right by `left` (zeros before key 0),
-    # and zeros past key S - 1 (rows whose window starts there see none).
-    left = min(spec.left, q_len - 1)
-    width = left + right + 1
-    x = x[..., : min(kv_len, q_len + right)]
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(left, q_len + right - x.shape[-1])])
-    return jnp.moveaxis(window_max(x, width), -1, axis)
-
-
-def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
-    """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
-    [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T].
-
-    k [B, S', K, H], v [B, S', K, Hv], d_out [B, T', N, Hv] (padded or not: spec's T and S are
-    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's; a call
-    without segment ids or lengths (causal or not, with a window or not).
-
-    Row i's partial of dQ (unscaled) over any set J of the keys it sees is sum_{j in J} dS_ij
-    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, dcap in [0, 1] and
-    sum_j P_ij <= g_i, the factor by which the backward's recomputed P may exceed the exact
-    one (1 but for rounding where |lse| <= SLACK_FROM; the lowered reference's `slack` and a
-    few ulps of lse beyond). |dP_ij| <= min(|dO_i|_1 |V_j|_max, |dO_i|_2 |V_j|_2), so each
-    entry of the partial is at most B_i = g_i (min(|dO_i|_1 max_j |V_j|_max, |dO_i|_2 max_j
-    |V_j|_2) + |delta_i|) max_j |K_j|_max, the maxima over the keys j that the row sees
-    (`seen_maxima`: all of them, j <= i causal, i - left <= j <= i + right in a window), in
-    any order of the sums. e = FIXED_POINT_BITS - (floor(log2 B_i) +
-    1) keeps every partial and every partial sum of the row under 2^FIXED_POINT_BITS < 2^31 in
-    units of 2^-e (with room for the rounding of dS to 16 bits), so int32 adds of them neither
-    overflow nor depend on their order; the sum's resolution is 2^-FIXED_POINT_BITS of B_i
-    (B_i is loose by the cancellation in the row's sums, 2^8-2^14 on random data: the error
-    grows with the number of key tiles, benchmarks/NOTES.md, "fused-dq"). e also keeps 2^e
-    |dS_ij| far inside bfloat16's range. Keys a row cannot see are not in its maxima: huge
-    values past its diagonal or outside its window cost it no precision. NaN or inf in K, V or
-    dO_i that the row sees (or in delta_i, or B_i past float32) leaves it without a finite
-    bound: e = 0 and finite_bound False (the caller makes such a row NaN, as the default
-    backward's products would)."""
-    assert not spec.has_segments, spec
-    q_len, kv_len = spec.q_len, spec.kv_len
-    # A loss like out.mean() makes d_out a constant (a broadcast), and XLA would fold the norms
-    # below on the host at compile time: 4-8 s per call site at [1, 8192, 16, 128] on the H200
-    # (its evaluator's reduce), minutes for a model of 24 layers. The barrier keeps them on the
-    # GPU, where they take microseconds.
-    k, v, d_out, delta, lse = lax.optimization_barrier((k, v, d_out, delta, lse))
-
-    # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
-    v_largest = largest_abs(v[:, :kv_len])
-    kv = jnp.stack([largest_abs(k[:, :kv_len]), v_largest, l2_norm(v[:, :kv_len], v_largest)])
-    kv = seen_maxima(kv, spec, axis=2)
-    # [3, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
-    k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
-    d_out = d_out[:, :q_len].astype(jnp.float32)
-    d_out_l1 = jnp.transpose(jnp.sum(jnp.abs(d_out), axis=-1), (0, 2, 1))  # [B, N, T]
-    d_out_l2 = jnp.transpose(l2_norm(d_out, largest_abs(d_out)), (0, 2, 1))
-    # How far the recomputed P may exceed the exact one (see `_numerics.slack`): twice the
-    # lowering, and 8 ulps of lse in log2 units for the rounding of lse2 and the logits.
-    abs_lse = jnp.where(jnp.isfinite(lse), jnp.abs(lse), 0.0)
-    gain = jnp.exp2(2.0 * LOG2E * slack(abs_lse) + 8.0 * jnp.spacing(abs_lse * LOG2E))
-    # fmin: |dO|_1 may overflow where |dO|_2 does not, and inf * 0 (V of zeros) is NaN; a NaN or
-    # inf in what the row sees still leaves both NaN or inf.
-    ds_max = gain * (jnp.fmin(d_out_l1 * v_max, d_out_l2 * v_l2) + jnp.abs(delta))
-    bound = ds_max * k_max
-    finite = bound < jnp.inf  # False for NaN too
-    _, bound_exp = jnp.frexp(jnp.where(finite, bound, 0.0))  # bound < 2^bound_exp
-    _, ds_exp = jnp.frexp(jnp.where(finite, ds_max, 0.0))
-    exponents = jnp.minimum(FIXED_POINT_BITS - bound_exp, 120 - ds_exp)
-    exponents = jnp.where(finite, jnp.clip(exponents, -120, 120), 0)
-    return exponents.astype(jnp.int32), finite
-
-
 def flash_backward(
     q: jax.Array,
     k: jax.Array,
@@ -784,16 +644,11 @@ def flash_backward(
     rows_of_lse = [lse2, bound]
     if tiles.fixed_point_dq:
         # Each row's dS is scaled by 2^e before dQ's wgmma; dQ = scale * 2^-e * its integer sum
-        # (NaN for rows that see keys without a finite bound: NaN or inf in what they see).
-        exponents, finite_bound = fixed_point_exponents(
-            k, v, d_out, delta_rows, lse, spec=spec, num_heads=q.shape[2]
+        # (0 for rows without P, NaN for rows that see keys without a finite bound).
+        row_scales, dq_unit = fixed_point.fixed_point_scales(
+            k, v, d_out, delta_rows, lse, spec=spec, scale=scale, rows_out=lse_to
         )
-        # A row whose lse is -inf (no key), +inf (a sink took it) or NaN gets P = 0, so dq 0,
-        # as from the default backward (whatever its partials converted to).
-        p_zero = ~jnp.isfinite(lse)
-        dq_unit = jnp.float32(scale) * _pow2(-exponents)  # |exponents| <= 120: exact
-        dq_unit = jnp.where(p_zero, 0.0, jnp.where(finite_bound, dq_unit, jnp.nan))
-        rows_of_lse.append(jnp.pad(_pow2(exponents), pad_rows))
+        rows_of_lse.append(row_scales)
     # [B, N, 2 (3 with "fixed"), T'']: a tile's lse2 and bound rows (and the fixed point's
     # scales) land in one TMA copy.
     lse2 = jnp.stack(rows_of_lse, axis=2)
@@ -870,7 +725,7 @@ def flash_backward(
             dq = functools.reduce(jnp.add, jnp.unstack(dq))
         dq = dq[..., :q_len]
         if tiles.fixed_point_dq:
-            dq = dq.astype(jnp.float32) * dq_unit[:, :, None, :]
+            dq = dq.astype(jnp.float32) * dq_unit[:, :, None, :q_len]
         else:
             dq = dq * scale
         dq = jnp.transpose(dq, (0, 3, 1, 2)).astype(q.dtype)

@@ -1,0 +1,387 @@
+"""The per-row fixed-point scales of the deterministic fused dQ (`BackwardTiles(fused_dq="fixed")`).
+
+The dK/dV kernel multiplies query row i's dS by 2^e_i (exact in bfloat16) before dQ's wgmma and
+adds the partials as int32, which give the same bits in any order; dQ = scale * 2^-e_i * the sum.
+e_i comes from a bound on the row's partial sums over the keys it sees (`fixed_point_exponents`
+says which). Two forms of one computation:
+
+- `fixed_point_exponents` and its helpers, in jnp: where the attention kernels are interpreted
+  (a CPU), and the reference.
+- Two Triton-lowered Pallas kernels, which the backward takes (`fixed_point_scales`):
+  `_key_norms_kernel`, per key and per block of KEY_BLOCK keys the maxima the bound needs, and
+  `_row_scales_kernel`, per query row the maxima over the keys it sees (whole blocks by their
+  maxima, boundary blocks key by key) and the bound. XLA compiles the jnp form's dozen fusions
+  again at every call site (~0.3 s a layer on the H200, benchmarks/NOTES.md, "The deterministic
+  fused dQ's XLA prologue"), where a kernel is lowered once and reused.
+
+Both take the same steps in the same order, but sums (|.|_1, |.|_2) may add in another order:
+their norms agree within rounding, their exponents but for a bound within rounding of a power of
+two (either is a valid bound).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_flash._numerics import LOG2E, slack
+from pallas_flash.masks import MaskSpec
+from pallas_flash.mosaic.tiles import cdiv
+from pallas_flash.triton._common import CompilerParams, fold, load_rows, load_vector
+from pallas_flash.triton.tiles import padded_head_dim
+
+# fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
+# every partial sum stays under 2^FIXED_POINT_BITS in magnitude (`fixed_point_exponents`).
+FIXED_POINT_BITS = 30
+# |e| at most: 2^e |dS| stays far inside bfloat16's range, and 2^-e is a normal float32.
+MAX_EXPONENT = 120
+
+# Keys per program of the key-norm kernel, and per block maximum.
+KEY_BLOCK = 64
+# Query rows per program of the row-scale kernel.
+ROW_BLOCK = 64
+# Block maxima read at once by the row-scale kernel.
+CHUNK = 128
+
+
+# -- elementwise pieces, shared by both forms ----------------------------------------------------
+
+
+def pow2(n):
+    """2^n, float32, for int32 n in [-126, 127] (the normal range), exact: built from its bits."""
+    return lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
+def exponent(x):
+    """For float32 x >= 0, finite: e with x < 2^e, from its bits (frexp's for a normal x; -126
+    for 0 and subnormals, which the hardware may flush, so that no platform reads them apart)."""
+    return ((lax.bitcast_convert_type(x, jnp.int32) >> 23) & 0xFF) - 126
+
+
+def spacing(x):
+    """For float32 x >= 0, finite: the gap from x to the next float32 up."""
+    up = lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.int32) + 1, jnp.float32)
+    return up - x
+
+
+def largest_abs(x):
+    """max |x| over the last axis, float32; inf for a row that holds NaN or inf."""
+    x = jnp.abs(x.astype(jnp.float32))
+    return jnp.max(jnp.where(jnp.isnan(x), jnp.inf, x), axis=-1)
+
+
+def l2_norm(x, largest):
+    """|x|_2 over the last axis, float32, from the row's `largest_abs`; inf where that is not
+    finite (or the norm overflows). The row is scaled by 2^-e, e the max's binary exponent held
+    within [-126, 126], before its squares are summed, so that none overflows (scaled entries
+    stay below 4); the scale is a normal float, where 1 / max (which XLA multiplies by in place
+    of dividing) is subnormal for a max from 2^126 on, and the hardware flushes subnormals to
+    zero: the norm would read 0."""
+    x = jnp.abs(x.astype(jnp.float32))
+    finite = largest < jnp.inf
+    e = jnp.clip(exponent(jnp.where(finite, largest, 0.0)), -126, 126)
+    scaled = x * pow2(-e)[..., None]
+    norm = jnp.sqrt(jnp.sum(scaled * scaled, axis=-1)) * pow2(e)
+    return jnp.where(finite, norm, jnp.inf)
+
+
+def _exponents_from_norms(k_max, v_max, v_l2, d_out_l1, d_out_l2, delta, lse, kv_len: int):
+    """The rows' e (int32) and whether their bound is finite (bool) from the maxima over the
+    keys each row sees, its dO's norms, delta and lse (`fixed_point_exponents`)."""
+    # How far the recomputed P may exceed the exact one (see `_numerics.slack`): twice the
+    # lowering, and 8 ulps of lse in log2 units for the rounding of lse2 and the logits; at most
+    # the number of keys, as the kernels clamp each P to 1 (where |lse| passes ~1.9e8 the factor
+    # overflows float32: the row would read no finite bound).
+    abs_lse = jnp.where(jnp.isfinite(lse), jnp.abs(lse), 0.0)
+    log2_lse = jnp.minimum(abs_lse * LOG2E, jnp.finfo(jnp.float32).max)
+    gain = jnp.exp2(2.0 * LOG2E * slack(abs_lse) + 8.0 * spacing(log2_lse))
+    gain = jnp.minimum(gain, float(kv_len))
+    # fmin: |dO|_1 may overflow where |dO|_2 does not, and inf * 0 (V of zeros) is NaN; a NaN or
+    # inf in what the row sees still leaves both NaN or inf.
+    ds_max = gain * (jnp.fmin(d_out_l1 * v_max, d_out_l2 * v_l2) + jnp.abs(delta))
+    bound = ds_max * k_max
+    finite = bound < jnp.inf  # False for NaN too
+    bound_exp = exponent(jnp.where(finite, bound, 0.0))  # bound < 2^bound_exp
+    ds_exp = exponent(jnp.where(finite, ds_max, 0.0))
+    exponents = jnp.minimum(FIXED_POINT_BITS - bound_exp, MAX_EXPONENT - ds_exp)
+    exponents = jnp.where(finite, jnp.clip(exponents, -MAX_EXPONENT, MAX_EXPONENT), 0)
+    return exponents, finite
+
+
+def _scales(exponents, finite, lse, scale: float):
+    """(2^e, scale * 2^-e) of each row: 0 for a row whose lse is -inf (no key), +inf (a sink
+    took it) or NaN, as P = 0 there; NaN for a row without a finite bound (NaN or inf in what it
+    sees, as the default backward's products would give)."""
+    dq_unit = jnp.float32(scale) * pow2(-exponents)  # |exponents| <= MAX_EXPONENT: exact
+    dq_unit = jnp.where(jnp.isfinite(lse), jnp.where(finite, dq_unit, jnp.nan), 0.0)
+    return pow2(exponents), dq_unit
+
+
+# -- the jnp form ----------------------------------------------------------------------------------
+
+
+def window_max(x, width: int):
+    """out[..., i] = max of x[..., i : i + width] (x >= 0, no NaN), along the last axis, for i
+    up to its length - width: each window ends in the block (of `width`) after the one it
+    starts in, or is one, so it is the max of its start's suffix in one block and its end's
+    prefix in the next (van Herk, Gil and Werman), two `lax.cummax`: masked maxima over
+    blocks would fuse into fewer reductions, but XLA's GPU autotuner takes 40 s per call site
+    over them (benchmarks/NOTES.md, "fused dQ's XLA prologue")."""
+    length = x.shape[-1]
+    blocks = cdiv(length, width)  # the last window's end, length - 1, is in the last block
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
+    x = x.reshape(*x.shape[:-1], blocks, width)
+    last = x.ndim - 1  # lax.cummax takes no negative axis
+    prefix = lax.cummax(x, axis=last).reshape(*x.shape[:-2], -1)
+    suffix = lax.cummax(x, axis=last, reverse=True).reshape(*x.shape[:-2], -1)
+    count = length - width + 1
+    return jnp.maximum(suffix[..., :count], prefix[..., width - 1 : width - 1 + count])
+
+
+def seen_maxima(x, spec: MaskSpec, axis: int):
+    """Per query row i < T, the max of x (>= 0, no NaN; its keys along `axis`, S of them) over
+    the keys the row sees by spec's geometry, i - left <= j <= i + right and j < S (causal:
+    right 0): T values along `axis`, or 1 (the max of all) where every row sees every key. A
+    row that sees no key gets 0."""
+    q_len, kv_len = spec.q_len, spec.kv_len
+    if spec.window is None and not spec.is_causal:
+        return jnp.max(x, axis=axis, keepdims=True)
+    x = jnp.moveaxis(x, axis, -1)
+    # Bounds that no row reaches past change nothing: keys j >= 0 and j <= S - 1.
+    right = min(spec.right, kv_len - 1)
+    if spec.window is None:  # keys 0 ... min(i + right, S - 1): a prefix
+        seen = lax.cummax(x, axis=x.ndim - 1)[..., right:]
+        shortfall = q_len - seen.shape[-1]
+        if shortfall > 0:  # rows past the last key see all of them
+            seen = jnp.pad(seen, [(0, 0)] * (x.ndim - 1) + [(0, shortfall)], mode="edge")
+        return jnp.moveaxis(seen[..., :q_len], -1, axis)
+    # Keys i - left ... i + right: window i of x shifted right by `left` (zeros before key 0),
+    # and zeros past key S - 1 (rows whose window starts there see none).
+    left = min(spec.left, q_len - 1)
+    width = left + right + 1
+    x = x[..., : min(kv_len, q_len + right)]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(left, q_len + right - x.shape[-1])])
+    return jnp.moveaxis(window_max(x, width), -1, axis)
+
+
+def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
+    """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
+    [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T]; in jnp.
+
+    k [B, S', K, H], v [B, S', K, Hv], d_out [B, T', N, Hv] (padded or not: spec's T and S are
+    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's; a call
+    without segment ids or lengths (causal or not, with a window or not).
+
+    Row i's partial of dQ (unscaled) over any set J of the keys it sees is sum_{j in J} dS_ij
+    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, dcap in [0, 1] and
+    sum_j P_ij <= g_i, the factor by which the backward's recomputed P may exceed the exact
+    one (1 but for rounding where |lse| <= SLACK_FROM; the lowered reference's `slack` and a
+    few ulps of lse beyond; never more than S, as each P is clamped to 1). |dP_ij| <=
+    min(|dO_i|_1 |V_j|_max, |dO_i|_2 |V_j|_2), so each entry of the partial is at most B_i =
+    g_i (min(|dO_i|_1 max_j |V_j|_max, |dO_i|_2 max_j |V_j|_2) + |delta_i|) max_j |K_j|_max,
+    the maxima over the keys j that the row sees (`seen_maxima`: all of them, j <= i causal,
+    i - left <= j <= i + right in a window), in any order of the sums. e = FIXED_POINT_BITS -
+    (floor(log2 B_i) + 1) keeps every partial and every partial sum of the row under
+    2^FIXED_POINT_BITS < 2^31 in units of 2^-e (with room for the rounding of dS to 16 bits),
+    so int32 adds of them neither overflow nor depend on their order; the sum's resolution is
+    2^-FIXED_POINT_BITS of B_i (B_i is loose by the cancellation in the row's sums, 2^8-2^14 on
+    random data: the error grows with the number of key tiles, benchmarks/NOTES.md,
+    "fused-dq"). e also keeps 2^e |dS_ij| under 2^MAX_EXPONENT. Keys a row cannot see are not
+    in its maxima: huge values past its diagonal or outside its window cost it no precision.
+    NaN or inf in K, V or dO_i that the row sees (or in delta_i, or B_i past float32) leaves it
+    without a finite bound: e = 0 and finite_bound False (the caller makes such a row NaN, as
+    the default backward's products would)."""
+    assert not spec.has_segments, spec
+    q_len, kv_len = spec.q_len, spec.kv_len
+    # A loss like out.mean() makes d_out a constant (a broadcast), and XLA would fold the norms
+    # below on the host at compile time: 4-8 s per call site at [1, 8192, 16, 128] on the H200
+    # (its evaluator's reduce), minutes for a model of 24 layers. The barrier keeps them on the
+    # GPU, where they take microseconds.
+    k, v, d_out, delta, lse = lax.optimization_barrier((k, v, d_out, delta, lse))
+
+    # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
+    v_largest = largest_abs(v[:, :kv_len])
+    kv = jnp.stack([largest_abs(k[:, :kv_len]), v_largest, l2_norm(v[:, :kv_len], v_largest)])
+    kv = seen_maxima(kv, spec, axis=2)
+    # [3, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
+    k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
+    d_out = d_out[:, :q_len].astype(jnp.float32)
+    d_out_l1 = jnp.transpose(jnp.sum(jnp.abs(d_out), axis=-1), (0, 2, 1))  # [B, N, T]
+    d_out_l2 = jnp.transpose(l2_norm(d_out, largest_abs(d_out)), (0, 2, 1))
+    exponents, finite = _exponents_from_norms(
+        k_max, v_max, v_l2, d_out_l1, d_out_l2, delta, lse, kv_len
+    )
+    return exponents.astype(jnp.int32), finite
+
+
+# -- the kernels -----------------------------------------------------------------------------------
+
+
+def _key_norms_kernel(k_ref, v_ref, *out_refs, kv_len: int, head_dim: int, value_head_dim: int):
+    """One KV head's keys [s * KEY_BLOCK, +KEY_BLOCK): each key's max |K|, max |V| and |V|_2
+    (zero past S), and the block's max of each."""
+    key_refs, block_refs = out_refs[:3], out_refs[3:]
+    rows = kv_len - pl.program_id(0) * KEY_BLOCK
+    k = load_rows(k_ref, 0, KEY_BLOCK, rows, head_dim, ragged=kv_len % KEY_BLOCK != 0)
+    v = load_rows(v_ref, 0, KEY_BLOCK, rows, value_head_dim, ragged=kv_len % KEY_BLOCK != 0)
+    v_max = largest_abs(v)
+    for ref, block_ref, norm in zip(
+        key_refs, block_refs, (largest_abs(k), v_max, l2_norm(v, v_max)), strict=True
+    ):
+        ref[...] = norm
+        block_ref[...] = jnp.max(norm, keepdims=True)
+
+
+def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start):
+    """Rows [q_start, +ROW_BLOCK)'s maxima over the keys each sees of the three per-key norms:
+    blocks that every row sees whole by their maxima, boundary blocks key by key."""
+    lo, full_lo, full_hi, hi = spec.kv_tile_range(q_start, ROW_BLOCK, KEY_BLOCK)
+    rows = q_start + lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, 1), 0)
+
+    def boundary(j, maxima):
+        keys = j * KEY_BLOCK + lax.broadcasted_iota(jnp.int32, (1, KEY_BLOCK), 1)
+        sees = spec.geometry(rows, keys)
+        return tuple(
+            jnp.maximum(m, jnp.max(jnp.where(sees, ref[pl.ds(j * KEY_BLOCK, KEY_BLOCK)], 0.0), 1))
+            for m, ref in zip(maxima, key_refs, strict=True)
+        )
+
+    def whole(c, maxima):
+        idx = c * CHUNK + lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)
+        inside = (idx >= full_lo) & (idx < full_hi)
+        return tuple(
+            jnp.maximum(m, jnp.max(jnp.where(inside, ref[pl.ds(c * CHUNK, CHUNK)], 0.0)))
+            for m, ref in zip(maxima, block_refs, strict=True)
+        )
+
+    zeros = tuple(jnp.zeros((ROW_BLOCK,), jnp.float32) for _ in key_refs)
+    maxima = fold(lo, full_lo, boundary, zeros)
+    maxima = fold(full_hi, hi, boundary, maxima)
+    return fold(full_lo // CHUNK, cdiv(full_hi, CHUNK), whole, maxima)
+
+
+def _row_scales_kernel(
+    d_out_ref,
+    delta_ref,
+    lse_ref,
+    *refs,
+    spec: MaskSpec,
+    value_head_dim: int,
+    scale: float,
+):
+    """Query rows [t * ROW_BLOCK, +ROW_BLOCK) of one head: their 2^e and dQ unit (0 past T)."""
+    key_refs, block_refs, (scales_ref, unit_ref) = refs[:3], refs[3:6], refs[6:]
+    q_start = pl.program_id(0) * ROW_BLOCK
+    rows = spec.q_len - q_start
+    ragged = spec.q_len % ROW_BLOCK != 0
+    d_out = load_rows(d_out_ref, 0, ROW_BLOCK, rows, value_head_dim, ragged=ragged)
+    delta = load_vector(delta_ref, 0, ROW_BLOCK, rows, ragged=ragged)
+    lse = load_vector(lse_ref, 0, ROW_BLOCK, rows, ragged=ragged)
+    k_max, v_max, v_l2 = _seen_maxima_kernel(key_refs, block_refs, spec, q_start)
+    d_out_l1 = jnp.sum(jnp.abs(d_out), axis=-1)
+    d_out_l2 = l2_norm(d_out, largest_abs(d_out))
+    exponents, finite = _exponents_from_norms(
+        k_max, v_max, v_l2, d_out_l1, d_out_l2, delta, lse, spec.kv_len
+    )
+    row_scales, dq_unit = _scales(exponents, finite, lse, scale)
+    inside = q_start + lax.broadcasted_iota(jnp.int32, (ROW_BLOCK,), 0) < spec.q_len
+    scales_ref[...] = jnp.where(inside, row_scales, 0.0)
+    unit_ref[...] = jnp.where(inside, dq_unit, 0.0)
+
+
+def _kernel_scales(
+    k, v, d_out, delta, lse, *, spec: MaskSpec, scale: float, rows_out: int, interpret: bool
+):
+    """`fixed_point_scales` by the two kernels."""
+    batch, _, num_kv_heads, head_dim = k.shape
+    num_heads, value_head_dim = d_out.shape[2], d_out.shape[3]
+    group = num_heads // num_kv_heads
+    hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
+    warps = 4 if max(hp, hvp) <= 128 else 8
+    params = CompilerParams(num_warps=warps, num_stages=1)
+    key_blocks = cdiv(spec.kv_len, KEY_BLOCK)
+    keys_out, blocks_out = key_blocks * KEY_BLOCK, cdiv(key_blocks, CHUNK) * CHUNK
+    per_key = jax.ShapeDtypeStruct((batch, num_kv_heads, keys_out), jnp.float32)
+    per_block = jax.ShapeDtypeStruct((batch, num_kv_heads, blocks_out), jnp.float32)
+    (*key_norms,) = pl.pallas_call(
+        functools.partial(
+            _key_norms_kernel,
+            kv_len=spec.kv_len,
+            head_dim=head_dim,
+            value_head_dim=value_head_dim,
+        ),
+        grid=(key_blocks, num_kv_heads, batch),
+        in_specs=[
+            pl.BlockSpec((None, KEY_BLOCK, None, hp), lambda s, h, b: (b, s, h, 0)),
+            pl.BlockSpec((None, KEY_BLOCK, None, hvp), lambda s, h, b: (b, s, h, 0)),
+        ],
+        out_specs=[pl.BlockSpec((None, None, KEY_BLOCK), lambda s, h, b: (b, h, s))] * 3
+        + [pl.BlockSpec((None, None, 1), lambda s, h, b: (b, h, s))] * 3,
+        out_shape=[per_key] * 3 + [per_block] * 3,
+        compiler_params=params,
+        interpret=interpret,
+        name="pallas_flash_fixed_point_keys",
+    )(k, v)
+    row_spec = pl.BlockSpec((None, None, ROW_BLOCK), lambda t, n, b: (b, n, t))
+    rows = jax.ShapeDtypeStruct((batch, num_heads, rows_out), jnp.float32)
+    return pl.pallas_call(
+        functools.partial(
+            _row_scales_kernel, spec=spec, value_head_dim=value_head_dim, scale=scale
+        ),
+        grid=(cdiv(rows_out, ROW_BLOCK), num_heads, batch),
+        in_specs=[
+            pl.BlockSpec((None, ROW_BLOCK, None, hvp), lambda t, n, b: (b, t, n, 0)),
+            row_spec,
+            row_spec,
+            *[pl.BlockSpec((None, None, keys_out), lambda t, n, b: (b, n // group, 0))] * 3,
+            *[pl.BlockSpec((None, None, blocks_out), lambda t, n, b: (b, n // group, 0))] * 3,
+        ],
+        out_specs=[row_spec, row_spec],
+        out_shape=[rows, rows],
+        compiler_params=params,
+        interpret=interpret,
+        name="pallas_flash_fixed_point_rows",
+    )(d_out, delta, lse, *key_norms)
+
+
+def fixed_point_scales(
+    k,
+    v,
+    d_out,
+    delta,
+    lse,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    rows_out: int,
+    kernels: bool = True,
+    interpret: bool = False,
+):
+    """(row_scales, dq_unit), float32 [B, N, rows_out] (rows_out >= T; 0 past T): 2^e_i, which
+    the dK/dV kernel multiplies row i's dS by, and scale * 2^-e_i, which turns its int32 sum
+    into dQ (0 for a row whose lse is not finite, NaN for one without a finite bound), from
+    `fixed_point_exponents`' bound. Arguments as there. kernels: the Pallas kernels
+    (`interpret`: in Pallas' interpreter), or the jnp form (where the attention kernels run in
+    jax's Mosaic GPU interpreter, which would take the kernels too, and has no Triton)."""
+    if kernels:
+        return _kernel_scales(
+            k,
+            v,
+            d_out,
+            delta,
+            lse,
+            spec=spec,
+            scale=scale,
+            rows_out=rows_out,
+            interpret=interpret,
+        )
+    exponents, finite = fixed_point_exponents(
+        k, v, d_out, delta, lse, spec=spec, num_heads=d_out.shape[2]
+    )
+    row_scales, dq_unit = _scales(exponents, finite, lse, scale)
+    pad = ((0, 0), (0, 0), (0, rows_out - spec.q_len))
+    return jnp.pad(row_scales, pad), jnp.pad(dq_unit, pad)

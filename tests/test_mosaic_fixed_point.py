@@ -239,6 +239,8 @@ KERNEL_CASES = [
     (1, 64, 500, 2, 1, 64, False, (30, 50)),
     (1, 300, 1000, 2, 1, 256, False, (200, 7)),
     (1, 333, 333, 2, 2, 128, False, None),
+    (1, 400, 100, 2, 1, 64, False, (30, 10)),  # rows past S + right see no key
+    (1, 300, 700, 2, 1, 64, True, (150, 40)),  # causal with a right reach: right 0
 ]
 
 
@@ -293,6 +295,73 @@ def test_kernels_give_the_jnp_forms_scales(case):
     # Rows without a finite bound are NaN; rows whose lse is not finite are 0.
     assert np.isnan(unit).any() and (unit == 0).any() and np.isfinite(unit).mean() > 0.5
     assert (unit[0, 0, :3] == 0).all()
+
+
+# (T, S, causal, window, chunk): geometries whose rows' maxima mix boundary blocks (key by key)
+# and whole blocks (by their maxima) of 64 keys; chunk 2 reads the block maxima two at a time, so
+# that the whole blocks span several chunks at these lengths.
+MAXIMA_CASES = [
+    (300, 700, False, None, 128),
+    (700, 700, True, None, 2),
+    (500, 900, False, (130, 200), 2),
+    (450, 300, True, (100, 0), 2),
+    (1000, 64, False, (0, 0), 2),  # windows that start past the last key: no whole block
+    (333, 1000, True, (1000, 30), 2),
+]
+
+
+@pytest.mark.parametrize("case", MAXIMA_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernels_read_the_maxima_of_the_keys_each_row_sees(monkeypatch, case):
+    """Keys of max |K| = 2^p_j (p_j distinct), V of ones, dO = e_0, delta = lse = 0: a row's
+    bound is 2^max p over the keys it sees, so its scale 2^e reads that max exactly (e = 29 -
+    max p; 120 for a row that sees none). Both forms against brute force over the mask."""
+    from pallas_flash.mosaic import fixed_point
+
+    t, s, is_causal, window, chunk = case
+    monkeypatch.setattr(fixed_point, "CHUNK", chunk)
+    spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal, window=window)
+    rng = np.random.default_rng(s)
+    p = rng.choice(np.arange(-60, 61), size=s, replace=s > 121)
+    h = 64
+    k = jnp.asarray(np.exp2(p)[None, :, None, None] * np.ones((1, s, 1, h)), jnp.bfloat16)
+    v = jnp.ones((1, s, 1, h), jnp.bfloat16)
+    d_out = jnp.zeros((1, t, 1, h), jnp.bfloat16).at[..., 0].set(1.0)
+    rows = jnp.zeros((1, 1, t), jnp.float32)
+    visible = np.broadcast_to(spec.geometry(np.arange(t)[:, None], np.arange(s)[None, :]), (t, s))
+    seen = np.where(visible, p[None, :], -1000).max(-1)
+    want = np.where(visible.any(-1), 29 - seen, 120)
+    rows_out = -(-t // 128) * 128
+    for kernels in (False, True):
+        fn = functools.partial(
+            fixed_point_scales,
+            spec=spec,
+            scale=1.0,
+            rows_out=rows_out,
+            kernels=kernels,
+            interpret=True,
+        )
+        scales, _ = jax.jit(fn)(k, v, d_out, rows, rows)
+        got = np.log2(np.asarray(scales[0, 0, :t], np.float64))
+        np.testing.assert_array_equal(got, want, err_msg=f"kernels={kernels}")
+
+
+def test_kernels_sum_the_l1_norm_of_d_out_in_float32():
+    """Rows of dO whose |.|_1 term wins the bound (K and V of ones, dO_i = 1, 1/2, ..., 2^-8):
+    |dO|_1 = 2 - 2^-8, which bfloat16 rounds to 2, a bound a binade too high (and, rounded
+    down elsewhere, too low): both forms sum it in float32, e = 29."""
+    b, t, n, h = 1, 100, 2, 64
+    spec = MaskSpec(q_len=t, kv_len=t, is_causal=True)
+    ones = jnp.ones((b, t, n, h), jnp.bfloat16)
+    row = np.zeros(h)
+    row[:9] = np.exp2(-np.arange(9))
+    d_out = jnp.asarray(np.broadcast_to(row, (b, t, n, h)), jnp.bfloat16)
+    rows = jnp.zeros((b, n, t), jnp.float32)
+    for kernels in (False, True):
+        fn = functools.partial(
+            fixed_point_scales, spec=spec, scale=1.0, rows_out=128, kernels=kernels, interpret=True
+        )
+        scales, _ = jax.jit(fn)(ones, ones, d_out, rows, rows)
+        np.testing.assert_array_equal(np.asarray(scales[..., :t]), 2.0**29, err_msg=str(kernels))
 
 
 @pytest.mark.parametrize("lse", [3e8, -1e12, 3e38])

@@ -29,10 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_flash._numerics import LOG2E, slack
+from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic.tiles import cdiv
-from pallas_flash.triton._common import CompilerParams, fold, load_rows, load_vector
-from pallas_flash.triton.tiles import padded_head_dim
 
 # fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
 # every partial sum stays under 2^FIXED_POINT_BITS in magnitude (`fixed_point_exponents`).
@@ -261,7 +260,14 @@ def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start):
     zeros = tuple(jnp.zeros((ROW_BLOCK,), jnp.float32) for _ in key_refs)
     maxima = fold(lo, full_lo, boundary, zeros)
     maxima = fold(full_hi, hi, boundary, maxima)
-    return fold(full_lo // CHUNK, cdiv(full_hi, CHUNK), whole, maxima)
+    # The chunks of block maxima that hold whole blocks; none where there are none (full_lo may
+    # then lie past the last block: a window that starts past the last key).
+    first, last = full_lo // CHUNK, cdiv(full_hi, CHUNK)
+    if isinstance(full_lo, int) and isinstance(full_hi, int):
+        last = last if full_hi > full_lo else first
+    else:
+        last = jnp.where(full_hi > full_lo, last, first)
+    return fold(first, last, whole, maxima)
 
 
 def _row_scales_kernel(
@@ -272,13 +278,16 @@ def _row_scales_kernel(
     spec: MaskSpec,
     value_head_dim: int,
     scale: float,
+    rows_out: int,
 ):
     """Query rows [t * ROW_BLOCK, +ROW_BLOCK) of one head: their 2^e and dQ unit (0 past T)."""
     key_refs, block_refs, (scales_ref, unit_ref) = refs[:3], refs[3:6], refs[6:]
     q_start = pl.program_id(0) * ROW_BLOCK
     rows = spec.q_len - q_start
-    ragged = spec.q_len % ROW_BLOCK != 0
+    # The grid's rows (rows_out) may pass T by whole blocks: mask every row past T.
+    ragged = spec.q_len < rows_out
     d_out = load_rows(d_out_ref, 0, ROW_BLOCK, rows, value_head_dim, ragged=ragged)
+    d_out = d_out.astype(jnp.float32)  # |.|_1 summed in float32, as the jnp form does
     delta = load_vector(delta_ref, 0, ROW_BLOCK, rows, ragged=ragged)
     lse = load_vector(lse_ref, 0, ROW_BLOCK, rows, ragged=ragged)
     k_max, v_max, v_l2 = _seen_maxima_kernel(key_refs, block_refs, spec, q_start)
@@ -297,10 +306,12 @@ def _kernel_scales(
     k, v, d_out, delta, lse, *, spec: MaskSpec, scale: float, rows_out: int, interpret: bool
 ):
     """`fixed_point_scales` by the two kernels."""
+    assert rows_out % ROW_BLOCK == 0 and rows_out >= spec.q_len, (rows_out, spec.q_len)
     batch, _, num_kv_heads, head_dim = k.shape
     num_heads, value_head_dim = d_out.shape[2], d_out.shape[3]
     group = num_heads // num_kv_heads
-    hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
+    # Triton's tiles are powers of two: the head dims' columns past H read as zero.
+    hp, hvp = (1 << (dim - 1).bit_length() for dim in (head_dim, value_head_dim))
     warps = 4 if max(hp, hvp) <= 128 else 8
     params = CompilerParams(num_warps=warps, num_stages=1)
     key_blocks = cdiv(spec.kv_len, KEY_BLOCK)
@@ -330,7 +341,11 @@ def _kernel_scales(
     rows = jax.ShapeDtypeStruct((batch, num_heads, rows_out), jnp.float32)
     return pl.pallas_call(
         functools.partial(
-            _row_scales_kernel, spec=spec, value_head_dim=value_head_dim, scale=scale
+            _row_scales_kernel,
+            spec=spec,
+            value_head_dim=value_head_dim,
+            scale=scale,
+            rows_out=rows_out,
         ),
         grid=(cdiv(rows_out, ROW_BLOCK), num_heads, batch),
         in_specs=[
@@ -367,6 +382,7 @@ def fixed_point_scales(
     `fixed_point_exponents`' bound. Arguments as there. kernels: the Pallas kernels
     (`interpret`: in Pallas' interpreter), or the jnp form (where the attention kernels run in
     jax's Mosaic GPU interpreter, which would take the kernels too, and has no Triton)."""
+    scale = float(scale)
     if kernels:
         return _kernel_scales(
             k,

@@ -1,16 +1,10 @@
-"""Shared by the Triton kernels: constants, masked tile loads and stores, quiet compiler params."""
+"""Shared by the Triton kernels: masked tile stores, softmax steps, mask and dropout operands (their
+loads, loops and compiler params are `pallas_flash._pallas_triton`'s)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import warnings
 
-# Pallas' interpreter imports jax's Pallas fuser lazily, on its first kernel, and that import
-# registers a config option that belongs to JAX's tracing context: a jit traced before the first
-# interpreted kernel (a training step's first call) would then retrace and compile once more.
-# Importing the fuser with the library keeps the tracing context the same from the start.
-import jax.experimental.pallas.fuser  # noqa: F401
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -18,6 +12,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout
 from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, merge_weights, sink_against_keys
+from pallas_flash._pallas_triton import fold, load_vector
 
 
 def dot(a, b, *, trans_b: bool = False):
@@ -25,39 +20,6 @@ def dot(a, b, *, trans_b: bool = False):
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
-
-
-def load_rows(ref, start, block: int, length, head_dim: int, *, ragged: bool, head=None, lead=()):
-    """Rows [start, start + block) of a [length, Hp] ref (or of head `head` of a
-    [length, heads, Hp] ref); rows past `length` and columns past `head_dim` read as zero.
-    `ragged=False` promises that the rows are in bounds, which saves the row mask. `lead`:
-    indices of leading dims (a batch) to read at; one indexer, as the Triton lowering needs."""
-    hp = ref.shape[-1]
-    mask = None
-    if head_dim != hp:
-        mask = lax.broadcasted_iota(jnp.int32, (1, hp), 1) < head_dim
-    if ragged:
-        rows = start + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
-        row_mask = rows < length
-        mask = row_mask if mask is None else row_mask & mask
-    if head is None:
-        tile = ref.at[(*lead, pl.ds(start, block), slice(None))]
-    else:
-        tile = ref.at[(*lead, pl.ds(start, block), head, slice(None))]
-    if mask is None:
-        return plgpu.load(tile)
-    return plgpu.load(tile, mask=mask, other=0.0)
-
-
-def load_vector(ref, start, block: int, length, *, ragged: bool, head=None, other=0.0, lead=()):
-    """Entries [start, start + block) of a [length] ref (or of row `head` of a [heads, length]
-    ref), `other` past `length`; `lead` as in load_rows."""
-    heads = () if head is None else (head,)
-    tile = ref.at[(*lead, *heads, pl.ds(start, block))]
-    if not ragged:
-        return plgpu.load(tile)
-    idx = start + lax.broadcasted_iota(jnp.int32, (block,), 0)
-    return plgpu.load(tile, mask=idx < length, other=other)
 
 
 def store_rows(ref, value, start, block: int, length: int, head_dim: int):
@@ -77,48 +39,6 @@ def visit_tiles(ranges, body, carry):
     carry = fold(lo, full_lo, functools.partial(body, masked=True), carry)
     carry = fold(full_lo, full_hi, functools.partial(body, masked=False), carry)
     return fold(full_hi, hi, functools.partial(body, masked=True), carry)
-
-
-def fold(lo, hi, body, carry):
-    """lax.fori_loop that also accepts Python-int bounds and skips empty static ranges. The index
-    is int32 also under jax_enable_x64, as the kernels' other indices are."""
-    if isinstance(lo, int) and isinstance(hi, int) and hi <= lo:
-        return carry
-    int32 = functools.partial(lax.convert_element_type, new_dtype=jnp.int32)
-    return lax.fori_loop(int32(lo), int32(hi), body, carry)
-
-
-# -- compiler params ------------------------------------------------------------------------------
-# The Pallas Triton backend warns "deprecated" each time a kernel is lowered for a GPU. Our users
-# did not choose that backend, so the library silences exactly that warning for its own kernels:
-# the kernels carry a subclass of the Triton compiler params whose lowering rule wraps the stock
-# rule in a warnings filter. Other Pallas Triton kernels keep their warning.
-
-
-@dataclasses.dataclass(frozen=True)
-class CompilerParams(plgpu.CompilerParams):
-    """Triton compiler params for pallas_flash's own kernels."""
-
-
-def _register_quiet_lowering():
-    from jax._src.pallas import core as pallas_core
-    from jax._src.pallas.triton import pallas_call_registration  # noqa: F401  registers the rule
-
-    stock_rule = pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
-
-    def quiet_rule(*args, **kwargs):
-        with warnings.catch_warnings():
-            warnings.filterwarnings(
-                "ignore",
-                message="The Pallas Triton backend is deprecated",
-                category=DeprecationWarning,
-            )
-            return stock_rule(*args, **kwargs)
-
-    pallas_core.register_lowering_rule(CompilerParams, quiet_rule, "gpu")
-
-
-_register_quiet_lowering()
 
 
 def load_pair_tile(

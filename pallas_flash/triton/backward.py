@@ -19,19 +19,16 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
 from pallas_flash._numerics import MIN_LOGIT, lowered_reference, probability_bound, slack
+from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
-    CompilerParams,
     Operands,
     dot,
     dropout_cols,
     dropout_rows,
     finite_or_zero,
-    fold,
     load_pair_tile,
     load_range,
-    load_rows,
-    load_vector,
     logit_unit,
     recomputed_probs,
     scores,

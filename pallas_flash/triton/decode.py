@@ -21,12 +21,10 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, MIN_LOGIT
+from pallas_flash._pallas_triton import CompilerParams, fold, load_rows
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
-    CompilerParams,
     dot,
-    fold,
-    load_rows,
     logit_unit,
     merge_splits,
     scores,

@@ -10,18 +10,16 @@ from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
 from pallas_flash._numerics import log_sum_with_sinks, sink_in_units
+from pallas_flash._pallas_triton import CompilerParams, load_rows, load_vector
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
 from pallas_flash.triton._common import (
-    CompilerParams,
     Operands,
     dot,
     dropout_rows,
     load_pair_tile,
     load_range,
-    load_rows,
-    load_vector,
     logit_unit,
     merge_splits,
     scores,

@@ -18,7 +18,8 @@
 #          failing, and counted by benchmarks/sweep_summary.py; logs in $OUT/sweep.tgz
 #   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
 #   fused  benchmarks/fused_dq_timing.py: the fused dQ against the default backward and cuDNN
-#          (FUSED_POINTS: H:SEQ pairs, default its POINTS; MODES: its backwards)
+#          (FUSED_POINTS: H:SEQ pairs, default its POINTS; MODES: its backwards; MASK:
+#          window:W or packed:D, default none)
 #   resources  benchmarks/kernel_resources.py $OUT/resources RESOURCE_CASES (ptxas' registers
 #          and spills, SASS counts; default: all its cases)
 #   regsplit  benchmarks/register_split.py $OUT/regsplit REGSPLIT_ARGS (e.g. "--kernels forward")

@@ -1058,7 +1058,15 @@ def main(argv=None):
         "--impls",
         nargs="+",
         default=["pallas_flash", "cudnn", "xla"],
-        choices=["pallas_flash", "pallas_flash_triton", "cudnn", "xla", "jax_pallas"],
+        choices=[
+            "pallas_flash",
+            "pallas_flash_triton",
+            "pallas_flash_window",
+            "cudnn",
+            "xla",
+            "jax_pallas",
+        ],
+        help="pallas_flash_window: a causal 1024-key window (--suite compile only)",
     )
     parser.add_argument("--passes", nargs="+", default=list(PASSES), choices=PASSES)
     parser.add_argument("--causal", choices=["both", "yes", "no"], default="both")
@@ -1097,6 +1105,8 @@ def main(argv=None):
         return
     on_gpu = (device_lib.gpu_compute_capability() or (0, 0)) >= (8, 0)
     given = _given_flags(parser, sys.argv[1:] if argv is None else argv, args.suite, on_gpu)
+    if "pallas_flash_window" in args.impls and args.suite != "compile":
+        parser.error("--impls pallas_flash_window is a compile-suite row (a causal 1024 window)")
     if args.suite == "scale":
         run_scale_suite(args.out, args.repeats, args.seqs, on_gpu)
         return

@@ -1616,6 +1616,14 @@ FUSED_CI_FIXED_WINDOW = MaskCase(
     tiles=BackwardTiles(fused_dq="fixed_slab"),
     poison=True,
 )
+# Packed documents with lengths: each row's bound from its own segment's keys (NaN and inf in
+# other segments and past the lengths reach no row's).
+FUSED_CI_FIXED_SEGMENTS = MaskCase(
+    Problem(2, 200, 256, 4, 2, 64, True, "bf16"),
+    kind="packed-lengths",
+    tiles=BackwardTiles(fused_dq="fixed_slab"),
+    poison=True,
+)
 # The consumers' K, V (and the fused dQ's K^T and dS^T tiles) addressed through an opaque zero
 # (`BackwardTiles.step_descriptors`, which the dispatch gives every fused dQ): "fixed_slab"'s
 # causal halves at H=128 (its step -1 of zeros included), "slab"'s turns at H=64 with head
@@ -1664,6 +1672,7 @@ FUSED_SWEEP_CASES = [
         FUSED_CI_FIXED,
         FUSED_CI_FIXED_CAPPED,
         FUSED_CI_FIXED_WINDOW,
+        FUSED_CI_FIXED_SEGMENTS,
         *(pytest.param(c, marks=long_only) for c in FUSED_SWEEP_CASES),
     ],
     ids=case_id,
@@ -1764,7 +1773,7 @@ def test_fused_dq_tiles_validate():
     for mode in ("fixed", "fixed_slab"):
         fixed = functools.partial(why, tiles=BackwardTiles(fused_dq=mode))
         assert fixed(*shapes, jnp.bfloat16, window=(64, 0)) is None
-        assert "not with segment ids" in fixed(*shapes, jnp.bfloat16, segments=True)
+        assert fixed(*shapes, jnp.bfloat16, segments=True) is None
         assert "bfloat16 only, not float16" in fixed(*shapes, jnp.float16)
         assert fixed(*shapes, jnp.bfloat16) is None
     # The staging tiles count in shared memory: with head splits' partials too they overflow.
@@ -1875,6 +1884,20 @@ FUSED_FIXED_GPU_CASES = [
     MaskCase(
         Problem(1, 1000, 1500, 4, 2, 64, False, "bf16"),
         window=(200, 300),
+        tiles=FUSED_FIXED,
+        poison=True,
+    ),
+    # Segment ids with sequence lengths (packed documents): each row's bound from its segment's
+    # keys, key by key; causal at H=128, and plain at H=64 with T != S.
+    MaskCase(
+        Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"),
+        kind="packed-lengths",
+        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(2, 1000, 1300, 4, 2, 64, False, "bf16"),
+        kind="packed-lengths",
         tiles=FUSED_FIXED,
         poison=True,
     ),

@@ -345,6 +345,50 @@ def test_kernels_read_the_maxima_of_the_keys_each_row_sees(monkeypatch, case):
         np.testing.assert_array_equal(got, want, err_msg=f"kernels={kernels}")
 
 
+@pytest.mark.parametrize(
+    "t, s, is_causal, window",
+    [(300, 500, False, None), (400, 400, True, None), (350, 300, False, (60, 20))],
+)
+def test_kernels_read_the_maxima_of_the_keys_of_each_rows_segment(t, s, is_causal, window):
+    """As above, with segment ids: packed documents of random lengths, each batch's own, with
+    padding ids past a length (rows and keys of no segment): a row's max over the keys of its
+    segment that its geometry lets it see (every block key by key). Two batches."""
+    from pallas_flash.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT
+
+    b, h = 2, 64
+    spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal, window=window, has_segments=True)
+    rng = np.random.default_rng(t * s)
+
+    def packed(length, pad_id):
+        ids = np.sort(rng.integers(0, 6, size=(b, length)), axis=1).astype(np.int32)
+        ids[0, rng.integers(length // 2, length) :] = pad_id  # a length shorter than T or S
+        return ids
+
+    q_ids, kv_ids = packed(t, PAD_Q_SEGMENT), packed(s, PAD_KV_SEGMENT)
+    p = rng.choice(np.arange(-60, 61), size=(b, s))
+    k = jnp.asarray(np.exp2(p)[:, :, None, None] * np.ones((b, s, 1, h)), jnp.bfloat16)
+    v = jnp.ones((b, s, 1, h), jnp.bfloat16)
+    d_out = jnp.zeros((b, t, 1, h), jnp.bfloat16).at[..., 0].set(1.0)
+    rows = jnp.zeros((b, 1, t), jnp.float32)
+    geometry = spec.geometry(np.arange(t)[:, None], np.arange(s)[None, :])
+    visible = geometry & (q_ids[:, :, None] == kv_ids[:, None, :])  # [B, T, S]
+    seen = np.where(visible, p[:, None, :], -1000).max(-1)
+    want = np.where(visible.any(-1), 29 - seen, 120)
+    ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    for kernels in (False, True):
+        fn = functools.partial(
+            fixed_point_scales,
+            spec=spec,
+            scale=1.0,
+            rows_out=-(-t // 128) * 128,
+            kernels=kernels,
+            interpret=True,
+        )
+        scales, _ = jax.jit(fn)(k, v, d_out, rows, rows, segment_ids=ids)
+        got = np.log2(np.asarray(scales[:, 0, :t], np.float64))
+        np.testing.assert_array_equal(got, want, err_msg=f"kernels={kernels}")
+
+
 def test_kernels_sum_the_l1_norm_of_d_out_in_float32():
     """Rows of dO whose |.|_1 term wins the bound (K and V of ones, dO_i = 1, 1/2, ..., 2^-8):
     |dO|_1 = 2 - 2^-8, which bfloat16 rounds to 2, a bound a binade too high (and, rounded

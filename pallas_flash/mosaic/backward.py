@@ -139,8 +139,8 @@ class BackwardTiles:
         its partial converted to int32 and added by TMA; integer adds are associative, so dQ
         is bitwise deterministic (at 0.91-0.97x the speed of "add" on the H200). e comes from
         a bound on the row's partial sums (`mosaic.fixed_point`), which two small kernels
-        compute before it from the keys the row sees: plain, causal and windowed calls (no segment
-        ids or lengths) in bfloat16 only.
+        compute before it from the keys the row sees (by the mask's geometry and segment
+        ids), in bfloat16 only.
         "slab": the same partials
         as "add" stored apart, one f32 [B, T, N, H] per kv tile, summed by XLA in a fixed
         order: deterministic, but S / cta_kv_rows times dQ's memory (for tests; jax's Mosaic
@@ -470,11 +470,6 @@ def why_not(
         )
     if tiles.fused_dq and (dropout or value_head_dim != head_dim):
         return f"{tiles}: fused_dq is not tested with dropout or a value head dim of its own yet"
-    if tiles.fixed_point_dq and segments:
-        return (
-            f"{tiles} bounds each row's dQ from the keys it sees, which the mask's geometry "
-            "gives (causal, window): not with segment ids or sequence lengths"
-        )
     if tiles.fixed_point_dq and jnp.dtype(dtype) != jnp.bfloat16:
         return (
             f"{tiles} scales dS in the input dtype until its dQ sums reach "
@@ -646,7 +641,15 @@ def flash_backward(
         # Each row's dS is scaled by 2^e before dQ's wgmma; dQ = scale * 2^-e * its integer sum
         # (0 for rows without P, NaN for rows that see keys without a finite bound).
         row_scales, dq_unit = fixed_point.fixed_point_scales(
-            k, v, d_out, delta_rows, lse, spec=spec, scale=scale, rows_out=lse_to
+            k,
+            v,
+            d_out,
+            delta_rows,
+            lse,
+            spec=spec,
+            scale=scale,
+            rows_out=lse_to,
+            segment_ids=segment_ids,
         )
         rows_of_lse.append(row_scales)
     # [B, N, 2 (3 with "fixed"), T'']: a tile's lse2 and bound rows (and the fixed point's

@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_flash._numerics import LOG2E, slack
 from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec
 from pallas_flash.mosaic.tiles import cdiv
 
 # fused_dq "fixed": each row's dQ^T is summed as int32 in units of 2^-e of it, e chosen so that
@@ -167,34 +167,49 @@ def seen_maxima(x, spec: MaskSpec, axis: int):
     return jnp.moveaxis(window_max(x, width), -1, axis)
 
 
-def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int):
+def seen_maxima_of_segments(x, spec: MaskSpec, segment_ids):
+    """seen_maxima of x [3, B, S, K] (along its keys' axis 2) for a call with segment ids
+    (q ids [B, T], kv ids [B, S]; sequence lengths folded in as padding ids): each row's max
+    over the keys that its geometry and its segment let it see, [3, B, T, K]. Through a dense
+    [B, T, S] mask: the size of the calls it runs on (where the kernels are interpreted)."""
+    q_ids, kv_ids = segment_ids
+    t, s = spec.q_len, spec.kv_len
+    visible = spec.geometry(jnp.arange(t)[:, None], jnp.arange(s)[None, :])
+    visible = visible & (q_ids[:, :t, None] == kv_ids[:, None, :s])  # [B, T, S]
+    return jnp.max(jnp.where(visible[None, ..., None], x[:, :, None, :s], 0.0), axis=3)
+
+
+def fixed_point_exponents(
+    k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads: int, segment_ids=None
+):
     """Per query row, the e of the 2^e that fused_dq "fixed" scales the row's dS by, int32
     [B, N, T], and whether the row's bound (below) is finite, bool [B, N, T]; in jnp.
 
     k [B, S', K, H], v [B, S', K, Hv], d_out [B, T', N, Hv] (padded or not: spec's T and S are
-    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's; a call
-    without segment ids or lengths (causal or not, with a window or not).
+    read), delta f32 [B, N, T], rowsum(dO * O) - dlse, lse f32 [B, N, T] the forward's;
+    segment_ids: None, or (q ids [B, T], kv ids [B, S]) for a call with segment ids or lengths
+    (a row sees only the keys of its segment).
 
     Row i's partial of dQ (unscaled) over any set J of the keys it sees is sum_{j in J} dS_ij
-    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, dcap in [0, 1] and
-    sum_j P_ij <= g_i, the factor by which the backward's recomputed P may exceed the exact
-    one (1 but for rounding where |lse| <= SLACK_FROM; the lowered reference's `slack` and a
-    few ulps of lse beyond; never more than S, as each P is clamped to 1). |dP_ij| <=
-    min(|dO_i|_1 |V_j|_max, |dO_i|_2 |V_j|_2), so each entry of the partial is at most B_i =
-    g_i (min(|dO_i|_1 max_j |V_j|_max, |dO_i|_2 max_j |V_j|_2) + |delta_i|) max_j |K_j|_max,
-    the maxima over the keys j that the row sees (`seen_maxima`: all of them, j <= i causal,
-    i - left <= j <= i + right in a window), in any order of the sums. e = FIXED_POINT_BITS -
-    (floor(log2 B_i) + 1) keeps every partial and every partial sum of the row under
-    2^FIXED_POINT_BITS < 2^31 in units of 2^-e (with room for the rounding of dS to 16 bits),
-    so int32 adds of them neither overflow nor depend on their order; the sum's resolution is
-    2^-FIXED_POINT_BITS of B_i (B_i is loose by the cancellation in the row's sums, 2^8-2^14 on
-    random data: the error grows with the number of key tiles, benchmarks/NOTES.md,
-    "fused-dq"). e also keeps 2^e |dS_ij| under 2^MAX_EXPONENT. Keys a row cannot see are not
-    in its maxima: huge values past its diagonal or outside its window cost it no precision.
-    NaN or inf in K, V or dO_i that the row sees (or in delta_i, or B_i past float32) leaves it
-    without a finite bound: e = 0 and finite_bound False (the caller makes such a row NaN, as
-    the default backward's products would)."""
-    assert not spec.has_segments, spec
+    K_j, dS_ij = P_ij dcap_ij (dP_ij - delta_i), dP_ij = dO_i . V_j, dcap in [0, 1] and sum_j
+    P_ij <= g_i, the factor by which the backward's recomputed P may exceed the exact one (1 but
+    for rounding where |lse| <= SLACK_FROM; the lowered reference's `slack` and a few ulps of
+    lse beyond; never more than S, as each P is clamped to 1). |dP_ij| <= min(|dO_i|_1
+    |V_j|_max, |dO_i|_2 |V_j|_2), so each entry of the partial is at most B_i = g_i
+    (min(|dO_i|_1 max_j |V_j|_max, |dO_i|_2 max_j |V_j|_2) + |delta_i|) max_j |K_j|_max, the
+    maxima over the keys j that the row sees (`seen_maxima`: all of them, j <= i causal, i -
+    left <= j <= i + right in a window, those of its segment), in any order of the sums. e =
+    FIXED_POINT_BITS - (floor(log2 B_i) + 1) keeps every partial and every partial sum of the
+    row under 2^FIXED_POINT_BITS < 2^31 in units of 2^-e (with room for the rounding of dS to 16
+    bits), so int32 adds of them neither overflow nor depend on their order; the sum's
+    resolution is 2^-FIXED_POINT_BITS of B_i (B_i is loose by the cancellation in the row's
+    sums, 2^8-2^14 on random data: the error grows with the number of key tiles,
+    benchmarks/NOTES.md, "fused-dq"). e also keeps 2^e |dS_ij| under 2^MAX_EXPONENT. Keys a row
+    cannot see are not in its maxima: huge values past its diagonal or outside its window cost
+    it no precision. NaN or inf in K, V or dO_i that the row sees (or in delta_i, or B_i past
+    float32) leaves it without a finite bound: e = 0 and finite_bound False (the caller makes
+    such a row NaN, as the default backward's products would)."""
+    assert spec.has_segments == (segment_ids is not None), spec
     q_len, kv_len = spec.q_len, spec.kv_len
     # A loss like out.mean() makes d_out a constant (a broadcast), and XLA would fold the norms
     # below on the host at compile time: 4-8 s per call site at [1, 8192, 16, 128] on the H200
@@ -205,7 +220,10 @@ def fixed_point_exponents(k, v, d_out, delta, lse, *, spec: MaskSpec, num_heads:
     # [3, B, S, K]: each key's max |K|, max |V| and |V|_2.
     v_largest = largest_abs(v[:, :kv_len])
     kv = jnp.stack([largest_abs(k[:, :kv_len]), v_largest, l2_norm(v[:, :kv_len], v_largest)])
-    kv = seen_maxima(kv, spec, axis=2)
+    if segment_ids is None:
+        kv = seen_maxima(kv, spec, axis=2)
+    else:
+        kv = seen_maxima_of_segments(kv, spec, segment_ids)
     # [3, B, K, T or 1] -> each query head's kv head: [B, N, T or 1]
     k_max, v_max, v_l2 = jnp.repeat(jnp.swapaxes(kv, 2, 3), num_heads // k.shape[2], axis=2)
     d_out = d_out[:, :q_len].astype(jnp.float32)
@@ -235,15 +253,28 @@ def _key_norms_kernel(k_ref, v_ref, *out_refs, kv_len: int, head_dim: int, value
         block_ref[...] = jnp.max(norm, keepdims=True)
 
 
-def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start):
+def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start, ids=None):
     """Rows [q_start, +ROW_BLOCK)'s maxima over the keys each sees of the three per-key norms:
-    blocks that every row sees whole by their maxima, boundary blocks key by key."""
+    blocks that every row sees whole by their maxima, boundary blocks key by key. ids: None,
+    or (the rows' segment ids [ROW_BLOCK], the kv ids' ref [S]): then every block key by key,
+    a row seeing the keys of its segment."""
     lo, full_lo, full_hi, hi = spec.kv_tile_range(q_start, ROW_BLOCK, KEY_BLOCK)
     rows = q_start + lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, 1), 0)
 
     def boundary(j, maxima):
         keys = j * KEY_BLOCK + lax.broadcasted_iota(jnp.int32, (1, KEY_BLOCK), 1)
         sees = spec.geometry(rows, keys)
+        if ids is not None:
+            q_ids, kv_ids_ref = ids
+            kv_ids = load_vector(
+                kv_ids_ref,
+                j * KEY_BLOCK,
+                KEY_BLOCK,
+                spec.kv_len,
+                ragged=spec.kv_len % KEY_BLOCK != 0,
+                other=PAD_KV_SEGMENT,
+            )
+            sees = sees & (q_ids[:, None] == kv_ids[None, :])
         return tuple(
             jnp.maximum(m, jnp.max(jnp.where(sees, ref[pl.ds(j * KEY_BLOCK, KEY_BLOCK)], 0.0), 1))
             for m, ref in zip(maxima, key_refs, strict=True)
@@ -258,6 +289,8 @@ def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start):
         )
 
     zeros = tuple(jnp.zeros((ROW_BLOCK,), jnp.float32) for _ in key_refs)
+    if ids is not None:  # a whole block may hold other segments' keys
+        return fold(lo, hi, boundary, zeros)
     maxima = fold(lo, full_lo, boundary, zeros)
     maxima = fold(full_hi, hi, boundary, maxima)
     # The chunks of block maxima that hold whole blocks; none where there are none (full_lo may
@@ -279,9 +312,11 @@ def _row_scales_kernel(
     value_head_dim: int,
     scale: float,
     rows_out: int,
+    segments: bool,
 ):
     """Query rows [t * ROW_BLOCK, +ROW_BLOCK) of one head: their 2^e and dQ unit (0 past T)."""
-    key_refs, block_refs, (scales_ref, unit_ref) = refs[:3], refs[3:6], refs[6:]
+    key_refs, block_refs, refs = refs[:3], refs[3:6], refs[6:]
+    ids_refs, (scales_ref, unit_ref) = (refs[:2], refs[2:]) if segments else ((), refs)
     q_start = pl.program_id(0) * ROW_BLOCK
     rows = spec.q_len - q_start
     # The grid's rows (rows_out) may pass T by whole blocks: mask every row past T.
@@ -290,7 +325,12 @@ def _row_scales_kernel(
     d_out = d_out.astype(jnp.float32)  # |.|_1 summed in float32, as the jnp form does
     delta = load_vector(delta_ref, 0, ROW_BLOCK, rows, ragged=ragged)
     lse = load_vector(lse_ref, 0, ROW_BLOCK, rows, ragged=ragged)
-    k_max, v_max, v_l2 = _seen_maxima_kernel(key_refs, block_refs, spec, q_start)
+    ids = None
+    if segments:
+        q_ids_ref, kv_ids_ref = ids_refs
+        q_ids = load_vector(q_ids_ref, 0, ROW_BLOCK, rows, ragged=ragged, other=PAD_Q_SEGMENT)
+        ids = (q_ids, kv_ids_ref)
+    k_max, v_max, v_l2 = _seen_maxima_kernel(key_refs, block_refs, spec, q_start, ids)
     d_out_l1 = jnp.sum(jnp.abs(d_out), axis=-1)
     d_out_l2 = l2_norm(d_out, largest_abs(d_out))
     exponents, finite = _exponents_from_norms(
@@ -303,7 +343,17 @@ def _row_scales_kernel(
 
 
 def _kernel_scales(
-    k, v, d_out, delta, lse, *, spec: MaskSpec, scale: float, rows_out: int, interpret: bool
+    k,
+    v,
+    d_out,
+    delta,
+    lse,
+    *,
+    spec: MaskSpec,
+    scale: float,
+    rows_out: int,
+    interpret: bool,
+    segment_ids=None,
 ):
     """`fixed_point_scales` by the two kernels."""
     assert rows_out % ROW_BLOCK == 0 and rows_out >= spec.q_len, (rows_out, spec.q_len)
@@ -346,6 +396,7 @@ def _kernel_scales(
             value_head_dim=value_head_dim,
             scale=scale,
             rows_out=rows_out,
+            segments=segment_ids is not None,
         ),
         grid=(cdiv(rows_out, ROW_BLOCK), num_heads, batch),
         in_specs=[
@@ -354,13 +405,21 @@ def _kernel_scales(
             row_spec,
             *[pl.BlockSpec((None, None, keys_out), lambda t, n, b: (b, n // group, 0))] * 3,
             *[pl.BlockSpec((None, None, blocks_out), lambda t, n, b: (b, n // group, 0))] * 3,
+            *(
+                []
+                if segment_ids is None
+                else [
+                    pl.BlockSpec((None, ROW_BLOCK), lambda t, n, b: (b, t)),
+                    pl.BlockSpec((None, spec.kv_len), lambda t, n, b: (b, 0)),
+                ]
+            ),
         ],
         out_specs=[row_spec, row_spec],
         out_shape=[rows, rows],
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_fixed_point_rows",
-    )(d_out, delta, lse, *key_norms)
+    )(d_out, delta, lse, *key_norms, *(segment_ids or ()))
 
 
 def fixed_point_scales(
@@ -373,6 +432,7 @@ def fixed_point_scales(
     spec: MaskSpec,
     scale: float,
     rows_out: int,
+    segment_ids=None,
     kernels: bool = True,
     interpret: bool = False,
 ):
@@ -394,9 +454,10 @@ def fixed_point_scales(
             scale=scale,
             rows_out=rows_out,
             interpret=interpret,
+            segment_ids=segment_ids,
         )
     exponents, finite = fixed_point_exponents(
-        k, v, d_out, delta, lse, spec=spec, num_heads=d_out.shape[2]
+        k, v, d_out, delta, lse, spec=spec, num_heads=d_out.shape[2], segment_ids=segment_ids
     )
     row_scales, dq_unit = _scales(exponents, finite, lse, scale)
     pad = ((0, 0), (0, 0), (0, rows_out - spec.q_len))

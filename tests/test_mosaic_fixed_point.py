@@ -345,22 +345,32 @@ def test_kernels_read_the_maxima_of_the_keys_each_row_sees(monkeypatch, case):
         np.testing.assert_array_equal(got, want, err_msg=f"kernels={kernels}")
 
 
-@pytest.mark.parametrize(
-    "t, s, is_causal, window",
-    [(300, 500, False, None), (400, 400, True, None), (350, 300, False, (60, 20))],
-)
-def test_kernels_read_the_maxima_of_the_keys_of_each_rows_segment(t, s, is_causal, window):
-    """As above, with segment ids: packed documents of random lengths, each batch's own, with
-    padding ids past a length (rows and keys of no segment): a row's max over the keys of its
-    segment that its geometry lets it see (every block key by key). Two batches."""
+# (T, S, causal, window, documents, sorted): packed documents long enough for whole blocks (2
+# documents), short ones (6), and unsorted ids (tiles visited by the hull of their id ranges).
+SEGMENT_CASES = [
+    (300, 500, False, None, 2, True),
+    (400, 400, True, None, 6, True),
+    (350, 300, False, (60, 20), 2, True),
+    (260, 330, False, None, 3, False),
+]
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernels_read_the_maxima_of_the_keys_of_each_rows_segment(case):
+    """As above, with segment ids: documents of random lengths, each batch's own, with padding
+    ids past a length (rows and keys of no segment): a row's max over the keys of its segment
+    that its geometry lets it see (blocks whole by geometry and segments read by their maxima,
+    the rest key by key, blocks no segment of the row reaches skipped). Two batches."""
     from pallas_flash.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT
 
+    t, s, is_causal, window, documents, in_order = case
     b, h = 2, 64
     spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal, window=window, has_segments=True)
     rng = np.random.default_rng(t * s)
 
     def packed(length, pad_id):
-        ids = np.sort(rng.integers(0, 6, size=(b, length)), axis=1).astype(np.int32)
+        ids = rng.integers(0, documents, size=(b, length)).astype(np.int32)
+        ids = np.sort(ids, axis=1) if in_order else ids
         ids[0, rng.integers(length // 2, length) :] = pad_id  # a length shorter than T or S
         return ids
 
@@ -431,9 +441,11 @@ def test_rows_of_a_huge_lse_keep_a_finite_bound(lse):
     assert (worst * np.exp2(np.asarray(e, np.float64)) < 2.0**FIXED_POINT_BITS).all()
 
 
-def test_the_backward_computes_the_scales_in_the_two_kernels():
-    """Lowered for an H200, the "fixed" backward computes the scales in the two kernels, no XLA
-    reduction left of them."""
+@pytest.mark.parametrize("segments", [False, True])
+def test_the_backward_computes_the_scales_in_the_two_kernels(segments):
+    """Lowered for an H200 (the Triton modules verified), the "fixed" backward computes the
+    scales in the two kernels, no XLA reduction left of them (with segment ids, the tile ranges'
+    and the attention kernels' plans aside)."""
     from pallas_flash.device import Device
     from pallas_flash.mosaic import BackwardTiles, flash_backward
 
@@ -448,10 +460,13 @@ def test_the_backward_computes_the_scales_in_the_two_kernels():
         device=Device.h200(),
     )
 
-    def fn(q, k, v, out, lse, d_out):
-        return backward(q, k, v, out, lse, d_out, None)
+    ids = jax.ShapeDtypeStruct((b, t), jnp.int32)
 
-    text = lower_for_h200(fn, q, q, q, q, lse, q).as_text()
+    def fn(q, k, v, out, lse, d_out, q_ids, kv_ids):
+        segment_ids = (q_ids, kv_ids) if segments else None
+        return backward(q, k, v, out, lse, d_out, None, segment_ids=segment_ids)
+
+    text = lower_for_h200(fn, q, q, q, q, lse, q, ids, ids).as_text()
     assert text.count('"pallas_flash_fixed_point_keys"') == 1
     assert text.count('"pallas_flash_fixed_point_rows"') == 1
-    assert "stablehlo.reduce" not in text
+    assert segments or "stablehlo.reduce" not in text

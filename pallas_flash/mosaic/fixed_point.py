@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_flash import masks
 from pallas_flash._numerics import LOG2E, slack
 from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
 from pallas_flash.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec
@@ -256,16 +257,19 @@ def _key_norms_kernel(k_ref, v_ref, *out_refs, kv_len: int, head_dim: int, value
 def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start, ids=None):
     """Rows [q_start, +ROW_BLOCK)'s maxima over the keys each sees of the three per-key norms:
     blocks that every row sees whole by their maxima, boundary blocks key by key. ids: None,
-    or (the rows' segment ids [ROW_BLOCK], the kv ids' ref [S]): then every block key by key,
-    a row seeing the keys of its segment."""
+    or (the rows' segment ids [ROW_BLOCK], the kv ids' ref [S], the row block's range of key
+    blocks from the segments, `masks.tile_ranges`): a row sees the keys of its segment, blocks
+    whole only where the segments make them so too."""
     lo, full_lo, full_hi, hi = spec.kv_tile_range(q_start, ROW_BLOCK, KEY_BLOCK)
+    if ids is not None:
+        lo, full_lo, full_hi, hi = masks.intersect(ids[2], (lo, full_lo, full_hi, hi))
     rows = q_start + lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, 1), 0)
 
     def boundary(j, maxima):
         keys = j * KEY_BLOCK + lax.broadcasted_iota(jnp.int32, (1, KEY_BLOCK), 1)
         sees = spec.geometry(rows, keys)
         if ids is not None:
-            q_ids, kv_ids_ref = ids
+            q_ids, kv_ids_ref, _ = ids
             kv_ids = load_vector(
                 kv_ids_ref,
                 j * KEY_BLOCK,
@@ -289,8 +293,6 @@ def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start, ids=None)
         )
 
     zeros = tuple(jnp.zeros((ROW_BLOCK,), jnp.float32) for _ in key_refs)
-    if ids is not None:  # a whole block may hold other segments' keys
-        return fold(lo, hi, boundary, zeros)
     maxima = fold(lo, full_lo, boundary, zeros)
     maxima = fold(full_hi, hi, boundary, maxima)
     # The chunks of block maxima that hold whole blocks; none where there are none (full_lo may
@@ -316,7 +318,7 @@ def _row_scales_kernel(
 ):
     """Query rows [t * ROW_BLOCK, +ROW_BLOCK) of one head: their 2^e and dQ unit (0 past T)."""
     key_refs, block_refs, refs = refs[:3], refs[3:6], refs[6:]
-    ids_refs, (scales_ref, unit_ref) = (refs[:2], refs[2:]) if segments else ((), refs)
+    ids_refs, (scales_ref, unit_ref) = (refs[:3], refs[3:]) if segments else ((), refs)
     q_start = pl.program_id(0) * ROW_BLOCK
     rows = spec.q_len - q_start
     # The grid's rows (rows_out) may pass T by whole blocks: mask every row past T.
@@ -327,9 +329,13 @@ def _row_scales_kernel(
     lse = load_vector(lse_ref, 0, ROW_BLOCK, rows, ragged=ragged)
     ids = None
     if segments:
-        q_ids_ref, kv_ids_ref = ids_refs
+        q_ids_ref, kv_ids_ref, ranges_ref = ids_refs
         q_ids = load_vector(q_ids_ref, 0, ROW_BLOCK, rows, ragged=ragged, other=PAD_Q_SEGMENT)
-        ids = (q_ids, kv_ids_ref)
+        # Row blocks past T (rows_out) take the last one's range: their rows are not kept.
+        tile = jnp.minimum(pl.program_id(0), ranges_ref.shape[2] - 1)
+        batch = pl.program_id(2) if ranges_ref.shape[0] > 1 else 0
+        ranges = tuple(ranges_ref[batch, 0, tile, c] for c in range(4))
+        ids = (q_ids, kv_ids_ref, ranges)
     k_max, v_max, v_l2 = _seen_maxima_kernel(key_refs, block_refs, spec, q_start, ids)
     d_out_l1 = jnp.sum(jnp.abs(d_out), axis=-1)
     d_out_l2 = l2_norm(d_out, largest_abs(d_out))
@@ -389,6 +395,14 @@ def _kernel_scales(
     )(k, v)
     row_spec = pl.BlockSpec((None, None, ROW_BLOCK), lambda t, n, b: (b, n, t))
     rows = jax.ShapeDtypeStruct((batch, num_heads, rows_out), jnp.float32)
+    segment_operands = ()
+    if segment_ids is not None:
+        # Per row block, the key blocks its segments reach ([B, 1, row blocks, 4]): the others
+        # are skipped, whole ones read by their maxima.
+        ranges = masks.tile_ranges(
+            spec, masks.MaskArrays(*segment_ids), ROW_BLOCK, KEY_BLOCK, over="q"
+        )
+        segment_operands = (*segment_ids, ranges)
     return pl.pallas_call(
         functools.partial(
             _row_scales_kernel,
@@ -411,6 +425,7 @@ def _kernel_scales(
                 else [
                     pl.BlockSpec((None, ROW_BLOCK), lambda t, n, b: (b, t)),
                     pl.BlockSpec((None, spec.kv_len), lambda t, n, b: (b, 0)),
+                    pl.BlockSpec(ranges.shape, lambda t, n, b: (0, 0, 0, 0)),
                 ]
             ),
         ],
@@ -419,7 +434,7 @@ def _kernel_scales(
         compiler_params=params,
         interpret=interpret,
         name="pallas_flash_fixed_point_rows",
-    )(d_out, delta, lse, *key_norms, *(segment_ids or ()))
+    )(d_out, delta, lse, *key_norms, *segment_operands)
 
 
 def fixed_point_scales(

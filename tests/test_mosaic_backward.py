@@ -1619,7 +1619,7 @@ FUSED_CI_FIXED_WINDOW = MaskCase(
 # Packed documents with lengths: each row's bound from its own segment's keys (NaN and inf in
 # other segments and past the lengths reach no row's).
 FUSED_CI_FIXED_SEGMENTS = MaskCase(
-    Problem(2, 200, 256, 4, 2, 64, True, "bf16"),
+    Problem(3, 200, 256, 4, 2, 64, True, "bf16"),  # batch 2's rows reach other documents' keys
     kind="packed-lengths",
     tiles=BackwardTiles(fused_dq="fixed_slab"),
     poison=True,
@@ -2018,6 +2018,39 @@ def test_fused_dq_fixed_keeps_rows_from_huge_keys_they_cannot_see():
     np.testing.assert_array_equal(
         np.asarray(huge[:, :512], np.float32), np.asarray(clean[:, :512], np.float32)
     )
+
+
+def test_fused_dq_fixed_keeps_rows_from_huge_keys_of_other_documents_interpreted():
+    """Packed documents, "fixed_slab": the second document's keys 1e15 times larger leave the
+    first document's dQ bitwise as it is without them: each row's fixed point comes from the
+    keys of its own segment."""
+    p = Problem(1, 256, 256, 2, 1, 64, False, "bf16")
+    (q, k, v, d_out, _), _ = random_inputs(p)
+    ids = jnp.asarray(np.arange(256) >= 128, jnp.int32)[None]
+    spec = MaskSpec(q_len=256, kv_len=256, is_causal=False, has_segments=True)
+    arrays = MaskArrays(ids, ids)
+
+    def forward(q, k, v):
+        return reference_attention(q, k, v, None, arrays, spec=spec, scale=p.scale, soft_cap=None)
+
+    out, lse = jax.jit(forward)(q, k, v)[:2]
+    backward = jax.jit(
+        functools.partial(
+            flash_backward,
+            scale=p.scale,
+            is_causal=False,
+            tiles=BackwardTiles(fused_dq="fixed_slab"),
+            segment_ids=(ids, ids),
+        )
+    )
+    huge_k, huge_v = k.at[:, 128:].multiply(1e15), v.at[:, 128:].multiply(1e15)
+    with interpret_mosaic():
+        clean = np.asarray(backward(q, k, v, out.astype(q.dtype), lse, d_out, None)[0], np.float32)
+        huge = np.asarray(
+            backward(q, huge_k, huge_v, out.astype(q.dtype), lse, d_out, None)[0], np.float32
+        )
+    assert np.abs(clean[:, :128]).max() > 0
+    np.testing.assert_array_equal(huge[:, :128], clean[:, :128])
 
 
 @pytest.mark.gpu

@@ -458,6 +458,8 @@ def fixed_point_scales(
     (`interpret`: in Pallas' interpreter), or the jnp form (where the attention kernels run in
     jax's Mosaic GPU interpreter, which would take the kernels too, and has no Triton)."""
     scale = float(scale)
+    if spec.has_segments != (segment_ids is not None):
+        raise ValueError(f"segment_ids must be given exactly when {spec} has segments")
     if kernels:
         return _kernel_scales(
             k,

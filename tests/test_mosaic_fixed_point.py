@@ -6,12 +6,15 @@ H200 through the "fixed" cases of test_mosaic_backward."""
 from __future__ import annotations
 
 import functools
+import os
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_lowering import lower_for_h200
 
 from pallas_flash.masks import MaskSpec
@@ -471,3 +474,87 @@ def test_the_backward_computes_the_scales_in_the_two_kernels(segments):
     assert text.count('"pallas_flash_fixed_point_keys"') == 1
     assert text.count('"pallas_flash_fixed_point_rows"') == 1
     assert segments or "stablehlo.reduce" not in text
+
+
+@st.composite
+def scale_problems(draw):
+    """A call the row scales take: odd lengths either side of the 64-key blocks, GQA, the fused
+    dQ's head dims, causal or not, a window or none, packed documents (sorted or not, with
+    lengths) or none, and extreme rows (`_extreme_inputs`) or plain ones."""
+    t, s = draw(st.integers(1, 400)), draw(st.integers(1, 400))
+    k_heads, group = draw(st.sampled_from([(1, 1), (1, 2), (2, 2)]))
+    window = draw(st.none() | st.tuples(st.integers(0, 300), st.integers(0, 300)))
+    documents = draw(st.sampled_from([0, 1, 3]))
+    return dict(
+        b=draw(st.integers(1, 2)),
+        t=t,
+        s=s,
+        k_heads=k_heads,
+        n=k_heads * group,
+        h=draw(st.sampled_from([64, 128, 192])),
+        is_causal=draw(st.booleans()),
+        window=window,
+        documents=documents,
+        in_order=draw(st.booleans()),
+        extreme=draw(st.booleans()),
+    )
+
+
+@settings(
+    max_examples=int(os.environ.get("PALLAS_FLASH_SWEEP") or 0) or 6,
+    derandomize=not os.environ.get("PALLAS_FLASH_SWEEP"),
+    deadline=None,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
+@given(c=scale_problems(), seed=st.integers(0, 2**32 - 1))
+def test_kernels_give_the_jnp_forms_scales_on_random_calls(c, seed):
+    """The kernels (Pallas' interpreter) against the jnp form, bitwise, on random calls (six in
+    CI, derandomized; PALLAS_FLASH_SWEEP=N runs N fresh ones)."""
+    from pallas_flash.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT
+
+    rng = np.random.default_rng(seed)
+    b, t, s, n, h = c["b"], c["t"], c["s"], c["n"], c["h"]
+    spec = MaskSpec(
+        q_len=t,
+        kv_len=s,
+        is_causal=c["is_causal"],
+        window=c["window"],
+        has_segments=c["documents"] > 0,
+    )
+    if c["extreme"] and t >= 5 and s >= 2:  # `_extreme_inputs` writes five rows of lse
+        inputs = _extreme_inputs(rng, b, t, s, n, c["k_heads"], h, spec)
+    else:
+        k, v = (rng.normal(size=(b, s, c["k_heads"], h)) for _ in range(2))
+        d_out = rng.normal(size=(b, t, n, h))
+        delta, lse = rng.normal(size=(b, n, t)), rng.normal(size=(b, n, t))
+        inputs = tuple(
+            jnp.asarray(x, dtype)
+            for x, dtype in zip(
+                (k, v, d_out, delta, lse), [jnp.bfloat16] * 3 + [jnp.float32] * 2, strict=True
+            )
+        )
+    segment_ids = None
+    if c["documents"]:
+
+        def packed(length, pad_id):
+            ids = rng.integers(0, c["documents"], size=(b, length)).astype(np.int32)
+            ids = np.sort(ids, axis=1) if c["in_order"] else ids
+            ids[0, rng.integers(0, length + 1) :] = pad_id
+            return jnp.asarray(ids)
+
+        segment_ids = (packed(t, PAD_Q_SEGMENT), packed(s, PAD_KV_SEGMENT))
+
+    def scales(kernels):
+        fn = functools.partial(
+            fixed_point_scales,
+            spec=spec,
+            scale=0.125,
+            rows_out=-(-t // 128) * 128,
+            kernels=kernels,
+            interpret=True,
+        )
+        return [np.asarray(x) for x in jax.jit(fn)(*inputs, segment_ids=segment_ids)]
+
+    for want, got in zip(scales(False), scales(True), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=f"{c} seed={seed}")

@@ -10,7 +10,8 @@ says which). Two forms of one computation:
 - Two Triton-lowered Pallas kernels, which the backward takes (`fixed_point_scales`):
   `_key_norms_kernel`, per key and per block of KEY_BLOCK keys the maxima the bound needs, and
   `_row_scales_kernel`, per query row the maxima over the keys it sees (whole blocks by their
-  maxima, boundary blocks key by key) and the bound. XLA compiles the jnp form's dozen fusions
+  maxima, boundary blocks key by key; with segment ids only the blocks of the segments' tile
+  ranges, `masks.tile_ranges`) and the bound. XLA compiles the jnp form's dozen fusions
   again at every call site (~0.3 s a layer on the H200, benchmarks/NOTES.md, "The deterministic
   fused dQ's XLA prologue"), where a kernel is lowered once and reused.
 

@@ -15,11 +15,10 @@ default tiles and with fused_dq="add" and "fixed";
 "step", "fixed_step" and "fused_step" the two-kernel, "fixed" and "add" backwards with
 `step_descriptors`;
 "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (with the window; not for
-packed documents, which it takes no segment ids for). TFLOP/s count the unmasked (or causal)
-pairs. Prints one JSON row per
-point and backward (ms, TFLOP/s by the FA2 count), then per point the ratios, each fused
-dQ's largest difference from the default backward's relative to dQ's largest magnitude, and
-whether two runs of it gave the same bits.
+packed documents, which it takes no segment ids for). TFLOP/s count the pairs of the plain (or
+causal) call, whatever MASK. Prints one JSON row per point and backward (ms, TFLOP/s by the FA2
+count), then per point the ratios, each fused dQ's largest difference from the default
+backward's relative to dQ's largest magnitude, and whether two runs of it gave the same bits.
 """
 
 import functools

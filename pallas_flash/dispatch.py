@@ -305,7 +305,8 @@ def _like_fused_dq_measurements(call: Call) -> bool:
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
-    the two-kernel one on the H200 for calls like this (`FUSED_DQ_MIN_LEN`); measured on plain
+    the two-kernel one on the H200 for calls like this (`FUSED_DQ_MIN_LEN`,
+    `FUSED_DQ_CAUSAL_MIN_LEN`); measured on plain
     and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq" and
     "Step descriptors")."""
     return _long_enough(call, FUSED_DQ_CAUSAL_MIN_LEN, FUSED_DQ_MIN_LEN)
@@ -323,8 +324,10 @@ def _long_enough(call: Call, causal_min_len: dict, min_len: dict) -> bool:
 def fixed_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ summed as integers in its dK/dV kernel
     (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
-    this (`FIXED_DQ_MIN_LEN`); measured on plain and causal self-attention of 2k to 16k tokens
-    in bf16 only. It needs bfloat16 and no segment ids (`mosaic.backward.why_not`)."""
+    this (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
+    self-attention of 2k to 16k tokens in bf16 only. It needs bfloat16, a head dim that is a
+    multiple of 64, no dropout and no value head dim of its own (`mosaic.backward.why_not`);
+    masked calls run it but are not measured, so they keep two kernels."""
     return _long_enough(call, FIXED_DQ_CAUSAL_MIN_LEN, FIXED_DQ_MIN_LEN)
 
 

@@ -440,8 +440,8 @@ def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
 
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
-# on the H200: at H=64 from 2k tokens, at H=128 from 4k; not where the fused form does not
-# apply (H 192/256) or the Triton backward runs.
+# on the H200: at H=64 from 2k tokens, at H=128 from 2k plain and 4k causal; not where the
+# fused form does not apply (H 192/256) or the Triton backward runs.
 FUSED_DQ_CALLS = {
     "causal-h64-16k",
     "small-grid-h64",
@@ -666,6 +666,21 @@ def test_nondeterministic_grads_fuse_dq_for_gqa_at_h128_from_2k_plain_4k_causal(
     assert fused_dq(4, 2048) == fused_dq(16, 2048) == "add"
     assert fused_dq(4, 2048, True) is fused_dq(16, 2048, True) is None
     assert fused_dq(4, 1024) is fused_dq(16, 1024) is None
+
+
+@pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")
+def test_export_of_integer_summed_dq_packages_its_scale_kernels():
+    """The default deterministic backward at H=128 from 8k causal keys sums dQ as integers in the
+    dK/dV kernel: the export holds the forward, that kernel and the two Triton-lowered kernels
+    of its per-row scales (so it needs the Triton check disabled, docs/backends.md)."""
+    q_shape = (1, 8192, 8, 128)
+    with pallas_flash.target(Device.h200()):
+        exported = export_for_cuda(q_shape, q_shape)
+    assert custom_calls(exported) == ["__gpu$xla.gpu.triton"] * 2 + ["mosaic_gpu_v2"] * 2
+    assert triton_kernel_names(exported) == [
+        "pallas_flash_fixed_point_keys",
+        "pallas_flash_fixed_point_rows",
+    ]
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")

@@ -2,7 +2,8 @@
 
 FlashAttention-2's backward (Dao 2023, Algorithm 2) split as in FlashAttention-3 (Shah et al.
 2024) but without float atomics: delta = rowsum(dO * O) - dlse in XLA, then two kernels (or
-one, with the fused dQ below).
+one, with the fused dQ below; "fixed" first runs the two small Triton-lowered kernels of
+`mosaic.fixed_point`).
 
 - dK/dV: a CTA owns `num_consumers * block_kv_dkv` keys of one KV head. Each consumer
   warpgroup keeps its `block_kv_dkv` rows of K and V in shared memory and its dK, dV in f32
@@ -1706,7 +1707,7 @@ def _consume_dkv(
         if dq_sink is not None:
             ds_dq = ds_in
             if tiles.fixed_point_dq:
-                # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point_exponents`).
+                # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point`'s scales).
                 row_scale = plgpu.load(ring.lse_smem.at[slot, 2], layout=col_layout)
                 ds_dq = ds_in * _cols(row_scale.astype(dtype), tile_shape)
             # Stored before dK's wgmma: the other consumer may read it too.

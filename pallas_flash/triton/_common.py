@@ -1,5 +1,5 @@
-"""Shared by the Triton kernels: masked tile stores, softmax steps, mask and dropout operands (their
-loads, loops and compiler params are `pallas_flash._pallas_triton`'s)."""
+"""Shared by the Triton kernels: tile loops and stores, softmax steps, mask and dropout operands
+(their row and vector loads, `fold` and compiler params are `pallas_flash._pallas_triton`'s)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def load_pair_tile(
     """The [block_q, block_kv] tile of a per-(query, key) ref ([Tb, Sb], or [heads, Tb, Sb] read at
     `head`) for queries [q_start, +block_q) and keys [kv_start, +block_kv). A dim of size 1
     broadcasts: it is read once ([1, block_kv] etc.). Entries past q_len/kv_len read `other`.
-    `lead` as in load_rows."""
+    `lead` as in `_pallas_triton.load_rows`."""
     rows_dim, cols_dim = ref.shape[-2], ref.shape[-1]
     idx, mask = [], None
     if rows_dim == 1:

@@ -306,9 +306,8 @@ def _like_fused_dq_measurements(call: Call) -> bool:
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
     the two-kernel one on the H200 for calls like this (`FUSED_DQ_MIN_LEN`,
-    `FUSED_DQ_CAUSAL_MIN_LEN`); measured on plain
-    and causal self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq" and
-    "Step descriptors")."""
+    `FUSED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal self-attention of 2k to 16k tokens
+    only (benchmarks/NOTES.md, "fused-dq" and "Step descriptors")."""
     return _long_enough(call, FUSED_DQ_CAUSAL_MIN_LEN, FUSED_DQ_MIN_LEN)
 
 

@@ -233,6 +233,20 @@ def test_fixed_point_exponents_bound_every_partial_sum(is_causal, group, t, wind
         np.testing.assert_array_equal(finite, ~lost, err_msg=f"{value} in {name}")
 
 
+def scales_of(inputs, spec: MaskSpec, *, kernels: bool, scale: float = 1.0, segment_ids=None):
+    """fixed_point_scales of inputs (k, v, d_out, delta, lse), jitted, as numpy: (2^e, dQ unit)
+    [B, N, T rounded up to 128]; kernels in Pallas' interpreter, or the jnp form."""
+    fn = functools.partial(
+        fixed_point_scales,
+        spec=spec,
+        scale=scale,
+        rows_out=-(-spec.q_len // 128) * 128,
+        kernels=kernels,
+        interpret=True,
+    )
+    return [np.asarray(x) for x in jax.jit(fn)(*inputs, segment_ids=segment_ids)]
+
+
 # (B, T, S, N, K, H, causal, window): odd lengths, T above and below S, GQA, each head dim the
 # fused dQ takes (192 is padded to 256 columns in the kernels), blocks of keys whole and cut.
 KERNEL_CASES = [
@@ -277,20 +291,8 @@ def test_kernels_give_the_jnp_forms_scales(case):
     b, t, s, n, k_heads, h, is_causal, window = case
     spec = MaskSpec(q_len=t, kv_len=s, is_causal=is_causal, window=window)
     inputs = _extreme_inputs(np.random.default_rng(t + s), b, t, s, n, k_heads, h, spec)
-    rows_out = -(-t // 128) * 128
-
-    def scales(kernels):
-        fn = functools.partial(
-            fixed_point_scales,
-            spec=spec,
-            scale=0.125,
-            rows_out=rows_out,
-            kernels=kernels,
-            interpret=True,
-        )
-        return [np.asarray(x) for x in jax.jit(fn)(*inputs)]
-
-    (want_scales, want_unit), (got_scales, got_unit) = scales(False), scales(True)
+    scales = functools.partial(scales_of, inputs, spec, scale=0.125)
+    (want_scales, want_unit), (got_scales, got_unit) = scales(kernels=False), scales(kernels=True)
     np.testing.assert_array_equal(got_scales, want_scales)
     np.testing.assert_array_equal(got_unit, want_unit)
     assert (got_scales[..., t:] == 0).all() and (got_unit[..., t:] == 0).all()
@@ -333,17 +335,8 @@ def test_kernels_read_the_maxima_of_the_keys_each_row_sees(monkeypatch, case):
     visible = np.broadcast_to(spec.geometry(np.arange(t)[:, None], np.arange(s)[None, :]), (t, s))
     seen = np.where(visible, p[None, :], -1000).max(-1)
     want = np.where(visible.any(-1), 29 - seen, 120)
-    rows_out = -(-t // 128) * 128
     for kernels in (False, True):
-        fn = functools.partial(
-            fixed_point_scales,
-            spec=spec,
-            scale=1.0,
-            rows_out=rows_out,
-            kernels=kernels,
-            interpret=True,
-        )
-        scales, _ = jax.jit(fn)(k, v, d_out, rows, rows)
+        scales, _ = scales_of((k, v, d_out, rows, rows), spec, kernels=kernels)
         got = np.log2(np.asarray(scales[0, 0, :t], np.float64))
         np.testing.assert_array_equal(got, want, err_msg=f"kernels={kernels}")
 
@@ -390,15 +383,8 @@ def test_kernels_read_the_maxima_of_the_keys_of_each_rows_segment(case):
     want = np.where(visible.any(-1), 29 - seen, 120)
     ids = (jnp.asarray(q_ids), jnp.asarray(kv_ids))
     for kernels in (False, True):
-        fn = functools.partial(
-            fixed_point_scales,
-            spec=spec,
-            scale=1.0,
-            rows_out=-(-t // 128) * 128,
-            kernels=kernels,
-            interpret=True,
-        )
-        scales, _ = jax.jit(fn)(k, v, d_out, rows, rows, segment_ids=ids)
+        inputs = (k, v, d_out, rows, rows)
+        scales, _ = scales_of(inputs, spec, kernels=kernels, segment_ids=ids)
         got = np.log2(np.asarray(scales[..., :t], np.float64))
         np.testing.assert_array_equal(got, np.broadcast_to(want[:, None], got.shape), str(kernels))
 
@@ -415,10 +401,7 @@ def test_kernels_sum_the_l1_norm_of_d_out_in_float32():
     d_out = jnp.asarray(np.broadcast_to(row, (b, t, n, h)), jnp.bfloat16)
     rows = jnp.zeros((b, n, t), jnp.float32)
     for kernels in (False, True):
-        fn = functools.partial(
-            fixed_point_scales, spec=spec, scale=1.0, rows_out=128, kernels=kernels, interpret=True
-        )
-        scales, _ = jax.jit(fn)(ones, ones, d_out, rows, rows)
+        scales, _ = scales_of((ones, ones, d_out, rows, rows), spec, kernels=kernels)
         np.testing.assert_array_equal(np.asarray(scales[..., :t]), 2.0**29, err_msg=str(kernels))
 
 
@@ -545,16 +528,6 @@ def test_kernels_give_the_jnp_forms_scales_on_random_calls(c, seed):
 
         segment_ids = (packed(t, PAD_Q_SEGMENT), packed(s, PAD_KV_SEGMENT))
 
-    def scales(kernels):
-        fn = functools.partial(
-            fixed_point_scales,
-            spec=spec,
-            scale=0.125,
-            rows_out=-(-t // 128) * 128,
-            kernels=kernels,
-            interpret=True,
-        )
-        return [np.asarray(x) for x in jax.jit(fn)(*inputs, segment_ids=segment_ids)]
-
-    for want, got in zip(scales(False), scales(True), strict=True):
+    scales = functools.partial(scales_of, inputs, spec, scale=0.125, segment_ids=segment_ids)
+    for want, got in zip(scales(kernels=False), scales(kernels=True), strict=True):
         np.testing.assert_array_equal(got, want, err_msg=f"{c} seed={seed}")

@@ -68,7 +68,6 @@ from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import fixed_point, launch
 from pallas_flash.mosaic import tiles as forward_tiles
-from pallas_flash.mosaic.fixed_point import FIXED_POINT_BITS
 from pallas_flash.mosaic.launch import (
     check_segment_ids,
     dropped_value,
@@ -474,8 +473,8 @@ def why_not(
     if tiles.fixed_point_dq and jnp.dtype(dtype) != jnp.bfloat16:
         return (
             f"{tiles} scales dS in the input dtype until its dQ sums reach "
-            f"2^{FIXED_POINT_BITS}: bfloat16 only, not {jnp.dtype(dtype).name} (float16's "
-            "range ends at 2^16)"
+            f"2^{fixed_point.FIXED_POINT_BITS}: bfloat16 only, not {jnp.dtype(dtype).name} "
+            "(float16's range ends at 2^16)"
         )
     group, splits = q_shape[2] // k_shape[2], tiles.dkv_head_splits
     if splits > 1 and group % splits:

@@ -174,11 +174,9 @@ def seen_maxima_of_segments(x, spec: MaskSpec, segment_ids):
     (q ids [B, T], kv ids [B, S]; sequence lengths folded in as padding ids): each row's max
     over the keys that its geometry and its segment let it see, [3, B, T, K]. Through a dense
     [B, T, S] mask: the size of the calls it runs on (where the kernels are interpreted)."""
-    q_ids, kv_ids = segment_ids
-    t, s = spec.q_len, spec.kv_len
-    visible = spec.geometry(jnp.arange(t)[:, None], jnp.arange(s)[None, :])
-    visible = visible & (q_ids[:, :t, None] == kv_ids[:, None, :s])  # [B, T, S]
-    return jnp.max(jnp.where(visible[None, ..., None], x[:, :, None, :s], 0.0), axis=3)
+    visible = masks.dense(spec, masks.MaskArrays(*segment_ids))[:, 0]  # [B, T, S]
+    x = x[:, :, None, : spec.kv_len]
+    return jnp.max(jnp.where(visible[None, ..., None], x, 0.0), axis=3)
 
 
 def fixed_point_exponents(
@@ -268,7 +266,7 @@ def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start, ids=None)
 
     def boundary(j, maxima):
         keys = j * KEY_BLOCK + lax.broadcasted_iota(jnp.int32, (1, KEY_BLOCK), 1)
-        sees = spec.geometry(rows, keys)
+        q_seg = kv_seg = None
         if ids is not None:
             q_ids, kv_ids_ref, _ = ids
             kv_ids = load_vector(
@@ -279,7 +277,8 @@ def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start, ids=None)
                 ragged=spec.kv_len % KEY_BLOCK != 0,
                 other=PAD_KV_SEGMENT,
             )
-            sees = sees & (q_ids[:, None] == kv_ids[None, :])
+            q_seg, kv_seg = q_ids[:, None], kv_ids[None, :]
+        sees = masks.visible(spec, rows, keys, q_seg, kv_seg)
         return tuple(
             jnp.maximum(m, jnp.max(jnp.where(sees, ref[pl.ds(j * KEY_BLOCK, KEY_BLOCK)], 0.0), 1))
             for m, ref in zip(maxima, key_refs, strict=True)
@@ -350,17 +349,7 @@ def _row_scales_kernel(
 
 
 def _kernel_scales(
-    k,
-    v,
-    d_out,
-    delta,
-    lse,
-    *,
-    spec: MaskSpec,
-    scale: float,
-    rows_out: int,
-    interpret: bool,
-    segment_ids=None,
+    k, v, d_out, delta, lse, segment_ids, spec: MaskSpec, scale, rows_out, interpret
 ):
     """`fixed_point_scales` by the two kernels."""
     assert rows_out % ROW_BLOCK == 0 and rows_out >= spec.q_len, (rows_out, spec.q_len)
@@ -462,18 +451,8 @@ def fixed_point_scales(
     if spec.has_segments != (segment_ids is not None):
         raise ValueError(f"segment_ids must be given exactly when {spec} has segments")
     if kernels:
-        return _kernel_scales(
-            k,
-            v,
-            d_out,
-            delta,
-            lse,
-            spec=spec,
-            scale=scale,
-            rows_out=rows_out,
-            interpret=interpret,
-            segment_ids=segment_ids,
-        )
+        arrays = (k, v, d_out, delta, lse, segment_ids)
+        return _kernel_scales(*arrays, spec, scale, rows_out, interpret)
     exponents, finite = fixed_point_exponents(
         k, v, d_out, delta, lse, spec=spec, num_heads=d_out.shape[2], segment_ids=segment_ids
     )

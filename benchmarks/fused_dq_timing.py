@@ -3,8 +3,8 @@
 "fixed": the same adds of integers, deterministic) against the default two-kernel backward
 (seven) and cuDNN, on the H200 (a few minutes).
 
-    [MODES=default,fused,fixed] [MASK=window:W|packed:D] python benchmarks/fused_dq_timing.py
-        [OUT.jsonl] [H:SEQ ...]
+    [MODES=default,fused,fixed] [MASK=window:W|packed:D] [KERNELS=1]
+        python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
 (MODES may also name "step", "fixed_step" and "fused_step".)
 
@@ -17,7 +17,8 @@ default tiles and with fused_dq="add" and "fixed";
 "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (with the window; not for
 packed documents, which it takes no segment ids for). TFLOP/s count the pairs of the plain (or
 causal) call, whatever MASK. Prints one JSON row per point and backward (ms, TFLOP/s by the FA2
-count), then per point the ratios, each fused dQ's largest difference from the default
+count; with KERNELS=1 also each kernel's us per call from jax's profiler, `kernels_us`), then
+per point the ratios, each fused dQ's largest difference from the default
 backward's relative to dQ's largest magnitude, and whether two runs of it gave the same bits.
 """
 
@@ -29,7 +30,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench import attention_flops, median_ms, timed_fn
+from pallas_flash.bench import attention_flops, device_ms, median_ms, timed_fn
 from pallas_flash.mosaic import BackwardTiles, flash_backward, flash_forward
 
 POINTS = [(128, 4096), (128, 16384), (64, 4096), (64, 16384)]
@@ -92,11 +93,13 @@ def main():
     modes = os.environ.get("MODES", "default,fused,fixed").split(",")
     modes = ["default", *(m for m in modes if m != "default")]
     mask_spec = os.environ.get("MASK", "")
+    kernel_times = os.environ.get("KERNELS") == "1"
 
     def record(row):
         print(json.dumps(row), flush=True)
-        if out:
+        if out:  # flushed: a stage cut by its timeout keeps the rows it printed
             out.write(json.dumps(row) + "\n")
+            out.flush()
 
     for h, seq, kv_heads in points:
         b, n = 16384 // seq, 2048 // h
@@ -130,10 +133,13 @@ def main():
                     record(dict(H=h, seq=seq, causal=causal, impl=name, error=str(error)[:200]))
                     continue
                 tflops = attention_flops(b, seq, seq, n, h, causal, "fwd+bwd") / ms[name] / 1e9
-                record(
-                    dict(H=h, seq=seq, K=kv_heads or n, causal=causal, impl=name, ms=ms[name])
-                    | dict(tflops=tflops, mask=mask_spec)
-                )
+                row = dict(H=h, seq=seq, K=kv_heads or n, causal=causal, impl=name, ms=ms[name])
+                row |= dict(tflops=tflops, mask=mask_spec)
+                if kernel_times:
+                    kernel_ms, kernels = device_ms(timed_fn(fn, "fwd+bwd"), args)
+                    row["kernel_ms"] = kernel_ms
+                    row["kernels_us"] = {k: round(1e3 * t, 1) for k, t in kernels.items()}
+                record(row)
             dq = {name: timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in modes}
             summary = dict(H=h, seq=seq, K=kv_heads or n, causal=causal, summary="fwd+bwd")
             summary["mask"] = mask_spec

@@ -1734,8 +1734,9 @@ def test_opaque_zero_is_zero_from_step_minus_one():
 )
 def test_fused_dq_lowers_for_h200(monkeypatch, p, tiles):
     """One Mosaic GPU call (no dQ kernel), whose consumers add their partials by TMA
-    reductions ("fixed": after the two Triton kernels of its row scales); dq [B, T, N, H] in
-    the input dtype."""
+    reductions ("fixed": after the two Triton kernels of its row scales) into dQ's zeros, and
+    write dK and dV whole into uninitialised buffers (AllocateBuffer, no zeros); dq [B, T, N,
+    H] in the input dtype."""
     calls = []
 
     def spy(name):
@@ -1750,7 +1751,8 @@ def test_fused_dq_lowers_for_h200(monkeypatch, p, tiles):
     spy("copy_smem_to_gmem")
     lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))
     scales = ["__gpu"] * 2 if tiles.fixed_point_dq else []  # __gpu$xla.gpu.triton
-    assert custom_call_targets(lowered.as_text()) == [*scales, "mosaic_gpu_v2"]
+    allocations = ["AllocateBuffer"] * 2  # dK and dV (or their partials)
+    assert custom_call_targets(lowered.as_text()) == [*scales, *allocations, "mosaic_gpu_v2"]
     assert "add" in calls
     dq = lowered.out_info[0]
     q = abstract_inputs(p)[0]

@@ -78,6 +78,7 @@ from pallas_flash.mosaic.launch import (
     soft_cap_share,
     warp_specialised_kernel,
     warp_specialised_kernel_into,
+    zero_non_finite,
 )
 from pallas_flash.mosaic.schedule import grouped_launch, launch_group, tile_plan
 from pallas_flash.mosaic.tiles import SMEM_BYTES, aligned_len, cdiv
@@ -616,10 +617,11 @@ def flash_backward(
     lse2 = lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E
     lse2 = jnp.where(finite, jnp.maximum(lse2, MIN_LOGIT), jnp.inf)
     bound = probability_bound(log_sum, lse)
-    if segment_ids is not None or spec.is_causal or spec.window is not None:
-        # Keys hidden from some rows (padding, other documents, past the diagonal or the
-        # window) may hold anything, and dQ += dS K multiplies their zero dS by their K on the
-        # tensor cores: 0 * NaN would reach every row of the tile. Costs one pass over K.
+    if _hides_keys(spec) and not tiles.fused_dq:
+        # The dQ kernel's K tiles (see `_hides_keys`): one pass over K here. Cleaned in the
+        # kernel instead, where its consumers share a ring slot, consumer 0 cleaned the tiles
+        # that either masks while the other waited for it: the dQ kernel took 45-60 us more
+        # on the H200 than this pass's ~40 (benchmarks/NOTES.md, "Hidden keys' K").
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
     # the true T and S from spec; rows and keys past them are computed and not kept.
@@ -996,7 +998,10 @@ def _dkv_call(
     dq_shape = (batch, num_heads, head_dim, cdiv(q.shape[1], block_q) * block_q)
     if tiles.slab_dq:
         dq_shape = (grid[2], *dq_shape)
-    into = (*(jnp.zeros(t.shape, t.dtype) for t in out_type), jnp.zeros(dq_shape, dq_dtype))
+    # dK and dV (or their partials) are written whole, as without the fused dQ: they start
+    # uninitialised (an allocation on the GPU, where zeros cost a pass over 2 x [B, S, K, H]).
+    outputs = (lax.empty(t.shape, t.dtype) for t in out_type)
+    into = (*outputs, jnp.zeros(dq_shape, dq_dtype))
     return warp_specialised_kernel_into(kernel, into=into, scratch_types=scratch, **launch)(
         *operands
     )
@@ -1187,6 +1192,16 @@ def _dkv_kernel(
             kv_tile=kv_tile,
             **common,
         )
+
+
+def _hides_keys(spec: MaskSpec) -> bool:
+    """Whether some rows cannot see some keys (padding, other documents, past the diagonal or
+    the window), whose K may then hold anything: dQ += dS K multiplies their zero dS by their
+    K on the tensor cores, and 0 * NaN would reach every row of the tile. So NaN and inf in K
+    become 0: with the fused dQ in shared memory, once per CTA (each consumer's keys,
+    `launch.zero_non_finite`), else in XLA before the dQ kernel. Keys past S are padding of
+    zeros (or TMA's zero fill)."""
+    return spec.is_causal or spec.window is not None or spec.has_segments
 
 
 def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
@@ -1805,6 +1820,11 @@ def _consume_dkv(
         _wgmma_zeros((block_kv, value_head_dim)),
     )
     plgpu.barrier_wait(kv_loaded)
+    if dq_sink is not None and _hides_keys(spec):
+        # dQ's partials multiply a hidden key's zero dS by its K (`_hides_keys`): this
+        # consumer's keys are cleaned once, before its partner's first partial reads them
+        # (after this consumer's first dS^T, `_DQSink`).
+        zero_non_finite(k_smem)
     if kv_ids_smem is not None:
         kv_seg = plgpu.load(kv_ids_smem, layout=plgpu.Layout.WGMMA.reduce(1))
     # Each split consumer stages its result through a dead buffer of its accumulator's width.

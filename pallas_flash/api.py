@@ -162,9 +162,9 @@ def flash_attention(
         backward compute dQ in its dK/dV kernel and add each block of keys' share into dQ as float32
         by TMA reductions in the order they arrive (as FlashAttention-2 and -3 do by default): the
         same values within float32 rounding, not bitwise repeatable, and faster where the dispatch
-        takes it (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H=64;
-        at H=128 plain ones from 2k and causal ones from 4k). Other calls and kernels are
-        deterministic either way.
+        takes it (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H
+        64 and 128; with a window or segment ids at H=128 plain ones from 4k and causal ones
+        from 16k, at H=64 from 16k). Other calls and kernels are deterministic either way.
 
     Returns:
       out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.

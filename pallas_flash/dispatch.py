@@ -48,10 +48,17 @@ MOSAIC_RAGGED_MIN_LEN = 1024
 # With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S)
 # per head dim, where it was measured faster than the two-kernel backward (fwd+bwd): at H=64
 # from 2k tokens (1.15x plain, 1.06x causal at 2k; shorter calls keep the Triton backward); at
-# H=128 with step descriptors plain 1.11x at 2k, causal 1.00x at 2k, 1.06x at 4k, 1.08x at 8k,
-# 1.14x at 16k. benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+# H=128 with step descriptors plain 1.11-1.19x at 2k, causal 1.07-1.09x at 2k (since dK and dV
+# start uninitialised and K is cleaned in the kernel; 1.00x before), 1.06-1.10x at 4k, 1.08x at
+# 8k, 1.14x at 16k. benchmarks/NOTES.md, "fused-dq", "Step descriptors" and "Hidden keys' K".
 FUSED_DQ_MIN_LEN = {64: 2048, 128: 2048}
-FUSED_DQ_CAUSAL_MIN_LEN = {64: 2048, 128: 4096}
+FUSED_DQ_CAUSAL_MIN_LEN = {64: 2048, 128: 2048}
+# The same with a window, segment ids or sequence lengths, measured with a window of 1024 keys
+# and with 4 packed documents: H=128 plain 1.05-1.16x from 4k; causal 1.01-1.09x at 16k
+# (0.98-1.02x at 4k, before the change above); H=64 1.06-1.18x at 16k (benchmarks/NOTES.md,
+# "Masked calls on the fused dQ").
+FUSED_DQ_MASKED_MIN_LEN = {64: 16384, 128: 4096}
+FUSED_DQ_MASKED_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 
 # Bitwise deterministic calls take the fused dQ of integer adds (fused_dq="fixed") from these
 # lengths (of both T and S) per head dim, where it measured faster than the two-kernel backward
@@ -281,6 +288,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         call.dtype.itemsize,
         num_sms=device.num_sms,
         causal=call.spec.is_causal,
+        segments=call.spec.has_segments,
     )
     # At H=128 the fused dQ's consumers rebuild their operands' descriptors each step instead
     # of spilling them: fwd+bwd 3-25% faster, plain or causal, 4k to 16k ("fixed" plain 124/104
@@ -293,29 +301,32 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
     return fused
 
 
-def _like_fused_dq_measurements(call: Call) -> bool:
-    """Whether a call is like those the fused dQ was measured on: plain or causal
-    self-attention, MHA or GQA, without a window, segment ids, sequence lengths, soft cap or
-    value head dim of its own (benchmarks/NOTES.md, "fused-dq")."""
+def _measured_as(call: Call) -> str | None:
+    """Which of the fused dQ's measurements cover a call: "plain" (plain or causal
+    self-attention, MHA or GQA), "masked" (the same with a window, segment ids or sequence
+    lengths), or None (a soft cap or a value head dim of its own: not measured)."""
     spec = call.spec
-    if spec.window is not None or spec.has_arrays:
-        return False
-    return call.soft_cap is None and call.value_head_dim is None
+    if call.soft_cap is not None or call.value_head_dim is not None or spec.mask_shape is not None:
+        return None
+    return "masked" if spec.window is not None or spec.has_segments else "plain"
 
 
 def fused_dq_is_faster(call: Call) -> bool:
     """Whether the Mosaic backward with dQ in its dK/dV kernel (not bitwise deterministic) beat
     the two-kernel one on the H200 for calls like this (`FUSED_DQ_MIN_LEN`,
-    `FUSED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal self-attention of 2k to 16k tokens
-    only (benchmarks/NOTES.md, "fused-dq" and "Step descriptors")."""
-    return _long_enough(call, FUSED_DQ_CAUSAL_MIN_LEN, FUSED_DQ_MIN_LEN)
+    `FUSED_DQ_CAUSAL_MIN_LEN`; with a window or segments `FUSED_DQ_MASKED_MIN_LEN`,
+    `FUSED_DQ_MASKED_CAUSAL_MIN_LEN`); measured on plain, causal, windowed and packed
+    self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq", "Step
+    descriptors" and "Masked calls on the fused dQ")."""
+    measured = _measured_as(call)
+    if measured == "masked":
+        return _long_enough(call, FUSED_DQ_MASKED_CAUSAL_MIN_LEN, FUSED_DQ_MASKED_MIN_LEN)
+    return measured == "plain" and _long_enough(call, FUSED_DQ_CAUSAL_MIN_LEN, FUSED_DQ_MIN_LEN)
 
 
 def _long_enough(call: Call, causal_min_len: dict, min_len: dict) -> bool:
-    """Whether a call is like the fused dQ's measurements and both its lengths reach the least
-    measured faster for its head dim (causal_min_len for causal calls, min_len otherwise)."""
-    if not _like_fused_dq_measurements(call):
-        return False
+    """Whether both of a call's lengths reach the least measured faster for its head dim
+    (causal_min_len for causal calls, min_len otherwise)."""
     least = (causal_min_len if call.spec.is_causal else min_len).get(call.head_dim)
     return least is not None and min(call.q_len, call.kv_len) >= least
 
@@ -325,9 +336,13 @@ def fixed_dq_is_faster(call: Call) -> bool:
     (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
     this (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
     self-attention of 2k to 16k tokens in bf16 only. It needs bfloat16, a head dim that is a
-    multiple of 64, no dropout and no value head dim of its own (`mosaic.backward.why_not`);
-    masked calls run it but are not measured, so they keep two kernels."""
-    return _long_enough(call, FIXED_DQ_CAUSAL_MIN_LEN, FIXED_DQ_MIN_LEN)
+    multiple of 64, no dropout and no value head dim of its own (`mosaic.backward.why_not`).
+    Calls with a window or segments run it but measured slower (0.80-0.98x with a window of
+    1024 keys, 0.80-1.08x with 4 packed documents: its per-row scales cost as much as in a
+    plain call, for less work), so they keep two kernels."""
+    return _measured_as(call) == "plain" and _long_enough(
+        call, FIXED_DQ_CAUSAL_MIN_LEN, FIXED_DQ_MIN_LEN
+    )
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

@@ -440,8 +440,8 @@ def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
 
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
-# on the H200: at H=64 from 2k tokens, at H=128 from 2k plain and 4k causal; not where the
-# fused form does not apply (H 192/256) or the Triton backward runs.
+# on the H200: at H 64 and 128 from 2k tokens, with a window or segments at H=128 from 4k plain
+# (16k causal); not where the fused form does not apply (H 192/256) or the Triton backward runs.
 FUSED_DQ_CALLS = {
     "causal-h64-16k",
     "small-grid-h64",
@@ -449,6 +449,7 @@ FUSED_DQ_CALLS = {
     "plain-h64-2k",
     "causal-h64-2k",
     "causal-h128-long",
+    "window-wide",
 }
 
 
@@ -648,10 +649,10 @@ def test_nondeterministic_grads_keep_the_head_splits_of_mqa():
     assert fused_dq(8) == "add"
 
 
-def test_nondeterministic_grads_fuse_dq_for_gqa_at_h128_from_2k_plain_4k_causal():
-    """GQA at H=128 takes the fused dQ as MHA does, from 2k keys plain and 4k causal (with step
-    descriptors it measured 1.06-1.16x the two-kernel backward there, causal 1.00x at 2k; 16k
-    tokens a call, as measured: a smaller grid keeps the two kernels' head splits)."""
+def test_nondeterministic_grads_fuse_dq_for_gqa_at_h128_from_2k():
+    """GQA at H=128 takes the fused dQ as MHA does, from 2k keys plain or causal (with step
+    descriptors it measured 1.06-1.19x the two-kernel backward there; 16k tokens a call, as
+    measured: a smaller grid keeps the two kernels' head splits)."""
 
     def fused_dq(num_kv_heads, length, is_causal=False):
         return chosen_fused_dq(
@@ -662,10 +663,45 @@ def test_nondeterministic_grads_fuse_dq_for_gqa_at_h128_from_2k_plain_4k_causal(
         )
 
     for is_causal in (False, True):
-        assert fused_dq(4, 4096, is_causal) == fused_dq(16, 4096, is_causal) == "add"
-    assert fused_dq(4, 2048) == fused_dq(16, 2048) == "add"
-    assert fused_dq(4, 2048, True) is fused_dq(16, 2048, True) is None
-    assert fused_dq(4, 1024) is fused_dq(16, 1024) is None
+        for length in (2048, 4096):
+            assert fused_dq(4, length, is_causal) == fused_dq(16, length, is_causal) == "add"
+        assert fused_dq(4, 1024, is_causal) is fused_dq(16, 1024, is_causal) is None
+
+
+@pytest.mark.parametrize("deterministic_grads", [False, True])
+@pytest.mark.parametrize("mask", ["window", "segments"])
+def test_masked_calls_fuse_dq_only_where_measured_faster(mask, deterministic_grads):
+    """With a window or segment ids, deterministic_grads=False takes the fused dQ ("add") at
+    H=128 from 4k tokens plain and 16k causal, at H=64 from 16k, as measured (a window of 1024
+    keys, 4 packed documents); the deterministic default keeps two kernels ("fixed" measured
+    slower on such calls). 16k tokens a call."""
+
+    def fused_dq(length, head_dim, is_causal):
+        batch, num_heads = 16384 // length, 2048 // head_dim
+        q_shape = (batch, length, num_heads, head_dim)
+        window = (1024, 0 if is_causal else 1024) if mask == "window" else None
+        call = Call(
+            q_shape=q_shape,
+            k_shape=q_shape,
+            dtype=jnp.dtype(bf16),
+            spec=MaskSpec(
+                q_len=length,
+                kv_len=length,
+                is_causal=is_causal,
+                window=window,
+                has_segments=mask == "segments",
+            ),
+            deterministic_grads=deterministic_grads,
+        )
+        config = dispatch.choose(call, Device.h200(), scale=0.1)
+        assert config.backward == "mosaic"
+        return config.mosaic_backward_tiles.fused_dq
+
+    fused = None if deterministic_grads else "add"
+    assert fused_dq(4096, 128, False) == fused_dq(16384, 128, True) == fused
+    assert fused_dq(16384, 64, False) == fused_dq(16384, 64, True) == fused
+    assert fused_dq(2048, 128, False) is fused_dq(8192, 128, True) is None
+    assert fused_dq(8192, 64, False) is fused_dq(8192, 64, True) is None
 
 
 @pytest.mark.skipif(has_gpu(), reason="checks the export from a host without a GPU")

@@ -303,8 +303,10 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
 
 def _measured_as(call: Call) -> str | None:
     """Which of the fused dQ's measurements cover a call: "plain" (plain or causal
-    self-attention, MHA or GQA), "masked" (the same with a window, segment ids or sequence
-    lengths), or None (a soft cap or a value head dim of its own: not measured)."""
+    self-attention, MHA or GQA), "masked" (the same with a window or segment ids, measured
+    with a window of 1024 keys and 4 packed documents; sequence lengths, which the kernels
+    take as segment ids, with them), or None (a soft cap, a value head dim of its own or a
+    dense mask: not measured)."""
     spec = call.spec
     if call.soft_cap is not None or call.value_head_dim is not None or spec.mask_shape is not None:
         return None

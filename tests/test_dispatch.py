@@ -441,7 +441,8 @@ def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
 # on the H200: at H 64 and 128 from 2k tokens, with a window or segments at H=128 from 4k plain
-# (16k causal); not where the fused form does not apply (H 192/256) or the Triton backward runs.
+# (16k causal) and at H=64 from 16k; not where the fused form does not apply (H 192/256) or the
+# Triton backward runs.
 FUSED_DQ_CALLS = {
     "causal-h64-16k",
     "small-grid-h64",

@@ -618,10 +618,10 @@ def flash_backward(
     lse2 = jnp.where(finite, jnp.maximum(lse2, MIN_LOGIT), jnp.inf)
     bound = probability_bound(log_sum, lse)
     if _hides_keys(spec) and not tiles.fused_dq:
-        # The dQ kernel's K tiles (see `_hides_keys`): one pass over K here. Cleaned in the
-        # kernel instead, where its consumers share a ring slot, consumer 0 cleaned the tiles
-        # that either masks while the other waited for it: the dQ kernel took 45-60 us more
-        # on the H200 than this pass's ~40 (benchmarks/NOTES.md, "Hidden keys' K").
+        # For the dQ kernel (see `_hides_keys`): one pass over K here. Cleaning its K tiles in
+        # the kernel instead cost more: its consumers share each ring slot, so one cleaned
+        # every tile that either masks while the other waited, and the dQ kernel took 45-60 us
+        # more on the H200 than this pass's ~40 (benchmarks/NOTES.md, "Hidden keys' K").
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
     # the true T and S from spec; rows and keys past them are computed and not kept.

@@ -208,7 +208,9 @@ def fixed_point_exponents(
     cannot see are not in its maxima: huge values past its diagonal or outside its window cost
     it no precision. NaN or inf in K, V or dO_i that the row sees (or in delta_i, or B_i past
     float32) leaves it without a finite bound: e = 0 and finite_bound False (the caller makes
-    such a row NaN, as the default backward's products would)."""
+    such a row NaN, as the products of float64 attention's gradient would; the two-kernel
+    backward, which zeroes non-finite K of masked calls before its dQ kernel, may give a finite
+    dQ for a row that sees an infinite key whose logit is -inf)."""
     assert spec.has_segments == (segment_ids is not None), spec
     q_len, kv_len = spec.q_len, spec.kv_len
     # A loss like out.mean() makes d_out a constant (a broadcast), and XLA would fold the norms
@@ -325,6 +327,10 @@ def _row_scales_kernel(
     ragged = spec.q_len < rows_out
     d_out = load_rows(d_out_ref, 0, ROW_BLOCK, rows, value_head_dim, ragged=ragged)
     d_out = d_out.astype(jnp.float32)  # |.|_1 summed in float32, as the jnp form does
+    # dO's norms before the key loops: its [ROW_BLOCK, Hv] tile is dead by then, not held in
+    # registers beside their [ROW_BLOCK, KEY_BLOCK] tiles.
+    d_out_l1 = jnp.sum(jnp.abs(d_out), axis=-1)
+    d_out_l2 = l2_norm(d_out, largest_abs(d_out))
     delta = load_vector(delta_ref, 0, ROW_BLOCK, rows, ragged=ragged)
     lse = load_vector(lse_ref, 0, ROW_BLOCK, rows, ragged=ragged)
     ids = None
@@ -337,8 +343,6 @@ def _row_scales_kernel(
         ranges = tuple(ranges_ref[batch, 0, tile, c] for c in range(4))
         ids = (q_ids, kv_ids_ref, ranges)
     k_max, v_max, v_l2 = _seen_maxima_kernel(key_refs, block_refs, spec, q_start, ids)
-    d_out_l1 = jnp.sum(jnp.abs(d_out), axis=-1)
-    d_out_l2 = l2_norm(d_out, largest_abs(d_out))
     exponents, finite = _exponents_from_norms(
         k_max, v_max, v_l2, d_out_l1, d_out_l2, delta, lse, spec.kv_len
     )

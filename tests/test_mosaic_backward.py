@@ -1594,6 +1594,12 @@ FUSED_CI_HALVES = MaskCase(
 FUSED_CI_PLAIN = MaskCase(
     Problem(1, 200, 256, 2, 1, 64, False, "bf16"), tiles=BackwardTiles(fused_dq="slab")
 )
+# Causal with S > T + 128: no row sees the last CTA's keys, whose dK and dV (zeros; f32
+# partials, as the small grid is split by heads) its consumers still write: the outputs start
+# uninitialised (NaN in the interpreter; a CTA that stored nothing fails this case).
+FUSED_CI_UNSEEN_KEYS = MaskCase(
+    Problem(1, 128, 384, 2, 1, 64, True, "bf16"), tiles=BackwardTiles(fused_dq="slab")
+)
 # "fixed_slab": the integer partials of "fixed" (dS^T scaled by each row's 2^e, int32),
 # stored apart. Causal halves at H=128 with a ragged T and NaN in K and V at the keys past T
 # (in no row's bound); non-causal turns at H=64 with a soft cap and T != S.
@@ -1669,6 +1675,7 @@ FUSED_SWEEP_CASES = [
         FUSED_CI_CASE,
         FUSED_CI_HALVES,
         FUSED_CI_PLAIN,
+        FUSED_CI_UNSEEN_KEYS,
         FUSED_CI_FIXED,
         FUSED_CI_FIXED_CAPPED,
         FUSED_CI_FIXED_WINDOW,

@@ -976,12 +976,12 @@ def _dkv_call(
     # the same Q/dO from L2. Causal: tile 0 sees the most query tiles and starts first, a group
     # of heads at a time (`schedule.grouped_launch`).
     grid = (batch, num_kv_heads * head_splits, cdiv(spec.kv_len, tiles.cta_kv_rows))
-    launch = dict(grid=grid, grid_names=("batch", "kv_head", "kv_tile"), num_consumers=n_c)
+    grid_args = dict(grid=grid, grid_names=("batch", "kv_head", "kv_tile"), num_consumers=n_c)
     operands = (q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
     if not tiles.fused_dq:
-        return warp_specialised_kernel(kernel, out_type=out_type, scratch_types=scratch, **launch)(
-            *operands
-        )
+        return warp_specialised_kernel(
+            kernel, out_type=out_type, scratch_types=scratch, **grid_args
+        )(*operands)
     # Each consumer stores its step's dS^T (read as B by K^T dS^T) and stages the f32 partials
     # of the steps it computes (`_DQSink`).
     dq_dtype = jnp.int32 if tiles.fixed_point_dq else jnp.float32
@@ -1000,9 +1000,9 @@ def _dkv_call(
         dq_shape = (grid[2], *dq_shape)
     # dK and dV (or their partials) are written whole, as without the fused dQ: they start
     # uninitialised (an allocation on the GPU, where zeros cost a pass over 2 x [B, S, K, H]).
-    outputs = (lax.empty(t.shape, t.dtype) for t in out_type)
+    outputs = (launch.uninitialised(t.shape, t.dtype) for t in out_type)
     into = (*outputs, jnp.zeros(dq_shape, dq_dtype))
-    return warp_specialised_kernel_into(kernel, into=into, scratch_types=scratch, **launch)(
+    return warp_specialised_kernel_into(kernel, into=into, scratch_types=scratch, **grid_args)(
         *operands
     )
 

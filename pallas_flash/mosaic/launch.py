@@ -109,6 +109,14 @@ def warp_specialised_kernel_into(body, *, into, **launch):
     return call
 
 
+def uninitialised(shape, dtype):
+    """An array that a kernel writes whole (an output of `warp_specialised_kernel_into` that
+    it stores rather than adds into): an allocation on the GPU (`lax.empty`), where zeros would
+    cost a pass over it. tests/mosaic_interpret.py fills it with NaN instead, so that the
+    interpreted kernels fail their oracle tests if they leave any of it unwritten."""
+    return lax.empty(shape, dtype)
+
+
 def zero_non_finite(ref):
     """Replaces NaN and +-inf in a [rows, H] tile of shared memory (rows a multiple of 64, H of
     16) by 0, and fences the writes for the wgmma that reads the tile next.

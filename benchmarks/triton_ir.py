@@ -2,9 +2,11 @@
 
     python benchmarks/triton_ir.py --head-dim 128 --seq 4096 --out /tmp/ttir \
         [--causal] [--triton-python /path/to/venv-with-triton/bin/python]
+        [--fixed-point-scales [--window LEFT,RIGHT]]
 
-Step 1 (this process, jax): lowers forward and backward for an abstract H200 and writes each
-kernel's Triton IR (TTIR, as Pallas emits it) with its num_warps / num_stages.
+Step 1 (this process, jax): lowers forward and backward for an abstract H200 (with
+--fixed-point-scales the Mosaic backward's two Triton-lowered scale kernels instead) and writes
+each kernel's Triton IR (TTIR, as Pallas emits it) with its num_warps / num_stages.
 Step 2 (optional, a Python that has the `triton` package, e.g. `pip install triton==3.6.0` in a
 scratch venv; not a dependency of the project): runs Triton's TTIR passes (XLA runs the same ones on
 Pallas' module), compiles for sm_90a, runs ptxas -v, and prints per kernel the register count, spill
@@ -31,6 +33,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import fixed_point
 from pallas_flash.triton.tiles import heuristic_block_sizes
 
 H200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
@@ -126,6 +129,29 @@ def capture_ttir(
         )
         return o, lse_, *vjp((d_out, d_lse))
 
+    return lowered_kernels(fwd_bwd, (q, q, q, bias, q, lse, seeds), out)
+
+
+def capture_fixed_point_ttir(head_dim: int, seq: int, causal: bool, window, out: pathlib.Path):
+    """The Triton-lowered kernels of the Mosaic backward's fixed-point scales
+    (`mosaic.fixed_point`: per-key norms, per-row scales) for B x T = 16k tokens, N = 2048 / H,
+    bf16, causal or not, a window (left, right) or None; as capture_ttir."""
+    heads, batch = max(1, 2048 // head_dim), max(1, 16384 // seq)
+    spec = MaskSpec(q_len=seq, kv_len=seq, is_causal=causal, window=window)
+    x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)
+
+    def scales(k, v, d_out, delta, lse):
+        return fixed_point.fixed_point_scales(
+            k, v, d_out, delta, lse, spec=spec, scale=head_dim**-0.5, rows_out=seq
+        )
+
+    return lowered_kernels(scales, (x, x, x, rows, rows), out)
+
+
+def lowered_kernels(fn, args, out: pathlib.Path):
+    """fn lowered for an abstract H200: writes <out>/<kernel>.ttir for each Triton kernel in it;
+    returns [{name, ttir, num_warps, num_stages}] per kernel."""
     modules = {}
     stock = triton_lowering.lower_jaxpr_to_triton_module
 
@@ -140,11 +166,7 @@ def capture_ttir(
         mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
         with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            lowered = (
-                jax.jit(fwd_bwd)
-                .trace(q, q, q, bias, q, lse, seeds)
-                .lower(lowering_platforms=("cuda",))
-            )
+            lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         triton_lowering.lower_jaxpr_to_triton_module = stock
     text = re.sub(r'ir = "[^"]*"', "ir = ...", lowered.as_text())
@@ -176,6 +198,12 @@ def main():
     parser.add_argument("--bias-shape", help="e.g. 1,16,4096,4096: add a bias (batch 2)")
     parser.add_argument("--dropout-rate", type=float, default=0.0)
     parser.add_argument(
+        "--fixed-point-scales",
+        action="store_true",
+        help="the Mosaic backward's fixed-point scale kernels instead (B x T = 16k, bf16)",
+    )
+    parser.add_argument("--window", help="with --fixed-point-scales: LEFT,RIGHT")
+    parser.add_argument(
         "--block-sizes",
         help="JSON of BlockSizes fields over the H200 defaults, e.g. '{\"block_kv\": 64}'",
     )
@@ -187,10 +215,14 @@ def main():
     bs = heuristic_block_sizes(args.head_dim, dtype, masked=bias_shape is not None)
     if args.block_sizes:
         bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
-    print(bs, flush=True)
-    kernels = capture_ttir(
-        args.head_dim, args.seq, args.causal, dtype, out, bs, bias_shape, args.dropout_rate
-    )
+    if args.fixed_point_scales:
+        window = tuple(int(x) for x in args.window.split(",")) if args.window else None
+        kernels = capture_fixed_point_ttir(args.head_dim, args.seq, args.causal, window, out)
+    else:
+        print(bs, flush=True)
+        kernels = capture_ttir(
+            args.head_dim, args.seq, args.causal, dtype, out, bs, bias_shape, args.dropout_rate
+        )
     for k in kernels:
         print(f"wrote {k['ttir']} (num_warps={k['num_warps']}, num_stages={k['num_stages']})")
     if args.triton_python:

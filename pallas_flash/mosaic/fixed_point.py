@@ -45,6 +45,8 @@ MAX_EXPONENT = 120
 KEY_BLOCK = 64
 # Query rows per program of the row-scale kernel.
 ROW_BLOCK = 64
+# Keys of a boundary block that the row-scale kernel masks at once (registers, below).
+KEY_PIECE = 8
 # Block maxima read at once by the row-scale kernel.
 CHUNK = 128
 
@@ -267,24 +269,32 @@ def _seen_maxima_kernel(key_refs, block_refs, spec: MaskSpec, q_start, ids=None)
     rows = q_start + lax.broadcasted_iota(jnp.int32, (ROW_BLOCK, 1), 0)
 
     def boundary(j, maxima):
-        keys = j * KEY_BLOCK + lax.broadcasted_iota(jnp.int32, (1, KEY_BLOCK), 1)
-        q_seg = kv_seg = None
-        if ids is not None:
-            q_ids, kv_ids_ref, _ = ids
-            kv_ids = load_vector(
-                kv_ids_ref,
-                j * KEY_BLOCK,
-                KEY_BLOCK,
-                spec.kv_len,
-                ragged=spec.kv_len % KEY_BLOCK != 0,
-                other=PAD_KV_SEGMENT,
+        # KEY_PIECE keys at a time: [ROW_BLOCK, KEY_BLOCK] tiles of the mask and the three
+        # norms took the kernel to 255 registers, two programs per SM (96 causal, 119 with a
+        # window in pieces of 8; ptxas on Triton 3.6's compile of the kernel, read on a CPU
+        # with benchmarks/triton_ir.py's steps).
+        def piece(p, maxima):
+            start = j * KEY_BLOCK + p * KEY_PIECE
+            keys = start + lax.broadcasted_iota(jnp.int32, (1, KEY_PIECE), 1)
+            q_seg = kv_seg = None
+            if ids is not None:
+                q_ids, kv_ids_ref, _ = ids
+                kv_ids = load_vector(
+                    kv_ids_ref,
+                    start,
+                    KEY_PIECE,
+                    spec.kv_len,
+                    ragged=spec.kv_len % KEY_BLOCK != 0,  # a piece may lie past S
+                    other=PAD_KV_SEGMENT,
+                )
+                q_seg, kv_seg = q_ids[:, None], kv_ids[None, :]
+            sees = masks.visible(spec, rows, keys, q_seg, kv_seg)
+            return tuple(
+                jnp.maximum(m, jnp.max(jnp.where(sees, ref[pl.ds(start, KEY_PIECE)], 0.0), 1))
+                for m, ref in zip(maxima, key_refs, strict=True)
             )
-            q_seg, kv_seg = q_ids[:, None], kv_ids[None, :]
-        sees = masks.visible(spec, rows, keys, q_seg, kv_seg)
-        return tuple(
-            jnp.maximum(m, jnp.max(jnp.where(sees, ref[pl.ds(j * KEY_BLOCK, KEY_BLOCK)], 0.0), 1))
-            for m, ref in zip(maxima, key_refs, strict=True)
-        )
+
+        return fold(0, KEY_BLOCK // KEY_PIECE, piece, maxima)
 
     def whole(c, maxima):
         idx = c * CHUNK + lax.broadcasted_iota(jnp.int32, (CHUNK,), 0)

@@ -1854,6 +1854,27 @@ FUSED_GPU_CASES = [
         tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
         poison=True,
     ),
+    # The masked calls the dispatch gives it (deterministic_grads=False): a window on both
+    # sides of the diagonal, and packed documents with lengths, causal, at H=128 with the
+    # descriptors rebuilt; at H=64 without.
+    MaskCase(
+        Problem(2, 1024, 1000, 8, 2, 128, False, "bf16"),
+        window=(300, 200),
+        tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"),
+        kind="packed-lengths",
+        tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(2, 1000, 1300, 4, 2, 64, False, "bf16"),
+        kind="packed-lengths",
+        tiles=FUSED_ADD,
+        poison=True,
+    ),
 ]
 FUSED_FIXED = BackwardTiles(fused_dq="fixed")
 # "fixed": causal and not, ragged T and S, T != S, GQA, a soft cap, one consumer taking every

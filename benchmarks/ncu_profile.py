@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import pallas_flash
 from pallas_flash import bench, mosaic
 from pallas_flash.mosaic import backward as mosaic_backward
 
@@ -46,6 +47,20 @@ def _backward(b, t, n, h, causal, tiles, impl="mosaic"):
         )
     )
     return (lambda *args: fn(*args, log_sum=log_sum)), (q, k, v, out, lse, do, None)
+
+
+def _decode(b, t, n, h, causal, *, cache: int, kv_heads: int):
+    """`decode_attention` of t new tokens per sequence over a full cache of `cache` keys and
+    kv_heads KV heads (bf16), as the bench's decode suite calls it (causal: unused)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, cache, kv_heads, h), jnp.bfloat16) for key in keys[1:])
+    lengths = jnp.full((b,), cache, jnp.int32)
+
+    def fn(q, k, v, lengths):
+        return pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths)
+
+    return jax.jit(fn), (q, k, v, lengths)
 
 
 OURS = functools.partial(_attention, impl="pallas_flash")
@@ -90,6 +105,12 @@ CASES = {
     "bwd-h64-16k-cudnn": (
         functools.partial(_backward, tiles=None, impl="cudnn"), 1, 16384, 32, 64, False
     ),
+    # Decode's latency-bound shapes (N=32 over K=8, H=128, one token): local-memory traffic
+    # and achieved occupancy (a CPU reading gave the kernel 255 registers and spills,
+    # benchmarks/NOTES.md, "The decode kernel's registers"); the head shape beside them.
+    "decode-b1-32k": (functools.partial(_decode, cache=32768, kv_heads=8), 1, 1, 32, 128, False),
+    "decode-b8-1k": (functools.partial(_decode, cache=1024, kv_heads=8), 8, 1, 32, 128, False),
+    "decode-b8-32k": (functools.partial(_decode, cache=32768, kv_heads=8), 8, 1, 32, 128, False),
 }  # fmt: skip
 
 

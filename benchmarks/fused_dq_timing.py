@@ -6,14 +6,14 @@
     [MODES=default,fused,fixed] [MASK=window:W|packed:D] [KERNELS=1]
         python benchmarks/fused_dq_timing.py [OUT.jsonl] [H:SEQ ...]
 
-(MODES may also name "step", "fixed_step" and "fused_step".)
+(MODES may also name "step", "fixed_step", "fused_step" and "clean".)
 
 FA2 grid points (bf16, 16k tokens per batch, N = 2048 / H), causal and not: POINTS, or the
 H:SEQ pairs given (e.g. 64:2048 128:8192), or H:SEQ:K for GQA with K KV heads. "default",
 "fused" and "fixed" are the Mosaic forward differentiated by `mosaic.flash_backward` with the
 default tiles and with fused_dq="add" and "fixed";
 "step", "fixed_step" and "fused_step" the two-kernel, "fixed" and "add" backwards with
-`step_descriptors`;
+`step_descriptors`; "clean" the two-kernel backward with `producer_cleans_k` (masked calls);
 "cudnn" is `jax.nn.dot_product_attention(implementation="cudnn")` (with the window; not for
 packed documents, which it takes no segment ids for). TFLOP/s count the pairs of the plain (or
 causal) call, whatever MASK. Prints one JSON row per point and backward (ms, TFLOP/s by the FA2
@@ -83,6 +83,8 @@ TILES = {
     "step": BackwardTiles(step_descriptors=True),
     "fixed_step": BackwardTiles(fused_dq="fixed", step_descriptors=True),
     "fused_step": BackwardTiles(fused_dq="add", step_descriptors=True),
+    # The two kernels, the dQ kernel's producer cleaning masked K tiles (no XLA pass over K).
+    "clean": BackwardTiles(producer_cleans_k=True),
 }
 
 

@@ -1497,6 +1497,20 @@ MASK_GPU_CASES = [
         kind="gap",
         tiles=BackwardTiles(dkv_head_splits=0),
     ),
+    # The dQ kernel's producer cleans the masked K tiles (no XLA pass over K): causal with T !=
+    # S at H=128, a window with packed documents at H=64, NaN and inf at hidden keys.
+    MaskCase(
+        Problem(2, 1024, 1000, 8, 2, 128, True, "bf16"),
+        tiles=BackwardTiles(producer_cleans_k=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(2, 1000, 1300, 4, 2, 64, False, "bf16"),
+        window=(200, 300),
+        kind="packed-lengths",
+        tiles=BackwardTiles(producer_cleans_k=True),
+        poison=True,
+    ),
 ]
 
 
@@ -1690,6 +1704,32 @@ def test_fused_dq_matches_oracle_interpreted(c):
     check_masked_backward(c, interpreted=True, mosaic_forward=False)
 
 
+# The dQ kernel's producer zeroes NaN and inf in the K tiles a consumer masks (no XLA pass over
+# K): causal GQA with a window, packed documents and lengths, NaN and inf at hidden keys, two
+# consumers (tiles that only one masks) and one.
+PRODUCER_CLEANS_K_CASES = [
+    MaskCase(
+        Problem(2, 130, 128, 4, 2, 64, True, "bf16"),
+        window=(40, 0),
+        kind="packed-lengths",
+        tiles=BackwardTiles(producer_cleans_k=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(1, 200, 256, 4, 2, 128, True, "bf16"),
+        tiles=BackwardTiles(producer_cleans_k=True, num_consumers=1),
+        poison=True,
+    ),
+]
+
+
+@pytest.mark.parametrize("c", PRODUCER_CLEANS_K_CASES, ids=case_id)
+def test_producer_cleans_k_matches_oracle_interpreted(c):
+    """BackwardTiles.producer_cleans_k: the hidden keys' NaN and inf reach no row's dQ without
+    the XLA pass over K (a producer that skips the clean fails the poisoned cases)."""
+    check_masked_backward(c, interpreted=True, mosaic_forward=False)
+
+
 @pytest.mark.parametrize("c", STEP_DESCRIPTOR_CASES, ids=case_id)
 def test_step_descriptors_match_oracle_interpreted(c):
     """BackwardTiles.step_descriptors: the same buffers through an index that is always 0 (a
@@ -1771,6 +1811,10 @@ def test_fused_dq_tiles_validate():
         BackwardTiles(fused_dq="sum")
     with pytest.raises(ValueError, match="fused_dq needs split_dkv=False"):
         BackwardTiles(fused_dq="add", split_dkv=True)
+    with pytest.raises(ValueError, match="producer_cleans_k is the dQ kernel's"):
+        BackwardTiles(fused_dq="add", producer_cleans_k=True)
+    with pytest.raises(ValueError, match="producer_cleans_k=1 must be a bool"):
+        BackwardTiles(producer_cleans_k=1)
     why = functools.partial(
         mosaic_backward_module.why_not, is_causal=True, tiles=BackwardTiles(fused_dq="add")
     )

@@ -157,6 +157,11 @@ class BackwardTiles:
         loop and held, two registers each, which the fused dQ's consumers spill (NOTES, "What
         the fused dQ's consumers spill"); False: held. The dispatch takes it with the fused
         dQ at H=128 (NOTES, "Step descriptors").
+      producer_cleans_k: where rows cannot see some keys (`_hides_keys`), the dQ kernel's
+        producer warpgroup replaces NaN and inf in each K tile that a consumer masks by 0 in
+        shared memory, after it lands and before the consumers may read it, instead of a pass
+        over K in XLA before the kernel (False, the default). Not with fused_dq, whose dK/dV
+        consumers clean their own keys.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
     over a block (P^T dO, dS^T Q, dS K) reads whole column tiles of any swizzle (64 elements
     at most).
@@ -173,6 +178,7 @@ class BackwardTiles:
     fused_dq: str | None = None
     grouped_launch: bool = True
     step_descriptors: bool = False
+    producer_cleans_k: bool = False
 
     def __post_init__(self):
         for name in ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"):
@@ -187,7 +193,7 @@ class BackwardTiles:
             raise ValueError(f"BackwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
         if self.num_consumers not in (1, 2):
             raise ValueError(f"BackwardTiles.num_consumers={self.num_consumers!r} must be 1 or 2")
-        for name in ("split_dkv", "grouped_launch", "step_descriptors"):
+        for name in ("split_dkv", "grouped_launch", "step_descriptors", "producer_cleans_k"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"BackwardTiles.{name}={getattr(self, name)!r} must be a bool")
         splits = self.dkv_head_splits
@@ -199,6 +205,10 @@ class BackwardTiles:
             )
         if self.fused_dq is not None and self.split_dkv:
             raise ValueError("BackwardTiles.fused_dq needs split_dkv=False")
+        if self.fused_dq is not None and self.producer_cleans_k:
+            raise ValueError(
+                "BackwardTiles.producer_cleans_k is the dQ kernel's: it needs fused_dq=None"
+            )
 
     @property
     def dkv_consumers(self) -> int:
@@ -617,7 +627,7 @@ def flash_backward(
     lse2 = lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E
     lse2 = jnp.where(finite, jnp.maximum(lse2, MIN_LOGIT), jnp.inf)
     bound = probability_bound(log_sum, lse)
-    if _hides_keys(spec) and not tiles.fused_dq:
+    if _hides_keys(spec) and not (tiles.fused_dq or tiles.producer_cleans_k):
         # For the dQ kernel (see `_hides_keys`): one pass over K here. Cleaning its K tiles in
         # the kernel instead cost more: its consumers share each ring slot, so one cleaned
         # every tile that either masks while the other waited, and the dQ kernel took 45-60 us
@@ -1963,6 +1973,10 @@ def _dq_call(
             drop_rows_smem=plgpu.SMEM((n_c, 2, block_q), jnp.int32),
             drop_col_smem=plgpu.SMEM((n_s, tiles.block_kv_dq), jnp.int32),
         )
+    if tiles.producer_cleans_k and _hides_keys(spec):
+        # A K tile that the producer cleans lands on this barrier, not on k_ready, which the
+        # producer arrives on in the copy's place once the tile is clean.
+        scratch.update(k_landed=plgpu.Barrier(num_barriers=n_s))
     return warp_specialised_kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -1971,6 +1985,32 @@ def _dq_call(
         grid_names=("batch", "head", "q_tile"),
         num_consumers=n_c,
     )(q, k, v, d_out, lse2, delta, *(ids or ()), *(drop[1:] if has_drop else ()))
+
+
+def _masked_by_any(ranges, tile):
+    """Whether KV tile `tile` is masked for some consumer, of ranges (every consumer's (lo,
+    full_lo, full_hi, hi))."""
+    masked = False
+    for lo, full_lo, full_hi, hi in ranges:
+        masked = masked | ((lo <= tile) & (tile < full_lo)) | ((full_hi <= tile) & (tile < hi))
+    return masked
+
+
+def _load_clean_k(k_tile, k_slot, k_ready, k_landed, *, masked):
+    """The dQ kernel's producer (`BackwardTiles.producer_cleans_k`): K of a tile into k_slot,
+    arriving on k_ready; where a consumer masks the tile (`masked`), NaN and inf in it become 0
+    first (dQ += dS K multiplies a hidden key's zero dS by its K): the copy lands on k_landed,
+    the producer cleans the slot and arrives on k_ready in the copy's place. The consumers wait
+    on k_ready alone, whichever way the tile came."""
+
+    @pl.when(masked)
+    def _():
+        plgpu.copy_gmem_to_smem(k_tile, k_slot, k_landed)
+        plgpu.barrier_wait(k_landed)
+        zero_non_finite(k_slot)
+        plgpu.barrier_arrive(k_ready)
+
+    pl.when(jnp.logical_not(masked))(lambda: plgpu.copy_gmem_to_smem(k_tile, k_slot, k_ready))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2016,6 +2056,7 @@ def _dq_kernel(
     kv_ids_smem=None,
     drop_rows_smem=None,
     drop_col_smem=None,
+    k_landed=None,
     spec: MaskSpec,
     qk_scale: float,
     scale: float,
@@ -2048,13 +2089,14 @@ def _dq_kernel(
     wg = lax.axis_index("wg")
     q_start = cta_q_start + wg * tiles.block_q_dq
 
-    def tile_ranges():
-        """(first, end) of the CTA and (lo, full_lo, full_hi, hi) of consumer wg."""
+    def tile_ranges(consumer=wg):
+        """(first, end) of the CTA and (lo, full_lo, full_hi, hi) of a consumer (wg's)."""
         if plan_ref is None:
-            return _kv_tile_ranges(spec, tiles, cta_q_start, q_start)
+            consumer_start = cta_q_start + consumer * tiles.block_q_dq
+            return _kv_tile_ranges(spec, tiles, cta_q_start, consumer_start)
         # Every thread of the CTA loads the same words: a broadcast from L2.
         cta = tuple(plan_ref[batch, q_tile, tiles.num_consumers, i] for i in (0, 3))
-        return cta, tuple(plan_ref[batch, q_tile, wg, i] for i in range(4))
+        return cta, tuple(plan_ref[batch, q_tile, consumer, i] for i in range(4))
 
     cta_range, _ = tile_ranges()
     first, end = cta_range
@@ -2113,6 +2155,9 @@ def _dq_kernel(
     def _producer():
         plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
+        consumer_ranges = None
+        if k_landed is not None:
+            consumer_ranges = [tile_ranges(c)[1] for c in range(tiles.num_consumers)]
 
         @pl.loop(first, end)
         def _step(tile):
@@ -2124,7 +2169,16 @@ def _dq_kernel(
             pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
             pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            if consumer_ranges is None:
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            else:
+                _load_clean_k(
+                    k_ref.at[rows],
+                    k_smem.at[slot],
+                    k_ready.at[slot],
+                    k_landed.at[slot],
+                    masked=_masked_by_any(consumer_ranges, tile),
+                )
             if kv_ids_ref is not None:
                 ids = kv_ids_ref.at[batch, pl.ds(tile * block_kv, block_kv)]
                 plgpu.copy_gmem_to_smem(ids, kv_ids_smem.at[slot], k_ready.at[slot])

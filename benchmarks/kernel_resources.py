@@ -52,6 +52,10 @@ CASES = {
     "h128-fixed-step": (
         4, 4096, 4096, 16, 16, 128, dict(tiles=dict(fused_dq="fixed", step_descriptors=True))
     ),
+    # The dQ kernel's producer cleaning masked K tiles at 24 registers (does it spill?).
+    "h128-causal-clean": (
+        4, 4096, 4096, 16, 16, 128, dict(is_causal=True, tiles=dict(producer_cleans_k=True))
+    ),
     # kwargs "forward_tiles": the Mosaic forward alone with these ForwardTiles fields: H=64's
     # 128-row persistent consumers, Q's descriptors held or rebuilt each KV step.
     "h64-16k-fwd128": (

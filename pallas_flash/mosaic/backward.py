@@ -2007,6 +2007,9 @@ def _load_clean_k(k_tile, k_slot, k_ready, k_landed, *, masked):
     def _():
         plgpu.copy_gmem_to_smem(k_tile, k_slot, k_landed)
         plgpu.barrier_wait(k_landed)
+        # In 64 x 64 pieces (Mosaic GPU's layouts take no smaller slice of a swizzled tile): 32
+        # elements a thread, over the producer's 24 registers; ptxas may spill them here
+        # (`benchmarks/kernel_resources.py` would say).
         zero_non_finite(k_slot)
         plgpu.barrier_arrive(k_ready)
 

@@ -2172,6 +2172,14 @@ def _dq_kernel(
             pl.when(refill)(lambda: plgpu.barrier_wait(v_free.at[slot]))
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
             pl.when(refill)(lambda: plgpu.barrier_wait(k_free.at[slot]))
+            # The tile's key ids and hashes first: a K tile that the producer cleans holds it
+            # up until it has landed.
+            if kv_ids_ref is not None:
+                ids = kv_ids_ref.at[batch, pl.ds(tile * block_kv, block_kv)]
+                plgpu.copy_gmem_to_smem(ids, kv_ids_smem.at[slot], k_ready.at[slot])
+            if drop_col_ref is not None:  # the query head's key hashes
+                hashes = drop_col_ref.at[batch, head, pl.ds(tile * block_kv, block_kv)]
+                plgpu.copy_gmem_to_smem(hashes, drop_col_smem.at[slot], k_ready.at[slot])
             if consumer_ranges is None:
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
             else:
@@ -2182,12 +2190,6 @@ def _dq_kernel(
                     k_landed.at[slot],
                     masked=_masked_by_any(consumer_ranges, tile),
                 )
-            if kv_ids_ref is not None:
-                ids = kv_ids_ref.at[batch, pl.ds(tile * block_kv, block_kv)]
-                plgpu.copy_gmem_to_smem(ids, kv_ids_smem.at[slot], k_ready.at[slot])
-            if drop_col_ref is not None:  # the query head's key hashes
-                hashes = drop_col_ref.at[batch, head, pl.ds(tile * block_kv, block_kv)]
-                plgpu.copy_gmem_to_smem(hashes, drop_col_smem.at[slot], k_ready.at[slot])
 
 
 def _consume_dq(

@@ -19,7 +19,6 @@ import functools
 import jax
 import jax.numpy as jnp
 
-import pallas_flash
 from pallas_flash import bench, mosaic
 from pallas_flash.mosaic import backward as mosaic_backward
 
@@ -51,16 +50,11 @@ def _backward(b, t, n, h, causal, tiles, impl="mosaic"):
 
 def _decode(b, t, n, h, causal, *, cache: int, kv_heads: int):
     """`decode_attention` of t new tokens per sequence over a full cache of `cache` keys and
-    kv_heads KV heads (bf16), as the bench's decode suite calls it (causal: unused)."""
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (b, t, n, h), jnp.bfloat16)
-    k, v = (jax.random.normal(key, (b, cache, kv_heads, h), jnp.bfloat16) for key in keys[1:])
-    lengths = jnp.full((b,), cache, jnp.int32)
-
-    def fn(q, k, v, lengths):
-        return pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths)
-
-    return jax.jit(fn), (q, k, v, lengths)
+    kv_heads KV heads (bf16), as the bench's decode suite builds and calls it (causal: unused)."""
+    case = dict(B=b, S=cache, N=n, K=kv_heads, H=h, T=t, ragged=False, page=None)
+    return bench.decode_fns(case, interpret=False)["pallas_flash"], bench.decode_inputs(
+        case, jnp.bfloat16
+    )
 
 
 OURS = functools.partial(_attention, impl="pallas_flash")

@@ -99,6 +99,13 @@ class MaskSpec:
     def has_arrays(self) -> bool:
         return self.has_segments or self.mask_shape is not None
 
+    @property
+    def has_key_ranges(self) -> bool:
+        """Whether rows see ranges of keys that differ by row (causal, a window, segment ids or
+        lengths): tiles at a range's edges are masked, and keys hidden from some rows may hold
+        anything."""
+        return self.is_causal or self.window is not None or self.has_segments
+
     def geometry(self, q_idx, kv_idx):
         """Visibility from padding, causality and window alone; broadcasts like its arguments."""
         ok = kv_idx < self.kv_len

@@ -1708,17 +1708,9 @@ def test_fused_dq_matches_oracle_interpreted(c):
 # K): causal GQA with a window, packed documents and lengths, NaN and inf at hidden keys, two
 # consumers (tiles that only one masks) and one.
 PRODUCER_CLEANS_K_CASES = [
-    MaskCase(
-        Problem(2, 130, 128, 4, 2, 64, True, "bf16"),
-        window=(40, 0),
-        kind="packed-lengths",
-        tiles=BackwardTiles(producer_cleans_k=True),
-        poison=True,
-    ),
-    MaskCase(
-        Problem(1, 200, 256, 4, 2, 128, True, "bf16"),
-        tiles=BackwardTiles(producer_cleans_k=True, num_consumers=1),
-        poison=True,
+    dataclasses.replace(FUSED_CI_CASE, tiles=BackwardTiles(producer_cleans_k=True)),
+    dataclasses.replace(
+        FUSED_CI_FIXED, tiles=BackwardTiles(producer_cleans_k=True, num_consumers=1)
     ),
 ]
 
@@ -1898,55 +1890,9 @@ FUSED_GPU_CASES = [
         tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
         poison=True,
     ),
-    # The masked calls the dispatch gives it (deterministic_grads=False): a window on both
-    # sides of the diagonal, and packed documents with lengths, causal, at H=128 with the
-    # descriptors rebuilt; at H=64 without.
-    MaskCase(
-        Problem(2, 1024, 1000, 8, 2, 128, False, "bf16"),
-        window=(300, 200),
-        tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
-        poison=True,
-    ),
-    MaskCase(
-        Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"),
-        kind="packed-lengths",
-        tiles=BackwardTiles(fused_dq="add", step_descriptors=True),
-        poison=True,
-    ),
-    MaskCase(
-        Problem(2, 1000, 1300, 4, 2, 64, False, "bf16"),
-        kind="packed-lengths",
-        tiles=FUSED_ADD,
-        poison=True,
-    ),
 ]
 FUSED_FIXED = BackwardTiles(fused_dq="fixed")
-# "fixed": causal and not, ragged T and S, T != S, GQA, a soft cap, one consumer taking every
-# step with head splits, NaN and inf at keys past the diagonal.
-FUSED_FIXED_GPU_CASES = [
-    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=FUSED_FIXED),
-    MaskCase(
-        Problem(2, 1024, 1000, 8, 2, 128, True, "bf16"),
-        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
-        poison=True,
-    ),
-    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "bf16"), tiles=FUSED_FIXED),
-    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_FIXED, poison=True),
-    MaskCase(
-        Problem(2, 2048, 1500, 8, 2, 64, False, "bf16"),
-        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
-        poison=True,
-    ),
-    MaskCase(
-        Problem(1, 1000, 1500, 4, 2, 128, False, "bf16"),
-        soft_cap=20.0,
-        scale=1.0,
-        tiles=FUSED_FIXED,
-    ),
-    MaskCase(
-        Problem(1, 2048, 2048, 16, 1, 64, True, "bf16"),
-        tiles=BackwardTiles(fused_dq="fixed", num_consumers=1, dkv_head_splits=4),
-    ),
+FUSED_FIXED_MASKED_GPU_CASES = [
     # Windows: causal (Mistral's sliding window) at H=128 with step descriptors, and both sides
     # of the diagonal at H=64 with T != S.
     MaskCase(
@@ -1976,10 +1922,48 @@ FUSED_FIXED_GPU_CASES = [
         poison=True,
     ),
 ]
+# "fixed": causal and not, ragged T and S, T != S, GQA, a soft cap, one consumer taking every
+# step with head splits, NaN and inf at keys past the diagonal.
+FUSED_FIXED_GPU_CASES = [
+    MaskCase(Problem(2, 1024, 1024, 8, 2, 128, True, "bf16"), tiles=FUSED_FIXED),
+    MaskCase(
+        Problem(2, 1024, 1000, 8, 2, 128, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        poison=True,
+    ),
+    MaskCase(Problem(2, 512, 1024, 8, 2, 128, False, "bf16"), tiles=FUSED_FIXED),
+    MaskCase(Problem(2, 1024, 777, 8, 8, 64, True, "bf16"), tiles=FUSED_FIXED, poison=True),
+    MaskCase(
+        Problem(2, 2048, 1500, 8, 2, 64, False, "bf16"),
+        tiles=BackwardTiles(fused_dq="fixed", step_descriptors=True),
+        poison=True,
+    ),
+    MaskCase(
+        Problem(1, 1000, 1500, 4, 2, 128, False, "bf16"),
+        soft_cap=20.0,
+        scale=1.0,
+        tiles=FUSED_FIXED,
+    ),
+    MaskCase(
+        Problem(1, 2048, 2048, 16, 1, 64, True, "bf16"),
+        tiles=BackwardTiles(fused_dq="fixed", num_consumers=1, dkv_head_splits=4),
+    ),
+    *FUSED_FIXED_MASKED_GPU_CASES,
+]
+
+
+# "add" on the same masked calls: what the dispatch gives windows and packed documents with
+# deterministic_grads=False.
+FUSED_ADD_MASKED_GPU_CASES = [
+    dataclasses.replace(c, tiles=dataclasses.replace(c.tiles, fused_dq="add"))
+    for c in FUSED_FIXED_MASKED_GPU_CASES
+]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("c", FUSED_GPU_CASES + FUSED_FIXED_GPU_CASES, ids=case_id)
+@pytest.mark.parametrize(
+    "c", FUSED_GPU_CASES + FUSED_FIXED_GPU_CASES + FUSED_ADD_MASKED_GPU_CASES, ids=case_id
+)
 def test_fused_dq_matches_oracle(c):
     needs_hopper()
     check_masked_backward(c, interpreted=False, mosaic_forward=not c.poison)

@@ -157,9 +157,9 @@ class BackwardTiles:
         loop and held, two registers each, which the fused dQ's consumers spill (NOTES, "What
         the fused dQ's consumers spill"); False: held. The dispatch takes it with the fused
         dQ at H=128 (NOTES, "Step descriptors").
-      producer_cleans_k: where rows cannot see some keys (`_hides_keys`), the dQ kernel's
-        producer warpgroup replaces NaN and inf in each K tile that a consumer masks by 0 in
-        shared memory, after it lands and before the consumers may read it, instead of a pass
+      producer_cleans_k: where rows cannot see some keys (`MaskSpec.has_key_ranges`), the dQ
+        kernel's producer warpgroup replaces NaN and inf in each K tile that a consumer masks by
+        0 in shared memory, after it lands and before the consumers may read it, instead of a pass
         over K in XLA before the kernel (False, the default). Not with fused_dq, whose dK/dV
         consumers clean their own keys.
     All blocks are multiples of 64: wgmma works on 64-row slabs, and a product that contracts
@@ -627,11 +627,15 @@ def flash_backward(
     lse2 = lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E
     lse2 = jnp.where(finite, jnp.maximum(lse2, MIN_LOGIT), jnp.inf)
     bound = probability_bound(log_sum, lse)
-    if _hides_keys(spec) and not (tiles.fused_dq or tiles.producer_cleans_k):
-        # For the dQ kernel (see `_hides_keys`): one pass over K here. Cleaning its K tiles in
-        # the kernel instead cost more: its consumers share each ring slot, so one cleaned
-        # every tile that either masks while the other waited, and the dQ kernel took 45-60 us
-        # more on the H200 than this pass's ~40 (benchmarks/NOTES.md, "Hidden keys' K").
+    if spec.has_key_ranges and not (tiles.fused_dq or tiles.producer_cleans_k):
+        # Keys hidden from some rows may hold anything, and dQ += dS K multiplies their zero dS
+        # by their K on the tensor cores: 0 * NaN would reach every row of the tile. So NaN and
+        # inf in K become 0: here in one pass over K, or in shared memory by the fused dQ's
+        # dK/dV consumers (each its keys, once) or with producer_cleans_k by the dQ kernel's
+        # producer. Cleaning in the dQ kernel's consumers instead cost more: they share each
+        # ring slot, so one cleaned every tile that either masks while the other waited, and
+        # the dQ kernel took 45-60 us more on the H200 than this pass's ~40
+        # (benchmarks/NOTES.md, "Hidden keys' K"). Keys past S are padding of zeros.
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
     # the true T and S from spec; rows and keys past them are computed and not kept.
@@ -1202,16 +1206,6 @@ def _dkv_kernel(
             kv_tile=kv_tile,
             **common,
         )
-
-
-def _hides_keys(spec: MaskSpec) -> bool:
-    """Whether some rows cannot see some keys (padding, other documents, past the diagonal or
-    the window), whose K may then hold anything: dQ += dS K multiplies their zero dS by their
-    K on the tensor cores, and 0 * NaN would reach every row of the tile. So NaN and inf in K
-    become 0: with the fused dQ in shared memory, once per CTA (each consumer's keys,
-    `launch.zero_non_finite`), else in XLA before the dQ kernel. Keys past S are padding of
-    zeros (or TMA's zero fill)."""
-    return spec.is_causal or spec.window is not None or spec.has_segments
 
 
 def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
@@ -1830,8 +1824,8 @@ def _consume_dkv(
         _wgmma_zeros((block_kv, value_head_dim)),
     )
     plgpu.barrier_wait(kv_loaded)
-    if dq_sink is not None and _hides_keys(spec):
-        # dQ's partials multiply a hidden key's zero dS by its K (`_hides_keys`): this
+    if dq_sink is not None and spec.has_key_ranges:
+        # dQ's partials multiply a hidden key's zero dS by its K (see flash_backward): this
         # consumer's keys are cleaned once, before its partner's first partial reads them
         # (after this consumer's first dS^T, `_DQSink`).
         zero_non_finite(k_smem)
@@ -1973,7 +1967,7 @@ def _dq_call(
             drop_rows_smem=plgpu.SMEM((n_c, 2, block_q), jnp.int32),
             drop_col_smem=plgpu.SMEM((n_s, tiles.block_kv_dq), jnp.int32),
         )
-    if tiles.producer_cleans_k and _hides_keys(spec):
+    if tiles.producer_cleans_k and spec.has_key_ranges:
         # A K tile that the producer cleans lands on this barrier, not on k_ready, which the
         # producer arrives on in the copy's place once the tile is clean.
         scratch.update(k_landed=plgpu.Barrier(num_barriers=n_s))

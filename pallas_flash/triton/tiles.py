@@ -204,7 +204,7 @@ def default_block_sizes(
 def key_ranges(spec) -> bool:
     """Whether the rows of `spec` (a masks.MaskSpec) see ranges of keys that differ by row:
     causal, a local window, or lengths or segment ids (tiles at a range's edges are masked)."""
-    return spec.is_causal or spec.window is not None or spec.has_segments
+    return spec.has_key_ranges
 
 
 def narrow_band(spec) -> bool:

@@ -3,8 +3,11 @@
 `_vjp._forward` and `_vjp._backward` go through `partitioned`, which tells jax's SPMD partitioner
 that every batch entry and every kv head (with its query heads) is independent, so each device
 runs the kernels on its own shard and nothing is gathered. With jit's automatic sharding that is a
-`jax.experimental.custom_partitioning` rule; with explicit sharding (sharding in types) the
-shardings are known when tracing, and the call runs in a `jax.shard_map` over them. The sequence
+`jax.experimental.custom_partitioning` rule, whose shard function XLA's partitioner asks for at
+every call site: it embeds a `jax.export` of the pass lowered once per shard shape (`_exported`),
+so a deep model lowers its kernels once, as on one device. With explicit sharding (sharding in
+types) the shardings are known when tracing, and the call runs in a `jax.shard_map` over them
+(traced once, like any jit'd function). The sequence
 and head-dim axes cannot be split by the kernels: a call with q, k or v sharded over them raises
 ValueError (context parallelism is `pallas_flash.sharding.ring_attention`).
 
@@ -15,6 +18,7 @@ single-device program is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -191,14 +195,21 @@ def _local_config(config, arrays: MaskArrays):
     )
 
 
-def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool):
+def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str | None = None):
     """The function one shard runs: the kernels on local shapes. with_dbias: the results are
     (dq, dk, dv, dbias) of a bias; one broadcast over a sharded batch or head axis gets partial
-    gradients on each shard: they are summed over the shards."""
+    gradients on each shard: they are summed over the shards. platform: where the kernels run
+    through `_exported` (the partitioning rule's lowering), None to call them directly."""
 
     def run(*args):
         bias, arrays = args[3], args[4]
-        results = kernel(*args, config=_local_config(config, arrays))
+        local = _local_config(config, arrays)
+        if platform is None:
+            results = kernel(*args, config=local)
+        else:
+            leaves, tree = jax.tree.flatten(list(args))
+            avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
+            results = _exported(kernel, local, tree, avals, platform).call(*leaves)
         if with_dbias and (axes := plan_.reduced_axes(bias.shape)):
             results = (*results[:3], jax.lax.psum(results[3], axes))
         return results
@@ -226,6 +237,43 @@ def _call(kernel, config, kinds_in, kinds_out, *args):
     return kernel(*args, config=config)
 
 
+@functools.lru_cache(maxsize=256)
+def _exported(kernel, config, tree, avals, platform: str):
+    """`kernel` on one shard's operands of these shapes, lowered once (`jax.export`).
+
+    XLA's SPMD partitioner asks for the partitioned computation at every call site of the
+    kernels (every layer of a model), and jax lowers what the rule returns each time: for the
+    Mosaic kernels ~0.35 s of Python each, per layer. A layer's call of the same kernels on the
+    same shapes takes the module lowered first (its kernels then compile once too, as on one
+    device)."""
+
+    def shard(*leaves):
+        args = jax.tree.unflatten(tree, leaves)
+        return kernel(*args, config=config)
+
+    shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in avals]
+    return jax.export.export(
+        jax.jit(shard),
+        platforms=[platform],
+        # The Triton kernels' custom call is not among export's stable targets: the module
+        # never leaves this process, so its stability across jax versions does not matter.
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(_TRITON_TARGET)],
+    )(*shapes)
+
+
+_TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def _export_platform(config, mesh) -> str | None:
+    """The platform jax.export lowers the kernels of `config` for on the mesh's devices, or None
+    where they hold host callbacks, which export cannot serialise (jax's Mosaic GPU interpreter,
+    a CPU test path): those lower at every call site."""
+    if config.interpret and "mosaic" in (config.forward, config.backward):
+        return None
+    platform = mesh.devices.flat[0].platform
+    return {"gpu": "cuda"}.get(platform, platform)
+
+
 def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_shape):
     lead = getattr(kernel, "lead", 0)
     q, k, v = arg_shapes[:3]
@@ -244,7 +292,13 @@ def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_sha
     out_shardings = to_shardings(kinds_out, leaves_out)
     return (
         mesh,
-        _shard_fn(kernel, config, plan_, with_dbias="pair" in kinds_out),
+        _shard_fn(
+            kernel,
+            config,
+            plan_,
+            with_dbias="pair" in kinds_out,
+            platform=_export_platform(config, mesh),
+        ),
         jax.tree.unflatten(tree_out, out_shardings),
         jax.tree.unflatten(tree_in, arg_shardings),
     )
@@ -288,9 +342,10 @@ def _explicit_mesh(x):
 def with_sharding_of(g, x):
     """g (a gradient computed outside the kernels) in the sharding type of its primal x, under
     sharding in types, where XLA's propagation may have given it another."""
-    if _explicit_mesh(x) is None and _explicit_mesh(g) is None:
+    mesh = _explicit_mesh(x) or _explicit_mesh(g)
+    if mesh is None:
         return g
-    return jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+    return jax.sharding.reshard(g, NamedSharding(mesh, jax.typeof(x).sharding.spec))
 
 
 def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
@@ -377,7 +432,13 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
     out_specs = tuple(_specs(plan_, out_kinds, [shapes[k] for k in out_kinds]))
     if backward and original_bias is None:  # dbias is None
         out_specs = (*out_specs, None)
-    args = jax.tree.map(jax.sharding.reshard, list(args), list(in_specs))
+    # Shardings, not bare specs: these need no mesh context (`jax.set_mesh`), which a caller
+    # whose arrays carry an explicit mesh in their types may not have entered.
+    args = jax.tree.map(
+        lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)),
+        list(args),
+        list(in_specs),
+    )
     # The kernels' pallas_calls declare no varying-ness over manual axes.
     results = jax.shard_map(
         _shard_fn(kernel, config, plan_, with_dbias="pair" in out_kinds),
@@ -389,7 +450,9 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
     if backward:
         # Gradients take their primals' types (a replicated bias gets a replicated gradient).
         results = tuple(
-            None if g is None else jax.sharding.reshard(g, jax.typeof(x).sharding.spec)
+            None
+            if g is None
+            else jax.sharding.reshard(g, NamedSharding(mesh, jax.typeof(x).sharding.spec))
             for g, x in zip(results, (q, k, v, original_bias), strict=True)
         )
     return results

@@ -10,6 +10,7 @@ exactly once.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 from collections import Counter
@@ -17,11 +18,14 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 import pytest
-from test_lowering import lower_for_h200
+from jax.sharding import AbstractMesh
+from test_lowering import H200, lower_for_h200
 
 import pallas_flash
+from pallas_flash import _partition, _vjp
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import BackwardTiles
 from pallas_flash.triton.tiles import heuristic_block_sizes
 
 B, T, N, H = 1, 256, 2, 64
@@ -130,3 +134,47 @@ def test_repeated_layers_through_the_api_share_their_kernel_functions():
     called = Counter(re.findall(r"call @(_forward|_backward)\w*\(", text))
     assert defined == {"_forward": 1, "_backward": 1}
     assert called == {"_forward": 6, "_backward": 6}
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(config("mosaic", "mosaic", is_causal=True), id="mosaic-causal"),
+        pytest.param(
+            dataclasses.replace(
+                config("mosaic", "mosaic", is_causal=True),
+                mosaic_backward_tiles=BackwardTiles(fused_dq="fixed"),
+            ),
+            id="mosaic-fixed-dq",
+        ),
+        pytest.param(config("triton", "triton", is_causal=True), id="triton-causal"),
+    ],
+)
+def test_partitioned_passes_export_for_the_gpu(kernels):
+    """Under jit's automatic sharding each device's pass goes through jax.export once per shard
+    shape (`_partition._exported`), so every custom call the GPU kernels make must pass export's
+    checks: Mosaic GPU's and lax.empty's are stable targets, Triton's is allowed by name. The
+    forward and backward of one shard, exported for CUDA (lowered for an abstract H200), carry
+    their kernels; a second request returns the first module."""
+    x = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
+    passes = {
+        _vjp._forward_shard: [x, x, x, None, MaskArrays(), None],
+        _vjp._backward_shard: [x, x, x, None, MaskArrays(), x, rows, rows, rows, x, rows],
+    }
+    mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
+    for kernel, args in passes.items():
+        leaves, tree = jax.tree.flatten(args)
+        avals = tuple((tuple(a.shape), a.dtype) for a in leaves)
+        with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+            exported = _partition._exported(kernel, kernels, tree, avals, "cuda")
+            assert _partition._exported(kernel, kernels, tree, avals, "cuda") is exported
+        targets = Counter(re.findall(r"custom_call @([\w$.]+)\(", exported.mlir_module()))
+        if kernels.forward == "mosaic":
+            want = 1 if kernel is _vjp._forward_shard else 2  # dK/dV and dQ, or the fused one
+            if kernel is _vjp._backward_shard and kernels.mosaic_backward_tiles:
+                want = 1
+            assert targets["mosaic_gpu_v2"] == want, targets
+        else:
+            assert targets["__gpu$xla.gpu.triton"] >= 1, targets

@@ -464,6 +464,44 @@ if CHILD:
         want = jax.jit(_value_and_grads(args, d_out, backend="xla"))(*args)
         _assert_close((value, grads), want, atol=1e-4)
 
+    def test_explicit_sharding_needs_no_mesh_context():
+        """Arrays placed on a mesh of Explicit axes, called without `jax.set_mesh` (plain jnp
+        needs none): the same local run, gradients in their primals' shardings."""
+        args, d_out = _batch_head_problem()
+        mesh = jax.make_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+        batch = (qkv, qkv, qkv, NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data")))
+        placed = [jax.device_put(x, s) for x, s in zip(args, batch)]
+        value, grads = jax.jit(_value_and_grads(args, d_out, **INTERPRET))(*placed)
+        assert jax.typeof(grads[0]).sharding.spec == qkv.spec
+        want = jax.jit(_value_and_grads(args, d_out, backend="xla"))(*args)
+        _assert_close((value, grads), want, atol=1e-4)
+
+    def test_repeated_layers_lower_their_kernels_once():
+        """Under automatic sharding XLA's partitioner asks for every layer's partitioned kernels,
+        and jax lowers each answer anew (for the Mosaic kernels ~1 s of Python a layer on the
+        H200): `_partition._exported` lowers a pass once per shard shape and the later layers
+        embed that module. Three layers: the forward and the backward exported once each, then
+        reused twice each; the values as the reference's."""
+        from pallas_flash import _partition
+
+        q, k, v, _ = _inputs(4, 20, 20, 4, 4)
+        spec = NamedSharding(auto_mesh((2, 4), ("data", "model")), P("data", None, "model", None))
+
+        def loss(q, k, v, **kwargs):
+            x = q
+            for _ in range(3):
+                x = pallas_flash.flash_attention(x, k, v, is_causal=True, **kwargs)
+            return jnp.sum(x * x)
+
+        _partition._exported.cache_clear()
+        grad = jax.value_and_grad(functools.partial(loss, **INTERPRET), (0, 1, 2))
+        got = jax.jit(grad, in_shardings=(spec,) * 3)(q, k, v)
+        info = _partition._exported.cache_info()
+        assert (info.misses, info.hits) == (2, 4), info
+        want = jax.value_and_grad(functools.partial(loss, backend="xla"), (0, 1, 2))(q, k, v)
+        _assert_close(got, want, atol=1e-4)
+
     def test_sequence_sharding_is_refused():
         """q sharded over its sequence axis: a ValueError naming the axis (at compile time
         under automatic sharding, at trace time under explicit sharding), never a gather."""

@@ -88,6 +88,33 @@ def test_ring_on_one_gpu_matches_the_plain_call(layout):
 
 
 @pytest.mark.gpu
+def test_exported_passes_give_the_direct_calls_bits():
+    """The passes as the partitioning rule embeds them on a mesh (`_partition._exported`, a
+    jax.export per shard shape), run on one GPU: the forward's and the backward's outputs are
+    the direct calls' bits (default kernels: Mosaic on Hopper, bf16, causal GQA at 2k)."""
+    from pallas_flash import _partition, _vjp, device, dispatch
+    from pallas_flash.call import Call
+    from pallas_flash.masks import MaskArrays, MaskSpec
+
+    q, k, v, d_out = (x.astype(jnp.bfloat16) for x in _inputs(2, 2048, 2048, 8, 2, 128))
+    spec = MaskSpec(q_len=2048, kv_len=2048, is_causal=True)
+    call = Call(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=spec)
+    config = dispatch.choose(call, device.target_device(), scale=128**-0.5)
+    fwd_args = [q, k, v, None, MaskArrays(), None]
+    out, lse, log_sum, row_max = _vjp._forward_shard(*fwd_args, config=config)
+    d_lse = jnp.zeros_like(lse)
+    bwd_args = [q, k, v, None, MaskArrays(), out, lse, log_sum, row_max, d_out, d_lse]
+    for kernel, args in ((_vjp._forward_shard, fwd_args), (_vjp._backward_shard, bwd_args)):
+        leaves, tree = jax.tree.flatten(args)
+        avals = tuple((tuple(x.shape), x.dtype) for x in leaves)
+        exported = _partition._exported(kernel, config, tree, avals, "cuda")
+        want = jax.jit(functools.partial(kernel, config=config))(*args)
+        got = jax.jit(exported.call)(*leaves)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.gpu
 def test_batch_and_head_sharding_on_gpus():
     """On a host with 2+ GPUs: q/k/v sharded over batch and heads run the compiled kernels per
     device with no collective, and match the unsharded call."""

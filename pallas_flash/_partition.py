@@ -1,14 +1,15 @@
 """Batch and head sharding of the kernels' passes.
 
-`_vjp._forward` and `_vjp._backward` go through `partitioned`, which tells jax's SPMD partitioner
-that every batch entry and every kv head (with its query heads) is independent, so each device
-runs the kernels on its own shard and nothing is gathered. With jit's automatic sharding that is a
+`_vjp._forward` and `_vjp._backward` (and decode's kernel, `decode._partitioned_kernel`) go
+through `partitioned`, which tells jax's SPMD partitioner that every batch entry and every kv head
+(with its query heads) is independent, so each device runs the kernels on its own shard and
+nothing is gathered. With jit's automatic sharding that is a
 `jax.experimental.custom_partitioning` rule, whose shard function XLA's partitioner asks for at
 every call site: it embeds a `jax.export` of the pass lowered once per shard shape (`_exported`),
 so a deep model lowers its kernels once, as on one device. With explicit sharding (sharding in
 types) the shardings are known when tracing, and the call runs in a `jax.shard_map` over them
-(traced once, like any jit'd function). The sequence
-and head-dim axes cannot be split by the kernels: a call with q, k or v sharded over them raises
+(traced once, like any jit'd function). The sequence and head-dim axes cannot be split by the
+kernels (nor a paged cache's pool over its pages): a call with q, k or v sharded over them raises
 ValueError (context parallelism is `pallas_flash.sharding.ring_attention`).
 
 On one device (`jax.device_count() == 1`) `partitioned` calls the kernels directly: the
@@ -65,9 +66,13 @@ class _Plan:
         batch, heads = _entry(self.batch), _entry(self.heads)
         if kind in ("q", "kv", "o", "v"):
             return P(batch, None, heads, None)
+        if kind in ("pages", "vpages"):  # one pool for the whole batch: split over heads only
+            return P(None, None, heads, None)
         if kind == "lse":
             return P(batch, heads, None)
-        if kind in ("q_seg", "kv_seg"):
+        if kind == "lengths":
+            return P(batch)
+        if kind in ("q_seg", "kv_seg", "tables"):
             return P(batch, None)
         if kind in ("seeds", "sinks"):
             return P(batch, heads)
@@ -80,46 +85,74 @@ class _Plan:
         )
 
 
-def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None) -> _Plan:
-    """The batch and head axes of a call whose q, k (and v) carry these PartitionSpecs.
+# The public function whose call a pass belongs to (for messages), by its first key kind.
+_CALLERS = {"kv": "flash_attention", "lengths": "decode_attention", "pages": "paged_attention"}
+
+
+def _caller(kinds) -> str:
+    """The public function of a pass whose operands have these (leaf or top-level) kinds."""
+    if "pages" in kinds:
+        return _CALLERS["pages"]
+    return _CALLERS["lengths"] if "lengths" in kinds else _CALLERS["kv"]
+
+
+def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None, *, caller="flash_attention") -> _Plan:
+    """The batch and head axes of a call whose q, k (and v) carry these PartitionSpecs; k and v
+    are a paged cache's pages where caller is "paged_attention".
 
     Raises ValueError when an operand is sharded over its sequence or head-dim axis (the kernels
-    cannot split them), or when the heads are split over more shards than there are kv heads.
+    cannot split them; a paged cache's pages and page axes neither), or when the heads are split
+    over more shards than there are kv heads.
     """
-    specs = {"query": _spec_entries(q_spec, 4), "key": _spec_entries(k_spec, 4)}
+    paged = caller == _CALLERS["pages"]
+    names = ("key_pages", "value_pages") if paged else ("key", "value")
+    specs = {"query": _spec_entries(q_spec, 4), names[0]: _spec_entries(k_spec, 4)}
     if v_spec is not None:
-        specs["value"] = _spec_entries(v_spec, 4)
+        specs[names[1]] = _spec_entries(v_spec, 4)
     for name, spec in specs.items():
-        for dim, what in ((1, "sequence"), (3, "head-dim")):
+        axes = ((1, "sequence"), (3, "head-dim"))
+        if paged and name != "query":
+            axes = ((0, "pages"), (1, "page"), (3, "head-dim"))
+        for dim, what in axes:
             if spec[dim] is not None:
+                hint = (
+                    "use pallas_flash.ring_attention for a sharded sequence"
+                    if caller == _CALLERS["kv"]
+                    else "shard a cache over its batch (contiguous) or heads only"
+                )
                 raise ValueError(
-                    f"flash_attention: {name} is sharded over its {what} axis "
+                    f"{caller}: {name} is sharded over its {what} axis "
                     f"({name} sharding {P(*spec)}); the kernels split only the batch and head "
                     "axes. Replicate that axis (jax.lax.with_sharding_constraint or "
-                    "jax.sharding.reshard), or use pallas_flash.ring_attention for a sharded "
-                    "sequence"
+                    f"jax.sharding.reshard), or {hint}"
                 )
-    q, k = specs["query"], specs["key"]
-    batch = _axes(q[0]) or _axes(k[0])
+    q, k = specs["query"], specs[names[0]]
+    batch = _axes(q[0]) or (() if paged else _axes(k[0]))
     heads = _axes(q[2]) or _axes(k[2])
     for name, spec in specs.items():
-        for dim, axes, what in ((0, batch, "batch"), (2, heads, "head")):
+        checks = (
+            ((2, heads, "head"),)
+            if paged and name != "query"
+            else ((0, batch, "batch"), (2, heads, "head"))
+        )
+        for dim, axes, what in checks:
             if _axes(spec[dim]) not in ((), axes):
                 raise ValueError(
-                    f"flash_attention: {name}'s {what} axis is sharded over "
-                    f"{_axes(spec[dim])} but query/key over {axes}: shard them alike"
+                    f"{caller}: {name}'s {what} axis is sharded over "
+                    f"{_axes(spec[dim])} but query/{names[0]} over {axes}: shard them alike"
                 )
     shards = _mesh_size(mesh, heads)
     num_kv_heads = k_shape[2]
     if num_kv_heads % shards:
         raise ValueError(
-            f"flash_attention: the heads are sharded over {heads} ({shards} shards), which does "
-            f"not divide {num_kv_heads=} (key.shape={tuple(k_shape)}): each shard must hold whole "
-            "kv heads with their query heads; shard the heads over at most num_kv_heads devices"
+            f"{caller}: the heads are sharded over {heads} ({shards} shards), which does "
+            f"not divide {num_kv_heads=} ({names[0]}.shape={tuple(k_shape)}): each shard must "
+            "hold whole kv heads with their query heads; shard the heads over at most "
+            "num_kv_heads devices"
         )
     if q_shape[0] % _mesh_size(mesh, batch):
         raise ValueError(
-            f"flash_attention: batch {q_shape[0]} (query.shape={tuple(q_shape)}) is not "
+            f"{caller}: batch {q_shape[0]} (query.shape={tuple(q_shape)}) is not "
             f"divisible by its {_mesh_size(mesh, batch)} shards over {batch}"
         )
     return _Plan(batch, heads)
@@ -137,6 +170,12 @@ _RULES = {
     "lse": "b {n} t",
     "q_seg": "b t",
     "kv_seg": "b s",
+    # Decode: the sequences' lengths, a paged cache's block tables [B, max_pages] and its pages
+    # [P, page_size, K, H] (values: Hv), a pool the whole batch shares.
+    "lengths": "b",
+    "tables": "b m",
+    "pages": "p z k h",
+    "vpages": "p z k e",
     "seeds": "b {n}",
     "sinks": "b {n}",
 }
@@ -202,15 +241,15 @@ def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str |
     through `_exported` (the partitioning rule's lowering), None to call them directly."""
 
     def run(*args):
-        bias, arrays = args[3], args[4]
-        local = _local_config(config, arrays)
+        arrays = next((a for a in args if isinstance(a, MaskArrays)), None)
+        local = config if arrays is None else _local_config(config, arrays)
         if platform is None:
             results = kernel(*args, config=local)
         else:
             leaves, tree = jax.tree.flatten(list(args))
             avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
             results = _exported(kernel, local, tree, avals, platform).call(*leaves)
-        if with_dbias and (axes := plan_.reduced_axes(bias.shape)):
+        if with_dbias and (axes := plan_.reduced_axes(args[3].shape)):
             results = (*results[:3], jax.lax.psum(results[3], axes))
         return results
 
@@ -268,7 +307,8 @@ def _export_platform(config, mesh) -> str | None:
     """The platform jax.export lowers the kernels of `config` for on the mesh's devices, or None
     where they hold host callbacks, which export cannot serialise (jax's Mosaic GPU interpreter,
     a CPU test path): those lower at every call site."""
-    if config.interpret and "mosaic" in (config.forward, config.backward):
+    kernels = (getattr(config, "forward", None), getattr(config, "backward", None))
+    if config.interpret and "mosaic" in kernels:
         return None
     platform = mesh.devices.flat[0].platform
     return {"gpu": "cuda"}.get(platform, platform)
@@ -278,7 +318,13 @@ def _partition(kernel, config, kinds_in, kinds_out, mesh, arg_shapes, result_sha
     lead = getattr(kernel, "lead", 0)
     q, k, v = arg_shapes[:3]
     specs = [_spec_entries(x.sharding.spec, 4 + lead) for x in (q, k, v)]
-    plan_ = plan(mesh, q.shape[lead:], k.shape[lead:], *(s[lead:] for s in specs))
+    plan_ = plan(
+        mesh,
+        q.shape[lead:],
+        k.shape[lead:],
+        *(s[lead:] for s in specs),
+        caller=_caller(kinds_in),
+    )
     # Vmapped dims shard like the batch (as q's are), anywhere.
     lead_entries = specs[0][:lead]
     leaves_in, tree_in = jax.tree.flatten(arg_shapes)
@@ -374,9 +420,17 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     @call.def_vmap
     def _vmap_rule(axis_size, in_batched, *a):
         batched = jax.tree.leaves(list(in_batched))
-        foldable = args[3] is None and args[4].mask is None
+        # A bias or dense mask has its own broadcast batch axis, and a paged cache's pool has
+        # none: those calls do not fold.
+        foldable = all(
+            (kind != "pair" or x is None) and (kind != "arrays" or x.mask is None)
+            for kind, x in zip(kinds, args)
+        )
+        foldable &= "pages" not in kinds
         foldable &= all(
-            b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "o", "v", "lse")
+            b
+            for b, kind in zip(batched, kinds_in)
+            if kind in ("q", "kv", "o", "v", "lse", "lengths", "tables")
         )
         if foldable:
             # The vmapped axis becomes one more leading dim of the partitioned call; unbatched
@@ -398,9 +452,11 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
 
 
 def _out_leaf_kinds(out_kinds, args):
-    """Result leaf kinds: dbias ("pair") exists only with a bias."""
-    bias = args[3]
-    return tuple(k for k in out_kinds if k != "pair" or bias is not None)
+    """Result leaf kinds: dbias ("pair", the backward's, whose bias is args[3]) exists only with
+    a bias."""
+    if "pair" not in out_kinds:
+        return tuple(out_kinds)
+    return tuple(k for k in out_kinds if k != "pair" or args[3] is not None)
 
 
 def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
@@ -412,8 +468,10 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         jax.typeof(q).sharding.spec,
         jax.typeof(k).sharding.spec,
         jax.typeof(v).sharding.spec,
+        caller=_caller(kinds),
     )
-    original_bias = args[3]
+    backward = "pair" in out_kinds  # (dq, dk, dv, dbias) of a bias args[3]
+    original_bias = args[3] if backward else None
     leaves, tree = jax.tree.flatten(args)
     in_specs = jax.tree.unflatten(
         tree, _specs(plan_, leaf_kinds(args, kinds), [x.shape for x in leaves])
@@ -425,9 +483,8 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         "v": v.shape,
         "lse": (q.shape[0], q.shape[2], q.shape[1]),
     }
-    if args[3] is not None:
-        shapes["pair"] = args[3].shape
-    backward = "pair" in out_kinds  # (dq, dk, dv, dbias)
+    if original_bias is not None:
+        shapes["pair"] = original_bias.shape
     out_kinds = _out_leaf_kinds(out_kinds, args)
     out_specs = tuple(_specs(plan_, out_kinds, [shapes[k] for k in out_kinds]))
     if backward and original_bias is None:  # dbias is None

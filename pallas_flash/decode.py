@@ -1,8 +1,10 @@
 """Decode attention over a KV cache, contiguous or paged: validation, backend choice, the
-reference, and the helper that writes new keys into pages. No kernels here."""
+kernel's split over a device mesh (`_partition`), the reference, and the helper that writes new
+keys into pages. No kernels here."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -10,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api, dispatch
+from pallas_flash import _partition, api, dispatch
 from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -107,8 +109,6 @@ def decode_attention(
     api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
-        key_cache.shape[2],
-        capacity,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -175,8 +175,6 @@ def paged_attention(
     api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
-        key_pages.shape[2],
-        capacity,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -184,7 +182,6 @@ def paged_attention(
         backend,
         block_sizes,
         interpret,
-        page_size=page_size,
     )
     out, lse = _attend(
         options, _paged_reference, sinks, query, key_pages, value_pages, lengths, block_tables
@@ -260,11 +257,56 @@ def _attend(options, reference_fn, sinks, *args):
     if options.backend == "xla":
         out, lse, *log_sum = reference(*args)
     else:
-        kernel = functools.partial(_decode_forward, **options.kernel, with_log_sum=with_log_sum)
+        config = _KernelConfig(**options.kernel, with_log_sum=with_log_sum)
+        kernel = functools.partial(_partitioned_kernel, config=config)
         out, lse, *log_sum = with_reference_vjp(kernel, reference, *args)
     if sinks is not None:
         out, lse = with_sinks(out, lse, sinks, *log_sum)
     return out, lse
+
+
+@dataclasses.dataclass(frozen=True)
+class _KernelConfig:
+    """The static arguments of `decode_forward` for one call; block_sizes None: the defaults
+    for the shapes each device runs (`decode_block_sizes`: on a mesh, its shard's)."""
+
+    scale: float
+    soft_cap: float | None
+    window_left: int | None
+    block_sizes: DecodeBlockSizes | None
+    interpret: bool
+    num_sms: int
+    with_log_sum: bool
+
+
+def _partitioned_kernel(*args, config: _KernelConfig):
+    """The kernel on (q, k, v, lengths) or (q, k_pages, v_pages, lengths, block_tables), split
+    over a device mesh's batch and head axes as `flash_attention`'s passes are
+    (`_partition.partitioned`): each device reads its own sequences' and heads' caches, with
+    no collective. A paged cache's pool is shared by the batch: it is split over heads only."""
+    paged = len(args) == 5
+    kinds = ("q", "pages", "vpages", "lengths", "tables") if paged else ("q", "kv", "v", "lengths")
+    out_kinds = ("o", "lse", "lse") if config.with_log_sum else ("o", "lse")
+    return tuple(_partition.partitioned(_kernel_shard, config, kinds, out_kinds, *args))
+
+
+def _kernel_shard(q, k, v, lengths, block_tables=None, *, config: _KernelConfig):
+    """The kernel on one device's operands (all of them on one device)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    if config.block_sizes is None:
+        paged = block_tables is not None
+        page_size = k.shape[1] if paged else None
+        fields["block_sizes"] = decode_block_sizes(
+            q.shape,
+            k.shape[2],
+            block_tables.shape[1] * page_size if paged else k.shape[1],
+            q.dtype,
+            interpret=config.interpret,
+            page_size=page_size,
+            window_left=config.window_left,
+            num_sms=config.num_sms,
+        )
+    return _decode_forward(q, k, v, lengths, block_tables, **fields)
 
 
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------
@@ -347,8 +389,6 @@ class _Options:
     def of(
         cls,
         query,
-        num_kv_heads,
-        capacity,
         scale,
         soft_cap,
         window,
@@ -356,7 +396,6 @@ class _Options:
         backend,
         block_sizes,
         interpret,
-        page_size=None,
     ):
         api._check_options(scale, False, return_residuals, backend, None, interpret)
         if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
@@ -382,19 +421,9 @@ class _Options:
             window_left=None if window is None else window[0],
         )
         interpret = bool(interpret)
-        # The split count fills the SMs of the GPU the call is traced for.
+        # The split count fills the SMs of the GPU the call is traced for; the tiles (None) are
+        # chosen for the shapes each device runs (`_kernel_shard`).
         num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
-        if block_sizes is None:
-            block_sizes = decode_block_sizes(
-                query.shape,
-                num_kv_heads,
-                capacity,
-                query.dtype,
-                interpret=interpret,
-                page_size=page_size,
-                window_left=math_kwargs["window_left"],
-                num_sms=num_sms,
-            )
         kernel_kwargs = dict(
             math_kwargs, block_sizes=block_sizes, interpret=interpret, num_sms=num_sms
         )

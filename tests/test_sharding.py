@@ -142,6 +142,31 @@ def test_batch_and_head_sharding_on_gpus():
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), atol=2e-2)
 
 
+@pytest.mark.gpu
+def test_decode_sharding_on_gpus():
+    """On a host with 2+ GPUs: decode over a cache sharded over batch and heads runs the
+    compiled kernel per device with no collective, and matches the unsharded call."""
+    count = jax.device_count()
+    if count < 2:
+        pytest.skip("needs 2+ GPUs")
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, count // 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(8, 1, 8192, 32, 8, 128))
+    lengths = jnp.asarray([8192, 100, 5000, 1, 8000, 4096, 77, 2048], jnp.int32)
+    heads = NamedSharding(mesh, P("data", None, "model", None))
+
+    def call(q, k, v, lengths):
+        return pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths)
+
+    sharded = jax.jit(call, in_shardings=(heads, heads, heads, NamedSharding(mesh, P("data"))))
+    assert not _collectives(sharded.lower(q, k, v, lengths).compile().as_text())
+    got = sharded(q, k, v, lengths)
+    want = jax.jit(call)(q, k, v, lengths)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)
+
+
 if not CHILD:
 
     def test_on_8_cpu_devices():
@@ -557,6 +582,110 @@ if CHILD:
         q, k, v, _ = _inputs(2, 16, 16, 4, 4)
         text = jax.jit(functools.partial(pallas_flash.flash_attention, **INTERPRET))
         assert "CustomSPMDPartitioning" not in text.lower(q, k, v).as_text()
+
+    # -- decode and paged attention ------------------------------------------------------------
+
+    def _decode_problem():
+        """4 sequences of ragged lengths, 2 new tokens each, GQA 8 over 4 heads, a cache of 40
+        (with NaN past each length, which no row may read), as a contiguous cache and as a pool
+        of pages of 8 in shuffled order; sinks."""
+        rng = np.random.default_rng(5)
+        q, k, v, _ = _inputs(4, 2, 40, 8, 4, seed=5)
+        lengths = jnp.asarray([40, 9, 23, 2], jnp.int32)
+        past = jnp.arange(40)[None, :, None, None] >= lengths[:, None, None, None]
+        k, v = jnp.where(past, jnp.nan, k), jnp.where(past, jnp.nan, v)
+        order = rng.permutation(4 * 5)
+        tables = jnp.asarray(order.reshape(4, 5), jnp.int32)
+        pages = np.zeros((20, 8, 4, 16), np.float32)
+        for x, name in ((k, "k"), (v, "v")):
+            pool = pages.copy()
+            pool[order] = np.asarray(x).reshape(4, 5, 8, 4, 16).reshape(20, 8, 4, 16)
+            if name == "k":
+                k_pages = jnp.asarray(pool)
+            else:
+                v_pages = jnp.asarray(pool)
+        return q, k, v, lengths, k_pages, v_pages, tables
+
+    def _decode_calls(**kwargs):
+        sinks = jnp.asarray(SINKS)
+        contiguous = functools.partial(
+            pallas_flash.decode_attention, sinks=sinks, return_residuals=True, **kwargs
+        )
+        paged = functools.partial(
+            pallas_flash.paged_attention, sinks=sinks, return_residuals=True, **kwargs
+        )
+        return (
+            lambda q, k, v, lengths: contiguous(q, k, v, key_value_seq_lengths=lengths),
+            paged,
+        )
+
+    @pytest.mark.parametrize("heads_only", [False, True])
+    def test_decode_sharding_runs_locally(heads_only):
+        """decode_attention and paged_attention under jit with the queries and the cache sharded
+        over batch and heads (a paged pool over heads only; its tables and the lengths over the
+        batch), or over heads only (tensor parallel): each device reads its own sequences'
+        and heads' keys, with no collective (the cache is never gathered), and the results
+        keep their sharding and match the unsharded reference."""
+        q, k, v, lengths, k_pages, v_pages, tables = _decode_problem()
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        batch = None if heads_only else "data"
+        heads = NamedSharding(mesh, P(batch, None, "model", None))
+        pool = NamedSharding(mesh, P(None, None, "model", None))
+        rows = NamedSharding(mesh, P(batch))
+        contiguous, paged = _decode_calls(**INTERPRET)
+        ref_contiguous, ref_paged = _decode_calls(backend="xla")
+        cases = (
+            (contiguous, ref_contiguous, (q, k, v, lengths), (heads, heads, heads, rows)),
+            (
+                paged,
+                ref_paged,
+                (q, k_pages, v_pages, tables, lengths),
+                (heads, pool, pool, NamedSharding(mesh, P(batch, None)), rows),
+            ),
+        )
+        for call, reference, args, shardings in cases:
+            sharded = jax.jit(call, in_shardings=shardings)
+            assert not _collectives(sharded.lower(*args).compile().as_text())
+            out, lse = sharded(*args)
+            assert out.sharding.is_equivalent_to(heads, out.ndim), out.sharding
+            _assert_close((out, lse), jax.jit(reference)(*args), atol=1e-5)
+
+    def test_decode_on_explicit_axes():
+        """The same calls on arrays placed on a mesh of Explicit axes (sharding in types)."""
+        q, k, v, lengths, k_pages, v_pages, tables = _decode_problem()
+        mesh = jax.make_mesh((2, 4), ("data", "model"))
+        heads = NamedSharding(mesh, P("data", None, "model", None))
+        rows = NamedSharding(mesh, P("data"))
+        pool = NamedSharding(mesh, P(None, None, "model", None))
+        contiguous, paged = _decode_calls(**INTERPRET)
+        ref_contiguous, ref_paged = _decode_calls(backend="xla")
+        placed = [jax.device_put(x, s) for x, s in zip((q, k, v, lengths), (heads,) * 3 + (rows,))]
+        got = jax.jit(contiguous)(*placed)
+        assert got[0].sharding.is_equivalent_to(heads, 4), got[0].sharding
+        _assert_close(got, jax.jit(ref_contiguous)(q, k, v, lengths), atol=1e-5)
+        args = (q, k_pages, v_pages, tables, lengths)
+        table_rows = NamedSharding(mesh, P("data", None))
+        placed = [jax.device_put(x, s) for x, s in zip(args, (heads, pool, pool, table_rows, rows))]
+        _assert_close(jax.jit(paged)(*placed), jax.jit(ref_paged)(*args), atol=1e-5)
+
+    def test_paged_pool_sharded_over_its_pages_is_refused():
+        """The pool is shared by every sequence: sharding it over its pages axis raises a
+        ValueError naming that axis, never a gather."""
+        q, _, _, lengths, k_pages, v_pages, tables = _decode_problem()
+        _, paged = _decode_calls(**INTERPRET)
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        by_pages = NamedSharding(mesh, P("data", None, "model", None))
+        shardings = (
+            NamedSharding(mesh, P("data", None, "model", None)),
+            by_pages,
+            by_pages,
+            NamedSharding(mesh, P("data", None)),
+            NamedSharding(mesh, P("data")),
+        )
+        with pytest.raises(Exception, match="key_pages is sharded over its pages axis"):
+            jax.jit(paged, in_shardings=shardings).lower(
+                q, k_pages, v_pages, tables, lengths
+            ).compile()
 
     # -- ring attention -----------------------------------------------------------------------
 

@@ -85,12 +85,18 @@ class _Plan:
         )
 
 
-# The public function whose call a pass belongs to (for messages), by its first key kind.
+# The public function a pass belongs to (for messages), and its key and value arguments' names.
 _CALLERS = {"kv": "flash_attention", "lengths": "decode_attention", "pages": "paged_attention"}
+_KEY_VALUE_NAMES = {
+    "flash_attention": ("key", "value"),
+    "decode_attention": ("key_cache", "value_cache"),
+    "paged_attention": ("key_pages", "value_pages"),
+}
 
 
 def _caller(kinds) -> str:
-    """The public function of a pass whose operands have these (leaf or top-level) kinds."""
+    """The public function of a pass whose operands have these (leaf or top-level) kinds: a
+    paged cache's pages make it paged_attention, lengths without pages decode_attention."""
     if "pages" in kinds:
         return _CALLERS["pages"]
     return _CALLERS["lengths"] if "lengths" in kinds else _CALLERS["kv"]
@@ -105,7 +111,7 @@ def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None, *, caller="flash_a
     over more shards than there are kv heads.
     """
     paged = caller == _CALLERS["pages"]
-    names = ("key_pages", "value_pages") if paged else ("key", "value")
+    names = _KEY_VALUE_NAMES[caller]
     specs = {"query": _spec_entries(q_spec, 4), names[0]: _spec_entries(k_spec, 4)}
     if v_spec is not None:
         specs[names[1]] = _spec_entries(v_spec, 4)
@@ -248,7 +254,15 @@ def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str |
         else:
             leaves, tree = jax.tree.flatten(list(args))
             avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
-            results = _exported(kernel, local, tree, avals, platform).call(*leaves)
+            # jax.export reads the mesh context (jax.set_mesh) into the module's device
+            # count, and the jit settings that change a lowering: they key the module too.
+            context = (
+                jax.sharding.get_abstract_mesh(),
+                jax.config.jax_enable_x64,
+                jax.config.jax_default_matmul_precision,
+            )
+            exported = _exported(kernel, local, tree, avals, platform, context)
+            results = exported.call(*leaves)
         if with_dbias and (axes := plan_.reduced_axes(args[3].shape)):
             results = (*results[:3], jax.lax.psum(results[3], axes))
         return results
@@ -277,7 +291,7 @@ def _call(kernel, config, kinds_in, kinds_out, *args):
 
 
 @functools.lru_cache(maxsize=256)
-def _exported(kernel, config, tree, avals, platform: str):
+def _exported(kernel, config, tree, avals, platform: str, context=()):
     """`kernel` on one shard's operands of these shapes, lowered once (`jax.export`).
 
     XLA's SPMD partitioner asks for the partitioned computation at every call site of the
@@ -400,7 +414,9 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
 
     kinds: the kind of each top-level argument ("q", "kv", "v" and "o" for values and outputs
     [.., Hv], "lse", "pair" for a bias (may be None), "arrays" for MaskArrays, "sinks" for
-    [B, N] sink logits (may be None)); out_kinds: the same for the results (dbias: "pair").
+    [B, N] sink logits (may be None); decode's "lengths" [B], a paged cache's "pages" and
+    "vpages" [P, page_size, K, H | Hv] and "tables" [B, max_pages]); out_kinds: the same for
+    the results (dbias: "pair").
     lead: leading vmapped dims on every operand (the batching rule's own recursion).
     """
     if jax.device_count() == 1 or _all_manual():
@@ -430,11 +446,11 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
         foldable &= all(
             b
             for b, kind in zip(batched, kinds_in)
-            if kind in ("q", "kv", "o", "v", "lse", "lengths", "tables")
+            if kind in ("q", "kv", "o", "v", "lse")
         )
         if foldable:
             # The vmapped axis becomes one more leading dim of the partitioned call; unbatched
-            # segment ids are broadcast along it.
+            # segment ids, lengths and block tables are broadcast along it.
             a = jax.tree.map(
                 lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)),
                 list(a),
@@ -442,8 +458,8 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
             )
             out = partitioned(kernel, config, kinds, out_kinds, *a, lead=lead + 1)
         else:
-            # A bias or dense mask, or unbatched q/k/v: the kernels batch as pallas_calls do,
-            # unpartitioned.
+            # A bias or dense mask, a paged cache, or unbatched q/k/v: the kernels batch as
+            # pallas_calls do, unpartitioned.
             axes = jax.tree.map(lambda b: 0 if b else None, list(in_batched))
             out = jax.vmap(lambda *x: inner(*x, config=config), in_axes=axes)(*a)
         return out, jax.tree.map(lambda _: True, out)

@@ -583,6 +583,23 @@ if CHILD:
         text = jax.jit(functools.partial(pallas_flash.flash_attention, **INTERPRET))
         assert "CustomSPMDPartitioning" not in text.lower(q, k, v).as_text()
 
+    def test_exported_passes_follow_the_mesh_context():
+        """jax.export reads the mesh of `jax.set_mesh` into its module's device count: a pass
+        exported under an 8-device context is not reused on a 2-device mesh whose shards have
+        the same shapes (that call would not compile)."""
+        call = functools.partial(pallas_flash.flash_attention, is_causal=True, **INTERPRET)
+        q, k, v, _ = _inputs(4, 16, 16, 8, 8, seed=6)
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        spec = NamedSharding(mesh, P("data", None, "model", None))
+        with jax.set_mesh(mesh):
+            got = jax.jit(call, in_shardings=(spec,) * 3)(q, k, v)
+        _assert_close(got, call(q, k, v), atol=1e-5)
+        q, k, v, _ = _inputs(4, 16, 16, 2, 2, seed=7)  # the same [2, 16, 2, 16] shards
+        pair = jax.make_mesh((2,), ("data",), (AxisType.Auto,), devices=jax.devices()[:2])
+        spec = NamedSharding(pair, P("data"))
+        got = jax.jit(call, in_shardings=(spec,) * 3)(q, k, v)
+        _assert_close(got, call(q, k, v), atol=1e-5)
+
     # -- decode and paged attention ------------------------------------------------------------
 
     def _decode_problem():
@@ -649,6 +666,22 @@ if CHILD:
             out, lse = sharded(*args)
             assert out.sharding.is_equivalent_to(heads, out.ndim), out.sharding
             _assert_close((out, lse), jax.jit(reference)(*args), atol=1e-5)
+
+    def test_vmapped_decode_stays_partitioned():
+        """decode_attention under jax.vmap with lengths shared by the mapped calls: the mapped
+        axis folds into the batch (the lengths broadcast along it), and nothing is gathered."""
+        q, k, v, lengths, *_ = _decode_problem()
+        q, k, v = (x.reshape(2, 2, *x.shape[1:]) for x in (q, k, v))
+        lengths = jnp.minimum(lengths[:2], lengths[2:])  # within both mapped calls' keys
+        contiguous, _ = _decode_calls(**INTERPRET)
+        ref_contiguous, _ = _decode_calls(backend="xla")
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        spec = NamedSharding(mesh, P(None, "data", None, "model", None))
+        mapped = jax.vmap(contiguous, in_axes=(0, 0, 0, None))
+        sharded = jax.jit(mapped, in_shardings=(spec, spec, spec, None))
+        assert not _collectives(sharded.lower(q, k, v, lengths).compile().as_text())
+        want = jax.vmap(ref_contiguous, in_axes=(0, 0, 0, None))(q, k, v, lengths)
+        _assert_close(sharded(q, k, v, lengths), want, atol=1e-5)
 
     def test_decode_on_explicit_axes():
         """The same calls on arrays placed on a mesh of Explicit axes (sharding in types)."""

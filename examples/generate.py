@@ -2,6 +2,7 @@
 
     python examples/generate.py                        # tiny random model; CPU (interpreter) or GPU
     python examples/generate.py --preset gpt3-1.3b --batch 8 --prompt 2048 --new 256 --cache 4096
+    python examples/generate.py --mesh data=2,model=4  # sequences over `data`, heads over `model`
 
 The prompt is prefilled in one causal `flash_attention` call per layer, its keys and values
 written into a [B, cache, K, H] cache per layer; each new token then runs one jit-compiled step
@@ -10,6 +11,11 @@ backend="xla" reference, with --attention xla). Weights are random (or --steps N
 first, with train_gpt.py's loss and learning rate): the point is the cache and the step, not the
 text. Reports tokens/s and the attention's share of the step (the step timed again with the
 attention replaced by a copy of the queries).
+
+With --mesh the sequences are split over the `data` axis and the heads over `model` (tensor
+parallelism for the attention: each device holds its heads' slice of every cache and reads only
+that; the weights stay replicated): the same calls, with the caches constrained to that
+sharding.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_gpt  # noqa: E402  (the model and its presets)
@@ -51,31 +59,52 @@ def finish(block: train_gpt.Block, x, attn):
     return x + block.down(jax.nn.gelu(block.up(block.ln2(x))))
 
 
-def prefill(model: train_gpt.GPT, tokens, cache_len: int, interpret: bool):
+def parse_mesh(text: str):
+    """ "data=2,model=4" -> a mesh of those axes over all devices (automatic sharding)."""
+    axes = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
+    if set(axes) - {"data", "model"}:
+        raise SystemExit(f"--mesh axes must be data and/or model, got {sorted(axes)}")
+    if np.prod(list(axes.values())) != jax.device_count():
+        raise SystemExit(f"--mesh {text}: needs {np.prod(list(axes.values()))} devices")
+    return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
+
+
+def heads_sharded(mesh, x):
+    """x [B, T, heads, h] with its sequences over `data` and its heads over `model` (as is
+    without a mesh)."""
+    if mesh is None:
+        return x
+    spec = P(
+        "data" if "data" in mesh.shape else None, None, "model" if "model" in mesh.shape else None
+    )
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def prefill(model: train_gpt.GPT, tokens, cache_len: int, interpret: bool, mesh=None):
     """Logits of the prompt's last token and the caches [(k, v)] per layer, filled up to T."""
     b, t = tokens.shape
     positions = jnp.arange(t)
     x = model.embed(tokens)
     caches = []
     for block in model.blocks:
-        q, k, v = qkv(block, x, positions)
+        q, k, v = (heads_sharded(mesh, y) for y in qkv(block, x, positions))
         attn = pallas_flash.flash_attention(q, k, v, is_causal=True, interpret=interpret)
         pad = ((0, 0), (0, cache_len - t), (0, 0), (0, 0))
-        caches.append((jnp.pad(k, pad), jnp.pad(v, pad)))
+        caches.append((heads_sharded(mesh, jnp.pad(k, pad)), heads_sharded(mesh, jnp.pad(v, pad))))
         x = finish(block, x, attn)
     return model.embed.attend(model.ln(x[:, -1])).astype(jnp.float32), caches
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4))
-def _prefill(state, prompt, graphdef, cache_len: int, interpret: bool):
-    return prefill(nnx.merge(graphdef, state), prompt, cache_len, interpret)
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _prefill(state, prompt, graphdef, cache_len: int, interpret: bool, mesh=None):
+    return prefill(nnx.merge(graphdef, state), prompt, cache_len, interpret, mesh)
 
 
-def decode_step(model: train_gpt.GPT, caches, token, length, attention):
+def decode_step(model: train_gpt.GPT, caches, token, length, attention, mesh=None):
     """One new token per sequence: (logits [B, vocab], caches with the token's keys written).
 
     token: [B] int; length: the cache's filled slots before this token (the token's position).
-    attention(q, k_cache, v_cache, lengths) -> [B, 1, N, h].
+    attention(q, k_cache, v_cache, lengths) -> [B, 1, N, h]. mesh: the caches' (`heads_sharded`).
     """
     b = token.shape[0]
     x = model.embed(token[:, None])
@@ -83,10 +112,11 @@ def decode_step(model: train_gpt.GPT, caches, token, length, attention):
     lengths = jnp.full((b,), length + 1, jnp.int32)
     new_caches = []
     for block, (k_cache, v_cache) in zip(model.blocks, caches, strict=True):
-        q, k, v = qkv(block, x, positions)
+        q, k, v = (heads_sharded(mesh, y) for y in qkv(block, x, positions))
         at = (0, length, 0, 0)
         k_cache = jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at)
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at)
+        k_cache, v_cache = heads_sharded(mesh, k_cache), heads_sharded(mesh, v_cache)
         new_caches.append((k_cache, v_cache))
         x = finish(block, x, attention(q, k_cache, v_cache, lengths))
     return model.embed.attend(model.ln(x[:, 0])).astype(jnp.float32), new_caches
@@ -101,17 +131,24 @@ def decode_attention_fn(name: str, interpret: bool):
     )
 
 
-def generate(model, prompt, new_tokens: int, cache_len: int, attention: str, interpret: bool):
+def generate(
+    model, prompt, new_tokens: int, cache_len: int, attention: str, interpret: bool, mesh=None
+):
     """Greedy generation: (tokens [B, new_tokens], seconds per decode step after the first,
-    logits of every step [new_tokens, B, vocab])."""
+    logits of every step [new_tokens, B, vocab]). mesh: see the module's doc (--mesh)."""
     graphdef, state = nnx.split(model)
+    if mesh is not None:
+        state = jax.device_put(state, NamedSharding(mesh, P()))
+        prompt = jax.device_put(
+            prompt, NamedSharding(mesh, P("data" if "data" in mesh.shape else None))
+        )
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(state, caches, token, length):
         fn = decode_attention_fn(attention, interpret)
-        return decode_step(nnx.merge(graphdef, state), caches, token, length, fn)
+        return decode_step(nnx.merge(graphdef, state), caches, token, length, fn, mesh)
 
-    logits, caches = _prefill(state, prompt, graphdef, cache_len, interpret)
+    logits, caches = _prefill(state, prompt, graphdef, cache_len, interpret, mesh)
     length = prompt.shape[1]
     tokens, all_logits, times = [], [], []
     for i in range(new_tokens):
@@ -168,7 +205,13 @@ def main(argv=None):
     parser.add_argument(
         "--steps", type=int, default=0, help="train this many steps first (default: random weights)"
     )
+    parser.add_argument(
+        "--mesh",
+        help="device mesh as axis=size pairs over all devices, e.g. data=2,model=4: the "
+        "sequences over `data`, the attention heads (and each cache's) over `model`",
+    )
     args = parser.parse_args(argv)
+    mesh = parse_mesh(args.mesh) if args.mesh else None
 
     cfg = train_gpt.PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, kv_heads=args.kv_heads or cfg.kv_heads)
@@ -186,8 +229,10 @@ def main(argv=None):
     starts = np.random.default_rng(args.seed).integers(0, len(data) - args.prompt, args.batch)
     prompt = jnp.asarray(np.stack([data[s : s + args.prompt] for s in starts]), jnp.int32)
 
-    tokens, step_s, logits = generate(model, prompt, args.new, cache_len, args.attention, interpret)
-    _, bare_s, _ = generate(model, prompt, min(args.new, 4), cache_len, "none", interpret)
+    tokens, step_s, logits = generate(
+        model, prompt, args.new, cache_len, args.attention, interpret, mesh
+    )
+    _, bare_s, _ = generate(model, prompt, min(args.new, 4), cache_len, "none", interpret, mesh)
     where = jax.devices()[0].device_kind + (" (Pallas interpreter)" if interpret else "")
     summary = dict(
         attention=args.attention,
@@ -200,6 +245,7 @@ def main(argv=None):
         tokens_per_s=round(args.batch / step_s, 1),
         attention_share=round(max(0.0, 1.0 - bare_s / step_s), 3),
         train_steps=args.steps,
+        mesh=args.mesh,
         train_loss=[round(x, 4) for x in losses[:1] + losses[-1:]],
     )
     print(

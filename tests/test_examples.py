@@ -97,3 +97,56 @@ def test_generate_after_brief_training():
     prompt_len = result["prompt"].shape[1]
     for i in range(3):
         np.testing.assert_allclose(result["logits"][i], full[:, prompt_len - 1 + i], atol=1e-4)
+
+
+# Run in a child process with 4 CPU devices (jax fixes its device count when it starts).
+_GENERATE_ON_A_MESH = """
+import re, sys
+import jax, numpy as np
+sys.path.insert(0, sys.argv[1])
+import generate
+from flax import nnx
+common = ["--batch", "2", "--prompt", "20", "--new", "3", "--kv-heads", "2"]
+sharded = generate.main([*common, "--mesh", "data=2,model=2"])
+plain = generate.main(common)
+np.testing.assert_allclose(sharded["logits"], plain["logits"], atol=1e-4)
+np.testing.assert_array_equal(sharded["tokens"], plain["tokens"])
+# The decode step on the mesh: the caches stay in their sharding, never gathered.
+mesh = generate.parse_mesh("data=2,model=2")
+graphdef, state = nnx.split(sharded["model"])
+prompt = jax.device_put(sharded["prompt"], jax.NamedSharding(mesh, jax.P("data")))
+_, caches = generate._prefill(state, prompt, graphdef, 23, True, mesh)
+attention = generate.decode_attention_fn("pallas_flash", True)
+step = jax.jit(
+    lambda state, caches, token, length: generate.decode_step(
+        nnx.merge(graphdef, state), caches, token, length, attention, mesh
+    )
+)
+hlo = step.lower(state, caches, prompt[:, 0], np.int32(20)).compile().as_text()
+gathered = re.findall(r"= (\\S+) all-gather", hlo)
+cache = r"f32\\[\\d+,23,"
+assert not [g for g in gathered if re.match(cache, g)], gathered
+print("generated alike", flush=True)
+"""
+
+
+def test_generate_on_a_mesh():
+    """--mesh data=2,model=2 on 4 CPU devices: the same tokens and logits as on one device, and
+    the decode step keeps each cache split over sequences and heads (no gather of a cache)."""
+    pytest.importorskip("flax")
+    import os
+    import subprocess
+
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        JAX_PLATFORMS="cpu",
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", _GENERATE_ON_A_MESH, str(EXAMPLES)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert "generated alike" in result.stdout, result.stdout[-4000:] + result.stderr[-4000:]

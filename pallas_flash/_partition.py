@@ -55,16 +55,21 @@ def _mesh_size(mesh, axes) -> int:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """The mesh axes that split the batch and the heads (query heads in contiguous blocks, each
-    block's kv heads on the same device)."""
+    block's kv heads on the same device), and for decode a cache's sequence (`context`: each
+    device holds a contiguous run of the cache's slots; the partial results merge across
+    them)."""
 
     batch: tuple[str, ...]
     heads: tuple[str, ...]
+    context: tuple[str, ...] = ()
 
     def spec(self, shape, kind: str):
         """The PartitionSpec of an operand of `kind` (see `_RULES`); "pair" operands (bias,
         mask: [B|1, N|1, T|1, S|1]) keep their broadcast dims whole."""
         batch, heads = _entry(self.batch), _entry(self.heads)
-        if kind in ("q", "kv", "o", "v"):
+        if kind in ("kv", "v"):
+            return P(batch, _entry(self.context), heads, None)
+        if kind in ("q", "o"):
             return P(batch, None, heads, None)
         if kind in ("pages", "vpages"):  # one pool for the whole batch: split over heads only
             return P(None, None, heads, None)
@@ -115,17 +120,22 @@ def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None, *, caller="flash_a
     specs = {"query": _spec_entries(q_spec, 4), names[0]: _spec_entries(k_spec, 4)}
     if v_spec is not None:
         specs[names[1]] = _spec_entries(v_spec, 4)
+    # decode_attention's cache may be split over its sequence (the partial results merge across
+    # its shards); its queries may not.
+    over_sequence = caller == _CALLERS["lengths"]
     for name, spec in specs.items():
         axes = ((1, "sequence"), (3, "head-dim"))
+        if over_sequence and name != "query":
+            axes = ((3, "head-dim"),)
         if paged and name != "query":
             axes = ((0, "pages"), (1, "page"), (3, "head-dim"))
         for dim, what in axes:
             if spec[dim] is not None:
-                hint = (
-                    "use pallas_flash.ring_attention for a sharded sequence"
-                    if caller == _CALLERS["kv"]
-                    else "shard a cache over its batch (contiguous) or heads only"
-                )
+                hint = {
+                    _CALLERS["kv"]: "use pallas_flash.ring_attention for a sharded sequence",
+                    _CALLERS["lengths"]: "split the cache's sequence, not the queries'",
+                    _CALLERS["pages"]: "split a paged pool over its heads only",
+                }[caller]
                 raise ValueError(
                     f"{caller}: {name} is sharded over its {what} axis "
                     f"({name} sharding {P(*spec)}); the kernels split only the batch and head "
@@ -135,6 +145,18 @@ def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None, *, caller="flash_a
     q, k = specs["query"], specs[names[0]]
     batch = _axes(q[0]) or (() if paged else _axes(k[0]))
     heads = _axes(q[2]) or _axes(k[2])
+    context = _axes(k[1]) if over_sequence else ()
+    for name, spec in specs.items():
+        if name != "query" and _axes(spec[1]) != context:
+            raise ValueError(
+                f"{caller}: {name}'s sequence axis is sharded over {_axes(spec[1])} but "
+                f"{names[0]}'s over {context}: shard them alike"
+            )
+    if set(context) & set(batch + heads):
+        raise ValueError(
+            f"{caller}: {names[0]}'s sequence axis is sharded over {context}, which also split "
+            f"the batch or heads ({batch}, {heads}): use distinct mesh axes"
+        )
     for name, spec in specs.items():
         checks = (
             ((2, heads, "head"),)
@@ -161,7 +183,7 @@ def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None, *, caller="flash_a
             f"{caller}: batch {q_shape[0]} (query.shape={tuple(q_shape)}) is not "
             f"divisible by its {_mesh_size(mesh, batch)} shards over {batch}"
         )
-    return _Plan(batch, heads)
+    return _Plan(batch, heads, context)
 
 
 # Shardy factors of each operand kind: batch `b` and kv heads `k` (query heads `(k g)`, the
@@ -246,23 +268,31 @@ def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str |
     gradients on each shard: they are summed over the shards. platform: where the kernels run
     through `_exported` (the partitioning rule's lowering), None to call them directly."""
 
+    def call(args, local):
+        if platform is None:
+            return kernel(*args, config=local)
+        leaves, tree = jax.tree.flatten(list(args))
+        avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
+        # jax.export reads the mesh context (jax.set_mesh) into the module's device count, and
+        # the jit settings that change a lowering: they key the module too.
+        context = (
+            jax.sharding.get_abstract_mesh(),
+            jax.config.jax_enable_x64,
+            jax.config.jax_default_matmul_precision,
+        )
+        return _exported(kernel, local, tree, avals, platform, context).call(*leaves)
+
     def run(*args):
         arrays = next((a for a in args if isinstance(a, MaskArrays)), None)
         local = config if arrays is None else _local_config(config, arrays)
-        if platform is None:
-            results = kernel(*args, config=local)
-        else:
-            leaves, tree = jax.tree.flatten(list(args))
-            avals = tuple((tuple(x.shape), jnp.dtype(x.dtype)) for x in leaves)
-            # jax.export reads the mesh context (jax.set_mesh) into the module's device
-            # count, and the jit settings that change a lowering: they key the module too.
-            context = (
-                jax.sharding.get_abstract_mesh(),
-                jax.config.jax_enable_x64,
-                jax.config.jax_default_matmul_precision,
-            )
-            exported = _exported(kernel, local, tree, avals, platform, context)
-            results = exported.call(*leaves)
+        if plan_.context:
+            # A cache split over its sequence: the kernel (which knows how) runs on this
+            # device's slots and merges the parts over the context axes.
+            over_context = getattr(kernel, "over_context", None)
+            if over_context is None:
+                raise ValueError(f"{kernel} cannot run on a cache split over its sequence")
+            return over_context(call, args, local, plan_.context)
+        results = call(args, local)
         if with_dbias and (axes := plan_.reduced_axes(args[3].shape)):
             results = (*results[:3], jax.lax.psum(results[3], axes))
         return results
@@ -444,9 +474,7 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
         )
         foldable &= "pages" not in kinds
         foldable &= all(
-            b
-            for b, kind in zip(batched, kinds_in)
-            if kind in ("q", "kv", "o", "v", "lse")
+            b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "o", "v", "lse")
         )
         if foldable:
             # The vmapped axis becomes one more leading dim of the partitioned call; unbatched

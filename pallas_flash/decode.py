@@ -14,6 +14,7 @@ import numpy as np
 
 from pallas_flash import _partition, api, dispatch
 from pallas_flash import device as device_lib
+from pallas_flash._numerics import merge_weights
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
@@ -283,30 +284,69 @@ def _partitioned_kernel(*args, config: _KernelConfig):
     """The kernel on (q, k, v, lengths) or (q, k_pages, v_pages, lengths, block_tables), split
     over a device mesh's batch and head axes as `flash_attention`'s passes are
     (`_partition.partitioned`): each device reads its own sequences' and heads' caches, with
-    no collective. A paged cache's pool is shared by the batch: it is split over heads only."""
+    no collective. A paged cache's pool is shared by the batch: it is split over heads only. A
+    contiguous cache may also be split over its sequence (`_KernelShard.over_context`)."""
     paged = len(args) == 5
     kinds = ("q", "pages", "vpages", "lengths", "tables") if paged else ("q", "kv", "v", "lengths")
     out_kinds = ("o", "lse", "lse") if config.with_log_sum else ("o", "lse")
-    return tuple(_partition.partitioned(_kernel_shard, config, kinds, out_kinds, *args))
+    return tuple(_partition.partitioned(_KERNEL_SHARD, config, kinds, out_kinds, *args))
 
 
-def _kernel_shard(q, k, v, lengths, block_tables=None, *, config: _KernelConfig):
-    """The kernel on one device's operands (all of them on one device)."""
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    if config.block_sizes is None:
-        paged = block_tables is not None
-        page_size = k.shape[1] if paged else None
-        fields["block_sizes"] = decode_block_sizes(
-            q.shape,
-            k.shape[2],
-            block_tables.shape[1] * page_size if paged else k.shape[1],
-            q.dtype,
-            interpret=config.interpret,
-            page_size=page_size,
-            window_left=config.window_left,
-            num_sms=config.num_sms,
-        )
-    return _decode_forward(q, k, v, lengths, block_tables, **fields)
+class _KernelShard:
+    """The kernel as one device runs it (`_partition`'s shard function calls it)."""
+
+    def __call__(self, q, k, v, lengths, block_tables=None, *, config: _KernelConfig):
+        """The kernel on one device's operands (all of them on one device)."""
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        if config.block_sizes is None:
+            paged = block_tables is not None
+            page_size = k.shape[1] if paged else None
+            fields["block_sizes"] = decode_block_sizes(
+                q.shape,
+                k.shape[2],
+                block_tables.shape[1] * page_size if paged else k.shape[1],
+                q.dtype,
+                interpret=config.interpret,
+                page_size=page_size,
+                window_left=config.window_left,
+                num_sms=config.num_sms,
+            )
+        return _decode_forward(q, k, v, lengths, block_tables, **fields)
+
+    @staticmethod
+    def over_context(call, args, config: _KernelConfig, axes):
+        """(out, lse[, log_sum]) of a contiguous cache split over its sequence on the mesh axes
+        `axes`, in one device's view: this device holds cache slots [i S', (i + 1) S') (i its
+        index along `axes`) and runs the kernel (`call(args, config)`) over the keys it holds
+        of each sequence, lengths clipped to them; the parts merge by their denominators
+        (`_numerics.merge_weights`: all-gathered lse and log_sum, [B, N, T] each, and a sum
+        of the weighted outputs). One new token per sequence (the kernel places new tokens
+        at the end of the keys it is given, which only the last holder of a sequence's keys
+        is) and no window (a holder's keys may lie before it)."""
+        q, k, v, lengths = args
+        if q.shape[1] != 1 or config.window_left is not None:
+            raise NotImplementedError(
+                f"decode_attention over a key_cache split over its sequence ({axes}) takes one "
+                f"new token per sequence and no local_window_size; got query.shape[1] = "
+                f"{q.shape[1]}, local_window_size left = {config.window_left}"
+            )
+        index = jax.lax.axis_index(axes)
+        slots = k.shape[1]
+        held = jnp.clip(lengths - index * slots, 0, slots)
+        out, lse, log_sum = call((q, k, v, held), dataclasses.replace(config, with_log_sum=True))
+        parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
+        weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
+        weight = jnp.take(weights, index, axis=0)  # [B, N, T]
+        out = out.astype(jnp.float32) * jnp.swapaxes(weight, 1, 2)[..., None]
+        out = jax.lax.psum(out, axes).astype(q.dtype)
+        seen = jnp.isfinite(parts_lse)
+        maxima = jnp.where(seen, parts_lse - parts_log_sum, -jnp.inf)
+        top = jnp.max(maxima, axis=0)
+        lse = jnp.where(jnp.any(seen, axis=0), top + merged_log_sum, -jnp.inf)
+        return (out, lse, merged_log_sum) if config.with_log_sum else (out, lse)
+
+
+_KERNEL_SHARD = _KernelShard()
 
 
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------

@@ -701,6 +701,53 @@ if CHILD:
         placed = [jax.device_put(x, s) for x, s in zip(args, (heads, pool, pool, table_rows, rows))]
         _assert_close(jax.jit(paged)(*placed), jax.jit(ref_paged)(*args), atol=1e-5)
 
+    @pytest.mark.parametrize("explicit", [False, True])
+    def test_decode_over_a_cache_split_over_its_sequence(explicit):
+        """A contiguous cache split over its sequence (4 devices, 10 slots each) and its batch:
+        each device reads the slots it holds of each sequence (lengths clipped to them: some
+        hold none of a sequence, one sequence has no key at all) and the parts merge by their
+        denominators, with only the rows' lse and log_sum gathered and the output summed: the
+        cache is never gathered. One new token; values as the unsharded reference's, sinks
+        included."""
+        q, k, v, lengths, *_ = _decode_problem()
+        q, lengths = q[:, :1], lengths.at[3].set(0)
+        contiguous, _ = _decode_calls(**INTERPRET)
+        ref_contiguous, _ = _decode_calls(backend="xla")
+        axis_type = AxisType.Explicit if explicit else AxisType.Auto
+        mesh = jax.make_mesh((2, 4), ("data", "context"), (axis_type,) * 2)
+        shardings = [
+            NamedSharding(mesh, P("data")),
+            NamedSharding(mesh, P("data", "context")),
+            NamedSharding(mesh, P("data", "context")),
+            NamedSharding(mesh, P("data")),
+        ]
+        want = jax.jit(ref_contiguous)(q, k, v, lengths)
+        if explicit:
+            placed = [jax.device_put(x, s) for x, s in zip((q, k, v, lengths), shardings)]
+            _assert_close(jax.jit(contiguous)(*placed), want, atol=1e-5)
+            return
+        sharded = jax.jit(contiguous, in_shardings=shardings)
+        collectives = _collectives(sharded.lower(q, k, v, lengths).compile().as_text())
+        assert all(not re.search(r"\[\d+,\d+,4,16\]|,40,", s) for _, s in collectives), collectives
+        assert {kind for kind, _ in collectives} <= {"all-gather", "all-reduce"}, collectives
+        _assert_close(sharded(q, k, v, lengths), want, atol=1e-5)
+
+    def test_decode_over_a_split_sequence_refuses_what_it_cannot_place():
+        """Two new tokens (or a window) over a cache split over its sequence: a holder of a
+        sequence's keys that is not its last cannot place them; NotImplementedError naming the
+        query's length (jax wraps it at compile time under automatic sharding)."""
+        q, k, v, lengths, *_ = _decode_problem()
+        contiguous, _ = _decode_calls(**INTERPRET)
+        mesh = auto_mesh((2, 4), ("data", "context"))
+        shardings = [
+            NamedSharding(mesh, P("data")),
+            NamedSharding(mesh, P("data", "context")),
+            NamedSharding(mesh, P("data", "context")),
+            NamedSharding(mesh, P("data")),
+        ]
+        with pytest.raises(Exception, match=r"query.shape\[1\] = 2"):
+            jax.jit(contiguous, in_shardings=shardings).lower(q, k, v, lengths).compile()
+
     def test_paged_pool_sharded_over_its_pages_is_refused():
         """The pool is shared by every sequence: sharding it over its pages axis raises a
         ValueError naming that axis, never a gather."""

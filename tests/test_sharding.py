@@ -143,9 +143,11 @@ def test_batch_and_head_sharding_on_gpus():
 
 
 @pytest.mark.gpu
-def test_decode_sharding_on_gpus():
-    """On a host with 2+ GPUs: decode over a cache sharded over batch and heads runs the
-    compiled kernel per device with no collective, and matches the unsharded call."""
+@pytest.mark.parametrize("split", ["heads", "sequence"])
+def test_decode_sharding_on_gpus(split):
+    """On a host with 2+ GPUs: decode over a cache sharded over batch and heads (or over batch
+    and its sequence) runs the compiled kernel per device without gathering the cache, and
+    matches the unsharded call."""
     count = jax.device_count()
     if count < 2:
         pytest.skip("needs 2+ GPUs")
@@ -155,13 +157,18 @@ def test_decode_sharding_on_gpus():
     mesh = jax.make_mesh((2, count // 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(8, 1, 8192, 32, 8, 128))
     lengths = jnp.asarray([8192, 100, 5000, 1, 8000, 4096, 77, 2048], jnp.int32)
-    heads = NamedSharding(mesh, P("data", None, "model", None))
+    if split == "heads":
+        queries = cache = NamedSharding(mesh, P("data", None, "model", None))
+    else:
+        queries, cache = NamedSharding(mesh, P("data")), NamedSharding(mesh, P("data", "model"))
 
     def call(q, k, v, lengths):
         return pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths)
 
-    sharded = jax.jit(call, in_shardings=(heads, heads, heads, NamedSharding(mesh, P("data"))))
-    assert not _collectives(sharded.lower(q, k, v, lengths).compile().as_text())
+    rows = NamedSharding(mesh, P("data"))
+    sharded = jax.jit(call, in_shardings=(queries, cache, cache, rows))
+    collectives = _collectives(sharded.lower(q, k, v, lengths).compile().as_text())
+    assert not [s for _, s in collectives if ",8192," in s or ",4096," in s], collectives
     got = sharded(q, k, v, lengths)
     want = jax.jit(call)(q, k, v, lengths)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)

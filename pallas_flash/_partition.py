@@ -289,8 +289,11 @@ def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str |
             # A cache split over its sequence: the kernel (which knows how) runs on this
             # device's slots and merges the parts over the context axes.
             over_context = getattr(kernel, "over_context", None)
-            if over_context is None:
-                raise ValueError(f"{kernel} cannot run on a cache split over its sequence")
+            if over_context is None:  # a vmapped call's (`_Folded`)
+                raise NotImplementedError(
+                    "decode_attention under jax.vmap over a key_cache split over its sequence "
+                    f"({plan_.context}): call it on the batched arrays instead"
+                )
             return over_context(call, args, local, plan_.context)
         results = call(args, local)
         if with_dbias and (axes := plan_.reduced_axes(args[3].shape)):

@@ -615,7 +615,8 @@ def print_model_table(rows, out=sys.stdout):
 
 def run_scale_suite(out_path, repeats, seqs, on_gpu):
     """Context parallelism: causal ring attention (zig-zag) on 1, 2, 4, 8 devices of this host
-    at each global sequence length, beside the plain single-device call.
+    at each global sequence length, beside the plain single-device call; then decode over a
+    cache split across the devices (`_scale_decode_rows`).
 
     Per row: step ms (forward+backward), TFLOP/s per device (the causal FLOP count of the whole
     sequence over the devices) and the scaling efficiency: that rate over the plain call's rate
@@ -696,6 +697,66 @@ def run_scale_suite(out_path, repeats, seqs, on_gpu):
                     f"efficiency {row.get('efficiency')} {row.get('error', '')}",
                     flush=True,
                 )
+        rows += _scale_decode_rows(f, counts, repeats, on_gpu)
+    return rows
+
+
+def _scale_decode_rows(f, counts, repeats, on_gpu):
+    """Decode over a cache split across devices: its heads (tensor parallelism) or its
+    sequence (context parallelism), one new token, on 1, 2, 4, 8 devices. Per row: ms per call
+    and the TB/s of K/V read summed over the devices, and per device. On a GPU: bf16, B=8,
+    128k keys, N=32 over K=8, H=128; on a CPU (the interpreter on fake devices) a toy."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    if on_gpu:
+        case = dict(B=8, S=1 << 17, N=32, K=8, H=128, T=1, page=None, ragged=False)
+        dtype, interpret = jnp.bfloat16, False
+    else:
+        case = dict(B=2, S=256, N=4, K=2, H=32, T=1, page=None, ragged=False)
+        dtype, interpret = jnp.float32, True
+    q, k, v, lengths, _ = decode_inputs(case, dtype)
+    kv_bytes = 2 * int(jnp.sum(lengths)) * case["K"] * case["H"] * jnp.dtype(dtype).itemsize
+    rows = []
+    for split in ("heads", "sequence"):
+        for devices in counts:
+            if split == "heads" and case["K"] % devices:
+                continue
+            mesh = jax.sharding.Mesh(jax.devices()[:devices], ("model",))
+            if split == "heads":
+                queries = cache = NamedSharding(mesh, P(None, None, "model"))
+            else:
+                queries, cache = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "model"))
+            row = dict(suite="scale", impl=f"decode_{split}", devices=devices, **case)
+            row.update(dtype=jnp.dtype(dtype).name, **{"pass": "fwd"})
+            try:
+                placed = [
+                    jax.device_put(x, s)
+                    for x, s in zip(
+                        (q, k, v, lengths), (queries, cache, cache, NamedSharding(mesh, P()))
+                    )
+                ]
+                fn = jax.jit(
+                    lambda q, k, v, lens: pallas_flash.decode_attention(
+                        q, k, v, key_value_seq_lengths=lens, interpret=interpret
+                    )
+                )
+                ms = median_ms(fn, placed, calls=10 if on_gpu else 1, repeats=repeats)
+                tbps = kv_bytes / (ms * 1e-3) / 1e12
+                row.update(
+                    ms=round(ms, 4), tbps=round(tbps, 3), tbps_per_device=round(tbps / devices, 3)
+                )
+            except Exception as e:  # noqa: BLE001
+                row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            print(
+                f"decode over {split:8s} devices={devices} {row.get('ms')} ms "
+                f"{row.get('tbps')} TB/s ({row.get('tbps_per_device')} per device) "
+                f"{row.get('error', '')}",
+                flush=True,
+            )
     return rows
 
 
@@ -1085,7 +1146,7 @@ def main(argv=None):
         "compile: lowering and compile time of a jit(grad) over 1, 6 and 24 causal layers; "
         "decode: decode_attention / paged_attention in TB/s of K/V read (tiny interpreted "
         "shapes on a CPU); scale: causal ring attention on 1/2/4/8 devices of this host "
-        "(--seqs: global lengths)",
+        "(--seqs: global lengths), then decode over a cache split over heads or sequence",
     )
     parser.add_argument(
         "--quick", action="store_true", help="decode: the headline shape and a few variants only"

@@ -295,8 +295,9 @@ def _partitioned_kernel(*args, config: _KernelConfig):
 class _KernelShard:
     """The kernel as one device runs it (`_partition`'s shard function calls it)."""
 
-    def __call__(self, q, k, v, lengths, block_tables=None, *, config: _KernelConfig):
-        """The kernel on one device's operands (all of them on one device)."""
+    def __call__(self, q, k, v, lengths, block_tables=None, ahead=None, *, config: _KernelConfig):
+        """The kernel on one device's operands (all of them on one device); ahead: as
+        `decode_forward`'s (`over_context`)."""
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         if config.block_sizes is None:
             paged = block_tables is not None
@@ -311,29 +312,24 @@ class _KernelShard:
                 window_left=config.window_left,
                 num_sms=config.num_sms,
             )
-        return _decode_forward(q, k, v, lengths, block_tables, **fields)
+        return _decode_forward(q, k, v, lengths, block_tables, ahead=ahead, **fields)
 
     @staticmethod
     def over_context(call, args, config: _KernelConfig, axes):
         """(out, lse[, log_sum]) of a contiguous cache split over its sequence on the mesh axes
         `axes`, in one device's view: this device holds cache slots [i S', (i + 1) S') (i its
         index along `axes`) and runs the kernel (`call(args, config)`) over the keys it holds
-        of each sequence, lengths clipped to them; the parts merge by their denominators
+        of each sequence, lengths clipped to them, the new tokens placed `ahead` of those keys
+        where the sequence goes on past them (so that each token sees the held keys at or
+        before it, and within its window); the parts merge by their denominators
         (`_numerics.merge_weights`: all-gathered lse and log_sum, [B, N, T] each, and a sum
-        of the weighted outputs). One new token per sequence (the kernel places new tokens
-        at the end of the keys it is given, which only the last holder of a sequence's keys
-        is) and no window (a holder's keys may lie before it)."""
+        of the weighted outputs)."""
         q, k, v, lengths = args
-        if q.shape[1] != 1 or config.window_left is not None:
-            raise NotImplementedError(
-                f"decode_attention over a key_cache split over its sequence ({axes}) takes one "
-                f"new token per sequence and no local_window_size; got query.shape[1] = "
-                f"{q.shape[1]}, local_window_size left = {config.window_left}"
-            )
-        index = jax.lax.axis_index(axes)
-        slots = k.shape[1]
-        held = jnp.clip(lengths - index * slots, 0, slots)
-        out, lse, log_sum = call((q, k, v, held), dataclasses.replace(config, with_log_sum=True))
+        slots, index = k.shape[1], jax.lax.axis_index(axes)
+        behind = lengths - index * slots  # each sequence's keys from this device's first slot
+        held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
+        full = dataclasses.replace(config, with_log_sum=True)
+        out, lse, log_sum = call((q, k, v, held, None, ahead), full)
         parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
         weight = jnp.take(weights, index, axis=0)  # [B, N, T]

@@ -63,10 +63,11 @@ CASES = [
 ]
 
 
-def oracle(q, k, v, lengths, *, scale, soft_cap, window, sinks=None):
+def oracle(q, k, v, lengths, *, scale, soft_cap, window, sinks=None, ahead=None):
     """Float64 decode attention: out [B, T, N, H], lse [B, N, T]. Token t of sequence b sits at
     position L_b - T + t and sees keys max(0, pos - window) <= j <= pos. With sinks [N], each
-    row's softmax also has the column sinks[n] (attending to no value)."""
+    row's softmax also has the column sinks[n] (attending to no value). With ahead [B], the
+    tokens sit ahead[b] positions further, and see no key at or past L_b."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, q_len, num_heads, head_dim = q.shape
     group = num_heads // k.shape[2]
@@ -74,15 +75,16 @@ def oracle(q, k, v, lengths, *, scale, soft_cap, window, sinks=None):
     lse = np.full((batch, num_heads, q_len), -np.inf)
     for b in range(batch):
         for t in range(q_len):
-            pos = lengths[b] - q_len + t
+            pos = lengths[b] - q_len + t + (0 if ahead is None else ahead[b])
             lo = 0 if window is None else max(0, pos - window)
+            last = min(pos, lengths[b] - 1)
             for n in range(num_heads):
-                keys, values = k[b, lo : pos + 1, n // group], v[b, lo : pos + 1, n // group]
+                keys, values = k[b, lo : last + 1, n // group], v[b, lo : last + 1, n // group]
                 logits = scale * keys @ q[b, t, n]
                 if soft_cap is not None:
                     logits = soft_cap * np.tanh(logits / soft_cap)
                 sink = [] if sinks is None else [float(sinks[n])]
-                if pos < lo:
+                if last < lo:
                     logits = np.zeros(0)
                 if not len(logits) + len(sink):
                     continue
@@ -722,6 +724,109 @@ def test_schedules_match_oracle(fields):
     for c in (CASES[2], CASES[0]) if SWEEP else (CASES[2],):
         problem, oracle_inputs = make_problem(c)
         check_against_oracle(c, run(c, problem, path, block_sizes=bs), oracle_inputs)
+
+
+@pytest.mark.parametrize(
+    "fields", [dict(), dict(schedule="balanced")], ids=["sequence", "balanced"]
+)
+@pytest.mark.parametrize("window", [None, 9], ids=["full", "window"])
+def test_tokens_ahead_of_the_keys_match_oracle(fields, window):
+    """`decode_forward(..., ahead=)`: new tokens that sit ahead[b] positions past a sequence's
+    keys (a device holding a sequence's earlier keys of a cache split over its sequence): each
+    token sees the keys at or before it (none past the length) and within its window, against
+    float64. Aheads of 0, within the tokens (the new tokens straddle the keys' end), and past
+    them (every token sees every key, or with the window none), over 3 splits of 16-key tiles;
+    NaN past each length."""
+    from pallas_flash.triton.decode import decode_forward
+
+    rng = np.random.default_rng(11)
+    b, t, n, kh, h, s = 5, 3, 4, 2, 32, 40
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    k, v = (rng.standard_normal((b, s, kh, h)).astype(np.float32) for _ in range(2))
+    lengths = np.array([40, 17, 33, 1, 0], np.int32)
+    ahead = np.array([0, 1, 5, 30, 2], np.int32)
+    past = np.arange(s)[None, :, None, None] >= lengths[:, None, None, None]
+    k_nan, v_nan = np.where(past, np.nan, k), np.where(past, np.nan, v)
+    bs = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=1, kv_splits=3, **fields)
+    out, lse = decode_forward(
+        q,
+        k_nan,
+        v_nan,
+        lengths,
+        scale=0.2,
+        soft_cap=None,
+        window_left=window,
+        block_sizes=bs,
+        interpret=True,
+        ahead=ahead,
+    )
+    want_out, want_lse = oracle(
+        q, k, v, lengths, scale=0.2, soft_cap=None, window=window, ahead=ahead
+    )
+    np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5)
+    np.testing.assert_array_equal(np.isinf(np.asarray(lse)), np.isinf(want_lse))
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], atol=2e-5)
+
+
+def test_tokens_ahead_lower_for_h200():
+    """The kernel with `ahead` (lengths and aheads in one operand, the per-sequence and the
+    balanced schedules) lowers through Triton for an abstract H200."""
+    from test_lowering import lower_for_h200
+
+    from pallas_flash.triton.decode import decode_forward
+
+    sds = jax.ShapeDtypeStruct
+    q, rows = sds((2, 4, 32, 128), jnp.bfloat16), sds((2,), jnp.int32)
+    cache = sds((2, 8192, 8, 128), jnp.bfloat16)
+    for bs in (DecodeBlockSizes(), DecodeBlockSizes(split_rule="occupancy", schedule="balanced")):
+        f = functools.partial(
+            decode_forward,
+            scale=0.1,
+            soft_cap=None,
+            window_left=100,
+            interpret=False,
+            block_sizes=bs,
+        )
+        text = lower_for_h200(
+            lambda q, k, v, n, a, f=f: f(q, k, v, n, ahead=a), q, cache, cache, rows, rows
+        )
+        assert "pallas_flash_decode" in text.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 300], ids=["full", "window"])
+def test_gpu_tokens_ahead_match_oracle(window):
+    """`ahead` compiled (default tiles, bfloat16, splits): as the interpreter's check above."""
+    from pallas_flash.triton.decode import decode_forward
+
+    rng = np.random.default_rng(12)
+    b, t, n, kh, h, s = 6, 4, 16, 4, 128, 2048
+    q = rng.standard_normal((b, t, n, h)).astype(np.float32)
+    k, v = (rng.standard_normal((b, s, kh, h)).astype(np.float32) for _ in range(2))
+    lengths = np.array([2048, 1000, 1, 0, 2047, 640], np.int32)
+    ahead = np.array([0, 2, 3, 1, 5000, 1], np.int32)
+    q16, k16, v16 = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    out, lse = decode_forward(
+        q16,
+        k16,
+        v16,
+        lengths,
+        scale=h**-0.5,
+        soft_cap=None,
+        window_left=window,
+        block_sizes=DecodeBlockSizes(),
+        interpret=False,
+        ahead=ahead,
+    )
+    f64 = [np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q16, k16, v16)]
+    want_out, want_lse = oracle(
+        *f64, lengths, scale=h**-0.5, soft_cap=None, window=window, ahead=ahead
+    )
+    np.testing.assert_allclose(np.asarray(out, np.float64), want_out, atol=2e-2)
+    seen = np.isfinite(want_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), seen)
+    np.testing.assert_allclose(np.asarray(lse)[seen], want_lse[seen], atol=2e-2)
 
 
 @pytest.mark.parametrize(

@@ -708,18 +708,23 @@ if CHILD:
         placed = [jax.device_put(x, s) for x, s in zip(args, (heads, pool, pool, table_rows, rows))]
         _assert_close(jax.jit(paged)(*placed), jax.jit(ref_paged)(*args), atol=1e-5)
 
-    @pytest.mark.parametrize("explicit", [False, True])
-    def test_decode_over_a_cache_split_over_its_sequence(explicit):
-        """A contiguous cache split over its sequence (4 devices, 10 slots each) and its batch:
-        each device reads the slots it holds of each sequence (lengths clipped to them: some
-        hold none of a sequence, one sequence has no key at all) and the parts merge by their
-        denominators, with only the rows' lse and log_sum gathered and the output summed: the
-        cache is never gathered. One new token; values as the unsharded reference's, sinks
-        included."""
+    @pytest.mark.parametrize(
+        "explicit, window",
+        [(False, None), (True, None), (False, 7)],
+        ids=["auto", "explicit", "window"],
+    )
+    def test_decode_over_a_cache_split_over_its_sequence(explicit, window):
+        """A contiguous cache split over its sequence (4 devices, 10 slots each) and its batch,
+        two new tokens: each device reads the slots it holds of each sequence, the tokens
+        placed ahead of them where the sequence goes on (sequences of 40, 9, 23 and 0 keys:
+        some devices hold none of one, 9 and 23 end inside a slice; a window of 7 leaves the
+        early slices unseen), and the parts merge by their denominators with only the rows'
+        lse and log_sum gathered and the outputs summed: the cache is never gathered. Values
+        as the unsharded reference's, sinks included."""
         q, k, v, lengths, *_ = _decode_problem()
-        q, lengths = q[:, :1], lengths.at[3].set(0)
-        contiguous, _ = _decode_calls(**INTERPRET)
-        ref_contiguous, _ = _decode_calls(backend="xla")
+        lengths = lengths.at[3].set(0)
+        contiguous, _ = _decode_calls(local_window_size=window, **INTERPRET)
+        ref_contiguous, _ = _decode_calls(local_window_size=window, backend="xla")
         axis_type = AxisType.Explicit if explicit else AxisType.Auto
         mesh = jax.make_mesh((2, 4), ("data", "context"), (axis_type,) * 2)
         shardings = [
@@ -739,21 +744,23 @@ if CHILD:
         assert {kind for kind, _ in collectives} <= {"all-gather", "all-reduce"}, collectives
         _assert_close(sharded(q, k, v, lengths), want, atol=1e-5)
 
-    def test_decode_over_a_split_sequence_refuses_what_it_cannot_place():
-        """Two new tokens (or a window) over a cache split over its sequence: a holder of a
-        sequence's keys that is not its last cannot place them; NotImplementedError naming the
-        query's length (jax wraps it at compile time under automatic sharding)."""
-        q, k, v, lengths, *_ = _decode_problem()
+    def test_decode_over_a_sequence_split_where_new_tokens_straddle_two_devices():
+        """Four new tokens of sequences whose last keys cross a slice boundary (lengths 12 and
+        21 over slices of 10: tokens at 8-11 and 17-20), so that two devices each hold some of
+        the tokens' own keys: every token sees exactly the keys at or before it."""
+        q, k, v, _ = _inputs(2, 4, 40, 8, 4, seed=9)
+        lengths = jnp.asarray([12, 21], jnp.int32)
         contiguous, _ = _decode_calls(**INTERPRET)
-        mesh = auto_mesh((2, 4), ("data", "context"))
+        ref_contiguous, _ = _decode_calls(backend="xla")
+        mesh = auto_mesh((4, 2), ("context", "model"))
         shardings = [
-            NamedSharding(mesh, P("data")),
-            NamedSharding(mesh, P("data", "context")),
-            NamedSharding(mesh, P("data", "context")),
-            NamedSharding(mesh, P("data")),
+            NamedSharding(mesh, P(None, None, "model")),
+            NamedSharding(mesh, P(None, "context", "model")),
+            NamedSharding(mesh, P(None, "context", "model")),
+            NamedSharding(mesh, P()),
         ]
-        with pytest.raises(Exception, match=r"query.shape\[1\] = 2"):
-            jax.jit(contiguous, in_shardings=shardings).lower(q, k, v, lengths).compile()
+        got = jax.jit(contiguous, in_shardings=shardings)(q, k, v, lengths)
+        _assert_close(got, jax.jit(ref_contiguous)(q, k, v, lengths), atol=1e-5)
 
     def test_paged_pool_sharded_over_its_pages_is_refused():
         """The pool is shared by every sequence: sharding it over its pages axis raises a

@@ -85,14 +85,18 @@ def _decode_kernel(
     m_start = pl.program_id(0) * block_m
     batch, length, (item_lo, item_hi) = schedule.item(lengths_ref, pl.program_id(2), runs_ref)
 
+    ahead = schedule.ahead_of(lengths_ref, batch)
     m_rows = num_rows - m_start  # rows of this tile that exist
     q = load_rows(
         q_ref, 0, block_m, m_rows, head_dim, ragged=num_rows % block_m != 0, lead=(batch,)
     )
     # New token t of a sequence of `length` keys sits at position length - q_len + t (the new
-    # tokens are the cache's last keys); rows past the packed rows take the last token's.
+    # tokens are the cache's last keys), or with `ahead` that many positions further (a
+    # holder of a sequence's earlier keys: `Schedule.ahead`); rows past the packed rows take
+    # the last token's.
     rows = m_start + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
-    q_pos = length - q_len + jnp.minimum(jax.lax.div(rows, group), q_len - 1)
+    end = length if ahead is None else length + ahead
+    q_pos = end - q_len + jnp.minimum(jax.lax.div(rows, group), q_len - 1)
 
     def load_kv(ref, kv_start, masked: bool):
         if page_size is None:
@@ -127,30 +131,38 @@ def _decode_kernel(
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
             visible = kv_idx <= q_pos  # causal among the new tokens; also kv_idx < length
+            if ahead is not None:  # where the tokens sit past the keys, kv_idx < length is not
+                visible = visible & (kv_idx < length)
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
         return softmax_step(carry, u, v, unit, visible)
 
     carry = softmax_init(block_m, q_ref.shape[-1])
     tiles = masks.intersect(
-        _sequence_tiles(length, q_len, window_left, block_kv), (item_lo, item_lo, item_hi, item_hi)
+        _sequence_tiles(length, q_len, window_left, block_kv, ahead),
+        (item_lo, item_lo, item_hi, item_hi),
     )
     carry = visit_tiles(tiles, body, carry)
     softmax_store(carry, unit, o_ref, lse_ref, block_m, m_rows, head_dim, log_sum_ref=log_sum_ref)
 
 
-def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int):
-    """The key tiles (lo, full_lo, full_hi, hi) a sequence of `length` keys reads.
+def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int, ahead=None):
+    """The key tiles (lo, full_lo, full_hi, hi) a sequence of `length` keys reads, its new
+    tokens the last q_len of them, or with `ahead` (None: 0) that many positions past them.
 
     Tiles past the length are never visited. Fully visible: the tiles every new token sees
-    whole (keys <= the first new token's position, and inside the last one's window).
+    whole (keys <= the first new token's position, and inside the last one's window; with
+    ahead, and below the length).
     """
+    end = length if ahead is None else length + ahead
     hi = pl.cdiv(length, block_kv)
-    full_hi = jax.lax.div(jnp.maximum(length - q_len + 1, 0), block_kv)
+    full_hi = jax.lax.div(jnp.maximum(end - q_len + 1, 0), block_kv)
+    if ahead is not None:
+        full_hi = jnp.minimum(full_hi, jax.lax.div(length, block_kv))
     lo = full_lo = 0
     if window_left is not None:
-        lo = jax.lax.div(jnp.maximum(length - q_len - window_left, 0), block_kv)
-        full_lo = pl.cdiv(jnp.maximum(length - 1 - window_left, 0), block_kv)
+        lo = jax.lax.div(jnp.maximum(end - q_len - window_left, 0), block_kv)
+        full_lo = pl.cdiv(jnp.maximum(end - 1 - window_left, 0), block_kv)
     return lo, full_lo, full_hi, hi
 
 
@@ -179,6 +191,10 @@ class Schedule:
     block_kv: int
     min_chunk: int
     max_tiles: int
+    # Whether the lengths operand also holds each sequence's `ahead` (after the B lengths):
+    # how far past its last key its new tokens sit (a holder of a sequence's earlier keys, on
+    # a cache split over devices).
+    ahead: bool = False
 
     @property
     def planned(self) -> bool:
@@ -188,16 +204,24 @@ class Schedule:
     def length(self, lengths_ref, batch):
         return jnp.clip(lengths_ref[batch], 0, self.capacity)
 
-    def _tiles(self, lengths):
-        lo, _, _, hi = _sequence_tiles(lengths, self.q_len, self.window_left, self.block_kv)
+    def ahead_of(self, lengths_ref, batch):
+        """Sequence `batch`'s ahead (>= 0), or None without (`ahead`)."""
+        return jnp.maximum(lengths_ref[self.batch + batch], 0) if self.ahead else None
+
+    def _tiles(self, lengths, ahead=None):
+        lo, _, _, hi = _sequence_tiles(lengths, self.q_len, self.window_left, self.block_kv, ahead)
         return jnp.maximum(hi - lo, 0), lo
 
     def plan_runs(self, lengths):
         """The balanced schedule's table, int32 [3 * items + 2 * B] (in XLA, before the
         kernels): per item its sequence, first tile and end tile (an empty run where first ==
-        end), then per sequence its first item and item count (for the merge)."""
-        lengths = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, self.capacity)
-        tiles, lo = self._tiles(lengths)
+        end), then per sequence its first item and item count (for the merge). lengths: [B],
+        or with `ahead` [2B] (the lengths, then the aheads)."""
+        lengths, ahead = jnp.asarray(lengths, jnp.int32), None
+        if self.ahead:  # [2B]: the lengths, then the aheads
+            lengths, ahead = lengths[: self.batch], jnp.maximum(lengths[self.batch :], 0)
+        lengths = jnp.clip(lengths, 0, self.capacity)
+        tiles, lo = self._tiles(lengths, ahead)
         lo = jnp.broadcast_to(lo, tiles.shape)  # 0 without a window
         # The smallest chunk in [1, max_tiles] whose runs fit the items; max_tiles always fits
         # (items >= B), so argmax finds a True.
@@ -225,7 +249,7 @@ class Schedule:
         if self.kind == "sequence":
             batch, split = jax.lax.div(item, self.splits), jax.lax.rem(item, self.splits)
             length = self.length(lengths_ref, batch)
-            tiles, lo = self._tiles(length)
+            tiles, lo = self._tiles(length, self.ahead_of(lengths_ref, batch))
             chunk = jax.lax.div(tiles + self.splits - 1, self.splits)
             start = lo + split * chunk
             return batch, length, (start, start + chunk)
@@ -575,10 +599,16 @@ def decode_forward(
     interpret: bool,
     num_sms: int = DEFAULT_NUM_SMS,
     with_log_sum: bool = False,
+    ahead=None,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum:
     also log_sum [B, N, T] float32, each row's log softmax denominator relative to its max
     (`softmax_store`'s; what a sink's share is taken from where lse rounds it away).
+
+    ahead: None, or int32 [B] >= 0: sequence b's new tokens sit ahead[b] positions past its
+    lengths[b] keys (token t at lengths[b] + ahead[b] - T + t, seeing the keys at or before
+    it, and within its window), as on a device that holds a sequence's earlier keys of a
+    cache split over its sequence.
 
     q: [B, T, N, H]; lengths: int32 [B] (clipped to [0, capacity]). Contiguous cache
     (block_tables None): k, v [B, S, K, H]. Paged: k, v [num_pages, page_size, K, H] and
@@ -614,6 +644,9 @@ def decode_forward(
     q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
     lengths = jnp.asarray(lengths, jnp.int32)
+    if ahead is not None:  # one operand: the lengths, then the aheads
+        lengths = jnp.concatenate([lengths, jnp.asarray(ahead, jnp.int32)])
+        schedule = dataclasses.replace(schedule, ahead=True)
 
     kernel = functools.partial(
         _decode_kernel,
@@ -630,7 +663,7 @@ def decode_forward(
         with_log_sum=splits > 1 or with_log_sum,
     )
     # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
-    lengths_spec = pl.BlockSpec((batch,), lambda m, h, z: (0,))
+    lengths_spec = pl.BlockSpec(lengths.shape, lambda m, h, z: (0,))
     q_spec = pl.BlockSpec((batch, None, block_m, hp), lambda m, h, z: (0, h, m, 0))
     operands = [lengths, q_rows, k, v]
     if paged:

@@ -278,6 +278,8 @@ class _KernelConfig:
     interpret: bool
     num_sms: int
     with_log_sum: bool
+    # The output's dtype (None: the queries'): float32 for partial results merged again.
+    out_dtype: str | None = None
 
 
 def _partitioned_kernel(*args, config: _KernelConfig):
@@ -326,9 +328,11 @@ class _KernelShard:
         of the weighted outputs)."""
         q, k, v, lengths = args
         slots, index = k.shape[1], jax.lax.axis_index(axes)
+        # Lengths past the whole cache's capacity clip to it, as on one device.
+        lengths = jnp.clip(lengths, 0, slots * jax.lax.psum(1, axes))
         behind = lengths - index * slots  # each sequence's keys from this device's first slot
         held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
-        full = dataclasses.replace(config, with_log_sum=True)
+        full = dataclasses.replace(config, with_log_sum=True, out_dtype="float32")
         out, lse, log_sum = call((q, k, v, held, None, ahead), full)
         parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
@@ -406,7 +410,7 @@ def paged_reference(
 _MATH = ("scale", "soft_cap", "window_left")
 _decode_forward = jax.jit(
     decode_forward,
-    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "with_log_sum"),
+    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "with_log_sum", "out_dtype"),
 )
 _decode_reference = jax.jit(decode_reference, static_argnames=(*_MATH, "with_log_sum"))
 _paged_reference = jax.jit(paged_reference, static_argnames=(*_MATH, "with_log_sum"))

@@ -729,14 +729,14 @@ def test_schedules_match_oracle(fields):
 @pytest.mark.parametrize(
     "fields", [dict(), dict(schedule="balanced")], ids=["sequence", "balanced"]
 )
-@pytest.mark.parametrize("window", [None, 9], ids=["full", "window"])
+@pytest.mark.parametrize("window", [None, 9, 18], ids=["full", "window", "wider-window"])
 def test_tokens_ahead_of_the_keys_match_oracle(fields, window):
     """`decode_forward(..., ahead=)`: new tokens that sit ahead[b] positions past a sequence's
     keys (a device holding a sequence's earlier keys of a cache split over its sequence): each
     token sees the keys at or before it (none past the length) and within its window, against
     float64. Aheads of 0, within the tokens (the new tokens straddle the keys' end), and past
-    them (every token sees every key, or with the window none), over 3 splits of 16-key tiles;
-    NaN past each length."""
+    them (every token sees every key, or with the window none), over 3 splits of 16-key tiles
+    (a window of 18 holds a whole tile); NaN past each length."""
     from pallas_flash.triton.decode import decode_forward
 
     rng = np.random.default_rng(11)

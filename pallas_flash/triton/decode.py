@@ -103,7 +103,7 @@ def _decode_kernel(
             return load_rows(
                 ref, kv_start, block_kv, length, head_dim, ragged=masked, lead=(batch,)
             )
-        max_pages = table_ref.shape[0] // lengths_ref.shape[0]
+        max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads too
         table_start = batch * max_pages
         return _load_paged(
             ref,
@@ -600,6 +600,7 @@ def decode_forward(
     num_sms: int = DEFAULT_NUM_SMS,
     with_log_sum: bool = False,
     ahead=None,
+    out_dtype=None,
 ):
     """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum:
     also log_sum [B, N, T] float32, each row's log softmax denominator relative to its max
@@ -608,7 +609,8 @@ def decode_forward(
     ahead: None, or int32 [B] >= 0: sequence b's new tokens sit ahead[b] positions past its
     lengths[b] keys (token t at lengths[b] + ahead[b] - T + t, seeing the keys at or before
     it, and within its window), as on a device that holds a sequence's earlier keys of a
-    cache split over its sequence.
+    cache split over its sequence. out_dtype: out's dtype (None: q's; float32 for partial
+    results that merge again).
 
     q: [B, T, N, H]; lengths: int32 [B] (clipped to [0, capacity]). Contiguous cache
     (block_tables None): k, v [B, S, K, H]. Paged: k, v [num_pages, page_size, K, H] and
@@ -643,6 +645,7 @@ def decode_forward(
     # Packed rows: [B, K, T * G, H], row t * G + g = token t of query head k * G + g.
     q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
+    out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
     lengths = jnp.asarray(lengths, jnp.int32)
     if ahead is not None:  # one operand: the lengths, then the aheads
         lengths = jnp.concatenate([lengths, jnp.asarray(ahead, jnp.int32)])
@@ -701,7 +704,7 @@ def decode_forward(
         out_shape=[
             jax.ShapeDtypeStruct(
                 (padded_items, num_kv_heads, num_rows, head_dim),
-                q.dtype if splits == 1 else jnp.float32,
+                out_dtype if splits == 1 else jnp.float32,
             ),
             *[row_shape] * rows_out,
         ],
@@ -714,10 +717,9 @@ def decode_forward(
     if splits > 1 and merge_tiles is None:
         out, *rows = _combine_splits(out, *rows, splits)
     elif splits > 1:
-        out, *rows = _merge(
-            lengths if runs is None else runs, out, *rows, schedule, merge_tiles, q.dtype, interpret
-        )
-    out = out.astype(q.dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
+        runs_or_any = lengths if runs is None else runs
+        out, *rows = _merge(runs_or_any, out, *rows, schedule, merge_tiles, out_dtype, interpret)
+    out = out.astype(out_dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
     out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
 
     def by_head(row):  # [B, K, T * G] -> [B, N, T]

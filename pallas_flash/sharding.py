@@ -81,12 +81,12 @@ def _merge(acc, part):
     return out, lse, log_sum
 
 
-def _empty(q, dtype=jnp.float32):
-    """(out, lse, log_sum) of queries that see no key."""
+def _empty(q, value_head_dim: int, dtype=jnp.float32):
+    """(out, lse, log_sum) of queries that see no key (out's head dim: the values')."""
     b, t, n, _ = q.shape
     rows = (b, n, t)
     return (
-        jnp.zeros(q.shape, dtype),
+        jnp.zeros((b, t, n, value_head_dim), dtype),
         jnp.full(rows, -jnp.inf, jnp.float32),
         jnp.zeros(rows, jnp.float32),
     )
@@ -114,10 +114,10 @@ def _block_case(d: int, q_len: int, kv_len: int, lo: int, hi: int):
 def _block_attention(q, k, v, q_seg, kv_seg, case, attend):
     """(out, lse, log_sum) of queries q on one key block under `_block_case`'s `case`."""
     if case is None:
-        return _empty(q)
+        return _empty(q, v.shape[-1])
     q_skip, kv_skip, window = case
     if q_skip >= q.shape[1] or kv_skip >= k.shape[1]:
-        return _empty(q)
+        return _empty(q, v.shape[-1])
     out, lse, log_sum = attend(
         q[:, q_skip:],
         k[:, kv_skip:],
@@ -160,7 +160,9 @@ def _step(q, k, v, q_seg, kv_seg, cases, attend, layout, f32=True):
             continue
         part = _block_attention(qs[qi], ks[ki], vs[ki], q_segs[qi], kv_segs[ki], case, attend)
         results[qi] = _merge(results[qi], part)
-    results = [_empty(qs[i], q.dtype) if r is None else r for i, r in enumerate(results)]
+    results = [
+        _empty(qs[i], v.shape[-1], q.dtype) if r is None else r for i, r in enumerate(results)
+    ]
     if f32:
         results = [(o.astype(jnp.float32), *rows) for o, *rows in results]
     if parts == 1:
@@ -264,7 +266,7 @@ def ring_attention(
     Shapes are per device (B batch, T = T_global / P local queries, S = S_global / P local
     keys)::
 
-        query: (B, T, N, H), key, value: (B, S, K, H); out: (B, T, N, H)
+        query: (B, T, N, H), key: (B, S, K, H), value: (B, S, K, Hv); out: (B, T, N, Hv)
 
     Args:
       query, key, value: this device's blocks, in the order `layout` gives.
@@ -294,11 +296,6 @@ def ring_attention(
                 f"ring_attention takes batched {name} [B, T|S, N|K, H]; got "
                 f"{name}.shape={getattr(x, 'shape', None)}"
             )
-    if value.shape[-1] != query.shape[-1]:
-        raise NotImplementedError(
-            f"ring_attention: value.shape={value.shape} has another head dim than "
-            f"query.shape={query.shape}; the ring takes equal head dims"
-        )
     num_shards = jax.lax.axis_size(axis_name)
     if num_shards == 1:
         layout = "contiguous"  # the zig-zag order of one shard is the identity
@@ -385,7 +382,9 @@ def ring_attention(
     if num_shards == 1:
         # One device holds the whole sequence: the plain call, differentiated by its own
         # backward (the ring's would run the forward again).
-        out, lse, _ = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(query)
+        out, lse, _ = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(
+            query, value.shape[-1]
+        )
         out = out.astype(query.dtype)
     else:
         out, lse = _ring_attention(ring, query, key, value, q_seg, kv_seg)
@@ -473,7 +472,7 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
         if part is not None:
             acc = _merge(acc, part)
         block = following
-    out, lse, log_sum = acc if acc is not None else _empty(q)
+    out, lse, log_sum = acc if acc is not None else _empty(q, v.shape[-1])
     return out.astype(q.dtype), lse, log_sum
 
 

@@ -814,16 +814,26 @@ if CHILD:
             dict(logits_soft_cap=2.0, segments=True),
         ),
         "causal-zigzag-P8": (8, "zigzag", dict(is_causal=True)),
+        # MLA's shape: values of another head dim than the queries' and keys'.
+        "value-head-dim-causal-zigzag-P4": (4, "zigzag", dict(is_causal=True, value_head_dim=24)),
     }
-    CI_RING_CASES = ("causal-zigzag-P2-segments-lengths", "window-contiguous-P2")
+    CI_RING_CASES = (
+        "causal-zigzag-P2-segments-lengths",
+        "window-contiguous-P2",
+        "value-head-dim-causal-zigzag-P4",
+    )
 
     def _ring_case(num_shards, layout, options, **call_kwargs):
         """(ring fn, unsharded fn, args, d_out) of a GQA problem of 8 positions per device."""
         options = dict(options)
         segments, lengths = options.pop("segments", False), options.pop("lengths", False)
+        value_head_dim = options.pop("value_head_dim", None)
         q_len = 8 * num_shards
         q, k, v, d_out = _inputs(2, q_len, q_len, 4, 2)
         rng = np.random.default_rng(2)
+        if value_head_dim is not None:
+            v = jnp.asarray(rng.standard_normal((*v.shape[:3], value_head_dim)), jnp.float32)
+            d_out = jnp.asarray(rng.standard_normal((*q.shape[:3], value_head_dim)), jnp.float32)
         extra = {}
         if segments:
             extra["q_segment_ids"] = jnp.asarray(
@@ -886,11 +896,12 @@ if CHILD:
         got = _outputs_and_grads(ring, d_out)(*args)
         _assert_close(got, _outputs_and_grads(unsharded, d_out)(*args), atol=1e-4)
 
-    def test_ring_attention_kernels_in_the_interpreter():
-        """The ring with the Pallas kernels (interpreter) on 2 devices, causal."""
-        ring, unsharded, args, d_out = _ring_case(
-            2, "contiguous", dict(is_causal=True), **INTERPRET
-        )
+    @pytest.mark.parametrize("value_head_dim", [None, 24], ids=["H", "Hv"])
+    def test_ring_attention_kernels_in_the_interpreter(value_head_dim):
+        """The ring with the Pallas kernels (interpreter) on 2 devices, causal; values of the
+        queries' head dim or another."""
+        options = dict(is_causal=True, value_head_dim=value_head_dim)
+        ring, unsharded, args, d_out = _ring_case(2, "contiguous", options, **INTERPRET)
         got = _outputs_and_grads(ring, d_out)(*args)
         _assert_close(got, _outputs_and_grads(unsharded, d_out)(*args), atol=1e-4)
 

@@ -22,7 +22,13 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_flash import masks
 from pallas_flash._numerics import merge_weights
-from pallas_flash.api import _canonical_window, flash_attention, flash_attention_backward
+from pallas_flash.api import (
+    _canonical_window,
+    _check_sinks,
+    flash_attention,
+    flash_attention_backward,
+)
+from pallas_flash.reference import with_sinks
 
 LAYOUTS = ("contiguous", "zigzag")
 _UNBOUNDED = 1 << 30
@@ -249,6 +255,7 @@ def ring_attention(
     kv_segment_ids=None,
     local_window_size: int | tuple[int, int] | None = None,
     logits_soft_cap: float | None = None,
+    sinks=None,
     layout: str = "contiguous",
     return_residuals: bool = False,
     backend: str | None = None,
@@ -282,6 +289,9 @@ def ring_attention(
         in `flash_attention`, with causality and windows on global positions. Ring steps whose
         block lies wholly outside the mask (the future under is_causal, beyond the window) run
         no kernel, and the ring stops after the last step any device needs.
+      sinks: None, or float (N,): attention sinks as in `flash_attention` (this device's
+        query heads'), one logit per head in each row's softmax denominator, applied to the
+        ring's merged result (its denominators, exact at any logit magnitude); differentiable.
       return_residuals: also return lse (B, N, T), float32.
 
     Returns:
@@ -296,6 +306,7 @@ def ring_attention(
                 f"ring_attention takes batched {name} [B, T|S, N|K, H]; got "
                 f"{name}.shape={getattr(x, 'shape', None)}"
             )
+    _check_sinks(sinks, query.shape[2])
     num_shards = jax.lax.axis_size(axis_name)
     if num_shards == 1:
         layout = "contiguous"  # the zig-zag order of one shard is the identity
@@ -382,12 +393,16 @@ def ring_attention(
     if num_shards == 1:
         # One device holds the whole sequence: the plain call, differentiated by its own
         # backward (the ring's would run the forward again).
-        out, lse, _ = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(
+        out, lse, log_sum = ring.step(0, query, q_seg, key, value, kv_seg) or _empty(
             query, value.shape[-1]
         )
         out = out.astype(query.dtype)
     else:
-        out, lse = _ring_attention(ring, query, key, value, q_seg, kv_seg)
+        out, lse, log_sum = _ring_attention(ring, query, key, value, q_seg, kv_seg)
+    if sinks is not None:
+        # log_sum makes the sink's share exact where lse rounds the keys' denominator away;
+        # the result depends on it only through that rounding (its derivatives cancel).
+        out, lse = with_sinks(out, lse, sinks, jax.lax.stop_gradient(log_sum))
     return (out, lse) if return_residuals else out
 
 
@@ -458,8 +473,8 @@ class _Ring:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _ring_attention(ring: _Ring, q, k, v, q_seg, kv_seg):
-    out, lse, _ = _ring_forward(ring, q, k, v, q_seg, kv_seg)
-    return out, lse
+    """(out, lse, log_sum); log_sum's cotangent is not taken (callers stop its gradient)."""
+    return _ring_forward(ring, q, k, v, q_seg, kv_seg)
 
 
 def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
@@ -478,7 +493,7 @@ def _ring_forward(ring: _Ring, q, k, v, q_seg, kv_seg):
 
 def _ring_fwd_rule(ring, q, k, v, q_seg, kv_seg):
     out, lse, log_sum = _ring_forward(ring, q, k, v, q_seg, kv_seg)
-    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse, log_sum)
+    return (out, lse, log_sum), (q, k, v, q_seg, kv_seg, out, lse, log_sum)
 
 
 def _ring_bwd_rule(ring, residuals, cotangents):
@@ -489,7 +504,7 @@ def _ring_bwd_rule(ring, residuals, cotangents):
     remote block at a time. After the last step each accumulator goes back to its owner in one
     permute."""
     q, k, v, q_seg, kv_seg, out, lse, log_sum = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse, _ = cotangents
     d_out = d_out.astype(out.dtype)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
@@ -528,13 +543,14 @@ def ring_attention_sharded(
     kv_segment_ids=None,
     query_seq_lengths=None,
     key_value_seq_lengths=None,
+    sinks=None,
     return_residuals: bool = False,
     **kwargs,
 ):
     """`ring_attention` for global arrays under jit: a `jax.shard_map` over `mesh` with the
     sequence split over `context_axis` (and optionally the batch over `batch_axis`, the heads
     over `head_axis`). Arguments as in `ring_attention` but global: query (B, T, N, H), segment
-    ids (B, T) / (B, S), in `kwargs['layout']` order."""
+    ids (B, T) / (B, S), in `kwargs['layout']` order; sinks (N,)."""
     qkv = P(batch_axis, context_axis, head_axis, None)
     seg = P(batch_axis, context_axis)
     lengths = P(batch_axis)
@@ -543,6 +559,7 @@ def ring_attention_sharded(
         "kv_segment_ids": (kv_segment_ids, seg),
         "query_seq_lengths": (query_seq_lengths, lengths),
         "key_value_seq_lengths": (key_value_seq_lengths, lengths),
+        "sinks": (sinks, P(head_axis)),
     }
     present = {name: x for name, (x, _) in optional.items() if x is not None}
     specs = {name: optional[name][1] for name in present}

@@ -816,11 +816,14 @@ if CHILD:
         "causal-zigzag-P8": (8, "zigzag", dict(is_causal=True)),
         # MLA's shape: values of another head dim than the queries' and keys'.
         "value-head-dim-causal-zigzag-P4": (4, "zigzag", dict(is_causal=True, value_head_dim=24)),
+        # gpt-oss's: attention sinks (one of them -inf), with a window.
+        "sinks-window-contiguous-P4": (4, "contiguous", dict(local_window_size=6, sinks=True)),
     }
     CI_RING_CASES = (
         "causal-zigzag-P2-segments-lengths",
         "window-contiguous-P2",
         "value-head-dim-causal-zigzag-P4",
+        "sinks-window-contiguous-P4",
     )
 
     def _ring_case(num_shards, layout, options, **call_kwargs):
@@ -828,6 +831,7 @@ if CHILD:
         options = dict(options)
         segments, lengths = options.pop("segments", False), options.pop("lengths", False)
         value_head_dim = options.pop("value_head_dim", None)
+        sinks = options.pop("sinks", False)
         q_len = 8 * num_shards
         q, k, v, d_out = _inputs(2, q_len, q_len, 4, 2)
         rng = np.random.default_rng(2)
@@ -839,6 +843,8 @@ if CHILD:
             extra["q_segment_ids"] = jnp.asarray(
                 np.sort(rng.integers(0, 3, (2, q_len)), axis=1), jnp.int32
             )
+        if sinks:
+            extra["sinks"] = jnp.asarray([0.5, -jnp.inf, 2.0, -1.0], jnp.float32)
         if lengths:
             extra["query_seq_lengths"] = jnp.asarray([q_len - 3, q_len // 2])
             extra["key_value_seq_lengths"] = jnp.asarray([q_len - 5, q_len // 2 + 1])
@@ -895,6 +901,26 @@ if CHILD:
         ring, unsharded, args, d_out = _ring_case(*RING_CASES[case], backend="xla")
         got = _outputs_and_grads(ring, d_out)(*args)
         _assert_close(got, _outputs_and_grads(unsharded, d_out)(*args), atol=1e-4)
+
+    def test_ring_attention_sink_gradients():
+        """d sinks through the ring (the sinks applied to its merged result, inside the
+        shard_map: each device's share of the rows summed over the context axis) equals the
+        unsharded call's."""
+        ring, unsharded, (q, k, v, extra), d_out = _ring_case(
+            4, "zigzag", dict(is_causal=True, sinks=True), backend="xla"
+        )
+
+        def d_sinks(attn):
+            def loss(sinks):
+                out, lse = attn(q, k, v, dict(extra, sinks=sinks))
+                weights = jnp.linspace(0.5, 1.5, lse.shape[-1]) * jnp.isfinite(lse)
+                return jnp.sum(out * d_out) + jnp.sum(
+                    jnp.where(jnp.isfinite(lse), lse, 0) * weights
+                )
+
+            return jax.jit(jax.grad(loss))(extra["sinks"])
+
+        _assert_close(d_sinks(ring), d_sinks(unsharded), atol=1e-4)
 
     @pytest.mark.parametrize("value_head_dim", [None, 24], ids=["H", "Hv"])
     def test_ring_attention_kernels_in_the_interpreter(value_head_dim):

@@ -3,6 +3,7 @@
     python examples/generate.py                        # tiny random model; CPU (interpreter) or GPU
     python examples/generate.py --preset gpt3-1.3b --batch 8 --prompt 2048 --new 256 --cache 4096
     python examples/generate.py --mesh data=2,model=4  # sequences over `data`, heads over `model`
+    # (on a CPU with 8 fake devices: XLA_FLAGS=--xla_force_host_platform_device_count=8)
 
 The prompt is prefilled in one causal `flash_attention` call per layer, its keys and values
 written into a [B, cache, K, H] cache per layer; each new token then runs one jit-compiled step
@@ -61,11 +62,20 @@ def finish(block: train_gpt.Block, x, attn):
 
 def parse_mesh(text: str):
     """ "data=2,model=4" -> a mesh of those axes over all devices (automatic sharding)."""
-    axes = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
-    if set(axes) - {"data", "model"}:
-        raise SystemExit(f"--mesh axes must be data and/or model, got {sorted(axes)}")
-    if np.prod(list(axes.values())) != jax.device_count():
-        raise SystemExit(f"--mesh {text}: needs {np.prod(list(axes.values()))} devices")
+    axes = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        if name not in ("data", "model") or name in axes or not size.isdigit() or int(size) < 1:
+            raise SystemExit(
+                f"--mesh {text}: expected data=N and/or model=M (each once, >= 1), got {item!r}"
+            )
+        axes[name] = int(size)
+    devices = int(np.prod(list(axes.values())))
+    if devices != jax.device_count():
+        raise SystemExit(
+            f"--mesh {text}: {devices} devices, found {jax.device_count()} (on a CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={devices})"
+        )
     return jax.make_mesh(tuple(axes.values()), tuple(axes), axis_types=(AxisType.Auto,) * len(axes))
 
 
@@ -212,9 +222,15 @@ def main(argv=None):
     )
     args = parser.parse_args(argv)
     mesh = parse_mesh(args.mesh) if args.mesh else None
-
     cfg = train_gpt.PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, kv_heads=args.kv_heads or cfg.kv_heads)
+    if mesh is not None and args.batch % mesh.shape.get("data", 1):
+        raise SystemExit(f"--batch {args.batch} must divide over --mesh {args.mesh}'s data axis")
+    if mesh is not None and cfg.kv_heads % mesh.shape.get("model", 1):
+        raise SystemExit(
+            f"{cfg.kv_heads} kv heads must divide over --mesh {args.mesh}'s model axis"
+        )
+
     on_gpu = (gpu_compute_capability() or (0, 0)) >= (8, 0)
     interpret = not on_gpu  # on a CPU the Pallas kernels run in the interpreter
     dtype = jnp.bfloat16 if on_gpu else jnp.float32

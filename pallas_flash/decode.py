@@ -98,6 +98,11 @@ def decode_attention(
       out, or (out, lse) when return_residuals. A token that sees no key (L = 0) outputs
       zeros with lse = -inf. Differentiable in query, key_cache and value_cache: the kernel
       has no backward of its own, and gradients come from the reference (backend="xla").
+
+    On a device mesh (under jit) the kernel runs on each device's shard: query and the cache
+    split over their batch and/or heads (each device's query heads with their KV heads), the
+    cache also over its sequence (the devices' parts merge by their softmax denominators);
+    the lengths follow the batch. docs/decoding.md, "On several GPUs".
     """
     _refuse_dropout(dropout_rate)
     query, key_cache, value_cache = _check_arrays(
@@ -159,7 +164,9 @@ def paged_attention(
     anything. The page size (any size >= 1; powers of two 16-256 are the usual) is independent
     of the kernel's key tile. Write new keys and values with `write_to_pages`.
 
-    Args and returns as `decode_attention` (lengths is its key_value_seq_lengths).
+    Args and returns as `decode_attention` (lengths is its key_value_seq_lengths). On a device
+    mesh the pool splits over its KV heads only (it is shared by the batch), the queries, tables
+    and lengths over the batch and heads as theirs.
     """
     _refuse_dropout(dropout_rate)
     query, key_pages, value_pages = _check_arrays(

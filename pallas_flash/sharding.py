@@ -295,8 +295,8 @@ def ring_attention(
       return_residuals: also return lse (B, N, T), float32.
 
     Returns:
-      out (B, T, N, H) in query's dtype, or (out, lse). Rows that see no key output zeros with
-      lse -inf.
+      out (B, T, N, Hv) in query's dtype, or (out, lse). Rows that see no key output zeros
+      with lse -inf (with sinks: lse = the sink).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=} must be one of {LAYOUTS}")
@@ -551,6 +551,7 @@ def ring_attention_sharded(
     sequence split over `context_axis` (and optionally the batch over `batch_axis`, the heads
     over `head_axis`). Arguments as in `ring_attention` but global: query (B, T, N, H), segment
     ids (B, T) / (B, S), in `kwargs['layout']` order; sinks (N,)."""
+    _check_sinks(sinks, query.shape[2])  # the global heads', before the shard_map splits them
     qkv = P(batch_axis, context_axis, head_axis, None)
     seg = P(batch_axis, context_axis)
     lengths = P(batch_axis)

@@ -321,7 +321,7 @@ def plain_in_dtype(c: Config, x64, vis):
     with the matmuls and row sums accumulated in float32 as XLA's are (a float64 accumulation
     would model a float32 attention more exact than any: with logits in the hundreds, q.k of
     ~1e3 carries several float32 ulps, which moves every P of the row and every gradient with
-    it). numpy, so that the baseline costs no compilation."""
+    it). numpy (but the soft cap's tanh: XLA's), so that the baseline costs little compilation."""
     dtype = DTYPES[c.dtype]
 
     def r(x):

@@ -922,6 +922,22 @@ if CHILD:
 
         _assert_close(d_sinks(ring), d_sinks(unsharded), atol=1e-4)
 
+    def test_ring_sharded_checks_its_global_sinks():
+        """ring_attention_sharded takes the global sinks (N,), checked before the shard_map
+        splits them over the heads: one per device's heads is refused, naming sinks."""
+        q, k, v, _ = _inputs(2, 16, 16, 4, 4)
+        mesh = jax.make_mesh((2, 2), ("context", "model"), (AxisType.Auto,) * 2)
+        call = functools.partial(
+            sharding.ring_attention_sharded,
+            mesh=mesh,
+            context_axis="context",
+            head_axis="model",
+            backend="xla",
+        )
+        with pytest.raises(ValueError, match=r"sinks.shape=\(2,\) must be \(4,\)"):
+            call(q, k, v, sinks=jnp.zeros(2, jnp.float32))
+        assert call(q, k, v, sinks=jnp.zeros(4, jnp.float32)).shape == q.shape
+
     @pytest.mark.parametrize("value_head_dim", [None, 24], ids=["H", "Hv"])
     def test_ring_attention_kernels_in_the_interpreter(value_head_dim):
         """The ring with the Pallas kernels (interpreter) on 2 devices, causal; values of the

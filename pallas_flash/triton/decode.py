@@ -602,9 +602,9 @@ def decode_forward(
     ahead=None,
     out_dtype=None,
 ):
-    """out [B, T, N, H] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum:
-    also log_sum [B, N, T] float32, each row's log softmax denominator relative to its max
-    (`softmax_store`'s; what a sink's share is taken from where lse rounds it away).
+    """out [B, T, N, H] in q's dtype (or out_dtype) and lse [B, N, T] float32 (natural log);
+    with_log_sum: also log_sum [B, N, T] float32, each row's log softmax denominator relative
+    to its max (`softmax_store`'s; what a sink's share is taken from where lse rounds it away).
 
     ahead: None, or int32 [B] >= 0: sequence b's new tokens sit ahead[b] positions past its
     lengths[b] keys (token t at lengths[b] + ahead[b] - T + t, seeing the keys at or before
@@ -646,7 +646,17 @@ def decode_forward(
     q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
     out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise TypeError(f"decode_forward: out_dtype={out_dtype} must be a floating dtype")
     lengths = jnp.asarray(lengths, jnp.int32)
+    if ahead is not None and (
+        tuple(jnp.shape(ahead)) != (batch,)
+        or not jnp.issubdtype(jnp.result_type(ahead), jnp.integer)
+    ):
+        raise ValueError(
+            f"decode_forward: ahead {jnp.shape(ahead)} {jnp.result_type(ahead)} must be an "
+            f"integer array of shape ({batch},), one per sequence"
+        )
     if ahead is not None:  # one operand: the lengths, then the aheads
         lengths = jnp.concatenate([lengths, jnp.asarray(ahead, jnp.int32)])
         schedule = dataclasses.replace(schedule, ahead=True)

@@ -108,12 +108,13 @@ def _caller(kinds) -> str:
 
 
 def plan(mesh, q_shape, k_shape, q_spec, k_spec, v_spec=None, *, caller="flash_attention") -> _Plan:
-    """The batch and head axes of a call whose q, k (and v) carry these PartitionSpecs; k and v
+    """The batch and head axes of a call whose q, k (and v) carry these PartitionSpecs, and for
+    "decode_attention" the axes its cache's sequence is split over (`_Plan.context`); k and v
     are a paged cache's pages where caller is "paged_attention".
 
     Raises ValueError when an operand is sharded over its sequence or head-dim axis (the kernels
-    cannot split them; a paged cache's pages and page axes neither), or when the heads are split
-    over more shards than there are kv heads.
+    cannot split them, but for a decode cache's sequence; a paged cache's pages and page axes
+    neither), or when the heads are split over more shards than there are kv heads.
     """
     paged = caller == _CALLERS["pages"]
     names = _KEY_VALUE_NAMES[caller]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -281,7 +282,19 @@ def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str |
             jax.config.jax_enable_x64,
             jax.config.jax_default_matmul_precision,
         )
-        return _exported(kernel, local, tree, avals, platform, context).call(*leaves)
+        try:
+            exported = _exported(kernel, local, tree, avals, platform, context)
+        except Exception as e:  # noqa: BLE001 -- the direct lowering gives the same results
+            # Only compile time is at stake: lower the kernels here, as every call site did
+            # before, and say why.
+            warnings.warn(
+                f"pallas_flash: the partitioned kernels could not be exported once "
+                f"({type(e).__name__}: {str(e)[:200]}); lowering them at every call site",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return kernel(*args, config=local)
+        return exported.call(*leaves)
 
     def run(*args):
         arrays = next((a for a in args if isinstance(a, MaskArrays)), None)

@@ -590,6 +590,22 @@ if CHILD:
         text = jax.jit(functools.partial(pallas_flash.flash_attention, **INTERPRET))
         assert "CustomSPMDPartitioning" not in text.lower(q, k, v).as_text()
 
+    def test_partitioned_passes_lower_directly_where_export_fails(monkeypatch):
+        """Should jax.export refuse a pass, the rule lowers it at the call site as before (the
+        same results) and warns: only compile time is at stake."""
+        from pallas_flash import _partition
+
+        def refuse(*args, **kwargs):
+            raise NotImplementedError("no export here")
+
+        monkeypatch.setattr(_partition, "_exported", refuse)
+        call = functools.partial(pallas_flash.flash_attention, is_causal=True, **INTERPRET)
+        q, k, v, _ = _inputs(4, 16, 16, 4, 4, seed=8)
+        spec = NamedSharding(auto_mesh((2, 4), ("data", "model")), P("data", None, "model"))
+        with pytest.warns(RuntimeWarning, match="no export here"):
+            got = jax.jit(call, in_shardings=(spec,) * 3)(q, k, v)
+        _assert_close(got, call(q, k, v), atol=1e-5)
+
     def test_exported_passes_follow_the_mesh_context():
         """jax.export reads the mesh of `jax.set_mesh` into its module's device count: a pass
         exported under an 8-device context is not reused on a 2-device mesh whose shards have

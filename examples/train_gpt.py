@@ -4,10 +4,13 @@
     python examples/train_gpt.py --preset gpt3-1.3b --seq 8192 --attention pallas_flash   # on a GPU
     python examples/train_gpt.py --mesh data=2,context=4   # data + context parallel (ring) on 8
 
-With --mesh the batch is split over the `data` axis and the sequence over `context`: attention
-runs as `pallas_flash.ring_attention` (zig-zag order, so the causal work is balanced: the tokens
-and their rotary positions are permuted once at the input; the loss is per token, so nothing
-else changes). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8 gives 8 devices.
+With --mesh the batch is split over the `data` axis, the sequence over `context` and the
+attention heads over `model`: with a context axis attention runs as `pallas_flash.ring_attention`
+(zig-zag order, so the causal work is balanced: the tokens and their rotary positions are
+permuted once at the input; the loss is per token, so nothing else changes); without one, as
+`flash_attention` on each device's sequences and heads (the weights stay replicated: only the
+attention is split over `model`). On a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=8
+gives 8 devices.
 
 Pre-LayerNorm blocks, rotary position embeddings, optional GQA (--kv-heads), byte-level tokens. The
 corpus is built locally from the Python standard library's source files (nothing is downloaded).
@@ -80,7 +83,9 @@ def corpus_bytes(limit: int = 8 << 20) -> np.ndarray:
 
 def attention_fn(name: str, interpret: bool, mesh=None):
     """q [B,T,N,H], k/v [B,T,K,H] -> [B,T,N,H], causal. With a mesh of a `context` axis: ring
-    attention over it, on sequences in zig-zag order."""
+    attention over it, on sequences in zig-zag order; with a `model` axis the heads split over
+    it."""
+    axis = lambda a: a if mesh is not None and a in mesh.shape else None  # noqa: E731
     if mesh is not None and mesh.shape.get("context", 1) > 1:
         if name != "pallas_flash":
             raise SystemExit("--mesh with a context axis needs --attention pallas_flash")
@@ -88,11 +93,20 @@ def attention_fn(name: str, interpret: bool, mesh=None):
             pallas_flash.ring_attention_sharded,
             mesh=mesh,
             context_axis="context",
-            batch_axis="data" if "data" in mesh.shape else None,
+            batch_axis=axis("data"),
+            head_axis=axis("model"),
             is_causal=True,
             layout="zigzag",
             interpret=interpret,
         )
+    if name == "pallas_flash" and axis("model"):
+        split = NamedSharding(mesh, P(axis("data"), None, "model"))
+
+        def heads_split(q, k, v):
+            q, k, v = (jax.lax.with_sharding_constraint(x, split) for x in (q, k, v))
+            return pallas_flash.flash_attention(q, k, v, is_causal=True, interpret=interpret)
+
+        return heads_split
     if name == "pallas_flash":
         return functools.partial(pallas_flash.flash_attention, is_causal=True, interpret=interpret)
     return functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation=name)
@@ -149,9 +163,9 @@ class GPT(nnx.Module):
 def parse_mesh(text: str):
     """ "data=2,context=4" -> a mesh of those axes over all devices (automatic sharding)."""
     axes = dict(item.split("=") for item in text.split(","))
-    unknown = set(axes) - {"data", "context"}
+    unknown = set(axes) - {"data", "context", "model"}
     if unknown:
-        raise SystemExit(f"--mesh axes must be data and/or context, got {sorted(unknown)}")
+        raise SystemExit(f"--mesh axes must be data, context and/or model, got {sorted(unknown)}")
     sizes = tuple(int(n) for n in axes.values())
     if math.prod(sizes) != jax.device_count():
         raise SystemExit(f"--mesh {text}: {math.prod(sizes)} devices, found {jax.device_count()}")
@@ -193,8 +207,8 @@ def main(argv=None):
     parser.add_argument(
         "--mesh",
         help="device mesh as axis=size pairs, e.g. data=2,context=4: the batch over `data`, "
-        "the sequence over `context` (ring attention); the sizes' product must be the device "
-        "count",
+        "the sequence over `context` (ring attention), the attention heads over `model`; the "
+        "sizes' product must be the device count",
     )
     parser.add_argument("--out", help="JSONL file for the per-step log")
     args = parser.parse_args(argv)
@@ -211,6 +225,9 @@ def main(argv=None):
     context = mesh.shape.get("context", 1) if mesh is not None else 1
     if cfg.seq % (2 * context):
         raise SystemExit(f"--seq {cfg.seq} must be a multiple of 2 x context ({context})")
+    model_shards = mesh.shape.get("model", 1) if mesh is not None else 1
+    if cfg.kv_heads % model_shards:
+        raise SystemExit(f"{cfg.kv_heads} kv heads must divide over model={model_shards}")
     data = corpus_bytes()
     attention = attention_fn(args.attention, interpret, mesh)
     if args.remat_attention:

@@ -1042,14 +1042,18 @@ if CHILD:
         assert [k for k, _ in collectives if k != "all-reduce"] == ["collective-permute"] * 2
 
     @pytest.mark.skipif(not ALL_CASES, reason="~30 s of CPU: PALLAS_FLASH_SHARDING_ALL=1")
-    def test_train_gpt_on_a_data_and_context_mesh():
-        """examples/train_gpt.py --mesh data=2,context=4 (ring attention with the kernels in
-        the interpreter) trains to the losses of the unsharded XLA run."""
+    @pytest.mark.parametrize(
+        "mesh", ["data=2,context=4", "data=2,context=2,model=2", "data=4,model=2"]
+    )
+    def test_train_gpt_on_a_mesh(mesh):
+        """examples/train_gpt.py --mesh (ring attention with the kernels in the interpreter
+        where there is a context axis; the heads split over `model`) trains to the losses of
+        the unsharded XLA run."""
         pytest.importorskip("flax")
         from test_examples import load
 
         train_gpt = load("train_gpt")
-        common = ["--steps", "3", "--batch", "2", "--seq", "64", "--kv-heads", "2"]
-        ring = train_gpt.main([*common, "--mesh", "data=2,context=4"])
+        common = ["--steps", "3", "--batch", "4", "--seq", "64", "--kv-heads", "2"]
+        sharded = train_gpt.main([*common, "--mesh", mesh])
         xla = train_gpt.main([*common, "--attention", "xla"])
-        assert ring["final_loss"] == pytest.approx(xla["final_loss"], rel=1e-4)
+        assert sharded["final_loss"] == pytest.approx(xla["final_loss"], rel=1e-4)

@@ -798,10 +798,10 @@ FLOAT32_CANCELLING_LOGITS = Config(
 
 
 def _interpreter_recompute(params):
-    """params with the Triton interpreter's a strict xfail (the recompute above)."""
+    """params with the Triton interpreter's a strict xfail (the recompute above, and below)."""
     for param in params:
         if param.id == "triton-interpret":
-            why = "the interpreter's K Q^T rounds apart from its forward's Q K^T"
+            why = "the interpreter recomputes the logits apart from its forward (an ulp of u)"
             param = pytest.param(
                 *param.values,
                 id=param.id,
@@ -815,6 +815,47 @@ def test_float32_logits_that_cancel(path):
     """The sweep's check on FLOAT32_CANCELLING_LOGITS (seed 1; the sweep found it at seed 10054
     of a larger call)."""
     check(FLOAT32_CANCELLING_LOGITS, 1, path)
+
+
+# float32 logits ~1e7-1e8 with a bias, one key per row: u = scale * q.k + bias, which XLA (the
+# Triton interpreter) contracts into an FMA in one of the forward's fusions and not the other:
+# the row max and the exponentials read u an ulp apart (2 at |u| ~ 2e7). log_sum came out at
+# -2 (l < 1), the backward's clamp P <= 2^-log_sum above 1, and gradients off by up to 1e17
+# (found by a CPU sweep); `softmax_store` holds log_sum at 0 since. What stays is a P of
+# e^-2 where the exponentials' u is the larger (log_sum +2: an ulp, not an overflow). On the
+# GPU each u is computed once.
+FLOAT32_HUGE_LOGITS_WITH_A_BIAS = Config(
+    batch=1,
+    q_len=16,
+    kv_len=1,
+    num_heads=1,
+    num_kv_heads=1,
+    head_dim=24,
+    dtype="f32",
+    bias="ts",
+    bias_dtype="f32",
+    extreme="huge-logits",
+)
+
+
+@pytest.mark.parametrize("path", list(_interpreter_recompute(backend_paths())))
+def test_float32_huge_logits_with_a_bias(path):
+    """The sweep's check on FLOAT32_HUGE_LOGITS_WITH_A_BIAS (seed 3)."""
+    check(FLOAT32_HUGE_LOGITS_WITH_A_BIAS, 3, path)
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_float32_huge_logits_with_a_bias_stay_bounded_in_the_interpreter(seed):
+    """The interpreter's gradients on FLOAT32_HUGE_LOGITS_WITH_A_BIAS: off by an ulp's e^2 at
+    most, never by orders of magnitude (P <= 1 in the backward: log_sum >= 0)."""
+    c = FLOAT32_HUGE_LOGITS_WITH_A_BIAS
+    xs, x64, vis = make_inputs(c, seed)
+    results = run_path(c, xs, BACKEND_PATHS["triton-interpret"])
+    want = oracle(c, x64, vis)
+    for name in ("dq", "dk", "dv", "dbias"):
+        magnitude = max(1.0, float(np.max(np.abs(want[name]))))
+        err = float(np.max(np.abs(to64(results[name]) - want[name])))
+        assert err <= magnitude, (name, err, magnitude)
 
 
 # float16 with huge logits and scale 1 (q and k ~1e4, logits ~1e9): some float64 gradients

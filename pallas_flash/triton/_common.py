@@ -224,7 +224,11 @@ def softmax_store(
     if out_scale != 1.0:
         out = out * out_scale
     store_rows(o_ref, out, 0, block, rows, head_dim)
-    log_sum = jnp.log2(l_safe) * LN2
+    # l_i >= 1 (the row max's own term is exp2(0)), unless the max and the exponentials read u
+    # apart: XLA (the interpreter) may contract scale * q.k + bias into an FMA in one of its
+    # fusions and not in the other, an ulp of u apart (2 at |u| ~ 2e7), which would leave
+    # log_sum < 0 and the backward's clamp P <= 2^-log_sum above 1. Held at 0: lse is the max.
+    log_sum = jnp.maximum(jnp.log2(l_safe) * LN2, 0.0)
     lse = jnp.where(empty, -jnp.inf, top + log_sum)
     tile_rows = lax.broadcasted_iota(jnp.int32, (block,), 0)
     plgpu.store(lse_ref, lse, mask=tile_rows < rows)

@@ -469,7 +469,7 @@ class _Options:
         )
         interpret = bool(interpret)
         # The split count fills the SMs of the GPU the call is traced for; the tiles (None) are
-        # chosen for the shapes each device runs (`_kernel_shard`).
+        # chosen for the shapes each device runs (`_KernelShard`).
         num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
         kernel_kwargs = dict(
             math_kwargs, block_sizes=block_sizes, interpret=interpret, num_sms=num_sms

@@ -824,17 +824,8 @@ def test_float32_logits_that_cancel(path):
 # (found by a CPU sweep); `softmax_store` holds log_sum at 0 since. What stays is a P of
 # e^-2 where the exponentials' u is the larger (log_sum +2: an ulp, not an overflow). On the
 # GPU each u is computed once.
-FLOAT32_HUGE_LOGITS_WITH_A_BIAS = Config(
-    batch=1,
-    q_len=16,
-    kv_len=1,
-    num_heads=1,
-    num_kv_heads=1,
-    head_dim=24,
-    dtype="f32",
-    bias="ts",
-    bias_dtype="f32",
-    extreme="huge-logits",
+FLOAT32_HUGE_LOGITS_WITH_A_BIAS = dataclasses.replace(
+    FLOAT32_CANCELLING_LOGITS, q_len=16, head_dim=24, bias="ts", bias_dtype="f32"
 )
 
 

@@ -141,7 +141,7 @@ def test_key_ranges_take_the_ranged_dkv_tiles_at_h128():
     from pallas_flash.masks import MaskSpec
 
     def dkv_rows(head_dim=128, dtype=jnp.bfloat16, **spec):
-        ranged = tiles.key_ranges(MaskSpec(q_len=64, kv_len=64, **spec))
+        ranged = MaskSpec(q_len=64, kv_len=64, **spec).has_key_ranges
         return tiles.heuristic_block_sizes(head_dim, dtype, ranged=ranged).block_q_dkv
 
     assert dkv_rows() == 64

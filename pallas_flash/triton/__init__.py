@@ -55,5 +55,5 @@ def block_sizes(call: Call, *, interpret: bool) -> BlockSizes:
         interpret=interpret,
         masked=call.masked,
         narrow=narrow_band(call.spec),
-        ranged=tiles.key_ranges(call.spec),
+        ranged=call.spec.has_key_ranges,
     )

@@ -649,15 +649,14 @@ def decode_forward(
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"decode_forward: out_dtype={out_dtype} must be a floating dtype")
     lengths = jnp.asarray(lengths, jnp.int32)
-    if ahead is not None and (
-        tuple(jnp.shape(ahead)) != (batch,)
-        or not jnp.issubdtype(jnp.result_type(ahead), jnp.integer)
-    ):
-        raise ValueError(
-            f"decode_forward: ahead {jnp.shape(ahead)} {jnp.result_type(ahead)} must be an "
-            f"integer array of shape ({batch},), one per sequence"
-        )
     if ahead is not None:  # one operand: the lengths, then the aheads
+        if tuple(jnp.shape(ahead)) != (batch,) or not jnp.issubdtype(
+            jnp.result_type(ahead), jnp.integer
+        ):
+            raise ValueError(
+                f"decode_forward: ahead {jnp.shape(ahead)} {jnp.result_type(ahead)} must be an "
+                f"integer array of shape ({batch},), one per sequence"
+            )
         lengths = jnp.concatenate([lengths, jnp.asarray(ahead, jnp.int32)])
         schedule = dataclasses.replace(schedule, ahead=True)
 

@@ -165,7 +165,8 @@ def heuristic_block_sizes(
     defaults keep at most two stages so that the kernels fit in the H200's 227 KiB of shared
     memory (three stages of K, V and a bias tile at H=128 need 288 KiB). `narrow`: each query
     sees a narrow band of keys (see narrow_band); the forward then takes smaller tiles.
-    `ranged`: rows see a range of keys (see key_ranges); the dK/dV kernel then takes its own.
+    `ranged`: rows see a range of keys (`MaskSpec.has_key_ranges`); the dK/dV kernel then
+    takes its own.
     """
     hp = padded_head_dim(head_dim)
     if jnp.dtype(dtype) == jnp.float32:
@@ -199,12 +200,6 @@ def default_block_sizes(
     if interpret:
         return _INTERPRET
     return heuristic_block_sizes(head_dim, dtype, masked=masked, narrow=narrow, ranged=ranged)
-
-
-def key_ranges(spec) -> bool:
-    """Whether the rows of `spec` (a masks.MaskSpec) see ranges of keys that differ by row:
-    causal, a local window, or lengths or segment ids (tiles at a range's edges are masked)."""
-    return spec.has_key_ranges
 
 
 def narrow_band(spec) -> bool:

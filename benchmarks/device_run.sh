@@ -189,7 +189,7 @@ for stage in ${@:-tests masks grid}; do
     anchors)
       # The anchors' peers side by side. Needs carry: [".whl", ".anchors"]: tokamax and
       # its pure-Python dependencies as wheels (.whl/), the anchors' scripts copied to .anchors/
-      # (both ignored by git; NOTES.md says how to rebuild them).
+      # (both ignored by git; docs/notes/peers.md, "Rebuilding the anchors' inputs").
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PYTHONPATH
       timeout ${ANCHORS_TIMEOUT:-300} python3 .anchors/bench_jax.py --hdims ${ANCHOR_HDIMS:-128} \

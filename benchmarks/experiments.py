@@ -1,4 +1,4 @@
-"""Device-side experiments behind benchmarks/NOTES.md (not part of the library's API).
+"""Device-side experiments behind docs/notes/ (not part of the library's API).
 
 python benchmarks/experiments.py tiles-masked --out $OUT/tiles.jsonl
     forward tiles for the narrow masked workloads (1k causal window and 8 x 2k packed
@@ -357,8 +357,8 @@ MOSAIC_TILES = {
         (64, 256, 2),
         (128, 128, 2, True),
         (64, 128, 2, True),
-        # 128 rows without the spills of 128 x 128 (Nsight Compute, NOTES "Tooling"): S and P
-        # of 64 keys.
+        # 128 rows without the spills of 128 x 128 (Nsight Compute,
+        # docs/notes/forward.md, "What limits the forward"): S and P of 64 keys.
         (128, 64, 2, True),
         (128, 64, 3, True),
         # Q's descriptors rebuilt each KV step (ForwardTiles.step_descriptors): the 128-row

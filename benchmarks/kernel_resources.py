@@ -29,8 +29,9 @@ CASES = {
     "h64-dropout": (4, 4096, 4096, 32, 32, 64, dict(dropout_rate=0.1)),
     "h128-cap": (2, 8192, 8192, 16, 16, 128, dict(is_causal=True, logits_soft_cap=30.0)),
     "gemma2": (1, 8192, 8192, 16, 8, 256, dict(is_causal=True, logits_soft_cap=50.0)),
-    # H=64 16k: the forward's 128-row consumers (they spill: NOTES, Tooling), the backward's dQ
-    # in the dK/dV kernel ("fixed").
+    # H=64 16k: the forward's 128-row consumers (they spilled with Q's descriptors held:
+    # docs/notes/forward.md, "What limits the forward"), the backward's dQ in the dK/dV kernel
+    # ("fixed").
     "h64-16k": (1, 16384, 16384, 32, 32, 64, {}),
     # kwargs "tiles": the Mosaic forward and the Mosaic backward with these BackwardTiles
     # fields, dQ in the dK/dV kernel (`BackwardTiles.fused_dq`) or descriptors rebuilt each

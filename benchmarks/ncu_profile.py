@@ -100,8 +100,8 @@ CASES = {
         functools.partial(_backward, tiles=None, impl="cudnn"), 1, 16384, 32, 64, False
     ),
     # Decode's latency-bound shapes (N=32 over K=8, H=128, one token): local-memory traffic
-    # and achieved occupancy (a CPU reading gave the kernel 255 registers and spills,
-    # benchmarks/NOTES.md, "The decode kernel's registers"); the head shape beside them.
+    # and achieved occupancy (the bf16 kernel does not spill by ptxas on CPU: what is left is
+    # latency; docs/notes/decode.md, "What is left"); the head shape beside them.
     "decode-b1-32k": (functools.partial(_decode, cache=32768, kv_heads=8), 1, 1, 32, 128, False),
     "decode-b8-1k": (functools.partial(_decode, cache=1024, kv_heads=8), 8, 1, 32, 128, False),
     "decode-b8-32k": (functools.partial(_decode, cache=32768, kv_heads=8), 8, 1, 32, 128, False),

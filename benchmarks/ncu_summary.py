@@ -5,7 +5,7 @@ back gzipped):
     python benchmarks/ncu_summary.py benchmarks/results/h200-ncu-forward.csv.gz
 
 Duration and clock, the pipes' activity (tensor, MUFU), issue-slot use, the warp stalls per
-issued instruction that NOTES reads (long scoreboard: memory and spill reloads; barrier; wait),
+issued instruction that the notes quote (long scoreboard: memory and spill reloads; barrier; wait),
 L2 hit rate, DRAM throughput and local-memory (spill) requests.
 """
 

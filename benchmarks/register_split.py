@@ -11,7 +11,8 @@ process cannot hold two splits): one compiles RESOURCE_CASES with ptxas' report 
 (`kernel_resources.py`: registers, spill bytes, SASS counts) into OUT_DIR/resources.jsonl; one
 times TIMING_POINTS by kernel time (`bench.device_ms`, median call) into OUT_DIR/timing.jsonl.
 The timings of two splits come from two processes: compare them with a case neither split
-changes (NOTES: up to 2.4% apart between processes).
+changes (up to 2.4% apart between processes:
+docs/notes/tooling.md, "Mosaic kernels' registers and SASS").
 """
 
 from __future__ import annotations

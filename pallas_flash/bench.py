@@ -96,8 +96,8 @@ def device_ms(f, args, *, calls: int = 20) -> tuple[float, dict[str, float]]:
     `median_ms` it leaves out what the host spends dispatching a call and the gaps between
     kernels: what a call costs inside a larger jitted step (a model's decode step), where a
     short call's wall time is the host's. The median, not the mean: the same kernel's mean
-    over 20 calls read 0.674 and 0.724 ms in one process on the H200 (benchmarks/NOTES.md,
-    "Methodology"). GPU only (the trace's /device:GPU planes)."""
+    over 20 calls read 0.674 and 0.724 ms in one process on the H200
+    (docs/notes/method.md, "Timing"). GPU only (the trace's /device:GPU planes)."""
     jax.block_until_ready(f(*args))
     jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory() as trace_dir:

@@ -36,13 +36,13 @@ from pallas_flash.tune_cache import MosaicTiles, ShapeClass, TunedEntry
 BACKENDS = ("triton", "mosaic", "xla")
 
 # Below this key length at H=64 the Triton backward is the faster one on the H200, from it the
-# Mosaic one (benchmarks/NOTES.md, "Mosaic backward"; 1k keys is not measured).
+# Mosaic one (1k keys is not measured; docs/notes/backward.md, "Mosaic or Triton at H=64").
 MOSAIC_BACKWARD_MIN_KV_LEN = 2048
 
 # Calls whose last query or key tile is ragged take the Mosaic kernels from this length of both
 # sequences: below it the masked last tile is a large share of the work and Triton's smaller
 # tiles win (ViT's 197 and 577 tokens at H=64: Triton 150 and 247 TFLOP/s, Mosaic 82 and 183);
-# at 3000 tokens Mosaic is 1.6x Triton (benchmarks/NOTES.md, "Any length").
+# at 3000 tokens Mosaic is 1.6x Triton (docs/notes/shapes.md, "Any length and head dim").
 MOSAIC_RAGGED_MIN_LEN = 1024
 
 # With deterministic_grads=False, calls take the fused dQ from these lengths (of both T and S)
@@ -50,13 +50,14 @@ MOSAIC_RAGGED_MIN_LEN = 1024
 # from 2k tokens (1.15x plain, 1.06x causal at 2k; shorter calls keep the Triton backward); at
 # H=128 with step descriptors plain 1.11-1.19x at 2k, causal 1.07-1.09x at 2k (since dK and dV
 # start uninitialised and K is cleaned in the kernel; 1.00x before), 1.06-1.10x at 4k, 1.08x at
-# 8k, 1.14x at 16k. benchmarks/NOTES.md, "fused-dq", "Step descriptors" and "Hidden keys' K".
+# 8k, 1.14x at 16k. docs/notes/fused-dq.md, "Measurements";
+# docs/notes/fused-dq.md, "Hidden keys' K".
 FUSED_DQ_MIN_LEN = {64: 2048, 128: 2048}
 FUSED_DQ_CAUSAL_MIN_LEN = {64: 2048, 128: 2048}
 # The same with a window, segment ids or sequence lengths, measured with a window of 1024 keys
 # and with 4 packed documents: H=128 plain 1.05-1.16x from 4k; causal 1.01-1.09x at 16k
-# (0.98-1.02x at 4k, before the change above); H=64 1.06-1.18x at 16k (benchmarks/NOTES.md,
-# "Masked calls on the fused dQ").
+# (0.98-1.02x at 4k, before the change above); H=64 1.06-1.18x at 16k
+# (docs/notes/fused-dq.md, "Masked calls on the fused dQ").
 FUSED_DQ_MASKED_MIN_LEN = {64: 16384, 128: 4096}
 FUSED_DQ_MASKED_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 
@@ -66,7 +67,7 @@ FUSED_DQ_MASKED_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 # causal (0.97-0.99x at 4k), GQA 32/8 1.07-1.08x; H=128 with step descriptors: plain 1.08x at
 # 4k, 1.09x at 8k, 1.08x at 16k (GQA 16/4 1.07-1.11x), causal 1.04-1.05x at 8k and
 # 1.08-1.10x at 16k (1.01-1.02x at 4k, within two runs' spread: two kernels there).
-# benchmarks/NOTES.md, "fused-dq" and "Step descriptors".
+# docs/notes/fused-dq.md, "Measurements".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 4096}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 
@@ -293,7 +294,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
     # At H=128 the fused dQ's consumers rebuild their operands' descriptors each step instead
     # of spilling them: fwd+bwd 3-25% faster, plain or causal, 4k to 16k ("fixed" plain 124/104
     # spill bytes to none). At H=64 nothing spills (ptxas: 0 bytes) and causal calls measured
-    # even (benchmarks/NOTES.md, "Step descriptors").
+    # even (docs/notes/fused-dq.md, "Step descriptors").
     step_descriptors = call.head_dim > 64
     fused = dataclasses.replace(tiles, fused_dq=mode, step_descriptors=step_descriptors)
     if splits > 1 or mosaic.why_not_backward(call, device, fused):
@@ -318,8 +319,8 @@ def fused_dq_is_faster(call: Call) -> bool:
     the two-kernel one on the H200 for calls like this (`FUSED_DQ_MIN_LEN`,
     `FUSED_DQ_CAUSAL_MIN_LEN`; with a window or segments `FUSED_DQ_MASKED_MIN_LEN`,
     `FUSED_DQ_MASKED_CAUSAL_MIN_LEN`); measured on plain, causal, windowed and packed
-    self-attention of 2k to 16k tokens only (benchmarks/NOTES.md, "fused-dq", "Step
-    descriptors" and "Masked calls on the fused dQ")."""
+    self-attention of 2k to 16k tokens only (docs/notes/fused-dq.md, "Measurements";
+    docs/notes/fused-dq.md, "Masked calls on the fused dQ")."""
     measured = _measured_as(call)
     if measured == "masked":
         return _long_enough(call, FUSED_DQ_MASKED_CAUSAL_MIN_LEN, FUSED_DQ_MASKED_MIN_LEN)

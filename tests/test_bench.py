@@ -187,7 +187,8 @@ def _ncu_summary():
 
 def test_ncu_summary_reads_the_committed_profile():
     """benchmarks/ncu_summary.py on the forward kernels profiled on the H200
-    (results/h200-ncu-forward.csv.gz): ours and cuDNN's, the numbers NOTES quotes."""
+    (results/h200-ncu-forward.csv.gz): ours and cuDNN's, the numbers
+    docs/notes/forward.md, "What limits the forward" quotes."""
     ncu_summary, results = _ncu_summary()
     profile = results / "h200-ncu-forward.csv.gz"
     table = dict(ncu_summary.summary(str(profile)))
@@ -202,9 +203,9 @@ def test_ncu_summary_reads_the_committed_profile():
 
 
 def test_ncu_summary_reads_the_backward_profiles():
-    """The backward profiles NOTES quotes ("What limits the backward"): the two-kernel
-    backward's kernels keep the tensor pipe busier than the fused "fixed" one, which spills,
-    and cuDNN's backward is one persistent kernel between them."""
+    """The backward profiles that docs/notes/backward.md, "What limits the backward" quotes:
+    the two-kernel backward's kernels keep the tensor pipe busier than the fused "fixed" one,
+    which spills, and cuDNN's backward is one persistent kernel between them."""
     ncu_summary, results = _ncu_summary()
     tables = [
         dict(ncu_summary.summary(str(results / f"h200-ncu-backward-{name}.csv.gz")))

@@ -754,7 +754,7 @@ def test_float32_large_logits(path, seed):
 # backward that recomputed P against lse alone would move every P of a row by up to ~3e-5 of
 # itself (dv 7.0e-5 in the interpreter, 7.3e-5 compiled, against the bar's 6.9e-5). The Triton
 # backward refers P to the Triton forward's row max in the kernel's units, with log_sum apart
-# (benchmarks/NOTES.md, "float32 at large logits").
+# (docs/notes/numerics.md, "float32 at large logits").
 FLOAT32_LSE_ROUNDING = Config(
     batch=2,
     q_len=33,
@@ -783,8 +783,8 @@ def test_float32_logits_in_the_hundreds(path):
 # but its q.k sums terms of ~1e8, so a backward that recomputes it by another accumulation order
 # lands ~3 (natural log) below the forward's max and gets P = 0.04 for the row's one key. The
 # Triton interpreter's dK/dV kernel does (XLA's CPU dot orders K Q^T and Q K^T apart); the GPU's
-# float32 dot (FMA over the head dim, in order) should not (benchmarks/NOTES.md, "A CPU sweep
-# of the Triton interpreter").
+# float32 dot (FMA over the head dim, in order) does not: it passes compiled
+# (docs/notes/numerics.md, "float32 at large logits").
 FLOAT32_CANCELLING_LOGITS = Config(
     batch=1,
     q_len=17,

@@ -91,7 +91,8 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # The producer's loop holds a slot, a step, a head and a tile start: 24 registers keep it
 # unspilled and give two consumers 240 each. The fused dQ's dK/dV consumers spill (ptxas, H=128
 # causal "fixed": 812/912 bytes stored/loaded at 232 registers, 752/800 at 240; its fwd+bwd
-# kernel time 1-7% lower, causal 4-7%: benchmarks/NOTES.md "Mosaic backward").
+# kernel time 1-7% lower, causal 4-7%:
+# docs/notes/backward.md, "Producer registers 24, consumers 240").
 PRODUCER_REGISTERS = 24
 REGISTER_FILE = 512  # registers per thread if the SM's 65536 were spread over 128 threads
 # Registers a consumer keeps beyond its f32 tiles (see `BackwardTiles.tile_registers`): the
@@ -154,9 +155,9 @@ class BackwardTiles:
         K^T and dS^T tiles) through an index that is 0 but that the compiler cannot see
         through (`launch.opaque_zero` of the step), so that the wgmma descriptors of those
         operands are rebuilt every step from one base instead of computed once before the
-        loop and held, two registers each, which the fused dQ's consumers spill (NOTES, "What
-        the fused dQ's consumers spill"); False: held. The dispatch takes it with the fused
-        dQ at H=128 (NOTES, "Step descriptors").
+        loop and held, two registers each, which the fused dQ's consumers spill; False: held.
+        The dispatch takes it with the fused dQ at H=128
+        (docs/notes/fused-dq.md, "Step descriptors").
       producer_cleans_k: where rows cannot see some keys (`MaskSpec.has_key_ranges`), the dQ
         kernel's producer warpgroup replaces NaN and inf in each K tile that a consumer masks by
         0 in shared memory, after it lands and before the consumers may read it, instead of a pass
@@ -391,7 +392,7 @@ def head_splits(
     wants two CTAs per SM. A non-causal grid's CTAs are equal, so one wave of them is as good
     as more: it splits only below half a wave, up to one. Splitting adds CTAs without adding
     Q/dO traffic (each streams only its share of the heads); it costs writing and summing the
-    f32 partials (measured in benchmarks/NOTES.md, "Head splits in the dK/dV kernel")."""
+    f32 partials (measured in docs/notes/backward.md, "Head splits in the dK/dV kernel")."""
     if tiles.dkv_head_splits:
         return tiles.dkv_head_splits
     batch, _, num_heads, head_dim = q_shape
@@ -635,7 +636,7 @@ def flash_backward(
         # producer. Cleaning in the dQ kernel's consumers instead cost more: they share each
         # ring slot, so one cleaned every tile that either masks while the other waited, and
         # the dQ kernel took 45-60 us more on the H200 than this pass's ~40
-        # (benchmarks/NOTES.md, "Hidden keys' K"). Keys past S are padding of zeros.
+        # (docs/notes/fused-dq.md, "Hidden keys' K"). Keys past S are padding of zeros.
         k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
     # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
     # the true T and S from spec; rows and keys past them are computed and not kept.
@@ -1234,7 +1235,8 @@ class _DQSink:
     consumers). A consumer computes a partial of step s at the start of step s + 1, in the same
     wgmma wait as its S^T there (on its own at a drained step, and after the last step):
     waiting for it on its own, right after dK, stopped the consumer until the tensor cores
-    had drained both consumers' queues (NOTES, fused-dq). Two ways to share the work:
+    had drained both consumers' queues (docs/notes/fused-dq.md, "How the fused forms work").
+    Two ways to share the work:
     - `halves` (`fused_dq_rows`): each consumer computes its half of dQ^T's rows (K's
       columns [c * H / 2, (c + 1) * H / 2) as A) of every step. ds_ready[s % 2] completes when
       both tiles of step s have landed (a prologue of zeros stands for step -1); ds_read[c]

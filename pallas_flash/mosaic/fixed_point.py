@@ -12,8 +12,8 @@ says which). Two forms of one computation:
   `_row_scales_kernel`, per query row the maxima over the keys it sees (whole blocks by their
   maxima, boundary blocks key by key; with segment ids only the blocks of the segments' tile
   ranges, `masks.tile_ranges`) and the bound. XLA compiles the jnp form's dozen fusions
-  again at every call site (~0.3 s a layer on the H200, benchmarks/NOTES.md, "The deterministic
-  fused dQ's XLA prologue"), where a kernel is lowered once and reused.
+  again at every call site (~0.3 s a layer on the H200,
+  docs/notes/compile.md, "The fixed-point scales"), where a kernel is lowered once and reused.
 
 Both take the same steps in the same order, but sums (|.|_1, |.|_2) may add in another order:
 their norms agree within rounding, their exponents but for a bound within rounding of a power of
@@ -133,7 +133,7 @@ def window_max(x, width: int):
     starts in, or is one, so it is the max of its start's suffix in one block and its end's
     prefix in the next (van Herk, Gil and Werman), two `lax.cummax`: masked maxima over
     blocks would fuse into fewer reductions, but XLA's GPU autotuner takes 40 s per call site
-    over them (benchmarks/NOTES.md, "fused dQ's XLA prologue")."""
+    over them (docs/notes/compile.md, "Dead ends")."""
     length = x.shape[-1]
     blocks = cdiv(length, width)  # the last window's end, length - 1, is in the last block
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, blocks * width - length)])
@@ -206,7 +206,8 @@ def fixed_point_exponents(
     bits), so int32 adds of them neither overflow nor depend on their order; the sum's
     resolution is 2^-FIXED_POINT_BITS of B_i (B_i is loose by the cancellation in the row's
     sums, 2^8-2^14 on random data: the error grows with the number of key tiles,
-    benchmarks/NOTES.md, "fused-dq"). e also keeps 2^e |dS_ij| under 2^MAX_EXPONENT. Keys a row
+    docs/notes/fused-dq.md, "How the fused forms work"). e also keeps 2^e |dS_ij| under
+    2^MAX_EXPONENT. Keys a row
     cannot see are not in its maxima: huge values past its diagonal or outside its window cost
     it no precision. NaN or inf in K, V or dO_i that the row sees (or in delta_i, or B_i past
     float32) leaves it without a finite bound: e = 0 and finite_bound False (the caller makes

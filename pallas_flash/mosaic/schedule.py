@@ -35,7 +35,8 @@ class _Work:
     causal 1k-16k, which the snake cuts to 0.1-0.2% from 4k).
     But each round of the snake spans up to C heads, whose K/V do not stay in L2 from one round
     to the next (the H=128 causal 2k forward read 1.18 GB from DRAM, 4.6 times q, k, v and out,
-    at 76% of its bandwidth: Nsight Compute, benchmarks/NOTES.md). `paired` (causal rows that
+    at 76% of its bandwidth: Nsight Compute,
+    docs/notes/forward.md, "Persistent CTAs and causal pairs"). `paired` (causal rows that
     see keys 0..i, an even number of query tiles Q): a head's query tiles go in pairs
     (Q - 1 - i, i), the long one first, of equal work (Q + 1 KV tiles' worth); a persistent CTA
     c takes pairs c, c + C, ... of the order (batch, head, pair) with the pair fastest, so that

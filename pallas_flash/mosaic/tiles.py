@@ -59,8 +59,8 @@ class ForwardTiles:
         compiler cannot see through (`launch.opaque_zero` of the KV step), so that Q's wgmma
         descriptors are rebuilt every step instead of computed once per item and held, two
         registers each (8 of them at block_q=128, H=64, where the consumer spills 12 bytes
-        held and none rebuilt, and runs 4-8% faster; NOTES, "Mosaic forward", "Step
-        descriptors"); False: held.
+        held and none rebuilt, and runs 4-8% faster;
+        docs/notes/forward.md, "Step descriptors at H=64"); False: held.
     """
 
     block_q: int = 64
@@ -133,7 +133,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 # Causal rows (keys) up to which persistent CTAs, in their snake order, measured faster than a
-# CTA per item (kernel time on the H200, benchmarks/NOTES.md "Mosaic forward"): at H=64 up to
+# CTA per item (kernel time on the H200,
+# docs/notes/forward.md, "Persistent CTAs and causal pairs"): at H=64 up to
 # the longest measured (512 +38%, 4k +10%, 8k +7%, 16k +2.5%); at H=128 up to 8k (MHA 1k +11%,
 # 2k even, 4k +4%, 8k +2%, 16k -2%; GQA 2k +11%, 4k +10%, 8k +6%, 16k -0.5%).
 PERSISTENT_CAUSAL_KEYS_H64 = 16384
@@ -145,7 +146,7 @@ PERSISTENT_WINDOW_KEYS = 8192 + 1
 # Plain H=64 rows of 128-row consumers rebuild Q's descriptors each step from this many keys:
 # 4-8% faster from 2k to 16k on the H200 (at 1k 1.04-1.05x cuDNN in the grid against 0.99x
 # held a run earlier); at 512 keys (4 steps an item) 19% slower
-# (benchmarks/NOTES.md, "Mosaic forward", "Step descriptors").
+# (docs/notes/forward.md, "Step descriptors at H=64").
 STEP_DESCRIPTORS_MIN_KEYS = 1024
 
 
@@ -161,9 +162,10 @@ def default_tiles(
     segments: bool = False,
     wide: bool = True,
 ) -> ForwardTiles:
-    """Tiles per head dim and call, from tile probes on the H200 (benchmarks/NOTES.md, "Mosaic
-    forward"). Two stages: deeper rings cost shared memory without hiding more latency. H=256
-    halves block_kv: two stages of 128-key K and V tiles would need 256 KiB of shared memory.
+    """Tiles per head dim and call, from tile probes on the H200
+    (docs/notes/forward.md, "Mosaic forward: tiles"). Two stages: deeper rings cost shared
+    memory without hiding more latency. H=256 halves block_kv: two stages of 128-key K and V
+    tiles would need 256 KiB of shared memory.
     At H=64 a 64-row consumer's wgmma is short next to its softmax, so the MMA pipe idles: plain
     non-causal calls take 128 rows per consumer (they need T % 256 == 0), whose Q descriptors
     are rebuilt each step from STEP_DESCRIPTORS_MIN_KEYS (`ForwardTiles.step_descriptors`:

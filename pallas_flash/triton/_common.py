@@ -127,7 +127,7 @@ def recomputed_probs(u, ref, bound, unit: float, *, at_max: bool = False):
     bound, bound))): u - ref is then exact where the two are close, while lse's float32
     rounding moves every P of a row by up to an ulp of |lse| / unit (float32 logits in the
     hundreds: 3e-5). The extra add per element costs the bfloat16 fwd+bwd 2-9% on the H200, so
-    only float32 calls take it (benchmarks/NOTES.md, "float32 at large logits")."""
+    only float32 calls take it (docs/notes/numerics.md, "float32 at large logits")."""
     x = (u - ref) * (unit * LOG2E)
     if at_max:
         x = x + bound

@@ -348,7 +348,7 @@ def _dbias_kernel(
     rounding: out is the forward's, from P rounded to 16 bits for P V, then stored in 16 bits;
     the rows' differences, each times sum(P dcap) (no closed form cancels them as without a
     cap), summed over every row of a broadcast bias, were 3-6x the error of attention computed
-    in 16 bits (benchmarks/NOTES.md, the sweep with sinks compiled).
+    in 16 bits (docs/notes/numerics.md, "Sinks, biases and soft caps").
 
     q_ref, do_ref: [batches, block_q, heads, Hp]; k_ref, v_ref: [batches, S, kv heads, Hp];
     max_ref, delta_ref, bound_ref: [batches, heads, block_q]; bias [block_q|1, S|1]; q_seg

@@ -178,7 +178,7 @@ class Schedule:
     items); sequence b takes items [start_b, start_b + count_b) in batch order, and items past
     the last are empty. XLA computes that plan once per call (`plan_runs`: a table the
     programs read their run from; the plan and the merge kernel cost 10-25 us a call on the
-    H200, benchmarks/NOTES.md, "Decode").
+    H200, docs/notes/decode.md, "Dead ends").
     """
 
     kind: str
@@ -463,7 +463,7 @@ def splits_for_slots(
     f32 partials make the merge four times larger), lowered to the most whose last wave is 90%
     full; each split keeps at least 1024 keys (the merge's cost) except that any cache may be
     cut in four (a short cache is latency-bound: 1k keys read 1.7x faster in 4 splits of 256),
-    at most 64 splits. Measured in kernel time on the H200 (benchmarks/NOTES.md, "Decode"),
+    at most 64 splits. Measured in kernel time on the H200 (docs/notes/decode.md, "The defaults"),
     TB/s, against the former "cores" rule: B=8 at 32k keys 4.36 against 4.07, at 128k 4.54
     against 3.96, 1k keys 2.96 against 1.71, ragged lengths 3.82 against 3.93; T=16 over 4
     heads per KV head (64-row tiles of 32 keys in 4 stages) 3.86 in 4 splits against 3.77 in

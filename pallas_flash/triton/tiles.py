@@ -64,7 +64,7 @@ class BlockSizes:
 
 
 # Defaults for sm90 (H100/H200), bf16/fp16, by padded head dim: the best of a tile sweep at seq
-# 4096 on the H200 (benchmarks/NOTES.md, "Triton forward" and "Triton backward").
+# 4096 on the H200 (docs/notes/tuning.md, "Tiles and the tuner").
 _HOPPER = {
     64: BlockSizes(
         block_q=64,
@@ -113,13 +113,14 @@ _HOPPER[16] = _HOPPER[32] = _HOPPER[64]
 
 # Forward tiles when each query sees a narrow band of keys (a local window of a few tiles, packed
 # documents): at H=128, 64 x 64 tiles waste less on the band's two ragged edges (measured on the
-# H200: benchmarks/NOTES.md, "Masks").
+# H200: docs/notes/masks.md, "Triton tiles for narrow bands").
 _HOPPER_NARROW_FORWARD = {128: dict(block_q=64, block_kv=64, num_warps=4, num_stages=3)}
 NARROW_BAND = 2048  # keys; a window at most this wide counts as narrow
 
 # dK/dV tiles when rows see a range of keys (causal, a window, lengths or segments): at H=128 the
 # masked steps' code spills with 64 query rows per step; 32 rows took 9-15% off the fwd+bwd
-# of such calls on the H200, but cost dense calls 5-7% (benchmarks/NOTES.md, "Triton backward").
+# of such calls on the H200, but cost dense calls 5-7%
+# (docs/notes/backward.md, "Triton backward").
 _HOPPER_RANGED_DKV = {128: dict(block_q_dkv=32)}
 
 # Small tiles keep the interpreter fast and exercise multi-tile loops at test sizes.
@@ -344,7 +345,8 @@ def default_decode_block_sizes(
     rows: int = 1,
 ) -> DecodeBlockSizes:
     """Decode tiles for a call: small ones in the interpreter, else the shipped defaults, from
-    sweeps on the H200 (benchmarks/NOTES.md, "Decode"). 64-key tiles, 4 warps, 2 stages (3.7-3.9
+    sweeps on the H200 (docs/notes/decode.md, "The defaults"). 64-key tiles, 4 warps, 2
+    stages (3.7-3.9
     TB/s at B=8, 32k keys, H=128, bf16, contiguous and in pages of 16; 32- and 128-key tiles
     within 5%). Pages of a multiple of 128 keys take 128-key tiles, each one contiguous block
     of a page (3.9 TB/s against 3.5 with 64-key tiles). `rows` (the new tokens times the group

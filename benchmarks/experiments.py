@@ -50,6 +50,8 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import bench, mosaic, tune, tune_cache
+from pallas_flash.bench import decode as decode_suite
+from pallas_flash.bench.__main__ import given_flags
 from pallas_flash.device import gpu_device_kind, target_device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic.schedule import paired_causal_rows
@@ -257,9 +259,9 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
         case = {**base, **DECODE_SHAPES[name]}
         if smoke:
             case.update(S=min(case["S"], 256), K=max(1, case["K"] // 4))
-        q, k, v, lengths, tables = bench.decode_inputs(case, dtype)
+        q, k, v, lengths, tables = decode_suite.decode_inputs(case, dtype)
         qs = [q] + [q * (1 + i / 64) for i in range(1, calls_per_jit)]  # no CSE across calls
-        nbytes = bench.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
+        nbytes = decode_suite.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
         default = DecodeBlockSizes(block_kv=16 if smoke else 128 if case["page"] else 64)
         candidates = {
             "default": {},
@@ -318,7 +320,7 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             _record(out, row)
         if not smoke and case["T"] == 1 and case["page"] is None:
-            cudnn = bench.decode_fns(case, interpret=False)["cudnn"]
+            cudnn = decode_suite.decode_fns(case, interpret=False)["cudnn"]
             row = dict(exp="decode", case=name, cand="cudnn")
             try:
                 kernel_ms, _ = bench.device_ms(cudnn, (q, k, v, lengths, None))
@@ -708,7 +710,7 @@ def main():
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 16384])
     args = parser.parse_args()
-    unread = sorted(bench.given_flags(sys.argv[1:]) - {"--out", *EXPERIMENT_FLAGS[args.experiment]})
+    unread = sorted(given_flags(sys.argv[1:]) - {"--out", *EXPERIMENT_FLAGS[args.experiment]})
     if unread:
         parser.error(f"{args.experiment} does not take {', '.join(unread)}")
     print("device:", jax.devices()[0].device_kind, flush=True)

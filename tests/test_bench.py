@@ -9,7 +9,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from pallas_flash import bench
+from pallas_flash.bench import __main__ as cli
+from pallas_flash.bench import decode, grid, models, shapes, timing
 
 
 def brute_force_pairs(t, kwargs):
@@ -39,11 +40,11 @@ def brute_force_pairs(t, kwargs):
     ids=str,
 )
 def test_visible_pairs_count_the_mask(kwargs):
-    assert bench._visible_pairs(37, kwargs) == brute_force_pairs(37, kwargs)
+    assert models._visible_pairs(37, kwargs) == brute_force_pairs(37, kwargs)
 
 
 def test_model_cases_name_every_family_once_with_a_baseline():
-    cases = list(bench.model_cases())
+    cases = list(models.model_cases())
     families = dict.fromkeys(c[0] for c in cases)
     assert len(families) == 8
     for family in families:
@@ -57,13 +58,13 @@ def test_model_cases_name_every_family_once_with_a_baseline():
 
 
 def test_shapes_suite_covers_the_calls_off_the_grid():
-    shapes = list(bench.shapes_grid())
-    assert any(p["k"] == 1 and p["n"] > 1 and p["causal"] for p in shapes)  # MQA
-    assert any(1 < p["k"] < p["n"] for p in shapes)  # GQA
-    assert any(p["t"] != p["s"] for p in shapes)  # cross-attention
-    assert any(p["t"] >= 65536 and p["b"] == 1 for p in shapes)
-    assert {80, 96, 192, 256} <= {p["h"] for p in shapes}
-    assert any(p["t"] % 128 for p in shapes)  # lengths off the tiles
+    points = list(shapes.shapes_grid())
+    assert any(p["k"] == 1 and p["n"] > 1 and p["causal"] for p in points)  # MQA
+    assert any(1 < p["k"] < p["n"] for p in points)  # GQA
+    assert any(p["t"] != p["s"] for p in points)  # cross-attention
+    assert any(p["t"] >= 65536 and p["b"] == 1 for p in points)
+    assert {80, 96, 192, 256} <= {p["h"] for p in points}
+    assert any(p["t"] % 128 for p in points)  # lengths off the tiles
 
 
 def test_grid_table_names_cross_attention_and_gqa():
@@ -74,13 +75,13 @@ def test_grid_table_names_cross_attention_and_gqa():
         dict(point, T=1024, S=1024, N=32, K=8, impl="pallas_flash", tflops=300.0),
     ]
     out = io.StringIO()
-    bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    grid.print_table(rows, ["pallas_flash", "cudnn"], out=out)
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - |" in out.getvalue()
     # Kernel time where the rows have it: its own ratio beside the wall time's.
     rows[0]["kernel_tflops"], rows[1]["kernel_tflops"] = 560.0, 400.0
     out = io.StringIO()
-    bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    grid.print_table(rows, ["pallas_flash", "cudnn"], out=out)
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 | 1.40 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - | - |" in out.getvalue()
 
@@ -93,14 +94,14 @@ def test_model_table_ratios():
         dict(row, impl="cudnn", ms=3.0, tflops=50.0, **{"pass": "fwd"}),
     ]
     out = io.StringIO()
-    bench.print_model_table(rows, out=out)
+    models.print_model_table(rows, out=out)
     assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 | - | - |" in out.getvalue()
     # Kernel time where the rows have it (a GPU run): its own ratios beside the wall time's.
     kernels = [dict(ms=1.5, tflops=133.3), dict(ms=1.0, tflops=200.0), dict(ms=2.7, tflops=74.1)]
     for r, k in zip(rows, kernels):
         r.update(kernel_ms=k["ms"], kernel_tflops=k["tflops"])
     out = io.StringIO()
-    bench.print_model_table(rows, out=out)
+    models.print_model_table(rows, out=out)
     assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 | 1.80 | 0.67 |" in out.getvalue()
 
 
@@ -111,7 +112,7 @@ def test_decode_table_shows_wall_and_kernel_times():
         dict(case, impl="memcpy", ms=0.1, tbps=2.0, device_ms=0.06, device_tbps=3.33),
     ]
     out = io.StringIO()
-    bench.print_decode_table(rows, out=out)
+    decode.print_decode_table(rows, out=out)
     text = out.getvalue()
     wall, kernels = text.split("kernel time per call")
     assert "| B1 S1024 N8/K2 H64 T1 | 0.100 (1.00) | 0.100 (2.00) | 0.50 |" in wall
@@ -122,7 +123,7 @@ def test_decode_table_shows_wall_and_kernel_times():
 def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
     case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
     out = io.StringIO()
-    bench.print_decode_table([dict(case, impl="pallas_flash", ms=0.1, tbps=1.0)], out=out)
+    decode.print_decode_table([dict(case, impl="pallas_flash", ms=0.1, tbps=1.0)], out=out)
     assert "wall time per call" in out.getvalue()
     assert "kernel time" not in out.getvalue()
 
@@ -130,12 +131,12 @@ def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
 def test_per_call_median_sums_each_calls_kernels_in_start_order():
     # Two kernels per call (0.1 and 0.2 ms, the second call slowed), events out of order.
     events = [(30, 0.2), (0, 0.1), (10, 0.2), (20, 0.5), (40, 0.1), (50, 0.2)]
-    assert bench.per_call_median([events], 3) == pytest.approx(0.3)
+    assert timing.per_call_median([events], 3) == pytest.approx(0.3)
     # Two GPUs, each one kernel per call, their clocks apart: each plane in its own order.
     other = [(1000, 0.4), (1010, 0.4), (1020, 0.9)]
-    assert bench.per_call_median([events, other], 3) == pytest.approx(1.1)  # 0.7, 1.1, 1.2
+    assert timing.per_call_median([events, other], 3) == pytest.approx(1.1)  # 0.7, 1.1, 1.2
     # Not dividing evenly (a kernel the profiler missed): the mean.
-    assert bench.per_call_median([events[:5]], 2) == pytest.approx(1.1 / 2)
+    assert timing.per_call_median([events[:5]], 2) == pytest.approx(1.1 / 2)
 
 
 @pytest.mark.gpu
@@ -145,11 +146,11 @@ def test_device_ms_reads_the_kernels_of_a_call():
 
     x = jnp.ones((64, 1024, 1024), jnp.float32)  # 256 MiB: a copy takes ~0.1 ms
     f = jax.jit(lambda x: x * 2.0)
-    total, kernels = bench.device_ms(f, (x,), calls=5)
+    total, kernels = timing.device_ms(f, (x,), calls=5)
     # total is the median call's, kernels' the mean call's.
     assert kernels and total == pytest.approx(sum(kernels.values()), rel=0.2)
     # At most the wall time, at least what 512 MiB of traffic takes at 5 TB/s.
-    assert 512 * 2**20 / 5e12 * 1e3 < total < bench.median_ms(f, (x,), calls=5, repeats=3)
+    assert 512 * 2**20 / 5e12 * 1e3 < total < timing.median_ms(f, (x,), calls=5, repeats=3)
 
 
 def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
@@ -250,19 +251,19 @@ def test_a_flag_the_suite_does_not_read_is_an_error(argv, unread, capsys):
     """No flag is silently ignored: a suite given one it does not read exits with an error that
     names it (before any work)."""
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
+        cli.main(argv)
     assert exit_info.value.code == 2
     assert f"does not take {unread};" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("on_gpu", [True, False])
-@pytest.mark.parametrize("suite", list(bench.SUITE_FLAGS))
+@pytest.mark.parametrize("suite", list(cli.SUITES))
 def test_every_flag_a_suite_reads_is_accepted(suite, on_gpu):
     """The flags listed for a suite pass the check (and --out always); one more is refused."""
     parser = argparse.ArgumentParser()
-    argv = ["--suite", suite, "--out", "x.jsonl", *bench.suite_flags(suite, on_gpu)]
-    expected = {"--suite", "--out", *bench.suite_flags(suite, on_gpu)}
-    assert bench._given_flags(parser, argv, suite, on_gpu) == expected
-    unread = sorted({"--head-dims", "--quick", "--layers"} - set(bench.suite_flags(suite, on_gpu)))
+    argv = ["--suite", suite, "--out", "x.jsonl", *cli.suite_flags(suite, on_gpu)]
+    expected = {"--suite", "--out", *cli.suite_flags(suite, on_gpu)}
+    assert cli.check_flags(parser, argv, suite, on_gpu) == expected
+    unread = sorted({"--head-dims", "--quick", "--layers"} - set(cli.suite_flags(suite, on_gpu)))
     with pytest.raises(SystemExit):
-        bench._given_flags(parser, [*argv, unread[0]], suite, on_gpu)
+        cli.check_flags(parser, [*argv, unread[0]], suite, on_gpu)

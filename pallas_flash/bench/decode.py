@@ -1,0 +1,223 @@
+"""`--suite decode`: decode_attention and paged_attention in TB/s of K/V read, beside
+jax.nn's XLA and cuDNN attention and a device-to-device copy of the same bytes; on a CPU tiny
+interpreted shapes."""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flash
+from pallas_flash.bench.timing import Rows, device_ms, failure, median_ms, tbps
+
+HELP = (
+    "decode: decode_attention / paged_attention in TB/s of K/V read (tiny interpreted shapes "
+    "on a CPU)"
+)
+FLAGS = ("--repeats", "--quick")
+FLAGS_ON_CPU = ("--repeats",)
+
+
+def decode_cases(quick: bool = False):
+    """The decode suite's shapes: dicts of B, S (cache capacity), N, K, H, T, ragged (lengths
+    between S/32 and S, else all S) and page (page size, or None for a contiguous cache). The
+    headline shape first (B=8, 32k keys, N=32 over K=8, H=128, one token), then one axis varied
+    at a time."""
+    base = dict(B=8, S=32768, N=32, K=8, H=128, T=1, ragged=False, page=None)
+    variants = [
+        {},
+        dict(T=4),
+        dict(T=16),
+        dict(page=16),
+        dict(page=128),
+        dict(ragged=True),
+    ]
+    if not quick:
+        variants += [
+            dict(B=1),
+            dict(B=64, S=8192),
+            dict(B=256, S=8192),
+            dict(S=1024),
+            dict(S=8192),
+            dict(S=131072),
+            dict(K=32),  # GQA group 1
+            dict(K=2),  # GQA group 16
+            dict(K=2, T=16),
+            dict(ragged=True, page=16),
+        ]
+    for v in variants:
+        yield {**base, **v}
+
+
+def _decode_lengths(case, seed=0):
+    if not case["ragged"]:
+        return jnp.full((case["B"],), case["S"], jnp.int32)
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(case["S"] // 32, case["S"] + 1, case["B"]), jnp.int32)
+
+
+def decode_inputs(case, dtype, seed=0):
+    """(q, k, v, lengths, block_tables): contiguous caches, or with case["page"] pages in
+    shuffled order (block_tables None for a contiguous cache)."""
+    b, s, n, kh, h, t = (case[x] for x in ("B", "S", "N", "K", "H", "T"))
+    keys = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(keys[0], (b, t, n, h), dtype)
+    lengths = _decode_lengths(case, seed)
+    page = case["page"]
+    if page is None:
+        shape = (b, s, kh, h)
+        tables = None
+    else:
+        max_pages = s // page
+        shape = (b * max_pages, page, kh, h)
+        perm = np.random.default_rng(seed).permutation(b * max_pages)
+        tables = jnp.asarray(perm.reshape(b, max_pages), jnp.int32)
+    k = jax.random.normal(keys[1], shape, dtype)
+    v = jax.random.normal(keys[2], shape, dtype)
+    return q, k, v, lengths, tables
+
+
+def decode_fns(case, *, interpret: bool):
+    """{impl: jitted fn(q, k, v, lengths, tables) -> out} for one case. jax.nn's attention
+    (XLA, cuDNN) takes the contiguous cache, with the causal rule among the new tokens as a
+    mask aligned to the end of each sequence."""
+    if case["page"] is not None:
+        fns = {
+            "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.paged_attention(
+                q, k, v, tables, lens, interpret=interpret
+            )
+        }
+    else:
+        fns = {
+            "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=lens, interpret=interpret
+            )
+        }
+
+        def jax_nn(impl):
+            def fn(q, k, v, lens, tables):
+                t, s = q.shape[1], k.shape[1]
+                if t == 1:
+                    return jax.nn.dot_product_attention(
+                        q, k, v, key_value_seq_lengths=lens, implementation=impl
+                    )
+                pos = lens[:, None, None] - t + jnp.arange(t)[None, :, None]
+                mask = (jnp.arange(s)[None, None, :] <= pos)[:, None]
+                return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=impl)
+
+            return fn
+
+        fns["xla"] = jax_nn("xla")
+        if not interpret:
+            fns["cudnn"] = jax_nn("cudnn")
+    return {impl: jax.jit(fn) for impl, fn in fns.items()}
+
+
+def decode_kv_bytes(case, lengths, itemsize: int) -> int:
+    """Bytes of K and V a decode step must read: each sequence's own keys."""
+    keys = int(np.minimum(np.asarray(lengths), case["S"]).sum())
+    return 2 * keys * case["K"] * case["H"] * itemsize
+
+
+def run(args, *, on_gpu: bool) -> list[dict]:
+    """Per case: ms and TB/s of K/V bytes read for pallas_flash, jax.nn's XLA and cuDNN
+    attention, and a device-to-device copy of the same bytes (its TB/s counts the bytes read
+    and written: the practical ceiling of a read-only kernel)."""
+    repeats = args.repeats
+    if on_gpu:
+        cases, dtype, interpret, calls = list(decode_cases(args.quick)), jnp.bfloat16, False, 10
+    else:
+        print(
+            "No NVIDIA GPU of compute capability >= 8.0 found: running tiny decode shapes in the "
+            "Pallas interpreter (times are not GPU performance).",
+            flush=True,
+        )
+        cases = [
+            dict(B=2, S=256, N=8, K=2, H=64, T=t, ragged=r, page=p)
+            for t, r, p in ((1, False, None), (4, True, None), (1, True, 16))
+        ]
+        dtype, interpret, calls, repeats = jnp.float32, True, 1, min(repeats, 2)
+    rows = Rows(args.out)
+    for case in cases:
+        q, k, v, lengths, tables = decode_inputs(case, dtype)
+        nbytes = decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
+        flat = jnp.zeros((nbytes // 2,), jnp.bfloat16)
+        runs = [
+            (impl, fn, (q, k, v, lengths, tables))
+            for impl, fn in decode_fns(case, interpret=interpret).items()
+        ]
+        runs.append(("memcpy", jax.jit(jnp.copy), (flat,)))
+        for impl, fn, inputs in runs:
+            row = dict(suite="decode", impl=impl, dtype=jnp.dtype(dtype).name, **case)
+            traffic = 2 * nbytes if impl == "memcpy" else nbytes
+            row.update(_decode_timing(fn, inputs, traffic, calls, repeats, on_gpu))
+            row["kv_bytes"] = nbytes
+            rows.add(row)
+            shown = (
+                f"{row['ms']:.4f} ms {row['tbps']:.2f} TB/s"
+                if row["ms"] is not None
+                else "failed: " + row["error"][:80]
+            )
+            if row.get("device_ms") is not None:
+                shown += f", kernels {row['device_ms']:.4f} ms {row['device_tbps']:.2f} TB/s"
+            print(f"{_decode_name(case):34s} {impl:13s} {shown}", flush=True)
+        del q, k, v, flat
+    print_decode_table(rows)
+    return rows
+
+
+def _decode_timing(fn, inputs, traffic, calls, repeats, on_gpu) -> dict:
+    """ms and tbps of fn moving `traffic` bytes; on a GPU also its kernels' time (device_ms,
+    device_tbps, kernels)."""
+    try:
+        ms = median_ms(fn, inputs, calls=calls, repeats=repeats)
+        got = dict(ms=round(ms, 5), tbps=round(tbps(traffic, ms), 4))
+        if on_gpu:
+            kernel_ms, kernels = device_ms(fn, inputs)
+            got.update(
+                device_ms=round(kernel_ms, 5),
+                device_tbps=round(tbps(traffic, kernel_ms), 4),
+                kernels={name: round(t, 5) for name, t in kernels.items()},
+            )
+        return got
+    except Exception as e:  # noqa: BLE001 -- cuDNN refusing T=1 is data
+        return dict(ms=None, tbps=None, error=failure(e))
+
+
+def _decode_name(case) -> str:
+    name = f"B{case['B']} S{case['S']} N{case['N']}/K{case['K']} H{case['H']} T{case['T']}"
+    if case["ragged"]:
+        name += " ragged"
+    if case["page"]:
+        name += f" page{case['page']}"
+    return name
+
+
+def print_decode_table(rows, out=sys.stdout):
+    """One table of each call's wall time (`ms`, host dispatch included) and, where measured,
+    one of its kernels' time (`device_ms`)."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    by_case = {}
+    for r in rows:
+        by_case.setdefault(_decode_name(r), {})[r["impl"]] = r
+    for key, title in (("ms", "wall time per call"), ("device_ms", "kernel time per call")):
+        if not any(r.get(key) is not None for r in rows):
+            continue
+        rate = "tbps" if key == "ms" else "device_tbps"
+        print(f"\n{title}, ms (TB/s of K/V read):", file=out)
+        print("| case | " + " | ".join(impls) + " | pf / memcpy |", file=out)
+        print("|---|" + "---|" * (len(impls) + 1), file=out)
+        for name, got in by_case.items():
+            cells = [
+                "-"
+                if got.get(i, {}).get(key) is None
+                else f"{got[i][key]:.3f} ({got[i][rate]:.2f})"
+                for i in impls
+            ]
+            # pf's TB/s over memcpy's (which counts bytes read and written)
+            pf, mc = got.get("pallas_flash", {}).get(key), got.get("memcpy", {}).get(key)
+            cells.append(f"{mc / (2 * pf):.2f}" if pf and mc else "-")
+            print(f"| {name} | " + " | ".join(cells) + " |", file=out)

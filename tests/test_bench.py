@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pallas_flash.bench import __main__ as cli
-from pallas_flash.bench import decode, grid, models, shapes, timing
+from pallas_flash.bench import decode, grid, models, overheads, shapes, timing
 
 
 def brute_force_pairs(t, kwargs):
@@ -128,6 +128,41 @@ def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
     assert "kernel time" not in out.getvalue()
 
 
+def test_overheads_table_gives_each_option_over_its_baseline():
+    point = dict(H=64, causal=True, **{"pass": "fwd"})
+    ms = dict(plain=1.0, sinks=1.02, triton=2.0, triton_sinks=2.5, dropout=1.1)
+    rows = [dict(point, case=case, ms=value) for case, value in ms.items()]
+    rows.append(dict(point, case="triton_dropout", ms=None, error="refused"))
+    out = io.StringIO()
+    overheads.print_overheads_table(rows, out=out)
+    assert "| 64 | 1 | fwd | 1.0 | 1.02 | 2.0 | 2.5 | 1.1 | - | 1.020 | 1.250 | 1.100 | - |" in (
+        out.getvalue()
+    )
+
+
+def _experiments():
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments.py"
+    spec = importlib.util.spec_from_file_location("experiments", path)
+    experiments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiments)
+    return experiments
+
+
+def test_fused_dq_masks_narrow_the_window_to_the_left_when_causal():
+    masks = _experiments()._fused_dq_masks
+    assert masks("window:64", 2, 256, causal=True) == (
+        dict(window=(64, 0)),
+        dict(local_window_size=(64, 0)),
+    )
+    assert masks("window:64", 2, 256, causal=False)[0] == dict(window=(64, 64))
+    packed, cudnn = masks("packed:4", 2, 256, causal=True)
+    assert cudnn is None  # cuDNN takes no segment ids
+    ids = packed["segment_ids"][0]
+    assert ids.shape == (2, 256) and list(ids[0, ::64]) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="window:W or packed:D"):
+        masks("doc:4", 2, 256, causal=True)
+
+
 def test_per_call_median_sums_each_calls_kernels_in_start_order():
     # Two kernels per call (0.1 and 0.2 ms, the second call slowed), events out of order.
     events = [(30, 0.2), (0, 0.1), (10, 0.2), (20, 0.5), (40, 0.1), (50, 0.2)]
@@ -157,10 +192,7 @@ def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     """benchmarks/experiments.py mosaic-persistent --smoke: both candidates of every case (the
     default tiles, persistent and not, and persistent in the snake order where the causal pairs
     apply) pass `why_not` at the case's shapes."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments.py"
-    spec = importlib.util.spec_from_file_location("experiments", path)
-    experiments = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(experiments)
+    experiments = _experiments()
     out = io.StringIO()
     experiments.mosaic_persistent(out, smoke=True)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -267,3 +299,18 @@ def test_every_flag_a_suite_reads_is_accepted(suite, on_gpu):
     unread = sorted({"--head-dims", "--quick", "--layers"} - set(cli.suite_flags(suite, on_gpu)))
     with pytest.raises(SystemExit):
         cli.check_flags(parser, [*argv, unread[0]], suite, on_gpu)
+
+
+@pytest.mark.parametrize("suite", ["masks", "shapes", "overheads"])
+def test_a_gpu_suite_without_a_gpu_says_so(suite, monkeypatch):
+    monkeypatch.setattr(cli.device_lib, "gpu_compute_capability", lambda: None)
+    with pytest.raises(SystemExit, match=f"--suite {suite} needs an NVIDIA GPU"):
+        cli.main(["--suite", suite])
+
+
+def test_an_implementation_the_suite_does_not_time_is_an_error(monkeypatch, capsys):
+    monkeypatch.setattr(cli.device_lib, "gpu_compute_capability", lambda: (9, 0))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--suite", "shapes", "--impls", "pallas_flash_window"])
+    assert exit_info.value.code == 2
+    assert "--suite shapes does not time pallas_flash_window" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import sys
 from pallas_flash import bench
 from pallas_flash import device as device_lib
 from pallas_flash.bench import compile as compile_suite
-from pallas_flash.bench import decode, grid, masks, models, scale, shapes
+from pallas_flash.bench import decode, grid, masks, models, overheads, scale, shapes
 from pallas_flash.bench.timing import PASSES
 
 SUITES = {
@@ -26,6 +26,7 @@ SUITES = {
     "compile": compile_suite,
     "decode": decode,
     "scale": scale,
+    "overheads": overheads,
 }
 
 # The flags a suite may read (argparse keyword arguments); --suite and --out every suite takes.

@@ -6,11 +6,14 @@ import io
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from pallas_flash.bench import __main__ as cli
-from pallas_flash.bench import decode, grid, models, overheads, shapes, timing
+from pallas_flash.bench import compile as compile_suite
+from pallas_flash.bench import decode, grid, masks, models, overheads, scale, shapes, timing
 
 
 def brute_force_pairs(t, kwargs):
@@ -76,6 +79,7 @@ def test_grid_table_names_cross_attention_and_gqa():
     ]
     out = io.StringIO()
     grid.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    assert "| pass | pallas_flash TFLOP/s | cudnn TFLOP/s | pf/cudnn |" in out.getvalue()
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - |" in out.getvalue()
     # Kernel time where the rows have it: its own ratio beside the wall time's.
@@ -84,6 +88,19 @@ def test_grid_table_names_cross_attention_and_gqa():
     grid.print_table(rows, ["pallas_flash", "cudnn"], out=out)
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 | 1.40 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - | - |" in out.getvalue()
+
+
+def test_mask_table_gives_ms_and_the_ratio_to_dense_causal():
+    rows = [
+        dict(case="dense causal", impl="pallas_flash", ms=2.0, **{"pass": "fwd"}),
+        dict(case="dense causal", impl="pallas_flash", ms=6.0, **{"pass": "fwd+bwd"}),
+        dict(case="window", impl="cudnn", ms=1.0, **{"pass": "fwd"}),
+        dict(case="window", impl="cudnn", ms=None, error="refused", **{"pass": "fwd+bwd"}),
+    ]
+    out = io.StringIO()
+    masks.print_mask_table(rows, out=out)
+    assert "| case | impl | fwd ms | fwd+bwd ms |" in out.getvalue()
+    assert "| window | cudnn | 1.0 | - | 0.50 | - |" in out.getvalue()
 
 
 def test_model_table_ratios():
@@ -314,3 +331,78 @@ def test_an_implementation_the_suite_does_not_time_is_an_error(monkeypatch, caps
         cli.main(["--suite", "shapes", "--impls", "pallas_flash_window"])
     assert exit_info.value.code == 2
     assert "--suite shapes does not time pallas_flash_window" in capsys.readouterr().err
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch, tmp_path):
+    """The bench without a GPU, its clock and random inputs stubbed (every call 1 ms, inputs of
+    ones), in an empty working directory: what each suite's CPU path runs, prints and writes,
+    in about a second (the timed functions themselves are tested against the oracle elsewhere)."""
+    monkeypatch.setattr(cli.device_lib, "gpu_compute_capability", lambda: None)
+    for module in (timing, decode, models, scale):
+        monkeypatch.setattr(module, "median_ms", lambda f, args, **kw: 1.0)
+
+    def ones(key, shape, dtype=jnp.float32):
+        return jnp.asarray(np.ones(shape), dtype)
+
+    monkeypatch.setattr(jax.random, "normal", ones)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "suite, header",
+    [
+        ("grid", "| H | causal | seq | B | heads | pass | pallas_flash ms | xla ms |"),
+        ("decode", "| case | pallas_flash ms (TB/s) | xla ms (TB/s) | memcpy ms (TB/s) |"),
+        ("models", "| family | pass | pallas_flash TFLOP/s | plain TFLOP/s | cudnn TFLOP/s |"),
+        ("scale", "| impl | devices | T | fwd+bwd ms | TFLOP/s per device | efficiency |"),
+    ],
+    ids=["grid", "decode", "models", "scale"],
+)
+def test_each_suite_runs_its_cpu_path(suite, header, cpu_bench, capsys):
+    """Every row goes to --out as a line of JSON, the table (units in its header) to stdout,
+    a line per measurement to stderr."""
+    rows = cli.main(["--suite", suite, "--out", "rows.jsonl"])
+    assert rows and all(row["ms"] == 1.0 for row in rows), rows
+    written = (cpu_bench / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in written] == rows
+    out, err = capsys.readouterr()
+    assert header in out
+    assert len(err.splitlines()) >= len(rows) and "| " not in err
+    assert out.endswith(f"appended {len(rows)} rows to rows.jsonl\n")
+
+
+def test_the_bench_writes_no_file_unless_asked(cpu_bench, capsys):
+    rows = cli.main(["--suite", "grid", "--passes", "fwd"])
+    assert len(rows) == 4 and list(cpu_bench.iterdir()) == []
+    assert "appended" not in capsys.readouterr().out
+
+
+def test_compile_suite_runs_each_row_in_a_fresh_process_then_the_cache(cpu_bench, monkeypatch):
+    calls = []
+
+    def fresh(impl, layers, shape, *, interpret, cache_dir=None):
+        calls.append((impl, layers, cache_dir is not None))
+        times = dict(lower_s=1.0, compile_s=2.0, first_call_ms=3.0)
+        return dict(suite="compile", impl=impl, layers=layers, **times)
+
+    monkeypatch.setattr(compile_suite, "_compile_row_in_subprocess", fresh)
+    rows = cli.main(["--suite", "compile", "--layers", "1", "3"])
+    assert calls == [
+        ("pallas_flash", 1, False),
+        ("pallas_flash", 3, False),
+        ("xla", 1, False),
+        ("xla", 3, False),
+        ("pallas_flash", 3, True),
+        ("pallas_flash", 3, True),
+    ]
+    assert [row.get("cache") for row in rows[-2:]] == ["cold", "warm"]
+
+
+def test_compile_row_of_a_spec_times_one_model():
+    """What the compile suite's subprocess (python -m pallas_flash.bench.compile SPEC) runs."""
+    spec = dict(impl="xla", layers=1, shape=[1, 32, 2, 16], interpret=True)
+    row = compile_suite.row_of_spec(json.dumps(spec))
+    assert row["dtype"] == "float32" and "error" not in row, row
+    assert row["lower_s"] >= 0 and row["compile_s"] > 0 and row["first_call_ms"] > 0

@@ -86,7 +86,11 @@ def make_parser() -> argparse.ArgumentParser:
         default="grid",
         help="; ".join(module.HELP for module in SUITES.values()),
     )
-    parser.add_argument("--out", default="bench.jsonl", help="JSONL file to append results to")
+    parser.add_argument(
+        "--out",
+        metavar="PATH",
+        help="also append each row to PATH as a line of JSON (without it no file is written)",
+    )
     for flag, kwargs in FLAGS.items():
         parser.add_argument(flag, **kwargs)
     return parser
@@ -106,7 +110,10 @@ def main(argv=None) -> list[dict]:
         )
     if args.repeats is None:
         args.repeats = getattr(module, "REPEATS", 7)
-    return module.run(args, on_gpu=on_gpu)
+    rows = module.run(args, on_gpu=on_gpu)
+    if args.out:
+        print(f"\nappended {len(rows)} rows to {args.out}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -20,7 +20,14 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash.bench.timing import Rows, attention_fn, failure, make_inputs
+from pallas_flash.bench.timing import (
+    Rows,
+    attention_fn,
+    failure,
+    make_inputs,
+    print_markdown,
+    progress,
+)
 
 HELP = "compile: lowering and compile time of a jit(grad) over 1, 6 and 24 causal layers"
 FLAGS = ("--impls", "--layers")
@@ -121,7 +128,7 @@ def run(args, *, on_gpu: bool) -> list[dict]:
             f"lower {row['lower_s']:.2f} s  compile {row['compile_s']:.2f} s  "
             f"first call {row['first_call_ms']:.0f} ms"
         )
-        print(f"{row['impl']:22s} L={row['layers']:3d} {label:12s} {shown}", flush=True)
+        progress(f"{row['impl']:22s} L={row['layers']:3d} {label:12s} {shown}")
 
     for impl in impls:
         for layers in layer_counts:
@@ -138,17 +145,14 @@ def run(args, *, on_gpu: bool) -> list[dict]:
     return rows
 
 
-def print_compile_table(rows, out=sys.stdout):
-    print("\n| impl | layers | cache | lower s | compile s | first call ms |", file=out)
-    print("|---|---|---|---|---|---|", file=out)
-    for r in rows:
-        cells = [r.get(k, "-") for k in ("lower_s", "compile_s", "first_call_ms")]
-        print(
-            f"| {r['impl']} | {r['layers']} | {r.get('cache', '-')} | "
-            + " | ".join(map(str, cells))
-            + " |",
-            file=out,
-        )
+def print_compile_table(rows, out=None):
+    header = ["impl", "layers", "cache", "lower s", "compile s", "first call ms"]
+    lines = [
+        [r["impl"], r["layers"], r.get("cache")]
+        + [r.get(k) for k in ("lower_s", "compile_s", "first_call_ms")]
+        for r in rows
+    ]
+    print_markdown(header, lines, out=out)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,20 @@ interpreted shapes."""
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash
-from pallas_flash.bench.timing import Rows, device_ms, failure, median_ms, tbps
+from pallas_flash.bench.timing import (
+    Rows,
+    device_ms,
+    failure,
+    median_ms,
+    print_markdown,
+    progress,
+    tbps,
+)
 
 HELP = (
     "decode: decode_attention / paged_attention in TB/s of K/V read (tiny interpreted shapes "
@@ -163,7 +169,7 @@ def run(args, *, on_gpu: bool) -> list[dict]:
             )
             if row.get("device_ms") is not None:
                 shown += f", kernels {row['device_ms']:.4f} ms {row['device_tbps']:.2f} TB/s"
-            print(f"{_decode_name(case):34s} {impl:13s} {shown}", flush=True)
+            progress(f"{_decode_name(case):34s} {impl:13s} {shown}")
         del q, k, v, flat
     print_decode_table(rows)
     return rows
@@ -196,9 +202,9 @@ def _decode_name(case) -> str:
     return name
 
 
-def print_decode_table(rows, out=sys.stdout):
+def print_decode_table(rows, out=None):
     """One table of each call's wall time (`ms`, host dispatch included) and, where measured,
-    one of its kernels' time (`device_ms`)."""
+    one of its kernels' time (`device_ms`), each cell "ms (TB/s of K/V read)"."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     by_case = {}
     for r in rows:
@@ -207,17 +213,12 @@ def print_decode_table(rows, out=sys.stdout):
         if not any(r.get(key) is not None for r in rows):
             continue
         rate = "tbps" if key == "ms" else "device_tbps"
-        print(f"\n{title}, ms (TB/s of K/V read):", file=out)
-        print("| case | " + " | ".join(impls) + " | pf / memcpy |", file=out)
-        print("|---|" + "---|" * (len(impls) + 1), file=out)
+        lines = []
         for name, got in by_case.items():
-            cells = [
-                "-"
-                if got.get(i, {}).get(key) is None
-                else f"{got[i][key]:.3f} ({got[i][rate]:.2f})"
-                for i in impls
-            ]
+            timed = [got.get(i, {}) for i in impls]
+            cells = [None if r.get(key) is None else f"{r[key]:.3f} ({r[rate]:.2f})" for r in timed]
             # pf's TB/s over memcpy's (which counts bytes read and written)
             pf, mc = got.get("pallas_flash", {}).get(key), got.get("memcpy", {}).get(key)
-            cells.append(f"{mc / (2 * pf):.2f}" if pf and mc else "-")
-            print(f"| {name} | " + " | ".join(cells) + " |", file=out)
+            lines.append([name, *cells, f"{mc / (2 * pf):.2f}" if pf and mc else None])
+        header = ["case", *(f"{i} ms (TB/s)" for i in impls), "pf / memcpy"]
+        print_markdown(header, lines, title=f"{title}, ms (TB/s of K/V read):", out=out)

@@ -8,12 +8,10 @@ interpret-mode demo beside XLA, to show the pipeline works (its times say nothin
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 
-from pallas_flash.bench.timing import Rows, run_point
+from pallas_flash.bench.timing import Rows, print_markdown, progress, run_point
 
 HELP = "grid: the FA2 paper's grid"
 FLAGS = ("--head-dims", "--seqs", "--impls", "--passes", "--causal", "--repeats")
@@ -39,7 +37,7 @@ def paper_grid(head_dims, seqs, tokens=16384, hidden=2048):
                 )
 
 
-def print_table(rows, impls, out=sys.stdout, metric="tflops"):
+def print_table(rows, impls, out=None, metric="tflops"):
     """TFLOP/s (or ms) per implementation, and pallas_flash / cudnn, per grid point and pass;
     also pallas_flash / cudnn in kernel time where the rows have it (run_point's kernel_time)."""
     by_point, kernels = {}, {}
@@ -47,13 +45,15 @@ def print_table(rows, impls, out=sys.stdout, metric="tflops"):
         key = (r["H"], r["causal"], r["T"], r["S"], r["B"], r["N"], r["K"], r["pass"])
         by_point.setdefault(key, {})[r["impl"]] = r[metric]
         kernels.setdefault(key, {})[r["impl"]] = r.get("kernel_tflops")
-    header = ["H", "causal", "seq", "B", "heads", "pass", *impls]
+    unit = "TFLOP/s" if metric == "tflops" else "ms"
+    header = ["H", "causal", "seq", "B", "heads", "pass", *(f"{i} {unit}" for i in impls)]
+    ratios = []
     if "cudnn" in impls and "pallas_flash" in impls:
-        header.append("pf/cudnn")
+        ratios.append(("pf/cudnn", by_point))
         if any(r.get("kernel_tflops") for r in rows):
-            header.append("pf/cudnn, kernels")
-    print("| " + " | ".join(header) + " |", file=out)
-    print("|" + "---|" * len(header), file=out)
+            ratios.append(("pf/cudnn, kernels", kernels))
+    header += [name for name, _ in ratios]
+    lines = []
     for key, vals in sorted(by_point.items()):
         h, causal, t, s, b, n, k, pass_ = key
         # T, or T/S for cross-attention; N, or N/K for GQA.
@@ -63,11 +63,11 @@ def print_table(rows, impls, out=sys.stdout, metric="tflops"):
             "-" if vals.get(i) is None else f"{vals[i]:.{0 if metric == 'tflops' else 2}f}"
             for i in impls
         ]
-        for column, got in (("pf/cudnn", vals), ("pf/cudnn, kernels", kernels[key])):
-            if column in header:
-                pf, cu = got.get("pallas_flash"), got.get("cudnn")
-                cells.append("-" if not pf or not cu else f"{pf / cu:.2f}")
-        print("| " + " | ".join(cells) + " |", file=out)
+        for _, got in ratios:
+            pf, cu = got[key].get("pallas_flash"), got[key].get("cudnn")
+            cells.append("-" if not pf or not cu else f"{pf / cu:.2f}")
+        lines.append(cells)
+    print_markdown(header, lines, out=out)
 
 
 def run_points(rows, grid, impls, passes, dtype, *, interpret, calls, repeats, on_gpu, extra=None):
@@ -102,11 +102,10 @@ def run_points(rows, grid, impls, passes, dtype, *, interpret, calls, repeats, o
                     else (f"{row['ms']:.3f} ms  {row['tflops']:.1f} TFLOP/s")
                 )
                 kernels = f" mosaic_calls={row['mosaic_calls']}" if "mosaic_calls" in row else ""
-                print(
+                progress(
                     f"[{len(rows)}/{total}] {impl:12s} H={p['h']} T={p['t']} S={p['s']} "
                     f"B={p['b']} N={p['n']} K={p['k']} "
-                    f"causal={int(p['causal'])} {pass_:7s} {shown}{kernels}",
-                    flush=True,
+                    f"causal={int(p['causal'])} {pass_:7s} {shown}{kernels}"
                 )
 
 
@@ -149,7 +148,5 @@ def run(args, *, on_gpu: bool) -> list[dict]:
         repeats=repeats,
         on_gpu=on_gpu,
     )
-    print()
     print_table(rows, impls, metric="tflops" if on_gpu else "ms")
-    print(f"\nwrote {len(rows)} rows to {args.out}")
     return rows

@@ -4,13 +4,21 @@ default call and the all-Triton call beside cuDNN's counterparts (GPU only)."""
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash.bench.timing import PASSES, Rows, failure, make_inputs, median_ms, timed_fn
+from pallas_flash.bench.timing import (
+    PASSES,
+    Rows,
+    failure,
+    make_inputs,
+    median_ms,
+    print_markdown,
+    progress,
+    timed_fn,
+)
 
 HELP = "masks: packed documents, windows, padding (GPU only)"
 FLAGS = ("--repeats",)
@@ -109,15 +117,12 @@ def run(args, *, on_gpu: bool) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 row.update(ms=None, error=failure(e))
             rows.add(row)
-            print(
-                f"{case:22s} {impl:22s} {pass_:7s} {row['ms']} ms {row.get('error', '')}",
-                flush=True,
-            )
+            progress(f"{case:22s} {impl:22s} {pass_:7s} {row['ms']} ms {row.get('error', '')}")
     print_mask_table(rows)
     return rows
 
 
-def print_mask_table(rows, out=sys.stdout):
+def print_mask_table(rows, out=None):
     """Per case and implementation: ms of each pass and its ratio to the default call's dense
     causal time."""
     dense = {
@@ -125,14 +130,11 @@ def print_mask_table(rows, out=sys.stdout):
         for r in rows
         if r["case"] == "dense causal" and r["impl"] == "pallas_flash"
     }
-    print(
-        "\n| case | impl | fwd ms | fwd+bwd ms | fwd / pallas_flash dense causal "
-        "| fwd+bwd / dense causal |",
-        file=out,
-    )
-    print("|---|---|---|---|---|---|", file=out)
+    header = ["case", "impl", "fwd ms", "fwd+bwd ms", "fwd / pallas_flash dense causal"]
+    header.append("fwd+bwd / dense causal")
+    lines = []
     for case, impl in dict.fromkeys((r["case"], r["impl"]) for r in rows):
         ms = {r["pass"]: r["ms"] for r in rows if r["case"] == case and r["impl"] == impl}
         ratio = [f"{ms[p] / dense[p]:.2f}" if ms.get(p) and dense.get(p) else "-" for p in PASSES]
-        cells = [case, impl, ms.get("fwd"), ms.get("fwd+bwd"), *ratio]
-        print("| " + " | ".join(map(str, cells)) + " |", file=out)
+        lines.append([case, impl, ms.get("fwd"), ms.get("fwd+bwd"), *ratio])
+    print_markdown(header, lines, out=out)

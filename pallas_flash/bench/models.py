@@ -5,14 +5,22 @@ CPU a tiny interpreted smoke run."""
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_flash
-from pallas_flash.bench.timing import PASSES, Rows, failure, kernel_timing, median_ms, timed_fn
+from pallas_flash.bench.timing import (
+    PASSES,
+    Rows,
+    failure,
+    kernel_timing,
+    median_ms,
+    print_markdown,
+    progress,
+    timed_fn,
+)
 
 HELP = (
     "models: one call per model family (Llama, Phi, Gemma 2, DeepSeek MLA, gpt-oss sinks, "
@@ -144,10 +152,9 @@ def run(args, *, on_gpu: bool) -> list[dict]:
                 row = _model_row(family, name, impl, kw, shape, dtype, pass_, inputs, pairs,
                                  repeats=args.repeats, on_gpu=on_gpu)  # fmt: skip
                 rows.add(row)
-                print(
+                progress(
                     f"{family:36s} {name:20s} {pass_:7s} {row['ms']} ms {row['tflops']} "
-                    f"TFLOP/s {row.get('error', '')}",
-                    flush=True,
+                    f"TFLOP/s {row.get('error', '')}"
                 )
     print_model_table(rows)
     return rows
@@ -185,29 +192,29 @@ def _model_row(family, name, impl, kw, shape, dtype, pass_, inputs, pairs, *, re
     return row
 
 
-def print_model_table(rows, out=sys.stdout):
+def print_model_table(rows, out=None):
     """Per family and pass: TFLOP/s of the model's call, the plain call and cuDNN (wall time),
     and the model's call's speed over cuDNN's (cuDNN's ms / ours) and over the plain call's
     (time per FLOP), in wall time and, where the rows have it, in kernel time."""
     by = {}
     for r in rows:
         by.setdefault((r["family"], r["pass"]), {})[r["impl"]] = r
-    print(
-        "\n| family | pass | pallas_flash | plain | cudnn | vs cudnn | vs plain "
-        "| vs cudnn, kernels | vs plain, kernels |\n|---|---|---|---|---|---|---|---|---|",
-        file=out,
-    )
 
     def ratio(num, den, key):
         both = num and den and num.get(key) and den.get(key)
         return f"{num[key] / den[key]:.2f}" if both else "-"
 
+    def cell(r):
+        return "-" if not r or r["tflops"] is None else f"{r['tflops']:.3g}"
+
+    lines = []
     for (family, pass_), impls in by.items():
         ours, plain, cudnn = (impls.get(i) for i in ("pallas_flash", "pallas_flash_plain", "cudnn"))
-        cell = lambda r: "-" if not r or r["tflops"] is None else f"{r['tflops']:.3g}"  # noqa: E731
-        print(
-            f"| {family} | {pass_} | {cell(ours)} | {cell(plain)} | {cell(cudnn)} "
-            f"| {ratio(cudnn, ours, 'ms')} | {ratio(ours, plain, 'tflops')} "
-            f"| {ratio(cudnn, ours, 'kernel_ms')} | {ratio(ours, plain, 'kernel_tflops')} |",
-            file=out,
+        lines.append(
+            [family, pass_, cell(ours), cell(plain), cell(cudnn)]
+            + [ratio(cudnn, ours, "ms"), ratio(ours, plain, "tflops")]
+            + [ratio(cudnn, ours, "kernel_ms"), ratio(ours, plain, "kernel_tflops")]
         )
+    header = ["family", "pass", "pallas_flash TFLOP/s", "plain TFLOP/s", "cudnn TFLOP/s"]
+    header += ["vs cudnn", "vs plain", "vs cudnn, kernels", "vs plain, kernels"]
+    print_markdown(header, lines, out=out)

@@ -10,13 +10,19 @@ triton (goal <= 1.03), dropout / plain and triton_dropout / triton (goal <= 1.15
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 
 import pallas_flash
-from pallas_flash.bench.timing import Rows, attention_flops, failure, make_inputs, median_ms
+from pallas_flash.bench.timing import (
+    Rows,
+    attention_flops,
+    failure,
+    make_inputs,
+    median_ms,
+    print_markdown,
+    progress,
+)
 
 HELP = "overheads: sinks and dropout against the plain call, default and Triton (GPU only)"
 FLAGS = ("--head-dims", "--causal", "--passes", "--repeats")
@@ -84,32 +90,24 @@ def run(args, *, on_gpu: bool) -> list[dict]:
                     except Exception as e:  # noqa: BLE001
                         row.update(ms=None, tflops=None, error=failure(e))
                     rows.add(row)
-                    print(
+                    progress(
                         f"H={h} causal={int(causal)} {pass_:7s} {case:15s} {row['ms']} ms "
-                        f"{row['tflops']} TFLOP/s {row.get('error', '')}",
-                        flush=True,
+                        f"{row['tflops']} TFLOP/s {row.get('error', '')}"
                     )
     print_overheads_table(rows)
     return rows
 
 
-def print_overheads_table(rows, out=sys.stdout):
+def print_overheads_table(rows, out=None):
     """Per head dim, causal and pass: each case's ms, and the ratios of RATIOS."""
     by = {}
     for r in rows:
         by.setdefault((r["H"], r["causal"], r["pass"]), {})[r["case"]] = r.get("ms")
-    header = [
-        "H",
-        "causal",
-        "pass",
-        *(f"{c} ms" for c in CASES),
-        *(f"{a} / {b}" for a, b in RATIOS),
-    ]
-    print("\n| " + " | ".join(header) + " |", file=out)
-    print("|" + "---|" * len(header), file=out)
+    header = ["H", "causal", "pass", *(f"{c} ms" for c in CASES)]
+    header += [f"{a} / {b}" for a, b in RATIOS]
+    lines = []
     for (h, causal, pass_), ms in by.items():
-        cells = [h, int(causal), pass_, *("-" if ms.get(c) is None else ms[c] for c in CASES)]
-        cells += [
-            "-" if not ms.get(a) or not ms.get(b) else f"{ms[a] / ms[b]:.3f}" for a, b in RATIOS
-        ]
-        print("| " + " | ".join(map(str, cells)) + " |", file=out)
+        cells = [h, int(causal), pass_, *(ms.get(c) for c in CASES)]
+        cells += [f"{ms[a] / ms[b]:.3f}" if ms.get(a) and ms.get(b) else None for a, b in RATIOS]
+        lines.append(cells)
+    print_markdown(header, lines, out=out)

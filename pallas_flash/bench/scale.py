@@ -18,6 +18,8 @@ from pallas_flash.bench.timing import (
     failure,
     make_inputs,
     median_ms,
+    print_markdown,
+    progress,
     tbps,
     timed_fn,
 )
@@ -46,7 +48,35 @@ def run(args, *, on_gpu: bool) -> list[dict]:
     rows = Rows(args.out)
     ring_rows(rows, args.seqs, counts, repeats, on_gpu)
     decode_rows(rows, counts, repeats, on_gpu)
+    print_scale_tables(rows)
     return rows
+
+
+def print_scale_tables(rows, out=None):
+    """The ring's rows (step ms, TFLOP/s per device, efficiency), then decode's (ms, TB/s of
+    K/V read summed over the devices and per device)."""
+    ring = [r for r in rows if not r["impl"].startswith("decode")]
+    decode = [r for r in rows if r["impl"].startswith("decode")]
+    if ring:
+        print_markdown(
+            ["impl", "devices", "T", "fwd+bwd ms", "TFLOP/s per device", "efficiency"],
+            [
+                [r["impl"], r["devices"], r["T"], r.get("ms"), r.get("tflops_per_device")]
+                + [r.get("efficiency")]
+                for r in ring
+            ],
+            out=out,
+        )
+    if decode:
+        print_markdown(
+            ["impl", "devices", "B", "S", "ms", "TB/s", "TB/s per device"],
+            [
+                [r["impl"], r["devices"], r["B"], r["S"], r.get("ms"), r.get("tbps")]
+                + [r.get("tbps_per_device")]
+                for r in decode
+            ],
+            out=out,
+        )
 
 
 def ring_rows(rows, seqs, counts, repeats, on_gpu):
@@ -89,11 +119,10 @@ def ring_rows(rows, seqs, counts, repeats, on_gpu):
             except Exception as e:  # noqa: BLE001
                 row.update(ms=None, error=failure(e))
             rows.add(row)
-            print(
+            progress(
                 f"{impl:5s} devices={devices} T={seq:8d} {row.get('ms')} ms "
                 f"{row.get('tflops_per_device')} TFLOP/s/device "
-                f"efficiency {row.get('efficiency')} {row.get('error', '')}",
-                flush=True,
+                f"efficiency {row.get('efficiency')} {row.get('error', '')}"
             )
 
 
@@ -157,9 +186,8 @@ def decode_rows(rows, counts, repeats, on_gpu):
             except Exception as e:  # noqa: BLE001
                 row.update(ms=None, error=failure(e))
             rows.add(row)
-            print(
+            progress(
                 f"decode over {split:8s} devices={devices} {row.get('ms')} ms "
                 f"{row.get('tbps')} TB/s ({row.get('tbps_per_device')} per device) "
-                f"{row.get('error', '')}",
-                flush=True,
+                f"{row.get('error', '')}"
             )

@@ -87,7 +87,5 @@ def run(args, *, on_gpu: bool) -> list[dict]:
         on_gpu=True,
         extra=extra,
     )
-    print()
     print_table(rows, impls)
-    print(f"\nwrote {len(rows)} rows to {args.out}")
     return rows

@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 
@@ -231,3 +232,21 @@ class Rows(list):
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
         return row
+
+
+def progress(line: str) -> None:
+    """One measurement's line, as it comes, on stderr: stdout holds the tables."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def print_markdown(header, lines, *, title=None, out=None) -> None:
+    """A markdown table (every header cell with its unit), after a blank line and its title;
+    None cells print as "-". out: a file (None: stdout)."""
+    out = out or sys.stdout
+    print(file=out)
+    if title:
+        print(title, file=out)
+    print("| " + " | ".join(header) + " |", file=out)
+    print("|" + "---|" * len(header), file=out)
+    for cells in lines:
+        print("| " + " | ".join("-" if c is None else str(c) for c in cells) + " |", file=out)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_flash
 from pallas_flash.bench import __main__ as cli
 from pallas_flash.bench import compile as compile_suite
 from pallas_flash.bench import decode, grid, masks, models, overheads, scale, shapes, timing
@@ -126,15 +127,47 @@ def test_decode_table_shows_wall_and_kernel_times():
     case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
     rows = [
         dict(case, impl="pallas_flash", ms=0.1, tbps=1.0, device_ms=0.04, device_tbps=2.5),
+        dict(case, impl="flash_attention", ms=0.2, tbps=0.5, device_ms=0.05, device_tbps=2.0),
         dict(case, impl="memcpy", ms=0.1, tbps=2.0, device_ms=0.06, device_tbps=3.33),
     ]
     out = io.StringIO()
     decode.print_decode_table(rows, out=out)
     text = out.getvalue()
     wall, kernels = text.split("kernel time per call")
-    assert "| B1 S1024 N8/K2 H64 T1 | 0.100 (1.00) | 0.100 (2.00) | 0.50 |" in wall
+    header = "| case | pallas_flash ms (TB/s) | flash_attention ms (TB/s) | memcpy ms (TB/s) |"
+    assert header in wall and header in kernels
+    assert (
+        "| B1 S1024 N8/K2 H64 T1 | 0.100 (1.00) | 0.200 (0.50) | 0.100 (2.00) | 0.50 | 0.50 |"
+        in (wall)
+    )
     # memcpy's 0.06 ms moved twice pf's bytes: pf reads at 0.06 / (2 * 0.04) of its rate.
-    assert "| B1 S1024 N8/K2 H64 T1 | 0.040 (2.50) | 0.060 (3.33) | 0.75 |" in kernels
+    assert (
+        "| B1 S1024 N8/K2 H64 T1 | 0.040 (2.50) | 0.050 (2.00) | 0.060 (3.33) | 0.80 | 0.75 |"
+        in (kernels)
+    )
+
+
+@pytest.mark.parametrize("t, lengths", [(1, [40, 64, 0]), (4, [64, 64, 64]), (4, [40, 64, 7])])
+def test_flash_attention_decode_is_decode_attention(t, lengths):
+    """The decode suite's flash_attention row on decode's arrays: decode's attention (tokens at
+    the end of each sequence, causal among themselves) where T = 1 or every length is S; with
+    shorter lengths and T > 1 the last token's, its earlier tokens seeing the later ones."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, t, 4, 16), np.float32)
+    k, v = rng.standard_normal((2, 3, 64, 2, 16), np.float32)
+    lengths = np.asarray(lengths, np.int32)
+    both = jax.jit(
+        lambda q, k, v, lengths: (
+            pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths, backend="xla"),
+            decode.flash_attention_decode(q, k, v, lengths, backend="xla"),
+        )
+    )
+    want, got = both(q, k, v, lengths)
+    if t == 1 or (lengths == 64).all():
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got[:, -1], want[:, -1], atol=1e-6)
+        assert not np.allclose(got[0, 0], want[0, 0], atol=1e-3)
 
 
 def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
@@ -354,7 +387,10 @@ def cpu_bench(monkeypatch, tmp_path):
     "suite, header",
     [
         ("grid", "| H | causal | seq | B | heads | pass | pallas_flash ms | xla ms |"),
-        ("decode", "| case | pallas_flash ms (TB/s) | xla ms (TB/s) | memcpy ms (TB/s) |"),
+        (
+            "decode",
+            "| case | pallas_flash ms (TB/s) | flash_attention ms (TB/s) | xla ms (TB/s) | memcpy",
+        ),
         ("models", "| family | pass | pallas_flash TFLOP/s | plain TFLOP/s | cudnn TFLOP/s |"),
         ("scale", "| impl | devices | T | fwd+bwd ms | TFLOP/s per device | efficiency |"),
     ],

@@ -1,6 +1,6 @@
 """`--suite decode`: decode_attention and paged_attention in TB/s of K/V read, beside
-jax.nn's XLA and cuDNN attention and a device-to-device copy of the same bytes; on a CPU tiny
-interpreted shapes."""
+flash_attention on the same arrays, jax.nn's XLA and cuDNN attention and a device-to-device copy
+of the same bytes; on a CPU tiny interpreted shapes."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from pallas_flash.bench.timing import (
 )
 
 HELP = (
-    "decode: decode_attention / paged_attention in TB/s of K/V read (tiny interpreted shapes "
-    "on a CPU)"
+    "decode: decode_attention / paged_attention in TB/s of K/V read beside flash_attention on "
+    "the same arrays (tiny interpreted shapes on a CPU)"
 )
 FLAGS = ("--repeats", "--quick")
 FLAGS_ON_CPU = ("--repeats",)
@@ -86,10 +86,26 @@ def decode_inputs(case, dtype, seed=0):
     return q, k, v, lengths, tables
 
 
+def flash_attention_decode(q, k, v, lengths, **kwargs):
+    """`pallas_flash.flash_attention` on decode's arrays: T new tokens per sequence over a
+    contiguous (B, S, K, H) cache of `lengths` keys each. Decode puts token t at position
+    L - T + t, causal among the new tokens; flash_attention's is_causal is top-left aligned,
+    so the call takes key_value_seq_lengths and, for T > 1, the window (S, S - T): token t sees
+    keys up to S - T + t. Exactly decode's attention where every length is S (every T > 1 case
+    of the GPU suite); with shorter lengths a token also sees the new tokens after it, the
+    same K/V bytes read."""
+    t, s = q.shape[1], k.shape[1]
+    window = None if t == 1 else (s, s - t)
+    return pallas_flash.flash_attention(
+        q, k, v, key_value_seq_lengths=lengths, local_window_size=window, **kwargs
+    )
+
+
 def decode_fns(case, *, interpret: bool):
-    """{impl: jitted fn(q, k, v, lengths, tables) -> out} for one case. jax.nn's attention
-    (XLA, cuDNN) takes the contiguous cache, with the causal rule among the new tokens as a
-    mask aligned to the end of each sequence."""
+    """{impl: jitted fn(q, k, v, lengths, tables) -> out} for one case: "pallas_flash"
+    (decode_attention, or paged_attention over pages), and over a contiguous cache
+    "flash_attention" (`flash_attention_decode`) and jax.nn's attention (XLA, cuDNN), with the
+    causal rule among the new tokens as a mask aligned to the end of each sequence."""
     if case["page"] is not None:
         fns = {
             "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.paged_attention(
@@ -100,7 +116,10 @@ def decode_fns(case, *, interpret: bool):
         fns = {
             "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.decode_attention(
                 q, k, v, key_value_seq_lengths=lens, interpret=interpret
-            )
+            ),
+            "flash_attention": lambda q, k, v, lens, tables: flash_attention_decode(
+                q, k, v, lens, interpret=interpret
+            ),
         }
 
         def jax_nn(impl):
@@ -129,9 +148,9 @@ def decode_kv_bytes(case, lengths, itemsize: int) -> int:
 
 
 def run(args, *, on_gpu: bool) -> list[dict]:
-    """Per case: ms and TB/s of K/V bytes read for pallas_flash, jax.nn's XLA and cuDNN
-    attention, and a device-to-device copy of the same bytes (its TB/s counts the bytes read
-    and written: the practical ceiling of a read-only kernel)."""
+    """Per case: ms and TB/s of K/V bytes read for pallas_flash, flash_attention, jax.nn's XLA
+    and cuDNN attention, and a device-to-device copy of the same bytes (its TB/s counts the
+    bytes read and written: the practical ceiling of a read-only kernel)."""
     repeats = args.repeats
     if on_gpu:
         cases, dtype, interpret, calls = list(decode_cases(args.quick)), jnp.bfloat16, False, 10
@@ -169,7 +188,7 @@ def run(args, *, on_gpu: bool) -> list[dict]:
             )
             if row.get("device_ms") is not None:
                 shown += f", kernels {row['device_ms']:.4f} ms {row['device_tbps']:.2f} TB/s"
-            progress(f"{_decode_name(case):34s} {impl:13s} {shown}")
+            progress(f"{_decode_name(case):34s} {impl:15s} {shown}")
         del q, k, v, flat
     print_decode_table(rows)
     return rows
@@ -204,7 +223,10 @@ def _decode_name(case) -> str:
 
 def print_decode_table(rows, out=None):
     """One table of each call's wall time (`ms`, host dispatch included) and, where measured,
-    one of its kernels' time (`device_ms`), each cell "ms (TB/s of K/V read)"."""
+    one of its kernels' time (`device_ms`), each cell "ms (TB/s of K/V read)"; pallas_flash is
+    decode_attention (paged_attention over pages), flash_attention the same arrays through
+    `flash_attention_decode`. The last columns: flash_attention's speed over pallas_flash's,
+    and pallas_flash's TB/s over a copy's."""
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     by_case = {}
     for r in rows:
@@ -217,8 +239,13 @@ def print_decode_table(rows, out=None):
         for name, got in by_case.items():
             timed = [got.get(i, {}) for i in impls]
             cells = [None if r.get(key) is None else f"{r[key]:.3f} ({r[rate]:.2f})" for r in timed]
+            pf, fa, mc = (
+                got.get(i, {}).get(key) for i in ("pallas_flash", "flash_attention", "memcpy")
+            )
+            cells.append(f"{pf / fa:.2f}" if pf and fa else None)
             # pf's TB/s over memcpy's (which counts bytes read and written)
-            pf, mc = got.get("pallas_flash", {}).get(key), got.get("memcpy", {}).get(key)
-            lines.append([name, *cells, f"{mc / (2 * pf):.2f}" if pf and mc else None])
-        header = ["case", *(f"{i} ms (TB/s)" for i in impls), "pf / memcpy"]
+            cells.append(f"{mc / (2 * pf):.2f}" if pf and mc else None)
+            lines.append([name, *cells])
+        header = ["case", *(f"{i} ms (TB/s)" for i in impls), "flash_attention / pf speed"]
+        header.append("pf / memcpy")
         print_markdown(header, lines, title=f"{title}, ms (TB/s of K/V read):", out=out)

@@ -4,8 +4,8 @@
 #   masks  python -m pallas_flash.bench --suite masks
 #   grid   python -m pallas_flash.bench (the FA2 grid; BENCH_ARGS adds flags)
 #   compile  python -m pallas_flash.bench --suite compile (COMPILE_ARGS adds flags)
-#   layers  benchmarks/compile_layers.py: compile time and XLA fusions per backward form and
-#          depth (LAYERS_POINTS, e.g. "fixed:1 fixed:24"; default each form at 1 and 24)
+#   layers  benchmarks/experiments.py compile-forms: compile time and XLA fusions per backward
+#          form and depth (LAYERS_POINTS, e.g. "fixed:1 fixed:24"; default each form at 1 and 24)
 #   tiles  benchmarks/experiments.py tiles-masked;  split  benchmarks/experiments.py split-kv
 #   mosaic  benchmarks/experiments.py mosaic-tiles (MOSAIC_ARGS, e.g. "--head-dims 64 --seqs 512")
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
@@ -16,10 +16,12 @@
 #          "triton default mosaic"; ~12 s per example each, compiling), at most SWEEP_N examples;
 #          the mosaic ones share its pool (PALLAS_FLASH_SWEEP_SHARD); every example logged, not
 #          failing, and counted by benchmarks/sweep_summary.py; logs in $OUT/sweep.tgz
-#   mla    benchmarks/mla_timing.py;  extras  benchmarks/sinks_dropout_timing.py (HS: head dims)
-#   fused  benchmarks/fused_dq_timing.py: the fused dQ against the default backward and cuDNN
-#          (FUSED_POINTS: H:SEQ pairs, default its POINTS; MODES: its backwards; MASK:
-#          window:W or packed:D, default none)
+#   decode  python -m pallas_flash.bench --suite decode (DECODE_ARGS, e.g. --quick)
+#   mla    benchmarks/experiments.py mla
+#   extras  python -m pallas_flash.bench --suite overheads: sinks and dropout (HS: head dims)
+#   fused  benchmarks/experiments.py fused-dq: the fused dQ against the default backward and
+#          cuDNN (FUSED_POINTS: H:SEQ pairs, default its points; MODES: its backwards,
+#          comma-separated; MASK: window:W or packed:D, default none; KERNELS=1: kernel times)
 #   resources  benchmarks/kernel_resources.py $OUT/resources RESOURCE_CASES (ptxas' registers
 #          and spills, SASS counts; default: all its cases)
 #   regsplit  benchmarks/register_split.py $OUT/regsplit REGSPLIT_ARGS (e.g. "--kernels forward")
@@ -129,8 +131,8 @@ for stage in ${@:-tests masks grid}; do
         --out $OUT/compile.jsonl ${COMPILE_ARGS:-} > $OUT/compile.log 2>&1
       tail -n 20 $OUT/compile.log ;;
     layers)
-      timeout ${LAYERS_TIMEOUT:-240} python3 benchmarks/compile_layers.py \
-        $OUT/compile-layers.jsonl ${LAYERS_POINTS:-} 2>&1 | grep "^{" ;;
+      timeout ${LAYERS_TIMEOUT:-240} python3 benchmarks/experiments.py compile-forms \
+        --out $OUT/compile-layers.jsonl ${LAYERS_POINTS:+--points $LAYERS_POINTS} 2>&1 | grep "^{" ;;
     tiles|split)
       exp=$([ $stage = tiles ] && echo tiles-masked || echo split-kv)
       timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py $exp --out $OUT/$exp.jsonl \
@@ -148,12 +150,18 @@ for stage in ${@:-tests masks grid}; do
       timeout ${EXP_TIMEOUT:-300} python3 benchmarks/experiments.py mosaic-gqa \
         --out $OUT/mosaic-gqa.jsonl > $OUT/mosaic-gqa.log 2>&1
       grep -c '"ms"' $OUT/mosaic-gqa.jsonl ;;
+    decode)
+      timeout ${DECODE_TIMEOUT:-300} python3 -m pallas_flash.bench --suite decode \
+        --out $OUT/decode.jsonl ${DECODE_ARGS:-} > $OUT/decode.log 2>&1
+      sed -n '/^wall time per call/,$p' $OUT/decode.log ;;
     mla)
-      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/mla_timing.py $OUT/mla.jsonl > $OUT/mla.log 2>&1
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py mla --out $OUT/mla.jsonl \
+        > $OUT/mla.log 2>&1
       tail -n 4 $OUT/mla.log ;;
     fused)
-      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/fused_dq_timing.py $OUT/fused.jsonl \
-        ${FUSED_POINTS:-} > $OUT/fused.log 2>&1
+      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/experiments.py fused-dq --out $OUT/fused.jsonl \
+        ${FUSED_POINTS:+--points $FUSED_POINTS} ${MODES:+--modes ${MODES//,/ }} \
+        ${MASK:+--mask $MASK} ${KERNELS:+--kernel-time} > $OUT/fused.log 2>&1
       grep summary $OUT/fused.log ;;
     resources)
       timeout ${RESOURCES_TIMEOUT:-240} python3 benchmarks/kernel_resources.py $OUT/resources \
@@ -169,9 +177,9 @@ for stage in ${@:-tests masks grid}; do
       for f in resources timing; do cp $OUT/regsplit/$f.jsonl $OUT/regsplit-$f.jsonl 2>/dev/null; done
       tar -czf $OUT/regsplit.tgz -C $OUT regsplit && rm -rf $OUT/regsplit ;;
     extras)
-      timeout ${EXP_TIMEOUT:-150} python3 benchmarks/sinks_dropout_timing.py $OUT/extras.jsonl \
-        > $OUT/extras.log 2>&1
-      tail -n 6 $OUT/extras.log ;;
+      timeout ${EXP_TIMEOUT:-150} python3 -m pallas_flash.bench --suite overheads \
+        --out $OUT/extras.jsonl ${HS:+--head-dims $HS} > $OUT/extras.log 2>&1
+      tail -n 8 $OUT/extras.log ;;
     train)
       bash benchmarks/device_train.sh ;;
     ncu)

@@ -35,6 +35,19 @@ python benchmarks/experiments.py mosaic-persistent --out $OUT/persistent.jsonl
     (jax's profiler), outputs compared, cuDNN beside where it runs the call: the measurements
     behind `mosaic.tiles.default_tiles`'s persistent rule. --smoke: `why_not` of each
     candidate at every case's shapes, no run.
+python benchmarks/experiments.py fused-dq --out $OUT/fused.jsonl [--points 128:4096 64:16384:8]
+        [--modes fused fixed step fixed_step fused_step clean] [--mask window:W|packed:D]
+        [--kernel-time]
+    fwd+bwd of the Mosaic backward with dQ in the dK/dV kernel ("fused": f32 adds, "fixed":
+    integer adds) and its other forms, against the default two-kernel backward and cuDNN,
+    with each form's dQ difference and repeatability: the measurements behind
+    `dispatch.fused_dq_is_faster` and `fixed_dq_is_faster`.
+python benchmarks/experiments.py mla --out $OUT/mla.jsonl
+    MLA (H 192, Hv 128) against the plain H=192 call per FLOP, and the Mosaic forward's tile
+    candidates at MLA's head dims (B=2, 4k, N=16, bf16: the models suite's DeepSeek row).
+python benchmarks/experiments.py compile-forms --out $OUT/compile-forms.jsonl [--points fixed:24]
+    compile time and XLA fusions of a jit(grad) over 1 and 24 causal layers per backward form
+    (two-kernel, add, fixed, fixed-xla, fixed-bare), each row in a fresh process.
 """
 
 from __future__ import annotations
@@ -43,13 +56,18 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import bench, mosaic, tune, tune_cache
+from pallas_flash.bench import decode as decode_suite
+from pallas_flash.bench.__main__ import given_flags
 from pallas_flash.device import gpu_device_kind, target_device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic.schedule import paired_causal_rows
@@ -257,9 +275,9 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
         case = {**base, **DECODE_SHAPES[name]}
         if smoke:
             case.update(S=min(case["S"], 256), K=max(1, case["K"] // 4))
-        q, k, v, lengths, tables = bench.decode_inputs(case, dtype)
+        q, k, v, lengths, tables = decode_suite.decode_inputs(case, dtype)
         qs = [q] + [q * (1 + i / 64) for i in range(1, calls_per_jit)]  # no CSE across calls
-        nbytes = bench.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
+        nbytes = decode_suite.decode_kv_bytes(case, lengths, jnp.dtype(dtype).itemsize)
         default = DecodeBlockSizes(block_kv=16 if smoke else 128 if case["page"] else 64)
         candidates = {
             "default": {},
@@ -318,7 +336,7 @@ def decode(out, quick=False, calls_per_jit=4, smoke=False, only=None, cases=None
                 row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             _record(out, row)
         if not smoke and case["T"] == 1 and case["page"] is None:
-            cudnn = bench.decode_fns(case, interpret=False)["cudnn"]
+            cudnn = decode_suite.decode_fns(case, interpret=False)["cudnn"]
             row = dict(exp="decode", case=name, cand="cudnn")
             try:
                 kernel_ms, _ = bench.device_ms(cudnn, (q, k, v, lengths, None))
@@ -463,7 +481,7 @@ MOSAIC_BACKWARD_TILES = {
     # Causal grids in their own order, a head's tiles in turn (`schedule.grouped_launch`).
     "ungrouped": dict(grouped_launch=False),
     # The dK/dV consumers' K/V descriptors rebuilt each step, not held (with fused dQ:
-    # `fused_dq_timing.py`'s "fixed_step").
+    # `fused-dq`'s "fixed_step").
     "step": dict(step_descriptors=True),
     "stages3": dict(num_stages=3),
     "kvdq128": dict(block_kv_dq=128),
@@ -660,32 +678,295 @@ def mosaic_persistent(out, smoke=False, cases=None):
         _record(out, row)
 
 
-# The flags each experiment reads besides --out; another one given is an error, not ignored.
-EXPERIMENT_FLAGS = {
-    "tiles-masked": (),
-    "split-kv": (),
-    "mosaic-tiles": ("--head-dims", "--seqs", "--only"),
-    "mosaic-backward": ("--head-dims", "--seqs"),
-    "mosaic-gqa": (),
-    "decode": ("--quick", "--calls-per-jit", "--smoke", "--only", "--cases"),
-    "mosaic-persistent": ("--smoke", "--cases"),
+# -- the Mosaic backward's forms of dQ --------------------------------------------------------
+
+# Every backward fused-dq can time (--modes: a subset; "default" is always timed, first).
+FUSED_DQ_TILES = {
+    "default": None,
+    "fused": mosaic.BackwardTiles(fused_dq="add"),
+    "fixed": mosaic.BackwardTiles(fused_dq="fixed"),
+    # The dK/dV consumers' operand descriptors rebuilt each step (not held across the loop).
+    "step": mosaic.BackwardTiles(step_descriptors=True),
+    "fixed_step": mosaic.BackwardTiles(fused_dq="fixed", step_descriptors=True),
+    "fused_step": mosaic.BackwardTiles(fused_dq="add", step_descriptors=True),
+    # The two kernels, the dQ kernel's producer cleaning masked K tiles (no XLA pass over K).
+    "clean": mosaic.BackwardTiles(producer_cleans_k=True),
+}
+FUSED_DQ_POINTS = ["128:4096", "128:16384", "64:4096", "64:16384"]
+
+
+def mosaic_attention(tiles, *, scale, is_causal, **mask):
+    """The Mosaic forward differentiated by `mosaic.flash_backward` with these tiles; mask:
+    window and/or segment_ids, as both take them."""
+
+    @jax.custom_vjp
+    def attention(q, k, v):
+        return mosaic.flash_forward(q, k, v, scale=scale, is_causal=is_causal, **mask)[0]
+
+    def fwd(q, k, v):
+        out, lse = mosaic.flash_forward(q, k, v, scale=scale, is_causal=is_causal, **mask)
+        return out, (q, k, v, out, lse)
+
+    def bwd(residuals, d_out):
+        return mosaic.flash_backward(
+            *residuals, d_out, None, scale=scale, is_causal=is_causal, tiles=tiles, **mask
+        )
+
+    attention.defvjp(fwd, bwd)
+    return attention
+
+
+def _fused_dq_masks(spec: str, batch: int, seq: int, causal: bool):
+    """--mask: "" none; "window:W" a window of W keys left of the diagonal (and W right of it
+    where not causal); "packed:D" D documents of seq / D tokens per sequence (segment ids).
+    Returns (the Mosaic kernels' mask kwargs, cuDNN's through jax.nn, or None where it has no
+    such mask)."""
+    if not spec:
+        return {}, {}
+    kind, size = spec.split(":")
+    if kind == "window":
+        window = (int(size), 0 if causal else int(size))
+        return dict(window=window), dict(local_window_size=window)
+    if kind == "packed":
+        ids = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32) * int(size) // seq, (batch, seq))
+        return dict(segment_ids=(ids, ids)), None
+    raise ValueError(f"--mask {spec!r}: window:W or packed:D")
+
+
+def fused_dq(out, points=None, modes=("fused", "fixed"), mask_spec="", kernel_time=False):
+    """fwd+bwd of the Mosaic kernels with dQ computed in the dK/dV kernel (fused_dq "add":
+    five matmuls per pair of tiles, dQ added by TMA reductions; "fixed": the same adds of
+    integers, deterministic) and the other forms of FUSED_DQ_TILES, against the default
+    two-kernel backward (seven) and cuDNN. points: "H:SEQ" or "H:SEQ:K" (K KV heads) at FA2
+    grid shapes (bf16, 16k tokens per batch, N = 2048 / H), causal and not. TFLOP/s count the
+    plain (or causal) call's pairs, whatever the mask. One row per point and backward
+    (kernel_time: also kernel_ms and each kernel's us), then a summary per point: the ratios,
+    each form's largest dQ difference from the default's relative to dQ's largest magnitude,
+    and whether two runs gave the same bits."""
+    modes = ["default", *(m for m in modes if m != "default")]
+    for point in points or FUSED_DQ_POINTS:
+        h, seq, *kv = (int(x) for x in point.split(":"))
+        b, n = 16384 // seq, 2048 // h
+        kv_heads = kv[0] if kv else n
+        keys = jax.random.split(jax.random.key(0), 4)
+        shapes = [(b, seq, kv_heads if i in (1, 2) else n, h) for i in range(4)]
+        args = [jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes)]
+        for causal in (False, True):
+            mask, cudnn_mask = _fused_dq_masks(mask_spec, b, seq, causal)
+            point_row = dict(H=h, seq=seq, K=kv_heads, causal=causal, mask=mask_spec)
+            impls = {
+                name: mosaic_attention(FUSED_DQ_TILES[name], scale=h**-0.5, is_causal=causal,
+                                        **mask)
+                for name in modes
+            }  # fmt: skip
+            if cudnn_mask is not None:
+                impls["cudnn"] = functools.partial(
+                    jax.nn.dot_product_attention, implementation="cudnn", is_causal=causal,
+                    **cudnn_mask,
+                )  # fmt: skip
+            ms = {}
+            flops = bench.attention_flops(b, seq, seq, n, h, causal, "fwd+bwd")
+            for name, fn in impls.items():
+                row = dict(point_row, impl=name)
+                try:
+                    ms[name] = bench.median_ms(bench.timed_fn(fn, "fwd+bwd"), args)
+                except Exception as e:  # cuDNN refuses some masks: the row says so
+                    if name != "cudnn":
+                        raise
+                    _record(out, dict(row, error=str(e)[:200]))
+                    continue
+                row.update(ms=ms[name], tflops=flops / ms[name] / 1e9)
+                if kernel_time:
+                    kernel_ms, kernels = bench.device_ms(bench.timed_fn(fn, "fwd+bwd"), args)
+                    row["kernel_ms"] = kernel_ms
+                    row["kernels_us"] = {k: round(1e3 * t, 1) for k, t in kernels.items()}
+                _record(out, row)
+            _record(out, _fused_dq_summary(point_row, impls, modes, ms, args))
+
+
+def _fused_dq_summary(point_row, impls, modes, ms, args):
+    """fused_dq's summary row of one point: each form's speed over the default's and
+    cuDNN's, its dQ's largest difference from the default's, and whether it repeats."""
+    dq = {name: bench.timed_fn(impls[name], "fwd+bwd")(*args)[0] for name in modes}
+    summary = dict(point_row, summary="fwd+bwd")
+    reference = dq["default"].astype(jnp.float32)
+    for name in modes[1:]:
+        again = bench.timed_fn(impls[name], "fwd+bwd")(*args)[0]
+        difference = jnp.max(jnp.abs(dq[name].astype(jnp.float32) - reference))
+        summary[f"{name}_over_default"] = ms["default"] / ms[name]
+        summary[f"{name}_over_cudnn"] = ms["cudnn"] / ms[name] if "cudnn" in ms else None
+        summary[f"{name}_dq_relative_difference"] = float(difference / jnp.max(jnp.abs(reference)))
+        summary[f"{name}_repeatable"] = bool(jnp.all(again == dq[name]))
+    if "cudnn" in ms:
+        summary["default_over_cudnn"] = ms["cudnn"] / ms["default"]
+    return summary
+
+
+# -- multi-head latent attention -----------------------------------------------------------------
+
+MLA_SHAPE = (2, 4096, 16, 192, 128)  # B, T = S, N = K, H, Hv: the models suite's DeepSeek row
+MLA_TILES = [
+    mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=2),
+    mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=3),
+    mosaic.ForwardTiles(block_q=64, block_kv=64, num_stages=2, persistent=True),
+    mosaic.ForwardTiles(block_q=64, block_kv=128, num_stages=2),
+]
+
+
+def mla(out):
+    """MLA (H = 192, Hv = 128) against the plain H = Hv = 192 call, causal and not, fwd and
+    fwd+bwd through `flash_attention`; then, forward only, the Mosaic forward at MLA's head
+    dims with each tile candidate of MLA_TILES that its budgets take. FLOPs count
+    2 * pairs * (H + Hv) per head forward (x 3.5 forward+backward), as the models suite does;
+    the last rows give MLA's time per FLOP over the plain call's (goal <= 1.05)."""
+    b, t, n, h, hv = MLA_SHAPE
+
+    def inputs(hv):
+        keys = jax.random.split(jax.random.key(0), 4)
+        shapes = [(b, t, n, h), (b, t, n, h), (b, t, n, hv), (b, t, n, hv)]
+        return [jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes)]
+
+    def flops(hv, causal, pass_):
+        pairs = t * (t + 1) / 2 if causal else t * t
+        return 2.0 * b * n * pairs * (h + hv) * (3.5 if pass_ == "fwd+bwd" else 1.0)
+
+    per_flop = {}
+    for causal in (False, True):
+        for pass_ in bench.PASSES:
+            for name, value_dim in (("mla", hv), ("plain", h)):
+                fn = functools.partial(pallas_flash.flash_attention, is_causal=causal)
+                ms = bench.median_ms(bench.timed_fn(fn, pass_), inputs(value_dim))
+                per_flop[name, causal, pass_] = ms / flops(value_dim, causal, pass_)
+                tflops = flops(value_dim, causal, pass_) / ms / 1e9
+                _record(out, dict(case=name, causal=causal, pass_=pass_, ms=ms, tflops=tflops))
+        for tiles in MLA_TILES:
+            row = dict(case="mla_tiles", tiles=str(tiles), causal=causal)
+            reason = mosaic.forward_tiles.why_not(
+                (b, t, n, h), (b, t, n, h), jnp.bfloat16, value_head_dim=hv, is_causal=causal,
+                tiles=tiles,
+            )  # fmt: skip
+            if reason:
+                _record(out, dict(row, refused=reason))
+                continue
+            fn = functools.partial(
+                mosaic.flash_forward, scale=h**-0.5, is_causal=causal, tiles=tiles
+            )
+            ms = bench.median_ms(bench.timed_fn(fn, "fwd"), inputs(hv))
+            _record(out, dict(row, ms=ms, tflops=flops(hv, causal, "fwd") / ms / 1e9))
+    for causal in (False, True):
+        for pass_ in bench.PASSES:
+            ratio = per_flop["mla", causal, pass_] / per_flop["plain", causal, pass_]
+            _record(out, dict(summary="mla_over_plain_per_flop", causal=causal, pass_=pass_,
+                              ratio=ratio))  # fmt: skip
+
+
+# -- compile time per backward form ------------------------------------------------------------
+
+COMPILE_FORMS = ("two-kernel", "add", "fixed", "fixed-xla", "fixed-bare")
+
+
+def compile_form_row(form: str, layers: int) -> dict:
+    """Compile time of a jit(grad) over `layers` causal attention layers with the backward in
+    `form`, and the XLA fusions and custom calls of the compiled module: "two-kernel" (the
+    Mosaic backward's dK/dV and dQ kernels), "add" (dQ in the dK/dV kernel by f32 adds,
+    deterministic_grads=False), "fixed" (by integer adds: the default from 8k keys at H=128
+    causal; its per-row scales from two Pallas kernels, `mosaic.fixed_point`), "fixed-xla"
+    (those scales in jnp, as on a CPU), "fixed-bare" ("fixed" with its scales replaced by
+    constants: compile time only, its gradients are wrong). The shape is the compile suite's:
+    B=1, T=8192, N=16, H=128, bf16, loss out.mean() per layer. Patches the package: one row
+    per process."""
+    from pallas_flash import dispatch
+    from pallas_flash.mosaic import fixed_point
+
+    if form == "two-kernel":  # no call is long enough for either fused form
+        dispatch.FIXED_DQ_CAUSAL_MIN_LEN = {64: 1 << 30, 128: 1 << 30}
+    if form == "fixed-xla":
+        scales = fixed_point.fixed_point_scales
+        fixed_point.fixed_point_scales = functools.partial(scales, kernels=False)
+    if form == "fixed-bare":
+
+        def constant_scales(k, v, d_out, delta, lse, *, rows_out, **_):
+            ones = jnp.ones((*lse.shape[:2], rows_out), jnp.float32)
+            return ones * 2.0**8, ones * 2.0**-8
+
+        fixed_point.fixed_point_scales = constant_scales
+    deterministic = form != "add"
+
+    def loss(qkvs):
+        return sum(
+            pallas_flash.flash_attention(q, k, v, is_causal=True, deterministic_grads=deterministic)
+            .astype(jnp.float32)
+            .mean()
+            for q, k, v in qkvs
+        )
+
+    b, t, n, h = 1, 8192, 16, 128
+    args = [bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16, seed=i)[:3] for i in range(layers)]
+    start = time.perf_counter()
+    lowered = jax.jit(jax.grad(loss)).trace(args).lower()
+    lowered_at = time.perf_counter()
+    text = lowered.compile().as_text()
+    compiled_at = time.perf_counter()
+    return dict(
+        form=form,
+        layers=layers,
+        lower_s=round(lowered_at - start, 2),
+        compile_s=round(compiled_at - lowered_at, 2),
+        fusions=text.count(" fusion("),
+        custom_calls=text.count(" custom-call("),
+    )
+
+
+def compile_forms(out, points=None):
+    """compile_form_row at each FORM:LAYERS point (default: each form at 1 and 24 layers),
+    each in a fresh process."""
+    for point in points or [f"{f}:{n}" for f in COMPILE_FORMS for n in (1, 24)]:
+        proc = subprocess.run(
+            [sys.executable, __file__, "compile-forms", "--row", point, "--out", os.devnull],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        form = point.split(":")[0]
+        _record(out, json.loads(lines[-1]) if lines else dict(form=form, error=proc.stderr[-300:]))
+
+
+# name: (the flags it reads besides --out, fn(out, args)); another flag given is an error.
+EXPERIMENTS = {
+    "tiles-masked": ((), lambda out, a: tiles_masked(out)),
+    "split-kv": ((), lambda out, a: split_kv(out)),
+    "mosaic-tiles": (
+        ("--head-dims", "--seqs", "--only"),
+        lambda out, a: mosaic_tiles(out, a.head_dims, a.seqs, a.only),
+    ),
+    "mosaic-backward": (
+        ("--head-dims", "--seqs"),
+        lambda out, a: mosaic_backward(out, a.head_dims, a.seqs),
+    ),
+    "mosaic-gqa": ((), lambda out, a: mosaic_gqa(out)),
+    "decode": (
+        ("--quick", "--calls-per-jit", "--smoke", "--only", "--cases"),
+        lambda out, a: decode(
+            out, a.quick, a.calls_per_jit, smoke=a.smoke, only=a.only, cases=a.cases
+        ),
+    ),
+    "mosaic-persistent": (
+        ("--smoke", "--cases"),
+        lambda out, a: mosaic_persistent(out, smoke=a.smoke, cases=a.cases),
+    ),
+    "fused-dq": (
+        ("--points", "--modes", "--mask", "--kernel-time"),
+        lambda out, a: fused_dq(
+            out, a.points, a.modes or ("fused", "fixed"), a.mask, a.kernel_time
+        ),
+    ),
+    "mla": ((), lambda out, a: mla(out)),
+    "compile-forms": (("--points", "--row"), lambda out, a: compile_forms(out, a.points)),
 }
 
 
 def main():
     parser = argparse.ArgumentParser(allow_abbrev=False)
-    parser.add_argument(
-        "experiment",
-        choices=[
-            "tiles-masked",
-            "split-kv",
-            "mosaic-tiles",
-            "mosaic-backward",
-            "mosaic-gqa",
-            "decode",
-            "mosaic-persistent",
-        ],
-    )
+    parser.add_argument("experiment", choices=list(EXPERIMENTS))
     parser.add_argument("--quick", action="store_true", help="decode: six shapes only")
     parser.add_argument(
         "--calls-per-jit", type=int, default=4, help="decode: calls timed in one jit"
@@ -707,31 +988,32 @@ def main():
     parser.add_argument("--out", required=True)
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--seqs", type=int, nargs="+", default=[512, 2048, 16384])
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        help="fused-dq: H:SEQ or H:SEQ:K (default 128:4096 128:16384 64:4096 64:16384); "
+        "compile-forms: FORM:LAYERS (default each form at 1 and 24)",
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=list(FUSED_DQ_TILES), help="fused-dq: default fused fixed"
+    )
+    parser.add_argument("--mask", default="", help="fused-dq: window:W or packed:D")
+    parser.add_argument(
+        "--kernel-time", action="store_true", help="fused-dq: each kernel's time too"
+    )
+    parser.add_argument("--row", help=argparse.SUPPRESS)  # compile-forms: one row, in a child
     args = parser.parse_args()
-    unread = sorted(bench.given_flags(sys.argv[1:]) - {"--out", *EXPERIMENT_FLAGS[args.experiment]})
+    flags, run = EXPERIMENTS[args.experiment]
+    unread = sorted(given_flags(sys.argv[1:]) - {"--out", *flags})
     if unread:
         parser.error(f"{args.experiment} does not take {', '.join(unread)}")
+    if args.row:
+        form, layers = args.row.split(":")
+        print(json.dumps(compile_form_row(form, int(layers))), flush=True)
+        return
     print("device:", jax.devices()[0].device_kind, flush=True)
     with open(args.out, "a") as out:
-        if args.experiment == "mosaic-tiles":
-            mosaic_tiles(out, args.head_dims, args.seqs, args.only)
-        elif args.experiment == "decode":
-            decode(
-                out,
-                args.quick,
-                args.calls_per_jit,
-                smoke=args.smoke,
-                only=args.only,
-                cases=args.cases,
-            )
-        elif args.experiment == "mosaic-backward":
-            mosaic_backward(out, args.head_dims, args.seqs)
-        elif args.experiment == "mosaic-gqa":
-            mosaic_gqa(out)
-        elif args.experiment == "mosaic-persistent":
-            mosaic_persistent(out, smoke=args.smoke, cases=args.cases)
-        else:
-            {"tiles-masked": tiles_masked, "split-kv": split_kv}[args.experiment](out)
+        run(out, args)
 
 
 if __name__ == "__main__":

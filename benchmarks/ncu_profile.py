@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import bench, mosaic
+from pallas_flash.bench import decode as decode_suite
 from pallas_flash.mosaic import backward as mosaic_backward
 
 
@@ -52,9 +53,8 @@ def _decode(b, t, n, h, causal, *, cache: int, kv_heads: int):
     """`decode_attention` of t new tokens per sequence over a full cache of `cache` keys and
     kv_heads KV heads (bf16), as the bench's decode suite builds and calls it (causal: unused)."""
     case = dict(B=b, S=cache, N=n, K=kv_heads, H=h, T=t, ragged=False, page=None)
-    return bench.decode_fns(case, interpret=False)["pallas_flash"], bench.decode_inputs(
-        case, jnp.bfloat16
-    )
+    fn = decode_suite.decode_fns(case, interpret=False)["pallas_flash"]
+    return fn, decode_suite.decode_inputs(case, jnp.bfloat16)
 
 
 OURS = functools.partial(_attention, impl="pallas_flash")

@@ -6,10 +6,15 @@ import io
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_flash import bench
+import pallas_flash
+from pallas_flash.bench import __main__ as cli
+from pallas_flash.bench import compile as compile_suite
+from pallas_flash.bench import decode, grid, masks, models, overheads, scale, shapes, timing
 
 
 def brute_force_pairs(t, kwargs):
@@ -39,11 +44,11 @@ def brute_force_pairs(t, kwargs):
     ids=str,
 )
 def test_visible_pairs_count_the_mask(kwargs):
-    assert bench._visible_pairs(37, kwargs) == brute_force_pairs(37, kwargs)
+    assert models._visible_pairs(37, kwargs) == brute_force_pairs(37, kwargs)
 
 
 def test_model_cases_name_every_family_once_with_a_baseline():
-    cases = list(bench.model_cases())
+    cases = list(models.model_cases())
     families = dict.fromkeys(c[0] for c in cases)
     assert len(families) == 8
     for family in families:
@@ -57,13 +62,13 @@ def test_model_cases_name_every_family_once_with_a_baseline():
 
 
 def test_shapes_suite_covers_the_calls_off_the_grid():
-    shapes = list(bench.shapes_grid())
-    assert any(p["k"] == 1 and p["n"] > 1 and p["causal"] for p in shapes)  # MQA
-    assert any(1 < p["k"] < p["n"] for p in shapes)  # GQA
-    assert any(p["t"] != p["s"] for p in shapes)  # cross-attention
-    assert any(p["t"] >= 65536 and p["b"] == 1 for p in shapes)
-    assert {80, 96, 192, 256} <= {p["h"] for p in shapes}
-    assert any(p["t"] % 128 for p in shapes)  # lengths off the tiles
+    points = list(shapes.shapes_grid())
+    assert any(p["k"] == 1 and p["n"] > 1 and p["causal"] for p in points)  # MQA
+    assert any(1 < p["k"] < p["n"] for p in points)  # GQA
+    assert any(p["t"] != p["s"] for p in points)  # cross-attention
+    assert any(p["t"] >= 65536 and p["b"] == 1 for p in points)
+    assert {80, 96, 192, 256} <= {p["h"] for p in points}
+    assert any(p["t"] % 128 for p in points)  # lengths off the tiles
 
 
 def test_grid_table_names_cross_attention_and_gqa():
@@ -74,15 +79,29 @@ def test_grid_table_names_cross_attention_and_gqa():
         dict(point, T=1024, S=1024, N=32, K=8, impl="pallas_flash", tflops=300.0),
     ]
     out = io.StringIO()
-    bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    grid.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    assert "| pass | pallas_flash TFLOP/s | cudnn TFLOP/s | pf/cudnn |" in out.getvalue()
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - |" in out.getvalue()
     # Kernel time where the rows have it: its own ratio beside the wall time's.
     rows[0]["kernel_tflops"], rows[1]["kernel_tflops"] = 560.0, 400.0
     out = io.StringIO()
-    bench.print_table(rows, ["pallas_flash", "cudnn"], out=out)
+    grid.print_table(rows, ["pallas_flash", "cudnn"], out=out)
     assert "| 128 | 0 | 1024/8192 | 16 | 16 | fwd | 500 | 400 | 1.25 | 1.40 |" in out.getvalue()
     assert "| 128 | 0 | 1024 | 16 | 32/8 | fwd | 300 | - | - | - |" in out.getvalue()
+
+
+def test_mask_table_gives_ms_and_the_ratio_to_dense_causal():
+    rows = [
+        dict(case="dense causal", impl="pallas_flash", ms=2.0, **{"pass": "fwd"}),
+        dict(case="dense causal", impl="pallas_flash", ms=6.0, **{"pass": "fwd+bwd"}),
+        dict(case="window", impl="cudnn", ms=1.0, **{"pass": "fwd"}),
+        dict(case="window", impl="cudnn", ms=None, error="refused", **{"pass": "fwd+bwd"}),
+    ]
+    out = io.StringIO()
+    masks.print_mask_table(rows, out=out)
+    assert "| case | impl | fwd ms | fwd+bwd ms |" in out.getvalue()
+    assert "| window | cudnn | 1.0 | - | 0.50 | - |" in out.getvalue()
 
 
 def test_model_table_ratios():
@@ -93,14 +112,14 @@ def test_model_table_ratios():
         dict(row, impl="cudnn", ms=3.0, tflops=50.0, **{"pass": "fwd"}),
     ]
     out = io.StringIO()
-    bench.print_model_table(rows, out=out)
+    models.print_model_table(rows, out=out)
     assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 | - | - |" in out.getvalue()
     # Kernel time where the rows have it (a GPU run): its own ratios beside the wall time's.
     kernels = [dict(ms=1.5, tflops=133.3), dict(ms=1.0, tflops=200.0), dict(ms=2.7, tflops=74.1)]
     for r, k in zip(rows, kernels):
         r.update(kernel_ms=k["ms"], kernel_tflops=k["tflops"])
     out = io.StringIO()
-    bench.print_model_table(rows, out=out)
+    models.print_model_table(rows, out=out)
     assert "| f | fwd | 100 | 125 | 50 | 1.50 | 0.80 | 1.80 | 0.67 |" in out.getvalue()
 
 
@@ -108,34 +127,101 @@ def test_decode_table_shows_wall_and_kernel_times():
     case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
     rows = [
         dict(case, impl="pallas_flash", ms=0.1, tbps=1.0, device_ms=0.04, device_tbps=2.5),
+        dict(case, impl="flash_attention", ms=0.2, tbps=0.5, device_ms=0.05, device_tbps=2.0),
         dict(case, impl="memcpy", ms=0.1, tbps=2.0, device_ms=0.06, device_tbps=3.33),
     ]
     out = io.StringIO()
-    bench.print_decode_table(rows, out=out)
+    decode.print_decode_table(rows, out=out)
     text = out.getvalue()
     wall, kernels = text.split("kernel time per call")
-    assert "| B1 S1024 N8/K2 H64 T1 | 0.100 (1.00) | 0.100 (2.00) | 0.50 |" in wall
+    header = "| case | pallas_flash ms (TB/s) | flash_attention ms (TB/s) | memcpy ms (TB/s) |"
+    assert header in wall and header in kernels
+    assert (
+        "| B1 S1024 N8/K2 H64 T1 | 0.100 (1.00) | 0.200 (0.50) | 0.100 (2.00) | 0.50 | 0.50 |"
+        in (wall)
+    )
     # memcpy's 0.06 ms moved twice pf's bytes: pf reads at 0.06 / (2 * 0.04) of its rate.
-    assert "| B1 S1024 N8/K2 H64 T1 | 0.040 (2.50) | 0.060 (3.33) | 0.75 |" in kernels
+    assert (
+        "| B1 S1024 N8/K2 H64 T1 | 0.040 (2.50) | 0.050 (2.00) | 0.060 (3.33) | 0.80 | 0.75 |"
+        in (kernels)
+    )
+
+
+@pytest.mark.parametrize("t, lengths", [(1, [40, 64, 0]), (4, [64, 64, 64]), (4, [40, 64, 7])])
+def test_flash_attention_decode_is_decode_attention(t, lengths):
+    """The decode suite's flash_attention row on decode's arrays: decode's attention (tokens at
+    the end of each sequence, causal among themselves) where T = 1 or every length is S; with
+    shorter lengths and T > 1 the last token's, its earlier tokens seeing the later ones."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, t, 4, 16), np.float32)
+    k, v = rng.standard_normal((2, 3, 64, 2, 16), np.float32)
+    lengths = np.asarray(lengths, np.int32)
+    both = jax.jit(
+        lambda q, k, v, lengths: (
+            pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths, backend="xla"),
+            decode.flash_attention_decode(q, k, v, lengths, backend="xla"),
+        )
+    )
+    want, got = both(q, k, v, lengths)
+    if t == 1 or (lengths == 64).all():
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    else:
+        np.testing.assert_allclose(got[:, -1], want[:, -1], atol=1e-6)
+        assert not np.allclose(got[0, 0], want[0, 0], atol=1e-3)
 
 
 def test_decode_table_without_kernel_times_prints_the_wall_times_alone():
     case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
     out = io.StringIO()
-    bench.print_decode_table([dict(case, impl="pallas_flash", ms=0.1, tbps=1.0)], out=out)
+    decode.print_decode_table([dict(case, impl="pallas_flash", ms=0.1, tbps=1.0)], out=out)
     assert "wall time per call" in out.getvalue()
     assert "kernel time" not in out.getvalue()
+
+
+def test_overheads_table_gives_each_option_over_its_baseline():
+    point = dict(H=64, causal=True, **{"pass": "fwd"})
+    ms = dict(plain=1.0, sinks=1.02, triton=2.0, triton_sinks=2.5, dropout=1.1)
+    rows = [dict(point, case=case, ms=value) for case, value in ms.items()]
+    rows.append(dict(point, case="triton_dropout", ms=None, error="refused"))
+    out = io.StringIO()
+    overheads.print_overheads_table(rows, out=out)
+    assert "| 64 | 1 | fwd | 1.0 | 1.02 | 2.0 | 2.5 | 1.1 | - | 1.020 | 1.250 | 1.100 | - |" in (
+        out.getvalue()
+    )
+
+
+def _experiments():
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments.py"
+    spec = importlib.util.spec_from_file_location("experiments", path)
+    experiments = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(experiments)
+    return experiments
+
+
+def test_fused_dq_masks_narrow_the_window_to_the_left_when_causal():
+    masks = _experiments()._fused_dq_masks
+    assert masks("window:64", 2, 256, causal=True) == (
+        dict(window=(64, 0)),
+        dict(local_window_size=(64, 0)),
+    )
+    assert masks("window:64", 2, 256, causal=False)[0] == dict(window=(64, 64))
+    packed, cudnn = masks("packed:4", 2, 256, causal=True)
+    assert cudnn is None  # cuDNN takes no segment ids
+    ids = packed["segment_ids"][0]
+    assert ids.shape == (2, 256) and list(ids[0, ::64]) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="window:W or packed:D"):
+        masks("doc:4", 2, 256, causal=True)
 
 
 def test_per_call_median_sums_each_calls_kernels_in_start_order():
     # Two kernels per call (0.1 and 0.2 ms, the second call slowed), events out of order.
     events = [(30, 0.2), (0, 0.1), (10, 0.2), (20, 0.5), (40, 0.1), (50, 0.2)]
-    assert bench.per_call_median([events], 3) == pytest.approx(0.3)
+    assert timing.per_call_median([events], 3) == pytest.approx(0.3)
     # Two GPUs, each one kernel per call, their clocks apart: each plane in its own order.
     other = [(1000, 0.4), (1010, 0.4), (1020, 0.9)]
-    assert bench.per_call_median([events, other], 3) == pytest.approx(1.1)  # 0.7, 1.1, 1.2
+    assert timing.per_call_median([events, other], 3) == pytest.approx(1.1)  # 0.7, 1.1, 1.2
     # Not dividing evenly (a kernel the profiler missed): the mean.
-    assert bench.per_call_median([events[:5]], 2) == pytest.approx(1.1 / 2)
+    assert timing.per_call_median([events[:5]], 2) == pytest.approx(1.1 / 2)
 
 
 @pytest.mark.gpu
@@ -145,21 +231,18 @@ def test_device_ms_reads_the_kernels_of_a_call():
 
     x = jnp.ones((64, 1024, 1024), jnp.float32)  # 256 MiB: a copy takes ~0.1 ms
     f = jax.jit(lambda x: x * 2.0)
-    total, kernels = bench.device_ms(f, (x,), calls=5)
+    total, kernels = timing.device_ms(f, (x,), calls=5)
     # total is the median call's, kernels' the mean call's.
     assert kernels and total == pytest.approx(sum(kernels.values()), rel=0.2)
     # At most the wall time, at least what 512 MiB of traffic takes at 5 TB/s.
-    assert 512 * 2**20 / 5e12 * 1e3 < total < bench.median_ms(f, (x,), calls=5, repeats=3)
+    assert 512 * 2**20 / 5e12 * 1e3 < total < timing.median_ms(f, (x,), calls=5, repeats=3)
 
 
 def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     """benchmarks/experiments.py mosaic-persistent --smoke: both candidates of every case (the
     default tiles, persistent and not, and persistent in the snake order where the causal pairs
     apply) pass `why_not` at the case's shapes."""
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "experiments.py"
-    spec = importlib.util.spec_from_file_location("experiments", path)
-    experiments = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(experiments)
+    experiments = _experiments()
     out = io.StringIO()
     experiments.mosaic_persistent(out, smoke=True)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -251,19 +334,112 @@ def test_a_flag_the_suite_does_not_read_is_an_error(argv, unread, capsys):
     """No flag is silently ignored: a suite given one it does not read exits with an error that
     names it (before any work)."""
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
+        cli.main(argv)
     assert exit_info.value.code == 2
     assert f"does not take {unread};" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("on_gpu", [True, False])
-@pytest.mark.parametrize("suite", list(bench.SUITE_FLAGS))
+@pytest.mark.parametrize("suite", list(cli.SUITES))
 def test_every_flag_a_suite_reads_is_accepted(suite, on_gpu):
     """The flags listed for a suite pass the check (and --out always); one more is refused."""
     parser = argparse.ArgumentParser()
-    argv = ["--suite", suite, "--out", "x.jsonl", *bench.suite_flags(suite, on_gpu)]
-    expected = {"--suite", "--out", *bench.suite_flags(suite, on_gpu)}
-    assert bench._given_flags(parser, argv, suite, on_gpu) == expected
-    unread = sorted({"--head-dims", "--quick", "--layers"} - set(bench.suite_flags(suite, on_gpu)))
+    argv = ["--suite", suite, "--out", "x.jsonl", *cli.suite_flags(suite, on_gpu)]
+    expected = {"--suite", "--out", *cli.suite_flags(suite, on_gpu)}
+    assert cli.check_flags(parser, argv, suite, on_gpu) == expected
+    unread = sorted({"--head-dims", "--quick", "--layers"} - set(cli.suite_flags(suite, on_gpu)))
     with pytest.raises(SystemExit):
-        bench._given_flags(parser, [*argv, unread[0]], suite, on_gpu)
+        cli.check_flags(parser, [*argv, unread[0]], suite, on_gpu)
+
+
+@pytest.mark.parametrize("suite", ["masks", "shapes", "overheads"])
+def test_a_gpu_suite_without_a_gpu_says_so(suite, monkeypatch):
+    monkeypatch.setattr(cli.device_lib, "gpu_compute_capability", lambda: None)
+    with pytest.raises(SystemExit, match=f"--suite {suite} needs an NVIDIA GPU"):
+        cli.main(["--suite", suite])
+
+
+def test_an_implementation_the_suite_does_not_time_is_an_error(monkeypatch, capsys):
+    monkeypatch.setattr(cli.device_lib, "gpu_compute_capability", lambda: (9, 0))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--suite", "shapes", "--impls", "pallas_flash_window"])
+    assert exit_info.value.code == 2
+    assert "--suite shapes does not time pallas_flash_window" in capsys.readouterr().err
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch, tmp_path):
+    """The bench without a GPU, its clock and random inputs stubbed (every call 1 ms, inputs of
+    ones), in an empty working directory: what each suite's CPU path runs, prints and writes,
+    in about a second (the timed functions themselves are tested against the oracle elsewhere)."""
+    monkeypatch.setattr(cli.device_lib, "gpu_compute_capability", lambda: None)
+    for module in (timing, decode, models, scale):
+        monkeypatch.setattr(module, "median_ms", lambda f, args, **kw: 1.0)
+
+    def ones(key, shape, dtype=jnp.float32):
+        return jnp.asarray(np.ones(shape), dtype)
+
+    monkeypatch.setattr(jax.random, "normal", ones)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "suite, header",
+    [
+        ("grid", "| H | causal | seq | B | heads | pass | pallas_flash ms | xla ms |"),
+        (
+            "decode",
+            "| case | pallas_flash ms (TB/s) | flash_attention ms (TB/s) | xla ms (TB/s) | memcpy",
+        ),
+        ("models", "| family | pass | pallas_flash TFLOP/s | plain TFLOP/s | cudnn TFLOP/s |"),
+        ("scale", "| impl | devices | T | fwd+bwd ms | TFLOP/s per device | efficiency |"),
+    ],
+    ids=["grid", "decode", "models", "scale"],
+)
+def test_each_suite_runs_its_cpu_path(suite, header, cpu_bench, capsys):
+    """Every row goes to --out as a line of JSON, the table (units in its header) to stdout,
+    a line per measurement to stderr."""
+    rows = cli.main(["--suite", suite, "--out", "rows.jsonl"])
+    assert rows and all(row["ms"] == 1.0 for row in rows), rows
+    written = (cpu_bench / "rows.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in written] == rows
+    out, err = capsys.readouterr()
+    assert header in out
+    assert len(err.splitlines()) >= len(rows) and "| " not in err
+    assert out.endswith(f"appended {len(rows)} rows to rows.jsonl\n")
+
+
+def test_the_bench_writes_no_file_unless_asked(cpu_bench, capsys):
+    rows = cli.main(["--suite", "grid", "--passes", "fwd"])
+    assert len(rows) == 4 and list(cpu_bench.iterdir()) == []
+    assert "appended" not in capsys.readouterr().out
+
+
+def test_compile_suite_runs_each_row_in_a_fresh_process_then_the_cache(cpu_bench, monkeypatch):
+    calls = []
+
+    def fresh(impl, layers, shape, *, interpret, cache_dir=None):
+        calls.append((impl, layers, cache_dir is not None))
+        times = dict(lower_s=1.0, compile_s=2.0, first_call_ms=3.0)
+        return dict(suite="compile", impl=impl, layers=layers, **times)
+
+    monkeypatch.setattr(compile_suite, "_compile_row_in_subprocess", fresh)
+    rows = cli.main(["--suite", "compile", "--layers", "1", "3"])
+    assert calls == [
+        ("pallas_flash", 1, False),
+        ("pallas_flash", 3, False),
+        ("xla", 1, False),
+        ("xla", 3, False),
+        ("pallas_flash", 3, True),
+        ("pallas_flash", 3, True),
+    ]
+    assert [row.get("cache") for row in rows[-2:]] == ["cold", "warm"]
+
+
+def test_compile_row_of_a_spec_times_one_model():
+    """What the compile suite's subprocess (python -m pallas_flash.bench.compile SPEC) runs."""
+    spec = dict(impl="xla", layers=1, shape=[1, 32, 2, 16], interpret=True)
+    row = compile_suite.row_of_spec(json.dumps(spec))
+    assert row["dtype"] == "float32" and "error" not in row, row
+    assert row["lower_s"] >= 0 and row["compile_s"] > 0 and row["first_call_ms"] > 0

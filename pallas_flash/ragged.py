@@ -15,8 +15,8 @@ from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
-from pallas_flash.triton.ragged import ragged_forward
-from pallas_flash.triton.tiles import RaggedBlockSizes, default_ragged_block_sizes
+from pallas_flash.triton.ragged import ragged_block_sizes, ragged_forward
+from pallas_flash.triton.tiles import RaggedBlockSizes
 
 
 def ragged_paged_attention(
@@ -146,15 +146,19 @@ def ragged_paged_attention(
     if backend == "xla":
         out, lse = reference(*args)
     else:
+        num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
         if block_sizes is None:
-            block_sizes = default_ragged_block_sizes(
-                q.shape[-1],
+            block_sizes = ragged_block_sizes(
+                q.shape,
+                batch + 2,  # the kernel's sequences: the batch's, and the rows of none
+                k_pages.shape[2],
+                capacity,
                 q.dtype,
-                group=num_heads // k_pages.shape[2],
                 interpret=bool(interpret),
                 page_size=page_size,
+                window_left=math_kwargs["window_left"],
+                num_sms=num_sms,
             )
-        num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
         kernel = functools.partial(
             _ragged_forward,
             **math_kwargs,
@@ -169,7 +173,7 @@ def ragged_paged_attention(
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------
 
 # The most float32 elements of one chunk's gathered keys and values in the reference.
-_REFERENCE_CHUNK_ELEMENTS = 1 << 24
+_REFERENCE_CHUNK_ELEMENTS = 1 << 26
 
 
 def ragged_reference(

@@ -425,24 +425,31 @@ def test_block_sizes_validation():
 
 
 def test_lowers_for_h200():
-    """The compiled kernels lower through Triton for an abstract H200: the decode launch split
-    (its merge in XLA) and unsplit, the prefill launch in place before it or the decode
-    launch in place after it, with sinks, pages of 16 (a 64-key tile spans pages) and 128."""
+    """The compiled kernels lower through Triton for an abstract H200: through the API (its
+    default tiles for that GPU: the decode launch split, its merge in XLA, after the prefill
+    launch in place; sinks; pages of 16, so that a 64-key tile spans pages), and unsplit with
+    pages of 128 (the decode launch in place after the prefill launch)."""
     from test_lowering import lower_for_h200
 
     sds = jax.ShapeDtypeStruct
-    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False)
-    q = sds((300, 32, 128), jnp.bfloat16)
-    ints = sds((9,), jnp.int32)
-    tables, lengths, sinks = sds((8, 40), jnp.int32), sds((8,), jnp.int32), sds((32,), jnp.float32)
-    for page, splits in ((16, 0), (128, 1)):
-        pages = sds((400, page, 8, 128), jnp.bfloat16)
-        bs = default_ragged_block_sizes(128, jnp.bfloat16, group=4, interpret=False, page_size=page)
-        bs = dataclasses.replace(bs, kv_splits=splits)
-        f = functools.partial(ragged_kernel.ragged_forward, block_sizes=bs, **kw)
-        text = lower_for_h200(f, q, pages, pages, tables, ints, lengths, sinks).as_text()
-        assert "pallas_flash_ragged" in text
-        assert ("pallas_flash_ragged_split" in text) == (splits != 1)
+    q, sinks = sds((300, 32, 128), jnp.bfloat16), sds((32,), jnp.float32)
+    ints = sds((9,), jnp.int32), sds((8,), jnp.int32)
+    tables = sds((8, 40), jnp.int32)
+
+    def api(q, k_pages, v_pages, tables, starts, lengths, sinks):
+        return pallas_flash.ragged_paged_attention(
+            q, k_pages, v_pages, tables, starts, lengths, sinks=sinks
+        )
+
+    pages = sds((400, 16, 8, 128), jnp.bfloat16)
+    text = lower_for_h200(api, q, pages, pages, tables, *ints, sinks).as_text()
+    assert "pallas_flash_ragged_split" in text and 'pallas_flash_ragged"' in text
+    pages = sds((400, 128, 8, 128), jnp.bfloat16)
+    bs = RaggedBlockSizes(block_kv=128, kv_splits=1, kv_splits_prefill=1)
+    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False, block_sizes=bs)
+    f = functools.partial(ragged_kernel.ragged_forward, **kw)
+    text = lower_for_h200(f, q, pages, pages, tables, *ints, sinks).as_text()
+    assert "pallas_flash_ragged_split" not in text and 'pallas_flash_ragged"' in text
 
 
 GPU_CASES = [

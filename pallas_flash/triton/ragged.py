@@ -39,11 +39,12 @@ from pallas_flash.triton._common import (
     softmax_store,
     visit_tiles,
 )
-from pallas_flash.triton.decode import _load_paged, splits_for_slots
+from pallas_flash.triton.decode import _load_paged, decode_block_sizes, splits_for_slots
 from pallas_flash.triton.tiles import (
     DecodeBlockSizes,
     RaggedBlockSizes,
     decode_ctas_per_sm,
+    default_ragged_block_sizes,
     padded_head_dim,
 )
 
@@ -66,6 +67,45 @@ class Launch:
     items: int
     min_rows: int
     max_rows: int | None
+
+
+def ragged_block_sizes(
+    q_shape,
+    num_seqs: int,
+    num_kv_heads: int,
+    capacity: int,
+    dtype,
+    *,
+    interpret: bool,
+    page_size: int,
+    window_left: int | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+) -> RaggedBlockSizes:
+    """The default tiles of a call with queries of `q_shape` [T, N, H] in `num_seqs` sequences
+    over caches of up to `capacity` keys: `default_ragged_block_sizes`, with the decode
+    launch's key tile and pipeline those of `paged_attention` on its sequences, one new token
+    each (`decode_block_sizes`: deeper pipelines of 32-key tiles where the split programs
+    fill at most half the GPU)."""
+    num_tokens, num_heads, head_dim = q_shape
+    group = num_heads // num_kv_heads
+    base = default_ragged_block_sizes(
+        head_dim, dtype, group=group, interpret=interpret, page_size=page_size
+    )
+    if interpret:
+        return base
+    decode = decode_block_sizes(
+        (min(num_seqs, num_tokens), 1, num_heads, head_dim),
+        num_kv_heads,
+        capacity,
+        dtype,
+        interpret=False,
+        page_size=page_size,
+        window_left=window_left,
+        num_sms=num_sms,
+    )
+    return dataclasses.replace(
+        base, block_kv=decode.block_kv, num_warps=decode.num_warps, num_stages=decode.num_stages
+    )
 
 
 def ragged_plan(

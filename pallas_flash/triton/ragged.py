@@ -68,6 +68,12 @@ class Launch:
     min_rows: int
     max_rows: int | None
 
+    @property
+    def name(self) -> str:
+        """The kernel's name: pallas_flash_ragged_{decode,prefill}[_split]."""
+        kind = "prefill" if self.max_rows is None else "decode"
+        return f"pallas_flash_ragged_{kind}" + ("_split" if self.splits > 1 else "")
+
 
 def ragged_block_sizes(
     q_shape,
@@ -541,7 +547,7 @@ def _launch_in_place(
         input_output_aliases=aliases,
         compiler_params=CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         interpret=interpret,
-        name="pallas_flash_ragged",
+        name=launch.name,
     )(*operands)
 
 
@@ -578,7 +584,7 @@ def _launch_split(launch: Launch, plan, *, q, k, v, table, sinks, kernel, hp, hv
         ],
         compiler_params=CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         interpret=interpret,
-        name="pallas_flash_ragged_split",
+        name=launch.name,
     )(plan, q, k, v, table)
     weights, lse, log_sum, _ = merge_splits(lse, log_sum, splits)
     out = out.reshape(items, splits, *out.shape[1:])

@@ -135,25 +135,41 @@ def ragged_plan(
     group = num_heads // num_kv_heads
     total_rows = num_tokens * group
     hp = padded_head_dim(head_dim)
-    launches = []
+    itemsize = jnp.dtype(dtype).itemsize
+
+    def launch(block_m, block_kv, num_warps, num_stages, kv_splits, items, min_rows, max_rows):
+        # The key tile clipped to the capacity; the requested split count, or the decode
+        # kernel's "slots" rule for the launch's programs.
+        block_kv = min(block_kv, max(16, 1 << (capacity - 1).bit_length()))
+        num_kv_tiles = pl.cdiv(capacity, block_kv)
+        if kv_splits:
+            splits = max(1, min(kv_splits, num_kv_tiles))
+        else:
+            tiles = DecodeBlockSizes(
+                block_m=block_m, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages
+            )
+            slots = num_sms * decode_ctas_per_sm(tiles, block_m, hp, itemsize)
+            programs = items * num_kv_heads
+            splits = splits_for_slots(
+                programs, num_kv_tiles, block_kv, slots=slots, block_m=block_m
+            )
+        return Launch(block_m, block_kv, num_warps, num_stages, splits, items, min_rows, max_rows)
+
     bs = block_sizes
+    launches = []
     decode_rows = bs.block_m if group <= bs.block_m else 0
     if decode_rows:
+        items = min(num_seqs, num_tokens)
         launches.append(
-            _launch(
+            launch(
                 bs.block_m,
                 bs.block_kv,
                 bs.num_warps,
                 bs.num_stages,
                 bs.kv_splits,
-                min(num_seqs, num_tokens),
+                items,
                 0,
                 bs.block_m,
-                num_kv_heads,
-                capacity,
-                hp,
-                dtype,
-                num_sms,
             )
         )
     if total_rows > decode_rows:
@@ -161,7 +177,7 @@ def ragged_plan(
         longer = min(num_seqs, total_rows // (decode_rows + 1))
         items = (total_rows + longer * (block_m - 1)) // block_m
         launches.append(
-            _launch(
+            launch(
                 block_m,
                 bs.block_kv_prefill,
                 bs.num_warps_prefill,
@@ -170,46 +186,9 @@ def ragged_plan(
                 items,
                 decode_rows,
                 None,
-                num_kv_heads,
-                capacity,
-                hp,
-                dtype,
-                num_sms,
             )
         )
     return tuple(launches)
-
-
-def _launch(
-    block_m,
-    block_kv,
-    num_warps,
-    num_stages,
-    kv_splits,
-    items,
-    min_rows,
-    max_rows,
-    num_kv_heads,
-    capacity,
-    hp,
-    dtype,
-    num_sms,
-) -> Launch:
-    """A `Launch`, its key tile clipped to the capacity and its split count chosen: the
-    requested one, or the decode kernel's "slots" rule (`splits_for_slots`) for its programs."""
-    block_kv = min(block_kv, max(16, 1 << (capacity - 1).bit_length()))
-    num_kv_tiles = pl.cdiv(capacity, block_kv)
-    if kv_splits:
-        splits = max(1, min(kv_splits, num_kv_tiles))
-    else:
-        tiles = DecodeBlockSizes(
-            block_m=block_m, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages
-        )
-        itemsize = jnp.dtype(dtype).itemsize
-        slots = num_sms * decode_ctas_per_sm(tiles, block_m, hp, itemsize)
-        programs = items * num_kv_heads
-        splits = splits_for_slots(programs, num_kv_tiles, block_kv, slots=slots, block_m=block_m)
-    return Launch(block_m, block_kv, num_warps, num_stages, splits, items, min_rows, max_rows)
 
 
 def plan_items(starts, lengths, launch: Launch, group: int):
@@ -292,10 +271,10 @@ def _ragged_kernel(
 
     # Row r of the tile is packed row p = row0 + r of the sequence: its new token p // group,
     # query head kv_head * group + p % group, row `flat` of q and the output. Rows past the
-    # tile's take its first row's (their loads and stores are masked).
+    # tile's take the sequence's first row (their loads and stores are masked).
     r = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     in_tile = r < rows_here
-    p = jnp.where(in_tile, row0 + r, row0)
+    p = jnp.where(in_tile, row0 + r, 0)
     token = jax.lax.div(p, group)
     head = kv_head * group + jax.lax.rem(p, group)
     num_rows = q_ref.shape[0]

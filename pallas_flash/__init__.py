@@ -14,6 +14,7 @@ from pallas_flash.api import (
 )
 from pallas_flash.decode import decode_attention, paged_attention, write_to_pages
 from pallas_flash.device import Device, target
+from pallas_flash.ragged import ragged_paged_attention
 from pallas_flash.sharding import (
     from_zigzag,
     ring_attention,
@@ -21,19 +22,21 @@ from pallas_flash.sharding import (
     to_zigzag,
     zigzag_indices,
 )
-from pallas_flash.triton import BlockSizes, DecodeBlockSizes
+from pallas_flash.triton import BlockSizes, DecodeBlockSizes, RaggedBlockSizes
 
 __all__ = [
     "BlockSizes",
     "DecodeBlockSizes",
     "Device",
     "ForwardModeError",
+    "RaggedBlockSizes",
     "attention_reference",
     "decode_attention",
     "flash_attention",
     "flash_attention_backward",
     "from_zigzag",
     "paged_attention",
+    "ragged_paged_attention",
     "ring_attention",
     "ring_attention_sharded",
     "target",

@@ -129,7 +129,12 @@ def test_the_dispatch_sits_above_the_backends():
     assert {"pallas_flash.mosaic", "pallas_flash.triton", "pallas_flash._vjp"} <= graph[
         "pallas_flash.dispatch"
     ]
-    for user in ("pallas_flash.api", "pallas_flash.decode", "pallas_flash.tune"):
+    for user in (
+        "pallas_flash.api",
+        "pallas_flash.decode",
+        "pallas_flash.ragged",
+        "pallas_flash.tune",
+    ):
         assert "pallas_flash.dispatch" in graph[user], user
     choosers = {
         "pallas_flash.api",
@@ -137,6 +142,7 @@ def test_the_dispatch_sits_above_the_backends():
         "pallas_flash._vjp",
         "pallas_flash.tune",
         "pallas_flash.decode",
+        "pallas_flash.ragged",
     }
     for name, imported in graph.items():
         if name.startswith(("pallas_flash.mosaic", "pallas_flash.triton")):

@@ -16,6 +16,7 @@ from pallas_flash.triton.forward import choose_kv_splits, flash_forward
 from pallas_flash.triton.tiles import (
     BlockSizes,
     DecodeBlockSizes,
+    RaggedBlockSizes,
     default_decode_block_sizes,
     narrow_band,
     padded_head_dim,
@@ -24,6 +25,7 @@ from pallas_flash.triton.tiles import (
 __all__ = [
     "BlockSizes",
     "DecodeBlockSizes",
+    "RaggedBlockSizes",
     "block_sizes",
     "choose_kv_splits",
     "default_decode_block_sizes",

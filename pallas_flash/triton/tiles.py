@@ -369,3 +369,91 @@ def default_decode_block_sizes(
     if rows >= 64:
         return DecodeBlockSizes(block_kv=32, num_stages=4)
     return DecodeBlockSizes(block_kv=64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RaggedBlockSizes:
+    """Tiles of the ragged paged attention kernel (`ragged_paged_attention`): two launches, one
+    per kind of sequence, each with its own tiles.
+
+    A sequence's packed rows are its new tokens times the query heads of a KV head (the
+    decode kernel's rows). Sequences of at most `block_m` packed rows (decode steps, a few
+    speculative tokens) take one `block_m`-row tile each, in the decode launch; longer ones
+    (prefill chunks) are cut into `block_m_prefill`-row tiles, in the prefill launch.
+
+    Attributes:
+      block_m, block_kv, num_warps, num_stages: the decode launch's rows (and the most packed
+        rows a decode sequence has), key tile and Triton launch parameters.
+      kv_splits: programs that share each decode tile's keys, merged by their softmax
+        denominators; 0 (the default) fills the GPU's CTA slots as the decode kernel's
+        "slots" rule does; 1 turns splitting off.
+      block_m_prefill, block_kv_prefill, num_warps_prefill, num_stages_prefill,
+        kv_splits_prefill: the same for the prefill launch.
+    """
+
+    block_m: int = 16
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    kv_splits: int = 0
+    block_m_prefill: int = 128
+    block_kv_prefill: int = 64
+    num_warps_prefill: int = 8
+    num_stages_prefill: int = 3
+    kv_splits_prefill: int = 0
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            name = f"RaggedBlockSizes.{field.name}={value!r}"
+            if field.name.startswith("block_"):
+                if not _is_power_of_two(value) or value < 16:
+                    raise ValueError(f"{name} must be a power of two >= 16")
+            elif field.name.startswith("num_warps"):
+                if not _is_power_of_two(value):
+                    raise ValueError(f"{name} must be a power of two")
+            else:
+                least = 0 if field.name.startswith("kv_splits") else 1
+                if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                    raise ValueError(f"{name} must be an int >= {least}")
+
+
+# Small tiles in the interpreter: several key tiles and prefill tiles at test sizes, and the
+# decode launch split in three, so that its merge runs.
+_RAGGED_INTERPRET = RaggedBlockSizes(
+    block_m=16,
+    block_kv=16,
+    num_stages=1,
+    kv_splits=3,
+    block_m_prefill=32,
+    block_kv_prefill=16,
+    num_warps_prefill=4,
+    num_stages_prefill=1,
+    kv_splits_prefill=1,
+)
+
+
+def default_ragged_block_sizes(
+    head_dim: int, dtype, *, group: int, interpret: bool, page_size: int | None = None
+) -> RaggedBlockSizes:
+    """The ragged kernel's tiles for a call: small ones in the interpreter; else the decode
+    launch takes the decode kernel's tiles for one new token (`default_decode_block_sizes`)
+    with rows for a KV head's `group` of query heads (at least 16), and the prefill launch the
+    forward kernel's tiles (`heuristic_block_sizes`: its query tile as rows, which hold a tile
+    of tokens times the group)."""
+    if interpret:
+        return _RAGGED_INTERPRET
+    decode = default_decode_block_sizes(
+        head_dim, dtype, interpret=False, page_size=page_size, rows=group
+    )
+    forward = heuristic_block_sizes(head_dim, dtype)
+    return RaggedBlockSizes(
+        block_m=max(16, 1 << (group - 1).bit_length()),
+        block_kv=decode.block_kv,
+        num_warps=decode.num_warps,
+        num_stages=decode.num_stages,
+        block_m_prefill=forward.block_q,
+        block_kv_prefill=forward.block_kv,
+        num_warps_prefill=forward.num_warps,
+        num_stages_prefill=forward.num_stages,
+    )

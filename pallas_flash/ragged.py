@@ -1,0 +1,370 @@
+"""Ragged paged attention (continuous batching with chunked prefill): validation, backend
+choice, the reference. No kernels here (`pallas_flash.triton.ragged` holds them)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_flash import api, dispatch
+from pallas_flash import device as device_lib
+from pallas_flash._vjp import with_reference_vjp
+from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.reference import reference_attention, with_sinks
+from pallas_flash.triton.ragged import ragged_block_sizes, ragged_forward
+from pallas_flash.triton.tiles import RaggedBlockSizes
+
+
+def ragged_paged_attention(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    query_start_loc,
+    kv_lengths,
+    *,
+    scale: float | None = None,
+    logits_soft_cap: float | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    sinks=None,
+    return_residuals: bool = False,
+    backend: str | None = None,
+    block_sizes: RaggedBlockSizes | None = None,
+    interpret: bool | None = None,
+):
+    """Attention of the new tokens of many sequences over one paged KV cache, in one call.
+
+    The batch mixes decode steps (one new token), speculative tokens and prefill chunks
+    (hundreds), as a serving engine's continuous batching does (vLLM's `cu_seqlens_q`,
+    `seqused_k` and `block_table`). Shapes (T new tokens in all, B sequences, N query heads,
+    K key/value heads, H head dim, Hv value head dim, P pages of `page_size` keys)::
+
+        q:               (T, N, H)    the new tokens of all sequences, concatenated
+        k_pages:         (P, page_size, K, H)
+        v_pages:         (P, page_size, K, Hv)
+        block_tables:    (B, max_pages) int: sequence b's key j is in page
+                         block_tables[b, j // page_size], row j % page_size
+        query_start_loc: (B + 1,) int: sequence b owns rows
+                         query_start_loc[b]:query_start_loc[b + 1] of q
+        kv_lengths:      (B,) int: L_b, the keys in the cache of sequence b, its new tokens
+                         included (they are its last q_len_b keys)
+        out:             (T, N, Hv)   in q's dtype
+
+    New token i of sequence b sits at position L_b - q_len_b + i and sees the keys up to
+    there, causally (the new tokens' keys and values must already be in the pages:
+    `write_to_pages`). With q_len = 3 and L = 6 ("x" = visible)::
+
+        key:        0 1 2 3 4 5 | 6 7 ...
+        token 0:    x x x x . . | . .
+        token 1:    x x x x x . | . .
+        token 2:    x x x x x x | . .
+
+    Query head n reads key/value head n // (N // K). Sequences with no new token cost
+    nothing; rows past query_start_loc[B] (padding to a bucket) output 0; a row that sees no
+    key outputs 0. Pages are laid out, shared and read as in `paged_attention`: only the
+    table entries of a sequence's first ceil(L_b / page_size) pages are read, and nothing
+    past L_b (stale values or NaN there never reach a row).
+
+    Args:
+      q, k_pages, v_pages: the arrays above; float16, bfloat16 or float32, all the same; H and
+        Hv multiples of 8 up to 256.
+      block_tables, query_start_loc, kv_lengths: integer arrays as above. Checked when
+        concrete (ValueError): query_start_loc[0] == 0, non-decreasing, query_start_loc[B] <=
+        T; 0 <= kv_lengths[b] <= max_pages * page_size and kv_lengths[b] >= q_len_b; the
+        table entries a sequence reads lie in [0, P). Under jit (traced) they are not checked
+        but made safe: query_start_loc clipped to [0, T] and made non-decreasing (its running
+        maximum), rows outside every sequence then output 0; kv_lengths clipped to
+        [0, max_pages * page_size] (tokens at positions < 0, where L_b < q_len_b, see no key);
+        table entries clipped to [0, P).
+      scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
+      logits_soft_cap: c > 0: logits <- c * tanh(logits / c).
+      local_window_size: w or (left, right): a token at position p sees keys j >= p - left
+        (right is moot under the causal rule).
+      sinks: None, or float (N,): one learned logit per query head in each row's softmax
+        denominator, attending to no value (as in `flash_attention`).
+      return_residuals: also return lse, float32 (N, T), natural log (-inf for rows that see
+        no key; the sink's logit with sinks).
+      backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
+        (the reference in plain jnp: materialises each token's sequence of keys, in chunks) or
+        None (Triton on such a GPU or with interpret=True, else "xla").
+      block_sizes: the kernel's tiles (`RaggedBlockSizes`); None picks them.
+      interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
+
+    Returns:
+      out, or (out, lse) when return_residuals. Differentiable in q, k_pages, v_pages and
+      sinks: the kernel has no backward of its own, and gradients come from the reference
+      (backend="xla").
+    """
+    q, k_pages, v_pages = _check_arrays(q, k_pages, v_pages)
+    num_tokens, num_heads = q.shape[:2]
+    num_pages, page_size = k_pages.shape[:2]
+    block_tables = _check_int_array("block_tables", block_tables, 2)
+    batch, max_pages = block_tables.shape
+    if batch < 1 or max_pages < 1:
+        raise ValueError(
+            f"block_tables.shape={block_tables.shape} must be (B, max_pages), both >= 1"
+        )
+    query_start_loc = _check_int_array("query_start_loc", query_start_loc, 1, (batch + 1,))
+    kv_lengths = _check_int_array("kv_lengths", kv_lengths, 1, (batch,))
+    capacity = max_pages * page_size
+    _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacity, num_pages)
+    api._check_sinks(sinks, num_heads)
+    api._check_options(scale, False, return_residuals, backend, None, interpret)
+    if block_sizes is not None and not isinstance(block_sizes, RaggedBlockSizes):
+        raise TypeError(
+            "block_sizes must be a pallas_flash.RaggedBlockSizes or None, "
+            f"got {type(block_sizes).__name__}"
+        )
+    if backend == "mosaic":
+        raise NotImplementedError(
+            "backend='mosaic': ragged_paged_attention has no Mosaic GPU kernel; use "
+            "backend='triton' or None"
+        )
+    device = None if interpret or backend == "xla" else device_lib.target_device()
+    backend = dispatch.kernel_backend(backend, device, interpret)
+    backend = "triton" if backend == "auto" else backend
+    if block_sizes is not None and backend == "xla":
+        raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
+    window = api._canonical_window(local_window_size)
+    math_kwargs = dict(
+        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
+        soft_cap=api._canonical_soft_cap(logits_soft_cap),
+        window_left=None if window is None else window[0],
+    )
+    # Safe values under jit; the same as the user's where they were checked above.
+    starts = jnp.clip(query_start_loc, 0, num_tokens)
+    starts = jax.lax.cummax(starts, axis=0)
+    lengths = jnp.clip(kv_lengths, 0, capacity)
+    args = [q, k_pages, v_pages, block_tables, starts, lengths]
+    if sinks is not None:
+        args.append(jnp.asarray(sinks, jnp.float32))
+    reference = functools.partial(_ragged_reference, **math_kwargs)
+    if backend == "xla":
+        out, lse = reference(*args)
+    else:
+        num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
+        if block_sizes is None:
+            block_sizes = ragged_block_sizes(
+                q.shape,
+                batch + 2,  # the kernel's sequences: the batch's, and the rows of none
+                k_pages.shape[2],
+                capacity,
+                q.dtype,
+                interpret=bool(interpret),
+                page_size=page_size,
+                window_left=math_kwargs["window_left"],
+                num_sms=num_sms,
+            )
+        kernel = functools.partial(
+            _ragged_forward,
+            **math_kwargs,
+            block_sizes=block_sizes,
+            interpret=bool(interpret),
+            num_sms=num_sms,
+        )
+        out, lse = with_reference_vjp(kernel, reference, *args)
+    return (out, lse) if return_residuals else out
+
+
+# -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------
+
+# The most float32 elements of one chunk's gathered keys and values in the reference.
+_REFERENCE_CHUNK_ELEMENTS = 1 << 26
+
+
+def ragged_reference(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    starts,
+    lengths,
+    sinks=None,
+    *,
+    scale,
+    soft_cap,
+    window_left,
+):
+    """(out [T, N, Hv], lse [N, T]) of `ragged_paged_attention` in plain jnp, on the safe
+    values the API makes (starts [B + 1] non-decreasing in [0, T], lengths [B] in [0,
+    capacity]): each token row gathers its sequence's pages into a contiguous cache and
+    attends over it (`reference_attention`, one token per batch entry), in chunks of rows
+    that bound the gathered keys."""
+    num_tokens, num_heads, _ = q.shape
+    num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
+    value_head_dim = v_pages.shape[-1]
+    batch, max_pages = block_tables.shape
+    capacity = max_pages * page_size
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    # Row r belongs to sequence b where starts[b] <= r < starts[b + 1]; rows before starts[0]
+    # or from starts[B] on belong to none and see no key.
+    seq = jnp.sum(starts[None, :] <= rows[:, None], axis=1).astype(jnp.int32) - 1
+    owned = (seq >= 0) & (seq < batch)
+    seq = jnp.clip(seq, 0, batch - 1)
+    q_len = starts[seq + 1] - starts[seq]
+    pos = jnp.where(owned, lengths[seq] - q_len + rows - starts[seq], -1)
+    tables = jnp.clip(block_tables, 0, num_pages - 1)
+    per_row = capacity * num_kv_heads * (head_dim + value_head_dim)
+    chunk = max(1, min(num_tokens, _REFERENCE_CHUNK_ELEMENTS // per_row))
+
+    def attend(row):
+        q_row, seq_row, pos_row = row
+        keys = jnp.arange(capacity)
+        visible = keys <= pos_row
+        if window_left is not None:
+            visible = visible & (keys >= pos_row - window_left)
+        # Slots past the length may hold anything (NaN): zeroed, since 0 * NaN would reach
+        # the output.
+        stored = (keys < lengths[seq_row])[:, None, None]
+
+        def gather(pages):
+            cache = pages[tables[seq_row]].reshape(capacity, num_kv_heads, pages.shape[-1])
+            return jnp.where(stored, cache, 0)
+
+        spec = MaskSpec(q_len=1, kv_len=capacity, mask_shape=(1, 1, 1, capacity))
+        out, lse, log_sum = reference_attention(
+            q_row[None, None],
+            gather(k_pages)[None],
+            gather(v_pages)[None],
+            None,
+            MaskArrays(mask=visible[None, None, None].astype(jnp.int8)),
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
+            with_log_sum=True,
+        )
+        return out[0, 0], lse[0, :, 0], log_sum[0, :, 0]
+
+    out, lse, log_sum = jax.lax.map(attend, (q, seq, pos), batch_size=chunk)
+    if sinks is not None:
+        out, lse = with_sinks(out[None], lse.T[None], sinks, log_sum.T[None])
+        return out[0], lse[0]
+    return out, lse.T
+
+
+# The paths are jit'd functions of their static options: eager calls (a Python serving loop)
+# compile once.
+_MATH = ("scale", "soft_cap", "window_left")
+_ragged_reference = jax.jit(ragged_reference, static_argnames=_MATH)
+_ragged_forward = jax.jit(
+    ragged_forward, static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms")
+)
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def _shape(x):
+    return getattr(x, "shape", type(x).__name__)
+
+
+def _check_arrays(q, k_pages, v_pages):
+    arrays = {"q": (q, 3), "k_pages": (k_pages, 4), "v_pages": (v_pages, 4)}
+    for name, (x, rank) in arrays.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+        if x.ndim != rank:
+            raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
+        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
+    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        raise TypeError(
+            f"q, k_pages and v_pages must share a dtype; got q.dtype={q.dtype}, "
+            f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}"
+        )
+    if k_pages.shape[:3] != v_pages.shape[:3]:
+        raise ValueError(
+            f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must agree in "
+            "(P, page_size, K)"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, k_dim = k_pages.shape
+    if min(num_tokens, num_heads, num_pages, page_size, num_kv_heads) < 1:
+        raise ValueError(
+            f"every dimension must be >= 1; got q.shape={q.shape}, k_pages.shape={k_pages.shape}"
+        )
+    if k_dim != head_dim:
+        raise ValueError(
+            f"head dims differ: q.shape={q.shape} has H={head_dim}, k_pages.shape="
+            f"{k_pages.shape} has H={k_dim}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} (q.shape={q.shape}) must be divisible by "
+            f"num_kv_heads={num_kv_heads} (k_pages.shape={k_pages.shape})"
+        )
+    for name, x in (("q", q), ("v_pages", v_pages)):
+        dim = x.shape[-1]
+        if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
+            raise ValueError(
+                f"head dim {dim} ({name}.shape={x.shape}) must be a multiple of 8 and at most "
+                f"{api.MAX_HEAD_DIM}"
+            )
+    return q, k_pages, v_pages
+
+
+def _check_int_array(name, x, rank, shape=None):
+    if not api._is_int_array(x):
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"{name} must be an integer array, got {got}")
+    if x.ndim != rank or (shape is not None and tuple(x.shape) != shape):
+        want = shape if shape is not None else f"rank {rank}"
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {want}")
+    return jnp.asarray(x, jnp.int32)
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacity, num_pages):
+    """The rules on the integer arrays' values, where they are concrete."""
+    starts = _concrete(query_start_loc)
+    if starts is not None:
+        if starts[0] != 0:
+            raise ValueError(f"query_start_loc[0]={int(starts[0])} must be 0")
+        steps = np.diff(starts)
+        if (steps < 0).any():
+            b = int(np.argmax(steps < 0))
+            raise ValueError(
+                f"query_start_loc must be non-decreasing: query_start_loc[{b}]="
+                f"{int(starts[b])} > query_start_loc[{b + 1}]={int(starts[b + 1])}"
+            )
+        if starts[-1] > num_tokens:
+            raise ValueError(
+                f"query_start_loc[-1]={int(starts[-1])} must be at most the tokens of q "
+                f"(q.shape[0]={num_tokens})"
+            )
+    lengths = _concrete(kv_lengths)
+    if lengths is not None:
+        if lengths.min() < 0 or lengths.max() > capacity:
+            raise ValueError(
+                f"kv_lengths={lengths.tolist()} must lie in [0, block_tables.shape[1] * "
+                f"page_size={capacity}]"
+            )
+        if starts is not None and (short := lengths < np.diff(starts)).any():
+            b = int(np.argmax(short))
+            raise ValueError(
+                f"kv_lengths[{b}]={int(lengths[b])} must be at least sequence {b}'s new tokens "
+                f"(query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(np.diff(starts)[b])}): "
+                "they are the last keys of its cache"
+            )
+    tables = _concrete(block_tables)
+    if tables is not None and lengths is not None:
+        page_size = capacity // tables.shape[1]
+        used = np.arange(tables.shape[1])[None, :] < -(-lengths[:, None] // page_size)
+        bad = used & ((tables < 0) | (tables >= num_pages))
+        if bad.any():
+            b, p = map(int, np.argwhere(bad)[0])
+            raise ValueError(
+                f"block_tables[{b}, {p}]={int(tables[b, p])} must lie in [0, num_pages="
+                f"{num_pages}) (sequence {b} has {int(lengths[b])} keys)"
+            )

@@ -1,0 +1,528 @@
+"""ragged_paged_attention against a float64 oracle: mixed batches of decode steps, prefill
+chunks and sequences with no new token, padding rows, pages shuffled and partly filled, NaN in
+unused pages, past each length and in the padding rows, windows, soft caps, sinks, GQA groups
+1-16, H 64/80/128, a value head dim of its own, bf16 and f32; backend="xla", the interpreter
+and compiled; the work plan's bounds; the reference gradient; validation; traced values."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import BACKEND_PATHS, case_id
+
+import pallas_flash
+from pallas_flash.triton import ragged as ragged_kernel
+from pallas_flash.triton.tiles import RaggedBlockSizes, default_ragged_block_sizes
+
+XLA = BACKEND_PATHS["xla"]
+INTERPRET = BACKEND_PATHS["triton-interpret"]
+GPU = BACKEND_PATHS["triton"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One batch: new tokens and keys (the new ones included) per sequence, `pad` rows of q
+    past the last sequence's, pages of `page` keys, `max_pages` per table row."""
+
+    q_lens: tuple[int, ...]
+    lengths: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page: int
+    max_pages: int
+    value_head_dim: int | None = None
+    pad: int = 0
+    window: int | None = None
+    soft_cap: float | None = None
+    sinks: bool = False
+    dtype: str = "float32"
+
+    @property
+    def hv(self) -> int:
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.q_lens) + self.pad
+
+    def __str__(self):
+        s = (
+            f"Q{_short(self.q_lens)}-L{_short(self.lengths)}"
+            f"-N{self.num_heads}-K{self.num_kv_heads}-H{self.head_dim}-page{self.page}"
+        )
+        for name in ("value_head_dim", "pad", "window", "soft_cap"):
+            if getattr(self, name):
+                s += f"-{name}{getattr(self, name)}"
+        return s + ("-sinks" if self.sinks else "") + f"-{self.dtype}"
+
+
+def _short(xs) -> str:
+    """A case id's list of numbers: all of them, or for a long one its first three, count and
+    sum."""
+    if len(xs) <= 8:
+        return "-".join(map(str, xs))
+    return f"{'-'.join(map(str, xs[:3]))}-..{len(xs)}-sum{sum(xs)}"
+
+
+CASES = [
+    # Decode steps (split in three in the interpreter), a prefill chunk over earlier keys, a
+    # sequence with no new token, one whose new tokens are all its keys, padding rows;
+    # group 4; pages of 16 (a key tile inside a page).
+    Case((1, 37, 0, 1, 5, 1, 19), (50, 60, 9, 1, 5, 77, 19), 8, 2, 64, 16, 5, pad=3),
+    # Group 8, a head dim that pads (80 -> 128), pages of 8 (a key tile spans two pages),
+    # a window, a soft cap and sinks; sequences with no token first and last.
+    Case(
+        (0, 3, 1, 26, 0),
+        (4, 40, 33, 30, 0),
+        8,
+        1,
+        80,
+        8,
+        6,
+        window=11,
+        soft_cap=5.0,
+        sinks=True,
+    ),
+    # MHA in bfloat16 at H=128, a value head dim of its own (64), pages of 48 (no power of
+    # two), decode rows of 3 tokens.
+    Case((3, 20, 1), (3, 90, 48), 3, 3, 128, 48, 2, value_head_dim=64, pad=2, dtype="bfloat16"),
+    # Group 16 (one token fills a decode tile), group 2, H=64 and 128 in both dtypes.
+    Case((1, 2, 9, 1), (30, 2, 40, 1), 16, 1, 64, 16, 3, window=5, dtype="bfloat16"),
+    Case((1, 4, 33, 0, 1), (64, 20, 50, 7, 9), 4, 2, 128, 16, 4, sinks=True, pad=1),
+    Case((1, 1, 1), (70, 5, 128), 32, 8, 128, 32, 4, soft_cap=10.0, dtype="bfloat16"),
+]
+
+
+def oracle(c: Case, q, k, v, sinks=None):
+    """Float64 ragged attention: out [T, N, Hv], lse [N, T]. New token i of sequence b sits at
+    position L_b - q_len_b + i and sees keys max(0, pos - window) <= j <= pos of its (dense)
+    cache k[b], v[b]; with sinks [N] each row's softmax has one more column. Rows of no
+    sequence (padding) output 0 with lse -inf (the sink with sinks)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    num_tokens, num_heads, _ = q.shape
+    group = num_heads // k.shape[2]
+    scale = c.head_dim**-0.5
+    out = np.zeros((num_tokens, num_heads, c.hv))
+    lse = np.full((num_heads, num_tokens), -np.inf)
+    start = 0
+    for b, (q_len, length) in enumerate(zip(c.q_lens, c.lengths, strict=True)):
+        for i in range(q_len):
+            pos = length - q_len + i
+            lo = 0 if c.window is None else max(0, pos - c.window)
+            keys = np.arange(lo, pos + 1)
+            for n in range(num_heads):
+                logits = scale * k[b, keys, n // group] @ q[start + i, n]
+                if c.soft_cap is not None:
+                    logits = c.soft_cap * np.tanh(logits / c.soft_cap)
+                full = np.concatenate([logits, [] if sinks is None else [sinks[n]]])
+                if not len(full):
+                    continue
+                m = full.max()
+                p = np.exp(full - m)
+                out[start + i, n] = p[: len(logits)] @ v[b, keys, n // group] / p.sum()
+                lse[n, start + i] = m + np.log(p.sum())
+        start += q_len
+    if sinks is not None:  # rows of no key: lse is the sink
+        lse = np.where(np.isneginf(lse), np.asarray(sinks)[:, None], lse)
+    return out, lse
+
+
+def make_problem(c: Case, seed=0):
+    """The call's arguments (NaN in unused pages, past each length and in the padding rows of
+    q; garbage in unused table entries; pages shuffled) and float64 copies (q, dense k, v)."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(c.dtype)
+    batch = len(c.q_lens)
+    capacity = c.page * c.max_pages
+
+    def rounded(shape):
+        x = jnp.asarray(rng.standard_normal(shape), dtype)
+        return np.asarray(x.astype(jnp.float32), np.float64)
+
+    q = rounded((c.num_tokens, c.num_heads, c.head_dim))
+    k = rounded((batch, capacity, c.num_kv_heads, c.head_dim))
+    v = rounded((batch, capacity, c.num_kv_heads, c.hv))
+    num_pages = batch * c.max_pages + 2  # two pages no sequence uses
+    tables = rng.permutation(num_pages)[: batch * c.max_pages].reshape(batch, c.max_pages)
+    used = np.arange(c.max_pages)[None, :] < -(-np.asarray(c.lengths)[:, None] // c.page)
+    tables = np.where(used, tables, -12345).astype(np.int32)  # garbage: never read
+    k_pages = np.full((num_pages, c.page, c.num_kv_heads, c.head_dim), np.nan)
+    v_pages = np.full((num_pages, c.page, c.num_kv_heads, c.hv), np.nan)
+    for b in range(batch):
+        for j in range(c.lengths[b]):
+            page, row = tables[b, j // c.page], j % c.page
+            k_pages[page, row], v_pages[page, row] = k[b, j], v[b, j]
+    q_padded = q.copy()
+    q_padded[sum(c.q_lens) :] = np.nan
+    starts = np.concatenate([[0], np.cumsum(c.q_lens)]).astype(np.int32)
+    args = (
+        jnp.asarray(q_padded, dtype),
+        jnp.asarray(k_pages, dtype),
+        jnp.asarray(v_pages, dtype),
+        jnp.asarray(tables),
+        jnp.asarray(starts),
+        jnp.asarray(c.lengths, jnp.int32),
+    )
+    sinks = None
+    if c.sinks:
+        sinks = jnp.asarray(np.linspace(-2.0, 3.0, c.num_heads), jnp.float32)
+    return args, sinks, (q, k, v)
+
+
+def run(c: Case, args, sinks, *paths, **extra):
+    """[(out, lse)] of each path, in one jit."""
+
+    def call(path):
+        return functools.partial(
+            pallas_flash.ragged_paged_attention,
+            logits_soft_cap=c.soft_cap,
+            local_window_size=c.window,
+            sinks=sinks,
+            return_residuals=True,
+            **path.kwargs,
+            **extra,
+        )
+
+    fns = [call(path) for path in paths]
+    return jax.jit(lambda *args: [fn(*args) for fn in fns])(*args)
+
+
+def check(c: Case, results, oracle_inputs, sinks, names):
+    """Each result against the oracle: f32 within 2e-5; bf16 within twice the error of the
+    reference run in bfloat16 (backend="xla", the first result) plus 1e-3. Every row finite
+    (NaN in the pages and the padding never reaches one), padding rows 0."""
+    want, want_lse = oracle(c, *oracle_inputs, None if sinks is None else np.asarray(sinks))
+    errors = {}
+    for name, (out, lse) in zip(names, results, strict=True):
+        assert out.shape == (c.num_tokens, c.num_heads, c.hv)
+        assert out.dtype == jnp.dtype(c.dtype) and lse.dtype == jnp.float32
+        assert lse.shape == (c.num_heads, c.num_tokens)
+        out = np.asarray(out.astype(jnp.float32), np.float64)
+        assert np.all(np.isfinite(out)), f"{name}: NaN reached a row"
+        assert np.all(out[sum(c.q_lens) :] == 0), f"{name}: padding rows are not 0"
+        errors[name] = np.max(np.abs(out - want))
+        lse = np.asarray(lse, np.float64)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse), err_msg=name)
+        finite = np.isfinite(want_lse)
+        lse_tol = 2e-5 if c.dtype == "float32" else 2e-2
+        np.testing.assert_allclose(lse[finite], want_lse[finite], atol=lse_tol, err_msg=name)
+    for name, error in errors.items():
+        tol = 2e-5 if c.dtype == "float32" else 2 * errors[names[0]] + 1e-3
+        assert error <= tol, f"{name}: max error {error} > {tol}"
+
+
+@pytest.mark.parametrize("c", CASES, ids=case_id)
+@pytest.mark.ci_slice(2)
+def test_matches_oracle(c):
+    """backend="xla" and the kernel in the interpreter, in one jit."""
+    args, sinks, oracle_inputs = make_problem(c)
+    results = run(c, args, sinks, XLA, INTERPRET)
+    check(c, results, oracle_inputs, sinks, ["xla", "interpret"])
+
+
+def test_decode_only_is_paged_attention():
+    """A batch of one new token per sequence is paged_attention's T=1 call on the same pages
+    (backend="xla": the two references agree)."""
+    c = Case((1, 1, 1, 1), (17, 1, 40, 33), 8, 2, 64, 16, 3, window=9, sinks=True)
+    args, sinks, _ = make_problem(c)
+    q, k_pages, v_pages, tables, _, lengths = args
+    kw = dict(local_window_size=c.window, sinks=sinks, backend="xla", return_residuals=True)
+    out, lse = pallas_flash.ragged_paged_attention(*args, **kw)
+    want, want_lse = pallas_flash.paged_attention(
+        q[:, None], k_pages, v_pages, tables, lengths, **kw
+    )
+    np.testing.assert_allclose(out, want[:, 0], atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse[:, :, 0].T, atol=1e-6)
+
+
+def test_gradient_through_the_reference():
+    """The kernel path differentiates through the reference: its gradients are backend="xla"'s
+    (q, both pools and the sinks); unused pages get none."""
+    c = Case((1, 6, 0, 2), (9, 6, 3, 20), 4, 2, 32, 8, 3, sinks=True)
+    args, sinks, _ = make_problem(c)
+    q, k_pages, v_pages, tables, starts, lengths = args
+    q = jnp.nan_to_num(q)  # padding rows: a cotangent there must not make NaN
+    k_pages, v_pages = jnp.nan_to_num(k_pages), jnp.nan_to_num(v_pages)
+    d_out = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+
+    def grads(path):
+        def loss(q, k_pages, v_pages, sinks):
+            out = pallas_flash.ragged_paged_attention(
+                q, k_pages, v_pages, tables, starts, lengths, sinks=sinks, **path.kwargs
+            )
+            return jnp.sum(out * d_out)
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+    both = jax.jit(lambda *a: (grads(INTERPRET)(*a), grads(XLA)(*a)))
+    ours, ref = both(q, k_pages, v_pages, sinks)
+    for a, b in zip(ours, ref, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+        assert np.all(np.isfinite(a)) and np.any(a != 0)
+    used = np.unique(np.asarray(tables)[np.asarray(tables) >= 0])
+    unused = np.setdiff1d(np.arange(k_pages.shape[0]), used)
+    assert np.all(np.asarray(ours[1])[unused] == 0)
+
+
+def test_traced_values_are_made_safe():
+    """Under jit nothing is checked: query_start_loc is clipped to [0, T] and made
+    non-decreasing, rows of no sequence output 0, lengths past the capacity are clipped and
+    lengths shorter than the new tokens leave the first tokens without keys, table entries
+    are clipped into the pool: both paths agree, and every row is finite."""
+    c = Case((2, 3, 4), (10, 20, 30), 4, 1, 32, 8, 4, pad=4)
+    args, _, _ = make_problem(c)
+    q, k_pages, v_pages, tables, _, _ = (jnp.nan_to_num(x) for x in args)
+    # Made [1, 5, 5, 11] of T = 13 rows: row 0 and rows 11-12 in no sequence, sequence 1
+    # empty. Sequence 0 (rows 1-4) has 2 keys: its tokens sit at positions -2..1; sequence 2
+    # (rows 5-10) the capacity's 32, at positions 26..31.
+    starts = jnp.asarray([1, 5, 3, 11], jnp.int32)
+    lengths = jnp.asarray([2, 1, 500], jnp.int32)
+    tables = tables.at[:, 0].set(jnp.asarray([-4, 1000, 2]))
+    arrays = (q, k_pages, v_pages, tables, starts, lengths)
+    [(out, lse), (ours, our_lse)] = run(c, arrays, None, XLA, INTERPRET)
+    np.testing.assert_allclose(ours, out, atol=2e-5)
+    np.testing.assert_allclose(our_lse, lse, atol=2e-5)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.all(np.isfinite(out))
+    unseen = [0, 1, 2, 11, 12]
+    assert not np.isfinite(lse[:, unseen]).any() and np.all(out[unseen] == 0)
+    assert np.isfinite(np.delete(lse, unseen, axis=1)).all()
+
+
+# -- the work plan --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [4, 1, 16])
+@pytest.mark.ci_slice(1)
+def test_plan_covers_every_row_once(group):
+    """For random batches of one call's shapes, the launches' work lists (`plan_items`) hold
+    every packed row of every sequence exactly once, the rows before the first sequence and
+    after the last included, within the static item bounds."""
+    rng = np.random.default_rng(group)
+    num_tokens, batch, capacity = 70, 9, 200
+    bs = RaggedBlockSizes(block_m=16, block_m_prefill=32)
+    launches = ragged_kernel.ragged_plan(
+        num_tokens, batch + 2, 4 * group, 4, 64, capacity, jnp.bfloat16, bs
+    )
+    plan_items = jax.jit(ragged_kernel.plan_items, static_argnums=(2, 3))
+    for _ in range(10):
+        cuts = np.sort(rng.integers(0, num_tokens + 1, size=batch + 1))
+        cuts[1 : rng.integers(1, batch)] = cuts[0]  # some sequences with no token
+        starts = jnp.asarray(np.concatenate([[0], cuts, [num_tokens]]), jnp.int32)
+        lengths = jnp.asarray(rng.integers(0, capacity, size=batch + 2), jnp.int32)
+        covered = np.zeros(num_tokens * group, int)
+        for launch in launches:
+            plan = np.asarray(plan_items(starts, lengths, launch, group))
+            at = 2 * (batch + 3)
+            seqs, row0s = plan[at : at + launch.items], plan[at + launch.items :]
+            for seq, row0 in zip(seqs, row0s, strict=True):
+                start = int(starts[seq])
+                end = int(starts[seq + 1])
+                rows = np.arange(row0, row0 + launch.block_m)
+                rows = rows[rows < (end - start) * group]
+                covered[start * group + rows] += 1
+            used = row0s < ragged_kernel._NO_ROWS
+            assert used.sum() <= launch.items
+        np.testing.assert_array_equal(covered, 1)
+
+
+def test_plan_launches():
+    """Decode-only shapes take only the decode launch; the prefill launch's items bound the
+    tiles of the longest sequences; defaults follow the group."""
+    decode_only = ragged_kernel.ragged_plan(
+        4, 6, 32, 8, 128, 4096, jnp.bfloat16, RaggedBlockSizes()
+    )
+    assert [launch.max_rows for launch in decode_only] == [16]
+    assert decode_only[0].splits > 1  # 4 sequences fill no H100: their keys split
+    # 8 tokens may be one sequence's 32 rows: a prefill launch too.
+    one_more = ragged_kernel.ragged_plan(8, 10, 32, 8, 128, 4096, jnp.bfloat16, RaggedBlockSizes())
+    assert [launch.max_rows for launch in one_more] == [16, None]
+    mixed = ragged_kernel.ragged_plan(2111, 66, 32, 8, 128, 4096, jnp.bfloat16, RaggedBlockSizes())
+    assert [launch.max_rows for launch in mixed] == [16, None]
+    assert mixed[1].items >= 2048 * 4 // 128 and mixed[1].splits == 1
+    assert default_ragged_block_sizes(128, jnp.bfloat16, group=32, interpret=False).block_m == 32
+    assert default_ragged_block_sizes(128, jnp.bfloat16, group=2, interpret=False).block_m == 16
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+
+def _valid():
+    q = jnp.zeros((7, 4, 32))
+    pages = jnp.zeros((5, 8, 2, 32))
+    tables = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    starts = jnp.asarray([0, 3, 6], jnp.int32)
+    lengths = jnp.asarray([16, 9], jnp.int32)
+    return q, pages, pages, tables, starts, lengths
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(q=jnp.zeros((7, 4))), ValueError, r"q must have rank 3, got q.shape=\(7, 4\)"),
+        (dict(q=jnp.zeros((7, 4, 32), jnp.int32)), TypeError, "q.dtype=int32 must be float"),
+        (dict(q=jnp.zeros((7, 4, 32), jnp.bfloat16)), TypeError, "must share a dtype"),
+        (dict(q=jnp.zeros((7, 3, 32))), ValueError, "num_heads=3 .* divisible by num_kv_heads=2"),
+        (dict(q=jnp.zeros((7, 4, 16))), ValueError, "head dims differ"),
+        (dict(v_pages=jnp.zeros((5, 4, 2, 32))), ValueError, "must agree in"),
+        (dict(v_pages=jnp.zeros((5, 8, 2, 12))), ValueError, r"head dim 12 \(v_pages.shape"),
+        (dict(tables=jnp.zeros((2, 2))), TypeError, "block_tables must be an integer array"),
+        (dict(tables=jnp.zeros((2,), jnp.int32)), ValueError, r"block_tables.shape=\(2,\) must"),
+        (dict(starts=jnp.asarray([0, 3])), ValueError, r"query_start_loc.shape=\(2,\) must be"),
+        (dict(starts=jnp.asarray([1, 3, 6])), ValueError, r"query_start_loc\[0\]=1 must be 0"),
+        (
+            dict(starts=jnp.asarray([0, 4, 3])),
+            ValueError,
+            r"non-decreasing: query_start_loc\[1\]=4 > query_start_loc\[2\]=3",
+        ),
+        (dict(starts=jnp.asarray([0, 3, 8])), ValueError, r"query_start_loc\[-1\]=8 must be at"),
+        (dict(lengths=jnp.asarray([16.0, 9.0])), TypeError, "kv_lengths must be an integer"),
+        (dict(lengths=jnp.asarray([16])), ValueError, r"kv_lengths.shape=\(1,\) must be \(2,\)"),
+        (dict(lengths=jnp.asarray([17, 9])), ValueError, r"kv_lengths=\[17, 9\] must lie in"),
+        (dict(lengths=jnp.asarray([16, 2])), ValueError, r"kv_lengths\[1\]=2 must be at least"),
+        (
+            dict(tables=jnp.asarray([[0, 1], [2, 7]])),
+            ValueError,
+            r"block_tables\[1, 1\]=7 must lie in \[0, num_pages=5\)",
+        ),
+        (dict(sinks=jnp.zeros(3)), ValueError, r"sinks.shape=\(3,\) must be \(4,\)"),
+        (dict(scale=-1.0), ValueError, "scale=-1.0 must be a finite positive"),
+        (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
+        (dict(local_window_size=-1), ValueError, r"local_window_size=\(-1, -1\) must be >= 0"),
+        (dict(backend="mosaic"), NotImplementedError, "no Mosaic GPU kernel"),
+        (dict(block_sizes=pallas_flash.DecodeBlockSizes()), TypeError, "RaggedBlockSizes"),
+        (dict(backend="xla", block_sizes=RaggedBlockSizes()), ValueError, "needs backend="),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_validation(monkeypatch, change, error, match):
+    """Each rule, named with the argument and its value, before anything runs."""
+    from pallas_flash import ragged
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a path was called: validation did not stop the call")
+
+    monkeypatch.setattr(ragged, "_ragged_forward", must_not_run)
+    monkeypatch.setattr(ragged, "_ragged_reference", must_not_run)
+    q, k_pages, v_pages, tables, starts, lengths = _valid()
+    arrays = dict(q=q, k_pages=k_pages, v_pages=v_pages, tables=tables, starts=starts)
+    arrays["lengths"] = lengths
+    options = {}
+    for name, value in change.items():
+        (arrays if name in arrays else options)[name] = value
+    with pytest.raises(error, match=match):
+        pallas_flash.ragged_paged_attention(*arrays.values(), **options)
+
+
+def test_block_sizes_validation():
+    with pytest.raises(ValueError, match=r"RaggedBlockSizes.block_m=24 must be a power of two"):
+        RaggedBlockSizes(block_m=24)
+    with pytest.raises(ValueError, match=r"RaggedBlockSizes.kv_splits_prefill=-1 must be an int"):
+        RaggedBlockSizes(kv_splits_prefill=-1)
+    with pytest.raises(ValueError, match=r"RaggedBlockSizes.num_warps=3 must be a power of two"):
+        RaggedBlockSizes(num_warps=3)
+
+
+# -- lowering and compiled ------------------------------------------------------------------------
+
+
+def test_lowers_for_h200():
+    """The compiled kernels lower through Triton for an abstract H200: through the API (its
+    default tiles for that GPU: the decode launch split, its merge in XLA, after the prefill
+    launch in place; sinks; pages of 16, so that a 64-key tile spans pages), and unsplit with
+    pages of 128 (the decode launch in place after the prefill launch)."""
+    from test_lowering import lower_for_h200
+
+    sds = jax.ShapeDtypeStruct
+    q, sinks = sds((300, 32, 128), jnp.bfloat16), sds((32,), jnp.float32)
+    ints = sds((9,), jnp.int32), sds((8,), jnp.int32)
+    tables = sds((8, 40), jnp.int32)
+
+    def api(q, k_pages, v_pages, tables, starts, lengths, sinks):
+        return pallas_flash.ragged_paged_attention(
+            q, k_pages, v_pages, tables, starts, lengths, sinks=sinks
+        )
+
+    pages = sds((400, 16, 8, 128), jnp.bfloat16)
+    text = lower_for_h200(api, q, pages, pages, tables, *ints, sinks).as_text()
+    assert "pallas_flash_ragged_decode_split" in text and 'pallas_flash_ragged_prefill"' in text
+    pages = sds((400, 128, 8, 128), jnp.bfloat16)
+    bs = RaggedBlockSizes(block_kv=128, kv_splits=1, kv_splits_prefill=1)
+    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False, block_sizes=bs)
+    f = functools.partial(ragged_kernel.ragged_forward, **kw)
+    text = lower_for_h200(f, q, pages, pages, tables, *ints, sinks).as_text()
+    assert "_split" not in text
+    assert 'pallas_flash_ragged_decode"' in text and 'pallas_flash_ragged_prefill"' in text
+
+
+GPU_CASES = [
+    # The mixed batch of the speed goal, smaller: one prefill chunk over earlier keys, decode
+    # steps over ragged caches, sequences with no token, padding.
+    Case(
+        (1000,) + (1,) * 40 + (0, 7),
+        (3000,) + tuple(range(100, 4100, 100)) + (50, 2000),
+        32,
+        8,
+        128,
+        16,
+        250,
+        pad=13,
+        dtype="bfloat16",
+    ),
+    Case(
+        (1, 700, 1, 300),
+        (4000, 700, 9, 2500),
+        16,
+        1,
+        64,
+        16,
+        250,
+        window=300,
+        soft_cap=30.0,
+        dtype="float16",
+    ),
+    Case(
+        (1,) * 16 + (16,) * 4,
+        tuple(range(300, 5100, 300)) + (16, 100, 3000, 5000),
+        64,
+        4,
+        128,
+        128,
+        40,
+        sinks=True,
+        dtype="bfloat16",
+    ),
+    Case((600, 1, 3), (1200, 800, 3), 8, 8, 256, 48, 30, value_head_dim=128, dtype="bfloat16"),
+    Case((257, 1, 2), (300, 299, 2), 6, 2, 80, 16, 20, dtype="float32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("c", CASES + GPU_CASES, ids=case_id)
+def test_gpu_matches_oracle(c):
+    args, sinks, oracle_inputs = make_problem(c)
+    results = run(c, args, sinks, XLA, GPU)
+    check(c, results, oracle_inputs, sinks, ["xla", "triton"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "bs",
+    [
+        RaggedBlockSizes(kv_splits=1),
+        RaggedBlockSizes(kv_splits=5, kv_splits_prefill=3),
+        RaggedBlockSizes(block_m=32, block_kv=32, block_m_prefill=64, block_kv_prefill=128),
+    ],
+    ids=["unsplit", "split5-prefill-split3", "decode32x32-prefill64x128"],
+)
+def test_gpu_tiles_and_splits_match_oracle(bs):
+    c = GPU_CASES[0]
+    args, sinks, oracle_inputs = make_problem(c)
+    results = run(c, args, sinks, XLA) + run(c, args, sinks, GPU, block_sizes=bs)
+    check(c, results, oracle_inputs, sinks, ["xla", "triton"])

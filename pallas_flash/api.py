@@ -466,6 +466,7 @@ def _plan(
         dropout_rate=dropout_rate,
         value_head_dim=value.shape[-1],
         deterministic_grads=deterministic_grads,
+        lengths_only=q_segment_ids is None,
     )
     device = None if interpret or backend == "xla" else device_lib.target_device()
     config = dispatch.choose(

@@ -12,9 +12,10 @@ With backend=None on a GPU of compute capability >= 8.0:
   else the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
   Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
   whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
-- Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs (dropout
-  too), unless `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton
-  measured faster there); else Triton.
+- Backward (the one the flash forward would have had, under the decode kernel's too): the
+  Mosaic GPU backward with the Mosaic forward for the calls it runs (dropout too), unless
+  `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton measured faster
+  there); else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults (at H=64, 64-row forward tiles where the
@@ -81,7 +82,8 @@ FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 # programs: on the H100 (N=32, K=8, H=128, bf16, T 1 and 4) decode_attention read K/V at
 # 2.6-2.8 TB/s, the flash forward on the same arrays at 1.07-1.43 (issue 45). 16: the
 # most new tokens the decode kernel is measured at (`bench --suite decode`: T 1, 4 and 16;
-# 3.3-3.4 TB/s at T=16 on the H200); more tokens fill the flash forward's query tiles.
+# 3.3-3.4 TB/s at T=16 on the H200); beyond, its packed rows (T times the group) outgrow one
+# tile while the flash forward's query tiles fill (not measured).
 DECODE_ROUTE_MAX_Q_LEN = 16
 # ... over at least this many keys. Below it both forwards are a launch or two of latency; 64
 # keys are one of the decode kernel's key tiles (no split, no merge kernel). Provisional, not
@@ -161,11 +163,12 @@ def choose(
     tiles = MosaicTiles()
     if kind in ("auto", "mosaic"):
         tiles = _mosaic_tiles(call, device, tuned)
+    forward = _choose_forward(kind, call, device, tiles.forward, user_block_sizes)
+    backward = _choose_backward(kind, forward, call, device, tiles.backward, user_block_sizes)
+    # The decode kernel's forward returns what either backward reads: the backward stays the
+    # one the flash forward would have had.
     if backend is None and user_block_sizes is None and few_tokens_on_decode(call):
         forward = "decode"
-    else:
-        forward = _choose_forward(kind, call, device, tiles.forward, user_block_sizes)
-    backward = _choose_backward(kind, forward, call, device, tiles.backward, user_block_sizes)
     return KernelConfig(
         spec=call.spec,
         scale=scale,

@@ -6,8 +6,9 @@ decode_attention, and jax.nn's XLA attention, in TB/s of K/V read.
     python benchmarks/decode_route_timing.py [--short] [--out ROWS.jsonl] [--smoke]
 
 Shapes: N=32 query heads over K=8, H=128, bfloat16, T 1 and 4 new tokens, B=1 at 128k keys,
-B=8 at 32k, B=64 at 4k. --short instead sweeps the key length (64 to 4k keys at B=1 and 8): the
-crossover that `dispatch.DECODE_ROUTE_MIN_KV_LEN` should sit at. Each call is timed over
+B=8 at 32k, B=64 at 4k. --short instead sweeps the key length (64 to 4k keys at B=1 and 8; the
+default call, the flash forward and decode_attention): the crossover that
+`dispatch.DECODE_ROUTE_MIN_KV_LEN` should sit at. Each call is timed over
 enough copies of the inputs, used in turn, that they do not fit in L2 together: wall time
 (the median over 7 repeats of 20 calls) and kernel time (jax's profiler, `bench.device_ms`).
 One JSON row per (shape, implementation) on stdout (and appended to --out), then a table.
@@ -33,7 +34,9 @@ from pallas_flash.masks import MaskSpec
 
 N, K, H = 32, 8, 128
 ISSUE_SHAPES = [(1, 131072), (8, 32768), (64, 4096)]
-SHORT_SHAPES = [(b, s) for b in (1, 8) for s in (64, 128, 256, 512, 1024, 2048, 4096)]
+SHORT_SHAPES = [(b, s) for b in (1, 8) for s in (64, 256, 1024, 4096)]
+# The implementations the --short sweep times (the crossover is between these).
+SHORT_IMPLS = ("flash_attention", "flash_forward", "decode_attention")
 SMOKE_SHAPES = [(2, 128)]
 # Inputs cycle over copies of at least this many bytes of K/V in all (4x the H100's 50 MB L2).
 ROTATE_BYTES = 200e6
@@ -98,10 +101,12 @@ def kernel_ms(fn, sets) -> float:
     return bench.device_ms(lambda: fn(*next(cycle)), ())[0]
 
 
-def run(shapes, out_path, *, interpret: bool):
+def run(shapes, out_path, *, interpret: bool, only=None):
     rows = []
     on_gpu = jax.default_backend() == "gpu"
     fns = implementations(interpret)
+    if only is not None:
+        fns = {name: fn for name, fn in fns.items() if name in only}
     for (batch, kv_len), q_len in itertools.product(shapes, (1, 4)):
         kv_bytes = 2 * batch * kv_len * K * H * 2
         copies = 1 if interpret else min(MAX_COPIES, max(2, -(-int(ROTATE_BYTES) // kv_bytes)))
@@ -165,7 +170,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="append the JSON rows to this file")
     args = parser.parse_args(argv)
     shapes = SMOKE_SHAPES if args.smoke else SHORT_SHAPES if args.short else ISSUE_SHAPES
-    print_table(run(shapes, args.out, interpret=args.smoke))
+    only = SHORT_IMPLS if args.short else None
+    print_table(run(shapes, args.out, interpret=args.smoke, only=only))
 
 
 if __name__ == "__main__":

@@ -86,9 +86,9 @@ FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 # tile while the flash forward's query tiles fill (not measured).
 DECODE_ROUTE_MAX_Q_LEN = 16
 # ... over at least this many keys. Below it both forwards are a launch or two of latency; 64
-# keys are one of the decode kernel's key tiles (no split, no merge kernel). Provisional, not
-# yet measured on the GPU: benchmarks/decode_route_timing.py --short times both over 64 to 4k
-# keys.
+# keys are one of the decode kernel's 64-key tiles (H <= 128: no split, no merge kernel).
+# Provisional, not yet measured on the GPU: benchmarks/decode_route_timing.py --short times
+# both over 64 to 4k keys.
 DECODE_ROUTE_MIN_KV_LEN = 64
 
 

@@ -4,9 +4,11 @@ kernels' backward with the cotangents of both outputs; on the "xla" path the sam
 plain-jnp reference.
 
 Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
-(`KernelConfig.forward`, `KernelConfig.backward`). Both forwards return the same (out, lse,
-log_sum), so either backward serves either forward; in float32 calls the Triton forward's row
-max also reaches the Triton backward, which recomputes P from it exactly (`_takes_row_max`).
+(`KernelConfig.forward`, `KernelConfig.backward`); the forward of a few query tokens over a
+longer key sequence also on the decode kernel (forward "decode", `triton.decode.
+few_token_forward`). Every forward returns the same (out, lse, log_sum), so either backward
+serves any forward; in float32 calls the Triton forward's row max also reaches the Triton
+backward, which recomputes P from it exactly (`_takes_row_max`).
 
 Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
 work on every path: the kernel passes inside the rules are themselves differentiable, their
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 
 from pallas_flash import _partition
 from pallas_flash._numerics import sink_probability
-from pallas_flash.device import Device
+from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
@@ -34,6 +36,7 @@ from pallas_flash.mosaic.tiles import ForwardTiles
 from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.backward import flash_backward
+from pallas_flash.triton.decode import few_token_forward
 from pallas_flash.triton.forward import flash_forward
 
 
@@ -49,7 +52,8 @@ class KernelConfig:
     dropout_rate: float = 0.0
     block_sizes: BlockSizes
     interpret: bool
-    # "triton", or "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask).
+    # "triton"; "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask); or "decode":
+    # the decode kernel (a few query tokens; geometry and sequence lengths only, 16-bit).
     forward: str = "triton"
     # "triton", or "mosaic": the Mosaic GPU backward (Hopper; the Mosaic forward's masks).
     backward: str = "triton"
@@ -61,12 +65,14 @@ class KernelConfig:
     device: Device | None = None
 
     def __post_init__(self):
-        for pass_name in ("forward", "backward"):
-            kernel = getattr(self, pass_name)
-            if kernel not in ("triton", "mosaic"):
-                raise ValueError(
-                    f"KernelConfig.{pass_name}={kernel!r} must be 'triton' or 'mosaic'"
-                )
+        if self.forward not in ("triton", "mosaic", "decode"):
+            raise ValueError(
+                f"KernelConfig.forward={self.forward!r} must be 'triton', 'mosaic' or 'decode'"
+            )
+        if self.backward not in ("triton", "mosaic"):
+            raise ValueError(
+                f"KernelConfig.backward={self.backward!r} must be 'triton' or 'mosaic'"
+            )
 
     def kwargs(self):
         """Keyword arguments of the Triton kernels."""
@@ -128,6 +134,21 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
 
 
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
+    num_sms = None if config.device is None else config.device.num_sms
+    if config.forward == "decode":
+        out, lse, log_sum = few_token_forward(
+            q,
+            k,
+            v,
+            arrays,
+            spec=config.spec,
+            scale=config.scale,
+            soft_cap=config.soft_cap,
+            interpret=config.interpret,
+            num_sms=DEFAULT_NUM_SMS if num_sms is None else num_sms,
+            sinks=sinks,
+        )
+        return out, lse, log_sum, lse
     if config.forward == "mosaic":
         out, lse, log_sum = mosaic.flash_forward(
             q,
@@ -145,7 +166,6 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             with_log_sum=True,
         )
         return out, lse, log_sum, lse
-    num_sms = None if config.device is None else config.device.num_sms
     out, lse, log_sum, *row_max = flash_forward(
         q,
         k,

@@ -143,10 +143,14 @@ def flash_attention(
         dense mask, float32, head dims other than 64/80/96/128/192/256, causal or windowed
         calls on CUDA runtimes 12.8.0-12.9.0, whose ptxas miscompiles the mask) or "xla" (plain
         jnp, materialises the logits). None picks, on a GPU of compute
-        capability >= 8.0: on Hopper the Mosaic forward when it supports the call, its grid
-        fills the GPU and block_sizes is None, with the Mosaic backward for the calls it
-        supports (the forward's masks and dropout; at H=64 from 2048 keys); else "triton";
-        "triton" when `interpret=True`; "xla" elsewhere.
+        capability >= 8.0: for T <= 16 query tokens over 64 or more keys (bfloat16 or
+        float16; causal, windows, lengths, soft cap and sinks, but no bias, dense mask,
+        segment ids, dropout or Hv != H; block_sizes None) the forward of `decode_attention`'s
+        kernel (flash-decoding) with the Triton backward; else on Hopper the Mosaic forward
+        when it supports the call, its grid fills the GPU and block_sizes is None, with the
+        Mosaic backward for the calls it supports (the forward's masks and dropout; at H=64
+        from 2048 keys); else "triton"; with `interpret=True` the same decode forward or
+        "triton"; "xla" elsewhere.
       block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
         entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
         defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
@@ -466,6 +470,7 @@ def _plan(
         dropout_rate=dropout_rate,
         value_head_dim=value.shape[-1],
         deterministic_grads=deterministic_grads,
+        lengths_only=q_segment_ids is None,
     )
     device = None if interpret or backend == "xla" else device_lib.target_device()
     config = dispatch.choose(

@@ -24,6 +24,9 @@ class Call:
       value_head_dim: Hv of the values (B, S, K, Hv) and the output; None: H.
       deterministic_grads: whether the gradients must be bitwise the same on every run (False
         lets the Hopper backward add dQ's partials in the order they arrive).
+      lengths_only: whether the segment arrays the spec has (`spec.has_segments`) hold
+        sequence lengths only, no segment ids: every row then sees a prefix of the keys (False
+        where that is not known: the arrays may hold any ids).
     """
 
     q_shape: tuple[int, int, int, int]
@@ -35,6 +38,7 @@ class Call:
     dropout_rate: float = 0.0
     value_head_dim: int | None = None
     deterministic_grads: bool = True
+    lengths_only: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "q_shape", tuple(int(d) for d in self.q_shape))

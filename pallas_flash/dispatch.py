@@ -7,12 +7,15 @@ API, the tuner and the decode API all choose here.
 
 With backend=None on a GPU of compute capability >= 8.0:
 
-- Forward: the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
+- Forward: the decode kernel (flash-decoding, `triton.decode.few_token_forward`) for a few
+  query tokens over a longer key sequence (`few_tokens_on_decode`), in the interpreter too;
+  else the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
   Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
   whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.
-- Backward: the Mosaic GPU backward with the Mosaic forward for the calls it runs (dropout
-  too), unless `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton
-  measured faster there); else Triton.
+- Backward (the one the flash forward would have had, under the decode kernel's too): the
+  Mosaic GPU backward with the Mosaic forward for the calls it runs (dropout too), unless
+  `block_sizes` configure the Triton backward or H=64 below 2048 keys (Triton measured faster
+  there); else Triton.
 - Tiles: Triton's from the user, else the autotune cache's entry for (device kind, shape
   class), else the shipped heuristics; Mosaic's from the cache's entry where the kernel takes
   them on the call's shapes, else its defaults (at H=64, 64-row forward tiles where the
@@ -70,6 +73,24 @@ FUSED_DQ_MASKED_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 # docs/notes/fused-dq.md, "Measurements".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 4096}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
+
+
+# flash_attention's forward of at most this many query tokens (T) runs on the decode kernel,
+# where it expresses the call's mask (`few_tokens_on_decode`). The flash forward's grid is
+# (query tiles x B * N): a few tokens take one tile each of B * N programs that each loop over
+# all S keys, and every query head of a GQA group reads its KV head again. The decode kernel
+# packs a KV head's query heads times the tokens into one tile and splits the key loop over
+# programs: on the H100 (N=32, K=8, H=128, bf16, T 1 and 4) decode_attention read K/V at
+# 2.6-2.8 TB/s, the flash forward on the same arrays at 1.07-1.43 (issue 45). 16: the
+# most new tokens the decode kernel is measured at (`bench --suite decode`: T 1, 4 and 16;
+# 3.3-3.4 TB/s at T=16 on the H200); beyond, its packed rows (T times the group) outgrow one
+# tile while the flash forward's query tiles fill (not measured).
+DECODE_ROUTE_MAX_Q_LEN = 16
+# ... over at least this many keys. Below it both forwards are a launch or two of latency; 64
+# keys are one of the decode kernel's 64-key tiles (H <= 128: no split, no merge kernel).
+# Provisional, not yet measured on the GPU: benchmarks/decode_route_timing.py --short times
+# both over 64 to 4k keys.
+DECODE_ROUTE_MIN_KV_LEN = 64
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -145,6 +166,10 @@ def choose(
         tiles = _mosaic_tiles(call, device, tuned)
     forward = _choose_forward(kind, call, device, tiles.forward, user_block_sizes)
     backward = _choose_backward(kind, forward, call, device, tiles.backward, user_block_sizes)
+    # The decode kernel's forward returns what either backward reads: the backward stays the
+    # one the flash forward would have had.
+    if backend is None and user_block_sizes is None and few_tokens_on_decode(call):
+        forward = "decode"
     return KernelConfig(
         spec=call.spec,
         scale=scale,
@@ -226,6 +251,21 @@ def _narrow_forward_tiles(call: Call, device: Device) -> mosaic.ForwardTiles | N
         return None
     narrow = mosaic.default_forward_tiles(call, wide=False)
     return narrow if _mosaic_fills_gpu(call, device, narrow) else None
+
+
+def few_tokens_on_decode(call: Call) -> bool:
+    """Whether the default call's forward runs on the decode kernel: at most
+    DECODE_ROUTE_MAX_Q_LEN query tokens over at least DECODE_ROUTE_MIN_KV_LEN keys, in bfloat16
+    or float16, with a mask the decode kernel expresses exactly (`triton.
+    why_not_few_token_forward`: geometry, lengths, soft cap, sinks). Float32 calls keep the
+    Triton forward, whose row max lets the Triton backward recompute P free of lse's rounding
+    (`_vjp._takes_row_max`); the decode kernel keeps no row max."""
+    return (
+        call.q_len <= DECODE_ROUTE_MAX_Q_LEN
+        and call.kv_len >= DECODE_ROUTE_MIN_KV_LEN
+        and call.dtype.itemsize == 2
+        and triton.why_not_few_token_forward(call) is None
+    )
 
 
 def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -> str:

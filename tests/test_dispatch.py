@@ -116,6 +116,52 @@ CALLS = {
         qkv((2, 1024, 8, 256), (2, 1024, 2, 256)),
         dict(backend="mosaic", dropout_rate=0.1, dropout_rng=jax.random.key(0)),
     ),
+    # A few query tokens over a longer key sequence: the decode kernel's forward where it
+    # expresses the call (`dispatch.few_tokens_on_decode`), else as any other call.
+    "decode-t1": (qkv((8, 1, 32, 128), (8, 32768, 8, 128)), {}),
+    "decode-t4-masked": (
+        qkv((8, 4, 32, 128), (8, 4096, 8, 128)),
+        dict(
+            is_causal=True,
+            local_window_size=(64, 0),
+            logits_soft_cap=30.0,
+            query_seq_lengths=zeros(8),
+            key_value_seq_lengths=zeros(8),
+        ),
+    ),
+    "decode-t16-f16": (qkv((2, 16, 32, 64), (2, 4096, 8, 64), dtype=f16), {}),
+    "decode-t17": (qkv((8, 17, 32, 128), (8, 4096, 8, 128)), {}),
+    "decode-short-keys": (qkv((8, 1, 32, 128), (8, 32, 8, 128)), {}),
+    "decode-segments": (
+        qkv((8, 4, 32, 128), (8, 4096, 8, 128)),
+        dict(q_segment_ids=zeros(8, 4), kv_segment_ids=zeros(8, 4096)),
+    ),
+    "decode-bias": (
+        qkv((8, 4, 32, 128), (8, 4096, 8, 128)),
+        dict(bias=zeros(1, 32, 4, 4096, dtype=bf16)),
+    ),
+    "decode-mask": (
+        qkv((8, 4, 32, 128), (8, 4096, 8, 128)),
+        dict(mask=jnp.ones((1, 1, 4, 4096), bool)),
+    ),
+    "decode-f32": (qkv((8, 1, 32, 128), (8, 4096, 8, 128), dtype=f32), {}),
+    "decode-dropout": (
+        qkv((8, 4, 32, 128), (8, 4096, 8, 128)),
+        dict(dropout_rate=0.1, dropout_rng=jax.random.key(0)),
+    ),
+    "decode-value-head-dim": (
+        (
+            jax.ShapeDtypeStruct((8, 1, 32, 192), bf16),
+            jax.ShapeDtypeStruct((8, 4096, 8, 192), bf16),
+            jax.ShapeDtypeStruct((8, 4096, 8, 128), bf16),
+        ),
+        {},
+    ),
+    "decode-triton": (qkv((8, 1, 32, 128), (8, 32768, 8, 128)), dict(backend="triton")),
+    "decode-block-sizes": (
+        qkv((8, 1, 32, 128), (8, 32768, 8, 128)),
+        dict(block_sizes=BlockSizes()),
+    ),
 }
 
 # name: (forward, backward, BlockSizes fields, Mosaic forward / backward tile fields, kv splits),
@@ -292,6 +338,21 @@ H200 = {
     ),
     "dropout-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
     "mosaic-dropout-h256": ("mosaic", "mosaic", H256, dict(block_kv=64), MOSAIC_H256, None),
+    # The decode kernel's forward, the Triton backward; else the Triton forward (the Mosaic
+    # grid of a few tokens would not fill the GPU).
+    "decode-t1": ("decode", "triton", H128, None, None, None),
+    "decode-t4-masked": ("decode", "triton", H128_FULL_SHORT_RANGED, None, None, None),
+    "decode-t16-f16": ("decode", "triton", H64, None, None, None),
+    "decode-t17": ("triton", "triton", H128, None, None, 1),
+    "decode-short-keys": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
+    "decode-segments": ("triton", "triton", H128_FULL_SHORT_RANGED, None, None, 1),
+    "decode-bias": ("triton", "triton", H128_MASKED, None, None, 1),
+    "decode-mask": ("triton", "triton", H128_MASKED, None, None, 1),
+    "decode-f32": ("triton", "triton", F32, None, None, 1),
+    "decode-dropout": ("triton", "triton", H128, None, None, 1),
+    "decode-value-head-dim": ("triton", "triton", H256, None, None, 1),
+    "decode-triton": ("triton", "triton", H128, None, None, 1),
+    "decode-block-sizes": ("triton", "triton", {}, None, None, 1),
 }
 A100 = {
     "plain-h128": ("triton", "triton", H128, None, None, 1),
@@ -340,7 +401,24 @@ A100 = {
     "dropout-h64-short": ("triton", "triton", H64, None, None, 1),
     "dropout-h256": ("triton", "triton", H256, None, None, 1),
     "mosaic-dropout-h256": (ValueError, HOPPER_ONLY),
+    "decode-t1": ("decode", "triton", H128, None, None, None),
+    "decode-t4-masked": ("decode", "triton", H128_FULL_SHORT_RANGED, None, None, None),
+    "decode-t16-f16": ("decode", "triton", H64, None, None, None),
+    "decode-t17": ("triton", "triton", H128, None, None, 1),
+    "decode-short-keys": ("triton", "triton", H128, None, None, 1),
+    "decode-segments": ("triton", "triton", H128_FULL_SHORT_RANGED, None, None, 1),
+    "decode-bias": ("triton", "triton", H128_MASKED, None, None, 1),
+    "decode-mask": ("triton", "triton", H128_MASKED, None, None, 1),
+    "decode-f32": ("triton", "triton", F32, None, None, 1),
+    "decode-dropout": ("triton", "triton", H128, None, None, 1),
+    "decode-value-head-dim": ("triton", "triton", H256, None, None, 1),
+    "decode-triton": ("triton", "triton", H128, None, None, 1),
+    "decode-block-sizes": ("triton", "triton", {}, None, None, 1),
 }
+
+# The calls above whose forward the decode kernel runs (by default, on any GPU it runs on, and
+# in the interpreter).
+DECODE_FORWARD = {"decode-t1", "decode-t4-masked", "decode-t16-f16"}
 
 
 def changed_fields(tiles):
@@ -437,6 +515,26 @@ def test_wide_heads_take_the_split_mosaic_backward(chosen, no_tune_cache, backen
 @pytest.mark.parametrize("name", list(CALLS))
 def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
     assert chosen(Device.h200(), name) == H200[name]
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CALLS if n.startswith("decode-")))
+def test_few_tokens_take_the_decode_forward_on_every_gpu(chosen, no_tune_cache, name):
+    """A few query tokens over a longer key sequence run their forward on the decode kernel on
+    the H100, the H200, sm80 and sm89 alike, and in the interpreter (so that the CPU tests run
+    what the GPU does): never for a mask or option it cannot express (bias, dense mask,
+    segment ids, dropout, a value head dim of its own), nor float32, more than
+    DECODE_ROUTE_MAX_Q_LEN tokens, fewer than DECODE_ROUTE_MIN_KV_LEN keys, backend="triton"
+    or the user's block_sizes."""
+    devices = (
+        Device.of_kind("NVIDIA H100 80GB HBM3", num_sms=132),
+        Device.h200(),
+        Device.a100(),
+        Device.of_kind("NVIDIA L4", num_sms=58),
+    )
+    for device in devices:
+        assert (chosen(device, name)[0] == "decode") == (name in DECODE_FORWARD), device
+    if not has_gpu():
+        assert (chosen(None, name, interpret=True)[0] == "decode") == (name in DECODE_FORWARD)
 
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False

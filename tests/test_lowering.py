@@ -321,3 +321,52 @@ def test_lowers_mask_operands(case):
         "pallas_flash_backward_dq",
     } <= names
     assert ("pallas_flash_backward_dbias" in names) == (bias is not None)
+
+
+# A few query tokens over a longer key sequence: the default call's forward is the decode kernel
+# (`dispatch.few_tokens_on_decode`), the backward the flash one. Values: flash_attention keyword
+# arguments (array ones as shapes), and whether the decode kernel splits its key loop and runs
+# its merge kernel (a causal call reads its first T keys only: one tile).
+FEW_TOKENS = {
+    "t1": (dict(), True),
+    "t4-causal-lengths-sinks": (
+        dict(
+            is_causal=True,
+            query_seq_lengths=(2,),
+            key_value_seq_lengths=(2,),
+            sinks=(8,),
+            logits_soft_cap=30.0,
+        ),
+        False,
+    ),
+    "t4-window-both-sides": (dict(local_window_size=(2, 100)), True),
+}
+
+
+@pytest.mark.parametrize("case", list(FEW_TOKENS))
+def test_few_tokens_lower_the_decode_kernel(case):
+    kwargs, merged = FEW_TOKENS[case]
+    kwargs = dict(kwargs)
+    arrays = {
+        name: jax.ShapeDtypeStruct(kwargs.pop(name), jnp.float32 if name == "sinks" else jnp.int32)
+        for name in ("query_seq_lengths", "key_value_seq_lengths", "sinks")
+        if name in kwargs
+    }
+    q_len = 1 if case == "t1" else 4
+    sds = jax.ShapeDtypeStruct
+    q, kv = sds((2, q_len, 8, 128), jnp.bfloat16), sds((2, 4096, 2, 128), jnp.bfloat16)
+
+    def fn(q, k, v, arrays):
+        def attention(q, k, v):
+            return pallas_flash.flash_attention(q, k, v, **arrays, **kwargs)
+
+        out, vjp = jax.vjp(attention, q, k, v)
+        return vjp(out)
+
+    lowered = lower_for_h200(fn, q, kv, kv, arrays)
+    names = set(triton_calls(lowered))
+    assert {"pallas_flash_decode", "pallas_flash_backward_dkv", "pallas_flash_backward_dq"} <= (
+        names
+    ), names
+    assert "pallas_flash_forward" not in names, names
+    assert ("pallas_flash_decode_merge" in names) == merged, names

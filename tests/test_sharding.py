@@ -690,6 +690,36 @@ if CHILD:
             assert out.sharding.is_equivalent_to(heads, out.ndim), out.sharding
             _assert_close((out, lse), jax.jit(reference)(*args), atol=1e-5)
 
+    def test_few_token_flash_attention_sharding_runs_locally():
+        """flash_attention of 3 tokens over 100 keys (bfloat16: the default dispatch runs its
+        forward on the decode kernel, `dispatch.few_tokens_on_decode`, in the interpreter too)
+        sharded over batch and heads, with key lengths and sinks: forward and backward hold no
+        collective but the loss's scalar sums, and match the unsharded reference."""
+        q, k, v, d_out = (x.astype(jnp.bfloat16) for x in _inputs(4, 3, 100, 8, 4))
+        lengths = jnp.asarray([100, 0, 37, 3], jnp.int32)
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+
+        def fn(**kwargs):
+            attn = functools.partial(
+                pallas_flash.flash_attention,
+                key_value_seq_lengths=lengths,
+                sinks=jnp.asarray(SINKS),
+                return_residuals=True,
+                **kwargs,
+            )
+            return jax.value_and_grad(_loss(attn, d_out), argnums=(0, 1, 2))
+
+        routed = fn(interpret=True)
+        assert "pallas_flash_decode" in str(jax.make_jaxpr(routed)(q, k, v))
+        sharded = jax.jit(routed, in_shardings=(qkv,) * 3)
+        collectives = _collectives(sharded.lower(q, k, v).compile().as_text())
+        assert all(kind == "all-reduce" for kind, _ in collectives), collectives
+        assert not re.findall(r"\[[0-9]", " ".join(s for _, s in collectives)), collectives
+        value, grads = sharded(q, k, v)
+        assert grads[0].sharding.is_equivalent_to(qkv, 4)
+        _assert_close((value, grads), jax.jit(fn(backend="xla"))(q, k, v), atol=6e-2)
+
     def test_vmapped_decode_stays_partitioned():
         """decode_attention under jax.vmap with lengths shared by the mapped calls: the mapped
         axis folds into the batch (the lengths broadcast along it), and nothing is gathered."""

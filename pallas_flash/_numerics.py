@@ -120,13 +120,16 @@ def sink_against_keys(m_keys, l_keys, sink, unit: float, unit2: float | None = N
     value's. A row that saw no key has the sink as its only term, l = 1 and lse = the sink, also
     for a finite sink that is -inf in the kernel's units (float64's lse, and a finite d sinks);
     a sink of -inf leaves every row as it is. unit2: the kernel's own unit * log2(e)
-    (exp2((u - m) * unit2) == exp(logit - max)), not multiplied where it is 1."""
+    (exp2((u - m) * unit2) == exp(logit - max)), not multiplied where it is 1. unit may be a
+    traced float32 scalar (a float8 cache's key scale folded in)."""
     unit2 = unit * LOG2E if unit2 is None else unit2
     sink_u = sink_in_units(sink, unit)
     m = jnp.maximum(m_keys, sink_u)
 
+    unit_one = isinstance(unit2, (int, float)) and unit2 == 1.0  # unit may be traced
+
     def log2_share(x):
-        return jnp.exp2(x if unit2 == 1.0 else x * unit2)
+        return jnp.exp2(x if unit_one else x * unit2)
 
     keys_share, sink_share = log2_share(m_keys - m), log2_share(sink_u - m)
     empty = l_keys == 0.0

@@ -82,6 +82,8 @@ class _Plan:
             return P(batch, None)
         if kind in ("seeds", "sinks"):
             return P(batch, heads)
+        if kind == "scale":  # a float8 cache's scales, one per KV head
+            return P(heads)
         return P(batch if shape[0] > 1 else None, heads if shape[1] > 1 else None, None, None)
 
     def reduced_axes(self, pair_shape) -> tuple[str, ...]:
@@ -208,6 +210,8 @@ _RULES = {
     "vpages": "p z k e",
     "seeds": "b {n}",
     "sinks": "b {n}",
+    # A float8 cache's scales [K], one per kv head.
+    "scale": "k",
 }
 
 
@@ -231,7 +235,9 @@ def _sharding_rule(kinds_in, kinds_out, shapes_in, shapes_out):
     """The einsum-like Shardy rule of a pass and its factor sizes."""
     num_heads, num_kv_heads = shapes_in[0][2], shapes_in[1][2]
     group = num_heads // num_kv_heads
-    heads_q = "(k g)" if group > 1 else "k"
+    # Shardy takes no compound factor of size 1: with one kv head (MQA, MLA's latent cache)
+    # the query heads are the group alone.
+    heads_q = "k" if group == 1 else "g" if num_kv_heads == 1 else "(k g)"
     fresh = iter(f"x{i}" for i in range(1000))
 
     def render(kind, shape):
@@ -248,7 +254,7 @@ def _sharding_rule(kinds_in, kinds_out, shapes_in, shapes_out):
 
     ins = ", ".join(render(k, s) for k, s in zip(kinds_in, shapes_in, strict=True))
     outs = ", ".join(render(k, s) for k, s in zip(kinds_out, shapes_out, strict=True))
-    return f"{ins} -> {outs}", ({"g": group} if group > 1 else {})
+    return f"{ins} -> {outs}", ({"g": group} if "(k g)" in heads_q else {})
 
 
 def _specs(plan_: _Plan, kinds, shapes):
@@ -462,8 +468,9 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
     kinds: the kind of each top-level argument ("q", "kv", "v" and "o" for values and outputs
     [.., Hv], "lse", "pair" for a bias (may be None), "arrays" for MaskArrays, "sinks" for
     [B, N] sink logits (may be None); decode's "lengths" [B], a paged cache's "pages" and
-    "vpages" [P, page_size, K, H | Hv] and "tables" [B, max_pages]); out_kinds: the same for
-    the results (dbias: "pair").
+    "vpages" [P, page_size, K, H | Hv] and "tables" [B, max_pages] (None for a contiguous
+    cache), a float8 cache's "scale" [K] (may be None)); out_kinds: the same for the results
+    (dbias: "pair").
     lead: leading vmapped dims on every operand (the batching rule's own recursion).
     """
     if jax.device_count() == 1 or _all_manual():
@@ -489,7 +496,7 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
             (kind != "pair" or x is None) and (kind != "arrays" or x.mask is None)
             for kind, x in zip(kinds, args)
         )
-        foldable &= "pages" not in kinds
+        foldable &= "pages" not in kinds and "scale" not in kinds_in
         foldable &= all(
             b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "o", "v", "lse")
         )
@@ -503,8 +510,8 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
             )
             out = partitioned(kernel, config, kinds, out_kinds, *a, lead=lead + 1)
         else:
-            # A bias or dense mask, a paged cache, or unbatched q/k/v: the kernels batch as
-            # pallas_calls do, unpartitioned.
+            # A bias or dense mask, a paged cache, float8 scales, or unbatched q/k/v: the
+            # kernels batch as pallas_calls do, unpartitioned.
             axes = jax.tree.map(lambda b: 0 if b else None, list(in_batched))
             out = jax.vmap(lambda *x: inner(*x, config=config), in_axes=axes)(*a)
         return out, jax.tree.map(lambda _: True, out)

@@ -364,7 +364,7 @@ def flash_backward_kernels(
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def with_reference_vjp(kernel, reference, *args):
     """kernel(*args), differentiated through reference(*args): for forward-only kernels (decode)
-    whose reference is cheap to differentiate. Integer arguments get no cotangent."""
+    whose reference is cheap to differentiate. Integer (and None) arguments get no cotangent."""
     return kernel(*args)
 
 
@@ -388,7 +388,8 @@ def _reference_bwd(kernel, reference, args, cotangents):
     _, vjp = jax.vjp(reference, *args)
     grads = vjp(cotangents)
     return tuple(
-        g if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else None for a, g in zip(args, grads)
+        g if a is not None and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact) else None
+        for a, g in zip(args, grads)
     )
 
 

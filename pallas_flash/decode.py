@@ -12,13 +12,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import _partition, api, dispatch
+from pallas_flash import _partition, api, dispatch, kv_cache
 from pallas_flash import device as device_lib
 from pallas_flash._numerics import merge_weights
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton import DecodeBlockSizes
+from pallas_flash.triton.cache import CacheFormat
 from pallas_flash.triton.decode import decode_block_sizes, decode_forward
 
 _SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
@@ -56,6 +57,9 @@ def decode_attention(
     block_sizes: DecodeBlockSizes | None = None,
     interpret: bool | None = None,
     dropout_rate: float = 0.0,
+    value_head_dim: int | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of a few new tokens per sequence over a KV cache (flash-decoding).
 
@@ -65,7 +69,7 @@ def decode_attention(
         query:       (B, T, N, H)
         key_cache:   (B, S, K, H)
         value_cache: (B, S, K, H)
-        out:         (B, T, N, H)  in query's dtype
+        out:         (B, T, N, Hv) in query's dtype (Hv = H, or value_head_dim)
 
     {shapes}
     N must be a multiple of K: query head n reads key/value head n // (N // K). The N // K
@@ -75,8 +79,9 @@ def decode_attention(
 
     Args:
       query, key_cache, value_cache: the arrays above; float16, bfloat16 or float32, all the
-        same; H a multiple of 8 up to 256. The new tokens' keys and values must already be in
-        the cache (at positions L - T .. L - 1).
+        same, or the caches float8_e4m3fn (with k_scale and v_scale); H a multiple of 8 up to
+        256. The new tokens' keys and values must already be in the cache (at positions
+        L - T .. L - 1). value_cache None: a shared latent cache (below).
       key_value_seq_lengths: int array (B,): L of each sequence, 0 <= L <= S (checked when
         concrete; under jit, clipped to [0, S]). Tokens at positions < 0 (L < T) see no key.
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
@@ -93,10 +98,21 @@ def decode_attention(
       interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
       dropout_rate: only 0: decoding has no attention dropout (NotImplementedError otherwise;
         `flash_attention` has it).
+      value_head_dim: with value_cache None, Hv: the values are the first Hv columns of
+        key_cache (multi-head latent attention's one latent cache, FlashMLA's head_dim_v: H =
+        576 = 512 + 64 rope columns, Hv = 512, K = 1); the kernel reads each cached row once
+        for both. Hv a multiple of 8 up to min(H, 512), H up to Hv + 256. Refused (ValueError)
+        with a value_cache.
+      k_scale, v_scale: for float8_e4m3fn caches (required there, refused otherwise): float32
+        scales per tensor (shape ()) or per KV head (shape (K,)); the keys are key_cache times
+        k_scale, the values value_cache times v_scale (a shared latent cache takes k_scale
+        only). The kernel converts float8 tiles to the query's dtype in registers and applies
+        the scales to the logits and the output (`write_to_pages` quantises). Checked finite
+        and > 0 when concrete.
 
     Returns:
       out, or (out, lse) when return_residuals. A token that sees no key (L = 0) outputs
-      zeros with lse = -inf. Differentiable in query, key_cache and value_cache: the kernel
+      zeros with lse = -inf. Differentiable in query, the caches and the scales: the kernel
       has no backward of its own, and gradients come from the reference (backend="xla").
 
     On a device mesh (under jit) the kernel runs on each device's shard: query and the cache
@@ -105,9 +121,11 @@ def decode_attention(
     the lengths follow the batch. docs/decoding.md, "On several GPUs".
     """
     _refuse_dropout(dropout_rate)
+    names = ("key_cache", "value_cache")
     query, key_cache, value_cache = _check_arrays(
-        query, key_cache, value_cache, ("key_cache", "value_cache")
+        query, key_cache, value_cache, names, value_head_dim
     )
+    cache = _check_cache(query, key_cache, value_cache, names, value_head_dim, k_scale, v_scale)
     batch, capacity = query.shape[0], key_cache.shape[1]
     lengths = _check_lengths(
         "key_value_seq_lengths", key_value_seq_lengths, batch, capacity, "key_cache.shape[1]"
@@ -122,8 +140,10 @@ def decode_attention(
         backend,
         block_sizes,
         interpret,
+        cache=cache,
+        fp8=kv_cache.is_fp8(key_cache.dtype),
     )
-    out, lse = _attend(options, _decode_reference, sinks, query, key_cache, value_cache, lengths)
+    out, lse = _attend(options, sinks, cache, query, key_cache, value_cache, lengths, None)
     return (out, lse) if return_residuals else out
 
 
@@ -143,6 +163,9 @@ def paged_attention(
     block_sizes: DecodeBlockSizes | None = None,
     interpret: bool | None = None,
     dropout_rate: float = 0.0,
+    value_head_dim: int | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """`decode_attention` over a paged KV cache (vLLM's layout).
 
@@ -155,7 +178,7 @@ def paged_attention(
         block_tables: (B, max_pages) int: sequence b's key j is in page
                       block_tables[b, j // page_size], row j % page_size
         lengths:      (B,) int: L of each sequence, 0 <= L <= max_pages * page_size
-        out:          (B, T, N, H)
+        out:          (B, T, N, Hv)
 
     {shapes}
     Pages can be in any order and shared between sequences; a sequence's last page may be
@@ -164,14 +187,17 @@ def paged_attention(
     anything. The page size (any size >= 1; powers of two 16-256 are the usual) is independent
     of the kernel's key tile. Write new keys and values with `write_to_pages`.
 
-    Args and returns as `decode_attention` (lengths is its key_value_seq_lengths). On a device
-    mesh the pool splits over its KV heads only (it is shared by the batch), the queries, tables
-    and lengths over the batch and heads as theirs.
+    Args and returns as `decode_attention` (lengths is its key_value_seq_lengths; value_pages
+    None with value_head_dim: a shared latent pool, as MLA's; float8_e4m3fn pages with k_scale
+    and v_scale). On a device mesh the pool splits over its KV heads only (it is shared by the
+    batch), the queries, tables and lengths over the batch and heads as theirs.
     """
     _refuse_dropout(dropout_rate)
+    names = ("key_pages", "value_pages")
     query, key_pages, value_pages = _check_arrays(
-        query, key_pages, value_pages, ("key_pages", "value_pages")
+        query, key_pages, value_pages, names, value_head_dim
     )
+    cache = _check_cache(query, key_pages, value_pages, names, value_head_dim, k_scale, v_scale)
     batch = query.shape[0]
     num_pages, page_size = key_pages.shape[:2]
     block_tables = _check_block_tables(block_tables, batch)
@@ -190,10 +216,10 @@ def paged_attention(
         backend,
         block_sizes,
         interpret,
+        cache=cache,
+        fp8=kv_cache.is_fp8(key_pages.dtype),
     )
-    out, lse = _attend(
-        options, _paged_reference, sinks, query, key_pages, value_pages, lengths, block_tables
-    )
+    out, lse = _attend(options, sinks, cache, query, key_pages, value_pages, lengths, block_tables)
     return (out, lse) if return_residuals else out
 
 
@@ -201,43 +227,79 @@ decode_attention.__doc__ = decode_attention.__doc__.format(shapes=_SHAPES_DOC)
 paged_attention.__doc__ = paged_attention.__doc__.format(shapes=_SHAPES_DOC)
 
 
-def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, *, counts=None):
+def write_to_pages(
+    key_pages,
+    value_pages,
+    block_tables,
+    key,
+    value,
+    positions,
+    *,
+    counts=None,
+    k_scale=None,
+    v_scale=None,
+):
     """Writes new keys and values into a paged cache (prefill, or each decode step's tokens).
 
     Token t of sequence b goes to position positions[b] + t of that sequence: page
     block_tables[b, (positions[b] + t) // page_size], row (positions[b] + t) % page_size.
 
     Args:
-      key_pages, value_pages: (P, page_size, K, H), as `paged_attention` takes them.
+      key_pages, value_pages: (P, page_size, K, H), as `paged_attention` takes them;
+        value_pages None (and value None) for a shared latent cache (`paged_attention`'s
+        value_head_dim: the values are the keys' first columns).
       block_tables: (B, max_pages) int.
-      key, value: (B, T, K, H) in the pages' dtype.
+      key, value: (B, T, K, H) in the pages' dtype; for float8_e4m3fn pages, float16,
+        bfloat16 or float32, quantised with the scales.
       positions: int (B,): where each sequence's first new token goes (its length so far).
       counts: int (B,) or None: only the first counts[b] tokens of sequence b are written
         (ragged prompts padded to T); None writes all T.
+      k_scale, v_scale: for float8_e4m3fn pages (required there, refused otherwise): float32
+        of shape () or (K,), as `paged_attention` takes them (a shared latent cache takes
+        k_scale only). The pages get x / scale rounded to the nearest e4m3 value (ties to
+        even) and saturated to +-448, e4m3's largest finite value (NaN stays NaN): a value
+        beyond 448 times its scale is clipped, not turned into NaN.
 
     Returns:
-      (key_pages, value_pages) updated. Under jit with the pages donated
-      (`jax.jit(..., donate_argnums=...)`) XLA updates them in place.
+      (key_pages, value_pages) updated (value_pages None for a shared latent cache). Under jit
+      with the pages donated (`jax.jit(..., donate_argnums=...)`) XLA updates them in place.
     """
-    for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
+    shared = value_pages is None
+    if shared and value is not None:
+        raise ValueError(
+            "value_pages=None (a shared latent cache) takes value=None: the values are the "
+            "keys' first columns"
+        )
+    pools = [("key_pages", key_pages)] + ([] if shared else [("value_pages", value_pages)])
+    for name, x in pools:
         if getattr(x, "ndim", None) != 4:
             raise ValueError(f"{name} must be (P, page_size, K, H), got {_shape(x)}")
-    if key_pages.shape != value_pages.shape:
+    if not shared and key_pages.shape != value_pages.shape:
         raise ValueError(
             f"key_pages.shape={key_pages.shape} and value_pages.shape={value_pages.shape} "
             "must be equal"
         )
     num_pages, page_size, num_kv_heads, head_dim = key_pages.shape
-    for name, x, pages in (("key", key, key_pages), ("value", value, value_pages)):
+    news = [("key", key, key_pages)] + ([] if shared else [("value", value, value_pages)])
+    for name, x, pages in news:
         if getattr(x, "ndim", None) != 4 or x.shape[2:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must be (B, T, {num_kv_heads}, {head_dim}) to match the pages, "
                 f"got {_shape(x)}"
             )
-        if x.dtype != pages.dtype:
+        if kv_cache.is_fp8(pages.dtype):
+            if not any(x.dtype == d for d in api._FLOAT_DTYPES):
+                raise TypeError(
+                    f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32: it is "
+                    f"quantised into the {pages.dtype} pages"
+                )
+        elif x.dtype != pages.dtype:
             raise TypeError(f"{name}.dtype={x.dtype} must be the pages' dtype {pages.dtype}")
-    if key.shape != value.shape:
+    if not shared and key.shape != value.shape:
         raise ValueError(f"key.shape={key.shape} and value.shape={value.shape} must be equal")
+    k_scale, v_scale = kv_cache.check_scales(
+        k_scale, v_scale, key_pages, num_kv_heads, "key_pages", shared=shared
+    )
     batch, q_len = key.shape[:2]
     block_tables = _check_block_tables(block_tables, batch)
     positions = _check_int_vector("positions", positions, batch)
@@ -251,17 +313,29 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
     # Tokens not written go to an index past the pool, which mode="drop" discards.
     page = jnp.where(valid, page, num_pages)
     row = pos % page_size
+    key = kv_cache.quantized(key, k_scale, key_pages.dtype)
     key_pages = key_pages.at[page, row].set(key, mode="drop")
+    if shared:
+        return key_pages, None
+    value = kv_cache.quantized(value, v_scale, value_pages.dtype)
     value_pages = value_pages.at[page, row].set(value, mode="drop")
     return key_pages, value_pages
 
 
-def _attend(options, reference_fn, sinks, *args):
+def _attend(options, sinks, cache: kv_cache.CacheArgs, q, k, v, lengths, block_tables):
     """(out, lse) of one decode call: the reference on the "xla" backend, else the kernel
     differentiated through the reference; then the sinks. With sinks both also return the keys'
-    log_sum, from which a sink's share is exact where lse rounds it away."""
+    log_sum, from which a sink's share is exact where lse rounds it away. A shared latent
+    cache (v None) is passed as its own value cache (one array twice: no copy), which the
+    kernel does not read and the reference slices."""
     with_log_sum = sinks is not None
-    reference = functools.partial(reference_fn, **options.math, with_log_sum=with_log_sum)
+    args = (q, k, k if v is None else v, lengths, block_tables, cache.k_scale, cache.v_scale)
+    reference = functools.partial(
+        _reference,
+        **options.math,
+        value_head_dim=cache.value_head_dim,
+        with_log_sum=with_log_sum,
+    )
     if options.backend == "xla":
         out, lse, *log_sum = reference(*args)
     else:
@@ -287,16 +361,21 @@ class _KernelConfig:
     with_log_sum: bool
     # The output's dtype (None: the queries'): float32 for partial results merged again.
     out_dtype: str | None = None
+    # A shared latent cache's value columns (its value operand is its key operand, unread).
+    value_head_dim: int | None = None
 
 
 def _partitioned_kernel(*args, config: _KernelConfig):
-    """The kernel on (q, k, v, lengths) or (q, k_pages, v_pages, lengths, block_tables), split
-    over a device mesh's batch and head axes as `flash_attention`'s passes are
-    (`_partition.partitioned`): each device reads its own sequences' and heads' caches, with
-    no collective. A paged cache's pool is shared by the batch: it is split over heads only. A
-    contiguous cache may also be split over its sequence (`_KernelShard.over_context`)."""
-    paged = len(args) == 5
-    kinds = ("q", "pages", "vpages", "lengths", "tables") if paged else ("q", "kv", "v", "lengths")
+    """The kernel on (q, k, v, lengths, block_tables, k_scale, v_scale) (a contiguous cache's
+    block_tables None, an unscaled cache's scales None), split over a device mesh's batch and
+    head axes as `flash_attention`'s passes are (`_partition.partitioned`): each device reads
+    its own sequences' and heads' caches, with no collective. A paged cache's pool is shared by
+    the batch: it is split over heads only. A contiguous cache may also be split over its
+    sequence (`_KernelShard.over_context`). The scales split with the KV heads."""
+    paged = args[4] is not None
+    shared = config.value_head_dim is not None  # v is k: sharded as k
+    kv, v_kind = ("pages", "vpages") if paged else ("kv", "v")
+    kinds = ("q", kv, kv if shared else v_kind, "lengths", "tables", "scale", "scale")
     out_kinds = ("o", "lse", "lse") if config.with_log_sum else ("o", "lse")
     return tuple(_partition.partitioned(_KERNEL_SHARD, config, kinds, out_kinds, *args))
 
@@ -304,13 +383,33 @@ def _partitioned_kernel(*args, config: _KernelConfig):
 class _KernelShard:
     """The kernel as one device runs it (`_partition`'s shard function calls it)."""
 
-    def __call__(self, q, k, v, lengths, block_tables=None, ahead=None, *, config: _KernelConfig):
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        lengths,
+        block_tables=None,
+        k_scale=None,
+        v_scale=None,
+        ahead=None,
+        *,
+        config: _KernelConfig,
+    ):
         """The kernel on one device's operands (all of them on one device); ahead: as
         `decode_forward`'s (`over_context`)."""
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        if config.value_head_dim is not None:
+            v = None  # the keys' first columns
         if config.block_sizes is None:
             paged = block_tables is not None
             page_size = k.shape[1] if paged else None
+            fmt = CacheFormat(
+                q.shape[-1],
+                config.value_head_dim or v.shape[-1],
+                shared=v is None,
+                scaled=k_scale is not None,
+            )
             fields["block_sizes"] = decode_block_sizes(
                 q.shape,
                 k.shape[2],
@@ -320,8 +419,12 @@ class _KernelShard:
                 page_size=page_size,
                 window_left=config.window_left,
                 num_sms=config.num_sms,
+                fmt=fmt,
+                cache_dtype=k.dtype,
             )
-        return _decode_forward(q, k, v, lengths, block_tables, ahead=ahead, **fields)
+        return _decode_forward(
+            q, k, v, lengths, block_tables, ahead=ahead, k_scale=k_scale, v_scale=v_scale, **fields
+        )
 
     @staticmethod
     def over_context(call, args, config: _KernelConfig, axes):
@@ -333,14 +436,14 @@ class _KernelShard:
         before it, and within its window); the parts merge by their denominators
         (`_numerics.merge_weights`: all-gathered lse and log_sum, [B, N, T] each, and a sum
         of the weighted outputs)."""
-        q, k, v, lengths = args
+        q, k, v, lengths, _, k_scale, v_scale = args
         slots, index = k.shape[1], jax.lax.axis_index(axes)
         # Lengths past the whole cache's capacity clip to it, as on one device.
         lengths = jnp.clip(lengths, 0, slots * jax.lax.psum(1, axes))
         behind = lengths - index * slots  # each sequence's keys from this device's first slot
         held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
         full = dataclasses.replace(config, with_log_sum=True, out_dtype="float32")
-        out, lse, log_sum = call((q, k, v, held, None, ahead), full)
+        out, lse, log_sum = call((q, k, v, held, None, k_scale, v_scale, ahead), full)
         parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
         weight = jnp.take(weights, index, axis=0)  # [B, N, T]
@@ -412,15 +515,54 @@ def paged_reference(
     )
 
 
+def reference(
+    q,
+    k,
+    v,
+    lengths,
+    block_tables,
+    k_scale,
+    v_scale,
+    *,
+    scale,
+    soft_cap,
+    window_left,
+    value_head_dim=None,
+    with_log_sum=False,
+):
+    """(out, lse[, log_sum]) of a decode call on its kernel's operands (`_partitioned_kernel`'s:
+    block_tables None for a contiguous cache, scales None unless float8), by dequantising the
+    cache first (`kv_cache.dequantized`: in the queries' dtype), taking a shared latent cache's
+    values from its keys (value_head_dim), and `decode_reference` or `paged_reference`."""
+    k = kv_cache.dequantized(k, k_scale, q.dtype)
+    if value_head_dim is None:
+        v = kv_cache.dequantized(v, v_scale, q.dtype)
+    else:
+        v = k[..., :value_head_dim]
+    math_kwargs = dict(
+        scale=scale, soft_cap=soft_cap, window_left=window_left, with_log_sum=with_log_sum
+    )
+    if block_tables is None:
+        return decode_reference(q, k, v, lengths, **math_kwargs)
+    return paged_reference(q, k, v, lengths, block_tables, **math_kwargs)
+
+
 # Each path is one jit'd function of its static options: eager calls (a Python generation loop)
 # compile the kernel once, not at every call.
 _MATH = ("scale", "soft_cap", "window_left")
 _decode_forward = jax.jit(
     decode_forward,
-    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "with_log_sum", "out_dtype"),
+    static_argnames=(
+        *_MATH,
+        "block_sizes",
+        "interpret",
+        "num_sms",
+        "with_log_sum",
+        "out_dtype",
+        "value_head_dim",
+    ),
 )
-_decode_reference = jax.jit(decode_reference, static_argnames=(*_MATH, "with_log_sum"))
-_paged_reference = jax.jit(paged_reference, static_argnames=(*_MATH, "with_log_sum"))
+_reference = jax.jit(reference, static_argnames=(*_MATH, "value_head_dim", "with_log_sum"))
 
 
 # -- validation -----------------------------------------------------------------------------------
@@ -443,6 +585,9 @@ class _Options:
         backend,
         block_sizes,
         interpret,
+        *,
+        cache: kv_cache.CacheArgs,
+        fp8: bool,
     ):
         api._check_options(scale, False, return_residuals, backend, None, interpret)
         if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
@@ -456,8 +601,11 @@ class _Options:
                 "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
             )
         device = None if interpret or backend == "xla" else device_lib.target_device()
+        requested = backend
         backend = dispatch.kernel_backend(backend, device, interpret)
         backend = "triton" if backend == "auto" else backend
+        if fp8:
+            backend = dispatch.float8_cache_backend(backend, requested, device)
         if block_sizes is not None and backend == "xla":
             raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
         head_dim = query.shape[-1]
@@ -472,7 +620,11 @@ class _Options:
         # chosen for the shapes each device runs (`_KernelShard`).
         num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
         kernel_kwargs = dict(
-            math_kwargs, block_sizes=block_sizes, interpret=interpret, num_sms=num_sms
+            math_kwargs,
+            block_sizes=block_sizes,
+            interpret=interpret,
+            num_sms=num_sms,
+            value_head_dim=cache.value_head_dim,
         )
         return cls(backend, math_kwargs, kernel_kwargs)
 
@@ -481,23 +633,32 @@ def _shape(x):
     return getattr(x, "shape", type(x).__name__)
 
 
-def _check_arrays(query, key, value, names):
-    """Checks the query and the cache (contiguous [B, S, K, H] or pages [P, ps, K, H])."""
+def _check_arrays(query, key, value, names, value_head_dim=None):
+    """Checks the query and the cache (contiguous [B, S, K, H] or pages [P, ps, K, H]; value
+    None: a shared latent cache, whose head dims `_check_cache` checks)."""
     k_name, v_name = names
-    arrays = {"query": query, k_name: key, v_name: value}
+    arrays = {"query": query, k_name: key}
+    if value is not None:
+        arrays[v_name] = value
     for name, x in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4, got {name}.shape={x.shape}")
-        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
-    if not (query.dtype == key.dtype == value.dtype):
+        fp8 = name != "query" and kv_cache.is_fp8(x.dtype)
+        if not fp8 and not any(x.dtype == d for d in api._FLOAT_DTYPES):
+            also = "" if name == "query" else " (or float8_e4m3fn, with scales)"
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32{also}")
+    caches = [key] if value is None else [key, value]
+    if not (
+        all(c.dtype == query.dtype for c in caches) or all(kv_cache.is_fp8(c.dtype) for c in caches)
+    ):
+        got = ", ".join(f"{name}.dtype={x.dtype}" for name, x in arrays.items())
         raise TypeError(
-            f"query, {k_name} and {v_name} must share a dtype; got query.dtype={query.dtype}, "
-            f"{k_name}.dtype={key.dtype}, {v_name}.dtype={value.dtype}"
+            f"query, {k_name} and {v_name} must share a dtype (or the caches both be "
+            f"float8_e4m3fn); got {got}"
         )
-    if key.shape != value.shape:
+    if value is not None and key.shape != value.shape:
         raise ValueError(
             f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"
         )
@@ -522,12 +683,23 @@ def _check_arrays(query, key, value, names):
             f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
             f"({k_name}.shape={key.shape})"
         )
-    if h % 8 or h > api.MAX_HEAD_DIM:
+    if value is not None and (h % 8 or h > api.MAX_HEAD_DIM):
         raise ValueError(
             f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
             f"{api.MAX_HEAD_DIM}"
         )
     return query, key, value
+
+
+def _check_cache(query, key, value, names, value_head_dim, k_scale, v_scale):
+    """The cache's format (`kv_cache`): a shared latent cache's value_head_dim, a float8
+    cache's scales."""
+    k_name, v_name = names
+    hv = kv_cache.check_value_head_dim(value_head_dim, key, value, k_name, v_name)
+    k_scale, v_scale = kv_cache.check_scales(
+        k_scale, v_scale, key, key.shape[2], k_name, shared=hv is not None
+    )
+    return kv_cache.CacheArgs(hv, k_scale, v_scale)
 
 
 def _check_int_vector(name, x, batch):

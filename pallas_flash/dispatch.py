@@ -121,6 +121,21 @@ def kernel_backend(backend: str | None, device: Device | None, interpret: bool |
     return backend
 
 
+def float8_cache_backend(backend: str, requested: str | None, device: Device | None) -> str:
+    """`backend` (`kernel_backend`'s choice) for a decode call over a float8 cache: the Triton
+    kernel converts float8 tiles with instructions of compute capability 8.9 and later, so on
+    an older GPU a call that named no backend runs "xla", and one that named "triton" raises
+    ValueError. The interpreter (device None) converts anywhere."""
+    if backend == "xla" or device is None or device.compute_capability >= (8, 9):
+        return backend
+    if requested is None:
+        return "xla"
+    raise ValueError(
+        f"backend={requested!r}: the kernel reads float8_e4m3fn caches on GPUs of compute "
+        f"capability >= 8.9 (found {device.compute_capability}); use backend='xla' or None"
+    )
+
+
 def choose(
     call: Call,
     device: Device | None,

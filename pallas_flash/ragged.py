@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api, dispatch
+from pallas_flash import api, dispatch, kv_cache
 from pallas_flash import device as device_lib
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
+from pallas_flash.triton.cache import CacheFormat
 from pallas_flash.triton.ragged import ragged_block_sizes, ragged_forward
 from pallas_flash.triton.tiles import RaggedBlockSizes
 
@@ -35,6 +36,9 @@ def ragged_paged_attention(
     backend: str | None = None,
     block_sizes: RaggedBlockSizes | None = None,
     interpret: bool | None = None,
+    value_head_dim: int | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
     """Attention of the new tokens of many sequences over one paged KV cache, in one call.
 
@@ -70,8 +74,9 @@ def ragged_paged_attention(
     past L_b (stale values or NaN there never reach a row).
 
     Args:
-      q, k_pages, v_pages: the arrays above; float16, bfloat16 or float32, all the same; H and
-        Hv multiples of 8 up to 256.
+      q, k_pages, v_pages: the arrays above; float16, bfloat16 or float32, all the same, or
+        the pages float8_e4m3fn (with k_scale and v_scale); H and Hv multiples of 8 up to 256.
+        v_pages None: a shared latent cache (value_head_dim).
       block_tables, query_start_loc, kv_lengths: integer arrays as above. Checked when
         concrete (ValueError): query_start_loc[0] == 0, non-decreasing, query_start_loc[B] <=
         T; 0 <= kv_lengths[b] <= max_pages * page_size and kv_lengths[b] >= q_len_b; the
@@ -93,13 +98,24 @@ def ragged_paged_attention(
         None (Triton on such a GPU or with interpret=True, else "xla").
       block_sizes: the kernel's tiles (`RaggedBlockSizes`); None picks them.
       interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
+      value_head_dim: with v_pages None, Hv: the values are the first Hv columns of k_pages
+        (multi-head latent attention's one latent cache, as in `paged_attention`: H = 576,
+        Hv = 512, K = 1), read once for both; refused with v_pages.
+      k_scale, v_scale: for float8_e4m3fn pages (required there, refused otherwise): float32
+        of shape () or (K,), as in `paged_attention`.
 
     Returns:
-      out, or (out, lse) when return_residuals. Differentiable in q, k_pages, v_pages and
+      out, or (out, lse) when return_residuals. Differentiable in q, the pages, the scales and
       sinks: the kernel has no backward of its own, and gradients come from the reference
       (backend="xla").
     """
     q, k_pages, v_pages = _check_arrays(q, k_pages, v_pages)
+    value_head_dim = kv_cache.check_value_head_dim(
+        value_head_dim, k_pages, v_pages, "k_pages", "v_pages"
+    )
+    k_scale, v_scale = kv_cache.check_scales(
+        k_scale, v_scale, k_pages, k_pages.shape[2], "k_pages", shared=v_pages is None
+    )
     num_tokens, num_heads = q.shape[:2]
     num_pages, page_size = k_pages.shape[:2]
     block_tables = _check_int_array("block_tables", block_tables, 2)
@@ -125,8 +141,11 @@ def ragged_paged_attention(
             "backend='triton' or None"
         )
     device = None if interpret or backend == "xla" else device_lib.target_device()
+    requested = backend
     backend = dispatch.kernel_backend(backend, device, interpret)
     backend = "triton" if backend == "auto" else backend
+    if kv_cache.is_fp8(k_pages.dtype):
+        backend = dispatch.float8_cache_backend(backend, requested, device)
     if block_sizes is not None and backend == "xla":
         raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
     window = api._canonical_window(local_window_size)
@@ -139,10 +158,9 @@ def ragged_paged_attention(
     starts = jnp.clip(query_start_loc, 0, num_tokens)
     starts = jax.lax.cummax(starts, axis=0)
     lengths = jnp.clip(kv_lengths, 0, capacity)
-    args = [q, k_pages, v_pages, block_tables, starts, lengths]
-    if sinks is not None:
-        args.append(jnp.asarray(sinks, jnp.float32))
-    reference = functools.partial(_ragged_reference, **math_kwargs)
+    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    args = [q, k_pages, v_pages, block_tables, starts, lengths, sinks, k_scale, v_scale]
+    reference = functools.partial(_ragged_reference, **math_kwargs, value_head_dim=value_head_dim)
     if backend == "xla":
         out, lse = reference(*args)
     else:
@@ -158,6 +176,13 @@ def ragged_paged_attention(
                 page_size=page_size,
                 window_left=math_kwargs["window_left"],
                 num_sms=num_sms,
+                fmt=CacheFormat(
+                    q.shape[-1],
+                    value_head_dim or v_pages.shape[-1],
+                    shared=v_pages is None,
+                    scaled=k_scale is not None,
+                ),
+                cache_dtype=k_pages.dtype,
             )
         kernel = functools.partial(
             _ragged_forward,
@@ -165,6 +190,7 @@ def ragged_paged_attention(
             block_sizes=block_sizes,
             interpret=bool(interpret),
             num_sms=num_sms,
+            value_head_dim=value_head_dim,
         )
         out, lse = with_reference_vjp(kernel, reference, *args)
     return (out, lse) if return_residuals else out
@@ -184,16 +210,25 @@ def ragged_reference(
     starts,
     lengths,
     sinks=None,
+    k_scale=None,
+    v_scale=None,
     *,
     scale,
     soft_cap,
     window_left,
+    value_head_dim=None,
 ):
     """(out [T, N, Hv], lse [N, T]) of `ragged_paged_attention` in plain jnp, on the safe
     values the API makes (starts [B + 1] non-decreasing in [0, T], lengths [B] in [0,
     capacity]): each token row gathers its sequence's pages into a contiguous cache and
     attends over it (`reference_attention`, one token per batch entry), in chunks of rows
-    that bound the gathered keys."""
+    that bound the gathered keys. float8 pages are dequantised first (in q's dtype); a shared
+    latent cache's values (v_pages None, value_head_dim) are its keys' first columns."""
+    k_pages = kv_cache.dequantized(k_pages, k_scale, q.dtype)
+    if v_pages is None:
+        v_pages = k_pages[..., :value_head_dim]
+    else:
+        v_pages = kv_cache.dequantized(v_pages, v_scale, q.dtype)
     num_tokens, num_heads, _ = q.shape
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     value_head_dim = v_pages.shape[-1]
@@ -249,9 +284,10 @@ def ragged_reference(
 # The paths are jit'd functions of their static options: eager calls (a Python serving loop)
 # compile once.
 _MATH = ("scale", "soft_cap", "window_left")
-_ragged_reference = jax.jit(ragged_reference, static_argnames=_MATH)
+_ragged_reference = jax.jit(ragged_reference, static_argnames=(*_MATH, "value_head_dim"))
 _ragged_forward = jax.jit(
-    ragged_forward, static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms")
+    ragged_forward,
+    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "value_head_dim"),
 )
 
 
@@ -263,20 +299,28 @@ def _shape(x):
 
 
 def _check_arrays(q, k_pages, v_pages):
-    arrays = {"q": (q, 3), "k_pages": (k_pages, 4), "v_pages": (v_pages, 4)}
+    """Checks q and the pages (v_pages None: a shared latent cache, whose head dims
+    `kv_cache.check_value_head_dim` checks)."""
+    arrays = {"q": (q, 3), "k_pages": (k_pages, 4)}
+    if v_pages is not None:
+        arrays["v_pages"] = (v_pages, 4)
     for name, (x, rank) in arrays.items():
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != rank:
             raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
-        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
+        fp8 = name != "q" and kv_cache.is_fp8(x.dtype)
+        if not fp8 and not any(x.dtype == d for d in api._FLOAT_DTYPES):
+            also = "" if name == "q" else " (or float8_e4m3fn, with scales)"
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32{also}")
+    pages = [k_pages] if v_pages is None else [k_pages, v_pages]
+    if not (all(x.dtype == q.dtype for x in pages) or all(kv_cache.is_fp8(x.dtype) for x in pages)):
+        got = ", ".join(f"{name}.dtype={x.dtype}" for name, (x, _) in arrays.items())
         raise TypeError(
-            f"q, k_pages and v_pages must share a dtype; got q.dtype={q.dtype}, "
-            f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}"
+            f"q, k_pages and v_pages must share a dtype (or the pages both be float8_e4m3fn); "
+            f"got {got}"
         )
-    if k_pages.shape[:3] != v_pages.shape[:3]:
+    if v_pages is not None and k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(
             f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must agree in "
             "(P, page_size, K)"
@@ -297,7 +341,7 @@ def _check_arrays(q, k_pages, v_pages):
             f"num_heads={num_heads} (q.shape={q.shape}) must be divisible by "
             f"num_kv_heads={num_kv_heads} (k_pages.shape={k_pages.shape})"
         )
-    for name, x in (("q", q), ("v_pages", v_pages)):
+    for name, x in () if v_pages is None else (("q", q), ("v_pages", v_pages)):
         dim = x.shape[-1]
         if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
             raise ValueError(

@@ -736,6 +736,45 @@ if CHILD:
         want = jax.vmap(ref_contiguous, in_axes=(0, 0, 0, None))(q, k, v, lengths)
         _assert_close(sharded(q, k, v, lengths), want, atol=1e-5)
 
+    def test_float8_and_latent_decode_sharding_runs_locally():
+        """paged_attention over float8_e4m3fn pages with per-head scales sharded over the heads
+        (each device's scales with its KV heads), and decode_attention over a shared latent
+        cache (values its keys' first 8 columns; one KV head, whose query heads Shardy sees as
+        one factor) sharded over the batch: no collective, the reference's results."""
+        q, k, v, lengths, k_pages, v_pages, tables = _decode_problem()
+        scales = jnp.asarray([0.05, 0.1, 0.2, 0.4], jnp.float32)
+        k8 = (k_pages / scales[:, None]).astype(jnp.float8_e4m3fn)
+        v8 = (v_pages / scales[::-1, None]).astype(jnp.float8_e4m3fn)
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        heads = NamedSharding(mesh, P("data", None, "model", None))
+        pool = NamedSharding(mesh, P(None, None, "model", None))
+        per_head = NamedSharding(mesh, P("model"))
+
+        def paged(q, k, v, tables, lengths, k_scale, v_scale, **kw):
+            return pallas_flash.paged_attention(
+                q, k, v, tables, lengths, k_scale=k_scale, v_scale=v_scale, **kw
+            )
+
+        args = (q, k8, v8, tables, lengths, scales, scales[::-1])
+        shardings = (heads, pool, pool, NamedSharding(mesh, P("data", None)))
+        shardings += (NamedSharding(mesh, P("data")), per_head, per_head)
+        sharded = jax.jit(functools.partial(paged, **INTERPRET), in_shardings=shardings)
+        assert not _collectives(sharded.lower(*args).compile().as_text())
+        want = jax.jit(functools.partial(paged, backend="xla"))(*args)
+        _assert_close(sharded(*args), want, atol=1e-5)
+
+        def latent(q, cache, lengths, **kw):
+            return pallas_flash.decode_attention(
+                q, cache, None, key_value_seq_lengths=lengths, value_head_dim=8, **kw
+            )
+
+        cache = jnp.nan_to_num(k[:, :, :1])  # [4, 40, 1, 16]
+        batch = NamedSharding(mesh, P("data"))
+        sharded = jax.jit(functools.partial(latent, **INTERPRET), in_shardings=(batch,) * 3)
+        assert not _collectives(sharded.lower(q, cache, lengths).compile().as_text())
+        want = jax.jit(functools.partial(latent, backend="xla"))(q, cache, lengths)
+        _assert_close(sharded(q, cache, lengths), want, atol=1e-5)
+
     def test_decode_on_explicit_axes():
         """The same calls on arrays placed on a mesh of Explicit axes (sharding in types)."""
         q, k, v, lengths, k_pages, v_pages, tables = _decode_problem()

@@ -153,7 +153,7 @@ def softmax_init(rows: int, hp: int):
     )
 
 
-def softmax_step(carry, u, v, unit: float, visible=None, keep=None):
+def softmax_step(carry, u, v, unit: float, visible=None, keep=None, hidden_values=True):
     """One KV tile of the online softmax: m_i is the running max of u (the logits in the units
     of `scores`), l_i the running sum of p, acc the unnormalised output (normalised once in
     `softmax_store`, FA2 change 1). unit: `logit_unit`, the natural-log logit of one unit of u.
@@ -165,12 +165,16 @@ def softmax_step(carry, u, v, unit: float, visible=None, keep=None):
 
     keep: None, or the dropout keep-mask of the tile: dropped p leave p.v but stay in l_i (the
     softmax's sum), whose 1 / (1 - rate) `softmax_store` applies.
+
+    hidden_values: False where no hidden key of a boundary tile holds a value (they all read
+    as zero: keys past a sequence's length, masked at the load), so V needs no zeroing.
     """
     acc, m_i, l_i = carry
     unit2 = unit * LOG2E  # exp2((u - m) * unit2) == exp(logit - max logit)
     if visible is not None:
         u = jnp.where(visible, u, -jnp.inf)
-        v = finite_or_zero(v)
+        if hidden_values:
+            v = finite_or_zero(v)
     m_new = jnp.maximum(m_i, jnp.max(u, axis=1))
     alpha = jnp.exp2((m_i - m_new) * unit2)
     p = jnp.exp2((u - m_new[:, None]) * unit2)

@@ -21,20 +21,29 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, MIN_LOGIT, log_sum_with_sinks
-from pallas_flash._pallas_triton import CompilerParams, fold, load_rows
+from pallas_flash._pallas_triton import CompilerParams, fold
 from pallas_flash.call import Call
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
 from pallas_flash.triton._common import (
     dot,
-    logit_unit,
     merge_splits,
     scores,
     softmax_init,
     softmax_step,
     softmax_store,
     visit_tiles,
+)
+from pallas_flash.triton.cache import (
+    CacheFormat,
+    Piece,
+    load_piece_gathered,
+    load_piece_rows,
+    logit_scale_and_unit,
+    pack_queries,
+    read_tiles,
+    scales_of,
 )
 from pallas_flash.triton.tiles import (
     DecodeBlockSizes,
@@ -49,12 +58,11 @@ def _decode_kernel(
     lengths_ref,
     q_ref,
     k_ref,
-    v_ref,
     *refs,
     scale: float,
     soft_cap,
     window_left: int | None,
-    head_dim: int,
+    fmt: CacheFormat,
     q_len: int,
     group: int,
     block_m: int,
@@ -66,22 +74,27 @@ def _decode_kernel(
     """One row tile of one (KV head, work item): stream the item's key tiles of its sequence
     with an online softmax.
 
-    lengths_ref: [B] keys of each sequence (the new tokens included); q_ref: [B, block_m, Hp]
-    packed rows r = t * group + g (new token t, query head g of the group); o_ref: [block_m,
-    Hp] and lse_ref: [block_m], the item's (partial, when split) result, and with
-    `with_log_sum` a log_sum_ref [block_m] (`softmax_store`: what the merge weighs the items
-    by, exact where lse rounds a row's denominator away). Contiguous cache:
-    k_ref, v_ref [B, S, Hp]. Paged (page_size given): k_ref, v_ref [num_pages * page_size, Hp],
-    the pages of this KV head end to end, and a table_ref [B * max_pages] (the block table,
-    flat) before the outputs: key j of sequence b is row table[b * max_pages + j // page_size]
-    * page_size + j % page_size. Which sequence and which of its tiles the item reads comes
-    from `schedule` (the batch is not in the grid, so that a balanced schedule can give a
-    sequence as many items as its length needs); where `schedule.planned`, from a runs_ref
-    (`Schedule.plan_runs`'s table) after the block table.
+    lengths_ref: [B] keys of each sequence (the new tokens included); q_ref: [B, block_m, Cq]
+    packed rows r = t * group + g (new token t, query head g of the group), their columns as
+    `fmt.query_pieces`; o_ref: [block_m, Hvp] and lse_ref: [block_m], the item's (partial,
+    when split) result, and with `with_log_sum` a log_sum_ref [block_m] (`softmax_store`: what
+    the merge weighs the items by, exact where lse rounds a row's denominator away).
+    Contiguous cache: k_ref [B, S, Ck] and v_ref [B, S, Hvp]. Paged (page_size given): k_ref
+    [num_pages * page_size, Ck] and v_ref [num_pages * page_size, Hvp], the pages of this KV
+    head end to end, and a table_ref [B * max_pages] (the block table, flat) before the
+    outputs: key j of sequence b is row table[b * max_pages + j // page_size] * page_size + j
+    % page_size. A shared cache (`fmt.shared`) has no v_ref: the values are the keys' first
+    columns. Which sequence and which of its tiles the item reads comes from `schedule` (the
+    batch is not in the grid, so that a balanced schedule can give a sequence as many items as
+    its length needs); where `schedule.planned`, from a runs_ref (`Schedule.plan_runs`'s
+    table) after the block table. Where `fmt.scaled`, k_scale_ref and v_scale_ref [K] float32
+    come last before the outputs.
     """
     refs = list(refs)
+    v_ref = None if fmt.shared else refs.pop(0)
     table_ref = refs.pop(0) if page_size is not None else None
     runs_ref = refs.pop(0) if schedule.planned else None
+    k_scale_ref, v_scale_ref = (refs.pop(0), refs.pop(0)) if fmt.scaled else (None, None)
     log_sum_ref = refs.pop() if with_log_sum else None
     o_ref, lse_ref = refs
     num_rows = q_len * group
@@ -90,9 +103,12 @@ def _decode_kernel(
 
     ahead = schedule.ahead_of(lengths_ref, batch)
     m_rows = num_rows - m_start  # rows of this tile that exist
-    q = load_rows(
-        q_ref, 0, block_m, m_rows, head_dim, ragged=num_rows % block_m != 0, lead=(batch,)
-    )
+    qs = [
+        load_piece_rows(
+            q_ref, 0, block_m, m_rows, piece, ragged=num_rows % block_m != 0, lead=(batch,)
+        )
+        for piece in fmt.query_pieces
+    ]
     # New token t of a sequence of `length` keys sits at position length - q_len + t (the new
     # tokens are the cache's last keys), or with `ahead` that many positions further (a
     # holder of a sequence's earlier keys: `Schedule.ahead`); rows past the packed rows take
@@ -101,35 +117,46 @@ def _decode_kernel(
     end = length if ahead is None else length + ahead
     q_pos = end - q_len + jnp.minimum(jax.lax.div(rows, group), q_len - 1)
 
-    def load_kv(ref, kv_start, masked: bool):
+    def load_kv(kv_start, masked: bool):
         if page_size is None:
-            return load_rows(
-                ref, kv_start, block_kv, length, head_dim, ragged=masked, lead=(batch,)
-            )
-        max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads too
-        table_start = batch * max_pages
-        return _load_paged(
-            ref,
-            table_ref,
-            table_start,
-            kv_start,
-            length,
-            head_dim,
-            block_kv,
-            page_size,
-            masked=masked,
-        )
 
-    unit = logit_unit(scale, False, soft_cap)
+            def load(ref, piece):
+                return load_piece_rows(
+                    ref, kv_start, block_kv, length, piece, ragged=masked, lead=(batch,)
+                )
+
+        else:
+            max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads
+            table_start = batch * max_pages
+
+            def load(ref, piece):
+                return _load_paged(
+                    ref,
+                    table_ref,
+                    table_start,
+                    kv_start,
+                    length,
+                    piece,
+                    block_kv,
+                    page_size,
+                    masked=masked,
+                )
+
+        return read_tiles(fmt, load, k_ref, v_ref, qs[0].dtype)
+
+    k_scale, v_scale = scales_of(fmt, k_scale_ref, v_scale_ref, pl.program_id(1))
+    logit_scale, unit = logit_scale_and_unit(scale, soft_cap, k_scale)
 
     def body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         # Keys past the sequence's length read as zero in the masked tiles: whatever the
         # cache holds there (stale values, NaN) never reaches a product.
-        k = load_kv(k_ref, kv_start, masked)
-        v = load_kv(v_ref, kv_start, masked)
+        ks, v = load_kv(kv_start, masked)
         # -- compute the logits (in the units of `scores`, see there) --
-        u, _ = scores(dot(q, k, trans_b=True), scale, None, soft_cap)
+        qk = dot(qs[0], ks[0], trans_b=True)
+        for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
+            qk = qk + dot(q_piece, k_piece, trans_b=True)
+        u, _ = scores(qk, logit_scale, None, soft_cap)
         visible = None
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
@@ -138,15 +165,30 @@ def _decode_kernel(
                 visible = visible & (kv_idx < length)
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
-        return softmax_step(carry, u, v, unit, visible)
+        return softmax_step(carry, u, v, unit, visible, hidden_values=hidden_values)
 
-    carry = softmax_init(block_m, q_ref.shape[-1])
+    # One new token with no window, at the end of its keys: a boundary tile hides only keys
+    # past the length, which read as zero (the zeroing of V costs a latent cache's 512-column
+    # tiles a trip through the registers, and spills).
+    hidden_values = q_len > 1 or window_left is not None or ahead is not None
+    carry = softmax_init(block_m, fmt.value_piece.padded)
     tiles = masks.intersect(
         _sequence_tiles(length, q_len, window_left, block_kv, ahead),
         (item_lo, item_lo, item_hi, item_hi),
     )
     carry = visit_tiles(tiles, body, carry)
-    softmax_store(carry, unit, o_ref, lse_ref, block_m, m_rows, head_dim, log_sum_ref=log_sum_ref)
+    if v_scale is not None:  # the values' scale, once on the unnormalised output
+        carry = (carry[0] * v_scale, *carry[1:])
+    softmax_store(
+        carry,
+        unit,
+        o_ref,
+        lse_ref,
+        block_m,
+        m_rows,
+        fmt.value_head_dim,
+        log_sum_ref=log_sum_ref,
+    )
 
 
 def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int, ahead=None):
@@ -275,37 +317,29 @@ class Schedule:
 
 
 def _load_paged(
-    ref, table_ref, table_start, kv_start, length, head_dim, block_kv, page_size, *, masked
+    ref, table_ref, table_start, kv_start, length, piece: Piece, block_kv, page_size, *, masked
 ):
-    """Keys [kv_start, kv_start + block_kv) of a paged sequence as a [block_kv, Hp] tile; the
-    sequence's table entries start at table_ref[table_start]."""
-    hp = ref.shape[-1]
+    """Keys [kv_start, kv_start + block_kv) of a paged sequence, the columns of `piece`, as a
+    [block_kv, piece.padded] tile; the sequence's table entries start at
+    table_ref[table_start]."""
     num_pages = ref.shape[0] // page_size
-    col_mask = None
-    if head_dim != hp:
-        col_mask = jax.lax.broadcasted_iota(jnp.int32, (1, hp), 1) < head_dim
     if page_size % block_kv == 0:
         # The tile lies in one page: one table entry, and a contiguous load.
         entry = table_ref[table_start + jax.lax.div(kv_start, page_size)]
         page = jnp.clip(entry, 0, num_pages - 1)
         start = page * page_size + jax.lax.rem(kv_start, page_size)
-        return load_rows(ref, start, block_kv, start + length - kv_start, head_dim, ragged=masked)
-    # The tile spans several pages: a table entry per key, and a load gathered by rows.
+        return load_piece_rows(
+            ref, start, block_kv, start + length - kv_start, piece, ragged=masked
+        )
+    # The tile spans several pages: a table entry per key, and a load gathered by rows (two
+    # index arrays and no slice: the form both the Triton lowering and the interpreter take
+    # for a gather).
     keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     in_seq = keys < length
     entries = table_start + jax.lax.div(keys, page_size)
     pages = plgpu.load(table_ref.at[entries], mask=in_seq, other=0)
     rows = jnp.clip(pages, 0, num_pages - 1) * page_size + jax.lax.rem(keys, page_size)
-    mask = in_seq[:, None] if masked else None
-    if col_mask is not None:
-        mask = col_mask if mask is None else mask & col_mask
-    # Two index arrays and no slice: the form both the Triton lowering and the interpreter
-    # take for a gather.
-    cols = jax.lax.broadcasted_iota(jnp.int32, (1, hp), 1)
-    tile = ref.at[rows[:, None], cols]
-    if mask is None:
-        return plgpu.load(tile)
-    return plgpu.load(tile, mask=jnp.broadcast_to(mask, (block_kv, hp)), other=0.0)
+    return load_piece_gathered(ref, rows, in_seq if masked else None, piece)
 
 
 def _merge_kernel(
@@ -499,9 +533,12 @@ def decode_plan(
     *,
     window_left: int | None = None,
     num_sms: int = DEFAULT_NUM_SMS,
+    fmt: CacheFormat | None = None,
+    cache_dtype=None,
 ) -> DecodePlan:
     """The `DecodePlan` of a call with queries of `q_shape` [B, T, N, H] over a cache of
-    `capacity` keys per sequence on a GPU of `num_sms` SMs."""
+    `capacity` keys per sequence on a GPU of `num_sms` SMs; fmt and cache_dtype: the cache's
+    format and dtype where it is not keys and values of their own in the queries' dtype."""
     batch, q_len, num_heads, head_dim = q_shape
     num_rows = q_len * (num_heads // num_kv_heads)
     block_m = min(block_sizes.block_m, max(16, 1 << (num_rows - 1).bit_length()))
@@ -512,10 +549,9 @@ def decode_plan(
     if window_left is not None:
         num_kv_tiles = min(num_kv_tiles, pl.cdiv(window_left + q_len, block_kv) + 1)
     programs = num_m_tiles * num_kv_heads * batch
-    hp = padded_head_dim(head_dim)
     # The CTAs one SM holds with the tiles as clipped to the call (a short cache's key tile).
     clipped = dataclasses.replace(block_sizes, block_kv=block_kv)
-    slots = num_sms * decode_ctas_per_sm(clipped, block_m, hp, jnp.dtype(dtype).itemsize)
+    slots = num_sms * _ctas_per_sm(clipped, block_m, head_dim, dtype, fmt, cache_dtype)
     if block_sizes.kv_splits or block_sizes.split_rule == "occupancy":
         splits = choose_decode_splits(
             block_sizes.kv_splits,
@@ -552,6 +588,26 @@ def decode_plan(
     return DecodePlan(block_m, block_kv, num_m_tiles, num_kv_tiles, programs, slots, schedule)
 
 
+def _ctas_per_sm(block_sizes, block_m: int, head_dim: int, dtype, fmt, cache_dtype) -> int:
+    """`decode_ctas_per_sm` for a cache of format `fmt` (None: the plain one) in cache_dtype
+    (None: the queries')."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if fmt is None and cache_dtype is None:
+        return decode_ctas_per_sm(block_sizes, block_m, padded_head_dim(head_dim), itemsize)
+    if fmt is None:
+        fmt = CacheFormat(head_dim, head_dim)
+    return decode_ctas_per_sm(
+        block_sizes,
+        block_m,
+        padded_head_dim(head_dim),
+        itemsize,
+        read_columns=fmt.read_columns,
+        query_columns=sum(p.padded for p in fmt.query_pieces),
+        value_hp=fmt.value_piece.padded,
+        cache_itemsize=None if cache_dtype is None else jnp.dtype(cache_dtype).itemsize,
+    )
+
+
 def decode_block_sizes(
     q_shape,
     num_kv_heads: int,
@@ -562,9 +618,12 @@ def decode_block_sizes(
     page_size: int | None = None,
     window_left: int | None = None,
     num_sms: int = DEFAULT_NUM_SMS,
+    fmt: CacheFormat | None = None,
+    cache_dtype=None,
 ) -> DecodeBlockSizes:
     """The default tiles of a call with queries of `q_shape` [B, T, N, H] over a cache of
-    `capacity` keys: `default_decode_block_sizes` for its rows, head dim and pages, except
+    `capacity` keys (of format `fmt` in `cache_dtype`, None: the plain cache in the queries'
+    dtype): `default_decode_block_sizes` for its rows, head dim, format and pages, except
     that a call whose split programs fill at most half a wave of CTA slots in runs of 1024 or
     more keys (the split cap, not the GPU, set their number: one sequence, or a few) takes
     32-key tiles in 4 stages. Each SM then holds one or two programs, and the loads each
@@ -574,7 +633,13 @@ def decode_block_sizes(
     batch, q_len, num_heads, head_dim = q_shape
     rows = q_len * (num_heads // num_kv_heads)
     base = default_decode_block_sizes(
-        head_dim, dtype, interpret=interpret, page_size=page_size, rows=rows
+        head_dim,
+        dtype,
+        interpret=interpret,
+        page_size=page_size,
+        rows=rows,
+        fmt=fmt,
+        cache_dtype=cache_dtype,
     )
     if interpret or base != DecodeBlockSizes(block_kv=64):
         return base
@@ -604,8 +669,11 @@ def decode_forward(
     with_log_sum: bool = False,
     ahead=None,
     out_dtype=None,
+    value_head_dim: int | None = None,
+    k_scale=None,
+    v_scale=None,
 ):
-    """out [B, T, N, H] in q's dtype (or out_dtype) and lse [B, N, T] float32 (natural log);
+    """out [B, T, N, Hv] in q's dtype (or out_dtype) and lse [B, N, T] float32 (natural log);
     with_log_sum: also log_sum [B, N, T] float32, each row's log softmax denominator relative
     to its max (`softmax_store`'s; what a sink's share is taken from where lse rounds it away).
 
@@ -616,21 +684,32 @@ def decode_forward(
     results that merge again).
 
     q: [B, T, N, H]; lengths: int32 [B] (clipped to [0, capacity]). Contiguous cache
-    (block_tables None): k, v [B, S, K, H]. Paged: k, v [num_pages, page_size, K, H] and
-    block_tables int32 [B, max_pages]. num_sms: the target GPU's SMs (`Device.num_sms`), for
-    the split count.
+    (block_tables None): k [B, S, K, H], v [B, S, K, Hv]. Paged: k [num_pages, page_size, K,
+    H], v [num_pages, page_size, K, Hv] and block_tables int32 [B, max_pages]. v None: a shared
+    latent cache, whose first value_head_dim columns are the values (read with the keys, once).
+    k and v may be float8 (converted to q's dtype in the kernel) with k_scale and v_scale
+    float32 [K] (the keys and values are the cache's times the scales of their KV head; v_scale
+    is the key scale for a shared cache). num_sms: the target GPU's SMs (`Device.num_sms`),
+    for the split count.
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
-    hp = padded_head_dim(head_dim)
+    fmt = CacheFormat(
+        head_dim,
+        v.shape[-1] if v is not None else value_head_dim,
+        shared=v is None,
+        scaled=k_scale is not None,
+    )
+    value_head_dim, hvp = fmt.value_head_dim, fmt.value_piece.padded
     num_rows = q_len * group
     paged = block_tables is not None
     if paged:
         page_size = k.shape[1]
         capacity = block_tables.shape[1] * page_size
         k = k.reshape(-1, num_kv_heads, head_dim)  # [num_pages * page_size, K, H]: free
-        v = v.reshape(-1, num_kv_heads, head_dim)
+        if v is not None:
+            v = v.reshape(-1, num_kv_heads, value_head_dim)
     else:
         page_size = None
         capacity = k.shape[1]
@@ -642,12 +721,15 @@ def decode_forward(
         block_sizes,
         window_left=window_left,
         num_sms=num_sms,
+        fmt=fmt,
+        cache_dtype=k.dtype,
     )
     block_m, block_kv, schedule = plan.block_m, plan.block_kv, plan.schedule
     num_m_tiles, splits = plan.num_m_tiles, schedule.splits
     # Packed rows: [B, K, T * G, H], row t * G + g = token t of query head k * G + g.
     q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
     q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
+    q_rows = pack_queries(q_rows, fmt)
     out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"decode_forward: out_dtype={out_dtype} must be a floating dtype")
@@ -668,7 +750,7 @@ def decode_forward(
         scale=scale,
         soft_cap=soft_cap,
         window_left=window_left,
-        head_dim=head_dim,
+        fmt=fmt,
         q_len=q_len,
         group=group,
         block_m=block_m,
@@ -679,26 +761,35 @@ def decode_forward(
     )
     # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
     lengths_spec = pl.BlockSpec(lengths.shape, lambda m, h, z: (0,))
-    q_spec = pl.BlockSpec((batch, None, block_m, hp), lambda m, h, z: (0, h, m, 0))
-    operands = [lengths, q_rows, k, v]
+    q_spec = pl.BlockSpec((batch, None, block_m, fmt.query_block), lambda m, h, z: (0, h, m, 0))
+    operands = [lengths, q_rows, k]
+
+    def kv_spec(cols):  # this KV head's keys or values
+        if paged:
+            return pl.BlockSpec((k.shape[0], None, cols), lambda m, h, z: (0, h, 0))
+        return pl.BlockSpec((batch, capacity, None, cols), lambda m, h, z: (0, 0, h, 0))
+
+    in_specs = [lengths_spec, q_spec, kv_spec(fmt.key_block)]
+    if v is not None:
+        operands.append(v)
+        in_specs.append(kv_spec(hvp))
     if paged:
-        kv_spec = pl.BlockSpec((k.shape[0], None, hp), lambda m, h, z: (0, h, 0))
         table = jnp.asarray(block_tables, jnp.int32).reshape(-1)
-        table_spec = pl.BlockSpec((table.shape[0],), lambda m, h, z: (0,))
-        in_specs = [lengths_spec, q_spec, kv_spec, kv_spec, table_spec]
+        in_specs.append(pl.BlockSpec((table.shape[0],), lambda m, h, z: (0,)))
         operands.append(table)
-    else:
-        kv_spec = pl.BlockSpec((batch, capacity, None, hp), lambda m, h, z: (0, 0, h, 0))
-        in_specs = [lengths_spec, q_spec, kv_spec, kv_spec]
     runs = None
     if schedule.planned:
         runs = schedule.plan_runs(lengths)
         in_specs.append(pl.BlockSpec(runs.shape, lambda m, h, z: (0,)))
         operands.append(runs)
+    if fmt.scaled:
+        scale_spec = pl.BlockSpec((num_kv_heads,), lambda m, h, z: (0,))
+        in_specs += [scale_spec, scale_spec]
+        operands += [jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)]
     items = schedule.items
     merge_tiles = None
     if splits > 1 and decode_merge(block_sizes) == "kernel":
-        merge_tiles = MergeTiles.of(schedule, num_rows, head_dim)
+        merge_tiles = MergeTiles.of(schedule, num_rows, value_head_dim)
     # The merge kernel's steps read past the last item (masked): padding, never written.
     padded_items = items if merge_tiles is None else items + merge_tiles.chunk - 1
     row_spec = pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m))
@@ -710,12 +801,12 @@ def decode_forward(
         grid=(num_m_tiles, num_kv_heads, items),
         in_specs=in_specs,
         out_specs=[
-            pl.BlockSpec((None, None, block_m, hp), lambda m, h, z: (z, h, m, 0)),
+            pl.BlockSpec((None, None, block_m, hvp), lambda m, h, z: (z, h, m, 0)),
             *[row_spec] * rows_out,
         ],
         out_shape=[
             jax.ShapeDtypeStruct(
-                (padded_items, num_kv_heads, num_rows, head_dim),
+                (padded_items, num_kv_heads, num_rows, value_head_dim),
                 out_dtype if splits == 1 else jnp.float32,
             ),
             *[row_shape] * rows_out,
@@ -731,8 +822,8 @@ def decode_forward(
     elif splits > 1:
         runs_or_any = lengths if runs is None else runs
         out, *rows = _merge(runs_or_any, out, *rows, schedule, merge_tiles, out_dtype, interpret)
-    out = out.astype(out_dtype).reshape(batch, num_kv_heads, q_len, group, head_dim)
-    out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, head_dim)
+    out = out.astype(out_dtype).reshape(batch, num_kv_heads, q_len, group, value_head_dim)
+    out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, value_head_dim)
 
     def by_head(row):  # [B, K, T * G] -> [B, N, T]
         row = row.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)

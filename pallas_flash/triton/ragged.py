@@ -31,7 +31,6 @@ from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.reference import with_sinks
 from pallas_flash.triton._common import (
     dot,
-    logit_unit,
     merge_splits,
     scores,
     softmax_init,
@@ -39,13 +38,24 @@ from pallas_flash.triton._common import (
     softmax_store,
     visit_tiles,
 )
-from pallas_flash.triton.decode import _load_paged, decode_block_sizes, splits_for_slots
+from pallas_flash.triton.cache import (
+    CacheFormat,
+    load_piece_gathered,
+    logit_scale_and_unit,
+    pack_queries,
+    read_tiles,
+    scales_of,
+)
+from pallas_flash.triton.decode import (
+    _ctas_per_sm,
+    _load_paged,
+    decode_block_sizes,
+    splits_for_slots,
+)
 from pallas_flash.triton.tiles import (
     DecodeBlockSizes,
     RaggedBlockSizes,
-    decode_ctas_per_sm,
     default_ragged_block_sizes,
-    padded_head_dim,
 )
 
 # The first packed row of an item past the batch's tiles: beyond every sequence's rows, so that
@@ -86,16 +96,25 @@ def ragged_block_sizes(
     page_size: int,
     window_left: int | None = None,
     num_sms: int = DEFAULT_NUM_SMS,
+    fmt: CacheFormat | None = None,
+    cache_dtype=None,
 ) -> RaggedBlockSizes:
     """The default tiles of a call with queries of `q_shape` [T, N, H] in `num_seqs` sequences
-    over caches of up to `capacity` keys: `default_ragged_block_sizes`, with the decode
-    launch's key tile and pipeline those of `paged_attention` on its sequences, one new token
-    each (`decode_block_sizes`: deeper pipelines of 32-key tiles where the split programs
-    fill at most half the GPU)."""
+    over caches of up to `capacity` keys (of format `fmt` in `cache_dtype`, None: the plain
+    cache in the queries' dtype): `default_ragged_block_sizes`, with the decode launch's key
+    tile and pipeline those of `paged_attention` on its sequences, one new token each
+    (`decode_block_sizes`: deeper pipelines of 32-key tiles where the split programs fill at
+    most half the GPU)."""
     num_tokens, num_heads, head_dim = q_shape
     group = num_heads // num_kv_heads
     base = default_ragged_block_sizes(
-        head_dim, dtype, group=group, interpret=interpret, page_size=page_size
+        head_dim,
+        dtype,
+        group=group,
+        interpret=interpret,
+        page_size=page_size,
+        fmt=fmt,
+        cache_dtype=cache_dtype,
     )
     if interpret:
         return base
@@ -108,6 +127,8 @@ def ragged_block_sizes(
         page_size=page_size,
         window_left=window_left,
         num_sms=num_sms,
+        fmt=fmt,
+        cache_dtype=cache_dtype,
     )
     return dataclasses.replace(
         base, block_kv=decode.block_kv, num_warps=decode.num_warps, num_stages=decode.num_stages
@@ -125,6 +146,8 @@ def ragged_plan(
     block_sizes: RaggedBlockSizes,
     *,
     num_sms: int = DEFAULT_NUM_SMS,
+    fmt: CacheFormat | None = None,
+    cache_dtype=None,
 ) -> tuple[Launch, ...]:
     """The launches of a call with `num_tokens` query rows over `num_seqs` sequences (the
     batch's, plus the rows before the first and after the last: sequences with no key) of up
@@ -134,8 +157,6 @@ def ragged_plan(
     and its tiles at most (its rows + block_m_prefill - 1) / block_m_prefill."""
     group = num_heads // num_kv_heads
     total_rows = num_tokens * group
-    hp = padded_head_dim(head_dim)
-    itemsize = jnp.dtype(dtype).itemsize
 
     def launch(block_m, block_kv, num_warps, num_stages, kv_splits, items, min_rows, max_rows):
         # The key tile clipped to the capacity; the requested split count, or the decode
@@ -148,7 +169,7 @@ def ragged_plan(
             tiles = DecodeBlockSizes(
                 block_m=block_m, block_kv=block_kv, num_warps=num_warps, num_stages=num_stages
             )
-            slots = num_sms * decode_ctas_per_sm(tiles, block_m, hp, itemsize)
+            slots = num_sms * _ctas_per_sm(tiles, block_m, head_dim, dtype, fmt, cache_dtype)
             programs = items * num_kv_heads
             splits = splits_for_slots(
                 programs, num_kv_tiles, block_kv, slots=slots, block_m=block_m
@@ -222,14 +243,11 @@ def _ragged_kernel(
     plan_ref,
     q_ref,
     k_ref,
-    v_ref,
-    table_ref,
     *refs,
     scale: float,
     soft_cap,
     window_left: int | None,
-    head_dim: int,
-    value_head_dim: int,
+    fmt: CacheFormat,
     num_heads: int,
     group: int,
     num_seqs: int,
@@ -242,16 +260,22 @@ def _ragged_kernel(
     """One row tile of one (work item, KV head, split): stream the key tiles its rows see of
     its sequence's pages with an online softmax.
 
-    plan_ref: `plan_items`'s table. q_ref: [T * N, Hp], row t * N + n = token t, query head n;
-    k_ref, v_ref: [num_pages * page_size, Hp] (Hvp for v), this KV head's pages end to end;
-    table_ref: [B * max_pages], the block table, flat (sequence s of the plan is the batch's
-    s - 1: the plan's first sequence holds the rows before the batch's). Then sinks [N]
-    float32 where has_sinks, the aliased previous output and lse where aliased (never read),
-    and the outputs: unsplit, o_ref [T * N, Hvp] and lse_ref [T * N] (natural log), each
-    program storing its tile's rows in place; split, the tile's partial result o_ref [block_m,
-    Hvp], lse_ref and log_sum_ref [block_m] (`softmax_store`'s), merged by the wrapper.
+    plan_ref: `plan_items`'s table. q_ref: [T * N, Cq], row t * N + n = token t, query head n,
+    its columns as `fmt.query_pieces`; k_ref: [num_pages * page_size, Ck] and (unless
+    `fmt.shared`: the values are the keys' first columns) v_ref [num_pages * page_size, Hvp],
+    this KV head's pages end to end; table_ref: [B * max_pages], the block table, flat
+    (sequence s of the plan is the batch's s - 1: the plan's first sequence holds the rows
+    before the batch's); k_scale_ref and v_scale_ref [K] float32 where `fmt.scaled`. Then
+    sinks [N] float32 where has_sinks, the aliased previous output and lse where aliased (never
+    read), and the outputs: unsplit, o_ref [T * N, Hvp] and lse_ref [T * N] (natural log),
+    each program storing its tile's rows in place; split, the tile's partial result o_ref
+    [block_m, Hvp], lse_ref and log_sum_ref [block_m] (`softmax_store`'s), merged by the
+    wrapper.
     """
     refs = list(refs)
+    v_ref = None if fmt.shared else refs.pop(0)
+    table_ref = refs.pop(0)
+    k_scale_ref, v_scale_ref = (refs.pop(0), refs.pop(0)) if fmt.scaled else (None, None)
     sinks_ref = refs.pop(0) if has_sinks else None
     if aliased:
         refs = refs[2:]
@@ -279,11 +303,8 @@ def _ragged_kernel(
     head = kv_head * group + jax.lax.rem(p, group)
     num_rows = q_ref.shape[0]
     flat = jnp.clip((start + token) * num_heads + head, 0, num_rows - 1)
-    hp, hvp = q_ref.shape[-1], o_ref.shape[-1]
-    cols = jax.lax.broadcasted_iota(jnp.int32, (1, hp), 1)
-    q = plgpu.load(
-        q_ref.at[flat[:, None], cols], mask=in_tile[:, None] & (cols < head_dim), other=0.0
-    )
+    hvp = o_ref.shape[-1]
+    qs = [load_piece_gathered(q_ref, flat, in_tile, piece) for piece in fmt.query_pieces]
     # New token t sits at position length - q_len + t.
     q_pos = (length - q_len + token)[:, None]
     last_row = jnp.minimum(row0 + block_m, q_len * group) - 1
@@ -299,28 +320,34 @@ def _ragged_kernel(
         tiles = masks.intersect(tiles, (first, first, first + chunk, first + chunk))
     table_start = jnp.clip(seq - 1, 0, table_ref.shape[0] // max_pages - 1) * max_pages
 
-    def load_kv(ref, dim, kv_start, masked: bool):
-        return _load_paged(
-            ref,
-            table_ref,
-            table_start,
-            kv_start,
-            length,
-            dim,
-            block_kv,
-            page_size,
-            masked=masked,
-        )
+    def load_kv(kv_start, masked: bool):
+        def load(ref, piece):
+            return _load_paged(
+                ref,
+                table_ref,
+                table_start,
+                kv_start,
+                length,
+                piece,
+                block_kv,
+                page_size,
+                masked=masked,
+            )
 
-    unit = logit_unit(scale, False, soft_cap)
+        return read_tiles(fmt, load, k_ref, v_ref, qs[0].dtype)
+
+    k_scale, v_scale = scales_of(fmt, k_scale_ref, v_scale_ref, kv_head)
+    logit_scale, unit = logit_scale_and_unit(scale, soft_cap, k_scale)
 
     def body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         # Keys past the length read as zero in the masked tiles: whatever the pages hold there
         # (stale values, NaN) never reaches a product.
-        k = load_kv(k_ref, head_dim, kv_start, masked)
-        v = load_kv(v_ref, value_head_dim, kv_start, masked)
-        u, _ = scores(dot(q, k, trans_b=True), scale, None, soft_cap)
+        ks, v = load_kv(kv_start, masked)
+        qk = dot(qs[0], ks[0], trans_b=True)
+        for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
+            qk = qk + dot(q_piece, k_piece, trans_b=True)
+        u, _ = scores(qk, logit_scale, None, soft_cap)
         visible = None
         if masked:
             kv_idx = kv_start + jax.lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
@@ -330,6 +357,9 @@ def _ragged_kernel(
         return softmax_step(carry, u, v, unit, visible)
 
     carry = visit_tiles(tiles, body, softmax_init(block_m, hvp))
+    if v_scale is not None:  # the values' scale, once on the unnormalised output
+        carry = (carry[0] * v_scale, *carry[1:])
+    value_head_dim = fmt.value_head_dim
     if split:
         softmax_store(
             carry, unit, o_ref, lse_ref, block_m, rows_here, value_head_dim, log_sum_ref=log_sum_ref
@@ -376,6 +406,8 @@ def ragged_forward(
     starts,
     lengths,
     sinks=None,
+    k_scale=None,
+    v_scale=None,
     *,
     scale: float,
     soft_cap,
@@ -383,10 +415,13 @@ def ragged_forward(
     block_sizes: RaggedBlockSizes,
     interpret: bool,
     num_sms: int = DEFAULT_NUM_SMS,
+    value_head_dim: int | None = None,
 ):
     """out [T, N, Hv] in q's dtype and lse [N, T] float32 (natural log).
 
-    q: [T, N, H]; k_pages [P, page_size, K, H], v_pages [P, page_size, K, Hv]; block_tables
+    q: [T, N, H]; k_pages [P, page_size, K, H], v_pages [P, page_size, K, Hv] (None: a shared
+    latent cache, whose first value_head_dim columns are the values; float8 pages with k_scale
+    and v_scale float32 [K], as `decode_forward`'s); block_tables
     int32 [B, max_pages]; starts int32 [B + 1], non-decreasing in [0, T]: sequence b owns rows
     starts[b]:starts[b + 1]; lengths int32 [B] in [0, max_pages * page_size]: its keys, the
     new tokens the last of them (the API makes them so); sinks None or float32 [N]. Rows
@@ -395,10 +430,15 @@ def ragged_forward(
     """
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
-    value_head_dim = v_pages.shape[-1]
+    fmt = CacheFormat(
+        head_dim,
+        v_pages.shape[-1] if v_pages is not None else value_head_dim,
+        shared=v_pages is None,
+        scaled=k_scale is not None,
+    )
+    value_head_dim = fmt.value_head_dim
     group = num_heads // num_kv_heads
     batch, max_pages = block_tables.shape
-    hp, hvp = padded_head_dim(head_dim), padded_head_dim(value_head_dim)
     # The batch's sequences, with the rows before the first and after the last as sequences
     # of no key (their rows output 0).
     starts = jnp.asarray(starts, jnp.int32)
@@ -416,33 +456,48 @@ def ragged_forward(
         q.dtype,
         block_sizes,
         num_sms=num_sms,
+        fmt=fmt,
+        cache_dtype=k_pages.dtype,
     )
-    q_flat = q.reshape(num_tokens * num_heads, head_dim)
-    k_flat = k_pages.reshape(num_pages * page_size, num_kv_heads, head_dim)
-    v_flat = v_pages.reshape(num_pages * page_size, num_kv_heads, value_head_dim)
+    q_flat = pack_queries(q.reshape(num_tokens * num_heads, head_dim), fmt)
+    # The cache's operands (after the queries) and their blocks: this KV head's rows of the
+    # key (and value) pages, the block table, the scales.
+    pool_rows = num_pages * page_size
+
+    def kv_spec(cols):
+        return pl.BlockSpec((pool_rows, None, cols), lambda z, h: (0, h, 0))
+
+    def whole(n):
+        return pl.BlockSpec((n,), lambda z, h: (0,))
+
+    cache = [(k_pages.reshape(pool_rows, num_kv_heads, head_dim), kv_spec(fmt.key_block))]
+    if v_pages is not None:
+        v_flat = v_pages.reshape(pool_rows, num_kv_heads, value_head_dim)
+        cache.append((v_flat, kv_spec(fmt.value_piece.padded)))
     table = jnp.asarray(block_tables, jnp.int32).reshape(-1)
+    cache.append((table, whole(table.shape[0])))
+    if fmt.scaled:
+        cache += [(jnp.asarray(x, jnp.float32), whole(num_kv_heads)) for x in (k_scale, v_scale)]
     sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
     common = dict(
         q=q_flat,
-        k=k_flat,
-        v=v_flat,
-        table=table,
+        cache=cache,
+        num_kv_heads=num_kv_heads,
+        value_head_dim=value_head_dim,
         sinks=sinks,
         kernel=functools.partial(
             _ragged_kernel,
             scale=scale,
             soft_cap=soft_cap,
             window_left=window_left,
-            head_dim=head_dim,
-            value_head_dim=value_head_dim,
+            fmt=fmt,
             num_heads=num_heads,
             group=group,
             num_seqs=num_seqs,
             max_pages=max_pages,
             page_size=page_size,
         ),
-        hp=hp,
-        hvp=hvp,
+        hvp=fmt.value_piece.padded,
         interpret=interpret,
     )
     out = lse = None
@@ -490,20 +545,27 @@ def _merged_rows(
 
 
 def _launch_in_place(
-    launch: Launch, plan, out, lse, *, q, k, v, table, sinks, kernel, hp, hvp, interpret
+    launch: Launch,
+    plan,
+    out,
+    lse,
+    *,
+    q,
+    cache,
+    num_kv_heads,
+    value_head_dim,
+    sinks,
+    kernel,
+    hvp,
+    interpret,
 ):
     """(out [T * N, Hv], lse [T * N]) with the launch's rows written; out and lse None (the
-    first launch: its rows only are written) or the previous launch's, updated in place."""
-    num_rows, value_head_dim = q.shape[0], v.shape[-1]
+    first launch: its rows only are written) or the previous launch's, updated in place.
+    cache: the cache's (operand, block spec) pairs, as `_ragged_kernel` takes them."""
+    num_rows = q.shape[0]
     whole = lambda *shape: pl.BlockSpec(shape, lambda z, h: (0,) * len(shape))  # noqa: E731
-    operands = [plan, q, k, v, table]
-    in_specs = [
-        whole(plan.shape[0]),
-        whole(num_rows, hp),
-        pl.BlockSpec((k.shape[0], None, hp), lambda z, h: (0, h, 0)),
-        pl.BlockSpec((v.shape[0], None, hvp), lambda z, h: (0, h, 0)),
-        whole(table.shape[0]),
-    ]
+    operands = [plan, q, *(x for x, _ in cache)]
+    in_specs = [whole(plan.shape[0]), whole(num_rows, q.shape[1]), *(spec for _, spec in cache)]
     if sinks is not None:
         operands.append(sinks)
         in_specs.append(whole(sinks.shape[0]))
@@ -516,7 +578,7 @@ def _launch_in_place(
         functools.partial(
             kernel, launch=launch, has_sinks=sinks is not None, aliased=bool(aliases)
         ),
-        grid=(launch.items, k.shape[1]),
+        grid=(launch.items, num_kv_heads),
         in_specs=in_specs,
         out_specs=[whole(num_rows, hvp), whole(num_rows)],
         out_shape=[
@@ -530,12 +592,14 @@ def _launch_in_place(
     )(*operands)
 
 
-def _launch_split(launch: Launch, plan, *, q, k, v, table, sinks, kernel, hp, hvp, interpret):
+def _launch_split(
+    launch: Launch, plan, *, q, cache, num_kv_heads, value_head_dim, sinks, kernel, hvp, interpret
+):
     """The launch with each tile's keys split over `launch.splits` programs, merged in XLA by
     their softmax denominators (`merge_splits`): (out [items, K, block_m, Hv] float32, lse and
     log_sum [items, K, block_m]), rows past an item's unwritten."""
-    num_rows, value_head_dim = q.shape[0], v.shape[-1]
-    num_kv_heads = k.shape[1]
+    del sinks  # added to the merged rows by the caller
+    num_rows = q.shape[0]
     block_m, items, splits = launch.block_m, launch.items, launch.splits
     whole = lambda *shape: pl.BlockSpec(shape, lambda z, h: (0,) * len(shape))  # noqa: E731
     parts = items * splits
@@ -546,10 +610,8 @@ def _launch_split(launch: Launch, plan, *, q, k, v, table, sinks, kernel, hp, hv
         grid=(parts, num_kv_heads),
         in_specs=[
             whole(plan.shape[0]),
-            whole(num_rows, hp),
-            pl.BlockSpec((k.shape[0], None, hp), lambda z, h: (0, h, 0)),
-            pl.BlockSpec((v.shape[0], None, hvp), lambda z, h: (0, h, 0)),
-            whole(table.shape[0]),
+            whole(num_rows, q.shape[1]),
+            *(spec for _, spec in cache),
         ],
         out_specs=[
             pl.BlockSpec((None, None, block_m, hvp), lambda z, h: (z, h, 0, 0)),
@@ -564,7 +626,7 @@ def _launch_split(launch: Launch, plan, *, q, k, v, table, sinks, kernel, hp, hv
         compiler_params=CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
         interpret=interpret,
         name=launch.name,
-    )(plan, q, k, v, table)
+    )(plan, q, *(x for x, _ in cache))
     weights, lse, log_sum, _ = merge_splits(lse, log_sum, splits)
     out = out.reshape(items, splits, *out.shape[1:])
     out = jnp.sum(weights[..., None] * out, axis=1)  # [items, K, block_m, Hv]

@@ -302,7 +302,17 @@ def decode_merge(block_sizes: DecodeBlockSizes) -> str:
     return block_sizes.merge or "kernel"
 
 
-def decode_ctas_per_sm(block_sizes: DecodeBlockSizes, block_m: int, hp: int, itemsize: int) -> int:
+def decode_ctas_per_sm(
+    block_sizes: DecodeBlockSizes,
+    block_m: int,
+    hp: int,
+    itemsize: int,
+    *,
+    read_columns: int | None = None,
+    query_columns: int | None = None,
+    value_hp: int | None = None,
+    cache_itemsize: int | None = None,
+) -> int:
     """Decode programs one Hopper SM holds at once (64K registers, 227 KiB of shared memory,
     2048 threads), estimated from the tiles; `block_m` is the tile's rows after the clamp to
     the packed rows. The estimate follows ptxas' reading of the Triton kernel for sm_90a
@@ -310,18 +320,32 @@ def decode_ctas_per_sm(block_sizes: DecodeBlockSizes, block_m: int, hp: int, ite
     registers and 38 KiB: 4 per SM; 64-row tiles, 176 registers and 80 KiB: 2): a thread holds
     its share of the f32 accumulator and of two score tiles, and under mma.sync (fewer than 64
     rows) its fragments of a K and a V tile; shared memory holds num_stages - 1 K/V tile pairs
-    under mma.sync, num_stages pairs and the query tile under wgmma (64 or more rows)."""
+    under mma.sync, num_stages pairs and the query tile under wgmma (64 or more rows).
+
+    Other cache formats (`triton.cache.CacheFormat`): read_columns, the padded columns of a
+    key row and its value row (a shared latent cache's key row only; default 2 hp);
+    query_columns, the query tile's (default hp); value_hp, the accumulator's (default hp);
+    cache_itemsize, the bytes of a cached element (float8: 1; converting its tiles to the
+    queries' dtype holds both in registers under mma.sync, 168 registers and 54 KiB at H=128
+    with 64-key tiles in 4 stages: 3 per SM; under wgmma the converted tiles go back to
+    shared memory for the matrix units)."""
     if block_sizes.ctas_per_sm:
         return block_sizes.ctas_per_sm
     threads = 32 * block_sizes.num_warps
     bkv, stages = block_sizes.block_kv, block_sizes.num_stages
     wgmma = block_m >= 64 and block_sizes.num_warps % 4 == 0
-    kv_pair = 2 * bkv * hp * itemsize
-    words = block_m * hp + 2 * block_m * bkv  # f32 accumulator and score tiles
+    columns = 2 * hp if read_columns is None else read_columns
+    query_columns = hp if query_columns is None else query_columns
+    cache_itemsize = itemsize if cache_itemsize is None else cache_itemsize
+    kv_pair = bkv * columns * cache_itemsize
+    converted = cache_itemsize != itemsize
+    words = block_m * (hp if value_hp is None else value_hp) + 2 * block_m * bkv
     if wgmma:
-        smem = block_m * hp * itemsize + kv_pair * stages
+        smem = block_m * query_columns * itemsize + kv_pair * stages
+        smem += bkv * columns * itemsize if converted else 0
     else:
-        words += kv_pair // 4
+        words += bkv * columns * itemsize // 4
+        words += kv_pair // 4 if converted else 0
         smem = kv_pair * max(stages - 1, 0.5)
     regs = min(255, 32 + -(-words // threads))
     regs = -(-regs // 8) * 8
@@ -343,6 +367,8 @@ def default_decode_block_sizes(
     interpret: bool,
     page_size: int | None = None,
     rows: int = 1,
+    fmt=None,
+    cache_dtype=None,
 ) -> DecodeBlockSizes:
     """Decode tiles for a call: small ones in the interpreter, else the shipped defaults, from
     sweeps on the H200 (docs/notes/decode.md, "The defaults"). 64-key tiles, 4 warps, 2
@@ -356,9 +382,26 @@ def default_decode_block_sizes(
     fill 128-row tiles of 64 keys, half the programs reading each K/V tile again (T=16 over 8
     or 16 heads per KV head, compute-bound: 1.41-1.45x faster than 64-row tiles). float32
     and H=256 halve the key tile to keep the stages in shared memory. `decode_block_sizes`
-    refines these for a call's whole shape (its split count)."""
+    refines these for a call's whole shape (its split count).
+
+    fmt: the cache's `triton.cache.CacheFormat` (None: keys and values of their own). A shared
+    latent cache with values wider than 256 columns (MLA's 512 + 64) takes 64-row tiles in 8
+    warps (two warpgroups share the 64 x 512 float32 accumulator: 128 registers a thread) over
+    32-key tiles in 2 stages (a 64 x 576 query tile and two 32 x 576 key tiles: 144 KiB of
+    shared memory in bfloat16). cache_dtype float8 keeps the tiles of the queries' dtype and
+    doubles their stages (to 4 at most): the same bytes in flight from tiles of half the
+    bytes."""
     if interpret:
         return _DECODE_INTERPRET
+    tiles = _decode_tiles(head_dim, dtype, page_size, rows, fmt)
+    if cache_dtype is not None and jnp.dtype(cache_dtype).itemsize == 1:
+        tiles = dataclasses.replace(tiles, num_stages=min(4, 2 * tiles.num_stages))
+    return tiles
+
+
+def _decode_tiles(head_dim: int, dtype, page_size, rows: int, fmt) -> DecodeBlockSizes:
+    if fmt is not None and fmt.shared and padded_head_dim(fmt.value_head_dim) > 256:
+        return DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8, num_stages=2)
     wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
     if wide:
         return DecodeBlockSizes(block_kv=32)
@@ -434,18 +477,45 @@ _RAGGED_INTERPRET = RaggedBlockSizes(
 
 
 def default_ragged_block_sizes(
-    head_dim: int, dtype, *, group: int, interpret: bool, page_size: int | None = None
+    head_dim: int,
+    dtype,
+    *,
+    group: int,
+    interpret: bool,
+    page_size: int | None = None,
+    fmt=None,
+    cache_dtype=None,
 ) -> RaggedBlockSizes:
     """The ragged kernel's tiles for a call: small ones in the interpreter; else the decode
     launch takes the decode kernel's tiles for one new token (`default_decode_block_sizes`)
     with rows for a KV head's `group` of query heads (at least 16), and the prefill launch the
     forward kernel's tiles (`heuristic_block_sizes`: its query tile as rows, which hold a tile
-    of tokens times the group)."""
+    of tokens times the group). A shared latent cache with values wider than 256 columns
+    (`default_decode_block_sizes`, fmt) takes the decode kernel's 64-row tiles of 32 keys in 8
+    warps in both launches (a 128-row tile's 512-column float32 accumulator would not fit the
+    registers): a decode step of MLA's 128 heads is two prefill tiles."""
     if interpret:
         return _RAGGED_INTERPRET
     decode = default_decode_block_sizes(
-        head_dim, dtype, interpret=False, page_size=page_size, rows=group
+        head_dim,
+        dtype,
+        interpret=False,
+        page_size=page_size,
+        rows=group,
+        fmt=fmt,
+        cache_dtype=cache_dtype,
     )
+    if fmt is not None and fmt.shared and padded_head_dim(fmt.value_head_dim) > 256:
+        return RaggedBlockSizes(
+            block_m=decode.block_m,
+            block_kv=decode.block_kv,
+            num_warps=decode.num_warps,
+            num_stages=decode.num_stages,
+            block_m_prefill=decode.block_m,
+            block_kv_prefill=decode.block_kv,
+            num_warps_prefill=decode.num_warps,
+            num_stages_prefill=decode.num_stages,
+        )
     forward = heuristic_block_sizes(head_dim, dtype)
     return RaggedBlockSizes(
         block_m=max(16, 1 << (group - 1).bit_length()),

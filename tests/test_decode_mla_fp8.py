@@ -317,6 +317,44 @@ def test_speculative_default_tiles():
     assert (tiles(16, 32, 8).block_m, tiles(16, 32, 8).block_kv) == (64, 32)  # 64 rows
 
 
+def test_default_tiles():
+    """The GPU's default tiles (ptxas' reading for sm_90a, no spills): MLA's 128 heads in
+    64-row tiles of 32 keys in 8 warps, 16 heads in 16-row tiles of 64 keys in 4 warps; float8
+    caches take the bfloat16 tiles in twice the stages; the ragged kernel over MLA's latent
+    cache keeps its prefill tiles at 64 rows (a 128-row tile's 512 accumulator columns would
+    not fit the registers) and its decode tiles at the group's rows."""
+    from pallas_flash.triton.cache import CacheFormat
+    from pallas_flash.triton.decode import decode_block_sizes
+    from pallas_flash.triton.ragged import ragged_block_sizes
+
+    mla = CacheFormat(576, 512, shared=True)
+    bf16 = jnp.bfloat16
+
+    def tiles(n, fmt=None, cache_dtype=None, h=576, k=1):
+        return decode_block_sizes(
+            (64, 1, n, h), k, 4096, bf16, interpret=False, fmt=fmt, cache_dtype=cache_dtype
+        )
+
+    assert tiles(128, mla) == DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8)
+    assert tiles(16, mla) == DecodeBlockSizes(block_kv=64, num_warps=4)
+    assert tiles(32, mla, FP8) == DecodeBlockSizes(block_kv=64, num_warps=8, num_stages=4)
+    assert tiles(32, None, FP8, h=128, k=8) == DecodeBlockSizes(block_kv=64, num_stages=4)
+
+    def ragged(n):
+        return ragged_block_sizes(
+            (300, n, 576), 65, 1, 4096, bf16, interpret=False, page_size=64, fmt=mla
+        )
+
+    big, small = ragged(128), ragged(16)
+    assert (big.block_m, big.num_warps, big.block_m_prefill, big.num_warps_prefill) == (
+        64,
+        8,
+        64,
+        8,
+    )
+    assert (small.block_m, small.num_warps, small.block_kv_prefill) == (16, 4, 32)
+
+
 # -- ragged_paged_attention --------------------------------------------------------------------
 
 

@@ -629,7 +629,8 @@ def decode_block_sizes(
     32-key tiles in 4 stages. Each SM then holds one or two programs, and the loads each
     keeps in flight set the bandwidth: three 32-key tiles in the shared memory of one 64-key
     tile and its successor (B=1, 32k keys on the H200: 3.70 TB/s of kernel time against 3.40;
-    short runs lose with them, 1k keys in 4 splits 2.74 against 2.95)."""
+    short runs lose with them, 1k keys in 4 splits 2.74 against 2.95). Measured at H=128: a
+    shared latent cache keeps its tiles."""
     batch, q_len, num_heads, head_dim = q_shape
     rows = q_len * (num_heads // num_kv_heads)
     base = default_decode_block_sizes(
@@ -641,7 +642,7 @@ def decode_block_sizes(
         fmt=fmt,
         cache_dtype=cache_dtype,
     )
-    if interpret or base != DecodeBlockSizes(block_kv=64):
+    if interpret or base != DecodeBlockSizes(block_kv=64) or (fmt is not None and fmt.shared):
         return base
     plan = decode_plan(
         q_shape, num_kv_heads, capacity, dtype, base, window_left=window_left, num_sms=num_sms

@@ -385,12 +385,16 @@ def default_decode_block_sizes(
     refines these for a call's whole shape (its split count).
 
     fmt: the cache's `triton.cache.CacheFormat` (None: keys and values of their own). A shared
-    latent cache with values wider than 256 columns (MLA's 512 + 64) takes 64-row tiles in 8
-    warps (two warpgroups share the 64 x 512 float32 accumulator: 128 registers a thread) over
-    32-key tiles in 2 stages (a 64 x 576 query tile and two 32 x 576 key tiles: 144 KiB of
-    shared memory in bfloat16). cache_dtype float8 keeps the tiles of the queries' dtype and
-    doubles their stages (to 4 at most): the same bytes in flight from tiles of half the
-    bytes."""
+    latent cache with values wider than 256 columns (MLA's 512 + 64) takes, from 64 packed rows
+    (MLA's 128 heads), 64-row tiles in 8 warps (two warpgroups share the 64 x 512 float32
+    accumulator: 128 registers a thread) over 32-key tiles in 2 stages (a 64 x 576 query tile
+    and two 32 x 576 key tiles: 144 KiB of shared memory in bfloat16; 255 registers, no spill);
+    fewer rows (16 or 32 heads a device under tensor parallelism: memory-bound) take 64-key
+    tiles in 2 stages, in 4 warps up to 16 rows (128 registers, 92 KiB) and 8 above (149
+    registers, 112 KiB): ptxas' reading for sm_90a (benchmarks/triton_ir.py), unmeasured.
+
+    cache_dtype float8 keeps the tiles of the queries' dtype and doubles their stages (to 4 at
+    most): the same bytes in flight from tiles of half the bytes (unmeasured)."""
     if interpret:
         return _DECODE_INTERPRET
     tiles = _decode_tiles(head_dim, dtype, page_size, rows, fmt)
@@ -401,7 +405,9 @@ def default_decode_block_sizes(
 
 def _decode_tiles(head_dim: int, dtype, page_size, rows: int, fmt) -> DecodeBlockSizes:
     if fmt is not None and fmt.shared and padded_head_dim(fmt.value_head_dim) > 256:
-        return DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8, num_stages=2)
+        if rows >= 64:
+            return DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8, num_stages=2)
+        return DecodeBlockSizes(block_kv=64, num_warps=4 if rows <= 16 else 8, num_stages=2)
     wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
     if wide:
         return DecodeBlockSizes(block_kv=32)
@@ -491,8 +497,9 @@ def default_ragged_block_sizes(
     with rows for a KV head's `group` of query heads (at least 16), and the prefill launch the
     forward kernel's tiles (`heuristic_block_sizes`: its query tile as rows, which hold a tile
     of tokens times the group). A shared latent cache with values wider than 256 columns
-    (`default_decode_block_sizes`, fmt) takes the decode kernel's 64-row tiles of 32 keys in 8
-    warps in both launches (a 128-row tile's 512-column float32 accumulator would not fit the
+    (`default_decode_block_sizes`, fmt) takes the decode kernel's tiles for its group in the
+    decode launch (of the group's rows, at most 64), and 64-row tiles of 32 keys in 8 warps in
+    the prefill launch (a 128-row tile's 512-column float32 accumulator would not fit the
     registers): a decode step of MLA's 128 heads is two prefill tiles."""
     if interpret:
         return _RAGGED_INTERPRET
@@ -507,14 +514,14 @@ def default_ragged_block_sizes(
     )
     if fmt is not None and fmt.shared and padded_head_dim(fmt.value_head_dim) > 256:
         return RaggedBlockSizes(
-            block_m=decode.block_m,
+            block_m=min(64, max(16, 1 << (group - 1).bit_length())),
             block_kv=decode.block_kv,
             num_warps=decode.num_warps,
             num_stages=decode.num_stages,
-            block_m_prefill=decode.block_m,
-            block_kv_prefill=decode.block_kv,
-            num_warps_prefill=decode.num_warps,
-            num_stages_prefill=decode.num_stages,
+            block_m_prefill=64,
+            block_kv_prefill=32,
+            num_warps_prefill=8,
+            num_stages_prefill=2,
         )
     forward = heuristic_block_sizes(head_dim, dtype)
     return RaggedBlockSizes(

@@ -14,7 +14,7 @@ import pytest
 import pallas_flash
 from pallas_flash.bench import __main__ as cli
 from pallas_flash.bench import compile as compile_suite
-from pallas_flash.bench import decode, grid, masks, models, overheads, scale, shapes, timing
+from pallas_flash.bench import decode, grid, masks, models, overheads, ragged, scale, shapes, timing
 
 
 def brute_force_pairs(t, kwargs):
@@ -443,3 +443,74 @@ def test_compile_row_of_a_spec_times_one_model():
     row = compile_suite.row_of_spec(json.dumps(spec))
     assert row["dtype"] == "float32" and "error" not in row, row
     assert row["lower_s"] >= 0 and row["compile_s"] > 0 and row["first_call_ms"] > 0
+
+
+def test_decode_ceilings_name_the_bound_and_its_share():
+    """Each pallas_flash row's TFLOP/s and shares of the case's read ceiling and the run's
+    matmul ceiling (kernel time where measured); the bound is the longer of the two times."""
+    case = dict(B=1, S=1024, N=8, K=2, H=64, T=1, ragged=False, page=None)
+    matmul = dict(impl="matmul", ms=1.0, tflops=90.0, device_ms=1.0, device_tflops=100.0)
+    for flops, bound, share in ((2e8, "memory", 0.5), (2e11, "compute", 2.0)):
+        rows = [
+            dict(case, impl="pallas_flash", ms=1.5, device_ms=1.0, tbps=1.0, device_tbps=1.5),
+            dict(case, impl="read", ms=0.6, device_ms=0.5),
+        ]
+        rows[0]["flops"] = flops
+        decode._add_ceilings(rows, matmul)
+        pf = rows[0]
+        assert pf["device_tflops"] == round(flops / 1e9, 2) and pf["bound"] == bound
+        assert pf["of_read"] == 0.5 and pf["of_roofline"] == share
+        assert pf["of_matmul"] == round(flops / 100.0 / 1e9, 3)
+    out = io.StringIO()
+    decode.print_ceiling_table([matmul, *rows], out=out)
+    assert "matmul ceiling (100.0 TFLOP/s), kernel time" in out.getvalue()
+    assert "| B1 S1024 N8/K2 H64 T1 | pallas_flash | 1.0000 | 1.50 | 0.50 | 200.0 | 2.00 |" in (
+        out.getvalue()
+    )
+
+
+def test_decode_flops_and_bytes():
+    """2 (H + Hv) FLOPs per query head and visible key (token t of T at L - T + t); a latent
+    cache's bytes are its one row of H columns."""
+    case = dict(B=2, S=8, N=2, K=1, H=8, T=2, ragged=False, page=None)
+    # L=5: tokens at 3 and 4 see 4 + 5 keys; L=1: at -1 and 0, 0 + 1.
+    assert decode.decode_flops(case, [5, 1]) == 2 * 16 * 2 * 10
+    assert decode.decode_flops(dict(case, hv=4), [5, 1]) == 2 * 12 * 2 * 10
+    assert decode.decode_kv_bytes(case, [5, 1], 2) == 6 * 16 * 2
+    assert decode.decode_kv_bytes(dict(case, hv=4), [5, 1], 1) == 6 * 8
+
+
+def test_decode_case_groups():
+    """--cases picks the groups; the speculative group spans T = 4, 8, 16 over 4, 8, 16 query
+    heads per KV head; the float8 group runs each shape after its twin in the queries' dtype."""
+    spec = list(decode.suite_cases(["speculative"]))
+    assert {(c["T"], c["N"] // c["K"]) for c in spec} == {
+        (t, g) for t in (4, 8, 16) for g in (4, 8, 16)
+    }
+    fp8 = list(decode.suite_cases(["fp8"], quick=True))
+    assert [c["cache"] for c in fp8] == [None, "float8_e4m3fn"] * 2
+    mla = list(decode.suite_cases(["mla"]))
+    assert {c["N"] for c in mla} >= {16, 32, 128} and all(c["hv"] == 512 for c in mla)
+    assert {c["group"] for c in decode.suite_cases(decode.CASES, quick=True)} == set(decode.CASES)
+
+
+def test_an_unknown_case_group_is_an_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--suite", "decode", "--cases", "gqa", "nope"])
+    assert exit_info.value.code == 2
+    assert "--suite decode has no case group nope; its --cases: gqa" in capsys.readouterr().err
+
+
+def test_ragged_table_gives_each_call_over_ragged():
+    row = dict(suite="ragged", goal="mixed", case="mixed 2048 + 63 x 1", tbps=1.0, tflops=2.0)
+    rows = [
+        dict(row, impl="ragged", ms=1.0, kernel_ms=0.5, max_abs_diff=0.0),
+        dict(row, impl="split", ms=1.2, kernel_ms=0.6, ratio=1.2, max_abs_diff=0.0078),
+        dict(row, impl="padded", ms=None, error="OOM"),
+    ]
+    out = io.StringIO()
+    ragged.print_ragged_table(rows, out=out)
+    text = out.getvalue()
+    assert "kernel time" in text
+    assert "| mixed | mixed 2048 + 63 x 1 | split | 0.6000 | 1.00 | 2.0 | 1.200 | 0.0078 |" in text
+    assert "| mixed | mixed 2048 + 63 x 1 | padded | - | - | - | - | - |" in text

@@ -2,8 +2,9 @@
 
 Each suite is a module of this package with `HELP` (one line for --help), `FLAGS` (the flags it
 reads on a GPU besides --out), optionally `FLAGS_ON_CPU` (those it reads without one, where it
-runs a fixed demo), `IMPLS` (the --impls it times) and `REPEATS` (the --repeats default, 7
-without it), and `run(args, *, on_gpu)` that times, prints its table and returns its rows.
+runs a fixed demo), `IMPLS` (the --impls it times), `CASES` (the --cases groups it runs) and
+`REPEATS` (the --repeats default, 7 without it), and `run(args, *, on_gpu)` that times, prints
+its table and returns its rows.
 A flag given to a suite that does not read it is an error, not ignored.
 """
 
@@ -15,7 +16,7 @@ import sys
 from pallas_flash import bench
 from pallas_flash import device as device_lib
 from pallas_flash.bench import compile as compile_suite
-from pallas_flash.bench import decode, grid, masks, models, overheads, scale, shapes
+from pallas_flash.bench import decode, grid, masks, models, overheads, ragged, scale, shapes
 from pallas_flash.bench.timing import PASSES
 
 SUITES = {
@@ -25,6 +26,7 @@ SUITES = {
     "masks": masks,
     "compile": compile_suite,
     "decode": decode,
+    "ragged": ragged,
     "scale": scale,
     "overheads": overheads,
 }
@@ -44,6 +46,11 @@ FLAGS = {
     "--repeats": dict(type=int, help="samples per median (default per suite, mostly 7)"),
     "--quick": dict(action="store_true", help="decode: the headline shape and a few variants only"),
     "--layers": dict(type=int, nargs="+", help="--suite compile's layer counts"),
+    "--cases": dict(
+        nargs="+",
+        help="decode: gqa mla fp8 speculative; ragged: decode prefill mixed mla fp8 (the case "
+        "groups to run; default all)",
+    ),
 }
 
 
@@ -107,6 +114,12 @@ def main(argv=None) -> list[dict]:
         parser.error(
             f"--suite {args.suite} does not time {', '.join(unknown)}; its --impls: "
             f"{', '.join(module.IMPLS)}"
+        )
+    unknown = [c for c in args.cases or () if c not in getattr(module, "CASES", ())]
+    if unknown:
+        parser.error(
+            f"--suite {args.suite} has no case group {', '.join(unknown)}; its --cases: "
+            f"{', '.join(getattr(module, 'CASES', ()))}"
         )
     if args.repeats is None:
         args.repeats = getattr(module, "REPEATS", 7)

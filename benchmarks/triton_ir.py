@@ -2,11 +2,12 @@
 
     python benchmarks/triton_ir.py --head-dim 128 --seq 4096 --out /tmp/ttir \
         [--causal] [--triton-python /path/to/venv-with-triton/bin/python]
-        [--fixed-point-scales [--window LEFT,RIGHT]]
+        [--fixed-point-scales [--window LEFT,RIGHT]] [--decode CALL_JSON [--block-sizes JSON]]
 
 Step 1 (this process, jax): lowers forward and backward for an abstract H200 (with
---fixed-point-scales the Mosaic backward's two Triton-lowered scale kernels instead) and writes
-each kernel's Triton IR (TTIR, as Pallas emits it) with its num_warps / num_stages.
+--fixed-point-scales the Mosaic backward's two Triton-lowered scale kernels instead, with
+--decode the decode kernel of one call: MLA's latent cache, float8 caches, speculative rows) and
+writes each kernel's Triton IR (TTIR, as Pallas emits it) with its num_warps / num_stages.
 Step 2 (optional, a Python that has the `triton` package, e.g. `pip install triton==3.6.0` in a
 scratch venv; not a dependency of the project): runs Triton's TTIR passes (XLA runs the same ones on
 Pallas' module), compiles for sm_90a, runs ptxas -v, and prints per kernel the register count, spill
@@ -149,6 +150,61 @@ def capture_fixed_point_ttir(head_dim: int, seq: int, causal: bool, window, out:
     return lowered_kernels(scales, (x, x, x, rows, rows), out)
 
 
+def capture_decode_ttir(case: dict, out: pathlib.Path, block_sizes: dict | None):
+    """The decode kernel (`triton.decode.decode_forward`, without the merge) of one call:
+    case holds B, T, N, K, H, S and optionally hv (a shared latent cache's value columns),
+    page (a page size; contiguous without) and fp8 (a float8_e4m3fn cache with per-head
+    scales); block_sizes: DecodeBlockSizes fields (None: the call's defaults). As
+    capture_ttir."""
+    from pallas_flash.triton import DecodeBlockSizes
+    from pallas_flash.triton.cache import CacheFormat
+    from pallas_flash.triton.decode import decode_block_sizes, decode_forward
+
+    sds = jax.ShapeDtypeStruct
+    b, t, n, k, h, s = (case[x] for x in ("B", "T", "N", "K", "H", "S"))
+    hv, page = case.get("hv"), case.get("page")
+    cache = jnp.float8_e4m3fn if case.get("fp8") else jnp.bfloat16
+    q = sds((b, t, n, h), jnp.bfloat16)
+    keys = sds((b, s, k, h) if page is None else (b * s // page, page, k, h), cache)
+    tables = None if page is None else sds((b, s // page), jnp.int32)
+    scales = [sds((k,), jnp.float32)] * 2 if case.get("fp8") else []
+    if block_sizes is None:
+        fmt = CacheFormat(h, hv or h, shared=hv is not None, scaled=bool(scales))
+        bs = decode_block_sizes(
+            q.shape,
+            k,
+            s,
+            jnp.bfloat16,
+            interpret=False,
+            page_size=page,
+            fmt=fmt,
+            cache_dtype=cache,
+        )
+    else:
+        bs = DecodeBlockSizes(**block_sizes)
+    print(bs, flush=True)
+
+    def forward(q, keys, values, lengths, tables, *scales):
+        kwargs = dict(zip(("k_scale", "v_scale"), scales))
+        return decode_forward(
+            q,
+            keys,
+            values,
+            lengths,
+            tables,
+            scale=h**-0.5,
+            soft_cap=None,
+            window_left=None,
+            block_sizes=bs,
+            interpret=False,
+            value_head_dim=hv,
+            **kwargs,
+        )
+
+    args = (q, keys, None if hv else keys, sds((b,), jnp.int32), tables, *scales)
+    return [k for k in lowered_kernels(forward, args, out) if not k["name"].endswith("merge")]
+
+
 def lowered_kernels(fn, args, out: pathlib.Path):
     """fn lowered for an abstract H200: writes <out>/<kernel>.ttir for each Triton kernel in it;
     returns [{name, ttir, num_warps, num_stages}] per kernel."""
@@ -205,7 +261,14 @@ def main():
     parser.add_argument("--window", help="with --fixed-point-scales: LEFT,RIGHT")
     parser.add_argument(
         "--block-sizes",
-        help="JSON of BlockSizes fields over the H200 defaults, e.g. '{\"block_kv\": 64}'",
+        help="JSON of BlockSizes fields over the H200 defaults, e.g. '{\"block_kv\": 64}' "
+        "(with --decode: DecodeBlockSizes fields, instead of the call's defaults)",
+    )
+    parser.add_argument(
+        "--decode",
+        help="the decode kernel instead, for a call given as JSON: B, T, N, K, H, S [, hv, "
+        'page, fp8], e.g. MLA\'s \'{"B": 64, "T": 1, "N": 128, "K": 1, "H": '
+        '576, "hv": 512, "S": 4096, "page": 64}\'',
     )
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -215,7 +278,10 @@ def main():
     bs = heuristic_block_sizes(args.head_dim, dtype, masked=bias_shape is not None)
     if args.block_sizes:
         bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
-    if args.fixed_point_scales:
+    if args.decode:
+        block_sizes = json.loads(args.block_sizes) if args.block_sizes else None
+        kernels = capture_decode_ttir(json.loads(args.decode), out, block_sizes)
+    elif args.fixed_point_scales:
         window = tuple(int(x) for x in args.window.split(",")) if args.window else None
         kernels = capture_fixed_point_ttir(args.head_dim, args.seq, args.causal, window, out)
     else:

@@ -86,11 +86,16 @@ FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 # 3.3-3.4 TB/s at T=16 on the H200); beyond, its packed rows (T times the group) outgrow one
 # tile while the flash forward's query tiles fill (not measured).
 DECODE_ROUTE_MAX_Q_LEN = 16
-# ... over at least this many keys. Below it both forwards are a launch or two of latency; 64
-# keys are one of the decode kernel's 64-key tiles (H <= 128: no split, no merge kernel).
-# Provisional, not yet measured on the GPU: benchmarks/decode_route_timing.py --short times
-# both over 64 to 4k keys.
+# ... over at least this many keys (in the interpreter too: 64 keys are one of the decode
+# kernel's 64-key tiles, so the CPU tests run the route on small calls) ...
 DECODE_ROUTE_MIN_KV_LEN = 64
+# ... and, compiled, over at least this many keys per KV head in the whole batch (B * S), for
+# one token / for more. Below them both forwards are a few microseconds and the flash forward's
+# one tile per head is as fast or faster. H100, N=32, K=8, H=128, bf16, kernel time, decode
+# kernel over the flash forward (docs/notes/decode.md, "flash_attention with a few tokens"):
+# T=1 B=1 S=256 1.01x, S=1k 1.19x; B=8 S=64 1.07x, S=256 1.42x; T=4 B=1 S=1k 0.89x, S=4k
+# 0.89x, S=128k 2.54x; B=8 S=256 0.92x, S=1k 1.35x, S=4k 1.68x.
+DECODE_ROUTE_MIN_BATCH_KEYS = {1: 512, DECODE_ROUTE_MAX_Q_LEN: 8192}
 
 
 def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
@@ -168,7 +173,11 @@ def choose(
     backward = _choose_backward(kind, forward, call, device, tiles.backward, user_block_sizes)
     # The decode kernel's forward returns what either backward reads: the backward stays the
     # one the flash forward would have had.
-    if backend is None and user_block_sizes is None and few_tokens_on_decode(call):
+    if (
+        backend is None
+        and user_block_sizes is None
+        and few_tokens_on_decode(call, interpret=interpret)
+    ):
         forward = "decode"
     return KernelConfig(
         spec=call.spec,
@@ -253,19 +262,25 @@ def _narrow_forward_tiles(call: Call, device: Device) -> mosaic.ForwardTiles | N
     return narrow if _mosaic_fills_gpu(call, device, narrow) else None
 
 
-def few_tokens_on_decode(call: Call) -> bool:
+def few_tokens_on_decode(call: Call, *, interpret: bool = False) -> bool:
     """Whether the default call's forward runs on the decode kernel: at most
-    DECODE_ROUTE_MAX_Q_LEN query tokens over at least DECODE_ROUTE_MIN_KV_LEN keys, in bfloat16
-    or float16, with a mask the decode kernel expresses exactly (`triton.
-    why_not_few_token_forward`: geometry, lengths, soft cap, sinks). Float32 calls keep the
-    Triton forward, whose row max lets the Triton backward recompute P free of lse's rounding
-    (`_vjp._takes_row_max`); the decode kernel keeps no row max."""
-    return (
+    DECODE_ROUTE_MAX_Q_LEN query tokens over at least DECODE_ROUTE_MIN_KV_LEN keys (compiled:
+    and DECODE_ROUTE_MIN_BATCH_KEYS keys per KV head over the batch), in bfloat16 or float16,
+    with a mask the decode kernel expresses exactly (`triton.why_not_few_token_forward`:
+    geometry, lengths, soft cap, sinks). Float32 calls keep the Triton forward, whose row max
+    lets the Triton backward recompute P free of lse's rounding (`_vjp._takes_row_max`); the
+    decode kernel keeps no row max."""
+    if not (
         call.q_len <= DECODE_ROUTE_MAX_Q_LEN
         and call.kv_len >= DECODE_ROUTE_MIN_KV_LEN
         and call.dtype.itemsize == 2
         and triton.why_not_few_token_forward(call) is None
-    )
+    ):
+        return False
+    if interpret:
+        return True
+    least = DECODE_ROUTE_MIN_BATCH_KEYS[1 if call.q_len == 1 else DECODE_ROUTE_MAX_Q_LEN]
+    return call.q_shape[0] * call.kv_len >= least
 
 
 def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -> str:

@@ -60,3 +60,20 @@ def test_serve_gives_each_request_its_tokens_alone(capsys):
     failed = serve.check(result["model"], result["cfg"], requests, tol=0.0)
     assert not failed["ok"]
     assert failed["failures"][0]["request"] == 3 and failed["failures"][0]["token"] == 2
+
+
+@pytest.mark.gpu
+def test_serve_on_the_gpu_gives_each_request_its_tokens_alone():
+    """Compiled: the Triton kernel in a float32 serving loop (full matmul precision) gives
+    every request exactly the greedy tokens of its full forward alone."""
+    pytest.importorskip("flax")
+    serve = load("serve")
+    result = serve.main(
+        "--preset small --dtype float32 --kv-heads 2 --requests 48 --min-prompt 16 "
+        "--max-prompt 400 --min-new 8 --max-new 48 --max-batch 16 --max-tokens-per-step 256 "
+        "--buckets 16,64,256 --check".split()
+    )
+    assert result["attention"] == "triton" and result["compiles"] == 3
+    check = result["check"]
+    assert check["ok"] and check["exact"] == check["tokens"] == result["output_tokens"]
+    assert check["max_logit_diff"] < 1e-3 and result["mixed_steps"] > 0

@@ -211,13 +211,21 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
       key_pages, value_pages: (P, page_size, K, H), as `paged_attention` takes them.
       block_tables: (B, max_pages) int.
       key, value: (B, T, K, H) in the pages' dtype.
-      positions: int (B,): where each sequence's first new token goes (its length so far).
+      positions: int (B,): where each sequence's first new token goes (its length so far),
+        0 <= positions[b] and positions[b] + counts[b] <= max_pages * page_size.
       counts: int (B,) or None: only the first counts[b] tokens of sequence b are written
-        (ragged prompts padded to T); None writes all T.
+        (ragged prompts padded to T), 0 <= counts[b] <= T; None writes all T.
 
     Returns:
       (key_pages, value_pages) updated. Under jit with the pages donated
       (`jax.jit(..., donate_argnums=...)`) XLA updates them in place.
+
+    Raises:
+      ValueError: where positions, counts or the table entries of the pages written are
+        concrete (not traced) and a token cannot be placed: a negative position, a count
+        outside [0, T], a token past its sequence's max_pages * page_size slots, or a table
+        entry outside [0, P). Under jit (traced values) such a token is dropped: it is
+        written nowhere, so no other sequence's pages (nor other slots of its own) change.
     """
     for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
         if getattr(x, "ndim", None) != 4:
@@ -241,14 +249,19 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
     batch, q_len = key.shape[:2]
     block_tables = _check_block_tables(block_tables, batch)
     positions = _check_int_vector("positions", positions, batch)
+    if counts is not None:
+        counts = _check_int_vector("counts", counts, batch)
+    _check_placements(block_tables, positions, counts, q_len, page_size, num_pages)
     t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
     pos = positions[:, None] + t  # [B, T]
     valid = (pos >= 0) & (pos < block_tables.shape[1] * page_size)
     if counts is not None:
-        valid = valid & (t < _check_int_vector("counts", counts, batch)[:, None])
+        valid = valid & (t < counts[:, None])
     page_idx = jnp.clip(pos // page_size, 0, block_tables.shape[1] - 1)
     page = jnp.take_along_axis(block_tables, page_idx, axis=1)
-    # Tokens not written go to an index past the pool, which mode="drop" discards.
+    # Tokens not placed go to an index past the pool, which mode="drop" discards. A table entry
+    # outside the pool is not placed either: a negative one would index from the pool's end.
+    valid = valid & (page >= 0) & (page < num_pages)
     page = jnp.where(valid, page, num_pages)
     row = pos % page_size
     key_pages = key_pages.at[page, row].set(key, mode="drop")
@@ -571,11 +584,57 @@ def _check_table_entries(block_tables, lengths, page_size, num_pages):
     tables, lens = _concrete(block_tables), _concrete(lengths)
     if tables is None or lens is None:
         return
-    used = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    _check_pages(tables, 0, -(-lens // page_size), num_pages, lambda b: f"has {lens[b]} keys")
+
+
+def _check_pages(tables, first, end, num_pages, what):
+    """Raises ValueError where a table entry in columns [first[b], end[b]) of row b (numpy)
+    names no page of the pool; what(b): what sequence b does with those pages."""
+    columns = np.arange(tables.shape[1])[None, :]
+    first, end = (np.broadcast_to(x, tables.shape[:1])[:, None] for x in (first, end))
+    used = (columns >= first) & (columns < end)
     bad = used & ((tables < 0) | (tables >= num_pages))
     if bad.any():
         b, p = map(int, np.argwhere(bad)[0])
         raise ValueError(
             f"block_tables[{b}, {p}]={int(tables[b, p])} must lie in [0, num_pages={num_pages}) "
-            f"(sequence {b} has {int(lens[b])} keys)"
+            f"(sequence {b} {what(b)})"
         )
+
+
+def _check_placements(block_tables, positions, counts, q_len, page_size, num_pages):
+    """write_to_pages' concrete positions and counts (int32 (B,), checked) and table entries:
+    each token written must have a slot of its sequence and a page of the pool. Traced ones
+    are left to the write, which drops what it cannot place."""
+    pos = _concrete(positions)
+    num = None if counts is None else _concrete(counts)
+    if num is not None and ((num < 0) | (num > q_len)).any():
+        raise ValueError(f"counts={num.tolist()} must lie in [0, T={q_len}] (key.shape[1])")
+    if pos is None:
+        return
+    if (pos < 0).any():
+        raise ValueError(f"positions={pos.tolist()} must be >= 0")
+    if counts is None:
+        num, num_name = np.full(pos.shape, q_len), "T"
+    elif num is None:
+        return
+    else:
+        num_name = "counts[{b}]"
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
+    end = pos + num
+    if (end > capacity).any():
+        b = int(np.argmax(end > capacity))
+        raise ValueError(
+            f"positions[{b}] + {num_name.format(b=b)} = {pos[b]} + {num[b]} = {end[b]} must "
+            f"be <= block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity} "
+            f"(the slots of sequence {b})"
+        )
+    tables = _concrete(block_tables)
+    if tables is None:
+        return
+    first = np.where(num > 0, pos // page_size, 0)
+    last = np.where(num > 0, -(-end // page_size), 0)
+    _check_pages(
+        tables, first, last, num_pages, lambda b: f"writes positions {pos[b]}..{end[b] - 1}"
+    )

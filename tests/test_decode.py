@@ -302,6 +302,96 @@ def test_write_to_pages_prefill_then_decode():
     np.testing.assert_array_equal(v_pages, -k_pages * (k_pages != -1) - (k_pages == -1))
 
 
+def _small_pool():
+    """A pool of 5 pages of 4 rows, two sequences of 3 pages each, and one new token each."""
+    pool = jnp.full((5, 4, 2, 8), -1.0)
+    tables = jnp.asarray([[0, 1, 2], [3, 4, 1]], jnp.int32)
+    new = jnp.ones((2, 2, 2, 8))
+    return pool, tables, new
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(positions=[0, -1]), r"positions=\[0, -1\] must be >= 0"),
+        (
+            dict(positions=[0, 11]),
+            r"positions\[1\] \+ T = 11 \+ 2 = 13 must be <= block_tables.shape\[1\] \* "
+            r"page_size = 3 \* 4 = 12 \(the slots of sequence 1\)",
+        ),
+        (
+            dict(positions=[11, 0], counts=[2, 2]),
+            r"positions\[0\] \+ counts\[0\] = 11 \+ 2 = 13 must be <= ",
+        ),
+        (dict(positions=[0, 0], counts=[3, 0]), r"counts=\[3, 0\] must lie in \[0, T=2\]"),
+        (dict(positions=[0, 0], counts=[0, -1]), r"counts=\[0, -1\] must lie in \[0, T=2\]"),
+        (
+            dict(positions=[0, 3], tables=[[0, 1, 2], [3, -1, 1]]),
+            r"block_tables\[1, 1\]=-1 must lie in \[0, num_pages=5\) \(sequence 1 writes "
+            r"positions 3..4\)",
+        ),
+        (
+            dict(positions=[8, 0], tables=[[0, 1, 5], [3, 4, 1]]),
+            r"block_tables\[0, 2\]=5 must lie in \[0, num_pages=5\)",
+        ),
+    ],
+    ids=["negative", "past-capacity", "past-capacity-counts", "counts-high", "counts-negative",
+         "table-negative", "table-past-pool"],
+)  # fmt: skip
+def test_write_to_pages_refuses_tokens_it_cannot_place(args, message):
+    """Concrete positions, counts and table entries of the pages written are checked: a token
+    that has no slot or no page raises, naming the argument, its value and the rule."""
+    pool, tables, new = _small_pool()
+    tables = jnp.asarray(args.get("tables", tables), jnp.int32)
+    counts = args.get("counts")
+    counts = None if counts is None else jnp.asarray(counts, jnp.int32)
+    positions = np.asarray(args["positions"], np.int32)
+    with pytest.raises(ValueError, match=message):
+        pallas_flash.write_to_pages(pool, pool, tables, new, new, positions, counts=counts)
+
+
+def test_write_to_pages_accepts_what_it_can_place():
+    """Entries of pages a sequence does not write may hold anything; a count of 0 writes
+    nothing at any position up to the capacity; the last slot is writable."""
+    pool, _, new = _small_pool()
+    tables = jnp.asarray([[0, 1, 2], [-7, 99, 3]], jnp.int32)
+    k_pages, _ = pallas_flash.write_to_pages(
+        pool, pool, tables, new, new, np.asarray([10, 10]), counts=np.asarray([2, 1])
+    )
+    np.testing.assert_array_equal(k_pages[2, 2:], 1.0)
+    np.testing.assert_array_equal(k_pages[3, 2], 1.0)
+    assert int(jnp.sum(k_pages == 1.0)) == 3 * 2 * 8
+    k_pages, _ = pallas_flash.write_to_pages(
+        pool, pool, tables, new, new, np.asarray([12, 12]), counts=np.asarray([0, 0])
+    )
+    np.testing.assert_array_equal(k_pages, pool)
+
+
+def test_write_to_pages_under_jit_drops_what_it_cannot_place():
+    """Traced positions and tables: tokens at negative positions, past the sequence's slots or
+    on a table entry outside the pool are written nowhere (a negative entry would otherwise
+    index the pool from its end); the other tokens land, and no other page changes."""
+    pool, tables, new = _small_pool()
+    new = new * jnp.arange(1, 3, dtype=jnp.float32)[None, :, None, None]  # token t holds t + 1
+    write = jax.jit(
+        lambda tables, positions: pallas_flash.write_to_pages(
+            pool, pool, tables, new, new, positions
+        )[0]
+    )
+    # Sequence 0: token 0 at -1 (dropped), token 1 at 0; sequence 1: 11 (page 1, row 3), 12
+    # (dropped).
+    got = np.asarray(write(tables, jnp.asarray([-1, 11], jnp.int32)))
+    want = np.asarray(pool).copy()
+    want[0, 0], want[1, 3] = 2.0, 1.0
+    np.testing.assert_array_equal(got, want)
+    # A table entry of -1 and one of 5 (the pool has 5 pages): those tokens go nowhere.
+    bad = jnp.asarray([[-1, 1, 2], [3, 5, 1]], jnp.int32)
+    got = np.asarray(write(bad, jnp.asarray([2, 3], jnp.int32)))
+    want = np.asarray(pool).copy()
+    want[3, 3] = 1.0  # sequence 1's token 0 at position 3 (page 3); its token 1 is on page 5
+    np.testing.assert_array_equal(got, want)
+
+
 # -- validation -----------------------------------------------------------------------------------
 
 

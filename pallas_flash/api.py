@@ -96,9 +96,11 @@ def flash_attention(
             q 1:    x x . . .
             q 2:    x x x . .
 
-      query_seq_lengths: int array (B,): rows at positions >= the length see no key (they
-        output 0 and get zero gradient).
-      key_value_seq_lengths: int array (B,): keys at positions >= the length are masked.
+      query_seq_lengths: int array (B,), each in [0, T]: rows at positions >= the length see
+        no key (they output 0 and get zero gradient).
+      key_value_seq_lengths: int array (B,), each in [0, S]: keys at positions >= the length
+        are masked. Concrete lengths outside their range raise ValueError; traced ones (under
+        jit) are clamped to it, on every backend (docs/numerics.md, "Sequence lengths").
       q_segment_ids: int array (B, T); kv_segment_ids: int array (B, S). A query sees a key only
         when their ids are equal (packed documents). With only q_segment_ids and T == S, keys use
         the same ids. Ids must lie in [-2**31 + 2, 2**31 - 1] (int32; the two smallest int32
@@ -333,19 +335,21 @@ def flash_attention_backward(
     q = call.query
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     out_shape = (*q.shape[:3], call.value.shape[-1])
-    if log_sum is not None:
-        _check_log_sum(log_sum, lse_shape[1:] if call.unbatched else lse_shape)
-        log_sum = batched(log_sum)
-    out, d_out, lse = batched(out), batched(d_out), batched(lse)
-    d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
+    # Checked as passed (unbatched: without the batch axis), which the messages quote.
+    given = slice(1, None) if call.unbatched else slice(None)
     for name, x, shape in (
         ("out", out, out_shape),
         ("d_out", d_out, out_shape),
         ("lse", lse, lse_shape),
         ("d_lse", d_lse, lse_shape),
     ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} for this query")
+        if x is not None and tuple(getattr(x, "shape", ())) != shape[given]:
+            raise ValueError(f"{name}.shape={_shape_of(x)} must be {shape[given]} for this query")
+    if log_sum is not None:
+        _check_log_sum(log_sum, lse_shape[given])
+        log_sum = batched(log_sum)
+    out, d_out, lse = batched(out), batched(d_out), batched(lse)
+    d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
     lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
     args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
     if call.config is None:
@@ -425,11 +429,11 @@ def _plan(
     q_segment_ids, kv_segment_ids = _canonical_segment_ids(
         q_segment_ids, kv_segment_ids, batch, q_len, kv_len, unbatched
     )
-    for name, lengths in (
-        ("query_seq_lengths", query_seq_lengths),
-        ("key_value_seq_lengths", key_value_seq_lengths),
+    for name, lengths, limit, axis in (
+        ("query_seq_lengths", query_seq_lengths, q_len, "query.shape[1]"),
+        ("key_value_seq_lengths", key_value_seq_lengths, kv_len, "key.shape[1]"),
     ):
-        _check_lengths(name, lengths, batch, unbatched)
+        _check_lengths(name, lengths, batch, limit, f"{axis}={limit}", unbatched)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     arrays = masks.make_arrays(
         batch,
@@ -538,17 +542,17 @@ def _canonical_arrays(query, key, value):
             f"query, key and value must share a dtype; got query.dtype={query.dtype}, "
             f"key.dtype={key.dtype}, value.dtype={value.dtype}"
         )
+    # The checks read the shapes as passed (rank 3 or 4), which the messages quote.
     unbatched = query.ndim == 3
-    if unbatched:
-        query, key, value = query[None], key[None], value[None]
-    b, t, n, h = query.shape
-    kb, s, kh, kd = key.shape
-    if key.shape[:3] != value.shape[:3]:
+    t, n, h = query.shape[-3:]
+    s, kh, kd = key.shape[-3:]
+    b, kb = (1, 1) if unbatched else (query.shape[0], key.shape[0])
+    if key.shape[:-1] != value.shape[:-1]:
         raise ValueError(
-            f"key.shape={key.shape} and value.shape={value.shape} must agree on [B, S, K] (the "
-            "value head dim may differ)"
+            f"key.shape={key.shape} and value.shape={value.shape} must agree on "
+            f"{'[S, K]' if unbatched else '[B, S, K]'} (the value head dim may differ)"
         )
-    hv = value.shape[3]
+    hv = value.shape[-1]
     if hv % 8 or hv > MAX_HEAD_DIM:
         raise ValueError(
             f"value head_dim={hv} (value.shape={value.shape}) must be a multiple of 8 and at "
@@ -575,6 +579,8 @@ def _canonical_arrays(query, key, value):
             f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
             f"{MAX_HEAD_DIM}"
         )
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
     return query, key, value, unbatched
 
 
@@ -670,15 +676,18 @@ def _canonical_pair_operand(name, x, q_shape, kv_len, unbatched):
     full = (batch, num_heads, q_len, kv_len)
     rank = 3 if unbatched else 4
     if x.ndim > rank:
-        raise ValueError(f"{name}.shape={x.shape} has more than {rank} dims")
-    x = jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
-    for have, want in zip(x.shape, full):
+        raise ValueError(
+            f"{name}.shape={tuple(x.shape)} has more than {rank} dims: it must be "
+            f"broadcastable to {full[4 - rank :]}"
+        )
+    padded = (1,) * (4 - x.ndim) + tuple(x.shape)
+    for have, want in zip(padded, full):
         if have not in (1, want):
             raise ValueError(
-                f"{name}.shape must be broadcastable to {full[4 - rank :]} (each dim full or 1), "
-                f"got {name}.shape={x.shape[4 - rank :]}"
+                f"{name}.shape={tuple(x.shape)} must be broadcastable to {full[4 - rank :]} "
+                "(each dim full or 1, missing leading dims taken as 1)"
             )
-    return x
+    return jnp.reshape(x, padded)
 
 
 def _canonical_segment_ids(q_ids, kv_ids, batch, q_len, kv_len, unbatched):
@@ -762,6 +771,11 @@ def _check_log_sum(log_sum, shape):
         )
 
 
+def _shape_of(x):
+    """x's shape as a tuple, or its type's name where it has none."""
+    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
+
+
 def _check_sinks(sinks, num_heads):
     if sinks is None:
         return
@@ -777,13 +791,42 @@ def _check_sinks(sinks, num_heads):
         )
 
 
-def _check_lengths(name, lengths, batch, unbatched):
+def _check_int_vector(name, x, batch):
+    """x must be an integer array of shape (batch,)."""
+    if not _is_int_array(x):
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"{name} must be an integer array, got {got}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({batch},)")
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_lengths(name, lengths, batch, limit: int, limit_text: str, unbatched=False):
+    """Sequence lengths, the one rule of every entry point (docs/numerics.md, "Sequence
+    lengths"): an integer array (B,) whose values, when concrete (not traced), lie in
+    [0, limit]; limit_text says where limit comes from ("key.shape[1]=16"). Traced lengths are
+    not read: outside [0, limit] they act as clamped to it, on every path."""
     if lengths is None:
         return
     if unbatched:
         raise ValueError(f"{name} needs batched inputs (rank 4)")
-    if not _is_int_array(lengths):
-        got = getattr(lengths, "dtype", type(lengths).__name__)
-        raise TypeError(f"{name} must be an integer array, got {got}")
-    if tuple(lengths.shape) != (batch,):
-        raise ValueError(f"{name}.shape={tuple(lengths.shape)} must be ({batch},)")
+    _check_int_vector(name, lengths, batch)
+    values = _concrete(lengths)
+    if values is None:
+        return
+    bad = (values < 0) | (values > limit)
+    if bad.any():
+        quoted = f"{name}={values.tolist()}"
+        if values.size > 8:
+            i = int(np.argmax(bad))
+            quoted = f"{name}[{i}]={int(values[i])}"
+        raise ValueError(
+            f"{quoted} must lie in [0, {limit_text}] (traced lengths outside are clamped to it)"
+        )

@@ -110,7 +110,11 @@ def decode_attention(
     )
     batch, capacity = query.shape[0], key_cache.shape[1]
     lengths = _check_lengths(
-        "key_value_seq_lengths", key_value_seq_lengths, batch, capacity, "key_cache.shape[1]"
+        "key_value_seq_lengths",
+        key_value_seq_lengths,
+        batch,
+        capacity,
+        f"key_cache.shape[1]={capacity}",
     )
     api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
@@ -175,9 +179,14 @@ def paged_attention(
     batch = query.shape[0]
     num_pages, page_size = key_pages.shape[:2]
     block_tables = _check_block_tables(block_tables, batch)
-    capacity = block_tables.shape[1] * page_size
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
     lengths = _check_lengths(
-        "lengths", lengths, batch, capacity, "block_tables.shape[1] * page_size"
+        "lengths",
+        lengths,
+        batch,
+        capacity,
+        f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
     api._check_sinks(sinks, query.shape[2])
@@ -544,28 +553,13 @@ def _check_arrays(query, key, value, names):
 
 
 def _check_int_vector(name, x, batch):
-    if not api._is_int_array(x):
-        got = getattr(x, "dtype", type(x).__name__)
-        raise TypeError(f"{name} must be an integer array, got {got}")
-    if tuple(x.shape) != (batch,):
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({batch},)")
+    api._check_int_vector(name, x, batch)
     return jnp.asarray(x, jnp.int32)
 
 
-def _concrete(x):
-    """x as a numpy array, or None when it is traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_lengths(name, lengths, batch, capacity, capacity_name):
-    concrete = _concrete(lengths) if api._is_int_array(lengths) else None
-    lengths = _check_int_vector(name, lengths, batch)
-    if concrete is not None and (concrete.min() < 0 or concrete.max() > capacity):
-        raise ValueError(f"{name}={concrete.tolist()} must lie in [0, {capacity_name}={capacity}]")
-    return lengths
+def _check_lengths(name, lengths, batch, capacity, capacity_text):
+    api._check_lengths(name, lengths, batch, capacity, capacity_text)
+    return jnp.asarray(lengths, jnp.int32)
 
 
 def _check_block_tables(block_tables, batch):
@@ -581,7 +575,7 @@ def _check_block_tables(block_tables, batch):
 
 def _check_table_entries(block_tables, lengths, page_size, num_pages):
     """The table entries a sequence reads must name pages of the pool (when concrete)."""
-    tables, lens = _concrete(block_tables), _concrete(lengths)
+    tables, lens = api._concrete(block_tables), api._concrete(lengths)
     if tables is None or lens is None:
         return
     _check_pages(tables, 0, -(-lens // page_size), num_pages, lambda b: f"has {lens[b]} keys")
@@ -606,8 +600,8 @@ def _check_placements(block_tables, positions, counts, q_len, page_size, num_pag
     """write_to_pages' concrete positions and counts (int32 (B,), checked) and table entries:
     each token written must have a slot of its sequence and a page of the pool. Traced ones
     are left to the write, which drops what it cannot place."""
-    pos = _concrete(positions)
-    num = None if counts is None else _concrete(counts)
+    pos = api._concrete(positions)
+    num = None if counts is None else api._concrete(counts)
     if num is not None and ((num < 0) | (num > q_len)).any():
         raise ValueError(f"counts={num.tolist()} must lie in [0, T={q_len}] (key.shape[1])")
     if pos is None:
@@ -630,7 +624,7 @@ def _check_placements(block_tables, positions, counts, q_len, page_size, num_pag
             f"be <= block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity} "
             f"(the slots of sequence {b})"
         )
-    tables = _concrete(block_tables)
+    tables = api._concrete(block_tables)
     if tables is None:
         return
     first = np.where(num > 0, pos // page_size, 0)

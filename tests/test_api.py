@@ -42,6 +42,28 @@ INVALID_CALLS = [
     ("kv-length", dict(v_shape=(B, S + 1, K, H)), {}, ValueError, "value.shape=\\(2, 12,"),
     ("kv-heads", dict(v_shape=(B, S, K + 1, H)), {}, ValueError, "value.shape=\\(2, 11, 3,"),
     ("v-head-dim", dict(v_shape=(B, S, K, H + 4)), {}, ValueError, "value head_dim=20"),
+    # Rank-3 inputs are quoted as passed, not with the batch axis added inside.
+    (
+        "unbatched-heads",
+        dict(q_shape=(T, N, H), k_shape=(S, 3, H)),
+        {},
+        ValueError,
+        r"num_heads=4 \(query.shape=\(9, 4, 16\)\).*num_kv_heads=3 \(key.shape=\(11, 3, 16\)\)",
+    ),
+    (
+        "unbatched-kv-length",
+        dict(q_shape=(T, N, H), k_shape=(S, K, H), v_shape=(S + 1, K, H)),
+        {},
+        ValueError,
+        r"key.shape=\(11, 2, 16\) and value.shape=\(12, 2, 16\) must agree on \[S, K\]",
+    ),
+    (
+        "unbatched-head-dim",
+        dict(q_shape=(T, N, 20), k_shape=(S, K, 20)),
+        {},
+        ValueError,
+        r"head_dim=20 \(value.shape=\(11, 2, 20\)\)",
+    ),
     ("heads", dict(k_shape=(B, S, 3, H)), {}, ValueError, "num_heads=4.*num_kv_heads=3"),
     ("head-dim", dict(k_shape=(B, S, K, H + 8)), {}, ValueError, "head dims differ.*H=24"),
     (
@@ -137,6 +159,20 @@ def test_invalid_call_raises_before_tracing(no_compute, array_kwargs, call_kwarg
     q, k, v = arrays(**array_kwargs)
     with pytest.raises(error, match=message):
         pallas_flash.flash_attention(q, k, v, **call_kwargs)
+
+
+def test_backward_errors_quote_the_shapes_passed(no_compute):
+    """flash_attention_backward's residuals of rank-3 calls are checked and quoted as passed."""
+    q, k, v = arrays((T, N, H), (S, K, H))
+    out, lse = np.zeros((T, N, H), np.float32), np.zeros((N, T), np.float32)
+    with pytest.raises(ValueError, match=r"lse.shape=\(4, 8\) must be \(4, 9\) for this query"):
+        pallas_flash.flash_attention_backward(q, k, v, out, lse[:, :8], out)
+    with pytest.raises(ValueError, match=r"d_out.shape=\(1, 9, 4, 16\) must be \(9, 4, 16\)"):
+        pallas_flash.flash_attention_backward(q, k, v, out, lse, out[None])
+    with pytest.raises(ValueError, match=r"log_sum.shape=\(2, 4, 9\) must be \(4, 9\)"):
+        pallas_flash.flash_attention_backward(
+            q, k, v, out, lse, out, log_sum=np.zeros((2, N, T), np.float32)
+        )
 
 
 def test_non_array_input_raises(no_compute):

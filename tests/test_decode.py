@@ -253,6 +253,32 @@ def test_unsplit_eager_and_lengths_past_capacity():
     np.testing.assert_array_equal(past(problem["lengths"].at[0].add(50))[0], result[0])
 
 
+@pytest.mark.parametrize("path", backend_paths(gpu=False))
+def test_traced_lengths_outside_the_cache_are_clamped(path):
+    """Lengths under jit are not read: past the capacity they act as the capacity, below 0 as
+    0 (no key), on the contiguous and the paged cache (concrete ones raise:
+    test_validation_*)."""
+    q, k, v, _ = _arrays(t=2, s=16)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+    pages, tables = k.reshape(4, 8, 2, 32), jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    contiguous = jax.jit(
+        lambda lengths: pallas_flash.decode_attention(
+            q, k, v, key_value_seq_lengths=lengths, return_residuals=True, **path.kwargs
+        )
+    )
+    paged = jax.jit(
+        lambda lengths: pallas_flash.paged_attention(
+            q, pages, pages, tables, lengths, return_residuals=True, **path.kwargs
+        )
+    )
+    for attend in (contiguous, paged):
+        want = attend(jnp.asarray([16, 0]))
+        assert np.isneginf(np.asarray(want[1])[1]).all() and np.isfinite(want[1][0]).all()
+        for x, y in zip(attend(jnp.asarray([23, -5])), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def test_gradient_through_the_reference():
     c = Case((20, 9), 2, 4, 2, 32, 24)
     problem, _ = make_problem(c)

@@ -13,7 +13,7 @@ from jax.interpreters import ad
 
 from pallas_flash import _dropout, _host_only, dispatch, masks
 from pallas_flash import device as device_lib
-from pallas_flash._numerics import log_sum_with_sinks
+from pallas_flash._numerics import accumulation_dtype, log_sum_with_sinks
 from pallas_flash._vjp import (
     KernelConfig,
     flash_attention_kernels,
@@ -27,7 +27,7 @@ from pallas_flash.masks import MaskSpec
 from pallas_flash.reference import reference_backward, with_sinks
 from pallas_flash.triton import BlockSizes
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 MAX_HEAD_DIM = 256
 
 
@@ -72,8 +72,9 @@ def flash_attention(
     usually H; multi-head latent attention takes H = 192, Hv = 128). The forwards (Mosaic,
     Triton, "xla") and the Mosaic backward take Hv natively: P.V, dO.V^T, dV and the output
     cost Hv columns, not H; the Triton backward runs on q, k and v zero-padded to max(H, Hv).
-    Dtypes are float16, bfloat16 or float32 (all three arrays the same). Softmax and
-    accumulation run in float32.
+    Dtypes are float16, bfloat16 or float32 (all three arrays the same), or float64 under
+    jax_enable_x64 on backend="xla" (which backend=None picks for it) and in the interpreter.
+    Softmax and accumulation run in float32 (float64 for float64 inputs).
 
     Args:
       query, key, value: the arrays above.
@@ -127,10 +128,10 @@ def flash_attention(
         when dropout_rate > 0; with dropout_rate 0 it is checked and unused.
       dropout_broadcast: one keep-mask over (query, key) shared by every batch entry and head
         (Flax's `broadcast_dropout`); False (the default) draws one per batch entry and head.
-      return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of each
-        query row's logits (scaled, biased, soft-capped, masked; the sink included). Gradients
-        flow through both outputs.
-      return_log_sum: with return_residuals, also return log_sum, float32 (B, N, T): the
+      return_residuals: also return lse, float32 (B, N, T) (float64 for float64 inputs): the
+        natural-log logsumexp of each query row's logits (scaled, biased, soft-capped, masked;
+        the sink included). Gradients flow through both outputs.
+      return_log_sum: with return_residuals, also return log_sum, lse's dtype (B, N, T): the
         natural log of each row's softmax denominator relative to its largest logit (or its
         sink, if larger), so that lse = max + log_sum; 0 for rows that see no key. It is what
         `flash_attention_backward(..., log_sum=)` needs beside lse for exact gradients where
@@ -254,7 +255,8 @@ def flash_attention(
         sink_args = ()
         if sinks is not None:
             b, _, n, _ = call.query.shape
-            sink_args = (jnp.broadcast_to(jnp.asarray(sinks).astype(jnp.float32), (b, n)),)
+            dtype = accumulation_dtype(call.query.dtype)
+            sink_args = (jnp.broadcast_to(jnp.asarray(sinks).astype(dtype), (b, n)),)
         kernels = (
             flash_attention_kernels_with_log_sum if return_log_sum else flash_attention_kernels
         )
@@ -303,13 +305,13 @@ def flash_attention_backward(
     lse): the result is then this call's share of that softmax's gradients. Same backends and
     kernel choice as `flash_attention`; no bias, mask or sinks.
 
-    log_sum: None, or float32 (B, N, T) (the shape of lse): the forward's log softmax
-    denominator relative to each row's max, from `flash_attention(..., return_residuals=True,
-    return_log_sum=True)` (of the larger softmax, when out and lse are). Every backward clamps
-    the recomputed P at 1 / exp(log_sum), so that keys tying at a row's max get exactly
-    1 / (number of ties) at any logit magnitude, as in the call's own gradients. Without it
-    the clamp is P <= 1: exact for one dominant logit, approximate (finite) where the largest
-    logits exceed about 1e6 in magnitude and tie.
+    log_sum: None, or (B, N, T) in lse's dtype (float32; float64 for float64 inputs): the
+    forward's log softmax denominator relative to each row's max, from
+    `flash_attention(..., return_residuals=True, return_log_sum=True)` (of the larger softmax,
+    when out and lse are). Every backward clamps the recomputed P at 1 / exp(log_sum), so that
+    keys tying at a row's max get exactly 1 / (number of ties) at any logit magnitude, as in
+    the call's own gradients. Without it the clamp is P <= 1: exact for one dominant logit,
+    approximate (finite) where the largest logits exceed about 1e6 in magnitude and tie.
     """
     _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse, log_sum)
     call = _plan(
@@ -345,12 +347,13 @@ def flash_attention_backward(
     ):
         if x is not None and tuple(getattr(x, "shape", ())) != shape[given]:
             raise ValueError(f"{name}.shape={_shape_of(x)} must be {shape[given]} for this query")
+    rows = accumulation_dtype(q.dtype)  # lse's dtype
     if log_sum is not None:
-        _check_log_sum(log_sum, lse_shape[given])
+        _check_log_sum(log_sum, lse_shape[given], rows)
         log_sum = batched(log_sum)
     out, d_out, lse = batched(out), batched(d_out), batched(lse)
-    d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
-    lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
+    d_lse = jnp.zeros(lse_shape, rows) if d_lse is None else batched(d_lse)
+    lse, d_lse = lse.astype(rows), d_lse.astype(rows)
     args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
     if call.config is None:
         dq, dk, dv, _ = reference_backward(
@@ -534,14 +537,7 @@ def _canonical_arrays(query, key, value):
             f"[T|S, N|K, H]; got query.shape={query.shape}, key.shape={key.shape}, "
             f"value.shape={value.shape}"
         )
-    for name, x in arrays.items():
-        if not any(x.dtype == d for d in _FLOAT_DTYPES):
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"query, key and value must share a dtype; got query.dtype={query.dtype}, "
-            f"key.dtype={key.dtype}, value.dtype={value.dtype}"
-        )
+    _check_dtypes(arrays)
     # The checks read the shapes as passed (rank 3 or 4), which the messages quote.
     unbatched = query.ndim == 3
     t, n, h = query.shape[-3:]
@@ -582,6 +578,25 @@ def _canonical_arrays(query, key, value):
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     return query, key, value, unbatched
+
+
+def _check_dtypes(arrays: dict):
+    """The dtypes of query, key and value ({name: array}, in that order; decode names its
+    caches): one float dtype, float64 only where jax computes in it (jax_enable_x64)."""
+    for name, x in arrays.items():
+        if not any(x.dtype == d for d in _FLOAT_DTYPES):
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64")
+    if len({x.dtype for x in arrays.values()}) > 1:
+        *first, last = arrays
+        names = f"{', '.join(first)} and {last}"
+        got = ", ".join(f"{name}.dtype={x.dtype}" for name, x in arrays.items())
+        raise TypeError(f"{names} must share a dtype; got {got}")
+    name, x = next(iter(arrays.items()))
+    if x.dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"{name}.dtype=float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', "
+            "True), or within `with jax.enable_x64(True):`): without it jax computes in float32"
+        )
 
 
 def _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret):
@@ -752,16 +767,18 @@ def _canonical_dropout(rate, rng) -> float:
     return rate
 
 
-def _check_log_sum(log_sum, shape):
-    """log_sum of flash_attention_backward: float32 of lse's shape."""
+def _check_log_sum(log_sum, shape, dtype):
+    """log_sum of flash_attention_backward: lse's dtype (float32, float64 for float64 calls)
+    and shape."""
+    dtype = jnp.dtype(dtype)
     if not hasattr(log_sum, "shape") or not hasattr(log_sum, "dtype"):
         raise TypeError(
-            f"log_sum must be a float32 array of shape {shape} (flash_attention's with "
+            f"log_sum must be a {dtype} array of shape {shape} (flash_attention's with "
             f"return_log_sum=True) or None, got {type(log_sum).__name__}"
         )
-    if log_sum.dtype != jnp.float32:
+    if log_sum.dtype != dtype:
         raise TypeError(
-            f"log_sum.dtype={log_sum.dtype} must be float32 (flash_attention's log_sum, as it "
+            f"log_sum.dtype={log_sum.dtype} must be {dtype} (flash_attention's log_sum, as it "
             "returns it)"
         )
     if tuple(log_sum.shape) != tuple(shape):

@@ -14,7 +14,7 @@ import numpy as np
 
 from pallas_flash import _partition, api, dispatch
 from pallas_flash import device as device_lib
-from pallas_flash._numerics import merge_weights
+from pallas_flash._numerics import accumulation_dtype, merge_weights
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
@@ -75,8 +75,9 @@ def decode_attention(
 
     Args:
       query, key_cache, value_cache: the arrays above; float16, bfloat16 or float32, all the
-        same; H a multiple of 8 up to 256. The new tokens' keys and values must already be in
-        the cache (at positions L - T .. L - 1).
+        same (float64 as in `flash_attention`: backend="xla" or interpret=True); H a multiple
+        of 8 up to 256. The new tokens' keys and values must already be in the cache (at
+        positions L - T .. L - 1).
       key_value_seq_lengths: int array (B,): L of each sequence, 0 <= L <= S (checked when
         concrete; under jit, clipped to [0, S]). Tokens at positions < 0 (L < T) see no key.
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
@@ -361,12 +362,13 @@ class _KernelShard:
         lengths = jnp.clip(lengths, 0, slots * jax.lax.psum(1, axes))
         behind = lengths - index * slots  # each sequence's keys from this device's first slot
         held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
-        full = dataclasses.replace(config, with_log_sum=True, out_dtype="float32")
+        acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
+        full = dataclasses.replace(config, with_log_sum=True, out_dtype=jnp.dtype(acc).name)
         out, lse, log_sum = call((q, k, v, held, None, ahead), full)
         parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
         weight = jnp.take(weights, index, axis=0)  # [B, N, T]
-        out = out.astype(jnp.float32) * jnp.swapaxes(weight, 1, 2)[..., None]
+        out = out.astype(acc) * jnp.swapaxes(weight, 1, 2)[..., None]
         out = jax.lax.psum(out, axes).astype(q.dtype)
         seen = jnp.isfinite(parts_lse)
         maxima = jnp.where(seen, parts_lse - parts_log_sum, -jnp.inf)
@@ -478,7 +480,7 @@ class _Options:
                 "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
             )
         device = None if interpret or backend == "xla" else device_lib.target_device()
-        backend = dispatch.kernel_backend(backend, device, interpret)
+        backend = dispatch.kernel_backend(backend, device, interpret, query.dtype)
         backend = "triton" if backend == "auto" else backend
         if block_sizes is not None and backend == "xla":
             raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
@@ -512,13 +514,7 @@ def _check_arrays(query, key, value, names):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4, got {name}.shape={x.shape}")
-        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"query, {k_name} and {v_name} must share a dtype; got query.dtype={query.dtype}, "
-            f"{k_name}.dtype={key.dtype}, {v_name}.dtype={value.dtype}"
-        )
+    api._check_dtypes(arrays)
     if key.shape != value.shape:
         raise ValueError(
             f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"

@@ -440,6 +440,11 @@ def _check_ring_arrays(fn: str, query, key, value):
                 f"{name}.shape={getattr(x, 'shape', None)}"
             )
     _canonical_arrays(query, key, value)
+    if query.dtype == jnp.float64:
+        raise NotImplementedError(
+            f"{fn} with dtype float64: the ring merges its blocks' results in float32; float64 "
+            "runs in flash_attention on the whole sequence (backend='xla' or interpret=True)"
+        )
 
 
 def _check_global_sequences(query, key, num_shards: int, context_axis, kwargs):

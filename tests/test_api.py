@@ -175,6 +175,63 @@ def test_backward_errors_quote_the_shapes_passed(no_compute):
         )
 
 
+def test_float64_needs_jax_enable_x64(no_compute):
+    """Without x64 jax computes float64 arrays in float32: refused, naming the switch."""
+    q, k, v = arrays(dtypes=(np.float64,) * 3)
+    with pytest.raises(TypeError, match=r"query.dtype=float64 needs jax_enable_x64"):
+        pallas_flash.flash_attention(q, k, v)
+    with pytest.raises(TypeError, match=r"query.dtype=float64 needs jax_enable_x64"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=np.array([S, 3]))
+
+
+def test_float64_on_a_gpu_runs_xla_or_names_the_paths_that_take_it(monkeypatch):
+    """Chosen for an H200: backend=None runs float64 on "xla" (as on a CPU), the GPU kernels
+    refuse it before tracing, naming the paths that take it."""
+    monkeypatch.setattr(api.device_lib, "target_device", Device.h200)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in arrays())
+        lengths = np.array([S, 3])
+        for attention, kwargs in (
+            (pallas_flash.flash_attention, dict(is_causal=True)),
+            (pallas_flash.decode_attention, dict(key_value_seq_lengths=lengths)),
+        ):
+            want = attention(q, k, v, backend="xla", **kwargs)
+            assert want.dtype == jnp.float64
+            assert_bitwise_equal(attention(q, k, v, **kwargs), want)
+        paths = r"float64 runs on backend='xla' .* or in the Pallas interpreter \(interpret=True\)"
+        for backend in ("triton", "mosaic"):
+            with pytest.raises(
+                NotImplementedError, match=f"dtype float64 with backend='{backend}'"
+            ):
+                pallas_flash.flash_attention(q, k, v, backend=backend)
+        with pytest.raises(NotImplementedError, match=f"backend='triton': {paths}"):
+            pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths, backend="triton")
+        with pytest.raises(ValueError, match=r"runs the 'xla' backend here \(float64 inputs\)"):
+            pallas_flash.flash_attention(q, k, v, block_sizes=pallas_flash.BlockSizes())
+
+
+def test_float64_split_kernels_compute_in_float64():
+    """The Triton forward in float64 (interpreter, x64 on in this test only), one KV loop and
+    split in two with its XLA merge and sinks: the float64 reference's values to float64's
+    rounding (float32 accumulators would leave ~1e-7)."""
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.standard_normal(x.shape)) for x in arrays())
+        sinks = jnp.asarray([0.3, -1.0, 2.0, 0.0])
+        want = pallas_flash.flash_attention(
+            q, k, v, sinks=sinks, return_residuals=True, backend="xla"
+        )
+        for splits in (1, 2):
+            tiles = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=splits)
+            got = pallas_flash.flash_attention(
+                q, k, v, sinks=sinks, return_residuals=True, interpret=True, block_sizes=tiles
+            )
+            for x, y in zip(got, want, strict=True):
+                assert x.dtype == jnp.float64
+                np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-13)
+    assert not jax.config.jax_enable_x64
+
+
 def test_non_array_input_raises(no_compute):
     q, k, v = arrays()
     with pytest.raises(TypeError, match="key must be an array, got list"):

@@ -279,6 +279,38 @@ def test_traced_lengths_outside_the_cache_are_clamped(path):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_float64_kernels_compute_in_float64():
+    """Float64 (x64 on in this test only) in the interpreter: the split kernel with the XLA
+    merge (contiguous) and with the merge kernel (paged, the balanced schedule) agree with the
+    float64 reference to float64's rounding (float32 accumulators would leave ~1e-7)."""
+    rng = np.random.default_rng(6)
+    with jax.enable_x64(True):
+        q = jnp.asarray(rng.standard_normal((2, 2, 4, 16)))
+        pages = [jnp.asarray(rng.standard_normal((12, 8, 2, 16))) for _ in range(2)]
+        tables = jnp.asarray([[6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5]])
+        k, v = (jnp.concatenate([x[6:], x[:6]]).reshape(2, 48, 2, 16) for x in pages)
+        lengths = jnp.asarray([45, 30])
+        tiles = DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=3)
+        calls = {
+            "contiguous": lambda **kw: pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=lengths, return_residuals=True, **kw
+            ),
+            "paged": lambda **kw: pallas_flash.paged_attention(
+                q, *pages, tables, lengths, return_residuals=True, **kw
+            ),
+        }
+        for (name, call), merge, schedule in zip(
+            calls.items(), ("xla", "kernel"), ("sequence", "balanced"), strict=True
+        ):
+            want = call(backend="xla")
+            split = dataclasses.replace(tiles, merge=merge, schedule=schedule)
+            got = call(interpret=True, block_sizes=split)
+            for x, y in zip(got, want, strict=True):
+                assert x.dtype == jnp.float64, name
+                np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-13, err_msg=name)
+    assert not jax.config.jax_enable_x64
+
+
 def test_gradient_through_the_reference():
     c = Case((20, 9), 2, 4, 2, 32, 24)
     problem, _ = make_problem(c)

@@ -983,6 +983,8 @@ if CHILD:
             call(q[:, :8], k[:, :10], v[:, :10])
         with pytest.raises(ValueError, match=r"ring_attention_sharded takes batched key"):
             call(q, k[0], v)
+        with jax.enable_x64(True), pytest.raises(NotImplementedError, match="dtype float64"):
+            call(*(x.astype(jnp.float64) for x in (q, k, v)))
 
     def test_ring_lengths_follow_the_one_rule():
         """Concrete global lengths outside [0, T] / [0, S] raise, before the shard_map

@@ -62,6 +62,25 @@ def fold(lo, hi, body, carry):
     return lax.fori_loop(int32(lo), int32(hi), body, carry)
 
 
+def div(a, b):
+    """a // b of non-negative integers (scalars or arrays) in int32: lax.div, since jnp's floor
+    division lowers to a comparison Triton rejects; int32 also under jax_enable_x64, where a
+    Python int is int64 and lax.div refuses the mix."""
+    int32 = functools.partial(lax.convert_element_type, new_dtype=jnp.int32)
+    return lax.div(int32(a), int32(b))
+
+
+def cdiv(a, b):
+    """ceil(a / b) of non-negative integers in int32, as `div`."""
+    return div(a + b - 1, b)
+
+
+def rem(a, b):
+    """a % b of non-negative integers in int32, as `div`."""
+    int32 = functools.partial(lax.convert_element_type, new_dtype=jnp.int32)
+    return lax.rem(int32(a), int32(b))
+
+
 # -- compiler params ------------------------------------------------------------------------------
 # The Pallas Triton backend warns "deprecated" each time a kernel is lowered for a GPU. Our users
 # did not choose that backend, so the library silences exactly that warning for its own kernels:

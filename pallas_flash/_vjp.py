@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import _partition
-from pallas_flash._numerics import sink_probability
+from pallas_flash._numerics import accumulation_dtype, sink_probability
 from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
@@ -243,7 +243,7 @@ def key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse):
     (1 - P_sink) d_lse: d_lse itself without sinks, 0 for rows that see no key. The kernels'
     sum of dS cancels to noise in 16-bit inputs (P rounded for P V in the forward, not in the
     backward); this is exact, and is what the XLA path's autodiff computes."""
-    f32 = jnp.float32
+    f32 = accumulation_dtype(lse.dtype)
     rows = jnp.where(jnp.isneginf(lse), 0.0, d_lse.astype(f32))  # [B, N, T]
     if sinks is not None:
         sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])
@@ -262,7 +262,7 @@ def sink_gradient(sinks, out, lse, log_sum, d_out, d_lse):
     [B, N]: the sink's probability P_sink (`_numerics.sink_probability`) gives d lse / d sink =
     P_sink and d out / d sink = -P_sink out, so d sink = -sum over rows of P_sink
     (rowsum(dO * out) - d_lse). A row that sees no key has P_sink = 1."""
-    f32 = jnp.float32
+    f32 = accumulation_dtype(lse.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32)) - d_lse
     return -jnp.sum(sink_probability(sinks, lse, log_sum) * delta, axis=-1)
 

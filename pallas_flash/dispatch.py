@@ -5,7 +5,8 @@ asked for, asks each backend package why it cannot run the call (`why_not_*`, a 
 and returns the `KernelConfig` that `_vjp` runs, or None for the plain-jnp "xla" path. The public
 API, the tuner and the decode API all choose here.
 
-With backend=None on a GPU of compute capability >= 8.0:
+With backend=None on a GPU of compute capability >= 8.0 ("xla" for float64 inputs, as on a CPU:
+`kernel_backend`):
 
 - Forward: the decode kernel (flash-decoding, `triton.decode.few_token_forward`) for a few
   query tokens over a longer key sequence (`few_tokens_on_decode`), in the interpreter too;
@@ -28,6 +29,8 @@ With backend=None on a GPU of compute capability >= 8.0:
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from pallas_flash import mosaic, triton, tune_cache
 from pallas_flash._vjp import KernelConfig
@@ -98,15 +101,34 @@ DECODE_ROUTE_MIN_KV_LEN = 64
 DECODE_ROUTE_MIN_BATCH_KEYS = {1: 512, DECODE_ROUTE_MAX_Q_LEN: 8192}
 
 
-def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
-    """What `backend` runs on `device` (None: no NVIDIA GPU): "xla", "triton", "mosaic", or
-    "auto" (None on a capable GPU: `choose` picks the kernels per call). Raises ValueError for
-    a backend the device cannot run."""
+# Float64 runs on the plain-jnp reference and in the Pallas interpreter only: the GPU kernels'
+# tiles, shared-memory budgets and matrix-unit paths are those of 16- and 32-bit inputs.
+FLOAT64_PATHS = (
+    "float64 runs on backend='xla' (backend=None picks it) or in the Pallas interpreter "
+    "(interpret=True); the Triton GPU kernels take float16, bfloat16 and float32, the Mosaic GPU "
+    "kernels bfloat16 and float16"
+)
+
+
+def kernel_backend(
+    backend: str | None, device: Device | None, interpret: bool | None, dtype
+) -> str:
+    """What `backend` runs on `device` (None: no NVIDIA GPU) for inputs of `dtype`: "xla",
+    "triton", "mosaic", or "auto" (None on a capable GPU: `choose` picks the kernels per call).
+    Raises ValueError for a backend the device cannot run, NotImplementedError for float64 on
+    a GPU kernel (`FLOAT64_PATHS`).
+
+    backend=None with float64 inputs runs "xla" on a GPU as elsewhere: float64 is for checking
+    (`jax.test_util.check_grads`, oracles), where the exact reference is what is wanted, and
+    the same call then runs on a laptop and on a GPU host."""
     if interpret:
         return "triton"
     triton_gap = triton.why_not_device(device)
+    float64 = jnp.dtype(dtype) == jnp.float64
     if backend is None:
-        return "auto" if triton_gap is None else "xla"
+        return "auto" if triton_gap is None and not float64 else "xla"
+    if float64 and backend in ("triton", "mosaic") and device is not None:
+        raise NotImplementedError(f"dtype float64 with backend={backend!r}: {FLOAT64_PATHS}")
     if backend == "triton" and triton_gap:
         raise ValueError(
             f"backend='triton' {triton_gap}; pass interpret=True to run the kernels in the "
@@ -149,17 +171,20 @@ def choose(
       ValueError: a backend the device cannot run, or block_sizes where "xla" runs.
       NotImplementedError: backend="mosaic" for a call its forward does not run.
     """
-    kind = kernel_backend(backend, device, interpret)
+    kind = kernel_backend(backend, device, interpret, call.dtype)
     # The Triton backward runs a value head dim Hv != H at max(H, Hv) (its wrapper zero-pads)
     # and the Triton forward shares its BlockSizes: Triton's tiles are that head dim's.
     one_head_dim = call.common_head_dim()
     if kind == "xla":
         if block_sizes is not None:
             found = "none" if device is None else device.compute_capability
+            why = f"no NVIDIA GPU of compute capability >= 8.0; found {found}"
+            if jnp.dtype(call.dtype) == jnp.float64 and triton.why_not_device(device) is None:
+                why = "float64 inputs"
             raise ValueError(
                 "block_sizes configures the Triton kernels, but backend=None runs the 'xla' "
-                f"backend here (no NVIDIA GPU of compute capability >= 8.0; found {found}): pass "
-                "interpret=True to run the kernels in the Pallas interpreter, or block_sizes=None"
+                f"backend here ({why}): pass interpret=True to run the kernels in the Pallas "
+                "interpreter, or block_sizes=None"
             )
         return None
     interpret = bool(interpret)

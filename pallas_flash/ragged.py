@@ -125,7 +125,7 @@ def ragged_paged_attention(
             "backend='triton' or None"
         )
     device = None if interpret or backend == "xla" else device_lib.target_device()
-    backend = dispatch.kernel_backend(backend, device, interpret)
+    backend = dispatch.kernel_backend(backend, device, interpret, q.dtype)
     backend = "triton" if backend == "auto" else backend
     if block_sizes is not None and backend == "xla":
         raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
@@ -270,7 +270,10 @@ def _check_arrays(q, k_pages, v_pages):
         if x.ndim != rank:
             raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
         if not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
+            raise TypeError(
+                f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64 (with "
+                "jax_enable_x64)"
+            )
     if not (q.dtype == k_pages.dtype == v_pages.dtype):
         raise TypeError(
             f"q, k_pages and v_pages must share a dtype; got q.dtype={q.dtype}, "

@@ -85,7 +85,9 @@ def rem(a, b):
 # The Pallas Triton backend warns "deprecated" each time a kernel is lowered for a GPU. Our users
 # did not choose that backend, so the library silences exactly that warning for its own kernels:
 # the kernels carry a subclass of the Triton compiler params whose lowering rule wraps the stock
-# rule in a warnings filter. Other Pallas Triton kernels keep their warning.
+# rule in a warnings filter. Other Pallas Triton kernels keep their warning. jax has no public
+# way to register that rule: it goes through Pallas' private registry (docs/design.md, "Private
+# jax"), and a jax without that registry gets the stock params, warning included.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +95,19 @@ class CompilerParams(plgpu.CompilerParams):
     """Triton compiler params for pallas_flash's own kernels."""
 
 
-def _register_quiet_lowering():
-    from jax._src.pallas import core as pallas_core
-    from jax._src.pallas.triton import pallas_call_registration  # noqa: F401  registers the rule
+def _register_quiet_lowering() -> bool:
+    """Registers CompilerParams' lowering rule: the stock Triton rule (registered by importing
+    `jax.experimental.pallas.triton`) without its deprecation warning. False where Pallas has
+    no such registry or no stock rule."""
+    try:
+        from jax._src.pallas import core as pallas_core
 
-    stock_rule = pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
+        stock_rule = pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
+        register = pallas_core.register_lowering_rule
+    except (ImportError, AttributeError):
+        return False
+    if stock_rule is None:
+        return False
 
     def quiet_rule(*args, **kwargs):
         with warnings.catch_warnings():
@@ -108,7 +118,9 @@ def _register_quiet_lowering():
             )
             return stock_rule(*args, **kwargs)
 
-    pallas_core.register_lowering_rule(CompilerParams, quiet_rule, "gpu")
+    register(CompilerParams, quiet_rule, "gpu")
+    return True
 
 
-_register_quiet_lowering()
+if not _register_quiet_lowering():
+    CompilerParams = plgpu.CompilerParams  # a subclass without a rule could not lower

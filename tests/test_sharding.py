@@ -507,6 +507,66 @@ if CHILD:
         want = jax.jit(jax.value_and_grad(functools.partial(loss, backend="xla"), (0, 1, 2)))
         _assert_close(sharded(q, k, v), want(q, k, v), atol=1e-4)
 
+    def test_vmapped_backward_with_a_shared_cotangent_stays_partitioned():
+        """jax.vmap over flash_attention_backward with one d_lse for every mapped call (unbatched,
+        as jax hands a zero cotangent over): it is broadcast along the mapped axis and the
+        kernels still run per shard, with no collective."""
+        q, k, v, d_out = _inputs(4, 16, 16, 8, 4)
+        q, k, v, d_out = (x.reshape(2, 2, *x.shape[1:]) for x in (q, k, v, d_out))
+        call = functools.partial(
+            pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="xla"
+        )
+        out, lse = jax.vmap(call)(q, k, v)
+        d_lse = jnp.linspace(-1.0, 1.0, 2 * 8 * 16, dtype=jnp.float32).reshape(2, 8, 16)
+
+        def grads(q, k, v, out, lse, d_out, **kwargs):
+            backward = functools.partial(
+                pallas_flash.flash_attention_backward, is_causal=True, **kwargs
+            )
+            return jax.vmap(backward, in_axes=(0,) * 6 + (None,))(q, k, v, out, lse, d_out, d_lse)
+
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        spec = NamedSharding(mesh, P(None, "data", None, "model"))
+        rows = NamedSharding(mesh, P(None, "data", "model"))
+        sharded = jax.jit(
+            functools.partial(grads, **INTERPRET), in_shardings=(spec,) * 4 + (rows, spec)
+        )
+        args = (q, k, v, out, lse, d_out)
+        assert _collectives(sharded.lower(*args).compile().as_text()) == []
+        want = jax.jit(functools.partial(grads, backend="xla"))(*args)
+        _assert_close(sharded(*args), want, atol=1e-4)
+
+    def test_key_broadcast_bias_gradient_under_sharding():
+        """A bias broadcast over the keys and the batch [1, N, T, 1] (its gradient in closed
+        form, per shard, no dbias kernel) with sinks, batch and heads sharded: the shards'
+        gradients sum over the batch shards, as the unsharded call's."""
+        q, k, v, d_out = _inputs(4, 24, 24, 8, 4)
+        bias = jnp.asarray(np.random.default_rng(5).standard_normal((1, 8, 24, 1)), jnp.float32)
+
+        def value_and_grads(**kwargs):
+            def attn(q, k, v, bias):
+                return pallas_flash.flash_attention(
+                    q,
+                    k,
+                    v,
+                    bias,
+                    is_causal=True,
+                    sinks=jnp.asarray(SINKS),
+                    return_residuals=True,
+                    **kwargs,
+                )
+
+            return jax.value_and_grad(_loss(attn, d_out), argnums=(0, 1, 2, 3))
+
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+        shardings = (qkv, qkv, qkv, NamedSharding(mesh, P(None, "model")))
+        sharded = jax.jit(value_and_grads(**INTERPRET), in_shardings=shardings)
+        collectives = _collectives(sharded.lower(q, k, v, bias).compile().as_text())
+        assert all(kind == "all-reduce" for kind, _ in collectives), collectives
+        want = jax.jit(value_and_grads(backend="xla"))(q, k, v, bias)
+        _assert_close(sharded(q, k, v, bias), want, atol=1e-4)
+
     def test_explicit_sharding_runs_locally():
         """Sharding in types (jax.make_mesh's default Explicit axes): the same, traced into a
         shard_map over the types' shardings."""

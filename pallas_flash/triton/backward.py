@@ -577,6 +577,7 @@ def flash_backward(
     dropout_rate: float = 0.0,
     log_sum=None,
     row_max=None,
+    bias_gradient: bool = True,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
@@ -588,7 +589,8 @@ def flash_backward(
     with_row_max=True)`, with its log_sum): P is then recomputed relative to it, free of lse's
     float32 rounding (an ulp of |lse| in every P, which float32 inputs with logits in the
     hundreds show); without, relative to lse, one add fewer per element (`recomputed_probs`).
-    dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
+    dbias is None without a bias or with bias_gradient=False, else the bias's shape and dtype
+    (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -704,7 +706,7 @@ def flash_backward(
         name="pallas_flash_backward_dq",
     )(*operands, *extra)
     dbias = None
-    if has_bias:
+    if has_bias and bias_gradient:
         dbias = _dbias(
             q,
             k,

@@ -76,6 +76,11 @@ FUSED_DQ_MASKED_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 # docs/notes/fused-dq.md, "Measurements".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 4096}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
+# Where another card measured otherwise, its own thresholds, by a word of its device kind. H100
+# 80GB HBM3, H=128 with step descriptors, fwd+bwd over the two kernels: plain 1.04x at 2k and
+# 1.08x at 4k, causal 0.89x at 2k and 1.01x at 4k (docs/notes/fused-dq.md, "Measurements");
+# H=64 not measured there.
+FIXED_DQ_MIN_LEN_BY_CARD = {"H100": {64: 4096, 128: 2048}}
 
 
 # flash_attention's forward of at most this many query tokens (T) runs on the decode kernel,
@@ -355,7 +360,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         return tiles
     tiles = mosaic.default_backward_tiles(call)
     if call.deterministic_grads:
-        mode = "fixed" if fixed_dq_is_faster(call) else None
+        mode = "fixed" if fixed_dq_is_faster(call, device) else None
     else:
         mode = "add" if fused_dq_is_faster(call) else None
     if mode is None:
@@ -414,18 +419,21 @@ def _long_enough(call: Call, causal_min_len: dict, min_len: dict) -> bool:
     return least is not None and min(call.q_len, call.kv_len) >= least
 
 
-def fixed_dq_is_faster(call: Call) -> bool:
+def fixed_dq_is_faster(call: Call, device: Device | None = None) -> bool:
     """Whether the Mosaic backward with dQ summed as integers in its dK/dV kernel
-    (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
-    this (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
+    (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on `device`'s card (the
+    H200's thresholds unless `FIXED_DQ_MIN_LEN_BY_CARD` has the card's) for calls like this
+    (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
     self-attention of 2k to 16k tokens in bf16 only. It needs bfloat16, a head dim that is a
     multiple of 64, no dropout and no value head dim of its own (`mosaic.backward.why_not`).
     Calls with a window or segments run it but measured slower (0.80-0.98x with a window of
     1024 keys, 0.80-1.08x with 4 packed documents: its per-row scales cost as much as in a
     plain call, for less work), so they keep two kernels."""
-    return _measured_as(call) == "plain" and _long_enough(
-        call, FIXED_DQ_CAUSAL_MIN_LEN, FIXED_DQ_MIN_LEN
-    )
+    min_len = FIXED_DQ_MIN_LEN
+    for card, lengths in FIXED_DQ_MIN_LEN_BY_CARD.items():
+        if device is not None and card in device.kind:
+            min_len = lengths
+    return _measured_as(call) == "plain" and _long_enough(call, FIXED_DQ_CAUSAL_MIN_LEN, min_len)
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

@@ -11,7 +11,8 @@
 #   mosaicbwd  benchmarks/experiments.py mosaic-backward (MOSAIC_ARGS)
 #   mosaicgqa  benchmarks/experiments.py mosaic-gqa (MQA/GQA, the dK/dV kernel's head splits)
 #   train  benchmarks/device_train.sh (the end-to-end training table)
-#   sweep  the property sweep compiled (tests/test_property.py): SWEEP_PROCS pytest processes
+#   sweep  the property sweep compiled (tests/test_property.py): SWEEP_PROCS (default: as for
+#          TEST_WORKERS=auto) pytest processes
 #          side by side, each with fresh seeds on one gpu path of SWEEP_PATHS in turn (default
 #          "triton default mosaic"; ~12 s per example each, compiling), at most SWEEP_N examples;
 #          the mosaic ones share its pool (PALLAS_FLASH_SWEEP_SHARD); every example logged, not
@@ -41,6 +42,22 @@
 # $OUT/not_reached.txt (`benchmarks/not_reached.py`): the next call's TEST_IDS (carry it in
 # benchmarks/scratch). TEST_IDS=all: every gpu-marked test but the property sweeps (the sweep
 # stage runs those, with fresh seeds), collected here into $OUT/ids.txt.
+# TEST_WORKERS=auto (the default with TEST_IDS) sizes the processes by the GPU's memory:
+#   Each pytest process holds its own CUDA context and libraries (~1 GiB outside XLA's
+#   allocator), and XLA's allocator without preallocation grows to the largest memory a test of
+#   that process ever took and keeps it (its default cap is 75% of the GPU): 15 processes that
+#   each once ran a large test outgrow an 80 GB H100 (96 of 318 tests failed there at 15 with
+#   RESOURCE_EXHAUSTED or the autotuner's "All configs failed during profiling"), not the
+#   141 GB H200. So each process gets a fixed share, TEST_WORKER_GIB (default 9: the H200 ran the
+#   suite at 15 processes, 9.4 GiB each), of memory.total less 2 GiB for the driver:
+#     workers  = min(cores - 1, floor((total - 2) / 9))
+#     fraction = ((total - 2) / workers - 1) / total   (XLA_PYTHON_CLIENT_MEM_FRACTION: the cap)
+#   H200, 140.4 GiB, 16 cores: 15 workers capped at 8.2 GiB (0.058);
+#   H100, 79.6 GiB, 16 cores:   8 workers capped at 8.7 GiB (0.109).
+#   The groups side by side (TEST_WORKERS unset) get the same cap for their count
+#   (`benchmarks/gpu_workers.py` does the arithmetic). A test that still runs out of memory is
+#   run again alone, uncapped, after the others (TEST_RERUN_TIMEOUT, default 90 s, on top of
+#   TEST_TIMEOUT); those the rerun does not reach go to not_reached.txt.
 # The whole gpu-marked suite takes ~1300 s of one H200 at TEST_WORKERS=15: three calls.
 # TEST_GROUPS entries written any:ARGS run unmarked tests too.
 # Everything lands in $OUT; *_TIMEOUT variables cap each stage.
@@ -55,7 +72,14 @@ for stage in ${@:-tests masks grid}; do
       # The float64 numpy oracle, not the GPU, is the bottleneck: the groups (';'-separated pytest
       # arguments, TEST_GROUPS) run side by side, sharing the GPU without preallocation.
       export XLA_PYTHON_CLIENT_PREALLOCATE=false
+      [ -n "${TEST_IDS:-}" ] && TEST_WORKERS=${TEST_WORKERS:-auto}
       if [ -n "${TEST_WORKERS:-}" ]; then
+        # The processes and each one's memory cap, by the GPU's memory (the header).
+        read -r workers fraction <<< "$(python3 benchmarks/gpu_workers.py size \
+          $([ "$TEST_WORKERS" != auto ] && echo "$TEST_WORKERS"))"
+        workers=${workers:-$TEST_WORKERS}
+        echo "$workers test processes, each capped at ${fraction:-0.75} of the GPU's memory"
+        rm -f /tmp/gpu_tests.xml /tmp/memory_failed.txt
         # One pytest spread over TEST_WORKERS processes (pytest-xdist), every group's arguments
         # together; SIGINT at the cap still prints the summary of what ran.
         # One BLAS thread per worker: the oracle's einsums oversubscribe the cores otherwise.
@@ -68,14 +92,32 @@ for stage in ${@:-tests masks grid}; do
         fi
         if [ -n "${TEST_IDS:-}" ]; then run=(python3 -c "$ids_runner" "$TEST_IDS"); else run=(python3 -m pytest); fi
         OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
-        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} "${run[@]}" -n $TEST_WORKERS -v \
+        XLA_PYTHON_CLIENT_MEM_FRACTION=${fraction:-0.75} \
+        timeout -s INT -k 30 ${TEST_TIMEOUT:-280} "${run[@]}" -n $workers -v \
           -m "${TEST_MARK:-gpu}" -p no:cacheprovider -p no:benchmark -rfE --tb=line \
+          --junitxml=/tmp/gpu_tests.xml \
           ${TEST_IDS:+--durations=20} $([ -z "${TEST_IDS:-}" ] && echo ${TEST_GROUPS//;/ }) \
           > $OUT/gpu_tests.log 2>&1
-        unset XLA_PYTHON_CLIENT_PREALLOCATE
         grep -E "FAILED|ERROR|XPASS|passed|failed" $OUT/gpu_tests.log | tail -n 40
+        # Tests that ran out of memory beside the others, again alone with the whole GPU.
+        [ -f /tmp/gpu_tests.xml ] && python3 benchmarks/gpu_workers.py memory-failures \
+          /tmp/gpu_tests.xml > /tmp/memory_failed.txt
+        if [ -s /tmp/memory_failed.txt ]; then
+          echo "-- $(wc -l < /tmp/memory_failed.txt) out of memory beside the others: alone"
+          OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 \
+          XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 \
+          timeout -s INT -k 30 ${TEST_RERUN_TIMEOUT:-90} python3 -c "$ids_runner" \
+            /tmp/memory_failed.txt -n 1 -v -p no:cacheprovider -p no:benchmark -rfE --tb=line \
+            > $OUT/gpu_tests_alone.log 2>&1
+          grep -E "FAILED|ERROR|XPASS|passed|failed" $OUT/gpu_tests_alone.log | tail -n 20
+        fi
+        unset XLA_PYTHON_CLIENT_PREALLOCATE
         if [ -n "${TEST_IDS:-}" ]; then
           python3 benchmarks/not_reached.py "$TEST_IDS" $OUT/gpu_tests.log > $OUT/not_reached.txt
+          if [ -s /tmp/memory_failed.txt ]; then
+            python3 benchmarks/not_reached.py /tmp/memory_failed.txt $OUT/gpu_tests_alone.log \
+              >> $OUT/not_reached.txt
+          fi
         fi
         continue
       fi
@@ -83,6 +125,9 @@ for stage in ${@:-tests masks grid}; do
       IFS=';' read -ra group_list <<< "$groups"
       i=0
       gpus=$(nvidia-smi -L | wc -l)
+      # Every group may share one GPU (all:ARGS groups see each one): each is capped at its share.
+      read -r _ fraction <<< "$(python3 benchmarks/gpu_workers.py size ${#group_list[@]})"
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction
       for g in "${group_list[@]}"; do
         i=$((i + 1))
         # A group written "all:ARGS" sees every GPU (multi-GPU tests).
@@ -96,11 +141,12 @@ for stage in ${@:-tests masks grid}; do
           --tb=line $g > $OUT/gpu_tests_$i.log 2>&1 &
       done
       wait
-      unset XLA_PYTHON_CLIENT_PREALLOCATE CUDA_VISIBLE_DEVICES
+      unset XLA_PYTHON_CLIENT_PREALLOCATE XLA_PYTHON_CLIENT_MEM_FRACTION CUDA_VISIBLE_DEVICES
       for f in $OUT/gpu_tests_*.log; do echo "-- $f"; tail -n 6 $f; done ;;
     sweep)
       mkdir -p $OUT/sweep
-      procs=${SWEEP_PROCS:-14}
+      # As many processes as the GPU's memory holds (the tests stage's arithmetic), each capped.
+      read -r procs fraction <<< "$(python3 benchmarks/gpu_workers.py size ${SWEEP_PROCS:-})"
       read -ra sweep_paths <<< "${SWEEP_PATHS:-triton default mosaic}"
       declare -A sweep_test=([triton]="sweep and triton" [default]="sweep and default"
                              [mosaic]="sweep_mosaic")
@@ -108,8 +154,8 @@ for stage in ${@:-tests masks grid}; do
         path=${sweep_paths[$((i % ${#sweep_paths[@]}))]}
         # The mosaic processes' shares of its pool: the k-th of them takes entries k mod m.
         m=$(( (procs - 1 - i % ${#sweep_paths[@]}) / ${#sweep_paths[@]} + 1 ))
-        XLA_PYTHON_CLIENT_PREALLOCATE=false OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 \
-        PALLAS_FLASH_SWEEP=${SWEEP_N:-100} PALLAS_FLASH_SWEEP_SHARD=$((i / ${#sweep_paths[@]}))/$m \
+        XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=$fraction \
+        OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 PALLAS_FLASH_SWEEP=${SWEEP_N:-100} PALLAS_FLASH_SWEEP_SHARD=$((i / ${#sweep_paths[@]}))/$m \
         PALLAS_FLASH_SWEEP_LOG=$OUT/sweep/$i.jsonl \
         timeout -s INT -k 20 ${SWEEP_TIMEOUT:-280} python3 -m pytest -q -m gpu -p no:cacheprovider \
           -p no:benchmark tests/test_property.py -k "${sweep_test[$path]}" \

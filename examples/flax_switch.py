@@ -5,6 +5,7 @@ same parameters give the same outputs with Flax's attention and with pallas_flas
 run in the Pallas interpreter on a CPU, compiled on an NVIDIA GPU).
 """
 
+import argparse
 import functools
 
 import flax.linen as nn
@@ -14,9 +15,16 @@ import jax.numpy as jnp
 import pallas_flash.device
 import pallas_flash.linen  # pallas_flash (1/3)
 
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument(
+    "--interpret",
+    action="store_true",
+    help="run the kernels in the Pallas interpreter (the default without a GPU)",
+)
+args = parser.parse_args()
 on_gpu = (pallas_flash.device.gpu_compute_capability() or (0, 0)) >= (8, 0)
 flash = functools.partial(  # pallas_flash (2/3)
-    pallas_flash.linen.dot_product_attention, interpret=not on_gpu
+    pallas_flash.linen.dot_product_attention, interpret=args.interpret or not on_gpu
 )
 
 

@@ -60,16 +60,22 @@ def finish(block: train_gpt.Block, x, attn):
     return x + block.down(jax.nn.gelu(block.up(block.ln2(x))))
 
 
-def parse_mesh(text: str):
-    """ "data=2,model=4" -> a mesh of those axes over all devices (automatic sharding)."""
+def mesh_axes(text: str) -> dict[str, int]:
+    """ "data=2,model=4" -> {"data": 2, "model": 4}; ValueError naming what is wrong."""
     axes = {}
     for item in text.split(","):
         name, _, size = item.partition("=")
         if name not in ("data", "model") or name in axes or not size.isdigit() or int(size) < 1:
-            raise SystemExit(
+            raise ValueError(
                 f"--mesh {text}: expected data=N and/or model=M (each once, >= 1), got {item!r}"
             )
         axes[name] = int(size)
+    return axes
+
+
+def parse_mesh(text: str):
+    """ "data=2,model=4" -> a mesh of those axes over all devices (automatic sharding)."""
+    axes = mesh_axes(text)
     devices = int(np.prod(list(axes.values())))
     if devices != jax.device_count():
         raise SystemExit(
@@ -144,8 +150,9 @@ def decode_attention_fn(name: str, interpret: bool):
 def generate(
     model, prompt, new_tokens: int, cache_len: int, attention: str, interpret: bool, mesh=None
 ):
-    """Greedy generation: (tokens [B, new_tokens], seconds per decode step after the first,
-    logits of every step [new_tokens, B, vocab]). mesh: see the module's doc (--mesh)."""
+    """Greedy generation: (tokens [B, new_tokens], seconds per decode step after the first (None
+    below 3 new tokens), logits of every step [new_tokens, B, vocab]). mesh: see the module's
+    doc (--mesh)."""
     graphdef, state = nnx.split(model)
     if mesh is not None:
         state = jax.device_put(state, NamedSharding(mesh, P()))
@@ -173,7 +180,7 @@ def generate(
         if i > 0:  # the first step compiles
             times.append(time.perf_counter() - start)
         length += 1
-    seconds = float(np.median(times)) if times else float("nan")
+    seconds = float(np.median(times)) if times else None  # None: no step after the first
     return jnp.stack(tokens, axis=1), seconds, jnp.stack(all_logits)
 
 
@@ -209,7 +216,9 @@ def main(argv=None):
     parser.add_argument("--attention", choices=["pallas_flash", "xla"], default="pallas_flash")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per sequence")
-    parser.add_argument("--new", type=int, default=16, help="tokens to generate (at least 3)")
+    parser.add_argument(
+        "--new", type=int, default=16, help="tokens to generate (the times need at least 3)"
+    )
     parser.add_argument("--cache", type=int, help="cache capacity (default: prompt + new)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -221,22 +230,34 @@ def main(argv=None):
         "sequences over `data`, the attention heads (and each cache's) over `model`",
     )
     args = parser.parse_args(argv)
-    mesh = parse_mesh(args.mesh) if args.mesh else None
     cfg = train_gpt.PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, kv_heads=args.kv_heads or cfg.kv_heads)
-    if mesh is not None and args.batch % mesh.shape.get("data", 1):
-        raise SystemExit(f"--batch {args.batch} must divide over --mesh {args.mesh}'s data axis")
-    if mesh is not None and cfg.kv_heads % mesh.shape.get("model", 1):
-        raise SystemExit(
-            f"{cfg.kv_heads} kv heads must divide over --mesh {args.mesh}'s model axis"
+    # The arguments' rules, checked before jax sees an array.
+    for name in ("batch", "prompt", "new"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} {getattr(args, name)} must be at least 1")
+    if args.steps < 0:
+        parser.error(f"--steps {args.steps} must be at least 0")
+    if cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads:
+        parser.error(f"--kv-heads {cfg.kv_heads} must divide the {cfg.heads} heads")
+    cache_len = args.cache or args.prompt + args.new
+    if cache_len < args.prompt + args.new:
+        parser.error(
+            f"--cache {cache_len} is smaller than --prompt + --new ({args.prompt + args.new})"
         )
+    try:
+        axes = mesh_axes(args.mesh) if args.mesh else {}
+    except ValueError as e:
+        parser.error(str(e))
+    if args.batch % axes.get("data", 1):
+        parser.error(f"--batch {args.batch} must be a multiple of the mesh's data={axes['data']}")
+    if cfg.kv_heads % axes.get("model", 1):
+        parser.error(f"--kv-heads {cfg.kv_heads} must divide over the mesh's model={axes['model']}")
 
+    mesh = parse_mesh(args.mesh) if args.mesh else None
     on_gpu = (gpu_compute_capability() or (0, 0)) >= (8, 0)
     interpret = not on_gpu  # on a CPU the Pallas kernels run in the interpreter
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
-    cache_len = args.cache or args.prompt + args.new
-    if cache_len < args.prompt + args.new:
-        raise SystemExit(f"--cache {cache_len} is smaller than prompt + new tokens")
 
     train_attention = train_gpt.attention_fn("pallas_flash", interpret)
     model = train_gpt.GPT(cfg, train_attention, dtype, nnx.Rngs(args.seed))
@@ -257,19 +278,25 @@ def main(argv=None):
         prompt=args.prompt,
         new=args.new,
         cache=cache_len,
-        step_ms=round(step_s * 1e3, 3),
-        tokens_per_s=round(args.batch / step_s, 1),
-        attention_share=round(max(0.0, 1.0 - bare_s / step_s), 3),
+        # The step's times, from the decode steps after the first (which compiles): null
+        # below 3 new tokens.
+        step_ms=round(step_s * 1e3, 3) if step_s is not None else None,
+        tokens_per_s=round(args.batch / step_s, 1) if step_s is not None else None,
+        attention_share=(
+            round(max(0.0, 1.0 - bare_s / step_s), 3)
+            if step_s is not None and bare_s is not None
+            else None
+        ),
         train_steps=args.steps,
         mesh=args.mesh,
-        train_loss=[round(x, 4) for x in losses[:1] + losses[-1:]],
+        train_loss=[train_gpt.finite_or_none(round(x, 4)) for x in losses[:1] + losses[-1:]],
     )
     print(
         f"GPT {args.preset} ({cfg.layers} layers, {cfg.heads} heads, {cfg.kv_heads} kv) on "
         f"{where}: {args.new} tokens x {args.batch} sequences",
         flush=True,
     )
-    print("summary " + json.dumps(summary), flush=True)
+    print("summary " + json.dumps(summary, allow_nan=False), flush=True)
     return dict(
         summary, tokens=np.asarray(tokens), logits=np.asarray(logits), prompt=prompt, model=model
     )

@@ -12,8 +12,12 @@ import jax.numpy as jnp
 import pallas_flash
 import pallas_flash.device
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--interpret", action="store_true")
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument(
+    "--interpret",
+    action="store_true",
+    help="run the kernels in the Pallas interpreter (the default without a GPU)",
+)
 args = parser.parse_args()
 on_gpu = (pallas_flash.device.gpu_compute_capability() or (0, 0)) >= (8, 0)
 interpret = args.interpret or not on_gpu

@@ -160,16 +160,37 @@ class GPT(nnx.Module):
         return self.embed.attend(self.ln(x)).astype(jnp.float32)  # tied embeddings
 
 
+def mesh_axes(text: str) -> dict[str, int]:
+    """ "data=2,context=4" -> {"data": 2, "context": 4}; ValueError naming what is wrong."""
+    axes = {}
+    for item in text.split(","):
+        name, _, size = item.partition("=")
+        if name not in ("data", "context", "model") or name in axes or not size.isdigit():
+            raise ValueError(
+                f"--mesh {text}: expected data=N, context=N and/or model=N (each once), "
+                f"got {item!r}"
+            )
+        if int(size) < 1:
+            raise ValueError(f"--mesh {text}: {name}={size} must be at least 1")
+        axes[name] = int(size)
+    return axes
+
+
 def parse_mesh(text: str):
     """ "data=2,context=4" -> a mesh of those axes over all devices (automatic sharding)."""
-    axes = dict(item.split("=") for item in text.split(","))
-    unknown = set(axes) - {"data", "context", "model"}
-    if unknown:
-        raise SystemExit(f"--mesh axes must be data, context and/or model, got {sorted(unknown)}")
-    sizes = tuple(int(n) for n in axes.values())
+    axes = mesh_axes(text)
+    sizes = tuple(axes.values())
     if math.prod(sizes) != jax.device_count():
-        raise SystemExit(f"--mesh {text}: {math.prod(sizes)} devices, found {jax.device_count()}")
+        raise SystemExit(
+            f"--mesh {text}: {math.prod(sizes)} devices, found {jax.device_count()} (on a CPU: "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={math.prod(sizes)})"
+        )
     return jax.make_mesh(sizes, tuple(axes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def finite_or_none(x: float) -> float | None:
+    """x, or None (JSON null) where it is NaN or infinite: the summary stays valid JSON."""
+    return x if math.isfinite(x) else None
 
 
 def count_params(model) -> int:
@@ -190,7 +211,12 @@ def main(argv=None):
     parser.add_argument("--seq", type=int, help="sequence length (default: the preset's)")
     parser.add_argument("--kv-heads", type=int, help="GQA: key/value heads (default: all)")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20, help="at least 2 (step 1 compiles)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="at least 1 (step 1 compiles: the times are of the later steps)",
+    )
     parser.add_argument("--lr", type=float, help="learning rate (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=5)
@@ -215,19 +241,33 @@ def main(argv=None):
 
     cfg = PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, seq=args.seq or cfg.seq, kv_heads=args.kv_heads or cfg.kv_heads)
+    # The arguments' rules, checked before jax sees an array.
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps} must be at least 1")
+    if args.batch < 1 or cfg.seq < 1:
+        parser.error(f"--batch {args.batch} and --seq {cfg.seq} must be at least 1")
+    if cfg.kv_heads < 1 or cfg.heads % cfg.kv_heads:
+        parser.error(f"--kv-heads {cfg.kv_heads} must divide the {cfg.heads} heads")
+    try:
+        axes = mesh_axes(args.mesh) if args.mesh else {}
+    except ValueError as e:
+        parser.error(str(e))
+    data_shards, context, model_shards = (axes.get(a, 1) for a in ("data", "context", "model"))
+    if args.batch % data_shards:
+        parser.error(f"--batch {args.batch} must be a multiple of the mesh's data={data_shards}")
+    if context > 1 and args.attention != "pallas_flash":
+        parser.error("--mesh with a context axis needs --attention pallas_flash")
+    if context > 1 and cfg.seq % (2 * context):
+        parser.error(f"--seq {cfg.seq} must be a multiple of 2 x context={context}")
+    if cfg.kv_heads % model_shards:
+        parser.error(f"--kv-heads {cfg.kv_heads} must divide over the mesh's model={model_shards}")
     on_gpu = (gpu_compute_capability() or (0, 0)) >= (8, 0)
     if not on_gpu and args.attention == "cudnn":
-        raise SystemExit("--attention cudnn needs an NVIDIA GPU")
+        parser.error("--attention cudnn needs an NVIDIA GPU")
     interpret = not on_gpu  # on a CPU the Pallas kernels run in the interpreter
     dtype = jnp.bfloat16 if on_gpu else jnp.float32
 
     mesh = parse_mesh(args.mesh) if args.mesh else None
-    context = mesh.shape.get("context", 1) if mesh is not None else 1
-    if cfg.seq % (2 * context):
-        raise SystemExit(f"--seq {cfg.seq} must be a multiple of 2 x context ({context})")
-    model_shards = mesh.shape.get("model", 1) if mesh is not None else 1
-    if cfg.kv_heads % model_shards:
-        raise SystemExit(f"{cfg.kv_heads} kv heads must divide over model={model_shards}")
     data = corpus_bytes()
     attention = attention_fn(args.attention, interpret, mesh)
     if args.remat_attention:
@@ -237,11 +277,12 @@ def main(argv=None):
     optimizer = nnx.Optimizer(
         model, optax.adamw(args.lr or cfg.lr, weight_decay=0.1), wrt=nnx.Param
     )
+    replicated = NamedSharding(mesh, P()) if mesh is not None else None
     if mesh is not None:
-        # Parameters and optimizer state replicated on the mesh from the start, so that the
-        # first step's outputs have its inputs' shardings and step 2 does not compile again.
+        # Parameters and optimizer state replicated on the mesh from the start (and kept so by
+        # train_step), so that every step takes the shardings the first compiled for.
         state = nnx.state((model, optimizer))
-        nnx.update((model, optimizer), jax.device_put(state, NamedSharding(mesh, P())))
+        nnx.update((model, optimizer), jax.device_put(state, replicated))
 
     # Zig-zag order for the ring: inputs, labels and rotary positions permuted alike.
     order = pallas_flash.zigzag_indices(cfg.seq, context) if context > 1 else None
@@ -258,6 +299,11 @@ def main(argv=None):
 
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
+        if replicated is not None:
+            # Without this XLA leaves the weights that feed the head-split attention (and their
+            # optimizer state) split over `model`, and step 2 compiles again for them.
+            state = nnx.state((model, optimizer))
+            nnx.update((model, optimizer), jax.lax.with_sharding_constraint(state, replicated))
         return loss
 
     rng = np.random.default_rng(args.seed)
@@ -286,44 +332,45 @@ def main(argv=None):
             first_step_s = elapsed
         row = dict(
             step=step,
-            loss=round(loss, 5),
+            loss=finite_or_none(round(loss, 5)),
             step_s=round(elapsed, 4),
             attention=args.attention,
             preset=args.preset,
             seq=cfg.seq,
         )
         if log:
-            log.write(json.dumps(row) + "\n")
+            log.write(json.dumps(row, allow_nan=False) + "\n")
         if step % args.log_every == 0 or step == 1 or step == args.steps:
             print(
                 f"step {step:4d}/{args.steps}  loss {loss:.4f}  {elapsed * 1e3:8.1f} ms", flush=True
             )
-    if step_times:
-        median = float(np.median(step_times))
-        tflops = flops / median / 1e12
-        devices = mesh.size if mesh is not None else 1
-        summary = dict(
-            attention=args.attention,
-            preset=args.preset,
-            seq=cfg.seq,
-            batch=args.batch,
-            remat_attention=args.remat_attention,
-            mesh=args.mesh,
-            devices=devices,
-            first_step_s=round(first_step_s, 2),  # tracing, compiling and one step
-            step_ms=round(median * 1e3, 2),
-            tokens_per_s=round(args.batch * cfg.seq / median),
-            model_tflops=round(tflops, 1),  # over all devices
-            mfu_datasheet=round(tflops / devices / PEAK_BF16_TFLOPS, 4),
-            final_loss=round(loss, 4),
-        )
-        if args.matmul_tflops:
-            summary["mfu_matmul"] = round(tflops / devices / args.matmul_tflops, 4)
-        print("summary " + json.dumps(summary), flush=True)
-        if log:
-            log.write(json.dumps(dict(summary=summary)) + "\n")
-        return summary
-    return None
+    # Steps after the first (which compiles) give the times; with --steps 1 they are null.
+    timed = bool(step_times)
+    median = float(np.median(step_times)) if timed else None
+    tflops = flops / median / 1e12 if timed else None
+    devices = mesh.size if mesh is not None else 1
+    summary = dict(
+        attention=args.attention,
+        preset=args.preset,
+        seq=cfg.seq,
+        batch=args.batch,
+        remat_attention=args.remat_attention,
+        mesh=args.mesh,
+        devices=devices,
+        first_step_s=round(first_step_s, 2),  # tracing, compiling and one step
+        step_ms=round(median * 1e3, 2) if timed else None,
+        tokens_per_s=round(args.batch * cfg.seq / median) if timed else None,
+        model_tflops=round(tflops, 1) if timed else None,  # over all devices
+        mfu_datasheet=round(tflops / devices / PEAK_BF16_TFLOPS, 4) if timed else None,
+        final_loss=finite_or_none(round(loss, 4)),
+    )
+    if args.matmul_tflops:
+        summary["mfu_matmul"] = round(tflops / devices / args.matmul_tflops, 4) if timed else None
+    print("summary " + json.dumps(summary, allow_nan=False), flush=True)
+    if log:
+        log.write(json.dumps(dict(summary=summary), allow_nan=False) + "\n")
+        log.close()
+    return summary
 
 
 if __name__ == "__main__":

@@ -31,6 +31,12 @@ BACKWARD_SLACK = 2.0**-22
 SLACK_FROM = 1024.0
 
 
+def accumulation_dtype(dtype):
+    """The dtype the softmax, lse and the accumulators run in for inputs of `dtype`: float32
+    (float16, bfloat16 and float32 inputs), float64 for float64 inputs (jax_enable_x64)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def slack(lse):
     """How far (natural log) a backward lowers its reference below a row's max: BACKWARD_SLACK
     of the part of |lse| (float32) beyond SLACK_FROM."""
@@ -48,9 +54,10 @@ def probability_bound(log_sum, lse):
     """The clamp of a backward's recomputed P in log2 units, float32 shaped as lse: -log2 of each
     row's softmax denominator relative to its max (log_sum, a forward's), so P <= 1 / l and keys
     that tie at the max get exactly 1 / n; 0 (P <= 1) without log_sum."""
+    dtype = accumulation_dtype(lse.dtype)
     if log_sum is None:
-        return jnp.zeros(lse.shape, jnp.float32)
-    return log_sum.astype(jnp.float32) * -LOG2E
+        return jnp.zeros(lse.shape, dtype)
+    return log_sum.astype(dtype) * -LOG2E
 
 
 def merge_weights(lse, log_sum, axis: int, maxima=None):
@@ -77,7 +84,8 @@ def log_sum_with_sinks(lse, log_sum, sinks, maxima=None):
     lse[..., 0]: [N] or [B, N]): the merge of the keys with the sink as a part of its own
     (log_sum 0), relative to the larger of the keys' max and the sink. Rows that see no key: 0.
     maxima: the keys' row maxima (natural log), or None for lse - log_sum (`merge_weights`)."""
-    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
+    dtype = accumulation_dtype(lse.dtype)
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, dtype)[..., None], lse.shape)
     parts = jnp.stack([lse, sinks]), jnp.stack([log_sum, jnp.zeros_like(log_sum)])
     if maxima is not None:
         maxima = jnp.stack([maxima, sinks])
@@ -92,9 +100,9 @@ def sink_probability(sinks, lse, log_sum=None):
     sink tied with a max beyond ~1e6) that top is still the max itself, and P_sink its share
     of the denominators, not exp(sink - lse). 1 for a row that sees no key (lse = sink, also
     for a sink of -inf) and for a sink of +inf; 0 for a sink of -inf in a row with keys."""
-    lse = lse.astype(jnp.float32)
-    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
-    log_sum = jnp.zeros_like(lse) if log_sum is None else log_sum.astype(jnp.float32)
+    lse = lse.astype(accumulation_dtype(lse.dtype))
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, lse.dtype)[..., None], lse.shape)
+    log_sum = jnp.zeros_like(lse) if log_sum is None else log_sum.astype(lse.dtype)
     both = jnp.isfinite(lse) & jnp.isfinite(sinks)
     gap = jnp.where(both, (sinks - (lse - log_sum)) - log_sum, 0.0)
     return jnp.where(both, jnp.exp(jnp.minimum(gap, 0.0)), jnp.where(lse == sinks, 1.0, 0.0))

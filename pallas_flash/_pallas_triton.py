@@ -62,11 +62,32 @@ def fold(lo, hi, body, carry):
     return lax.fori_loop(int32(lo), int32(hi), body, carry)
 
 
+def div(a, b):
+    """a // b of non-negative integers (scalars or arrays) in int32: lax.div, since jnp's floor
+    division lowers to a comparison Triton rejects; int32 also under jax_enable_x64, where a
+    Python int is int64 and lax.div refuses the mix."""
+    int32 = functools.partial(lax.convert_element_type, new_dtype=jnp.int32)
+    return lax.div(int32(a), int32(b))
+
+
+def cdiv(a, b):
+    """ceil(a / b) of non-negative integers in int32, as `div`."""
+    return div(a + b - 1, b)
+
+
+def rem(a, b):
+    """a % b of non-negative integers in int32, as `div`."""
+    int32 = functools.partial(lax.convert_element_type, new_dtype=jnp.int32)
+    return lax.rem(int32(a), int32(b))
+
+
 # -- compiler params ------------------------------------------------------------------------------
 # The Pallas Triton backend warns "deprecated" each time a kernel is lowered for a GPU. Our users
 # did not choose that backend, so the library silences exactly that warning for its own kernels:
 # the kernels carry a subclass of the Triton compiler params whose lowering rule wraps the stock
-# rule in a warnings filter. Other Pallas Triton kernels keep their warning.
+# rule in a warnings filter. Other Pallas Triton kernels keep their warning. jax has no public
+# way to register that rule: it goes through Pallas' private registry (docs/design.md, "Private
+# jax"), and a jax without that registry gets the stock params, warning included.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +95,19 @@ class CompilerParams(plgpu.CompilerParams):
     """Triton compiler params for pallas_flash's own kernels."""
 
 
-def _register_quiet_lowering():
-    from jax._src.pallas import core as pallas_core
-    from jax._src.pallas.triton import pallas_call_registration  # noqa: F401  registers the rule
+def _register_quiet_lowering() -> bool:
+    """Registers CompilerParams' lowering rule: the stock Triton rule (registered by importing
+    `jax.experimental.pallas.triton`) without its deprecation warning. False where Pallas has
+    no such registry or no stock rule."""
+    try:
+        from jax._src.pallas import core as pallas_core
 
-    stock_rule = pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
+        stock_rule = pallas_core.get_lowering_rule(plgpu.CompilerParams, "gpu")
+        register = pallas_core.register_lowering_rule
+    except (ImportError, AttributeError):
+        return False
+    if stock_rule is None:
+        return False
 
     def quiet_rule(*args, **kwargs):
         with warnings.catch_warnings():
@@ -89,7 +118,9 @@ def _register_quiet_lowering():
             )
             return stock_rule(*args, **kwargs)
 
-    pallas_core.register_lowering_rule(CompilerParams, quiet_rule, "gpu")
+    register(CompilerParams, quiet_rule, "gpu")
+    return True
 
 
-_register_quiet_lowering()
+if not _register_quiet_lowering():
+    CompilerParams = plgpu.CompilerParams  # a subclass without a rule could not lower

@@ -497,12 +497,11 @@ def partitioned(kernel, config, kinds, out_kinds, *args, lead: int = 0):
             for kind, x in zip(kinds, args)
         )
         foldable &= "pages" not in kinds and "scale" not in kinds_in
-        foldable &= all(
-            b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "o", "v", "lse")
-        )
+        foldable &= all(b for b, kind in zip(batched, kinds_in) if kind in ("q", "kv", "v"))
         if foldable:
             # The vmapped axis becomes one more leading dim of the partitioned call; unbatched
-            # segment ids, lengths and block tables are broadcast along it.
+            # segment ids, lengths, block tables and cotangents (jax hands a zero d_lse over
+            # unbatched) are broadcast along it.
             a = jax.tree.map(
                 lambda x, b: x if b else jnp.broadcast_to(x, (axis_size, *x.shape)),
                 list(a),

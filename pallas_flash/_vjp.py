@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import _partition
-from pallas_flash._numerics import sink_probability
+from pallas_flash._numerics import accumulation_dtype, sink_probability
 from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
@@ -243,7 +243,7 @@ def key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse):
     (1 - P_sink) d_lse: d_lse itself without sinks, 0 for rows that see no key. The kernels'
     sum of dS cancels to noise in 16-bit inputs (P rounded for P V in the forward, not in the
     backward); this is exact, and is what the XLA path's autodiff computes."""
-    f32 = jnp.float32
+    f32 = accumulation_dtype(lse.dtype)
     rows = jnp.where(jnp.isneginf(lse), 0.0, d_lse.astype(f32))  # [B, N, T]
     if sinks is not None:
         sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])
@@ -262,25 +262,26 @@ def sink_gradient(sinks, out, lse, log_sum, d_out, d_lse):
     [B, N]: the sink's probability P_sink (`_numerics.sink_probability`) gives d lse / d sink =
     P_sink and d out / d sink = -P_sink out, so d sink = -sum over rows of P_sink
     (rowsum(dO * out) - d_lse). A row that sees no key has P_sink = 1."""
-    f32 = jnp.float32
+    f32 = accumulation_dtype(lse.dtype)
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32)) - d_lse
     return -jnp.sum(sink_probability(sinks, lse, log_sum) * delta, axis=-1)
 
 
 @functools.partial(jax.jit, static_argnames="config")
 def _backward(
-    q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
+    q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
 ):
     return _partition.partitioned(
         _backward_shard,
         config,
-        ("q", "kv", "v", "pair", "arrays", "o", "lse", "lse", "lse", "o", "lse"),
+        ("q", "kv", "v", "pair", "arrays", "sinks", "o", "lse", "lse", "lse", "o", "lse"),
         ("q", "kv", "v", "pair"),
         q,
         k,
         v,
         bias,
         arrays,
+        sinks,
         out,
         lse,
         log_sum,
@@ -291,24 +292,46 @@ def _backward(
 
 
 def _backward_shard(
-    q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
+    q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
 ):
+    """One shard's (dq, dk, dv, dbias). A bias broadcast over the keys gets its gradient in
+    closed form, per row (`key_broadcast_bias_gradient`), and no dbias kernel runs."""
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
     rows = (lse, log_sum, row_max)
+    closed_form = _bias_gradient_in_closed_form(bias, config)
+    kernels = functools.partial(_backward_call, config=config, bias_gradient=not closed_form)
     # The Mosaic backward takes Hv != H as it is; the Triton backward takes one head dim.
     if head_dim == value_head_dim or config.backward == "mosaic":
-        return _backward_call(q, k, v, bias, arrays, out, *rows, d_out, d_lse, config=config)
-    padded = _common_head_dim(q, k, v, out, d_out)
-    dq, dk, dv, dbias = _backward_call(
-        *padded[:3], bias, arrays, *padded[3:4], *rows, padded[4], d_lse, config=config
-    )
-    return dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim], dbias
+        dq, dk, dv, dbias = kernels(q, k, v, bias, arrays, out, *rows, d_out, d_lse)
+    else:
+        padded = _common_head_dim(q, k, v, out, d_out)
+        dq, dk, dv, dbias = kernels(
+            *padded[:3], bias, arrays, *padded[3:4], *rows, padded[4], d_lse
+        )
+        dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim]
+    if closed_form:
+        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse)
+    return dq, dk, dv, dbias
 
 
 def _backward_call(
-    q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
+    q,
+    k,
+    v,
+    bias,
+    arrays,
+    out,
+    lse,
+    log_sum,
+    row_max,
+    d_out,
+    d_lse,
+    *,
+    config: KernelConfig,
+    bias_gradient: bool = True,
 ):
-    """row_max: the Triton forward's where `_takes_row_max`, else a stand-in, not read."""
+    """row_max: the Triton forward's where `_takes_row_max`, else a stand-in, not read.
+    bias_gradient=False: dbias is None (no dbias kernel)."""
     if config.backward == "mosaic":
         dq, dk, dv = mosaic_backward.flash_backward(
             q,
@@ -344,6 +367,7 @@ def _backward_call(
         **config.kwargs(),
         log_sum=log_sum,
         row_max=row_max,
+        bias_gradient=bias_gradient,
     )
 
 
@@ -453,12 +477,9 @@ def _differentiable_backward(
 ):
     """(dq, dk, dv, dbias) of the kernels' backward, dbias in closed form for a bias broadcast
     over the keys (`_bias_gradient_in_closed_form`); `sinks`: those lse includes, or None."""
-    dq, dk, dv, dbias = _backward(
-        q, k, v, bias, arrays, out, lse, log_sum, row_max, d_out, d_lse, config=config
+    return _backward(
+        q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, config=config
     )
-    if _bias_gradient_in_closed_form(bias, config):
-        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse)
-    return dq, dk, dv, dbias
 
 
 @_differentiable_backward.defjvp

@@ -13,7 +13,7 @@ from jax.interpreters import ad
 
 from pallas_flash import _dropout, _host_only, dispatch, masks
 from pallas_flash import device as device_lib
-from pallas_flash._numerics import log_sum_with_sinks
+from pallas_flash._numerics import accumulation_dtype, log_sum_with_sinks
 from pallas_flash._vjp import (
     KernelConfig,
     flash_attention_kernels,
@@ -27,7 +27,7 @@ from pallas_flash.masks import MaskSpec
 from pallas_flash.reference import reference_backward, with_sinks
 from pallas_flash.triton import BlockSizes
 
-_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32)
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 MAX_HEAD_DIM = 256
 
 
@@ -72,8 +72,9 @@ def flash_attention(
     usually H; multi-head latent attention takes H = 192, Hv = 128). The forwards (Mosaic,
     Triton, "xla") and the Mosaic backward take Hv natively: P.V, dO.V^T, dV and the output
     cost Hv columns, not H; the Triton backward runs on q, k and v zero-padded to max(H, Hv).
-    Dtypes are float16, bfloat16 or float32 (all three arrays the same). Softmax and
-    accumulation run in float32.
+    Dtypes are float16, bfloat16 or float32 (all three arrays the same), or float64 under
+    jax_enable_x64 on backend="xla" (which backend=None picks for it) and in the interpreter.
+    Softmax and accumulation run in float32 (float64 for float64 inputs).
 
     Args:
       query, key, value: the arrays above.
@@ -96,9 +97,11 @@ def flash_attention(
             q 1:    x x . . .
             q 2:    x x x . .
 
-      query_seq_lengths: int array (B,): rows at positions >= the length see no key (they
-        output 0 and get zero gradient).
-      key_value_seq_lengths: int array (B,): keys at positions >= the length are masked.
+      query_seq_lengths: int array (B,), each in [0, T]: rows at positions >= the length see
+        no key (they output 0 and get zero gradient).
+      key_value_seq_lengths: int array (B,), each in [0, S]: keys at positions >= the length
+        are masked. Concrete lengths outside their range raise ValueError; traced ones (under
+        jit) are clamped to it, on every backend (docs/numerics.md, "Sequence lengths").
       q_segment_ids: int array (B, T); kv_segment_ids: int array (B, S). A query sees a key only
         when their ids are equal (packed documents). With only q_segment_ids and T == S, keys use
         the same ids. Ids must lie in [-2**31 + 2, 2**31 - 1] (int32; the two smallest int32
@@ -125,10 +128,10 @@ def flash_attention(
         when dropout_rate > 0; with dropout_rate 0 it is checked and unused.
       dropout_broadcast: one keep-mask over (query, key) shared by every batch entry and head
         (Flax's `broadcast_dropout`); False (the default) draws one per batch entry and head.
-      return_residuals: also return lse, float32 (B, N, T): the natural-log logsumexp of each
-        query row's logits (scaled, biased, soft-capped, masked; the sink included). Gradients
-        flow through both outputs.
-      return_log_sum: with return_residuals, also return log_sum, float32 (B, N, T): the
+      return_residuals: also return lse, float32 (B, N, T) (float64 for float64 inputs): the
+        natural-log logsumexp of each query row's logits (scaled, biased, soft-capped, masked;
+        the sink included). Gradients flow through both outputs.
+      return_log_sum: with return_residuals, also return log_sum, lse's dtype (B, N, T): the
         natural log of each row's softmax denominator relative to its largest logit (or its
         sink, if larger), so that lse = max + log_sum; 0 for rows that see no key. It is what
         `flash_attention_backward(..., log_sum=)` needs beside lse for exact gradients where
@@ -256,7 +259,8 @@ def flash_attention(
         sink_args = ()
         if sinks is not None:
             b, _, n, _ = call.query.shape
-            sink_args = (jnp.broadcast_to(jnp.asarray(sinks).astype(jnp.float32), (b, n)),)
+            dtype = accumulation_dtype(call.query.dtype)
+            sink_args = (jnp.broadcast_to(jnp.asarray(sinks).astype(dtype), (b, n)),)
         kernels = (
             flash_attention_kernels_with_log_sum if return_log_sum else flash_attention_kernels
         )
@@ -305,13 +309,13 @@ def flash_attention_backward(
     lse): the result is then this call's share of that softmax's gradients. Same backends and
     kernel choice as `flash_attention`; no bias, mask or sinks.
 
-    log_sum: None, or float32 (B, N, T) (the shape of lse): the forward's log softmax
-    denominator relative to each row's max, from `flash_attention(..., return_residuals=True,
-    return_log_sum=True)` (of the larger softmax, when out and lse are). Every backward clamps
-    the recomputed P at 1 / exp(log_sum), so that keys tying at a row's max get exactly
-    1 / (number of ties) at any logit magnitude, as in the call's own gradients. Without it
-    the clamp is P <= 1: exact for one dominant logit, approximate (finite) where the largest
-    logits exceed about 1e6 in magnitude and tie.
+    log_sum: None, or (B, N, T) in lse's dtype (float32; float64 for float64 inputs): the
+    forward's log softmax denominator relative to each row's max, from
+    `flash_attention(..., return_residuals=True, return_log_sum=True)` (of the larger softmax,
+    when out and lse are). Every backward clamps the recomputed P at 1 / exp(log_sum), so that
+    keys tying at a row's max get exactly 1 / (number of ties) at any logit magnitude, as in
+    the call's own gradients. Without it the clamp is P <= 1: exact for one dominant logit,
+    approximate (finite) where the largest logits exceed about 1e6 in magnitude and tie.
     """
     _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse, log_sum)
     call = _plan(
@@ -337,20 +341,23 @@ def flash_attention_backward(
     q = call.query
     lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     out_shape = (*q.shape[:3], call.value.shape[-1])
-    if log_sum is not None:
-        _check_log_sum(log_sum, lse_shape[1:] if call.unbatched else lse_shape)
-        log_sum = batched(log_sum)
-    out, d_out, lse = batched(out), batched(d_out), batched(lse)
-    d_lse = jnp.zeros(lse_shape, jnp.float32) if d_lse is None else batched(d_lse)
+    # Checked as passed (unbatched: without the batch axis), which the messages quote.
+    given = slice(1, None) if call.unbatched else slice(None)
     for name, x, shape in (
         ("out", out, out_shape),
         ("d_out", d_out, out_shape),
         ("lse", lse, lse_shape),
         ("d_lse", d_lse, lse_shape),
     ):
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name}.shape={tuple(x.shape)} must be {shape} for this query")
-    lse, d_lse = lse.astype(jnp.float32), d_lse.astype(jnp.float32)
+        if x is not None and tuple(getattr(x, "shape", ())) != shape[given]:
+            raise ValueError(f"{name}.shape={_shape_of(x)} must be {shape[given]} for this query")
+    rows = accumulation_dtype(q.dtype)  # lse's dtype
+    if log_sum is not None:
+        _check_log_sum(log_sum, lse_shape[given], rows)
+        log_sum = batched(log_sum)
+    out, d_out, lse = batched(out), batched(d_out), batched(lse)
+    d_lse = jnp.zeros(lse_shape, rows) if d_lse is None else batched(d_lse)
+    lse, d_lse = lse.astype(rows), d_lse.astype(rows)
     args = (q, call.key, call.value, None, call.arrays, out.astype(q.dtype), lse)
     if call.config is None:
         dq, dk, dv, _ = reference_backward(
@@ -429,11 +436,11 @@ def _plan(
     q_segment_ids, kv_segment_ids = _canonical_segment_ids(
         q_segment_ids, kv_segment_ids, batch, q_len, kv_len, unbatched
     )
-    for name, lengths in (
-        ("query_seq_lengths", query_seq_lengths),
-        ("key_value_seq_lengths", key_value_seq_lengths),
+    for name, lengths, limit, axis in (
+        ("query_seq_lengths", query_seq_lengths, q_len, "query.shape[1]"),
+        ("key_value_seq_lengths", key_value_seq_lengths, kv_len, "key.shape[1]"),
     ):
-        _check_lengths(name, lengths, batch, unbatched)
+        _check_lengths(name, lengths, batch, limit, f"{axis}={limit}", unbatched)
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     arrays = masks.make_arrays(
         batch,
@@ -535,25 +542,18 @@ def _canonical_arrays(query, key, value):
             f"[T|S, N|K, H]; got query.shape={query.shape}, key.shape={key.shape}, "
             f"value.shape={value.shape}"
         )
-    for name, x in arrays.items():
-        if not any(x.dtype == d for d in _FLOAT_DTYPES):
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32")
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"query, key and value must share a dtype; got query.dtype={query.dtype}, "
-            f"key.dtype={key.dtype}, value.dtype={value.dtype}"
-        )
+    _check_dtypes(arrays)
+    # The checks read the shapes as passed (rank 3 or 4), which the messages quote.
     unbatched = query.ndim == 3
-    if unbatched:
-        query, key, value = query[None], key[None], value[None]
-    b, t, n, h = query.shape
-    kb, s, kh, kd = key.shape
-    if key.shape[:3] != value.shape[:3]:
+    t, n, h = query.shape[-3:]
+    s, kh, kd = key.shape[-3:]
+    b, kb = (1, 1) if unbatched else (query.shape[0], key.shape[0])
+    if key.shape[:-1] != value.shape[:-1]:
         raise ValueError(
-            f"key.shape={key.shape} and value.shape={value.shape} must agree on [B, S, K] (the "
-            "value head dim may differ)"
+            f"key.shape={key.shape} and value.shape={value.shape} must agree on "
+            f"{'[S, K]' if unbatched else '[B, S, K]'} (the value head dim may differ)"
         )
-    hv = value.shape[3]
+    hv = value.shape[-1]
     if hv % 8 or hv > MAX_HEAD_DIM:
         raise ValueError(
             f"value head_dim={hv} (value.shape={value.shape}) must be a multiple of 8 and at "
@@ -580,7 +580,28 @@ def _canonical_arrays(query, key, value):
             f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
             f"{MAX_HEAD_DIM}"
         )
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
     return query, key, value, unbatched
+
+
+def _check_dtypes(arrays: dict):
+    """The dtypes of query, key and value ({name: array}, in that order; decode names its
+    caches): one float dtype, float64 only where jax computes in it (jax_enable_x64)."""
+    for name, x in arrays.items():
+        if not any(x.dtype == d for d in _FLOAT_DTYPES):
+            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64")
+    if len({x.dtype for x in arrays.values()}) > 1:
+        *first, last = arrays
+        names = f"{', '.join(first)} and {last}"
+        got = ", ".join(f"{name}.dtype={x.dtype}" for name, x in arrays.items())
+        raise TypeError(f"{names} must share a dtype; got {got}")
+    name, x = next(iter(arrays.items()))
+    if x.dtype == jnp.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(
+            f"{name}.dtype=float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', "
+            "True), or within `with jax.enable_x64(True):`): without it jax computes in float32"
+        )
 
 
 def _check_options(scale, is_causal, return_residuals, backend, block_sizes, interpret):
@@ -675,15 +696,18 @@ def _canonical_pair_operand(name, x, q_shape, kv_len, unbatched):
     full = (batch, num_heads, q_len, kv_len)
     rank = 3 if unbatched else 4
     if x.ndim > rank:
-        raise ValueError(f"{name}.shape={x.shape} has more than {rank} dims")
-    x = jnp.reshape(x, (1,) * (4 - x.ndim) + tuple(x.shape))
-    for have, want in zip(x.shape, full):
+        raise ValueError(
+            f"{name}.shape={tuple(x.shape)} has more than {rank} dims: it must be "
+            f"broadcastable to {full[4 - rank :]}"
+        )
+    padded = (1,) * (4 - x.ndim) + tuple(x.shape)
+    for have, want in zip(padded, full):
         if have not in (1, want):
             raise ValueError(
-                f"{name}.shape must be broadcastable to {full[4 - rank :]} (each dim full or 1), "
-                f"got {name}.shape={x.shape[4 - rank :]}"
+                f"{name}.shape={tuple(x.shape)} must be broadcastable to {full[4 - rank :]} "
+                "(each dim full or 1, missing leading dims taken as 1)"
             )
-    return x
+    return jnp.reshape(x, padded)
 
 
 def _canonical_segment_ids(q_ids, kv_ids, batch, q_len, kv_len, unbatched):
@@ -748,16 +772,18 @@ def _canonical_dropout(rate, rng) -> float:
     return rate
 
 
-def _check_log_sum(log_sum, shape):
-    """log_sum of flash_attention_backward: float32 of lse's shape."""
+def _check_log_sum(log_sum, shape, dtype):
+    """log_sum of flash_attention_backward: lse's dtype (float32, float64 for float64 calls)
+    and shape."""
+    dtype = jnp.dtype(dtype)
     if not hasattr(log_sum, "shape") or not hasattr(log_sum, "dtype"):
         raise TypeError(
-            f"log_sum must be a float32 array of shape {shape} (flash_attention's with "
+            f"log_sum must be a {dtype} array of shape {shape} (flash_attention's with "
             f"return_log_sum=True) or None, got {type(log_sum).__name__}"
         )
-    if log_sum.dtype != jnp.float32:
+    if log_sum.dtype != dtype:
         raise TypeError(
-            f"log_sum.dtype={log_sum.dtype} must be float32 (flash_attention's log_sum, as it "
+            f"log_sum.dtype={log_sum.dtype} must be {dtype} (flash_attention's log_sum, as it "
             "returns it)"
         )
     if tuple(log_sum.shape) != tuple(shape):
@@ -765,6 +791,11 @@ def _check_log_sum(log_sum, shape):
             f"log_sum.shape={tuple(log_sum.shape)} must be {tuple(shape)}, the shape of lse, "
             "for this query"
         )
+
+
+def _shape_of(x):
+    """x's shape as a tuple, or its type's name where it has none."""
+    return tuple(x.shape) if hasattr(x, "shape") else type(x).__name__
 
 
 def _check_sinks(sinks, num_heads):
@@ -782,13 +813,42 @@ def _check_sinks(sinks, num_heads):
         )
 
 
-def _check_lengths(name, lengths, batch, unbatched):
+def _check_int_vector(name, x, batch):
+    """x must be an integer array of shape (batch,)."""
+    if not _is_int_array(x):
+        got = getattr(x, "dtype", type(x).__name__)
+        raise TypeError(f"{name} must be an integer array, got {got}")
+    if tuple(x.shape) != (batch,):
+        raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({batch},)")
+
+
+def _concrete(x):
+    """x as a numpy array, or None when it is traced."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
+
+
+def _check_lengths(name, lengths, batch, limit: int, limit_text: str, unbatched=False):
+    """Sequence lengths, the one rule of every entry point (docs/numerics.md, "Sequence
+    lengths"): an integer array (B,) whose values, when concrete (not traced), lie in
+    [0, limit]; limit_text says where limit comes from ("key.shape[1]=16"). Traced lengths are
+    not read: outside [0, limit] they act as clamped to it, on every path."""
     if lengths is None:
         return
     if unbatched:
         raise ValueError(f"{name} needs batched inputs (rank 4)")
-    if not _is_int_array(lengths):
-        got = getattr(lengths, "dtype", type(lengths).__name__)
-        raise TypeError(f"{name} must be an integer array, got {got}")
-    if tuple(lengths.shape) != (batch,):
-        raise ValueError(f"{name}.shape={tuple(lengths.shape)} must be ({batch},)")
+    _check_int_vector(name, lengths, batch)
+    values = _concrete(lengths)
+    if values is None:
+        return
+    bad = (values < 0) | (values > limit)
+    if bad.any():
+        quoted = f"{name}={values.tolist()}"
+        if values.size > 8:
+            i = int(np.argmax(bad))
+            quoted = f"{name}[{i}]={int(values[i])}"
+        raise ValueError(
+            f"{quoted} must lie in [0, {limit_text}] (traced lengths outside are clamped to it)"
+        )

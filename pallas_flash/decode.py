@@ -14,7 +14,7 @@ import numpy as np
 
 from pallas_flash import _partition, api, dispatch, kv_cache
 from pallas_flash import device as device_lib
-from pallas_flash._numerics import merge_weights
+from pallas_flash._numerics import accumulation_dtype, merge_weights
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
@@ -79,9 +79,10 @@ def decode_attention(
 
     Args:
       query, key_cache, value_cache: the arrays above; float16, bfloat16 or float32, all the
-        same, or the caches float8_e4m3fn (with k_scale and v_scale); H a multiple of 8 up to
-        256. The new tokens' keys and values must already be in the cache (at positions
-        L - T .. L - 1). value_cache None: a shared latent cache (below).
+        same (float64 as in `flash_attention`: backend="xla" or interpret=True), or the caches
+        float8_e4m3fn (with k_scale and v_scale); H a multiple of 8 up to 256. The new tokens'
+        keys and values must already be in the cache (at positions L - T .. L - 1).
+        value_cache None: a shared latent cache (below).
       key_value_seq_lengths: int array (B,): L of each sequence, 0 <= L <= S (checked when
         concrete; under jit, clipped to [0, S]). Tokens at positions < 0 (L < T) see no key.
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
@@ -128,7 +129,11 @@ def decode_attention(
     cache = _check_cache(query, key_cache, value_cache, names, value_head_dim, k_scale, v_scale)
     batch, capacity = query.shape[0], key_cache.shape[1]
     lengths = _check_lengths(
-        "key_value_seq_lengths", key_value_seq_lengths, batch, capacity, "key_cache.shape[1]"
+        "key_value_seq_lengths",
+        key_value_seq_lengths,
+        batch,
+        capacity,
+        f"key_cache.shape[1]={capacity}",
     )
     api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
@@ -201,9 +206,14 @@ def paged_attention(
     batch = query.shape[0]
     num_pages, page_size = key_pages.shape[:2]
     block_tables = _check_block_tables(block_tables, batch)
-    capacity = block_tables.shape[1] * page_size
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
     lengths = _check_lengths(
-        "lengths", lengths, batch, capacity, "block_tables.shape[1] * page_size"
+        "lengths",
+        lengths,
+        batch,
+        capacity,
+        f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
     api._check_sinks(sinks, query.shape[2])
@@ -251,9 +261,10 @@ def write_to_pages(
       block_tables: (B, max_pages) int.
       key, value: (B, T, K, H) in the pages' dtype; for float8_e4m3fn pages, float16,
         bfloat16 or float32, quantised with the scales.
-      positions: int (B,): where each sequence's first new token goes (its length so far).
+      positions: int (B,): where each sequence's first new token goes (its length so far),
+        0 <= positions[b] and positions[b] + counts[b] <= max_pages * page_size.
       counts: int (B,) or None: only the first counts[b] tokens of sequence b are written
-        (ragged prompts padded to T); None writes all T.
+        (ragged prompts padded to T), 0 <= counts[b] <= T; None writes all T.
       k_scale, v_scale: for float8_e4m3fn pages (required there, refused otherwise): float32
         of shape () or (K,), as `paged_attention` takes them (a shared latent cache takes
         k_scale only). The pages get x / scale rounded to the nearest e4m3 value (ties to
@@ -263,6 +274,13 @@ def write_to_pages(
     Returns:
       (key_pages, value_pages) updated (value_pages None for a shared latent cache). Under jit
       with the pages donated (`jax.jit(..., donate_argnums=...)`) XLA updates them in place.
+
+    Raises:
+      ValueError: where positions, counts or the table entries of the pages written are
+        concrete (not traced) and a token cannot be placed: a negative position, a count
+        outside [0, T], a token past its sequence's max_pages * page_size slots, or a table
+        entry outside [0, P). Under jit (traced values) such a token is dropped: it is
+        written nowhere, so no other sequence's pages (nor other slots of its own) change.
     """
     shared = value_pages is None
     if shared and value is not None:
@@ -303,14 +321,19 @@ def write_to_pages(
     batch, q_len = key.shape[:2]
     block_tables = _check_block_tables(block_tables, batch)
     positions = _check_int_vector("positions", positions, batch)
+    if counts is not None:
+        counts = _check_int_vector("counts", counts, batch)
+    _check_placements(block_tables, positions, counts, q_len, page_size, num_pages)
     t = jnp.arange(q_len, dtype=jnp.int32)[None, :]
     pos = positions[:, None] + t  # [B, T]
     valid = (pos >= 0) & (pos < block_tables.shape[1] * page_size)
     if counts is not None:
-        valid = valid & (t < _check_int_vector("counts", counts, batch)[:, None])
+        valid = valid & (t < counts[:, None])
     page_idx = jnp.clip(pos // page_size, 0, block_tables.shape[1] - 1)
     page = jnp.take_along_axis(block_tables, page_idx, axis=1)
-    # Tokens not written go to an index past the pool, which mode="drop" discards.
+    # Tokens not placed go to an index past the pool, which mode="drop" discards. A table entry
+    # outside the pool is not placed either: a negative one would index from the pool's end.
+    valid = valid & (page >= 0) & (page < num_pages)
     page = jnp.where(valid, page, num_pages)
     row = pos % page_size
     key = kv_cache.quantized(key, k_scale, key_pages.dtype)
@@ -442,12 +465,13 @@ class _KernelShard:
         lengths = jnp.clip(lengths, 0, slots * jax.lax.psum(1, axes))
         behind = lengths - index * slots  # each sequence's keys from this device's first slot
         held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
-        full = dataclasses.replace(config, with_log_sum=True, out_dtype="float32")
+        acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
+        full = dataclasses.replace(config, with_log_sum=True, out_dtype=jnp.dtype(acc).name)
         out, lse, log_sum = call((q, k, v, held, None, k_scale, v_scale, ahead), full)
         parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
         weight = jnp.take(weights, index, axis=0)  # [B, N, T]
-        out = out.astype(jnp.float32) * jnp.swapaxes(weight, 1, 2)[..., None]
+        out = out.astype(acc) * jnp.swapaxes(weight, 1, 2)[..., None]
         out = jax.lax.psum(out, axes).astype(q.dtype)
         seen = jnp.isfinite(parts_lse)
         maxima = jnp.where(seen, parts_lse - parts_log_sum, -jnp.inf)
@@ -602,7 +626,7 @@ class _Options:
             )
         device = None if interpret or backend == "xla" else device_lib.target_device()
         requested = backend
-        backend = dispatch.kernel_backend(backend, device, interpret)
+        backend = dispatch.kernel_backend(backend, device, interpret, query.dtype)
         backend = "triton" if backend == "auto" else backend
         if fp8:
             backend = dispatch.float8_cache_backend(backend, requested, device)
@@ -645,19 +669,7 @@ def _check_arrays(query, key, value, names, value_head_dim=None):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != 4:
             raise ValueError(f"{name} must have rank 4, got {name}.shape={x.shape}")
-        fp8 = name != "query" and kv_cache.is_fp8(x.dtype)
-        if not fp8 and not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            also = "" if name == "query" else " (or float8_e4m3fn, with scales)"
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32{also}")
-    caches = [key] if value is None else [key, value]
-    if not (
-        all(c.dtype == query.dtype for c in caches) or all(kv_cache.is_fp8(c.dtype) for c in caches)
-    ):
-        got = ", ".join(f"{name}.dtype={x.dtype}" for name, x in arrays.items())
-        raise TypeError(
-            f"query, {k_name} and {v_name} must share a dtype (or the caches both be "
-            f"float8_e4m3fn); got {got}"
-        )
+    _check_cache_dtypes(arrays, k_name, v_name)
     if value is not None and key.shape != value.shape:
         raise ValueError(
             f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"
@@ -691,6 +703,31 @@ def _check_arrays(query, key, value, names, value_head_dim=None):
     return query, key, value
 
 
+def _check_cache_dtypes(arrays: dict, k_name: str, v_name: str):
+    """The dtype rule (`api._check_dtypes`), or caches of float8_e4m3fn (both of them) under
+    queries of a float dtype."""
+    query, *caches = arrays.values()
+    names = list(arrays)[1:]
+    for name, x in zip(names, caches, strict=True):
+        if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1:
+            if not kv_cache.is_fp8(x.dtype):
+                raise TypeError(
+                    f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64, or "
+                    "float8_e4m3fn (with scales)"
+                )
+    fp8 = [kv_cache.is_fp8(x.dtype) for x in caches]
+    if not any(fp8):
+        api._check_dtypes(arrays)
+        return
+    api._check_dtypes({"query": query})
+    if not all(fp8):
+        got = ", ".join(f"{name}.dtype={x.dtype}" for name, x in arrays.items())
+        raise TypeError(
+            f"query, {k_name} and {v_name} must share a dtype, or the caches both be "
+            f"float8_e4m3fn; got {got}"
+        )
+
+
 def _check_cache(query, key, value, names, value_head_dim, k_scale, v_scale):
     """The cache's format (`kv_cache`): a shared latent cache's value_head_dim, a float8
     cache's scales."""
@@ -703,28 +740,13 @@ def _check_cache(query, key, value, names, value_head_dim, k_scale, v_scale):
 
 
 def _check_int_vector(name, x, batch):
-    if not api._is_int_array(x):
-        got = getattr(x, "dtype", type(x).__name__)
-        raise TypeError(f"{name} must be an integer array, got {got}")
-    if tuple(x.shape) != (batch,):
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must be ({batch},)")
+    api._check_int_vector(name, x, batch)
     return jnp.asarray(x, jnp.int32)
 
 
-def _concrete(x):
-    """x as a numpy array, or None when it is traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_lengths(name, lengths, batch, capacity, capacity_name):
-    concrete = _concrete(lengths) if api._is_int_array(lengths) else None
-    lengths = _check_int_vector(name, lengths, batch)
-    if concrete is not None and (concrete.min() < 0 or concrete.max() > capacity):
-        raise ValueError(f"{name}={concrete.tolist()} must lie in [0, {capacity_name}={capacity}]")
-    return lengths
+def _check_lengths(name, lengths, batch, capacity, capacity_text):
+    api._check_lengths(name, lengths, batch, capacity, capacity_text)
+    return jnp.asarray(lengths, jnp.int32)
 
 
 def _check_block_tables(block_tables, batch):
@@ -740,14 +762,60 @@ def _check_block_tables(block_tables, batch):
 
 def _check_table_entries(block_tables, lengths, page_size, num_pages):
     """The table entries a sequence reads must name pages of the pool (when concrete)."""
-    tables, lens = _concrete(block_tables), _concrete(lengths)
+    tables, lens = api._concrete(block_tables), api._concrete(lengths)
     if tables is None or lens is None:
         return
-    used = np.arange(tables.shape[1])[None, :] < -(-lens[:, None] // page_size)
+    _check_pages(tables, 0, -(-lens // page_size), num_pages, lambda b: f"has {lens[b]} keys")
+
+
+def _check_pages(tables, first, end, num_pages, what):
+    """Raises ValueError where a table entry in columns [first[b], end[b]) of row b (numpy)
+    names no page of the pool; what(b): what sequence b does with those pages."""
+    columns = np.arange(tables.shape[1])[None, :]
+    first, end = (np.broadcast_to(x, tables.shape[:1])[:, None] for x in (first, end))
+    used = (columns >= first) & (columns < end)
     bad = used & ((tables < 0) | (tables >= num_pages))
     if bad.any():
         b, p = map(int, np.argwhere(bad)[0])
         raise ValueError(
             f"block_tables[{b}, {p}]={int(tables[b, p])} must lie in [0, num_pages={num_pages}) "
-            f"(sequence {b} has {int(lens[b])} keys)"
+            f"(sequence {b} {what(b)})"
         )
+
+
+def _check_placements(block_tables, positions, counts, q_len, page_size, num_pages):
+    """write_to_pages' concrete positions and counts (int32 (B,), checked) and table entries:
+    each token written must have a slot of its sequence and a page of the pool. Traced ones
+    are left to the write, which drops what it cannot place."""
+    pos = api._concrete(positions)
+    num = None if counts is None else api._concrete(counts)
+    if num is not None and ((num < 0) | (num > q_len)).any():
+        raise ValueError(f"counts={num.tolist()} must lie in [0, T={q_len}] (key.shape[1])")
+    if pos is None:
+        return
+    if (pos < 0).any():
+        raise ValueError(f"positions={pos.tolist()} must be >= 0")
+    if counts is None:
+        num, num_name = np.full(pos.shape, q_len), "T"
+    elif num is None:
+        return
+    else:
+        num_name = "counts[{b}]"
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
+    end = pos + num
+    if (end > capacity).any():
+        b = int(np.argmax(end > capacity))
+        raise ValueError(
+            f"positions[{b}] + {num_name.format(b=b)} = {pos[b]} + {num[b]} = {end[b]} must "
+            f"be <= block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity} "
+            f"(the slots of sequence {b})"
+        )
+    tables = api._concrete(block_tables)
+    if tables is None:
+        return
+    first = np.where(num > 0, pos // page_size, 0)
+    last = np.where(num > 0, -(-end // page_size), 0)
+    _check_pages(
+        tables, first, last, num_pages, lambda b: f"writes positions {pos[b]}..{end[b] - 1}"
+    )

@@ -18,8 +18,9 @@ import re
 import jax
 
 try:
+    # No public jax API says the CUDA runtime's version (docs/design.md, "Private jax").
     from jax._src.lib import cuda_versions
-except ImportError:  # a jaxlib built without CUDA
+except ImportError:  # a jax without that module
     cuda_versions = None
 
 # Compute capability by device kind, for records built from a kind alone (an abstract device, a

@@ -5,7 +5,8 @@ asked for, asks each backend package why it cannot run the call (`why_not_*`, a 
 and returns the `KernelConfig` that `_vjp` runs, or None for the plain-jnp "xla" path. The public
 API, the tuner and the decode API all choose here.
 
-With backend=None on a GPU of compute capability >= 8.0:
+With backend=None on a GPU of compute capability >= 8.0 ("xla" for float64 inputs, as on a CPU:
+`kernel_backend`):
 
 - Forward: the decode kernel (flash-decoding, `triton.decode.few_token_forward`) for a few
   query tokens over a longer key sequence (`few_tokens_on_decode`), in the interpreter too;
@@ -28,6 +29,8 @@ With backend=None on a GPU of compute capability >= 8.0:
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from pallas_flash import mosaic, triton, tune_cache
 from pallas_flash._vjp import KernelConfig
@@ -73,6 +76,11 @@ FUSED_DQ_MASKED_CAUSAL_MIN_LEN = {64: 16384, 128: 16384}
 # docs/notes/fused-dq.md, "Measurements".
 FIXED_DQ_MIN_LEN = {64: 4096, 128: 4096}
 FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
+# Where another card measured otherwise, its own thresholds, by a word of its device kind. H100
+# 80GB HBM3, H=128 with step descriptors, fwd+bwd over the two kernels: plain 1.04x at 2k and
+# 1.08x at 4k, causal 0.89x at 2k and 1.01x at 4k (docs/notes/fused-dq.md, "Measurements");
+# H=64 not measured there.
+FIXED_DQ_MIN_LEN_BY_CARD = {"H100": {64: 4096, 128: 2048}}
 
 
 # flash_attention's forward of at most this many query tokens (T) runs on the decode kernel,
@@ -86,22 +94,46 @@ FIXED_DQ_CAUSAL_MIN_LEN = {64: 16384, 128: 8192}
 # 3.3-3.4 TB/s at T=16 on the H200); beyond, its packed rows (T times the group) outgrow one
 # tile while the flash forward's query tiles fill (not measured).
 DECODE_ROUTE_MAX_Q_LEN = 16
-# ... over at least this many keys. Below it both forwards are a launch or two of latency; 64
-# keys are one of the decode kernel's 64-key tiles (H <= 128: no split, no merge kernel).
-# Provisional, not yet measured on the GPU: benchmarks/decode_route_timing.py --short times
-# both over 64 to 4k keys.
+# ... over at least this many keys (in the interpreter too: 64 keys are one of the decode
+# kernel's 64-key tiles, so the CPU tests run the route on small calls) ...
 DECODE_ROUTE_MIN_KV_LEN = 64
+# ... and, compiled, over at least this many keys per KV head in the whole batch (B * S), for
+# one token / for more. Below them both forwards are a few microseconds and the flash forward's
+# one tile per head is as fast or faster. H100, N=32, K=8, H=128, bf16, kernel time, decode
+# kernel over the flash forward (docs/notes/decode.md, "flash_attention with a few tokens"):
+# T=1 B=1 S=256 1.01x, S=1k 1.19x; B=8 S=64 1.07x, S=256 1.42x; T=4 B=1 S=1k 0.89x, S=4k
+# 0.89x, S=128k 2.54x; B=8 S=256 0.92x, S=1k 1.35x, S=4k 1.68x.
+DECODE_ROUTE_MIN_BATCH_KEYS = {1: 512, DECODE_ROUTE_MAX_Q_LEN: 8192}
 
 
-def kernel_backend(backend: str | None, device: Device | None, interpret: bool | None) -> str:
-    """What `backend` runs on `device` (None: no NVIDIA GPU): "xla", "triton", "mosaic", or
-    "auto" (None on a capable GPU: `choose` picks the kernels per call). Raises ValueError for
-    a backend the device cannot run."""
+# Float64 runs on the plain-jnp reference and in the Pallas interpreter only: the GPU kernels'
+# tiles, shared-memory budgets and matrix-unit paths are those of 16- and 32-bit inputs.
+FLOAT64_PATHS = (
+    "float64 runs on backend='xla' (backend=None picks it) or in the Pallas interpreter "
+    "(interpret=True); the Triton GPU kernels take float16, bfloat16 and float32, the Mosaic GPU "
+    "kernels bfloat16 and float16"
+)
+
+
+def kernel_backend(
+    backend: str | None, device: Device | None, interpret: bool | None, dtype
+) -> str:
+    """What `backend` runs on `device` (None: no NVIDIA GPU) for inputs of `dtype`: "xla",
+    "triton", "mosaic", or "auto" (None on a capable GPU: `choose` picks the kernels per call).
+    Raises ValueError for a backend the device cannot run, NotImplementedError for float64 on
+    a GPU kernel (`FLOAT64_PATHS`).
+
+    backend=None with float64 inputs runs "xla" on a GPU as elsewhere: float64 is for checking
+    (`jax.test_util.check_grads`, oracles), where the exact reference is what is wanted, and
+    the same call then runs on a laptop and on a GPU host."""
     if interpret:
         return "triton"
     triton_gap = triton.why_not_device(device)
+    float64 = jnp.dtype(dtype) == jnp.float64
     if backend is None:
-        return "auto" if triton_gap is None else "xla"
+        return "auto" if triton_gap is None and not float64 else "xla"
+    if float64 and backend in ("triton", "mosaic") and device is not None:
+        raise NotImplementedError(f"dtype float64 with backend={backend!r}: {FLOAT64_PATHS}")
     if backend == "triton" and triton_gap:
         raise ValueError(
             f"backend='triton' {triton_gap}; pass interpret=True to run the kernels in the "
@@ -159,17 +191,20 @@ def choose(
       ValueError: a backend the device cannot run, or block_sizes where "xla" runs.
       NotImplementedError: backend="mosaic" for a call its forward does not run.
     """
-    kind = kernel_backend(backend, device, interpret)
+    kind = kernel_backend(backend, device, interpret, call.dtype)
     # The Triton backward runs a value head dim Hv != H at max(H, Hv) (its wrapper zero-pads)
     # and the Triton forward shares its BlockSizes: Triton's tiles are that head dim's.
     one_head_dim = call.common_head_dim()
     if kind == "xla":
         if block_sizes is not None:
             found = "none" if device is None else device.compute_capability
+            why = f"no NVIDIA GPU of compute capability >= 8.0; found {found}"
+            if jnp.dtype(call.dtype) == jnp.float64 and triton.why_not_device(device) is None:
+                why = "float64 inputs"
             raise ValueError(
                 "block_sizes configures the Triton kernels, but backend=None runs the 'xla' "
-                f"backend here (no NVIDIA GPU of compute capability >= 8.0; found {found}): pass "
-                "interpret=True to run the kernels in the Pallas interpreter, or block_sizes=None"
+                f"backend here ({why}): pass interpret=True to run the kernels in the Pallas "
+                "interpreter, or block_sizes=None"
             )
         return None
     interpret = bool(interpret)
@@ -183,7 +218,11 @@ def choose(
     backward = _choose_backward(kind, forward, call, device, tiles.backward, user_block_sizes)
     # The decode kernel's forward returns what either backward reads: the backward stays the
     # one the flash forward would have had.
-    if backend is None and user_block_sizes is None and few_tokens_on_decode(call):
+    if (
+        backend is None
+        and user_block_sizes is None
+        and few_tokens_on_decode(call, interpret=interpret)
+    ):
         forward = "decode"
     return KernelConfig(
         spec=call.spec,
@@ -268,19 +307,25 @@ def _narrow_forward_tiles(call: Call, device: Device) -> mosaic.ForwardTiles | N
     return narrow if _mosaic_fills_gpu(call, device, narrow) else None
 
 
-def few_tokens_on_decode(call: Call) -> bool:
+def few_tokens_on_decode(call: Call, *, interpret: bool = False) -> bool:
     """Whether the default call's forward runs on the decode kernel: at most
-    DECODE_ROUTE_MAX_Q_LEN query tokens over at least DECODE_ROUTE_MIN_KV_LEN keys, in bfloat16
-    or float16, with a mask the decode kernel expresses exactly (`triton.
-    why_not_few_token_forward`: geometry, lengths, soft cap, sinks). Float32 calls keep the
-    Triton forward, whose row max lets the Triton backward recompute P free of lse's rounding
-    (`_vjp._takes_row_max`); the decode kernel keeps no row max."""
-    return (
+    DECODE_ROUTE_MAX_Q_LEN query tokens over at least DECODE_ROUTE_MIN_KV_LEN keys (compiled:
+    and DECODE_ROUTE_MIN_BATCH_KEYS keys per KV head over the batch), in bfloat16 or float16,
+    with a mask the decode kernel expresses exactly (`triton.why_not_few_token_forward`:
+    geometry, lengths, soft cap, sinks). Float32 calls keep the Triton forward, whose row max
+    lets the Triton backward recompute P free of lse's rounding (`_vjp._takes_row_max`); the
+    decode kernel keeps no row max."""
+    if not (
         call.q_len <= DECODE_ROUTE_MAX_Q_LEN
         and call.kv_len >= DECODE_ROUTE_MIN_KV_LEN
         and call.dtype.itemsize == 2
         and triton.why_not_few_token_forward(call) is None
-    )
+    ):
+        return False
+    if interpret:
+        return True
+    least = DECODE_ROUTE_MIN_BATCH_KEYS[1 if call.q_len == 1 else DECODE_ROUTE_MAX_Q_LEN]
+    return call.q_shape[0] * call.kv_len >= least
 
 
 def _choose_forward(kind, call: Call, device: Device, tiles, user_block_sizes) -> str:
@@ -330,7 +375,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         return tiles
     tiles = mosaic.default_backward_tiles(call)
     if call.deterministic_grads:
-        mode = "fixed" if fixed_dq_is_faster(call) else None
+        mode = "fixed" if fixed_dq_is_faster(call, device) else None
     else:
         mode = "add" if fused_dq_is_faster(call) else None
     if mode is None:
@@ -389,18 +434,21 @@ def _long_enough(call: Call, causal_min_len: dict, min_len: dict) -> bool:
     return least is not None and min(call.q_len, call.kv_len) >= least
 
 
-def fixed_dq_is_faster(call: Call) -> bool:
+def fixed_dq_is_faster(call: Call, device: Device | None = None) -> bool:
     """Whether the Mosaic backward with dQ summed as integers in its dK/dV kernel
-    (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on the H200 for calls like
-    this (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
+    (fused_dq="fixed", bitwise deterministic) beat the two-kernel one on `device`'s card (the
+    H200's thresholds unless `FIXED_DQ_MIN_LEN_BY_CARD` has the card's) for calls like this
+    (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
     self-attention of 2k to 16k tokens in bf16 only. It needs bfloat16, a head dim that is a
     multiple of 64, no dropout and no value head dim of its own (`mosaic.backward.why_not`).
     Calls with a window or segments run it but measured slower (0.80-0.98x with a window of
     1024 keys, 0.80-1.08x with 4 packed documents: its per-row scales cost as much as in a
     plain call, for less work), so they keep two kernels."""
-    return _measured_as(call) == "plain" and _long_enough(
-        call, FIXED_DQ_CAUSAL_MIN_LEN, FIXED_DQ_MIN_LEN
-    )
+    min_len = FIXED_DQ_MIN_LEN
+    for card, lengths in FIXED_DQ_MIN_LEN_BY_CARD.items():
+        if device is not None and card in device.kind:
+            min_len = lengths
+    return _measured_as(call) == "plain" and _long_enough(call, FIXED_DQ_CAUSAL_MIN_LEN, min_len)
 
 
 def _mosaic_fills_gpu(call: Call, device: Device, tiles) -> bool:

@@ -159,26 +159,30 @@ def _check_qkv(query, key, value):
         )
 
 
-def _flatten_pair_operand(name, x, batch_shape):
-    """A mask/bias broadcastable to [batch..., N, T, S] as [B|1, N|1, T|1, S|1] (B = prod)."""
+def _flatten_pair_operand(name, x, batch_shape, pair_shape):
+    """A mask/bias broadcastable to [batch..., N, T, S] (pair_shape: (N, T, S)) as
+    [B|1, N|1, T|1, S|1] (B = prod); checked here, where the user's shape is known."""
     if x is None:
         return None
     if not hasattr(x, "shape"):
         raise TypeError(f"{name} must be an array, got {type(x).__name__}")
     rank = len(batch_shape) + 3
+    full = (*batch_shape, *pair_shape)
     if x.ndim > rank:
         raise ValueError(
             f"{name}.shape={x.shape} has more dims than [batch..., heads, q_length, kv_length] "
-            f"(rank {rank} for these inputs)"
+            f"= {full}"
         )
+    given = x.shape
     x = jnp.reshape(x, (1,) * (rank - x.ndim) + tuple(x.shape))
+    if any(d not in (1, want) for d, want in zip(x.shape, full)):
+        raise ValueError(
+            f"{name}.shape={given} must be broadcastable to [batch..., heads, q_length, "
+            f"kv_length] = {full} (each dim full or 1, missing leading dims taken as 1)"
+        )
     lead, tail = x.shape[: len(batch_shape)], x.shape[len(batch_shape) :]
     if all(d == 1 for d in lead):
         return jnp.reshape(x, (1, *tail))
-    if any(d not in (1, b) for d, b in zip(lead, batch_shape)):
-        raise ValueError(
-            f"{name}.shape={x.shape}: its batch dims must broadcast to {tuple(batch_shape)}"
-        )
     # Mixed batch dims (some 1, some full) must be materialised to merge into one dim.
     x = jnp.broadcast_to(x, (*batch_shape, *tail))
     return jnp.reshape(x, (math.prod(batch_shape), *tail))
@@ -248,7 +252,8 @@ def attention(
     batch_shape = tuple(query.shape[:-3])
     batch = math.prod(batch_shape)
     q_len, kv_len = query.shape[-3], key.shape[-3]
-    mask4 = _flatten_pair_operand("mask", mask, batch_shape)
+    pair_shape = (query.shape[-2], q_len, kv_len)
+    mask4 = _flatten_pair_operand("mask", mask, batch_shape, pair_shape)
     if mask4 is not None and mask4.dtype != jnp.bool_:
         # Flax applies masks as jnp.where(mask, logits, big_neg): any nonzero value attends.
         mask4 = mask4 != 0
@@ -293,7 +298,7 @@ def attention(
         flat(query),
         flat(key),
         flat(value),
-        _flatten_pair_operand("bias", bias, batch_shape),
+        _flatten_pair_operand("bias", bias, batch_shape, pair_shape),
         mask4,
         is_causal=is_causal,
         q_segment_ids=q_ids,

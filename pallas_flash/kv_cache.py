@@ -148,7 +148,8 @@ def dequantized(x, scale, dtype):
     else x times its KV head's scale (float32 (K,)), rounded once to dtype."""
     if scale is None:
         return x
-    return (x.astype(jnp.float32) * scale[:, None]).astype(dtype)
+    wide = jnp.promote_types(dtype, jnp.float32)  # float64 stays float64
+    return (x.astype(wide) * scale[:, None].astype(wide)).astype(dtype)
 
 
 def quantized(x, scale, dtype):

@@ -80,7 +80,8 @@ def dot_product_attention(
 
     Args:
       query, key, value: as above. Promoted to one dtype (`dtype` if given) as Flax does; the
-        kernels take float16, bfloat16 or float32 and H a multiple of 8 up to 256.
+        kernels take float16, bfloat16 or float32 and H a multiple of 8 up to 256 (float64
+        runs as in `flash_attention`: backend="xla" or interpret=True).
       bias: float, broadcastable to `[batch..., N, T, S]`, added to the scaled logits.
       mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
         as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.

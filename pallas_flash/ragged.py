@@ -142,7 +142,7 @@ def ragged_paged_attention(
         )
     device = None if interpret or backend == "xla" else device_lib.target_device()
     requested = backend
-    backend = dispatch.kernel_backend(backend, device, interpret)
+    backend = dispatch.kernel_backend(backend, device, interpret, q.dtype)
     backend = "triton" if backend == "auto" else backend
     if kv_cache.is_fp8(k_pages.dtype):
         backend = dispatch.float8_cache_backend(backend, requested, device)
@@ -311,8 +311,11 @@ def _check_arrays(q, k_pages, v_pages):
             raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
         fp8 = name != "q" and kv_cache.is_fp8(x.dtype)
         if not fp8 and not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            also = "" if name == "q" else " (or float8_e4m3fn, with scales)"
-            raise TypeError(f"{name}.dtype={x.dtype} must be float16, bfloat16 or float32{also}")
+            also = " (or float8_e4m3fn, with scales)" if name != "q" else ""
+            raise TypeError(
+                f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64 (with "
+                f"jax_enable_x64){also}"
+            )
     pages = [k_pages] if v_pages is None else [k_pages, v_pages]
     if not (all(x.dtype == q.dtype for x in pages) or all(kv_cache.is_fp8(x.dtype) for x in pages)):
         got = ", ".join(f"{name}.dtype={x.dtype}" for name, (x, _) in arrays.items())

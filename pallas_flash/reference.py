@@ -6,7 +6,12 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import LOG2E, lowered_reference, probability_bound
+from pallas_flash._numerics import (
+    LOG2E,
+    accumulation_dtype,
+    lowered_reference,
+    probability_bound,
+)
 from pallas_flash.masks import MaskArrays, MaskSpec
 
 
@@ -57,7 +62,7 @@ def reference_attention(
         probs.astype(v.dtype),
         v,
         precision=precision,
-        preferred_element_type=jnp.float32,
+        preferred_element_type=accumulation_dtype(q.dtype),
     )
     log_sum = jnp.log(row_sum_safe)[..., 0]
     lse = jnp.where(empty[..., 0], -jnp.inf, row_max[..., 0] + log_sum)
@@ -84,12 +89,13 @@ def with_sinks(out, lse, sinks, log_sum=None):
     the keys' max (lse - log_sum, which is the max itself where float32's lse rounds log_sum
     away) and the sink: a sink that ties with a max beyond ~1e6, where lse cannot hold the tie's
     log 2, still takes its share. Without it they come from lse."""
-    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32)[..., None], lse.shape)
+    acc = accumulation_dtype(lse.dtype)
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, acc)[..., None], lse.shape)
     # Rows that see no key (lse = -inf) take lse = sink; the inner wheres keep -inf - -inf (also
     # with a sink of -inf) out of the values and the gradients.
     empty = lse == -jnp.inf
     keys_lse = jnp.where(empty, 0.0, lse)
-    log_sum = 0.0 if log_sum is None else jnp.where(empty, 0.0, log_sum.astype(jnp.float32))
+    log_sum = 0.0 if log_sum is None else jnp.where(empty, 0.0, log_sum.astype(acc))
     keys_max = keys_lse - log_sum
     top = jnp.maximum(keys_max, sinks)  # +inf where the sink is: the sink takes the row
     finite = jnp.isfinite(top)
@@ -102,7 +108,7 @@ def with_sinks(out, lse, sinks, log_sum=None):
     new_lse = jnp.where(finite, top + jnp.log(total), sinks)
     new_lse = jnp.where(empty, sinks, jnp.where(sink_den == 0.0, keys_lse, new_lse))
     keys_share = jnp.where(empty, 0.0, keys_den / total)
-    scaled = out.astype(jnp.float32) * jnp.swapaxes(keys_share, 1, 2)[..., None]
+    scaled = out.astype(acc) * jnp.swapaxes(keys_share, 1, 2)[..., None]
     return scaled.astype(out.dtype), new_lse
 
 
@@ -136,12 +142,12 @@ def _logits(q, k, v, bias, arrays: MaskArrays, *, spec: MaskSpec, scale: float, 
             qg,
             k,
             precision=_precision(q),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=accumulation_dtype(q.dtype),
         )
         * scale
     )
     if bias is not None:
-        logits = logits + by_group(bias.astype(jnp.float32))
+        logits = logits + by_group(bias.astype(logits.dtype))
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
     bad_key = jnp.transpose(bad_key, (0, 2, 1))[:, :, None, None, :]  # [B, K, 1, 1, S]
@@ -179,7 +185,7 @@ def reference_backward(
     batch, q_len, num_heads, _ = q.shape
     num_kv_heads = k.shape[2]
     group = num_heads // num_kv_heads
-    f32 = jnp.float32
+    f32 = accumulation_dtype(q.dtype)  # float64 for float64 inputs
 
     def by_group(x):  # [B, N, T] -> [B, K, G, T, 1]
         return x.reshape(batch, num_kv_heads, group, q_len)[..., None]

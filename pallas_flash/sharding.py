@@ -23,7 +23,9 @@ from jax.sharding import PartitionSpec as P
 from pallas_flash import masks
 from pallas_flash._numerics import merge_weights
 from pallas_flash.api import (
+    _canonical_arrays,
     _canonical_window,
+    _check_lengths,
     _check_sinks,
     flash_attention,
     flash_attention_backward,
@@ -38,8 +40,21 @@ def zigzag_indices(seq_len: int, num_shards: int) -> np.ndarray:
     """The token order of the zig-zag layout: `x[:, zigzag_indices(T, P)]` sharded in P equal
     blocks gives device i the chunks i and 2P-1-i of 2P equal chunks, so that under a causal
     mask every device holds as many early as late queries. `seq_len` must be a multiple of 2P."""
+    return _zigzag_indices(seq_len, num_shards, "seq_len")
+
+
+def _zigzag_indices(seq_len: int, num_shards: int, what: str) -> np.ndarray:
+    """`zigzag_indices`; what: how the messages name seq_len."""
+    if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)):
+        raise TypeError(f"num_shards={num_shards!r} must be an int")
+    if num_shards < 1:
+        raise ValueError(f"num_shards={num_shards} must be >= 1")
     if seq_len % (2 * num_shards):
-        raise ValueError(f"{seq_len=} must be a multiple of 2 * {num_shards=}")
+        raise ValueError(
+            f"{what}={seq_len} must be a multiple of 2 * num_shards = {2 * num_shards} "
+            f"(num_shards={num_shards}): the zig-zag order cuts it into {2 * num_shards} equal "
+            "chunks"
+        )
     chunks = np.arange(seq_len).reshape(2 * num_shards, -1)
     order = [c for i in range(num_shards) for c in (i, 2 * num_shards - 1 - i)]
     return chunks[order].reshape(-1)
@@ -47,12 +62,13 @@ def zigzag_indices(seq_len: int, num_shards: int) -> np.ndarray:
 
 def to_zigzag(x, num_shards: int, axis: int = 1):
     """`x` with its sequence `axis` put in zig-zag order (see `zigzag_indices`)."""
-    return jnp.take(x, zigzag_indices(x.shape[axis], num_shards), axis=axis)
+    order = _zigzag_indices(x.shape[axis], num_shards, f"x.shape[{axis}]")
+    return jnp.take(x, order, axis=axis)
 
 
 def from_zigzag(x, num_shards: int, axis: int = 1):
     """The inverse of `to_zigzag`."""
-    inverse = np.argsort(zigzag_indices(x.shape[axis], num_shards))
+    inverse = np.argsort(_zigzag_indices(x.shape[axis], num_shards, f"x.shape[{axis}]"))
     return jnp.take(x, inverse, axis=axis)
 
 
@@ -283,7 +299,8 @@ def ring_attention(
         (`to_zigzag`) before sharding, so device i holds chunks i and 2P-1-i of 2P (T == S,
         even): under a causal mask each device then does the same work at every ring step.
       query_seq_lengths, key_value_seq_lengths: int (B,), global lengths (the same on every
-        device).
+        device), in [0, P T] and [0, P S] (checked when concrete, clamped when traced, as in
+        `flash_attention`).
       q_segment_ids: int (B, T), kv_segment_ids: int (B, S): this device's blocks of the ids.
       scale, is_causal, local_window_size, logits_soft_cap, backend, block_sizes, interpret: as
         in `flash_attention`, with causality and windows on global positions. Ring steps whose
@@ -300,17 +317,24 @@ def ring_attention(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"{layout=} must be one of {LAYOUTS}")
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(
-                f"ring_attention takes batched {name} [B, T|S, N|K, H]; got "
-                f"{name}.shape={getattr(x, 'shape', None)}"
-            )
+    _check_ring_arrays("ring_attention", query, key, value)
     _check_sinks(sinks, query.shape[2])
     num_shards = jax.lax.axis_size(axis_name)
     if num_shards == 1:
         layout = "contiguous"  # the zig-zag order of one shard is the identity
     q_len, kv_len = query.shape[1], key.shape[1]
+    for name, lengths, local, axis in (
+        ("query_seq_lengths", query_seq_lengths, q_len, "query.shape[1]"),
+        ("key_value_seq_lengths", key_value_seq_lengths, kv_len, "key.shape[1]"),
+    ):
+        total = local * num_shards
+        _check_lengths(
+            name,
+            lengths,
+            query.shape[0],
+            total,
+            f"{axis} * axis_size({axis_name!r}) = {local} * {num_shards} = {total}",
+        )
     if layout == "zigzag" and (q_len != kv_len or q_len % 2):
         raise ValueError(
             f"layout='zigzag' needs equal, even local lengths; got query.shape={query.shape}, "
@@ -404,6 +428,42 @@ def ring_attention(
         # the result depends on it only through that rounding (its derivatives cancel).
         out, lse = with_sinks(out, lse, sinks, jax.lax.stop_gradient(log_sum))
     return (out, lse) if return_residuals else out
+
+
+def _check_ring_arrays(fn: str, query, key, value):
+    """The ranks, dtypes and shapes of a ring's arrays, checked as `flash_attention` checks
+    them, before its steps cut blocks from them (whose shapes the user never passed)."""
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if getattr(x, "ndim", None) != 4:
+            raise ValueError(
+                f"{fn} takes batched {name} [B, T|S, N|K, H]; got "
+                f"{name}.shape={getattr(x, 'shape', None)}"
+            )
+    _canonical_arrays(query, key, value)
+    if query.dtype == jnp.float64:
+        raise NotImplementedError(
+            f"{fn} with dtype float64: the ring merges its blocks' results in float32; float64 "
+            "runs in flash_attention on the whole sequence (backend='xla' or interpret=True)"
+        )
+
+
+def _check_global_sequences(query, key, num_shards: int, context_axis, kwargs):
+    """The global sequences of `ring_attention_sharded` split into num_shards equal blocks
+    (with layout="zigzag", 2 num_shards equal chunks of sequences of one length)."""
+    chunks, rule = num_shards, f"mesh.shape[{context_axis!r}]={num_shards}"
+    if kwargs.get("layout") == "zigzag" and num_shards > 1:
+        if query.shape[1] != key.shape[1]:
+            raise ValueError(
+                "layout='zigzag' needs query.shape[1] == key.shape[1]; got "
+                f"query.shape={query.shape}, key.shape={key.shape}"
+            )
+        chunks = 2 * num_shards
+        rule = (
+            f"2 * mesh.shape[{context_axis!r}] = {chunks} (layout='zigzag': two chunks per device)"
+        )
+    for name, x in (("query", query), ("key", key)):
+        if x.shape[1] % chunks:
+            raise ValueError(f"{name}.shape={x.shape}: its length must be a multiple of {rule}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -551,7 +611,15 @@ def ring_attention_sharded(
     sequence split over `context_axis` (and optionally the batch over `batch_axis`, the heads
     over `head_axis`). Arguments as in `ring_attention` but global: query (B, T, N, H), segment
     ids (B, T) / (B, S), in `kwargs['layout']` order; sinks (N,)."""
-    _check_sinks(sinks, query.shape[2])  # the global heads', before the shard_map splits them
+    # The global arrays, before the shard_map splits them (the messages quote their shapes).
+    _check_ring_arrays("ring_attention_sharded", query, key, value)
+    _check_sinks(sinks, query.shape[2])
+    _check_global_sequences(query, key, mesh.shape[context_axis], context_axis, kwargs)
+    for name, lengths, limit, axis in (
+        ("query_seq_lengths", query_seq_lengths, query.shape[1], "query.shape[1]"),
+        ("key_value_seq_lengths", key_value_seq_lengths, key.shape[1], "key.shape[1]"),
+    ):
+        _check_lengths(name, lengths, query.shape[0], limit, f"{axis}={limit}")
     qkv = P(batch_axis, context_axis, head_axis, None)
     seg = P(batch_axis, context_axis)
     lengths = P(batch_axis)

@@ -42,6 +42,28 @@ INVALID_CALLS = [
     ("kv-length", dict(v_shape=(B, S + 1, K, H)), {}, ValueError, "value.shape=\\(2, 12,"),
     ("kv-heads", dict(v_shape=(B, S, K + 1, H)), {}, ValueError, "value.shape=\\(2, 11, 3,"),
     ("v-head-dim", dict(v_shape=(B, S, K, H + 4)), {}, ValueError, "value head_dim=20"),
+    # Rank-3 inputs are quoted as passed, not with the batch axis added inside.
+    (
+        "unbatched-heads",
+        dict(q_shape=(T, N, H), k_shape=(S, 3, H)),
+        {},
+        ValueError,
+        r"num_heads=4 \(query.shape=\(9, 4, 16\)\).*num_kv_heads=3 \(key.shape=\(11, 3, 16\)\)",
+    ),
+    (
+        "unbatched-kv-length",
+        dict(q_shape=(T, N, H), k_shape=(S, K, H), v_shape=(S + 1, K, H)),
+        {},
+        ValueError,
+        r"key.shape=\(11, 2, 16\) and value.shape=\(12, 2, 16\) must agree on \[S, K\]",
+    ),
+    (
+        "unbatched-head-dim",
+        dict(q_shape=(T, N, 20), k_shape=(S, K, 20)),
+        {},
+        ValueError,
+        r"head_dim=20 \(value.shape=\(11, 2, 20\)\)",
+    ),
     ("heads", dict(k_shape=(B, S, 3, H)), {}, ValueError, "num_heads=4.*num_kv_heads=3"),
     ("head-dim", dict(k_shape=(B, S, K, H + 8)), {}, ValueError, "head dims differ.*H=24"),
     (
@@ -137,6 +159,77 @@ def test_invalid_call_raises_before_tracing(no_compute, array_kwargs, call_kwarg
     q, k, v = arrays(**array_kwargs)
     with pytest.raises(error, match=message):
         pallas_flash.flash_attention(q, k, v, **call_kwargs)
+
+
+def test_backward_errors_quote_the_shapes_passed(no_compute):
+    """flash_attention_backward's residuals of rank-3 calls are checked and quoted as passed."""
+    q, k, v = arrays((T, N, H), (S, K, H))
+    out, lse = np.zeros((T, N, H), np.float32), np.zeros((N, T), np.float32)
+    with pytest.raises(ValueError, match=r"lse.shape=\(4, 8\) must be \(4, 9\) for this query"):
+        pallas_flash.flash_attention_backward(q, k, v, out, lse[:, :8], out)
+    with pytest.raises(ValueError, match=r"d_out.shape=\(1, 9, 4, 16\) must be \(9, 4, 16\)"):
+        pallas_flash.flash_attention_backward(q, k, v, out, lse, out[None])
+    with pytest.raises(ValueError, match=r"log_sum.shape=\(2, 4, 9\) must be \(4, 9\)"):
+        pallas_flash.flash_attention_backward(
+            q, k, v, out, lse, out, log_sum=np.zeros((2, N, T), np.float32)
+        )
+
+
+def test_float64_needs_jax_enable_x64(no_compute):
+    """Without x64 jax computes float64 arrays in float32: refused, naming the switch."""
+    q, k, v = arrays(dtypes=(np.float64,) * 3)
+    with pytest.raises(TypeError, match=r"query.dtype=float64 needs jax_enable_x64"):
+        pallas_flash.flash_attention(q, k, v)
+    with pytest.raises(TypeError, match=r"query.dtype=float64 needs jax_enable_x64"):
+        pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=np.array([S, 3]))
+
+
+def test_float64_on_a_gpu_runs_xla_or_names_the_paths_that_take_it(monkeypatch):
+    """Chosen for an H200: backend=None runs float64 on "xla" (as on a CPU), the GPU kernels
+    refuse it before tracing, naming the paths that take it."""
+    monkeypatch.setattr(api.device_lib, "target_device", Device.h200)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(x, jnp.float64) for x in arrays())
+        lengths = np.array([S, 3])
+        for attention, kwargs in (
+            (pallas_flash.flash_attention, dict(is_causal=True)),
+            (pallas_flash.decode_attention, dict(key_value_seq_lengths=lengths)),
+        ):
+            want = attention(q, k, v, backend="xla", **kwargs)
+            assert want.dtype == jnp.float64
+            assert_bitwise_equal(attention(q, k, v, **kwargs), want)
+        paths = r"float64 runs on backend='xla' .* or in the Pallas interpreter \(interpret=True\)"
+        for backend in ("triton", "mosaic"):
+            with pytest.raises(
+                NotImplementedError, match=f"dtype float64 with backend='{backend}'"
+            ):
+                pallas_flash.flash_attention(q, k, v, backend=backend)
+        with pytest.raises(NotImplementedError, match=f"backend='triton': {paths}"):
+            pallas_flash.decode_attention(q, k, v, key_value_seq_lengths=lengths, backend="triton")
+        with pytest.raises(ValueError, match=r"runs the 'xla' backend here \(float64 inputs\)"):
+            pallas_flash.flash_attention(q, k, v, block_sizes=pallas_flash.BlockSizes())
+
+
+def test_float64_split_kernels_compute_in_float64():
+    """The Triton forward in float64 (interpreter, x64 on in this test only), one KV loop and
+    split in two with its XLA merge and sinks: the float64 reference's values to float64's
+    rounding (float32 accumulators would leave ~1e-7)."""
+    rng = np.random.default_rng(7)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.standard_normal(x.shape)) for x in arrays())
+        sinks = jnp.asarray([0.3, -1.0, 2.0, 0.0])
+        want = pallas_flash.flash_attention(
+            q, k, v, sinks=sinks, return_residuals=True, backend="xla"
+        )
+        for splits in (1, 2):
+            tiles = pallas_flash.BlockSizes(block_q=16, block_kv=16, kv_splits=splits)
+            got = pallas_flash.flash_attention(
+                q, k, v, sinks=sinks, return_residuals=True, interpret=True, block_sizes=tiles
+            )
+            for x, y in zip(got, want, strict=True):
+                assert x.dtype == jnp.float64
+                np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-13)
+    assert not jax.config.jax_enable_x64
 
 
 def test_non_array_input_raises(no_compute):

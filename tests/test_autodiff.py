@@ -363,3 +363,72 @@ def test_decode_second_order_matches_xla(path):
 
     want = jax.tree.map(lambda x: np.asarray(x, np.float64), second_order(XLA))
     assert max_relative_error(second_order(path), want) < SECOND_ORDER_RTOL
+
+
+# -- float64 ---------------------------------------------------------------------------------------
+
+# Where float64 runs: backend="xla" (and backend=None, which picks it on a GPU too) and the
+# Triton interpreter. The GPU kernels refuse it, naming the dtype.
+FLOAT64_PATHS = backend_paths(
+    mosaic=True, refuses={name: "float64" for name in ("triton", "mosaic", "mosaic-interpret")}
+)
+
+
+@pytest.mark.parametrize("path", FLOAT64_PATHS)
+def test_check_grads_in_float64(path):
+    """`jax.test_util.check_grads(order=2, modes=("rev",))` at its default (float64)
+    tolerances, GQA, causal, key lengths; on backend="xla" with a bias and sinks too (the
+    kernels' with them, and decode and paged attention: test_float64_sweep). x64 is on in this
+    test only."""
+    rng = np.random.default_rng(4)
+    with jax.enable_x64(True), path.scope():
+        q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in FLOAT64_SHAPES)
+        bias, sinks = jnp.asarray(rng.standard_normal((4, 5, 7))), jnp.asarray([0.5, -1, 2, 0])
+        assert q.dtype == jnp.float64
+        args, options = (q, k, v), {}
+        if path.name == "xla":
+            args, options = (q, k, v, bias), dict(sinks=sinks)
+        attention = _float64_attention(path, **options)
+        out, lse = attention(*args)
+        assert out.dtype == lse.dtype == jnp.float64
+        check_grads(jax.jit(attention), args, order=2, modes=("rev",))
+    assert not jax.config.jax_enable_x64
+
+
+FLOAT64_SHAPES = ((2, 5, 4, 8), (2, 7, 2, 8), (2, 7, 2, 8))
+
+
+def _float64_attention(path, **options):
+    def attention(q, k, v, bias=None, sinks=None):
+        sinks = options.get("sinks", sinks)
+        return pallas_flash.flash_attention(
+            q, k, v, bias, is_causal=True, key_value_seq_lengths=np.array([7, 4]), sinks=sinks,
+            return_residuals=True, **path.kwargs,
+        )  # fmt: skip
+
+    return attention
+
+
+@pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_SWEEP to run")
+@pytest.mark.parametrize("path", backend_paths(gpu=False, exclude=("mosaic-interpret",)))
+def test_float64_sweep(path):
+    """check_grads(order=2, rev) in float64 at default tolerances: the kernels (interpreter)
+    with a bias and sinks; decode_attention and paged_attention on both paths."""
+    rng = np.random.default_rng(5)
+    with jax.enable_x64(True):
+        q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in FLOAT64_SHAPES)
+        bias, sinks = jnp.asarray(rng.standard_normal((4, 5, 7))), jnp.asarray([0.5, -1, 2, 0])
+        attention = _float64_attention(path)
+        check_grads(jax.jit(attention), (q, k, v, bias, sinks), order=2, modes=("rev",))
+        pages, tables = k.reshape(7, 2, 2, 8), jnp.asarray([[6, 0, 5, 1], [2, 4, 3, 0]])
+
+        def decode(q, k, v, pages):
+            lengths = np.array([7, 3])
+            return (
+                pallas_flash.decode_attention(
+                    q, k, v, key_value_seq_lengths=lengths, return_residuals=True, **path.kwargs
+                ),
+                pallas_flash.paged_attention(q, pages, pages, tables, lengths, **path.kwargs),
+            )
+
+        check_grads(jax.jit(decode), (q[:, :2], k, v, pages), order=2, modes=("rev",))

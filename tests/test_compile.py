@@ -160,7 +160,7 @@ def test_partitioned_passes_export_for_the_gpu(kernels):
     rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
     passes = {
         _vjp._forward_shard: [x, x, x, None, MaskArrays(), None],
-        _vjp._backward_shard: [x, x, x, None, MaskArrays(), x, rows, rows, rows, x, rows],
+        _vjp._backward_shard: [x, x, x, None, MaskArrays(), None, x, rows, rows, rows, x, rows],
     }
     mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
     for kernel, args in passes.items():

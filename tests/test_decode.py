@@ -253,6 +253,64 @@ def test_unsplit_eager_and_lengths_past_capacity():
     np.testing.assert_array_equal(past(problem["lengths"].at[0].add(50))[0], result[0])
 
 
+@pytest.mark.parametrize("path", backend_paths(gpu=False))
+def test_traced_lengths_outside_the_cache_are_clamped(path):
+    """Lengths under jit are not read: past the capacity they act as the capacity, below 0 as
+    0 (no key), on the contiguous and the paged cache (concrete ones raise:
+    test_validation_*)."""
+    q, k, v, _ = _arrays(t=2, s=16)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in (q, k, v))
+    pages, tables = k.reshape(4, 8, 2, 32), jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    contiguous = jax.jit(
+        lambda lengths: pallas_flash.decode_attention(
+            q, k, v, key_value_seq_lengths=lengths, return_residuals=True, **path.kwargs
+        )
+    )
+    paged = jax.jit(
+        lambda lengths: pallas_flash.paged_attention(
+            q, pages, pages, tables, lengths, return_residuals=True, **path.kwargs
+        )
+    )
+    for attend in (contiguous, paged):
+        want = attend(jnp.asarray([16, 0]))
+        assert np.isneginf(np.asarray(want[1])[1]).all() and np.isfinite(want[1][0]).all()
+        for x, y in zip(attend(jnp.asarray([23, -5])), want, strict=True):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_float64_kernels_compute_in_float64():
+    """Float64 (x64 on in this test only) in the interpreter: the split kernel with the XLA
+    merge (contiguous) and with the merge kernel (paged, the balanced schedule) agree with the
+    float64 reference to float64's rounding (float32 accumulators would leave ~1e-7)."""
+    rng = np.random.default_rng(6)
+    with jax.enable_x64(True):
+        q = jnp.asarray(rng.standard_normal((2, 2, 4, 16)))
+        pages = [jnp.asarray(rng.standard_normal((12, 8, 2, 16))) for _ in range(2)]
+        tables = jnp.asarray([[6, 7, 8, 9, 10, 11], [0, 1, 2, 3, 4, 5]])
+        k, v = (jnp.concatenate([x[6:], x[:6]]).reshape(2, 48, 2, 16) for x in pages)
+        lengths = jnp.asarray([45, 30])
+        tiles = DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=3)
+        calls = {
+            "contiguous": lambda **kw: pallas_flash.decode_attention(
+                q, k, v, key_value_seq_lengths=lengths, return_residuals=True, **kw
+            ),
+            "paged": lambda **kw: pallas_flash.paged_attention(
+                q, *pages, tables, lengths, return_residuals=True, **kw
+            ),
+        }
+        for (name, call), merge, schedule in zip(
+            calls.items(), ("xla", "kernel"), ("sequence", "balanced"), strict=True
+        ):
+            want = call(backend="xla")
+            split = dataclasses.replace(tiles, merge=merge, schedule=schedule)
+            got = call(interpret=True, block_sizes=split)
+            for x, y in zip(got, want, strict=True):
+                assert x.dtype == jnp.float64, name
+                np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-13, err_msg=name)
+    assert not jax.config.jax_enable_x64
+
+
 def test_gradient_through_the_reference():
     c = Case((20, 9), 2, 4, 2, 32, 24)
     problem, _ = make_problem(c)
@@ -300,6 +358,96 @@ def test_write_to_pages_prefill_then_decode():
     assert np.all(dense[0, 7:] == -1) and np.all(dense[1, 4:] == -1)
     assert np.all(np.asarray(k_pages)[6] == -1)  # no table names page 6
     np.testing.assert_array_equal(v_pages, -k_pages * (k_pages != -1) - (k_pages == -1))
+
+
+def _small_pool():
+    """A pool of 5 pages of 4 rows, two sequences of 3 pages each, and one new token each."""
+    pool = jnp.full((5, 4, 2, 8), -1.0)
+    tables = jnp.asarray([[0, 1, 2], [3, 4, 1]], jnp.int32)
+    new = jnp.ones((2, 2, 2, 8))
+    return pool, tables, new
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(positions=[0, -1]), r"positions=\[0, -1\] must be >= 0"),
+        (
+            dict(positions=[0, 11]),
+            r"positions\[1\] \+ T = 11 \+ 2 = 13 must be <= block_tables.shape\[1\] \* "
+            r"page_size = 3 \* 4 = 12 \(the slots of sequence 1\)",
+        ),
+        (
+            dict(positions=[11, 0], counts=[2, 2]),
+            r"positions\[0\] \+ counts\[0\] = 11 \+ 2 = 13 must be <= ",
+        ),
+        (dict(positions=[0, 0], counts=[3, 0]), r"counts=\[3, 0\] must lie in \[0, T=2\]"),
+        (dict(positions=[0, 0], counts=[0, -1]), r"counts=\[0, -1\] must lie in \[0, T=2\]"),
+        (
+            dict(positions=[0, 3], tables=[[0, 1, 2], [3, -1, 1]]),
+            r"block_tables\[1, 1\]=-1 must lie in \[0, num_pages=5\) \(sequence 1 writes "
+            r"positions 3..4\)",
+        ),
+        (
+            dict(positions=[8, 0], tables=[[0, 1, 5], [3, 4, 1]]),
+            r"block_tables\[0, 2\]=5 must lie in \[0, num_pages=5\)",
+        ),
+    ],
+    ids=["negative", "past-capacity", "past-capacity-counts", "counts-high", "counts-negative",
+         "table-negative", "table-past-pool"],
+)  # fmt: skip
+def test_write_to_pages_refuses_tokens_it_cannot_place(args, message):
+    """Concrete positions, counts and table entries of the pages written are checked: a token
+    that has no slot or no page raises, naming the argument, its value and the rule."""
+    pool, tables, new = _small_pool()
+    tables = jnp.asarray(args.get("tables", tables), jnp.int32)
+    counts = args.get("counts")
+    counts = None if counts is None else jnp.asarray(counts, jnp.int32)
+    positions = np.asarray(args["positions"], np.int32)
+    with pytest.raises(ValueError, match=message):
+        pallas_flash.write_to_pages(pool, pool, tables, new, new, positions, counts=counts)
+
+
+def test_write_to_pages_accepts_what_it_can_place():
+    """Entries of pages a sequence does not write may hold anything; a count of 0 writes
+    nothing at any position up to the capacity; the last slot is writable."""
+    pool, _, new = _small_pool()
+    tables = jnp.asarray([[0, 1, 2], [-7, 99, 3]], jnp.int32)
+    k_pages, _ = pallas_flash.write_to_pages(
+        pool, pool, tables, new, new, np.asarray([10, 10]), counts=np.asarray([2, 1])
+    )
+    np.testing.assert_array_equal(k_pages[2, 2:], 1.0)
+    np.testing.assert_array_equal(k_pages[3, 2], 1.0)
+    assert int(jnp.sum(k_pages == 1.0)) == 3 * 2 * 8
+    k_pages, _ = pallas_flash.write_to_pages(
+        pool, pool, tables, new, new, np.asarray([12, 12]), counts=np.asarray([0, 0])
+    )
+    np.testing.assert_array_equal(k_pages, pool)
+
+
+def test_write_to_pages_under_jit_drops_what_it_cannot_place():
+    """Traced positions and tables: tokens at negative positions, past the sequence's slots or
+    on a table entry outside the pool are written nowhere (a negative entry would otherwise
+    index the pool from its end); the other tokens land, and no other page changes."""
+    pool, tables, new = _small_pool()
+    new = new * jnp.arange(1, 3, dtype=jnp.float32)[None, :, None, None]  # token t holds t + 1
+    write = jax.jit(
+        lambda tables, positions: pallas_flash.write_to_pages(
+            pool, pool, tables, new, new, positions
+        )[0]
+    )
+    # Sequence 0: token 0 at -1 (dropped), token 1 at 0; sequence 1: 11 (page 1, row 3), 12
+    # (dropped).
+    got = np.asarray(write(tables, jnp.asarray([-1, 11], jnp.int32)))
+    want = np.asarray(pool).copy()
+    want[0, 0], want[1, 3] = 2.0, 1.0
+    np.testing.assert_array_equal(got, want)
+    # A table entry of -1 and one of 5 (the pool has 5 pages): those tokens go nowhere.
+    bad = jnp.asarray([[-1, 1, 2], [3, 5, 1]], jnp.int32)
+    got = np.asarray(write(bad, jnp.asarray([2, 3], jnp.int32)))
+    want = np.asarray(pool).copy()
+    want[3, 3] = 1.0  # sequence 1's token 0 at position 3 (page 3); its token 1 is on page 5
+    np.testing.assert_array_equal(got, want)
 
 
 # -- validation -----------------------------------------------------------------------------------

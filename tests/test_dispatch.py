@@ -132,6 +132,9 @@ CALLS = {
     "decode-t16-f16": (qkv((2, 16, 32, 64), (2, 4096, 8, 64), dtype=f16), {}),
     "decode-t17": (qkv((8, 17, 32, 128), (8, 4096, 8, 128)), {}),
     "decode-short-keys": (qkv((8, 1, 32, 128), (8, 32, 8, 128)), {}),
+    # Four tokens over 4k keys of one sequence: B * S below DECODE_ROUTE_MIN_BATCH_KEYS, where
+    # the flash forward measured faster (compiled); the interpreter routes it.
+    "decode-t4-b1-4k": (qkv((1, 4, 32, 128), (1, 4096, 8, 128)), {}),
     "decode-segments": (
         qkv((8, 4, 32, 128), (8, 4096, 8, 128)),
         dict(q_segment_ids=zeros(8, 4), kv_segment_ids=zeros(8, 4096)),
@@ -345,6 +348,7 @@ H200 = {
     "decode-t16-f16": ("decode", "triton", H64, None, None, None),
     "decode-t17": ("triton", "triton", H128, None, None, 1),
     "decode-short-keys": ("triton", "triton", H128_FULL_SHORT, None, None, 1),
+    "decode-t4-b1-4k": ("triton", "triton", H128, None, None, 8),
     "decode-segments": ("triton", "triton", H128_FULL_SHORT_RANGED, None, None, 1),
     "decode-bias": ("triton", "triton", H128_MASKED, None, None, 1),
     "decode-mask": ("triton", "triton", H128_MASKED, None, None, 1),
@@ -406,6 +410,7 @@ A100 = {
     "decode-t16-f16": ("decode", "triton", H64, None, None, None),
     "decode-t17": ("triton", "triton", H128, None, None, 1),
     "decode-short-keys": ("triton", "triton", H128, None, None, 1),
+    "decode-t4-b1-4k": ("triton", "triton", H128, None, None, 7),
     "decode-segments": ("triton", "triton", H128_FULL_SHORT_RANGED, None, None, 1),
     "decode-bias": ("triton", "triton", H128_MASKED, None, None, 1),
     "decode-mask": ("triton", "triton", H128_MASKED, None, None, 1),
@@ -419,6 +424,8 @@ A100 = {
 # The calls above whose forward the decode kernel runs (by default, on any GPU it runs on, and
 # in the interpreter).
 DECODE_FORWARD = {"decode-t1", "decode-t4-masked", "decode-t16-f16"}
+# ... and in the interpreter, which routes calls too small to gain on a GPU.
+DECODE_FORWARD_INTERPRETED = {"decode-t4-b1-4k"}
 
 
 def changed_fields(tiles):
@@ -534,7 +541,8 @@ def test_few_tokens_take_the_decode_forward_on_every_gpu(chosen, no_tune_cache, 
     for device in devices:
         assert (chosen(device, name)[0] == "decode") == (name in DECODE_FORWARD), device
     if not has_gpu():
-        assert (chosen(None, name, interpret=True)[0] == "decode") == (name in DECODE_FORWARD)
+        routed = name in DECODE_FORWARD or name in DECODE_FORWARD_INTERPRETED
+        assert (chosen(None, name, interpret=True)[0] == "decode") == routed
 
 
 # The calls whose Mosaic backward computes dQ in its dK/dV kernel with deterministic_grads=False
@@ -923,3 +931,18 @@ def test_tuner_kernels_take_num_kv_heads(monkeypatch):
         tune.mosaic_kernels_fn(shape, jnp.bfloat16, backward_tiles=tiles, num_kv_heads=8, **kwargs)
         is None
     )
+
+
+@pytest.mark.parametrize("card, fixed", [("NVIDIA H200", False), ("NVIDIA H100 80GB HBM3", True)])
+def test_fixed_dq_thresholds_are_the_cards(no_tune_cache, card, fixed):
+    """A plain H=128 call of 2k tokens takes the integer-summed fused dQ on the H100, where it
+    measured 1.04x the two kernels, and keeps the two kernels on the H200 (1.00x)."""
+    call = Call(
+        q_shape=(8, 2048, 16, 128),
+        k_shape=(8, 2048, 16, 128),
+        dtype=jnp.dtype(bf16),
+        spec=MaskSpec(q_len=2048, kv_len=2048),
+    )
+    config = dispatch.choose(call, Device.of_kind(card, num_sms=132), scale=0.1)
+    assert config.backward == "mosaic"
+    assert (config.mosaic_backward_tiles.fused_dq == "fixed") == fixed

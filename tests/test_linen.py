@@ -241,8 +241,14 @@ def test_function_options_and_errors():
         xla(q, q, q, dropout_rate=0.1)
     with pytest.raises(ValueError, match="kv_segment_ids is required"):
         xla(q, q[:, :4], q[:, :4], q_segment_ids=jnp.zeros((1, 8), jnp.int32))
-    with pytest.raises(ValueError, match="mask.shape"):
+    with pytest.raises(ValueError, match=r"mask.shape=\(3, 2, 8, 8\) must be broadcastable to"):
         xla(q, q, q, mask=jnp.ones((3, 2, 8, 8)))
+    # The shape as passed, not as padded or flattened: [batch..., heads, T, S] = (2, 3, 2, 8, 8).
+    q23 = jnp.ones((2, 3, 8, 2, 8))
+    with pytest.raises(
+        ValueError, match=r"mask.shape=\(3, 2, 8, 9\) must be .* = \(2, 3, 2, 8, 8\)"
+    ):
+        xla(q23, q23, q23, mask=jnp.ones((3, 2, 8, 9)))
     # dtype: the computation dtype, as in Flax.
     assert xla(q, q, q, dtype=jnp.bfloat16).dtype == jnp.bfloat16
     # deterministic_grads=False reaches the attention function; True (the default) is not

@@ -768,13 +768,29 @@ INVALID = [
     ("mask-int32", dict(mask=ones((T, S), np.int32)), ValueError, r"mask\.astype\(bool\)"),
     ("mask-float", dict(mask=ones((T, S), np.float32)), ValueError, r"mask\.astype\(bool\)"),
     ("mask-uint8", dict(mask=ones((S,), np.uint8)), ValueError, r"mask\.astype\(bool\)"),
-    ("mask-shape", dict(mask=ones((B, N, T + 1, S), bool)), ValueError, r"mask\.shape"),
+    (
+        "mask-shape",
+        dict(mask=ones((B, N, T + 1, S), bool)),
+        ValueError,
+        r"mask\.shape=\(2, 4, 10, 12\) must be broadcastable to \(2, 4, 9, 12\)",
+    ),
+    (
+        "mask-3d",
+        dict(mask=ones((2, T, S + 1), bool)),
+        ValueError,
+        r"mask\.shape=\(2, 9, 13\) must be broadcastable to \(2, 4, 9, 12\)",
+    ),
     ("mask-heads", dict(mask=ones((B, K, T, S), bool)), ValueError, r"mask\.shape"),
     ("mask-rank5", dict(mask=ones((1, B, N, T, S), bool)), ValueError, r"mask\.shape"),
     ("mask-list", dict(mask=[[True] * S] * T), TypeError, "mask"),
     ("bias-int", dict(bias=ones((B, N, T, S), np.int32)), TypeError, r"bias\.dtype"),
     ("bias-bool", dict(bias=ones((T, S), bool)), TypeError, r"bias\.dtype"),
-    ("bias-shape", dict(bias=ones((T, S + 1), np.float32)), ValueError, r"bias\.shape"),
+    (
+        "bias-shape",
+        dict(bias=ones((T, S + 1), np.float32)),
+        ValueError,
+        r"bias\.shape=\(9, 13\) must be broadcastable",
+    ),
     ("bias-batch", dict(bias=ones((B + 1, 1, 1, S), np.float32)), ValueError, r"bias\.shape"),
     ("bias-rank5", dict(bias=ones((1, B, N, T, S), np.float32)), ValueError, r"bias\.shape"),
     (
@@ -828,6 +844,30 @@ INVALID = [
         r"key_value_seq_lengths\.shape",
     ),
     ("kv-lens-list", dict(key_value_seq_lengths=[S] * B), TypeError, "key_value_seq_lengths"),
+    (
+        "q-lens-past-T",
+        dict(query_seq_lengths=np.array([T + 1, 0])),
+        ValueError,
+        r"query_seq_lengths=\[10, 0\] must lie in \[0, query.shape\[1\]=9\]",
+    ),
+    (
+        "q-lens-negative",
+        dict(query_seq_lengths=np.array([3, -1])),
+        ValueError,
+        r"query_seq_lengths=\[3, -1\] must lie in \[0, query.shape\[1\]=9\]",
+    ),
+    (
+        "kv-lens-past-S",
+        dict(key_value_seq_lengths=jnp.array([S, S + 8])),
+        ValueError,
+        r"key_value_seq_lengths=\[12, 20\] must lie in \[0, key.shape\[1\]=12\]",
+    ),
+    (
+        "kv-lens-negative",
+        dict(key_value_seq_lengths=np.array([-2, S])),
+        ValueError,
+        r"key_value_seq_lengths=\[-2, 12\] must lie in \[0, key.shape\[1\]=12\]",
+    ),
     ("window-negative", dict(local_window_size=-1), ValueError, "local_window_size"),
     ("window-pair-negative", dict(local_window_size=(3, -2)), ValueError, "local_window_size"),
     ("window-float", dict(local_window_size=2.5), TypeError, "local_window_size"),
@@ -855,6 +895,47 @@ def test_invalid_mask_arguments(kwargs, error, match, path):
     k, v = (rng.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
     with path.scope(), pytest.raises(error, match=match):
         pallas_flash.flash_attention(q, k, v, **kwargs, **path.kwargs)
+
+
+@pytest.mark.parametrize("path", backend_paths(mosaic=True, sweep=("mosaic-interpret",)))
+def test_traced_lengths_outside_their_range_are_clamped(path):
+    """Lengths under jit are not read: past T (S) they act as T (S), below 0 as 0, on every
+    path (concrete ones raise: test_invalid_mask_arguments)."""
+    rng = np.random.default_rng(0)
+    dtype, head_dim = (jnp.bfloat16, 64) if path.mosaic else (jnp.float32, H)
+    q = jnp.asarray(rng.standard_normal((B, T, N, head_dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((B, S, K, head_dim)), dtype) for _ in range(2))
+
+    @jax.jit
+    def attend(q_lengths, kv_lengths):
+        return pallas_flash.flash_attention(
+            q, k, v, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+            return_residuals=True, **path.kwargs,
+        )  # fmt: skip
+
+    with path.scope():
+        for inside, outside in (
+            (([T, 0], [0, S]), ([T + 5, -3], [-1, S + 7])),
+            (([T, T - 2], [S, 3]), ([T + 1, T - 2], [S + 1, 3])),
+        ):
+            want = attend(*(jnp.asarray(x) for x in inside))
+            got = attend(*(jnp.asarray(x) for x in outside))
+            for x, y in zip(got, want, strict=True):
+                np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+@pytest.mark.usefixtures("no_compute")
+def test_unbatched_errors_quote_the_shapes_passed():
+    """Rank-3 inputs get a batch axis inside; the messages quote the shapes as passed."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((T, N, H)).astype(np.float32)
+    k, v = (rng.standard_normal((S, K, H)).astype(np.float32) for _ in range(2))
+    with pytest.raises(
+        ValueError, match=r"mask\.shape=\(2, 9, 12\) must be broadcastable to \(4, 9, 12\)"
+    ):
+        pallas_flash.flash_attention(q, k, v, mask=ones((2, T, S), bool))
+    with pytest.raises(ValueError, match=r"bias\.shape=\(1, 4, 9, 12\) has more than 3 dims"):
+        pallas_flash.flash_attention(q, k, v, bias=ones((1, N, T, S), np.float32))
 
 
 @pytest.mark.usefixtures("no_compute")

@@ -36,8 +36,13 @@ def test_zigzag_indices_round_trip():
     np.testing.assert_array_equal(order.reshape(4, 4)[1], [2, 3, 12, 13])
     x = jnp.arange(2 * 16).reshape(2, 16)
     np.testing.assert_array_equal(sharding.from_zigzag(sharding.to_zigzag(x, 4), 4), x)
-    with pytest.raises(ValueError, match="multiple of 2"):
+    rule = r"must be a multiple of 2 \* num_shards = 8 \(num_shards=4\)"
+    with pytest.raises(ValueError, match=f"seq_len=12 {rule}"):
         sharding.zigzag_indices(12, 4)
+    with pytest.raises(ValueError, match=rf"x.shape\[1\]=12 {rule}"):
+        sharding.to_zigzag(jnp.zeros((2, 12, 3)), 4)
+    with pytest.raises(ValueError, match=rf"x.shape\[2\]=12 {rule}"):
+        sharding.from_zigzag(jnp.zeros((2, 3, 12)), 4, axis=2)
 
 
 def test_ring_on_one_device_is_the_plain_call():
@@ -501,6 +506,66 @@ if CHILD:
         assert all(kind == "all-reduce" and s.startswith("f32[]") for kind, s in collectives)
         want = jax.jit(jax.value_and_grad(functools.partial(loss, backend="xla"), (0, 1, 2)))
         _assert_close(sharded(q, k, v), want(q, k, v), atol=1e-4)
+
+    def test_vmapped_backward_with_a_shared_cotangent_stays_partitioned():
+        """jax.vmap over flash_attention_backward with one d_lse for every mapped call (unbatched,
+        as jax hands a zero cotangent over): it is broadcast along the mapped axis and the
+        kernels still run per shard, with no collective."""
+        q, k, v, d_out = _inputs(4, 16, 16, 8, 4)
+        q, k, v, d_out = (x.reshape(2, 2, *x.shape[1:]) for x in (q, k, v, d_out))
+        call = functools.partial(
+            pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="xla"
+        )
+        out, lse = jax.vmap(call)(q, k, v)
+        d_lse = jnp.linspace(-1.0, 1.0, 2 * 8 * 16, dtype=jnp.float32).reshape(2, 8, 16)
+
+        def grads(q, k, v, out, lse, d_out, **kwargs):
+            backward = functools.partial(
+                pallas_flash.flash_attention_backward, is_causal=True, **kwargs
+            )
+            return jax.vmap(backward, in_axes=(0,) * 6 + (None,))(q, k, v, out, lse, d_out, d_lse)
+
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        spec = NamedSharding(mesh, P(None, "data", None, "model"))
+        rows = NamedSharding(mesh, P(None, "data", "model"))
+        sharded = jax.jit(
+            functools.partial(grads, **INTERPRET), in_shardings=(spec,) * 4 + (rows, spec)
+        )
+        args = (q, k, v, out, lse, d_out)
+        assert _collectives(sharded.lower(*args).compile().as_text()) == []
+        want = jax.jit(functools.partial(grads, backend="xla"))(*args)
+        _assert_close(sharded(*args), want, atol=1e-4)
+
+    def test_key_broadcast_bias_gradient_under_sharding():
+        """A bias broadcast over the keys and the batch [1, N, T, 1] (its gradient in closed
+        form, per shard, no dbias kernel) with sinks, batch and heads sharded: the shards'
+        gradients sum over the batch shards, as the unsharded call's."""
+        q, k, v, d_out = _inputs(4, 24, 24, 8, 4)
+        bias = jnp.asarray(np.random.default_rng(5).standard_normal((1, 8, 24, 1)), jnp.float32)
+
+        def value_and_grads(**kwargs):
+            def attn(q, k, v, bias):
+                return pallas_flash.flash_attention(
+                    q,
+                    k,
+                    v,
+                    bias,
+                    is_causal=True,
+                    sinks=jnp.asarray(SINKS),
+                    return_residuals=True,
+                    **kwargs,
+                )
+
+            return jax.value_and_grad(_loss(attn, d_out), argnums=(0, 1, 2, 3))
+
+        mesh = auto_mesh((2, 4), ("data", "model"))
+        qkv = NamedSharding(mesh, P("data", None, "model", None))
+        shardings = (qkv, qkv, qkv, NamedSharding(mesh, P(None, "model")))
+        sharded = jax.jit(value_and_grads(**INTERPRET), in_shardings=shardings)
+        collectives = _collectives(sharded.lower(q, k, v, bias).compile().as_text())
+        assert all(kind == "all-reduce" for kind, _ in collectives), collectives
+        want = jax.jit(value_and_grads(backend="xla"))(q, k, v, bias)
+        _assert_close(sharded(q, k, v, bias), want, atol=1e-4)
 
     def test_explicit_sharding_runs_locally():
         """Sharding in types (jax.make_mesh's default Explicit axes): the same, traced into a
@@ -1022,6 +1087,80 @@ if CHILD:
         with pytest.raises(ValueError, match=r"sinks.shape=\(2,\) must be \(4,\)"):
             call(q, k, v, sinks=jnp.zeros(2, jnp.float32))
         assert call(q, k, v, sinks=jnp.zeros(4, jnp.float32)).shape == q.shape
+
+    def test_ring_sharded_errors_quote_the_global_shapes():
+        """ring_attention_sharded checks the global arrays before the shard_map cuts them: its
+        errors quote the shapes passed, not a device's block."""
+        q, k, v, _ = _inputs(2, 16, 16, 4, 2, head_dim=20)
+        mesh = jax.make_mesh((4,), ("context",), (AxisType.Auto,))
+        call = functools.partial(
+            sharding.ring_attention_sharded, mesh=mesh, context_axis="context", backend="xla"
+        )
+        with pytest.raises(ValueError, match=r"head_dim=20 \(value.shape=\(2, 16, 2, 20\)\)"):
+            call(q, k, v)
+        q, k, v, _ = _inputs(2, 12, 12, 4, 2)
+        with pytest.raises(
+            ValueError,
+            match=r"query.shape=\(2, 12, 4, 16\): its length must be a multiple of 2 \* "
+            r"mesh.shape\['context'\] = 8 \(layout='zigzag'",
+        ):
+            call(q, k, v, layout="zigzag", is_causal=True)
+        with pytest.raises(
+            ValueError,
+            match=r"key.shape=\(2, 10, 2, 16\): .* multiple of mesh.shape\['context'\]=4",
+        ):
+            call(q[:, :8], k[:, :10], v[:, :10])
+        with pytest.raises(ValueError, match=r"ring_attention_sharded takes batched key"):
+            call(q, k[0], v)
+        with jax.enable_x64(True), pytest.raises(NotImplementedError, match="dtype float64"):
+            call(*(x.astype(jnp.float64) for x in (q, k, v)))
+
+    def test_ring_lengths_follow_the_one_rule():
+        """Concrete global lengths outside [0, T] / [0, S] raise, before the shard_map
+        (ring_attention_sharded) or inside it (ring_attention, lengths closed over); traced
+        ones outside are clamped, as flash_attention's are."""
+        q, k, v, _ = _inputs(2, 16, 16, 4, 2)
+        mesh = jax.make_mesh((2,), ("context",), (AxisType.Auto,))
+        call = functools.partial(
+            sharding.ring_attention_sharded,
+            mesh=mesh,
+            context_axis="context",
+            is_causal=True,
+            backend="xla",
+            return_residuals=True,
+        )
+        with pytest.raises(
+            ValueError,
+            match=r"key_value_seq_lengths=\[17, 3\] must lie in \[0, key.shape\[1\]=16\]",
+        ):
+            call(q, k, v, key_value_seq_lengths=np.asarray([17, 3]))
+        with pytest.raises(
+            ValueError, match=r"query_seq_lengths=\[-1, 3\] must lie in \[0, query.shape\[1\]=16\]"
+        ):
+            call(q, k, v, query_seq_lengths=np.asarray([-1, 3]))
+
+        def local(q, k, v):
+            return sharding.ring_attention(
+                q, k, v, axis_name="context", key_value_seq_lengths=np.asarray([3, 20])
+            )
+
+        inner = jax.shard_map(
+            local, mesh=mesh, in_specs=P(None, "context"), out_specs=P(None, "context"),
+            check_vma=False,
+        )  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match=r"key_value_seq_lengths=\[3, 20\] must lie in \[0, key.shape\[1\] \* "
+            r"axis_size\('context'\) = 8 \* 2 = 16\]",
+        ):
+            inner(q, k, v)
+        traced = jax.jit(
+            lambda q_lengths, kv_lengths: call(
+                q, k, v, query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths
+            )
+        )
+        want = traced(jnp.asarray([16, 0]), jnp.asarray([0, 16]))
+        _assert_close(traced(jnp.asarray([21, -4]), jnp.asarray([-1, 30])), want, atol=0)
 
     @pytest.mark.parametrize("value_head_dim", [None, 24], ids=["H", "Hv"])
     def test_ring_attention_kernels_in_the_interpreter(value_head_dim):

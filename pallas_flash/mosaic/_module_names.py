@@ -9,13 +9,17 @@ site (`_partition.py`'s batch and head sharding under jit's automatic sharding),
 every layer compiled its kernels again on a mesh (minutes for a deep model).
 
 `install()` names each module whose kernel is this package's (its symbol starts with PREFIX) by
-that symbol before Mosaic would number it. Other modules keep Mosaic's names. A jax without the
-hook (another version) is left as it is.
+that symbol before Mosaic would number it, by wrapping `lower_mgpu_module` (jax has no public
+hook for it). Other modules keep Mosaic's names. jax >= 0.12 leaves the name out of the module it
+serialises and hashes, so there the patch is not installed; a jax 0.11 without the hook is left
+as it is (tests/test_jax_api.py fails then). docs/design.md, "Private jax", lists it.
 """
 
 from __future__ import annotations
 
 import functools
+
+import jax
 
 PREFIX = "pallas_flash_"
 _ATTRIBUTE = "mosaic_gpu.dump_basename"
@@ -28,10 +32,17 @@ def name(body) -> str:
     return PREFIX + getattr(body, "__name__", "kernel")
 
 
+def needed() -> bool:
+    """Whether this jax serialises a module's name into the kernel the GPU caches (jax 0.11)."""
+    return jax.__version_info__ < (0, 12)
+
+
 def install() -> None:
+    if not needed():
+        return
     try:
-        from jax._src.lib.mlir import ir
         from jax.experimental.mosaic.gpu import core
+        from jax.extend.mlir import ir
     except ImportError:  # no Mosaic GPU in this jaxlib
         return
     lower = getattr(core, "lower_mgpu_module", None)

@@ -10,9 +10,9 @@ import math
 
 import jax.numpy as jnp
 from jax import lax
-from jax._src.lib.mlir import ir
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend.mlir import ir
 
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.mosaic import _module_names

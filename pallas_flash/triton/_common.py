@@ -11,15 +11,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout
-from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, merge_weights, sink_against_keys
+from pallas_flash._numerics import (
+    LN2,
+    LOG2E,
+    MIN_LOGIT,
+    accumulation_dtype,
+    merge_weights,
+    sink_against_keys,
+)
 from pallas_flash._pallas_triton import fold, load_vector
 
 
 def dot(a, b, *, trans_b: bool = False):
-    """a @ b (or a @ b.T) on the matrix units with f32 accumulation; f32 inputs stay f32 (IEEE)."""
+    """a @ b (or a @ b.T) on the matrix units with f32 accumulation; f32 inputs stay f32 (IEEE),
+    f64 inputs (the interpreter's) f64."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+    acc = accumulation_dtype(a.dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc)
 
 
 def store_rows(ref, value, start, block: int, length: int, head_dim: int):
@@ -107,7 +116,7 @@ def scores(qk, scale: float, bias, soft_cap):
         return qk, None
     s = qk * scale
     if bias is not None:
-        s = s + bias.astype(jnp.float32)
+        s = s + bias.astype(s.dtype)
     if soft_cap is None:
         return s, None
     t = jnp.tanh(s * (1.0 / soft_cap))
@@ -143,13 +152,14 @@ def finite_or_zero(x):
 # -- online softmax (FA2 Algorithm 1), shared by the forward and decode kernels -------------------
 
 
-def softmax_init(rows: int, hp: int):
-    """The carry (acc, m_i, l_i) before the first KV tile. m_i starts at MIN_LOGIT, not -inf:
-    the first tile's m_i - m_new is then finite, never -inf - -inf."""
+def softmax_init(rows: int, hp: int, dtype):
+    """The carry (acc, m_i, l_i) before the first KV tile, in `dtype` (`accumulation_dtype`).
+    m_i starts at MIN_LOGIT, not -inf: the first tile's m_i - m_new is then finite, never
+    -inf - -inf."""
     return (
-        jnp.zeros((rows, hp), jnp.float32),
-        jnp.full((rows,), MIN_LOGIT, jnp.float32),
-        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, hp), dtype),
+        jnp.full((rows,), MIN_LOGIT, dtype),
+        jnp.zeros((rows,), dtype),
     )
 
 

@@ -18,7 +18,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import MIN_LOGIT, lowered_reference, probability_bound, slack
+from pallas_flash._numerics import (
+    MIN_LOGIT,
+    accumulation_dtype,
+    lowered_reference,
+    probability_bound,
+    slack,
+)
 from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
@@ -170,7 +176,7 @@ def _dkv_kernel(
         return visit_tiles(ranges, functools.partial(body, head=head, drop_col=drop_col), carry)
 
     hp = k_ref.shape[-1]
-    zeros = jnp.zeros((block_kv, hp), jnp.float32)
+    zeros = jnp.zeros((block_kv, hp), accumulation_dtype(k_ref.dtype))
     dk, dv = jax.lax.fori_loop(0, group, head_body, (zeros, zeros))
     store_rows(dk_ref, dk * scale, 0, block_kv, kv_rows, head_dim)
     store_rows(dv_ref, dv, 0, block_kv, kv_rows, head_dim)
@@ -305,7 +311,7 @@ def _dq_kernel(
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
     hp = q_ref.shape[-1]
-    dq = visit_tiles(ranges, body, jnp.zeros((block_q, hp), jnp.float32))
+    dq = visit_tiles(ranges, body, jnp.zeros((block_q, hp), accumulation_dtype(q_ref.dtype)))
     store_rows(dq_ref, dq * scale, 0, block_q, q_rows, head_dim)
 
 
@@ -373,6 +379,7 @@ def _dbias_kernel(
     q_idx = q_start + jax.lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     members = batches * heads
     zero = jnp.int32(0)  # traced indices: the interpreter rejects Python ints in these indexers
+    acc = accumulation_dtype(q_ref.dtype)
 
     def member(m):
         """(local batch, local head) of the m-th (batch, head) pair sharing the bias."""
@@ -482,7 +489,7 @@ def _dbias_kernel(
 
     def zero_body(j, carry):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
-        store(kv_start, jnp.zeros((out_rows, block_kv), jnp.float32), block_kv)
+        store(kv_start, jnp.zeros((out_rows, block_kv), acc), block_kv)
         return carry
 
     def tile_body(j, row_sums, *, masked: bool):
@@ -495,7 +502,7 @@ def _dbias_kernel(
                 0,
                 members,
                 lambda m, acc: acc + d_logits(m, kv_start, bias, masked),
-                jnp.zeros((block_q, block_kv), jnp.float32),
+                jnp.zeros((block_q, block_kv), acc),
             )
         if sum_rows:
             total = jnp.sum(total, axis=0, keepdims=True)
@@ -505,7 +512,7 @@ def _dbias_kernel(
         return row_sums
 
     lo, _, _, hi = ranges
-    row_sums = jnp.zeros((out_rows, 1), jnp.float32)
+    row_sums = jnp.zeros((out_rows, 1), acc)
     if capped_rows:
         # Pair by pair: each pair's rows need all of its keys' sums before they combine.
         def pair_rows(m, row_sums):
@@ -515,7 +522,7 @@ def _dbias_kernel(
                 parts = d_logits(m, kv_start, bias, masked, parts=True)
                 return tuple(a + b for a, b in zip(sums, parts, strict=True))
 
-            zeros = tuple(jnp.zeros((block_q, 1), jnp.float32) for _ in range(3))
+            zeros = tuple(jnp.zeros((block_q, 1), acc) for _ in range(3))
             capped_dp, capped, dp = visit_tiles(ranges, parts_body, zeros)
             bi, ni = member(m)
             dlse = load_vector(dlse_ref, 0, block_q, q_rows, ragged=ragged_q, head=ni, lead=(bi,))
@@ -570,6 +577,7 @@ def flash_backward(
     dropout_rate: float = 0.0,
     log_sum=None,
     row_max=None,
+    bias_gradient: bool = True,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
 
@@ -581,7 +589,8 @@ def flash_backward(
     with_row_max=True)`, with its log_sum): P is then recomputed relative to it, free of lse's
     float32 rounding (an ulp of |lse| in every P, which float32 inputs with logits in the
     hundreds show); without, relative to lse, one add fewer per element (`recomputed_probs`).
-    dbias is None without a bias, else the bias's shape and dtype (summed over its broadcast dims).
+    dbias is None without a bias or with bias_gradient=False, else the bias's shape and dtype
+    (summed over its broadcast dims).
     """
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
@@ -593,9 +602,8 @@ def flash_backward(
         raise ValueError("flash_backward: row_max needs the forward's log_sum beside it")
 
     # -- preprocess (XLA fuses it into one pass): delta, and each row's reference and clamp --
-    delta = jnp.einsum(
-        "btnh,btnh->bnt", out.astype(jnp.float32), d_out.astype(jnp.float32)
-    ) - d_lse.astype(jnp.float32)
+    acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs (the interpreter)
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(acc), d_out.astype(acc)) - d_lse.astype(acc)
     max_u = reference_in_units(lse, row_max, logit_unit(scale, has_bias, soft_cap))
     at_max = row_max is not None
     # P's clamp, in log2 units: P <= 1 / l.
@@ -698,7 +706,7 @@ def flash_backward(
         name="pallas_flash_backward_dq",
     )(*operands, *extra)
     dbias = None
-    if has_bias:
+    if has_bias and bias_gradient:
         dbias = _dbias(
             q,
             k,
@@ -777,7 +785,7 @@ def _dbias(
     in_specs = [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec, row_spec]
     capped_rows = sum_cols and soft_cap is not None
     if capped_rows:
-        operands.append(d_lse.astype(jnp.float32))
+        operands.append(d_lse.astype(delta.dtype))
         in_specs.append(row_spec)
     operands.append(bias)
     in_specs.append(pair_spec(bias.shape, block_q, q_tile))
@@ -840,7 +848,7 @@ def _dbias(
         ),
         out_shape=jax.ShapeDtypeStruct(
             (bias_batch, bias_heads, num_q_tiles if sum_rows else q_len, out_cols),
-            jnp.float32 if sum_rows else bias.dtype,
+            delta.dtype if sum_rows else bias.dtype,
         ),
         compiler_params=CompilerParams(
             num_warps=block_sizes.num_warps_dq, num_stages=block_sizes.num_stages_dq

@@ -20,8 +20,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash._numerics import LN2, MIN_LOGIT, log_sum_with_sinks
-from pallas_flash._pallas_triton import CompilerParams, fold
+from pallas_flash._numerics import LN2, MIN_LOGIT, accumulation_dtype, log_sum_with_sinks
+from pallas_flash._pallas_triton import CompilerParams, cdiv, div, fold, rem
 from pallas_flash.call import Call
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -115,7 +115,7 @@ def _decode_kernel(
     # the last token's.
     rows = m_start + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
     end = length if ahead is None else length + ahead
-    q_pos = end - q_len + jnp.minimum(jax.lax.div(rows, group), q_len - 1)
+    q_pos = end - q_len + jnp.minimum(div(rows, group), q_len - 1)
 
     def load_kv(kv_start, masked: bool):
         if page_size is None:
@@ -171,7 +171,7 @@ def _decode_kernel(
     # past the length, which read as zero (the zeroing of V costs a latent cache's 512-column
     # tiles a trip through the registers, and spills).
     hidden_values = q_len > 1 or window_left is not None or ahead is not None
-    carry = softmax_init(block_m, fmt.value_piece.padded)
+    carry = softmax_init(block_m, fmt.value_piece.padded, accumulation_dtype(q_ref.dtype))
     tiles = masks.intersect(
         _sequence_tiles(length, q_len, window_left, block_kv, ahead),
         (item_lo, item_lo, item_hi, item_hi),
@@ -200,14 +200,14 @@ def _sequence_tiles(length, q_len: int, window_left: int | None, block_kv: int, 
     ahead, and below the length).
     """
     end = length if ahead is None else length + ahead
-    hi = pl.cdiv(length, block_kv)
-    full_hi = jax.lax.div(jnp.maximum(end - q_len + 1, 0), block_kv)
+    hi = cdiv(length, block_kv)
+    full_hi = div(jnp.maximum(end - q_len + 1, 0), block_kv)
     if ahead is not None:
-        full_hi = jnp.minimum(full_hi, jax.lax.div(length, block_kv))
+        full_hi = jnp.minimum(full_hi, div(length, block_kv))
     lo = full_lo = 0
     if window_left is not None:
-        lo = jax.lax.div(jnp.maximum(end - q_len - window_left, 0), block_kv)
-        full_lo = pl.cdiv(jnp.maximum(end - 1 - window_left, 0), block_kv)
+        lo = div(jnp.maximum(end - q_len - window_left, 0), block_kv)
+        full_lo = cdiv(jnp.maximum(end - 1 - window_left, 0), block_kv)
     return lo, full_lo, full_hi, hi
 
 
@@ -292,10 +292,10 @@ class Schedule:
         if self.splits == 1:
             return item, self.length(lengths_ref, item), (0, self.max_tiles)
         if self.kind == "sequence":
-            batch, split = jax.lax.div(item, self.splits), jax.lax.rem(item, self.splits)
+            batch, split = div(item, self.splits), rem(item, self.splits)
             length = self.length(lengths_ref, batch)
             tiles, lo = self._tiles(length, self.ahead_of(lengths_ref, batch))
-            chunk = jax.lax.div(tiles + self.splits - 1, self.splits)
+            chunk = div(tiles + self.splits - 1, self.splits)
             start = lo + split * chunk
             return batch, length, (start, start + chunk)
         batch = runs_ref[item]
@@ -325,9 +325,9 @@ def _load_paged(
     num_pages = ref.shape[0] // page_size
     if page_size % block_kv == 0:
         # The tile lies in one page: one table entry, and a contiguous load.
-        entry = table_ref[table_start + jax.lax.div(kv_start, page_size)]
+        entry = table_ref[table_start + div(kv_start, page_size)]
         page = jnp.clip(entry, 0, num_pages - 1)
-        start = page * page_size + jax.lax.rem(kv_start, page_size)
+        start = page * page_size + rem(kv_start, page_size)
         return load_piece_rows(
             ref, start, block_kv, start + length - kv_start, piece, ragged=masked
         )
@@ -336,9 +336,9 @@ def _load_paged(
     # for a gather).
     keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     in_seq = keys < length
-    entries = table_start + jax.lax.div(keys, page_size)
+    entries = table_start + div(keys, page_size)
     pages = plgpu.load(table_ref.at[entries], mask=in_seq, other=0)
-    rows = jnp.clip(pages, 0, num_pages - 1) * page_size + jax.lax.rem(keys, page_size)
+    rows = jnp.clip(pages, 0, num_pages - 1) * page_size + rem(keys, page_size)
     return load_piece_gathered(ref, rows, in_seq if masked else None, piece)
 
 
@@ -371,8 +371,8 @@ def _merge_kernel(
     row max is lse - log_sum and its denominator relative to that max exp(log_sum), both exact
     where lse alone has rounded the denominator away (keys that tie across items at |logits|
     beyond ~1e6). A row no item saw a key of outputs 0 with lse = -inf."""
-    row_tile = jax.lax.div(pl.program_id(0), col_tiles)
-    col_tile = jax.lax.rem(pl.program_id(0), col_tiles)
+    row_tile = div(pl.program_id(0), col_tiles)
+    col_tile = rem(pl.program_id(0), col_tiles)
     r_rows = num_rows - row_tile * block_r  # rows of this tile that exist
     first, count = schedule.items_of(pl.program_id(2), runs_ref)
     row_ok = jax.lax.broadcasted_iota(jnp.int32, (1, block_r), 1) < r_rows
@@ -396,12 +396,8 @@ def _merge_kernel(
         acc = acc * alpha[:, None] + jnp.sum(weight[:, :, None] * part, axis=0)
         return acc, m_new, l_i * alpha + jnp.sum(weight, axis=0)
 
-    init = (
-        jnp.zeros((block_r, block_c), jnp.float32),
-        jnp.full((block_r,), MIN_LOGIT, jnp.float32),
-        jnp.zeros((block_r,), jnp.float32),
-    )
-    acc, m_i, l_i = fold(0, pl.cdiv(count, chunk), body, init)
+    init = softmax_init(block_r, block_c, o_parts_ref.dtype)
+    acc, m_i, l_i = fold(0, cdiv(count, chunk), body, init)
     # The partial lse are natural logs. The merged log_sum is relative to the largest item
     # max, the row's max.
     empty = l_i == 0.0
@@ -674,7 +670,8 @@ def decode_forward(
     k_scale=None,
     v_scale=None,
 ):
-    """out [B, T, N, Hv] in q's dtype (or out_dtype) and lse [B, N, T] float32 (natural log);
+    """out [B, T, N, Hv] in q's dtype (or out_dtype) and lse [B, N, T] float32 (natural log;
+    float64 for float64 inputs, the interpreter's);
     with_log_sum: also log_sum [B, N, T] float32, each row's log softmax denominator relative
     to its max (`softmax_store`'s; what a sink's share is taken from where lse rounds it away).
 
@@ -794,7 +791,8 @@ def decode_forward(
     # The merge kernel's steps read past the last item (masked): padding, never written.
     padded_items = items if merge_tiles is None else items + merge_tiles.chunk - 1
     row_spec = pl.BlockSpec((None, None, block_m), lambda m, h, z: (z, h, m))
-    row_shape = jax.ShapeDtypeStruct((padded_items, num_kv_heads, num_rows), jnp.float32)
+    acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs (the interpreter)
+    row_shape = jax.ShapeDtypeStruct((padded_items, num_kv_heads, num_rows), acc)
     # Split items also store log_sum, which their merge weighs them by (lse and log_sum).
     rows_out = 2 if splits > 1 or with_log_sum else 1
     out, *rows = pl.pallas_call(
@@ -808,7 +806,7 @@ def decode_forward(
         out_shape=[
             jax.ShapeDtypeStruct(
                 (padded_items, num_kv_heads, num_rows, value_head_dim),
-                out_dtype if splits == 1 else jnp.float32,
+                out_dtype if splits == 1 else acc,
             ),
             *[row_shape] * rows_out,
         ],
@@ -881,8 +879,8 @@ def _merge(runs, out, lse, log_sum, schedule: Schedule, tiles: MergeTiles, dtype
         chunk=tiles.chunk,
     )
     # Grid axis 0: the row tile and the column tile of a program, columns fastest.
-    rows = lambda rc: jax.lax.div(rc, col_tiles)  # noqa: E731
-    cols = lambda rc: jax.lax.rem(rc, col_tiles)  # noqa: E731
+    rows = lambda rc: div(rc, col_tiles)  # noqa: E731
+    cols = lambda rc: rem(rc, col_tiles)  # noqa: E731
     return pl.pallas_call(
         kernel,
         grid=(pl.cdiv(num_rows, block_r) * col_tiles, num_kv_heads, batch),
@@ -903,8 +901,8 @@ def _merge(runs, out, lse, log_sum, schedule: Schedule, tiles: MergeTiles, dtype
         ],
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows, head_dim), dtype),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), lse.dtype),
+            jax.ShapeDtypeStruct((batch, num_kv_heads, num_rows), lse.dtype),
         ],
         compiler_params=CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,

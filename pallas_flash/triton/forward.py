@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_flash import _dropout, masks
-from pallas_flash._numerics import log_sum_with_sinks, sink_in_units
+from pallas_flash._numerics import accumulation_dtype, log_sum_with_sinks, sink_in_units
 from pallas_flash._pallas_triton import CompilerParams, load_rows, load_vector
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -118,7 +118,7 @@ def _forward_kernel(
             )
         return softmax_step(carry, u, v, unit, visible, keep)
 
-    carry = softmax_init(block_q, o_ref.shape[-1])
+    carry = softmax_init(block_q, o_ref.shape[-1], accumulation_dtype(q_ref.dtype))
     ranges = spec.kv_tile_range(q_start, block_q, block_kv)
     if ops.ranges is not None:
         ranges = masks.intersect(ranges, load_range(ops.ranges, batch, head, tile))
@@ -275,7 +275,7 @@ def flash_forward(
     the dropout seeds, whose `_dropout.tables` the kernels read, when dropout_rate > 0);
     num_sms: the GPU's SM count, which the automatic split-KV rule fills (None: the visible
     GPU's); sinks: None or float32 [B, N], attention sinks (`softmax_store`), included in out
-    and lse.
+    and lse. Float64 inputs (the interpreter's) take float64 in place of every float32 here.
     """
     if with_row_max and not with_log_sum:
         raise ValueError("flash_forward(with_row_max=True) needs with_log_sum=True")
@@ -327,7 +327,8 @@ def flash_forward(
         extra_specs.append(pl.BlockSpec(sinks.shape, lambda *_: (0, 0)))
     in_specs = [_per_batch(s, splits) for s in in_specs + extra_specs]
     row_spec = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
-    row_shape = jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32)
+    acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs (the interpreter)
+    row_shape = jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), acc)
     num_rows = 2 + with_row_max  # lse, log_sum and the row max
     out, lse, log_sum, *row_max = pl.pallas_call(
         kernel,
@@ -337,7 +338,7 @@ def flash_forward(
         out_shape=[
             jax.ShapeDtypeStruct(
                 (batch * splits, q_len, num_heads, value_head_dim),
-                q.dtype if splits == 1 else jnp.float32,
+                q.dtype if splits == 1 else acc,
             ),
             *[row_shape] * num_rows,
         ],

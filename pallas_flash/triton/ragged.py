@@ -26,7 +26,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash._pallas_triton import CompilerParams
+from pallas_flash._numerics import accumulation_dtype
+from pallas_flash._pallas_triton import CompilerParams, cdiv, div, rem
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.reference import with_sinks
 from pallas_flash.triton._common import (
@@ -283,7 +284,7 @@ def _ragged_kernel(
     log_sum_ref = refs.pop() if split else None
     o_ref, lse_ref = refs
     block_m, block_kv = launch.block_m, launch.block_kv
-    item = jax.lax.div(pl.program_id(0), launch.splits)
+    item = div(pl.program_id(0), launch.splits)
     kv_head = pl.program_id(1)
     items_at = 2 * (num_seqs + 1)
     seq = plan_ref[items_at + item]
@@ -299,8 +300,8 @@ def _ragged_kernel(
     r = jax.lax.broadcasted_iota(jnp.int32, (block_m,), 0)
     in_tile = r < rows_here
     p = jnp.where(in_tile, row0 + r, 0)
-    token = jax.lax.div(p, group)
-    head = kv_head * group + jax.lax.rem(p, group)
+    token = div(p, group)
+    head = kv_head * group + rem(p, group)
     num_rows = q_ref.shape[0]
     flat = jnp.clip((start + token) * num_heads + head, 0, num_rows - 1)
     hvp = o_ref.shape[-1]
@@ -308,14 +309,14 @@ def _ragged_kernel(
     # New token t sits at position length - q_len + t.
     q_pos = (length - q_len + token)[:, None]
     last_row = jnp.minimum(row0 + block_m, q_len * group) - 1
-    first_pos = length - q_len + jax.lax.div(row0, group)
-    last_pos = length - q_len + jax.lax.div(last_row, group)
+    first_pos = length - q_len + div(row0, group)
+    last_pos = length - q_len + div(last_row, group)
     tiles = _tile_range(first_pos, last_pos, length, rows_here > 0, window_left, block_kv)
     if split:
         # Split s of the tile's key tiles cut into `splits` equal runs.
-        s = jax.lax.rem(pl.program_id(0), launch.splits)
+        s = rem(pl.program_id(0), launch.splits)
         lo, hi = tiles[0], tiles[3]
-        chunk = pl.cdiv(jnp.maximum(hi - lo, 0), launch.splits)
+        chunk = cdiv(jnp.maximum(hi - lo, 0), launch.splits)
         first = lo + s * chunk
         tiles = masks.intersect(tiles, (first, first, first + chunk, first + chunk))
     table_start = jnp.clip(seq - 1, 0, table_ref.shape[0] // max_pages - 1) * max_pages
@@ -356,7 +357,7 @@ def _ragged_kernel(
                 visible = visible & (kv_idx >= q_pos - window_left)
         return softmax_step(carry, u, v, unit, visible)
 
-    carry = visit_tiles(tiles, body, softmax_init(block_m, hvp))
+    carry = visit_tiles(tiles, body, softmax_init(block_m, hvp, accumulation_dtype(q_ref.dtype)))
     if v_scale is not None:  # the values' scale, once on the unnormalised output
         carry = (carry[0] * v_scale, *carry[1:])
     value_head_dim = fmt.value_head_dim
@@ -388,13 +389,13 @@ def _tile_range(first_pos, last_pos, length, any_rows, window_left: int | None, 
 
     Tiles past the last token's position are never visited; fully visible: the tiles every
     token sees whole (keys <= the first token's position, and inside the last one's window)."""
-    hi = pl.cdiv(jnp.clip(last_pos + 1, 0, length), block_kv)
+    hi = cdiv(jnp.clip(last_pos + 1, 0, length), block_kv)
     hi = jnp.where(any_rows, hi, 0)
-    full_hi = jax.lax.div(jnp.maximum(first_pos + 1, 0), block_kv)
+    full_hi = div(jnp.maximum(first_pos + 1, 0), block_kv)
     lo = full_lo = 0
     if window_left is not None:
-        lo = jax.lax.div(jnp.maximum(first_pos - window_left, 0), block_kv)
-        full_lo = pl.cdiv(jnp.maximum(last_pos - window_left, 0), block_kv)
+        lo = div(jnp.maximum(first_pos - window_left, 0), block_kv)
+        full_lo = cdiv(jnp.maximum(last_pos - window_left, 0), block_kv)
     return masks.intersect((lo, full_lo, full_hi, hi), (0, 0, hi, hi))
 
 
@@ -478,7 +479,7 @@ def ragged_forward(
     cache.append((table, whole(table.shape[0])))
     if fmt.scaled:
         cache += [(jnp.asarray(x, jnp.float32), whole(num_kv_heads)) for x in (k_scale, v_scale)]
-    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
+    sinks = None if sinks is None else jnp.asarray(sinks, accumulation_dtype(q.dtype))
     common = dict(
         q=q_flat,
         cache=cache,
@@ -519,7 +520,7 @@ def ragged_forward(
             )
         if out is None:
             out = jnp.zeros((num_tokens * num_heads, value_head_dim), q.dtype)
-            lse = jnp.full((num_tokens * num_heads,), -jnp.inf, jnp.float32)
+            lse = jnp.full((num_tokens * num_heads,), -jnp.inf, accumulation_dtype(q.dtype))
         rows = rows.reshape(-1)
         out = out.at[rows].set(merged.reshape(-1, value_head_dim).astype(q.dtype), mode="drop")
         lse = lse.at[rows].set(merged_lse.reshape(-1), mode="drop")
@@ -583,7 +584,7 @@ def _launch_in_place(
         out_specs=[whole(num_rows, hvp), whole(num_rows)],
         out_shape=[
             jax.ShapeDtypeStruct((num_rows, value_head_dim), q.dtype),
-            jax.ShapeDtypeStruct((num_rows,), jnp.float32),
+            jax.ShapeDtypeStruct((num_rows,), accumulation_dtype(q.dtype)),
         ],
         input_output_aliases=aliases,
         compiler_params=CompilerParams(num_warps=launch.num_warps, num_stages=launch.num_stages),
@@ -604,7 +605,7 @@ def _launch_split(
     whole = lambda *shape: pl.BlockSpec(shape, lambda z, h: (0,) * len(shape))  # noqa: E731
     parts = items * splits
     row_spec = pl.BlockSpec((None, None, block_m), lambda z, h: (z, h, 0))
-    row_shape = jax.ShapeDtypeStruct((parts, num_kv_heads, block_m), jnp.float32)
+    row_shape = jax.ShapeDtypeStruct((parts, num_kv_heads, block_m), accumulation_dtype(q.dtype))
     out, lse, log_sum = pl.pallas_call(
         functools.partial(kernel, launch=launch, has_sinks=False, aliased=False),
         grid=(parts, num_kv_heads),
@@ -619,7 +620,9 @@ def _launch_split(
             row_spec,
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((parts, num_kv_heads, block_m, value_head_dim), jnp.float32),
+            jax.ShapeDtypeStruct(
+                (parts, num_kv_heads, block_m, value_head_dim), accumulation_dtype(q.dtype)
+            ),
             row_shape,
             row_shape,
         ],

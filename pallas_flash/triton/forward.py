@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from pallas_flash import _dropout, masks
 from pallas_flash._numerics import log_sum_with_sinks, sink_in_units
 from pallas_flash._pallas_triton import CompilerParams, load_rows, load_vector
+from pallas_flash._vma import pallas_call
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -329,7 +330,7 @@ def flash_forward(
     row_spec = pl.BlockSpec((None, None, block_q), lambda i, n, b: (b, n, q_tile(i)))
     row_shape = jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), jnp.float32)
     num_rows = 2 + with_row_max  # lse, log_sum and the row max
-    out, lse, log_sum, *row_max = pl.pallas_call(
+    out, lse, log_sum, *row_max = pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch * splits),
         in_specs=in_specs,

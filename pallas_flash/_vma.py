@@ -61,11 +61,12 @@ def unchecked(fn):
     """fn on operands that vary over no axis, in a shard_map over no further axes with
     check_vma=False; its results vary over none (callers `vary_like` them).
 
-    For jax's kernel interpreters (`interpret=True`, the Mosaic GPU interpreter): they evaluate
-    the kernel's ops on blocks of the operands next to the kernel's own constants, which vary
-    over no axis, and under check_vma those ops refuse operands of unequal types (jax 0.11.2
-    and 0.12.0.1 alike: "Primitive add requires varying manual axes to match"). The kernels
-    compiled for a GPU lower no jax op and take the typed launch."""
+    For Pallas' interpreter (`interpret=True`): it lowers the kernel's ops as jax ops on blocks
+    of the operands next to the kernel's own constants, which vary over no axis, and under
+    check_vma those ops refuse operands of unequal types (jax 0.11.2 and 0.12.0.1 alike:
+    "Primitive add requires varying manual axes to match"). A kernel compiled for a GPU lowers
+    no jax op and takes the typed launch; so do the Mosaic GPU kernels in jax's Mosaic GPU
+    interpreter, which `plgpu.kernel` traces with check_vma off."""
 
     def run(*operands):
         def body(*operands):

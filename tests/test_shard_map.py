@@ -135,31 +135,41 @@ def test_mosaic_interpreter_in_shard_map():
 H200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
 
 
+# (q's shape, kv heads, flash_attention's options, the kernels the lowered module must hold):
+# the dispatch's choice for an H200 (Mosaic; Mosaic with dQ fused into the dK/dV kernel by
+# integer adds, whose per-row scales are Triton kernels), the Triton kernels, decode's.
+LOWERED_CALLS = {
+    "mosaic": ((2, 256, 4, 64), 2, dict(is_causal=True), ("mosaic_gpu",)),
+    "mosaic-fused-dq": ((1, 4096, 8, 64), 8, {}, ("mosaic_gpu", "triton")),
+    "triton": ((2, 256, 4, 64), 2, dict(is_causal=True, backend="triton"), ("triton",)),
+    "decode": ((2, 256, 4, 64), 2, None, ("triton",)),
+}
+
+
 @PARENT_ONLY
-@pytest.mark.parametrize("call", ["flash-default", "flash-triton", "decode"])
+@pytest.mark.parametrize("call", LOWERED_CALLS)
 def test_compiled_kernels_lower_inside_shard_map(call):
-    """The kernels compiled for an H200 (the dispatch's choice: the Mosaic forward and backward
-    with the fixed-point scales' Triton kernels; the Triton kernels; decode's) lower inside
-    shard_map with check_vma: every kernel types its outputs as varying over the axes its
-    operands vary over. Lowered on CPU for an abstract H200 (test_lowering)."""
+    """The kernels compiled for an H200 lower inside shard_map with check_vma, forward and
+    backward: every launch types its outputs as varying over the axes its operands vary over
+    (else jax refuses the pallas_call, or the custom_vjp's gradients). Lowered on CPU for an
+    abstract H200, as test_lowering does."""
+    shape, num_kv_heads, options, kernels = LOWERED_CALLS[call]
     mesh = AbstractMesh((1,), ("x",), axis_types=(AxisType.Auto,), abstract_device=H200)
-    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
-    k = v = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
-    if call == "decode":
+    q = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    k = v = jax.ShapeDtypeStruct((*shape[:2], num_kv_heads, shape[3]), jnp.bfloat16)
+    if options is None:
 
         def fn(q, k, v):
             lengths = jnp.asarray([200, 7], jnp.int32)
             return pallas_flash.decode_attention(q[:, :2], k, v, key_value_seq_lengths=lengths)
 
     else:
-        backend = {"flash-default": {}, "flash-triton": {"backend": "triton"}}[call]
-        attn = functools.partial(pallas_flash.flash_attention, is_causal=True, **backend)
-        fn = _value_and_grads(attn, (0, 1, 2))
+        fn = _value_and_grads(functools.partial(pallas_flash.flash_attention, **options), (0, 1, 2))
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"))
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(mapped).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
-    kernels = {"flash-default": "mosaic_gpu", "flash-triton": "triton", "decode": "triton"}
-    assert kernels[call] in text
+    for kernel in kernels:
+        assert kernel in text, kernel
 
 
 # -- the GPU: the compiled kernels inside shard_map --------------------------------------------

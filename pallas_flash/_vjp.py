@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import _partition
+from pallas_flash import _partition, _vma
 from pallas_flash._numerics import accumulation_dtype, sink_probability
 from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -95,13 +95,22 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash_attention_kernels_with_log_sum(
     q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None
 ):
     """(out, lse, log_sum) through the kernels: `flash_attention_kernels` and the forward's
     log_sum (`_forward`), a residual for a backward run apart (`flash_backward_kernels`). Its
     cotangent is dropped: callers hand it out under stop_gradient."""
+    # Inside jax.shard_map the kernels' gradients vary over every manual axis any operand
+    # varies over: the differentiable operands take that type first, so that one the same on
+    # every device (a replicated bias or sinks) gets its gradient summed over them (the
+    # transpose of the cast).
+    q, k, v, bias, sinks = _vma.vary_like((q, k, v, bias, sinks), q, k, v, bias, arrays, sinks)
+    return _kernels_with_log_sum(q, k, v, bias, arrays, config, sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _kernels_with_log_sum(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
     return _forward(q, k, v, bias, arrays, sinks, config=config)[:3]
 
 
@@ -371,7 +380,7 @@ def _backward_call(
     )
 
 
-flash_attention_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
+_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
 
 
 def flash_backward_kernels(
@@ -385,10 +394,17 @@ def flash_backward_kernels(
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def with_reference_vjp(kernel, reference, *args):
     """kernel(*args), differentiated through reference(*args): for forward-only kernels (decode)
     whose reference is cheap to differentiate. Integer arguments get no cotangent."""
+    # The arguments vary over one set of manual axes, as in flash_attention_kernels_with_log_sum.
+    inexact = [jnp.issubdtype(a.dtype, jnp.inexact) for a in args]
+    args = [_vma.vary_like(a, *args) if f else a for a, f in zip(args, inexact, strict=True)]
+    return _with_reference_vjp(kernel, reference, *args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_reference_vjp(kernel, reference, *args):
     return kernel(*args)
 
 
@@ -416,7 +432,7 @@ def _reference_bwd(kernel, reference, args, cotangents):
     )
 
 
-with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
+_with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
 
 
 # -- derivatives of the rules' kernel passes (second order and beyond) ----------------------------

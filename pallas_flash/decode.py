@@ -128,7 +128,8 @@ def decode_attention(
         block_sizes,
         interpret,
     )
-    out, lse = _attend(options, _decode_reference, sinks, query, key_cache, value_cache, lengths)
+    reference = _partition.whole_sequences(_decode_reference)
+    out, lse = _attend(options, reference, sinks, query, key_cache, value_cache, lengths)
     return (out, lse) if return_residuals else out
 
 
@@ -354,7 +355,7 @@ class _KernelShard:
         of each sequence, lengths clipped to them, the new tokens placed `ahead` of those keys
         where the sequence goes on past them (so that each token sees the held keys at or
         before it, and within its window); the parts merge by their denominators
-        (`_numerics.merge_weights`: all-gathered lse and log_sum, [B, N, T] each, and a sum
+        (`_numerics.merge_weights`: gathered lse and log_sum, [B, N, T] each, and a sum
         of the weighted outputs)."""
         q, k, v, lengths = args
         slots, index = k.shape[1], jax.lax.axis_index(axes)
@@ -365,7 +366,7 @@ class _KernelShard:
         acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
         full = dataclasses.replace(config, with_log_sum=True, out_dtype=jnp.dtype(acc).name)
         out, lse, log_sum = call((q, k, v, held, None, ahead), full)
-        parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
+        parts_lse, parts_log_sum = (_gathered(x, axes, index) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
         weight = jnp.take(weights, index, axis=0)  # [B, N, T]
         out = out.astype(acc) * jnp.swapaxes(weight, 1, 2)[..., None]
@@ -375,6 +376,14 @@ class _KernelShard:
         top = jnp.max(maxima, axis=0)
         lse = jnp.where(jnp.any(seen, axis=0), top + merged_log_sum, -jnp.inf)
         return (out, lse, merged_log_sum) if config.with_log_sum else (out, lse)
+
+
+def _gathered(x, axes, index):
+    """Every device's x along `axes`, stacked ([P, *x.shape]), typed as the same on each of
+    them (`jax.lax.all_gather`'s result is typed as varying under check_vma): each device's x
+    in its row of zeros, summed over the devices (adding zeros is exact)."""
+    rows = jnp.arange(jax.lax.psum(1, axes)).reshape(-1, *(1,) * x.ndim) == index
+    return jax.lax.psum(jnp.where(rows, x[None], jnp.zeros((), x.dtype)), axes)
 
 
 _KERNEL_SHARD = _KernelShard()

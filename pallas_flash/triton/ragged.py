@@ -28,6 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flash import masks
 from pallas_flash._numerics import accumulation_dtype
 from pallas_flash._pallas_triton import CompilerParams, cdiv, div, rem
+from pallas_flash._vma import pallas_call
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.reference import with_sinks
 from pallas_flash.triton._common import (
@@ -513,7 +514,7 @@ def _launch_in_place(
         aliases = {len(operands): 0, len(operands) + 1: 1}
         operands += [out, lse]
         in_specs += [whole(num_rows, hvp), whole(num_rows)]
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(
             kernel, launch=launch, has_sinks=sinks is not None, aliased=bool(aliases)
         ),
@@ -542,7 +543,7 @@ def _launch_split(launch: Launch, plan, *, q, k, v, table, sinks, kernel, hp, hv
     parts = items * splits
     row_spec = pl.BlockSpec((None, None, block_m), lambda z, h: (z, h, 0))
     row_shape = jax.ShapeDtypeStruct((parts, num_kv_heads, block_m), accumulation_dtype(q.dtype))
-    out, lse, log_sum = pl.pallas_call(
+    out, lse, log_sum = pallas_call(
         functools.partial(kernel, launch=launch, has_sinks=False, aliased=False),
         grid=(parts, num_kv_heads),
         in_specs=[

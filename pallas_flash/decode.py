@@ -68,10 +68,8 @@ def decode_attention(
         out:         (B, T, N, H)  in query's dtype
 
     {shapes}
-    N must be a multiple of K: query head n reads key/value head n // (N // K). The N // K
-    query heads of a KV head and the T tokens share one read of that head's keys and values,
-    so GQA costs what MHA on K heads costs. Each sequence reads only its own L keys: a batch
-    of ragged lengths costs the sum of its lengths.
+    N must be a multiple of K: query head n reads key/value head n // (N // K). Each sequence
+    reads only its first L keys; cache slots past L may hold anything (docs/decoding.md).
 
     Args:
       query, key_cache, value_cache: the arrays above; float16, bfloat16 or float32, all the
@@ -100,10 +98,8 @@ def decode_attention(
       zeros with lse = -inf. Differentiable in query, key_cache and value_cache: the kernel
       has no backward of its own, and gradients come from the reference (backend="xla").
 
-    On a device mesh (under jit) the kernel runs on each device's shard: query and the cache
-    split over their batch and/or heads (each device's query heads with their KV heads), the
-    cache also over its sequence (the devices' parts merge by their softmax denominators);
-    the lengths follow the batch. docs/decoding.md, "On several GPUs".
+    On a device mesh (batch, heads, or the cache's sequence): docs/decoding.md, "On several
+    GPUs".
     """
     _refuse_dropout(dropout_rate)
     query, key_cache, value_cache = _check_arrays(
@@ -165,14 +161,13 @@ def paged_attention(
 
     {shapes}
     Pages can be in any order and shared between sequences; a sequence's last page may be
-    partly filled. Only the table entries of a sequence's first ceil(L / page_size) pages are
-    read (checked to lie in [0, P) when concrete; under jit, clipped to it): the rest may hold
-    anything. The page size (any size >= 1; powers of two 16-256 are the usual) is independent
-    of the kernel's key tile. Write new keys and values with `write_to_pages`.
+    partly filled; any page size >= 1 works. Only the table entries of a sequence's first
+    ceil(L / page_size) pages are read (checked to lie in [0, P) when concrete; under jit,
+    clipped to it): the rest may hold anything. Write new keys and values with
+    `write_to_pages`.
 
     Args and returns as `decode_attention` (lengths is its key_value_seq_lengths). On a device
-    mesh the pool splits over its KV heads only (it is shared by the batch), the queries, tables
-    and lengths over the batch and heads as theirs.
+    mesh the pool splits over its KV heads only (docs/decoding.md, "On several GPUs").
     """
     _refuse_dropout(dropout_rate)
     query, key_pages, value_pages = _check_arrays(

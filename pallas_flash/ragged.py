@@ -63,23 +63,18 @@ def ragged_paged_attention(
         token 1:    x x x x x . | . .
         token 2:    x x x x x x | . .
 
-    Query head n reads key/value head n // (N // K). Sequences with no new token cost
-    nothing; rows past query_start_loc[B] (padding to a bucket) output 0; a row that sees no
-    key outputs 0. Pages are laid out, shared and read as in `paged_attention`: only the
-    table entries of a sequence's first ceil(L_b / page_size) pages are read, and nothing
-    past L_b (stale values or NaN there never reach a row).
+    Query head n reads key/value head n // (N // K). Rows past query_start_loc[B] (padding
+    to a bucket) and rows that see no key output 0. Pages are laid out, shared and read as in
+    `paged_attention`: nothing past L_b is read.
 
     Args:
       q, k_pages, v_pages: the arrays above; float16, bfloat16 or float32, all the same; H and
         Hv multiples of 8 up to 256.
-      block_tables, query_start_loc, kv_lengths: integer arrays as above. Checked when
-        concrete (ValueError): query_start_loc[0] == 0, non-decreasing, query_start_loc[B] <=
+      block_tables, query_start_loc, kv_lengths: integer arrays as above. Concrete ones are
+        checked (ValueError): query_start_loc starts at 0, never decreases and ends at most at
         T; 0 <= kv_lengths[b] <= max_pages * page_size and kv_lengths[b] >= q_len_b; the
-        table entries a sequence reads lie in [0, P). Under jit (traced) they are not checked
-        but made safe: query_start_loc clipped to [0, T] and made non-decreasing (its running
-        maximum), rows outside every sequence then output 0; kv_lengths clipped to
-        [0, max_pages * page_size] (tokens at positions < 0, where L_b < q_len_b, see no key);
-        table entries clipped to [0, P).
+        table entries a sequence reads lie in [0, P). Traced ones are made safe instead
+        (docs/serving.md, "Semantics").
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c).
       local_window_size: w or (left, right): a token at position p sees keys j >= p - left

@@ -290,10 +290,9 @@ def ring_attention(
     """Context-parallel attention inside `jax.shard_map`: q, k and v are sharded over their
     sequence axis along the mesh axis `axis_name`, and the key/value blocks travel around the
     ring of its P devices (`jax.lax.ppermute`) while each device attends its queries to the
-    block it holds. The partial results merge through their lse and softmax denominators;
-    gradients flow back through the same ring (the transposed permutes), each block's backward
-    bounded by its rows' merged denominators, so that keys tying at a row's max get exact
-    gradients at any logit magnitude.
+    block it holds; the partial results merge through their softmax denominators, and the
+    gradients flow back around the same ring (docs/sharding.md, "Long context: ring
+    attention").
 
     Shapes are per device (B batch, T = T_global / P local queries, S = S_global / P local
     keys)::
@@ -312,12 +311,9 @@ def ring_attention(
         `flash_attention`).
       q_segment_ids: int (B, T), kv_segment_ids: int (B, S): this device's blocks of the ids.
       scale, is_causal, local_window_size, logits_soft_cap, backend, block_sizes, interpret: as
-        in `flash_attention`, with causality and windows on global positions. Ring steps whose
-        block lies wholly outside the mask (the future under is_causal, beyond the window) run
-        no kernel, and the ring stops after the last step any device needs.
+        in `flash_attention`, with causality and windows on global positions.
       sinks: None, or float (N,): attention sinks as in `flash_attention` (this device's
-        query heads'), one logit per head in each row's softmax denominator, applied to the
-        ring's merged result (its denominators, exact at any logit magnitude); differentiable.
+        query heads'), applied to the ring's merged result; differentiable.
       return_residuals: also return lse (B, N, T), float32.
 
     Returns:

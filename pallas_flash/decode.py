@@ -117,9 +117,9 @@ def decode_attention(
         capacity,
         f"key_cache.shape[1]={capacity}",
     )
-    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        sinks,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -190,9 +190,9 @@ def paged_attention(
         f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
-    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        sinks,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -451,7 +451,8 @@ _paged_reference = jax.jit(paged_reference, static_argnames=(*_MATH, "with_log_s
 
 
 class _Options:
-    """The checked options of a decode call: `math` for the reference, `kernel` for Triton."""
+    """The checked options of a decode or ragged call: `backend` ("xla" or "triton"), `math`
+    for the reference, `kernel` for the Triton kernel."""
 
     def __init__(self, backend, math_kwargs, kernel_kwargs):
         self.backend, self.math, self.kernel = backend, math_kwargs, kernel_kwargs
@@ -460,6 +461,7 @@ class _Options:
     def of(
         cls,
         query,
+        sinks,
         scale,
         soft_cap,
         window,
@@ -467,17 +469,23 @@ class _Options:
         backend,
         block_sizes,
         interpret,
+        *,
+        tiles=DecodeBlockSizes,
+        no_mosaic="decode has no Mosaic GPU kernel (it is bound by memory bandwidth, which "
+        "the Triton kernel reaches)",
     ):
+        """Checks the options that decode, paged and ragged attention share. tiles: the
+        block_sizes class the call takes; no_mosaic: why backend='mosaic' is refused."""
+        api._check_sinks(sinks, query.shape[-2])
         api._check_options(scale, False, return_residuals, backend, None, interpret)
-        if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
+        if block_sizes is not None and not isinstance(block_sizes, tiles):
             raise TypeError(
-                "block_sizes must be a pallas_flash.DecodeBlockSizes or None, "
+                f"block_sizes must be a pallas_flash.{tiles.__name__} or None, "
                 f"got {type(block_sizes).__name__}"
             )
         if backend == "mosaic":
             raise NotImplementedError(
-                "backend='mosaic': decode has no Mosaic GPU kernel (it is bound by memory "
-                "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
+                f"backend='mosaic': {no_mosaic}; use backend='triton' or None"
             )
         device = None if interpret or backend == "xla" else device_lib.target_device()
         backend = dispatch.kernel_backend(backend, device, interpret, query.dtype)
@@ -558,14 +566,16 @@ def _check_lengths(name, lengths, batch, capacity, capacity_text):
     return jnp.asarray(lengths, jnp.int32)
 
 
-def _check_block_tables(block_tables, batch):
+def _check_block_tables(block_tables, batch=None):
+    """block_tables: an integer array (batch, max_pages), max_pages >= 1; batch None: any
+    batch >= 1 (ragged attention takes its batch from the table)."""
     if not api._is_int_array(block_tables):
         got = getattr(block_tables, "dtype", type(block_tables).__name__)
         raise TypeError(f"block_tables must be an integer array, got {got}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
-        raise ValueError(
-            f"block_tables.shape={tuple(block_tables.shape)} must be ({batch}, max_pages)"
-        )
+    shape = tuple(block_tables.shape)
+    if len(shape) != 2 or min(shape) < 1 or batch not in (None, shape[0]):
+        rows = "B" if batch is None else batch
+        raise ValueError(f"block_tables.shape={shape} must be ({rows}, max_pages), both >= 1")
     return jnp.asarray(block_tables, jnp.int32)
 
 

@@ -239,7 +239,7 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
     """
     for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
         if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must be (P, page_size, K, H), got {_shape(x)}")
+            raise ValueError(f"{name} must be (P, page_size, K, H), got {api._shape_of(x)}")
     if key_pages.shape != value_pages.shape:
         raise ValueError(
             f"key_pages.shape={key_pages.shape} and value_pages.shape={value_pages.shape} "
@@ -250,7 +250,7 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
         if getattr(x, "ndim", None) != 4 or x.shape[2:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must be (B, T, {num_kv_heads}, {head_dim}) to match the pages, "
-                f"got {_shape(x)}"
+                f"got {api._shape_of(x)}"
             )
         if x.dtype != pages.dtype:
             raise TypeError(f"{name}.dtype={x.dtype} must be the pages' dtype {pages.dtype}")
@@ -509,10 +509,6 @@ class _Options:
         return cls(backend, math_kwargs, kernel_kwargs)
 
 
-def _shape(x):
-    return getattr(x, "shape", type(x).__name__)
-
-
 def _check_arrays(query, key, value, names):
     """Checks the query and the cache (contiguous [B, S, K, H] or pages [P, ps, K, H])."""
     k_name, v_name = names
@@ -528,31 +524,17 @@ def _check_arrays(query, key, value, names):
             f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"
         )
     b, t, n, h = query.shape
-    kb, s, kh, kd = key.shape
+    kb, s, kh, _ = key.shape
     if k_name == "key_cache" and kb != b:
         raise ValueError(
             f"batch sizes differ: query.shape={query.shape}, {k_name}.shape={key.shape}"
         )
-    if kd != h:
-        raise ValueError(
-            f"head dims differ: query.shape={query.shape} has H={h}, {k_name}.shape={key.shape} "
-            f"has H={kd}"
-        )
-    if min(b, t, n, kb, s, kh) < 1:
+    if min(b, t, n, h, kb, s, kh) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got query.shape={query.shape}, "
             f"{k_name}.shape={key.shape}"
         )
-    if n % kh:
-        raise ValueError(
-            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
-            f"({k_name}.shape={key.shape})"
-        )
-    if h % 8 or h > api.MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
-            f"{api.MAX_HEAD_DIM}"
-        )
+    api._check_heads(query, key, ("query", k_name))
     return query, key, value
 
 

@@ -244,44 +244,26 @@ def _check_arrays(q, k_pages, v_pages):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != rank:
             raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
-        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            raise TypeError(
-                f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64 (with "
-                "jax_enable_x64)"
-            )
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
-        raise TypeError(
-            f"q, k_pages and v_pages must share a dtype; got q.dtype={q.dtype}, "
-            f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}"
-        )
+    api._check_dtypes({"q": q, "k_pages": k_pages, "v_pages": v_pages})
     if k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(
             f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must agree in "
             "(P, page_size, K)"
         )
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, k_dim = k_pages.shape
-    if min(num_tokens, num_heads, num_pages, page_size, num_kv_heads) < 1:
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if min(num_tokens, num_heads, head_dim, num_pages, page_size, num_kv_heads) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got q.shape={q.shape}, k_pages.shape={k_pages.shape}"
         )
-    if k_dim != head_dim:
+    api._check_heads(q, k_pages, ("q", "k_pages"))
+    # The value head dim may differ from the query's.
+    dim = v_pages.shape[-1]
+    if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
         raise ValueError(
-            f"head dims differ: q.shape={q.shape} has H={head_dim}, k_pages.shape="
-            f"{k_pages.shape} has H={k_dim}"
+            f"head dim {dim} (v_pages.shape={v_pages.shape}) must be a multiple of 8 and at "
+            f"most {api.MAX_HEAD_DIM}"
         )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} (q.shape={q.shape}) must be divisible by "
-            f"num_kv_heads={num_kv_heads} (k_pages.shape={k_pages.shape})"
-        )
-    for name, x in (("q", q), ("v_pages", v_pages)):
-        dim = x.shape[-1]
-        if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
-            raise ValueError(
-                f"head dim {dim} ({name}.shape={x.shape}) must be a multiple of 8 and at most "
-                f"{api.MAX_HEAD_DIM}"
-            )
     return q, k_pages, v_pages
 
 

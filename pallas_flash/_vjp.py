@@ -85,6 +85,21 @@ class KernelConfig:
             interpret=self.interpret,
         )
 
+    def mosaic_kwargs(self, arrays: MaskArrays):
+        """Keyword arguments of both Mosaic wrappers: the mask unpacked (segment ids with the
+        lengths folded in), dropout as (rate, seeds [B, N]) or None, the device."""
+        spec = self.spec
+        segments = (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
+        return dict(
+            scale=self.scale,
+            is_causal=spec.is_causal,
+            window=spec.window,
+            soft_cap=self.soft_cap,
+            segment_ids=segments,
+            dropout=(self.dropout_rate, arrays.dropout_seeds) if self.dropout_rate else None,
+            device=self.device,
+        )
+
 
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
     """(out, lse) through the kernels, differentiable in q, k, v, bias and sinks.
@@ -163,16 +178,10 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             q,
             k,
             v,
-            scale=config.scale,
-            is_causal=config.spec.is_causal,
-            window=config.spec.window,
-            soft_cap=config.soft_cap,
-            segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_forward_tiles,
-            device=config.device,
             sinks=sinks,
-            dropout=_dropout_of(arrays, config),
             with_log_sum=True,
+            **config.mosaic_kwargs(arrays),
         )
         return out, lse, log_sum, lse
     out, lse, log_sum, *row_max = flash_forward(
@@ -207,16 +216,6 @@ def _common_head_dim(*xs):
         x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
         for x in xs
     )
-
-
-def _dropout_of(arrays: MaskArrays, config: KernelConfig):
-    """The Mosaic kernels' dropout argument: (rate, seeds [B, N]), or None."""
-    return (config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None
-
-
-def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
-    """The Mosaic kernels' segment_ids argument: (q ids, kv ids) with lengths folded in, or None."""
-    return (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig, sinks):
@@ -350,15 +349,9 @@ def _backward_call(
             lse,
             d_out,
             d_lse,
-            scale=config.scale,
-            is_causal=config.spec.is_causal,
-            window=config.spec.window,
-            soft_cap=config.soft_cap,
-            segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_backward_tiles,
-            device=config.device,
-            dropout=_dropout_of(arrays, config),
             log_sum=log_sum,
+            **config.mosaic_kwargs(arrays),
         )
         return dq, dk, dv, None
     if not _takes_row_max(q, config):

@@ -492,28 +492,37 @@ def _canonical_arrays(query, key, value):
         )
     if kb != b:
         raise ValueError(f"batch sizes differ: query.shape={query.shape}, key.shape={key.shape}")
-    if kd != h:
-        raise ValueError(
-            f"head dims differ: query.shape={query.shape} has H={h}, key.shape={key.shape} "
-            f"has H={kd}"
-        )
     if min(t, s, n, kh, b, h) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got query.shape={query.shape}, key.shape={key.shape}"
         )
-    if n % kh:
-        raise ValueError(
-            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
-            f"(key.shape={key.shape})"
-        )
-    if h % 8 or h > MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
-            f"{MAX_HEAD_DIM}"
-        )
+    _check_heads(query, key)
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     return query, key, value, unbatched
+
+
+def _check_heads(query, key, names=("query", "key")):
+    """The head rules of every entry point, on arrays [..., N|K, H] of at least one head:
+    key's head dim is query's, N a multiple of K, H a multiple of 8 up to MAX_HEAD_DIM. The
+    messages quote the shapes as passed, under `names`."""
+    (n, h), (kh, kd) = query.shape[-2:], key.shape[-2:]
+    q_name, k_name = names
+    if kd != h:
+        raise ValueError(
+            f"head dims differ: {q_name}.shape={query.shape} has H={h}, "
+            f"{k_name}.shape={key.shape} has H={kd}"
+        )
+    if n % kh:
+        raise ValueError(
+            f"num_heads={n} ({q_name}.shape={query.shape}) must be divisible by "
+            f"num_kv_heads={kh} ({k_name}.shape={key.shape})"
+        )
+    if h % 8 or h > MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim={h} ({q_name}.shape={query.shape}) must be a multiple of 8 and at most "
+            f"{MAX_HEAD_DIM}"
+        )
 
 
 def _check_dtypes(arrays: dict):

@@ -113,9 +113,9 @@ def decode_attention(
         capacity,
         f"key_cache.shape[1]={capacity}",
     )
-    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        sinks,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -186,9 +186,9 @@ def paged_attention(
         f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
-    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        sinks,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -235,7 +235,7 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
     """
     for name, x in (("key_pages", key_pages), ("value_pages", value_pages)):
         if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must be (P, page_size, K, H), got {_shape(x)}")
+            raise ValueError(f"{name} must be (P, page_size, K, H), got {api._shape_of(x)}")
     if key_pages.shape != value_pages.shape:
         raise ValueError(
             f"key_pages.shape={key_pages.shape} and value_pages.shape={value_pages.shape} "
@@ -246,7 +246,7 @@ def write_to_pages(key_pages, value_pages, block_tables, key, value, positions, 
         if getattr(x, "ndim", None) != 4 or x.shape[2:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must be (B, T, {num_kv_heads}, {head_dim}) to match the pages, "
-                f"got {_shape(x)}"
+                f"got {api._shape_of(x)}"
             )
         if x.dtype != pages.dtype:
             raise TypeError(f"{name}.dtype={x.dtype} must be the pages' dtype {pages.dtype}")
@@ -455,7 +455,8 @@ _paged_reference = jax.jit(paged_reference, static_argnames=(*_MATH, "with_log_s
 
 
 class _Options:
-    """The checked options of a decode call: `math` for the reference, `kernel` for Triton."""
+    """The checked options of a decode or ragged call: `backend` ("xla" or "triton"), `math`
+    for the reference, `kernel` for the Triton kernel."""
 
     def __init__(self, backend, math_kwargs, kernel_kwargs):
         self.backend, self.math, self.kernel = backend, math_kwargs, kernel_kwargs
@@ -464,6 +465,7 @@ class _Options:
     def of(
         cls,
         query,
+        sinks,
         scale,
         soft_cap,
         window,
@@ -471,17 +473,23 @@ class _Options:
         backend,
         block_sizes,
         interpret,
+        *,
+        tiles=DecodeBlockSizes,
+        no_mosaic="decode has no Mosaic GPU kernel (it is bound by memory bandwidth, which "
+        "the Triton kernel reaches)",
     ):
+        """Checks the options that decode, paged and ragged attention share. tiles: the
+        block_sizes class the call takes; no_mosaic: why backend='mosaic' is refused."""
+        api._check_sinks(sinks, query.shape[-2])
         api._check_options(scale, False, return_residuals, backend, None, interpret)
-        if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
+        if block_sizes is not None and not isinstance(block_sizes, tiles):
             raise TypeError(
-                "block_sizes must be a pallas_flash.DecodeBlockSizes or None, "
+                f"block_sizes must be a pallas_flash.{tiles.__name__} or None, "
                 f"got {type(block_sizes).__name__}"
             )
         if backend == "mosaic":
             raise NotImplementedError(
-                "backend='mosaic': decode has no Mosaic GPU kernel (it is bound by memory "
-                "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
+                f"backend='mosaic': {no_mosaic}; use backend='triton' or None"
             )
         device = None if interpret or backend == "xla" else device_lib.target_device()
         backend = dispatch.kernel_backend(backend, device, interpret, query.dtype)
@@ -505,10 +513,6 @@ class _Options:
         return cls(backend, math_kwargs, kernel_kwargs)
 
 
-def _shape(x):
-    return getattr(x, "shape", type(x).__name__)
-
-
 def _check_arrays(query, key, value, names):
     """Checks the query and the cache (contiguous [B, S, K, H] or pages [P, ps, K, H])."""
     k_name, v_name = names
@@ -524,31 +528,17 @@ def _check_arrays(query, key, value, names):
             f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"
         )
     b, t, n, h = query.shape
-    kb, s, kh, kd = key.shape
+    kb, s, kh, _ = key.shape
     if k_name == "key_cache" and kb != b:
         raise ValueError(
             f"batch sizes differ: query.shape={query.shape}, {k_name}.shape={key.shape}"
         )
-    if kd != h:
-        raise ValueError(
-            f"head dims differ: query.shape={query.shape} has H={h}, {k_name}.shape={key.shape} "
-            f"has H={kd}"
-        )
-    if min(b, t, n, kb, s, kh) < 1:
+    if min(b, t, n, h, kb, s, kh) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got query.shape={query.shape}, "
             f"{k_name}.shape={key.shape}"
         )
-    if n % kh:
-        raise ValueError(
-            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
-            f"({k_name}.shape={key.shape})"
-        )
-    if h % 8 or h > api.MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
-            f"{api.MAX_HEAD_DIM}"
-        )
+    api._check_heads(query, key, ("query", k_name))
     return query, key, value
 
 
@@ -562,14 +552,16 @@ def _check_lengths(name, lengths, batch, capacity, capacity_text):
     return jnp.asarray(lengths, jnp.int32)
 
 
-def _check_block_tables(block_tables, batch):
+def _check_block_tables(block_tables, batch=None):
+    """block_tables: an integer array (batch, max_pages), max_pages >= 1; batch None: any
+    batch >= 1 (ragged attention takes its batch from the table)."""
     if not api._is_int_array(block_tables):
         got = getattr(block_tables, "dtype", type(block_tables).__name__)
         raise TypeError(f"block_tables must be an integer array, got {got}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
-        raise ValueError(
-            f"block_tables.shape={tuple(block_tables.shape)} must be ({batch}, max_pages)"
-        )
+    shape = tuple(block_tables.shape)
+    if len(shape) != 2 or min(shape) < 1 or batch not in (None, shape[0]):
+        rows = "B" if batch is None else batch
+        raise ValueError(f"block_tables.shape={shape} must be ({rows}, max_pages), both >= 1")
     return jnp.asarray(block_tables, jnp.int32)
 
 

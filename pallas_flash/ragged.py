@@ -4,14 +4,12 @@ choice, the reference. No kernels here (`pallas_flash.triton.ragged` holds them)
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api, dispatch
-from pallas_flash import device as device_lib
+from pallas_flash import api, decode
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
@@ -95,53 +93,40 @@ def ragged_paged_attention(
       (backend="xla").
     """
     q, k_pages, v_pages = _check_arrays(q, k_pages, v_pages)
-    num_tokens, num_heads = q.shape[:2]
+    num_tokens = q.shape[0]
     num_pages, page_size = k_pages.shape[:2]
-    block_tables = _check_int_array("block_tables", block_tables, 2)
+    block_tables = decode._check_block_tables(block_tables)
     batch, max_pages = block_tables.shape
-    if batch < 1 or max_pages < 1:
-        raise ValueError(
-            f"block_tables.shape={block_tables.shape} must be (B, max_pages), both >= 1"
-        )
-    query_start_loc = _check_int_array("query_start_loc", query_start_loc, 1, (batch + 1,))
-    kv_lengths = _check_int_array("kv_lengths", kv_lengths, 1, (batch,))
+    api._check_int_vector("query_start_loc", query_start_loc, batch + 1)
+    api._check_int_vector("kv_lengths", kv_lengths, batch)
+    _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, page_size, num_pages)
     capacity = max_pages * page_size
-    _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacity, num_pages)
-    api._check_sinks(sinks, num_heads)
-    api._check_options(scale, False, return_residuals, backend, None, interpret)
-    if block_sizes is not None and not isinstance(block_sizes, RaggedBlockSizes):
-        raise TypeError(
-            "block_sizes must be a pallas_flash.RaggedBlockSizes or None, "
-            f"got {type(block_sizes).__name__}"
-        )
-    if backend == "mosaic":
-        raise NotImplementedError(
-            "backend='mosaic': ragged_paged_attention has no Mosaic GPU kernel; use "
-            "backend='triton' or None"
-        )
-    device = None if interpret or backend == "xla" else device_lib.target_device()
-    backend = dispatch.kernel_backend(backend, device, interpret, q.dtype)
-    backend = "triton" if backend == "auto" else backend
-    if block_sizes is not None and backend == "xla":
-        raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
-    window = api._canonical_window(local_window_size)
-    math_kwargs = dict(
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-        soft_cap=api._canonical_soft_cap(logits_soft_cap),
-        window_left=None if window is None else window[0],
+    options = decode._Options.of(
+        q,
+        sinks,
+        scale,
+        logits_soft_cap,
+        local_window_size,
+        return_residuals,
+        backend,
+        block_sizes,
+        interpret,
+        tiles=RaggedBlockSizes,
+        no_mosaic="ragged_paged_attention has no Mosaic GPU kernel",
     )
+    math_kwargs = options.math
     # Safe values under jit; the same as the user's where they were checked above.
-    starts = jnp.clip(query_start_loc, 0, num_tokens)
+    starts = jnp.clip(jnp.asarray(query_start_loc, jnp.int32), 0, num_tokens)
     starts = jax.lax.cummax(starts, axis=0)
-    lengths = jnp.clip(kv_lengths, 0, capacity)
+    lengths = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, capacity)
     args = [q, k_pages, v_pages, block_tables, starts, lengths]
     if sinks is not None:
         args.append(jnp.asarray(sinks, jnp.float32))
     reference = functools.partial(_ragged_reference, **math_kwargs)
-    if backend == "xla":
+    if options.backend == "xla":
         out, lse = reference(*args)
     else:
-        num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
+        block_sizes, num_sms = options.kernel["block_sizes"], options.kernel["num_sms"]
         if block_sizes is None:
             block_sizes = ragged_block_sizes(
                 q.shape,
@@ -149,18 +134,12 @@ def ragged_paged_attention(
                 k_pages.shape[2],
                 capacity,
                 q.dtype,
-                interpret=bool(interpret),
+                interpret=options.kernel["interpret"],
                 page_size=page_size,
                 window_left=math_kwargs["window_left"],
                 num_sms=num_sms,
             )
-        kernel = functools.partial(
-            _ragged_forward,
-            **math_kwargs,
-            block_sizes=block_sizes,
-            interpret=bool(interpret),
-            num_sms=num_sms,
-        )
+        kernel = functools.partial(_ragged_forward, **dict(options.kernel, block_sizes=block_sizes))
         out, lse = with_reference_vjp(kernel, reference, *args)
     return (out, lse) if return_residuals else out
 
@@ -253,10 +232,6 @@ _ragged_forward = jax.jit(
 # -- validation -----------------------------------------------------------------------------------
 
 
-def _shape(x):
-    return getattr(x, "shape", type(x).__name__)
-
-
 def _check_arrays(q, k_pages, v_pages):
     arrays = {"q": (q, 3), "k_pages": (k_pages, 4), "v_pages": (v_pages, 4)}
     for name, (x, rank) in arrays.items():
@@ -264,68 +239,33 @@ def _check_arrays(q, k_pages, v_pages):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != rank:
             raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
-        if not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            raise TypeError(
-                f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64 (with "
-                "jax_enable_x64)"
-            )
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
-        raise TypeError(
-            f"q, k_pages and v_pages must share a dtype; got q.dtype={q.dtype}, "
-            f"k_pages.dtype={k_pages.dtype}, v_pages.dtype={v_pages.dtype}"
-        )
+    api._check_dtypes({"q": q, "k_pages": k_pages, "v_pages": v_pages})
     if k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(
             f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must agree in "
             "(P, page_size, K)"
         )
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, k_dim = k_pages.shape
-    if min(num_tokens, num_heads, num_pages, page_size, num_kv_heads) < 1:
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if min(num_tokens, num_heads, head_dim, num_pages, page_size, num_kv_heads) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got q.shape={q.shape}, k_pages.shape={k_pages.shape}"
         )
-    if k_dim != head_dim:
+    api._check_heads(q, k_pages, ("q", "k_pages"))
+    # The value head dim may differ from the query's.
+    dim = v_pages.shape[-1]
+    if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
         raise ValueError(
-            f"head dims differ: q.shape={q.shape} has H={head_dim}, k_pages.shape="
-            f"{k_pages.shape} has H={k_dim}"
+            f"head dim {dim} (v_pages.shape={v_pages.shape}) must be a multiple of 8 and at "
+            f"most {api.MAX_HEAD_DIM}"
         )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} (q.shape={q.shape}) must be divisible by "
-            f"num_kv_heads={num_kv_heads} (k_pages.shape={k_pages.shape})"
-        )
-    for name, x in (("q", q), ("v_pages", v_pages)):
-        dim = x.shape[-1]
-        if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
-            raise ValueError(
-                f"head dim {dim} ({name}.shape={x.shape}) must be a multiple of 8 and at most "
-                f"{api.MAX_HEAD_DIM}"
-            )
     return q, k_pages, v_pages
 
 
-def _check_int_array(name, x, rank, shape=None):
-    if not api._is_int_array(x):
-        got = getattr(x, "dtype", type(x).__name__)
-        raise TypeError(f"{name} must be an integer array, got {got}")
-    if x.ndim != rank or (shape is not None and tuple(x.shape) != shape):
-        want = shape if shape is not None else f"rank {rank}"
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {want}")
-    return jnp.asarray(x, jnp.int32)
-
-
-def _concrete(x):
-    """x as a numpy array, or None when it is traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacity, num_pages):
-    """The rules on the integer arrays' values, where they are concrete."""
-    starts = _concrete(query_start_loc)
+def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, page_size, num_pages):
+    """The rules on the integer arrays' values, where they are concrete (kv_lengths' and the
+    table's are paged_attention's)."""
+    starts = api._concrete(query_start_loc)
     if starts is not None:
         if starts[0] != 0:
             raise ValueError(f"query_start_loc[0]={int(starts[0])} must be 0")
@@ -341,28 +281,21 @@ def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacit
                 f"query_start_loc[-1]={int(starts[-1])} must be at most the tokens of q "
                 f"(q.shape[0]={num_tokens})"
             )
-    lengths = _concrete(kv_lengths)
-    if lengths is not None:
-        if lengths.min() < 0 or lengths.max() > capacity:
-            raise ValueError(
-                f"kv_lengths={lengths.tolist()} must lie in [0, block_tables.shape[1] * "
-                f"page_size={capacity}]"
-            )
-        if starts is not None and (short := lengths < np.diff(starts)).any():
-            b = int(np.argmax(short))
-            raise ValueError(
-                f"kv_lengths[{b}]={int(lengths[b])} must be at least sequence {b}'s new tokens "
-                f"(query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(np.diff(starts)[b])}): "
-                "they are the last keys of its cache"
-            )
-    tables = _concrete(block_tables)
-    if tables is not None and lengths is not None:
-        page_size = capacity // tables.shape[1]
-        used = np.arange(tables.shape[1])[None, :] < -(-lengths[:, None] // page_size)
-        bad = used & ((tables < 0) | (tables >= num_pages))
-        if bad.any():
-            b, p = map(int, np.argwhere(bad)[0])
-            raise ValueError(
-                f"block_tables[{b}, {p}]={int(tables[b, p])} must lie in [0, num_pages="
-                f"{num_pages}) (sequence {b} has {int(lengths[b])} keys)"
-            )
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
+    api._check_lengths(
+        "kv_lengths",
+        kv_lengths,
+        block_tables.shape[0],
+        capacity,
+        f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
+    )
+    lengths = api._concrete(kv_lengths)
+    if starts is not None and lengths is not None and (short := lengths < np.diff(starts)).any():
+        b = int(np.argmax(short))
+        raise ValueError(
+            f"kv_lengths[{b}]={int(lengths[b])} must be at least sequence {b}'s new tokens "
+            f"(query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(np.diff(starts)[b])}): "
+            "they are the last keys of its cache"
+        )
+    decode._check_table_entries(block_tables, kv_lengths, page_size, num_pages)

@@ -443,3 +443,15 @@ def test_compile_row_of_a_spec_times_one_model():
     row = compile_suite.row_of_spec(json.dumps(spec))
     assert row["dtype"] == "float32" and "error" not in row, row
     assert row["lower_s"] >= 0 and row["compile_s"] > 0 and row["first_call_ms"] > 0
+
+
+def test_a_failing_call_is_a_row_with_its_error():
+    """A measurement that raises is data: the row keeps its fields, the measured ones None, and
+    says why; the run goes on."""
+    row = timing.run_point("no_such_impl", 1, 8, 8, 1, 1, 8, jnp.float32, False, "fwd")
+    assert row["impl"] == "no_such_impl" and row["ms"] is None and row["tflops"] is None
+    assert row["error"] == "ValueError: unknown implementation 'no_such_impl'"
+    partial = dict(ms=1.0)
+    with timing.recording_failure(partial, "ms", "tbps"):
+        raise RuntimeError("out of memory")
+    assert partial == dict(ms=None, tbps=None, error="RuntimeError: out of memory")

@@ -12,10 +12,10 @@ import pallas_flash
 from pallas_flash.bench.timing import (
     Rows,
     device_ms,
-    failure,
     median_ms,
     print_markdown,
     progress,
+    recording_failure,
     tbps,
 )
 
@@ -197,9 +197,10 @@ def run(args, *, on_gpu: bool) -> list[dict]:
 def _decode_timing(fn, inputs, traffic, calls, repeats, on_gpu) -> dict:
     """ms and tbps of fn moving `traffic` bytes; on a GPU also its kernels' time (device_ms,
     device_tbps, kernels)."""
-    try:
+    got = {}
+    with recording_failure(got, "ms", "tbps"):  # cuDNN refusing T=1 is data
         ms = median_ms(fn, inputs, calls=calls, repeats=repeats)
-        got = dict(ms=round(ms, 5), tbps=round(tbps(traffic, ms), 4))
+        got.update(ms=round(ms, 5), tbps=round(tbps(traffic, ms), 4))
         if on_gpu:
             kernel_ms, kernels = device_ms(fn, inputs)
             got.update(
@@ -207,9 +208,7 @@ def _decode_timing(fn, inputs, traffic, calls, repeats, on_gpu) -> dict:
                 device_tbps=round(tbps(traffic, kernel_ms), 4),
                 kernels={name: round(t, 5) for name, t in kernels.items()},
             )
-        return got
-    except Exception as e:  # noqa: BLE001 -- cuDNN refusing T=1 is data
-        return dict(ms=None, tbps=None, error=failure(e))
+    return got
 
 
 def _decode_name(case) -> str:

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
 from pallas_flash._numerics import MIN_LOGIT
-from pallas_flash._pallas_triton import CompilerParams, fold
+from pallas_flash._pallas_triton import CompilerParams, fold, load_rows
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
     dot,
@@ -48,7 +48,6 @@ from pallas_flash.triton._common import (
 )
 from pallas_flash.triton.decode import (
     MergeTiles,
-    _load_paged,
     decode_block_sizes,
     splits_for_slots,
 )
@@ -439,28 +438,24 @@ def _ragged_kernel(
         first = lo + s * chunk
         tiles = masks.intersect(tiles, (first, first, first + chunk, first + chunk))
     table_start = jnp.clip(seq, 0, rows.batch - 1) * max_pages
-
-    def load_kv(ref, dim, kv_start, masked: bool):
-        return _load_paged(
-            ref,
-            table_ref,
-            table_start,
-            kv_start,
-            length,
-            dim,
-            block_kv,
-            page_size,
-            masked=masked,
-        )
-
+    # Each step looks up the next key tile's pages: the loads of a tile then depend on no
+    # load of the same step, and Triton's pipeliner keeps num_stages - 1 tiles in flight (with
+    # the lookup in the step, one fewer).
+    rows_of = functools.partial(
+        _paged_rows, table_ref, table_start, length, block_kv, page_size, k_ref.shape[0]
+    )
     unit = logit_unit(scale, False, soft_cap)
 
     def body(j, carry, *, masked: bool):
+        *carry, kv_rows = carry
         kv_start = pl.multiple_of(j * block_kv, block_kv)
+        next_rows = rows_of(kv_start + block_kv)
         # Keys past the length read as zero in the masked tiles: whatever the pages hold there
         # (stale values, NaN) never reaches a product.
-        k = load_kv(k_ref, head_dim, kv_start, masked)
-        v = load_kv(v_ref, value_head_dim, kv_start, masked)
+        k = _load_paged_rows(k_ref, kv_rows, kv_start, length, head_dim, block_kv, masked=masked)
+        v = _load_paged_rows(
+            v_ref, kv_rows, kv_start, length, value_head_dim, block_kv, masked=masked
+        )
         u, _ = scores(dot(q, k, trans_b=True), scale, None, soft_cap)
         visible = None
         if masked:
@@ -468,9 +463,11 @@ def _ragged_kernel(
             visible = kv_idx <= q_pos  # causal; also kv_idx < length
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
-        return softmax_step(carry, u, v, unit, visible)
+        return *softmax_step(tuple(carry), u, v, unit, visible), next_rows
 
-    carry = visit_tiles(tiles, body, softmax_init(block_m, hvp))
+    init = (*softmax_init(block_m, hvp), rows_of(tiles[0] * block_kv))
+    *carry, _ = visit_tiles(tiles, body, init)
+    carry = tuple(carry)
     if split:
         softmax_store(
             carry, unit, o_ref, lse_ref, block_m, rows_here, value_head_dim, log_sum_ref=log_sum_ref
@@ -576,6 +573,49 @@ def _merge_kernel(
                 stride=row_tiles,
                 col0=col0,
             )
+
+
+def _paged_rows(table_ref, table_start, length, block_kv, page_size, num_rows, kv_start):
+    """Where keys [kv_start, kv_start + block_kv) of a paged sequence of `length` keys lie in
+    its KV head's pages end to end ([num_rows, H]; the sequence's table entries start at
+    table_ref[table_start]): the first row (a scalar) where a key tile lies in one page, else
+    each key's row [block_kv]. Only the entries of pages below the length are read (0 else)."""
+    num_pages = num_rows // page_size
+    if page_size % block_kv == 0:
+        entry = plgpu.load(
+            table_ref.at[table_start + jax.lax.div(kv_start, page_size)],
+            mask=kv_start < length,
+            other=0,
+        )
+        return jnp.clip(entry, 0, num_pages - 1) * page_size + jax.lax.rem(kv_start, page_size)
+    keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+    entries = table_start + jax.lax.div(keys, page_size)
+    pages = plgpu.load(table_ref.at[entries], mask=keys < length, other=0)
+    return jnp.clip(pages, 0, num_pages - 1) * page_size + jax.lax.rem(keys, page_size)
+
+
+def _load_paged_rows(ref, kv_rows, kv_start, length, head_dim, block_kv, *, masked):
+    """The [block_kv, Hp] tile of keys [kv_start, kv_start + block_kv) at `_paged_rows`'
+    kv_rows: one contiguous load (a scalar first row) or a load gathered by rows; with
+    `masked`, keys past the length read as zero."""
+    if kv_rows.ndim == 0:
+        return load_rows(
+            ref, kv_rows, block_kv, kv_rows + length - kv_start, head_dim, ragged=masked
+        )
+    hp = ref.shape[-1]
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, hp), 1)
+    mask = None
+    if masked:
+        keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        mask = keys < length
+    if head_dim != hp:
+        mask = cols < head_dim if mask is None else mask & (cols < head_dim)
+    # Two index arrays and no slice: the form both the Triton lowering and the interpreter
+    # take for a gather.
+    tile = ref.at[kv_rows[:, None], cols]
+    if mask is None:
+        return plgpu.load(tile)
+    return plgpu.load(tile, mask=jnp.broadcast_to(mask, (block_kv, hp)), other=0.0)
 
 
 def _tile_range(first_pos, last_pos, length, any_rows, window_left: int | None, block_kv: int):

@@ -280,7 +280,7 @@ def plan_items(starts, launch: Launch, rows: Rows):
     packed = (starts[1:] - starts[:-1]) * rows.group
     fits = (packed > rows.decode_rows) & (packed <= rows.prefill_rows)
     tiles = jnp.where(fits, pl.cdiv(packed, launch.block_m), 0)
-    end = jnp.cumsum(tiles)
+    end = _running_sum(tiles)
     count = end[-1]
     item = jnp.arange(launch.items, dtype=jnp.int32)
     item = jnp.where(item < count, count - 1 - item, item)
@@ -290,6 +290,16 @@ def plan_items(starts, launch: Launch, rows: Rows):
     seq = jnp.where(used, seq, 0)
     row0 = jnp.where(used, (item - (end - tiles)[seq]) * launch.block_m, _NO_ROWS)
     return jnp.concatenate([seq, row0]).astype(jnp.int32)
+
+
+def _running_sum(x):
+    """jnp.cumsum of a short vector as one XLA reduce over a triangle (XLA's cumulative sum on
+    the GPU is a reduce-window kernel of a few us), up to 1024 entries."""
+    n = x.shape[0]
+    if n > 1024:
+        return jnp.cumsum(x)
+    before = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+    return jnp.sum(jnp.where(before, x[None, :], 0), axis=1)
 
 
 def _item(rows: Rows, launch: Launch, starts_ref, lengths_ref, work_ref, item):

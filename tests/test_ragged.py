@@ -248,8 +248,12 @@ HINTED = [
         dict(kv_splits_prefill=2),
     ),
     (Case((3, 37, 1, 9, 2), (50, 60, 9, 20, 19), 4, 1, 32, 8, 8, pad=2, sinks=True), None),
+    # A group of 32 over the interpreter's 16-row decode tile: no sequence is decode-kind (the
+    # prefill launch takes them all; the decode launch writes the padding's 0).
+    (Case((1, 3, 0, 2), (5, 9, 2, 2), 32, 1, 16, 8, 2, pad=2, sinks=True), None),
 ]
-HINTED_MAX = [1, 1, 37, 3]  # the last: sequences 1 and 3 have more (traced: they output 0)
+# The fourth: sequences 1 and 3 have more (traced: they output 0).
+HINTED_MAX = [1, 1, 37, 3, 3]
 
 
 @pytest.mark.parametrize(
@@ -344,7 +348,9 @@ def test_traced_values_are_made_safe():
 # -- the work plan --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group, max_query_len", [(4, None), (1, 5), (16, None), (4, 1)])
+@pytest.mark.parametrize(
+    "group, max_query_len", [(4, None), (1, 5), (16, None), (4, 1), (32, None)]
+)
 @pytest.mark.ci_slice(2)
 def test_plan_covers_every_row_once(group, max_query_len):
     """For random batches of one call's shapes, every packed row of every token is written

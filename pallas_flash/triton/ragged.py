@@ -128,7 +128,8 @@ class Launch:
 
     @property
     def name(self) -> str:
-        """The kernel's name: pallas_flash_ragged_{decode,prefill}[_split]."""
+        """The kernel's name: pallas_flash_ragged_{decode,prefill}[_split] (its merge's:
+        ..._merge)."""
         return f"pallas_flash_ragged_{self.kind}" + ("_split" if self.splits > 1 else "")
 
     @property
@@ -425,10 +426,8 @@ def _ragged_kernel(
     in_tile = r < rows_here
     p = jnp.where(in_tile, row0 + r, 0)
     token = jax.lax.div(p, group)
-    num_rows = q_ref.shape[0]
-    flat = jnp.clip(
-        (start + token) * rows.num_heads + kv_head * group + jax.lax.rem(p, group), 0, num_rows - 1
-    )
+    flat, _ = rows.flat(start, kv_head, p, in_tile)
+    flat = jnp.minimum(flat, q_ref.shape[0] - 1)  # in bounds (the masked rows')
     hp, hvp = q_ref.shape[-1], o_ref.shape[-1]
     cols = jax.lax.broadcasted_iota(jnp.int32, (1, hp), 1)
     q = plgpu.load(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_flash import api, decode
+from pallas_flash._numerics import accumulation_dtype
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
@@ -29,6 +30,7 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     sinks=None,
+    max_query_len: int | None = None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: RaggedBlockSizes | None = None,
@@ -79,6 +81,12 @@ def ragged_paged_attention(
         (right is moot under the causal rule).
       sinks: None, or float (N,): one learned logit per query head in each row's softmax
         denominator, attending to no value (as in `flash_attention`).
+      max_query_len: None, or a Python int >= 1: the most new tokens any sequence has (vLLM's
+        `max_query_len`, FlashAttention's `max_seqlen_q`). A static hint that lets the kernel
+        skip what shapes alone cannot rule out: with max_query_len * (N // K) at most the
+        decode tile's rows (1 for decode-only batches), there is no prefill launch. Checked
+        against query_start_loc when concrete (ValueError); under jit, a sequence with more
+        new tokens outputs 0 in all its rows (lse -inf, or the sink).
       return_residuals: also return lse, float32 (N, T), natural log (-inf for rows that see
         no key; the sink's logit with sinks).
       backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
@@ -101,6 +109,7 @@ def ragged_paged_attention(
     api._check_int_vector("kv_lengths", kv_lengths, batch)
     _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, page_size, num_pages)
     capacity = max_pages * page_size
+    _check_max_query_len(max_query_len, query_start_loc)
     options = decode._Options.of(
         q,
         sinks,
@@ -114,14 +123,13 @@ def ragged_paged_attention(
         tiles=RaggedBlockSizes,
         no_mosaic="ragged_paged_attention has no Mosaic GPU kernel",
     )
-    math_kwargs = options.math
-    # Safe values under jit; the same as the user's where they were checked above.
-    starts = jnp.clip(jnp.asarray(query_start_loc, jnp.int32), 0, num_tokens)
-    starts = jax.lax.cummax(starts, axis=0)
-    lengths = jnp.clip(jnp.asarray(kv_lengths, jnp.int32), 0, capacity)
-    args = [q, k_pages, v_pages, block_tables, starts, lengths]
+    math_kwargs = dict(options.math, max_query_len=max_query_len)
+    # Safe starts under jit; the user's where they were checked above. The paths clip the
+    # lengths themselves.
+    starts = _safe_starts(query_start_loc, num_tokens)
+    args = [q, k_pages, v_pages, block_tables, starts, kv_lengths]
     if sinks is not None:
-        args.append(jnp.asarray(sinks, jnp.float32))
+        args.append(jnp.asarray(sinks, accumulation_dtype(q.dtype)))
     reference = functools.partial(_ragged_reference, **math_kwargs)
     if options.backend == "xla":
         out, lse = reference(*args)
@@ -130,7 +138,7 @@ def ragged_paged_attention(
         if block_sizes is None:
             block_sizes = ragged_block_sizes(
                 q.shape,
-                batch + 2,  # the kernel's sequences: the batch's, and the rows of none
+                batch,
                 k_pages.shape[2],
                 capacity,
                 q.dtype,
@@ -139,7 +147,9 @@ def ragged_paged_attention(
                 window_left=math_kwargs["window_left"],
                 num_sms=num_sms,
             )
-        kernel = functools.partial(_ragged_forward, **dict(options.kernel, block_sizes=block_sizes))
+        kernel = functools.partial(
+            _ragged_forward, **dict(options.kernel, **math_kwargs, block_sizes=block_sizes)
+        )
         out, lse = with_reference_vjp(kernel, reference, *args)
     return (out, lse) if return_residuals else out
 
@@ -162,17 +172,20 @@ def ragged_reference(
     scale,
     soft_cap,
     window_left,
+    max_query_len=None,
 ):
     """(out [T, N, Hv], lse [N, T]) of `ragged_paged_attention` in plain jnp, on the safe
-    values the API makes (starts [B + 1] non-decreasing in [0, T], lengths [B] in [0,
-    capacity]): each token row gathers its sequence's pages into a contiguous cache and
+    starts the API makes ([B + 1] non-decreasing in [0, T]; lengths [B] are clipped here to
+    [0, capacity]): each token row gathers its sequence's pages into a contiguous cache and
     attends over it (`reference_attention`, one token per batch entry), in chunks of rows
-    that bound the gathered keys."""
+    that bound the gathered keys. Rows of a sequence of more than max_query_len new tokens
+    see no key."""
     num_tokens, num_heads, _ = q.shape
     num_pages, page_size, num_kv_heads, head_dim = k_pages.shape
     value_head_dim = v_pages.shape[-1]
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
+    lengths = jnp.clip(lengths, 0, capacity)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     # Row r belongs to sequence b where starts[b] <= r < starts[b + 1]; rows before starts[0]
     # or from starts[B] on belong to none and see no key.
@@ -180,6 +193,8 @@ def ragged_reference(
     owned = (seq >= 0) & (seq < batch)
     seq = jnp.clip(seq, 0, batch - 1)
     q_len = starts[seq + 1] - starts[seq]
+    if max_query_len is not None:
+        owned = owned & (q_len <= max_query_len)
     pos = jnp.where(owned, lengths[seq] - q_len + rows - starts[seq], -1)
     tables = jnp.clip(block_tables, 0, num_pages - 1)
     per_row = capacity * num_kv_heads * (head_dim + value_head_dim)
@@ -222,14 +237,47 @@ def ragged_reference(
 
 # The paths are jit'd functions of their static options: eager calls (a Python serving loop)
 # compile once.
-_MATH = ("scale", "soft_cap", "window_left")
+_MATH = ("scale", "soft_cap", "window_left", "max_query_len")
 _ragged_reference = jax.jit(ragged_reference, static_argnames=_MATH)
 _ragged_forward = jax.jit(
     ragged_forward, static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms")
 )
 
 
+def _safe_starts(query_start_loc, num_tokens: int):
+    """query_start_loc as int32 where it is concrete (checked); under jit made safe: clipped
+    to [0, T] and made non-decreasing (its running maximum, one small XLA fusion: a
+    triangular max up to 1024 entries, XLA's cumulative max, a reduce-window, beyond)."""
+    starts = jnp.asarray(query_start_loc, jnp.int32)
+    if api._concrete(query_start_loc) is not None:
+        return starts
+    starts = jnp.clip(starts, 0, num_tokens)
+    n = starts.shape[0]
+    if n > 1024:
+        return jax.lax.cummax(starts, axis=0)
+    before = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+    return jnp.max(jnp.where(before, starts[None, :], 0), axis=1)
+
+
 # -- validation -----------------------------------------------------------------------------------
+
+
+def _check_max_query_len(max_query_len, query_start_loc):
+    if max_query_len is None:
+        return
+    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool):
+        raise TypeError(
+            f"max_query_len must be a Python int or None, got {type(max_query_len).__name__}"
+        )
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len={max_query_len} must be >= 1")
+    starts = api._concrete(query_start_loc)
+    if starts is not None and len(starts) > 1 and (q_lens := np.diff(starts)).max() > max_query_len:
+        b = int(np.argmax(q_lens))
+        raise ValueError(
+            f"max_query_len={max_query_len} must be at least every sequence's new tokens: "
+            f"sequence {b} has query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(q_lens[b])}"
+        )
 
 
 def _check_arrays(q, k_pages, v_pages):

@@ -452,6 +452,27 @@ def _explicit_mesh(x):
     return mesh
 
 
+def whole_sequences(reference):
+    """reference(q, k, v, *rest, **options) (plain jnp over a contiguous cache: decode's "xla"
+    path and its kernel's gradient) on k and v made whole over their sequence axis where their
+    type splits it (Explicit mesh axes): jnp contracts over the keys, and sharding in types
+    leaves no contraction over a split axis to the compiler. Auto meshes and unsharded caches
+    are left as they are."""
+
+    def whole(x):
+        mesh = _explicit_mesh(x)
+        spec = _spec_entries(jax.typeof(x).sharding.spec, x.ndim) if mesh else ()
+        if not spec or spec[1] is None:
+            return x
+        return jax.sharding.reshard(x, NamedSharding(mesh, P(spec[0], None, *spec[2:])))
+
+    @functools.wraps(reference)
+    def run(q, k, v, *rest, **options):
+        return reference(q, whole(k), whole(v), *rest, **options)
+
+    return run
+
+
 def with_sharding_of(g, x):
     """g (a gradient computed outside the kernels) in the sharding type of its primal x, under
     sharding in types, where XLA's propagation may have given it another."""
@@ -563,13 +584,11 @@ def _shard_map_call(kernel, config, kinds, out_kinds, mesh, *args):
         list(args),
         list(in_specs),
     )
-    # The kernels' pallas_calls declare no varying-ness over manual axes.
     results = jax.shard_map(
         _shard_fn(kernel, config, plan_, with_dbias="pair" in out_kinds),
         mesh=mesh,
         in_specs=tuple(in_specs),
         out_specs=out_specs,
-        check_vma=False,
     )(*args)
     if backward:
         # Gradients take their primals' types (a replicated bias gets a replicated gradient).

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import _partition
+from pallas_flash import _partition, _vma
 from pallas_flash._numerics import accumulation_dtype, sink_probability
 from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -85,6 +85,21 @@ class KernelConfig:
             interpret=self.interpret,
         )
 
+    def mosaic_kwargs(self, arrays: MaskArrays):
+        """Keyword arguments of both Mosaic wrappers: the mask unpacked (segment ids with the
+        lengths folded in), dropout as (rate, seeds [B, N]) or None, the device."""
+        spec = self.spec
+        segments = (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
+        return dict(
+            scale=self.scale,
+            is_causal=spec.is_causal,
+            window=spec.window,
+            soft_cap=self.soft_cap,
+            segment_ids=segments,
+            dropout=(self.dropout_rate, arrays.dropout_seeds) if self.dropout_rate else None,
+            device=self.device,
+        )
+
 
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
     """(out, lse) through the kernels, differentiable in q, k, v, bias and sinks.
@@ -95,13 +110,22 @@ def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelCon
     return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def flash_attention_kernels_with_log_sum(
     q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None
 ):
     """(out, lse, log_sum) through the kernels: `flash_attention_kernels` and the forward's
     log_sum (`_forward`), a residual for a backward run apart (`flash_backward_kernels`). Its
     cotangent is dropped: callers hand it out under stop_gradient."""
+    # Inside jax.shard_map the kernels' gradients vary over every manual axis any operand
+    # varies over: the differentiable operands take that type first, so that one the same on
+    # every device (a replicated bias or sinks) gets its gradient summed over them (the
+    # transpose of the cast).
+    q, k, v, bias, sinks = _vma.vary_like((q, k, v, bias, sinks), q, k, v, bias, arrays, sinks)
+    return _kernels_with_log_sum(q, k, v, bias, arrays, config, sinks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _kernels_with_log_sum(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
     return _forward(q, k, v, bias, arrays, sinks, config=config)[:3]
 
 
@@ -154,16 +178,10 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             q,
             k,
             v,
-            scale=config.scale,
-            is_causal=config.spec.is_causal,
-            window=config.spec.window,
-            soft_cap=config.soft_cap,
-            segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_forward_tiles,
-            device=config.device,
             sinks=sinks,
-            dropout=_dropout_of(arrays, config),
             with_log_sum=True,
+            **config.mosaic_kwargs(arrays),
         )
         return out, lse, log_sum, lse
     out, lse, log_sum, *row_max = flash_forward(
@@ -198,16 +216,6 @@ def _common_head_dim(*xs):
         x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
         for x in xs
     )
-
-
-def _dropout_of(arrays: MaskArrays, config: KernelConfig):
-    """The Mosaic kernels' dropout argument: (rate, seeds [B, N]), or None."""
-    return (config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None
-
-
-def _segment_ids(arrays: MaskArrays, spec: MaskSpec):
-    """The Mosaic kernels' segment_ids argument: (q ids, kv ids) with lengths folded in, or None."""
-    return (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
 
 
 def _fwd_rule(q, k, v, bias, arrays, config: KernelConfig, sinks):
@@ -341,15 +349,9 @@ def _backward_call(
             lse,
             d_out,
             d_lse,
-            scale=config.scale,
-            is_causal=config.spec.is_causal,
-            window=config.spec.window,
-            soft_cap=config.soft_cap,
-            segment_ids=_segment_ids(arrays, config.spec),
             tiles=config.mosaic_backward_tiles,
-            device=config.device,
-            dropout=_dropout_of(arrays, config),
             log_sum=log_sum,
+            **config.mosaic_kwargs(arrays),
         )
         return dq, dk, dv, None
     if not _takes_row_max(q, config):
@@ -371,7 +373,7 @@ def _backward_call(
     )
 
 
-flash_attention_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
+_kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
 
 
 def flash_backward_kernels(
@@ -385,10 +387,17 @@ def flash_backward_kernels(
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def with_reference_vjp(kernel, reference, *args):
     """kernel(*args), differentiated through reference(*args): for forward-only kernels (decode)
     whose reference is cheap to differentiate. Integer (and None) arguments get no cotangent."""
+    # The arguments vary over one set of manual axes, as in flash_attention_kernels_with_log_sum.
+    inexact = [a is not None and jnp.issubdtype(a.dtype, jnp.inexact) for a in args]
+    args = [_vma.vary_like(a, *args) if f else a for a, f in zip(args, inexact, strict=True)]
+    return _with_reference_vjp(kernel, reference, *args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _with_reference_vjp(kernel, reference, *args):
     return kernel(*args)
 
 
@@ -417,7 +426,7 @@ def _reference_bwd(kernel, reference, args, cotangents):
     )
 
 
-with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
+_with_reference_vjp.defvjp(_reference_fwd, _reference_bwd)
 
 
 # -- derivatives of the rules' kernel passes (second order and beyond) ----------------------------

@@ -59,35 +59,22 @@ def flash_attention(
 ):
     """Exact softmax attention, FlashAttention-2 style, called like `jax.nn.dot_product_attention`.
 
-    Shapes (B batch, T queries, S keys, N query heads, K key/value heads, H head dim)::
+    Shapes (B batch, T queries, S keys, N query heads, K key/value heads, H head dim, Hv value
+    head dim; the batch axis may be left out of all three)::
 
-        query: (B, T, N, H)  or (T, N, H)
-        key:   (B, S, K, H)  or (S, K, H)
-        value: (B, S, K, Hv) or (S, K, Hv)
-        out:   (B, T, N, Hv) in query's dtype
+        query: (B, T, N, H)    key: (B, S, K, H)    value: (B, S, K, Hv)
+        out:   (B, T, N, Hv) in query's dtype       lse, log_sum: (B, N, T)
 
-    N must be a multiple of K: query head n reads key/value head n // (N // K). For example with
-    N = 8 and K = 2 (GQA), heads 0-3 read kv head 0 and heads 4-7 read kv head 1; K = 1 is MQA.
-    T and S are any lengths >= 1 (T != S allowed); H and Hv are multiples of 8 up to 256 (Hv is
-    usually H; multi-head latent attention takes H = 192, Hv = 128). The forwards (Mosaic,
-    Triton, "xla") and the Mosaic backward take Hv natively: P.V, dO.V^T, dV and the output
-    cost Hv columns, not H; the Triton backward runs on q, k and v zero-padded to max(H, Hv).
-    Dtypes are float16, bfloat16 or float32 (all three arrays the same), or float64 under
-    jax_enable_x64 on backend="xla" (which backend=None picks for it) and in the interpreter.
-    Softmax and accumulation run in float32 (float64 for float64 inputs).
+    Any T, S >= 1; H and Hv multiples of 8 up to 256 (Hv is usually H; MLA has 192 and 128).
+    One dtype: float16, bfloat16 or float32 (float64: docs/numerics.md). N must be a multiple
+    of K: query head n reads kv head n // (N // K), so with N = 8, K = 2 (GQA) heads 0-3 read kv
+    head 0 and heads 4-7 kv head 1; K = 1 is MQA.
 
     Args:
       query, key, value: the arrays above.
-      bias: float array broadcastable to (B, N, T, S) (each dim full or 1; fewer dims are
-        left-padded with 1), added to the scaled logits. Differentiable: its gradient has the
-        bias's own shape, summed over broadcast dims. A finite bias is not a mask: a row whose
-        keys all carry the same bias (-1e30, finfo.min) gets the softmax of those logits (the
-        mean of value), as in float32 XLA; only mask, lengths, segment ids, window and
-        is_causal hide keys. Rows whose logits all lie beyond about 2**24 keep an exact
-        forward but their gradients lose precision (lse, one float32, cannot hold log(S)
-        next to such a logit); they stay finite.
-      mask: bool array broadcastable to (B, N, T, S), True = attend. Other dtypes raise
-        ValueError (pass `mask.astype(bool)`).
+      bias: float, broadcastable to (B, N, T, S) (missing leading dims are 1), added to the
+        scaled logits; differentiable. A finite bias hides no key (docs/numerics.md).
+      mask: bool, broadcastable to (B, N, T, S), True = attend; another dtype raises ValueError.
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
       is_causal: query i sees key j only when j <= i, top-left aligned as in jax.nn, also when
         T != S. With T = 3, S = 5 ("x" = visible)::
@@ -97,114 +84,50 @@ def flash_attention(
             q 1:    x x . . .
             q 2:    x x x . .
 
-      query_seq_lengths: int array (B,), each in [0, T]: rows at positions >= the length see
-        no key (they output 0 and get zero gradient).
-      key_value_seq_lengths: int array (B,), each in [0, S]: keys at positions >= the length
-        are masked. Concrete lengths outside their range raise ValueError; traced ones (under
-        jit) are clamped to it, on every backend (docs/numerics.md, "Sequence lengths").
-      q_segment_ids: int array (B, T); kv_segment_ids: int array (B, S). A query sees a key only
-        when their ids are equal (packed documents). With only q_segment_ids and T == S, keys use
-        the same ids. Ids must lie in [-2**31 + 2, 2**31 - 1] (int32; the two smallest int32
-        values mark padding): numpy ids outside raise ValueError. Wider jax arrays (int64 under
-        jax_enable_x64, also traced) are renumbered exactly (by rank, one sort per call); int32
-        jax arrays are used as they are, so traced ids must keep off the two padding values.
-      local_window_size: w or (left, right): query i sees keys j with i - left <= j <= i + right
-        (w means (w, w)); combines with is_causal.
+      query_seq_lengths, key_value_seq_lengths: int (B,): queries (keys) at positions >= their
+        batch entry's length see (are seen by) nothing (docs/numerics.md, "Sequence lengths").
+      q_segment_ids, kv_segment_ids: int (B, T), (B, S): a query sees a key only when their ids
+        are equal (packed documents); given q_segment_ids alone and T == S, keys take the same
+        ids (docs/numerics.md, "Segment ids").
+      local_window_size: w or (left, right): query i sees keys i - left <= j <= i + right (w
+        means (w, w)); combines with is_causal.
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c), applied to scale * q.k + bias.
-      sinks: float array (N,) or None: attention sinks, one learned logit per query head added
-        to every row's softmax denominator (as gpt-oss does): out = sum_j e^{s_j} v_j /
-        (e^{sink} + sum_j e^{s_j}). Differentiable. A row that sees no key still outputs 0, and
-        its lse is its sink. Works on every backend and mask: the kernels add it to the
-        softmax's denominator in their epilogue (split-KV forwards and the "xla" reference
-        rescale out and lse afterwards).
-      dropout_rate: attention dropout, as in FlashAttention-2: each probability P_ij is kept
-        with probability 1 - dropout_rate and scaled by 1 / (1 - dropout_rate), else zeroed,
-        before P.V. A float in [0, 1); 0 (the default) is no dropout. The keep-mask is a hash of
-        (dropout_rng, batch entry, query head, query position, key position): bitwise the same
-        for the same key on every backend and tiling, regenerated by the backward (nothing of
-        size T x S is stored). The lse returned is that of the un-dropped softmax. Runs on
-        every backend, on Hopper's Mosaic kernels wherever they run the call without it.
-      dropout_rng: a jax PRNG key (`jax.random.key`, or a raw uint32[2] `PRNGKey`), required
-        when dropout_rate > 0; with dropout_rate 0 it is checked and unused.
-      dropout_broadcast: one keep-mask over (query, key) shared by every batch entry and head
-        (Flax's `broadcast_dropout`); False (the default) draws one per batch entry and head.
-      return_residuals: also return lse, float32 (B, N, T) (float64 for float64 inputs): the
-        natural-log logsumexp of each query row's logits (scaled, biased, soft-capped, masked;
-        the sink included). Gradients flow through both outputs.
-      return_log_sum: with return_residuals, also return log_sum, lse's dtype (B, N, T): the
-        natural log of each row's softmax denominator relative to its largest logit (or its
-        sink, if larger), so that lse = max + log_sum; 0 for rows that see no key. It is what
-        `flash_attention_backward(..., log_sum=)` needs beside lse for exact gradients where
-        keys tie at a row's max at logits beyond about 1e6 in magnitude, where float32 lse
-        cannot hold the denominator next to the max. No gradient flows through it (it is
-        returned under stop_gradient).
-      backend: "triton" (Pallas kernels lowered through Triton, NVIDIA GPUs of compute
-        capability >= 8.0), "mosaic" (Hopper only: the warp-specialised Pallas Mosaic GPU
-        forward, and the Mosaic GPU backward where it applies (H 64/80/96/128/192/256, the
-        forward's masks and dropout, block_sizes not given), else the Triton
-        backward; raises NotImplementedError for a call the forward does not support: bias,
-        dense mask, float32, head dims other than 64/80/96/128/192/256, causal or windowed
-        calls on CUDA runtimes 12.8.0-12.9.0, whose ptxas miscompiles the mask) or "xla" (plain
-        jnp, materialises the logits). None picks, on a GPU of compute
-        capability >= 8.0: for T <= 16 query tokens over 64 or more keys (bfloat16 or
-        float16; causal, windows, lengths, soft cap and sinks, but no bias, dense mask,
-        segment ids, dropout or Hv != H; block_sizes None) the forward of `decode_attention`'s
-        kernel (flash-decoding) with the Triton backward; else on Hopper the Mosaic forward
-        when it supports the call, its grid fills the GPU and block_sizes is None, with the
-        Mosaic backward for the calls it supports (the forward's masks and dropout; at H=64
-        from 2048 keys); else "triton"; with `interpret=True` the same decode forward or
-        "triton"; "xla" elsewhere.
-      block_sizes: tiles of the Triton kernels (`BlockSizes`); None takes the autotune cache's
-        entry for this GPU and shape class (`python -m pallas_flash.tune`), else the shipped
-        defaults by head dim and dtype. Given with backend=None, the forward runs on Triton
-        with these tiles (ValueError where backend=None runs "xla", which has no tiles); with
-        backend="mosaic" they configure the backward only, and the forward fields (block_q,
-        block_kv, num_warps, num_stages, kv_splits) must keep their defaults
-        (NotImplementedError otherwise).
-      interpret: run the Triton kernels in the Pallas interpreter (any platform, slow): for
-        tests on CPU.
-      deterministic_grads: True (the default): the gradients are bitwise the same on every run
-        (where the Hopper backward computes dQ in its dK/dV kernel, `dispatch.fixed_dq_is_faster`,
-        it adds integer partials, whose sum does not depend on their order). False lets the Hopper
-        backward compute dQ in its dK/dV kernel and add each block of keys' share into dQ as float32
-        by TMA reductions in the order they arrive (as FlashAttention-2 and -3 do by default): the
-        same values within float32 rounding, not bitwise repeatable, and faster where the dispatch
-        takes it (`dispatch.fused_dq_is_faster`: plain or causal calls of 2k tokens or more at H
-        64 and 128; with a window or segment ids at H=128 plain ones from 4k and causal ones
-        from 16k, at H=64 from 16k). Other calls and kernels are deterministic either way.
+      sinks: float (N,): one learned logit per query head in every row's softmax denominator
+        (gpt-oss): out = sum_j e^{s_j} v_j / (e^{sink} + sum_j e^{s_j}). Differentiable.
+      dropout_rate: in [0, 1): FlashAttention-2's dropout, each P_ij kept with probability
+        1 - dropout_rate and scaled by 1 / (1 - dropout_rate), else zeroed. The keep-mask
+        hashes dropout_rng and the (batch, head, query, key) position: the same on every
+        backend and tiling, regenerated by the backward. lse is the un-dropped softmax's.
+      dropout_rng: a jax PRNG key (`jax.random.key` or a raw uint32[2]), needed when
+        dropout_rate > 0 (at 0 it is checked, not used).
+      dropout_broadcast: one keep-mask for every batch entry and head (Flax's).
+      return_residuals: also return lse, float32 (float64 for float64 inputs): the natural-log
+        logsumexp of each row's scaled, biased, soft-capped, masked logits and its sink.
+        Gradients flow through out and lse.
+      return_log_sum: with return_residuals, also return log_sum (lse's dtype, under
+        stop_gradient): each row's log softmax denominator relative to its largest logit or
+        sink (lse = max + log_sum; 0 for a row that sees no key), for
+        `flash_attention_backward`.
+      backend: None (chosen per GPU and call), "triton" (compute capability >= 8.0), "mosaic"
+        (Hopper) or "xla" (plain jnp): which runs what is in docs/backends.md.
+      block_sizes: the Triton kernels' tiles (`BlockSizes`); None: autotuned or shipped ones.
+      interpret: run the Triton kernels in the Pallas interpreter (any platform, slow).
+      deterministic_grads: True: bitwise repeatable gradients. False lets the Hopper backward
+        add dQ's float32 partials in arrival order where that is faster (docs/backends.md).
 
     Returns:
-      out, or (out, lse) when return_residuals, (out, lse, log_sum) with return_log_sum too.
-      A query row that sees no key outputs zeros, has lse = -inf and receives zero gradient.
-      NaN or inf in key or value at a key a row cannot see (masked, past its length, another
-      segment, outside the window, in the future) does not reach that row's output, lse or
-      gradients; a row that sees such a key gets NaN or, where the kernels zero the key on a
-      partially masked tile, a finite value.
+      out; (out, lse) with return_residuals; (out, lse, log_sum) with return_log_sum too. A
+      query row that sees no key outputs zeros, has lse -inf (its sink, with sinks) and gets
+      zero gradient. Never NaN where float64 attention is finite (docs/numerics.md).
 
-    Sharding: under `jax.jit` with the inputs sharded over their batch and/or head axes (by
-    `in_shardings`/`NamedSharding`, or by explicit sharding in types), every device runs the
-    kernels on its own batch entries and heads, forward and backward, with no collective on
-    q, k, v, out or their gradients (a bias broadcast over a sharded axis sums its gradient over
-    those shards). The heads split in contiguous blocks that keep each kv head with its query
-    heads, so their shard count must divide K. Mask arrays follow the batch and heads. The
-    kernels cannot split the sequence or head-dim axes: an input sharded over them raises
-    ValueError (when compiling, under automatic sharding); for a sharded sequence use
-    `pallas_flash.ring_attention`. Under `jax.vmap` the mapped axes stay partitioned, except
-    with a bias or dense mask (those calls run unpartitioned, gathering their inputs).
+    Raises:
+      ValueError, TypeError: invalid input, naming the argument, its shape or dtype and the
+        rule, before tracing.
+      NotImplementedError: an option the chosen backend lacks (backend="mosaic" with a bias);
+        `ForwardModeError` for forward mode (`jax.jvp`): reverse mode works to any order.
 
-    Differentiation, the same on every backend: reverse mode to any order (`jax.grad`,
-    `jax.vjp`, `jax.jacrev`, grad of grad) and forward over reverse (`jax.hessian`); beyond first
-    order the derivatives are those of the plain-jnp reference, which materialises the
-    (B, N, T, S) logits. Forward mode on the attention itself raises on every backend: `jax.jvp`
-    and `jax.jacfwd` a `ForwardModeError` (a NotImplementedError and a TypeError) naming the
-    alternatives, `jax.linearize` JAX's TypeError for custom_vjp functions: use `jax.grad`,
-    `jax.vjp` or `jax.jacrev`.
-    The kernels are chosen for the GPU the call is compiled for: the visible one, or the target
-    of `pallas_flash.target(device)` (a `pallas_flash.Device`, e.g. `Device.h200()`), under
-    which `jax.export(..., platforms=["cuda"])` on a host without that GPU packages the kernels
-    it runs. A call traced with backend=None on a host without a GPU and without a target runs
-    "xla" and raises NotImplementedError when lowered for a GPU; pass backend="xla" to export
-    the reference on purpose.
+    Sharding over batch and heads, and ring attention: docs/sharding.md. Exporting for a GPU
+    this host lacks (`pallas_flash.target`): docs/backends.md, "The target GPU".
     """
     _refuse_forward_mode(query, key, value, bias)
     if not isinstance(return_log_sum, (bool, np.bool_)):
@@ -299,23 +222,31 @@ def flash_attention_backward(
     block_sizes: BlockSizes | None = None,
     interpret: bool | None = None,
 ):
-    """(dq, dk, dv) of `flash_attention` at the given residuals, without its forward.
+    """(dq, dk, dv) of `flash_attention` at given residuals, without running its forward.
 
-    `out` (B, T, N, Hv) and `lse` (B, N, T) are what `flash_attention(..., return_residuals=True)`
-    returns, `d_out` and `d_lse` (None: zeros) their cotangents; the other arguments are the
-    call's. The gradients are computed as the kernels' backward does: P = exp(logits - lse) and
-    dS = P (dO V^T - delta), delta = rowsum(dO * out) - d_lse. So `out` and `lse` may also be
-    those of a larger softmax whose keys include this call's (a ring's blocks, merged through
-    lse): the result is then this call's share of that softmax's gradients. Same backends and
-    kernel choice as `flash_attention`; no bias, mask or sinks.
+    The kernels' backward of the call: P = exp(logits - lse), dS = P (dO V^T - delta) with
+    delta = rowsum(dO * out) - d_lse. So `out` and `lse` may also be those of a larger softmax
+    whose keys include this call's (a ring's blocks, merged through lse): the result is then
+    this call's share of that softmax's gradients.
 
-    log_sum: None, or (B, N, T) in lse's dtype (float32; float64 for float64 inputs): the
-    forward's log softmax denominator relative to each row's max, from
-    `flash_attention(..., return_residuals=True, return_log_sum=True)` (of the larger softmax,
-    when out and lse are). Every backward clamps the recomputed P at 1 / exp(log_sum), so that
-    keys tying at a row's max get exactly 1 / (number of ties) at any logit magnitude, as in
-    the call's own gradients. Without it the clamp is P <= 1: exact for one dominant logit,
-    approximate (finite) where the largest logits exceed about 1e6 in magnitude and tie.
+    Args:
+      query, key, value: as in `flash_attention`.
+      out, lse: (B, T, N, Hv) and (B, N, T), as `flash_attention(..., return_residuals=True)`
+        returns them (without B where the call has none).
+      d_out, d_lse: their cotangents; d_lse None: zeros.
+      scale, is_causal, query_seq_lengths, key_value_seq_lengths, q_segment_ids,
+        kv_segment_ids, local_window_size, logits_soft_cap, backend, block_sizes, interpret:
+        the call's, as in `flash_attention` (and the same kernels). No bias, mask or sinks.
+      log_sum: None, or the forward's (`return_log_sum=True`; of the larger softmax where out
+        and lse are). With it keys that tie at a row's largest logit get exact gradients at any
+        magnitude; without it, beyond |logits| ~1e6, approximate finite ones (docs/numerics.md).
+
+    Returns:
+      (dq, dk, dv), in query's dtype and the shapes of query, key and value.
+
+    Raises:
+      ValueError, TypeError: as `flash_attention`, and for out, lse, d_out, d_lse or log_sum
+        of another shape (or log_sum of another dtype than lse's).
     """
     _refuse_forward_mode(query, key, value, out, lse, d_out, d_lse, log_sum)
     call = _plan(
@@ -561,28 +492,38 @@ def _canonical_arrays(query, key, value):
         )
     if kb != b:
         raise ValueError(f"batch sizes differ: query.shape={query.shape}, key.shape={key.shape}")
-    if kd != h:
-        raise ValueError(
-            f"head dims differ: query.shape={query.shape} has H={h}, key.shape={key.shape} "
-            f"has H={kd}"
-        )
     if min(t, s, n, kh, b, h) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got query.shape={query.shape}, key.shape={key.shape}"
         )
-    if n % kh:
-        raise ValueError(
-            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
-            f"(key.shape={key.shape})"
-        )
-    if h % 8 or h > MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
-            f"{MAX_HEAD_DIM}"
-        )
+    _check_heads(query, key)
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     return query, key, value, unbatched
+
+
+def _check_heads(query, key, names=("query", "key"), *, latent: bool = False):
+    """The head rules of every entry point, on arrays [..., N|K, H] of at least one head:
+    key's head dim is query's, N a multiple of K, H a multiple of 8 up to MAX_HEAD_DIM (but
+    for a shared latent cache, `latent`: its rule is `kv_cache.check_value_head_dim`'s). The
+    messages quote the shapes as passed, under `names`."""
+    (n, h), (kh, kd) = query.shape[-2:], key.shape[-2:]
+    q_name, k_name = names
+    if kd != h:
+        raise ValueError(
+            f"head dims differ: {q_name}.shape={query.shape} has H={h}, "
+            f"{k_name}.shape={key.shape} has H={kd}"
+        )
+    if n % kh:
+        raise ValueError(
+            f"num_heads={n} ({q_name}.shape={query.shape}) must be divisible by "
+            f"num_kv_heads={kh} ({k_name}.shape={key.shape})"
+        )
+    if not latent and (h % 8 or h > MAX_HEAD_DIM):
+        raise ValueError(
+            f"head_dim={h} ({q_name}.shape={query.shape}) must be a multiple of 8 and at most "
+            f"{MAX_HEAD_DIM}"
+        )
 
 
 def _check_dtypes(arrays: dict):

@@ -72,10 +72,8 @@ def decode_attention(
         out:         (B, T, N, Hv) in query's dtype (Hv = H, or value_head_dim)
 
     {shapes}
-    N must be a multiple of K: query head n reads key/value head n // (N // K). The N // K
-    query heads of a KV head and the T tokens share one read of that head's keys and values,
-    so GQA costs what MHA on K heads costs. Each sequence reads only its own L keys: a batch
-    of ragged lengths costs the sum of its lengths.
+    N must be a multiple of K: query head n reads key/value head n // (N // K). Each sequence
+    reads only its first L keys; cache slots past L may hold anything (docs/decoding.md).
 
     Args:
       query, key_cache, value_cache: the arrays above; float16, bfloat16 or float32, all the
@@ -116,16 +114,12 @@ def decode_attention(
       zeros with lse = -inf. Differentiable in query, the caches and the scales: the kernel
       has no backward of its own, and gradients come from the reference (backend="xla").
 
-    On a device mesh (under jit) the kernel runs on each device's shard: query and the cache
-    split over their batch and/or heads (each device's query heads with their KV heads), the
-    cache also over its sequence (the devices' parts merge by their softmax denominators);
-    the lengths follow the batch. docs/decoding.md, "On several GPUs".
+    On a device mesh (batch, heads, or the cache's sequence): docs/decoding.md, "On several
+    GPUs".
     """
     _refuse_dropout(dropout_rate)
     names = ("key_cache", "value_cache")
-    query, key_cache, value_cache = _check_arrays(
-        query, key_cache, value_cache, names, value_head_dim
-    )
+    query, key_cache, value_cache = _check_arrays(query, key_cache, value_cache, names)
     cache = _check_cache(query, key_cache, value_cache, names, value_head_dim, k_scale, v_scale)
     batch, capacity = query.shape[0], key_cache.shape[1]
     lengths = _check_lengths(
@@ -135,9 +129,9 @@ def decode_attention(
         capacity,
         f"key_cache.shape[1]={capacity}",
     )
-    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        sinks,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -187,21 +181,19 @@ def paged_attention(
 
     {shapes}
     Pages can be in any order and shared between sequences; a sequence's last page may be
-    partly filled. Only the table entries of a sequence's first ceil(L / page_size) pages are
-    read (checked to lie in [0, P) when concrete; under jit, clipped to it): the rest may hold
-    anything. The page size (any size >= 1; powers of two 16-256 are the usual) is independent
-    of the kernel's key tile. Write new keys and values with `write_to_pages`.
+    partly filled; any page size >= 1 works. Only the table entries of a sequence's first
+    ceil(L / page_size) pages are read (checked to lie in [0, P) when concrete; under jit,
+    clipped to it): the rest may hold anything. Write new keys and values with
+    `write_to_pages`.
 
     Args and returns as `decode_attention` (lengths is its key_value_seq_lengths; value_pages
     None with value_head_dim: a shared latent pool, as MLA's; float8_e4m3fn pages with k_scale
-    and v_scale). On a device mesh the pool splits over its KV heads only (it is shared by the
-    batch), the queries, tables and lengths over the batch and heads as theirs.
+    and v_scale). On a device mesh the pool splits over its KV heads only (docs/decoding.md,
+    "On several GPUs").
     """
     _refuse_dropout(dropout_rate)
     names = ("key_pages", "value_pages")
-    query, key_pages, value_pages = _check_arrays(
-        query, key_pages, value_pages, names, value_head_dim
-    )
+    query, key_pages, value_pages = _check_arrays(query, key_pages, value_pages, names)
     cache = _check_cache(query, key_pages, value_pages, names, value_head_dim, k_scale, v_scale)
     batch = query.shape[0]
     num_pages, page_size = key_pages.shape[:2]
@@ -216,9 +208,9 @@ def paged_attention(
         f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
     )
     _check_table_entries(block_tables, lengths, page_size, num_pages)
-    api._check_sinks(sinks, query.shape[2])
     options = _Options.of(
         query,
+        sinks,
         scale,
         logits_soft_cap,
         local_window_size,
@@ -291,7 +283,7 @@ def write_to_pages(
     pools = [("key_pages", key_pages)] + ([] if shared else [("value_pages", value_pages)])
     for name, x in pools:
         if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} must be (P, page_size, K, H), got {_shape(x)}")
+            raise ValueError(f"{name} must be (P, page_size, K, H), got {api._shape_of(x)}")
     if not shared and key_pages.shape != value_pages.shape:
         raise ValueError(
             f"key_pages.shape={key_pages.shape} and value_pages.shape={value_pages.shape} "
@@ -303,7 +295,7 @@ def write_to_pages(
         if getattr(x, "ndim", None) != 4 or x.shape[2:] != (num_kv_heads, head_dim):
             raise ValueError(
                 f"{name} must be (B, T, {num_kv_heads}, {head_dim}) to match the pages, "
-                f"got {_shape(x)}"
+                f"got {api._shape_of(x)}"
             )
         if kv_cache.is_fp8(pages.dtype):
             if not any(x.dtype == d for d in api._FLOAT_DTYPES):
@@ -350,11 +342,12 @@ def _attend(options, sinks, cache: kv_cache.CacheArgs, q, k, v, lengths, block_t
     differentiated through the reference; then the sinks. With sinks both also return the keys'
     log_sum, from which a sink's share is exact where lse rounds it away. A shared latent
     cache (v None) is passed as its own value cache (one array twice: no copy), which the
-    kernel does not read and the reference slices."""
+    kernel does not read and the reference slices. A contiguous cache's reference runs on
+    whole sequences (`_partition.whole_sequences`)."""
     with_log_sum = sinks is not None
     args = (q, k, k if v is None else v, lengths, block_tables, cache.k_scale, cache.v_scale)
     reference = functools.partial(
-        _reference,
+        _reference if block_tables is not None else _partition.whole_sequences(_reference),
         **options.math,
         value_head_dim=cache.value_head_dim,
         with_log_sum=with_log_sum,
@@ -457,7 +450,7 @@ class _KernelShard:
         of each sequence, lengths clipped to them, the new tokens placed `ahead` of those keys
         where the sequence goes on past them (so that each token sees the held keys at or
         before it, and within its window); the parts merge by their denominators
-        (`_numerics.merge_weights`: all-gathered lse and log_sum, [B, N, T] each, and a sum
+        (`_numerics.merge_weights`: gathered lse and log_sum, [B, N, T] each, and a sum
         of the weighted outputs)."""
         q, k, v, lengths, _, k_scale, v_scale = args
         slots, index = k.shape[1], jax.lax.axis_index(axes)
@@ -468,7 +461,7 @@ class _KernelShard:
         acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
         full = dataclasses.replace(config, with_log_sum=True, out_dtype=jnp.dtype(acc).name)
         out, lse, log_sum = call((q, k, v, held, None, k_scale, v_scale, ahead), full)
-        parts_lse, parts_log_sum = (jax.lax.all_gather(x, axes) for x in (lse, log_sum))
+        parts_lse, parts_log_sum = (_gathered(x, axes, index) for x in (lse, log_sum))
         weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
         weight = jnp.take(weights, index, axis=0)  # [B, N, T]
         out = out.astype(acc) * jnp.swapaxes(weight, 1, 2)[..., None]
@@ -478,6 +471,14 @@ class _KernelShard:
         top = jnp.max(maxima, axis=0)
         lse = jnp.where(jnp.any(seen, axis=0), top + merged_log_sum, -jnp.inf)
         return (out, lse, merged_log_sum) if config.with_log_sum else (out, lse)
+
+
+def _gathered(x, axes, index):
+    """Every device's x along `axes`, stacked ([P, *x.shape]), typed as the same on each of
+    them (`jax.lax.all_gather`'s result is typed as varying under check_vma): each device's x
+    in its row of zeros, summed over the devices (adding zeros is exact)."""
+    rows = jnp.arange(jax.lax.psum(1, axes)).reshape(-1, *(1,) * x.ndim) == index
+    return jax.lax.psum(jnp.where(rows, x[None], jnp.zeros((), x.dtype)), axes)
 
 
 _KERNEL_SHARD = _KernelShard()
@@ -593,7 +594,8 @@ _reference = jax.jit(reference, static_argnames=(*_MATH, "value_head_dim", "with
 
 
 class _Options:
-    """The checked options of a decode call: `math` for the reference, `kernel` for Triton."""
+    """The checked options of a decode or ragged call: `backend` ("xla" or "triton"), `math`
+    for the reference, `kernel` for the Triton kernel."""
 
     def __init__(self, backend, math_kwargs, kernel_kwargs):
         self.backend, self.math, self.kernel = backend, math_kwargs, kernel_kwargs
@@ -602,6 +604,7 @@ class _Options:
     def of(
         cls,
         query,
+        sinks,
         scale,
         soft_cap,
         window,
@@ -612,17 +615,22 @@ class _Options:
         *,
         cache: kv_cache.CacheArgs,
         fp8: bool,
+        tiles=DecodeBlockSizes,
+        no_mosaic="decode has no Mosaic GPU kernel (it is bound by memory bandwidth, which "
+        "the Triton kernel reaches)",
     ):
+        """Checks the options that decode, paged and ragged attention share. tiles: the
+        block_sizes class the call takes; no_mosaic: why backend='mosaic' is refused."""
+        api._check_sinks(sinks, query.shape[-2])
         api._check_options(scale, False, return_residuals, backend, None, interpret)
-        if block_sizes is not None and not isinstance(block_sizes, DecodeBlockSizes):
+        if block_sizes is not None and not isinstance(block_sizes, tiles):
             raise TypeError(
-                "block_sizes must be a pallas_flash.DecodeBlockSizes or None, "
+                f"block_sizes must be a pallas_flash.{tiles.__name__} or None, "
                 f"got {type(block_sizes).__name__}"
             )
         if backend == "mosaic":
             raise NotImplementedError(
-                "backend='mosaic': decode has no Mosaic GPU kernel (it is bound by memory "
-                "bandwidth, which the Triton kernel reaches); use backend='triton' or None"
+                f"backend='mosaic': {no_mosaic}; use backend='triton' or None"
             )
         device = None if interpret or backend == "xla" else device_lib.target_device()
         requested = backend
@@ -653,11 +661,7 @@ class _Options:
         return cls(backend, math_kwargs, kernel_kwargs)
 
 
-def _shape(x):
-    return getattr(x, "shape", type(x).__name__)
-
-
-def _check_arrays(query, key, value, names, value_head_dim=None):
+def _check_arrays(query, key, value, names):
     """Checks the query and the cache (contiguous [B, S, K, H] or pages [P, ps, K, H]; value
     None: a shared latent cache, whose head dims `_check_cache` checks)."""
     k_name, v_name = names
@@ -675,39 +679,24 @@ def _check_arrays(query, key, value, names, value_head_dim=None):
             f"{k_name}.shape={key.shape} and {v_name}.shape={value.shape} must be equal"
         )
     b, t, n, h = query.shape
-    kb, s, kh, kd = key.shape
+    kb, s, kh, _ = key.shape
     if k_name == "key_cache" and kb != b:
         raise ValueError(
             f"batch sizes differ: query.shape={query.shape}, {k_name}.shape={key.shape}"
         )
-    if kd != h:
-        raise ValueError(
-            f"head dims differ: query.shape={query.shape} has H={h}, {k_name}.shape={key.shape} "
-            f"has H={kd}"
-        )
-    if min(b, t, n, kb, s, kh) < 1:
+    if min(b, t, n, h, kb, s, kh) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got query.shape={query.shape}, "
             f"{k_name}.shape={key.shape}"
         )
-    if n % kh:
-        raise ValueError(
-            f"num_heads={n} (query.shape={query.shape}) must be divisible by num_kv_heads={kh} "
-            f"({k_name}.shape={key.shape})"
-        )
-    if value is not None and (h % 8 or h > api.MAX_HEAD_DIM):
-        raise ValueError(
-            f"head_dim={h} (query.shape={query.shape}) must be a multiple of 8 and at most "
-            f"{api.MAX_HEAD_DIM}"
-        )
+    api._check_heads(query, key, ("query", k_name), latent=value is None)
     return query, key, value
 
 
 def _check_cache_dtypes(arrays: dict, k_name: str, v_name: str):
-    """The dtype rule (`api._check_dtypes`), or caches of float8_e4m3fn (both of them) under
-    queries of a float dtype."""
-    query, *caches = arrays.values()
-    names = list(arrays)[1:]
+    """The dtype rule (`api._check_dtypes`; arrays: {name: array}, the queries first), or
+    caches of float8_e4m3fn (both of them) under queries of a float dtype."""
+    (q_name, *names), (query, *caches) = list(arrays), list(arrays.values())
     for name, x in zip(names, caches, strict=True):
         if jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 1:
             if not kv_cache.is_fp8(x.dtype):
@@ -719,11 +708,11 @@ def _check_cache_dtypes(arrays: dict, k_name: str, v_name: str):
     if not any(fp8):
         api._check_dtypes(arrays)
         return
-    api._check_dtypes({"query": query})
+    api._check_dtypes({q_name: query})
     if not all(fp8):
         got = ", ".join(f"{name}.dtype={x.dtype}" for name, x in arrays.items())
         raise TypeError(
-            f"query, {k_name} and {v_name} must share a dtype, or the caches both be "
+            f"{q_name}, {k_name} and {v_name} must share a dtype, or the caches both be "
             f"float8_e4m3fn; got {got}"
         )
 
@@ -749,14 +738,16 @@ def _check_lengths(name, lengths, batch, capacity, capacity_text):
     return jnp.asarray(lengths, jnp.int32)
 
 
-def _check_block_tables(block_tables, batch):
+def _check_block_tables(block_tables, batch=None):
+    """block_tables: an integer array (batch, max_pages), max_pages >= 1; batch None: any
+    batch >= 1 (ragged attention takes its batch from the table)."""
     if not api._is_int_array(block_tables):
         got = getattr(block_tables, "dtype", type(block_tables).__name__)
         raise TypeError(f"block_tables must be an integer array, got {got}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != batch or block_tables.shape[1] < 1:
-        raise ValueError(
-            f"block_tables.shape={tuple(block_tables.shape)} must be ({batch}, max_pages)"
-        )
+    shape = tuple(block_tables.shape)
+    if len(shape) != 2 or min(shape) < 1 or batch not in (None, shape[0]):
+        rows = "B" if batch is None else batch
+        raise ValueError(f"block_tables.shape={shape} must be ({rows}, max_pages), both >= 1")
     return jnp.asarray(block_tables, jnp.int32)
 
 

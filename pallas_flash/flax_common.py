@@ -13,16 +13,18 @@ kernels cannot serve. This module
 * routes a call that must sow its attention weights to Flax's own attention (warning once per
   process);
 * binds the options of the pallas_flash modules (`is_causal`, segment ids, backend, ...) into
-  their `attention_fn`;
+  their `attention_fn` for one call;
 * runs the modules' decode steps through `decode_attention` over the cache's filled slots
   (`kv_cache_length`) instead of a mask over the whole cache.
 
-It imports no Flax: each wrapper passes in the Flax function its fallback calls. Nothing here is
-public API; `FallbackWarning` is re-exported by both wrappers.
+The drop-in functions' docstrings share their common paragraphs from here (`document`). It
+imports no Flax: each wrapper passes in the Flax functions its fallback and dtype promotion
+call. Nothing here is public API; `FallbackWarning` is re-exported by both wrappers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -140,6 +142,103 @@ def accepts_keyword(fn, name: str) -> bool:
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+def bind_module_options(module, *, cache_index, mask, **call_options):
+    """`module.attention_fn` with the module's options and this call's bound (`bind_options`).
+
+    `module` is a pallas_flash attention module: its `backend`, `interpret`, `block_sizes` and
+    `deterministic_grads` are bound with `call_options` (the call's segment ids, ...). In a
+    decode step (`cache_index` not None: the slot Flax writes this step's token to) without a
+    mask of the caller's, `kv_cache_length` is bound too when the function takes it, so that
+    the step reads the cache's filled slots only.
+    """
+    attention_fn = module.attention_fn
+    kv_cache_length = None
+    decode_step = cache_index is not None and mask is None
+    if decode_step and accepts_keyword(attention_fn, "kv_cache_length"):
+        # Flax writes this step's token at cache_index, then masks the slots past it.
+        kv_cache_length = cache_index + 1
+    return bind_options(
+        attention_fn,
+        backend=module.backend,
+        interpret=module.interpret,
+        block_sizes=module.block_sizes,
+        deterministic_grads=module.deterministic_grads,
+        kv_cache_length=kv_cache_length,
+        **call_options,
+    )
+
+
+@contextlib.contextmanager
+def attention_fn_swapped(module, attention_fn):
+    """Sets `module.attention_fn` for the duration of the block, restored even on errors.
+
+    Flax's `__call__` reads `self.attention_fn`. linen modules are frozen, and an nnx module's
+    static structure (which nnx.jit compares) must be the same after the call, so the field is
+    set past the modules' `__setattr__` for the call only. That is invisible elsewhere:
+    linen's `apply()` binds a clone of the module for the call.
+    """
+    original = module.attention_fn
+    object.__setattr__(module, "attention_fn", attention_fn)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, "attention_fn", original)
+
+
+# What the two drop-in functions' docstrings share, filled in by `document`.
+_DOCS = {
+    "shapes": """\
+Shapes: query `[batch..., T, N, H]`, key/value `[batch..., S, K, H]` (no batch dims, or
+several, are fine), N a multiple of K (GQA: query head n reads kv head n // (N // K)); the
+output is `[batch..., T, N, H]` in the promoted dtype.""",
+    "flax_arguments": """\
+bias: float, broadcastable to `[batch..., N, T, S]`, added to the scaled logits.
+mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
+  as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.
+broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
+  Active dropout (`dropout_rate > 0` and not `deterministic`) runs in the kernels
+  (`flash_attention`'s dropout_rate and dropout_rng): the same rate, a different mask
+  sample than Flax's (a hash of dropout_rng and the positions); `broadcast_dropout`
+  shares one mask over (query, key) among every batch entry and head, as in Flax.
+dtype: the computation dtype; None infers it from the inputs.
+precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
+  at full precision. An explicit dot algorithm raises NotImplementedError.""",
+    "options": """\
+q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
+  the same id only (packed documents). kv ids default to the query ids when T == S.
+backend, interpret, block_sizes, deterministic_grads: as in
+  `pallas_flash.flash_attention` (False: faster gradients on Hopper, not bitwise
+  repeatable).
+kv_cache_length: set by the pallas_flash attention module in decode steps (you need not):
+  int scalar, the filled slots of the KV cache that key/value are, the step's token
+  included. The call then runs `pallas_flash.decode_attention` over those slots only, and
+  `mask` must be Flax's cache-occupancy mask, which it replaces.
+sinks: None, or float `[N]`: attention sinks, one learned logit per query head in each
+  row's softmax denominator (see `pallas_flash.flash_attention`); the modules pass their
+  `sinks` parameter when built with `attention_sinks=True`. Not with a fallback to Flax's
+  attention (sown weights): NotImplementedError.""",
+    "returns": """\
+`[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
+outputs the mean of all values there).""",
+}
+
+
+def document(fn):
+    """Fills the placeholders of `fn`'s docstring: a line that holds only `{name}` becomes the
+    text `_DOCS[name]`, indented as the placeholder is. What linen's and nnx's drop-in
+    functions share is so written once."""
+    lines = []
+    for line in fn.__doc__.splitlines():
+        name = line.strip()
+        if name.startswith("{") and name.endswith("}"):
+            indent = line[: len(line) - len(line.lstrip())]
+            lines += [indent + text if text else text for text in _DOCS[name[1:-1]].splitlines()]
+        else:
+            lines.append(line)
+    fn.__doc__ = "\n".join(lines)
+    return fn
+
+
 def _check_qkv(query, key, value):
     for name, x in (("query", query), ("key", key), ("value", value)):
         if not hasattr(x, "shape") or x.ndim < 3:
@@ -206,48 +305,56 @@ def attention(
     bias,
     mask,
     *,
+    flax_attention,
+    promote,
+    broadcast_dropout,
+    dropout_rng,
+    dropout_rate,
+    deterministic,
+    dtype,
+    precision,
+    module,
     is_causal,
     q_segment_ids,
     kv_segment_ids,
     backend,
     interpret,
     block_sizes,
-    fallback_reason,
-    flax_attention,
-    kv_cache_length=None,
-    sinks=None,
-    dropout_rate: float = 0.0,
-    dropout_rng=None,
-    dropout_broadcast: bool = False,
-    deterministic_grads: bool = True,
+    kv_cache_length,
+    sinks,
+    deterministic_grads,
 ):
-    """The shared body of both drop-in functions, after each has promoted the dtypes.
+    """The body of both drop-in functions: their arguments, with the framework's parts passed in.
 
     Args:
-      query, key, value: `[batch..., T|S, N|K, H]`, one dtype.
+      query, key, value: `[batch..., T|S, N|K, H]`.
       bias, mask: broadcastable to `[batch..., N, T, S]`; mask of any dtype, nonzero = attend.
-      is_causal, q_segment_ids, kv_segment_ids, backend, interpret, block_sizes: as in
-        `flash_attention` (segment ids with the batch dims: `[batch..., T]`, `[batch..., S]`).
-      fallback_reason: None or "module": why this call cannot use the kernels.
-      flax_attention: `f(query, key, value, bias, mask) -> out`, Flax's own attention with the
-        call's dropout/module arguments bound, taking a bool mask of rank `query.ndim`; called
-        only for a fallback.
+      flax_attention: `f(query, key, value, bias, mask, **flax_arguments) -> out`, the
+        framework's own attention with its own extra arguments bound, taking GQA heads and a
+        bool mask of rank `query.ndim`; called only for a fallback.
+      promote: `f((query, key, value), dtype=dtype) -> (query, key, value)`, the framework's
+        dtype promotion.
+      broadcast_dropout, dropout_rng, dropout_rate, deterministic, dtype, precision, module:
+        Flax's arguments (`flax_arguments` above), checked here. Active dropout runs in the kernels;
+        a decode step with active dropout runs `flash_attention` with the cache mask. A
+        `module` to sow the attention weights into runs `flax_attention` (warning once).
+      is_causal, q_segment_ids, kv_segment_ids, backend, interpret, block_sizes,
+        deterministic_grads: as in `flash_attention` (segment ids with the batch dims:
+        `[batch..., T]`, `[batch..., S]`; decode steps' gradients are deterministic either
+        way).
       kv_cache_length: None, or (in a decode step of the modules) the int count of filled
         cache slots, the step's tokens included: key/value are the whole cache, the queries
         are its last tokens, and `mask` is Flax's cache-occupancy mask (`arange(S) < length`),
         which `decode_attention` replaces by reading the filled slots only.
       sinks: None, or float `[N]`: attention sinks (see `flash_attention`).
-      dropout_rate, dropout_rng, dropout_broadcast: the kernels' attention dropout (see
-        `flash_attention`); the
-        callers pass a rate of 0 unless dropout is active. A decode step with active dropout
-        runs `flash_attention` with the cache mask.
-      deterministic_grads: as in `flash_attention` (decode steps' gradients are deterministic
-        either way).
 
     Returns:
       `[batch..., T, N, H]`. Query rows that see no key output zeros on both paths (Flax's own
       attention would average all values there).
     """
+    check_precision(precision)
+    dropout = check_dropout(dropout_rate, deterministic, dropout_rng)
+    query, key, value = promote((query, key, value), dtype=dtype)
     _check_qkv(query, key, value)
     batch_shape = tuple(query.shape[:-3])
     batch = math.prod(batch_shape)
@@ -261,15 +368,25 @@ def attention(
     kv_ids = _flatten_segment_ids("kv_segment_ids", kv_segment_ids, batch_shape, kv_len)
     q_ids, kv_ids = masks.pair_segment_ids(q_ids, kv_ids, q_len, kv_len)
 
-    if fallback_reason is not None:
+    if module is not None:
         if sinks is not None:
             raise NotImplementedError(
                 "sinks with sown attention weights (sow_weights=True / module=...): such "
                 "calls run Flax's own attention, which has no sinks"
             )
-        _warn_once(fallback_reason, _FALLBACK_MESSAGES[fallback_reason])
+        _warn_once("module", _FALLBACK_MESSAGES["module"])
+        flax_call = functools.partial(
+            flax_attention,
+            broadcast_dropout=broadcast_dropout,
+            dropout_rng=dropout_rng,
+            dropout_rate=dropout_rate,
+            deterministic=deterministic,
+            dtype=dtype,
+            precision=precision,
+            module=module,
+        )
         return _fallback(
-            flax_attention, query, key, value, bias, mask4, is_causal, q_ids, kv_ids, batch_shape
+            flax_call, query, key, value, bias, mask4, is_causal, q_ids, kv_ids, batch_shape
         )
 
     def flat(x):
@@ -280,7 +397,7 @@ def attention(
         and bias is None
         and not is_causal
         and q_ids is None
-        and not dropout_rate
+        and not dropout
     ):
         lengths = jnp.minimum(jnp.asarray(kv_cache_length, jnp.int32), kv_len)
         out = decode_attention(
@@ -304,9 +421,9 @@ def attention(
         q_segment_ids=q_ids,
         kv_segment_ids=kv_ids,
         sinks=sinks,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        dropout_broadcast=dropout_broadcast,
+        dropout_rate=dropout_rate if dropout else 0.0,
+        dropout_rng=dropout_rng if dropout else None,
+        dropout_broadcast=bool(broadcast_dropout),
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,

@@ -40,6 +40,7 @@ from pallas_flash.triton import BlockSizes
 __all__ = ["FallbackWarning", "MultiHeadDotProductAttention", "dot_product_attention"]
 
 
+@flax_common.document
 def dot_product_attention(
     query,
     key,
@@ -74,25 +75,13 @@ def dot_product_attention(
     `flax.linen.dot_product_attention`, by name and position: linen modules pass an
     `attention_fn` only the keywords its signature names, so each is spelled out here.
 
-    Shapes: query `[batch..., T, N, H]`, key/value `[batch..., S, K, H]` (no batch dims, or
-    several, are fine), N a multiple of K (GQA: query head n reads kv head n // (N // K)); the
-    output is `[batch..., T, N, H]` in the promoted dtype.
+    {shapes}
 
     Args:
       query, key, value: as above. Promoted to one dtype (`dtype` if given) as Flax does; the
         kernels take float16, bfloat16 or float32 and H a multiple of 8 up to 256 (float64
         runs as in `flash_attention`: backend="xla" or interpret=True).
-      bias: float, broadcastable to `[batch..., N, T, S]`, added to the scaled logits.
-      mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
-        as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.
-      broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
-        Active dropout (`dropout_rate > 0` and not `deterministic`) runs in the kernels
-        (`flash_attention`'s dropout_rate and dropout_rng): the same rate, a different mask
-        sample than Flax's (a hash of dropout_rng and the positions); `broadcast_dropout`
-        shares one mask over (query, key) among every batch entry and head, as in Flax.
-      dtype: the computation dtype; None infers it from the inputs.
-      precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
-        at full precision. An explicit dot algorithm raises NotImplementedError.
+      {flax_arguments}
       module: sow the attention weights into this module's 'intermediates'. The kernels never
         form the weights, so such a call runs Flax's own attention (and warns once).
       force_fp32_for_softmax: accepted; the kernels' softmax is always float32.
@@ -100,23 +89,10 @@ def dot_product_attention(
         (e.g. quantised ones) cannot run inside the kernels: anything but None raises
         NotImplementedError.
       is_causal: query i sees keys j <= i (top-left aligned); the kernels' causal fast path.
-      q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
-        the same id only (packed documents). kv ids default to the query ids when T == S.
-      backend, interpret, block_sizes, deterministic_grads: as in
-        `pallas_flash.flash_attention` (False: faster gradients on Hopper, not bitwise
-        repeatable).
-      kv_cache_length: set by `MultiHeadDotProductAttention` in decode steps (you need not):
-        int scalar, the filled slots of the KV cache that key/value are, the step's token
-        included. The call then runs `pallas_flash.decode_attention` over those slots only,
-        and `mask` must be Flax's cache-occupancy mask, which it replaces.
-      sinks: None, or float `[N]`: attention sinks, one learned logit per query head in each
-        row's softmax denominator (see `pallas_flash.flash_attention`); the modules pass their
-        `sinks` parameter when built with `attention_sinks=True`. Not with a fallback to Flax's
-        attention (sown weights): NotImplementedError.
+      {options}
 
     Returns:
-      `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
-      outputs the mean of all values there).
+      {returns}
     """
     for name, fn in (
         ("einsum_dot_general", einsum_dot_general),
@@ -128,52 +104,45 @@ def dot_product_attention(
                 f"{name}={fn!r}: custom einsums cannot run inside the pallas_flash kernels; "
                 "use flax.linen.dot_product_attention for this module"
             )
-    flax_common.check_precision(precision)
-    dropout = flax_common.check_dropout(dropout_rate, deterministic, dropout_rng)
-    query, key, value = promote_dtype(query, key, value, dtype=dtype)
-
-    def flax_attention(q, k, v, b, m):
-        # flax.linen's attention wants equal head counts: repeat kv heads as GQA reads them.
-        if k.shape[-2] != q.shape[-2]:
-            group = q.shape[-2] // k.shape[-2]
-            k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
-        return nn.dot_product_attention(
-            q,
-            k,
-            v,
-            b,
-            m,
-            broadcast_dropout=broadcast_dropout,
-            dropout_rng=dropout_rng,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
-            precision=precision,
-            module=module,
-            force_fp32_for_softmax=force_fp32_for_softmax,
-        )
-
     return flax_common.attention(
         query,
         key,
         value,
         bias,
         mask,
+        flax_attention=functools.partial(
+            _flax_attention, force_fp32_for_softmax=force_fp32_for_softmax
+        ),
+        promote=_promote,
+        broadcast_dropout=broadcast_dropout,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        deterministic=deterministic,
+        dtype=dtype,
+        precision=precision,
+        module=module,
         is_causal=is_causal,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,
-        fallback_reason="module" if module is not None else None,
-        flax_attention=flax_attention,
         kv_cache_length=kv_cache_length,
         sinks=sinks,
-        dropout_rate=dropout_rate if dropout else 0.0,
-        dropout_rng=dropout_rng if dropout else None,
-        dropout_broadcast=bool(broadcast_dropout),
         deterministic_grads=deterministic_grads,
     )
+
+
+def _promote(arrays, dtype):
+    return promote_dtype(*arrays, dtype=dtype)
+
+
+def _flax_attention(query, key, value, bias, mask, **kwargs):
+    # flax.linen's attention wants equal head counts: repeat kv heads as GQA reads them.
+    if key.shape[-2] != query.shape[-2]:
+        group = query.shape[-2] // key.shape[-2]
+        key, value = jnp.repeat(key, group, axis=-2), jnp.repeat(value, group, axis=-2)
+    return nn.dot_product_attention(query, key, value, bias, mask, **kwargs)
 
 
 class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
@@ -230,37 +199,21 @@ class MultiHeadDotProductAttention(nn.MultiHeadDotProductAttention):
         Returns:
           `[batch..., length, out_features]`.
         """
-        kv_cache_length = None
-        if (
-            self.decode
-            and self.has_variable("cache", "cache_index")
-            and kwargs.get("mask") is None
-            and flax_common.accepts_keyword(self.attention_fn, "kv_cache_length")
-        ):
-            # Flax writes this step's token at cache_index, then masks the slots past it.
-            kv_cache_length = self.get_variable("cache", "cache_index") + 1
-        bound = flax_common.bind_options(
-            self.attention_fn,
-            kv_cache_length=kv_cache_length,
+        cache_index = None
+        if self.decode and self.has_variable("cache", "cache_index"):
+            cache_index = self.get_variable("cache", "cache_index")
+        bound = flax_common.bind_module_options(
+            self,
+            cache_index=cache_index,
+            mask=kwargs.get("mask"),
             is_causal=self.is_causal and not self.decode,
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
-            backend=self.backend,
-            interpret=self.interpret,
-            block_sizes=self.block_sizes,
-            deterministic_grads=self.deterministic_grads,
         )
         if self.attention_sinks:
             bound = self._with_sinks(bound)
-        # Flax's __call__ reads self.attention_fn, and linen modules are frozen. `self` is the
-        # instance bound for this call (apply() clones the module), so swapping the field for the
-        # duration of the call is invisible elsewhere; the finally restores it even on errors.
-        original = self.attention_fn
-        object.__setattr__(self, "attention_fn", bound)
-        try:
+        with flax_common.attention_fn_swapped(self, bound):
             return super().__call__(inputs_q, inputs_k, inputs_v, **kwargs)
-        finally:
-            object.__setattr__(self, "attention_fn", original)
 
     def _with_sinks(self, attention_fn):
         """attention_fn with the `sinks` parameter bound. The parameter is made when Flax's

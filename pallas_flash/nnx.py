@@ -29,6 +29,8 @@ Importing this module imports Flax; `import pallas_flash` alone does not.
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
@@ -40,6 +42,7 @@ from pallas_flash.triton import BlockSizes
 __all__ = ["FallbackWarning", "MultiHeadAttention", "dot_product_attention"]
 
 
+@flax_common.document
 def dot_product_attention(
     query,
     key,
@@ -71,25 +74,13 @@ def dot_product_attention(
     The parameters up to `is_causal` are those of `flax.nnx.dot_product_attention`, by name and
     position; `flax.nnx.MultiHeadAttention` passes all of them but `bias` and `promote_dtype`.
 
-    Shapes: query `[batch..., T, N, H]`, key/value `[batch..., S, K, H]` (no batch dims, or
-    several, are fine), N a multiple of K (GQA: query head n reads kv head n // (N // K)); the
-    output is `[batch..., T, N, H]` in the promoted dtype.
+    {shapes}
 
     Args:
       query, key, value: as above, promoted to one dtype by `promote_dtype` (to `dtype` if
         given); the kernels take float16, bfloat16 or float32 and H a multiple of 8 up to 256
         (float64 runs as in `flash_attention`: backend="xla" or interpret=True).
-      bias: float, broadcastable to `[batch..., N, T, S]`, added to the scaled logits.
-      mask: broadcastable to `[batch..., N, T, S]`, bool or float (any nonzero value attends,
-        as in Flax); it goes to the kernels' mask path. Includes the masks of decode steps.
-      broadcast_dropout, dropout_rng, dropout_rate, deterministic: Flax's attention dropout.
-        Active dropout (`dropout_rate > 0` and not `deterministic`) runs in the kernels
-        (`flash_attention`'s dropout_rate and dropout_rng): the same rate, a different mask
-        sample than Flax's (a hash of dropout_rng and the positions); `broadcast_dropout`
-        shares one mask over (query, key) among every batch entry and head, as in Flax.
-      dtype: the computation dtype; None infers it from the inputs.
-      precision: accepted and met: the kernels accumulate in float32 and compute float32 inputs
-        at full precision. An explicit dot algorithm raises NotImplementedError.
+      {flax_arguments}
       module: sow the attention weights into this module (`nnx.Intermediate`). The kernels never
         form the weights, so such a call runs Flax's own attention (and warns once).
       promote_dtype: Flax's dtype promotion hook, `f((query, key, value), dtype=...)`.
@@ -97,66 +88,36 @@ def dot_product_attention(
       input_positions: accepted because `nnx.MultiHeadAttention` forwards it when given; plain
         attention has no use for positions (RoPE belongs in a wrapper that rotates query and key
         before calling this function), so it does not change the result.
-      q_segment_ids, kv_segment_ids: int `[batch..., T]`, `[batch..., S]`: queries see keys of
-        the same id only (packed documents). kv ids default to the query ids when T == S.
-      backend, interpret, block_sizes, deterministic_grads: as in
-        `pallas_flash.flash_attention` (False: faster gradients on Hopper, not bitwise
-        repeatable).
-      kv_cache_length: set by `MultiHeadAttention` in decode steps (you need not): int scalar,
-        the filled slots of the KV cache that key/value are, the step's token included. The
-        call then runs `pallas_flash.decode_attention` over those slots only, and `mask`
-        must be Flax's cache-occupancy mask, which it replaces.
-      sinks: None, or float `[N]`: attention sinks, one learned logit per query head in each
-        row's softmax denominator (see `pallas_flash.flash_attention`); the modules pass their
-        `sinks` parameter when built with `attention_sinks=True`. Not with a fallback to Flax's
-        attention (sown weights): NotImplementedError.
+      {options}
 
     Returns:
-      `[batch..., T, N, H]`. A query row that sees no key outputs zeros (Flax's own attention
-      outputs the mean of all values there).
+      {returns}
     """
     del input_positions  # see the docstring
-    flax_common.check_precision(precision)
-    dropout = flax_common.check_dropout(dropout_rate, deterministic, dropout_rng)
-    query, key, value = promote_dtype((query, key, value), dtype=dtype)
-
-    def flax_attention(q, k, v, b, m):
-        # Causality and segments arrive folded into m.
-        return nnx.dot_product_attention(
-            q,
-            k,
-            v,
-            b,
-            m,
-            broadcast_dropout=broadcast_dropout,
-            dropout_rng=dropout_rng,
-            dropout_rate=dropout_rate,
-            deterministic=deterministic,
-            dtype=dtype,
-            precision=precision,
-            module=module,
-            promote_dtype=promote_dtype,
-        )
-
     return flax_common.attention(
         query,
         key,
         value,
         bias,
         mask,
+        # Causality and segments reach Flax's attention folded into its mask.
+        flax_attention=functools.partial(nnx.dot_product_attention, promote_dtype=promote_dtype),
+        promote=promote_dtype,
+        broadcast_dropout=broadcast_dropout,
+        dropout_rng=dropout_rng,
+        dropout_rate=dropout_rate,
+        deterministic=deterministic,
+        dtype=dtype,
+        precision=precision,
+        module=module,
         is_causal=is_causal,
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         backend=backend,
         interpret=interpret,
         block_sizes=block_sizes,
-        fallback_reason="module" if module is not None else None,
-        flax_attention=flax_attention,
         kv_cache_length=kv_cache_length,
         sinks=sinks,
-        dropout_rate=dropout_rate if dropout else 0.0,
-        dropout_rng=dropout_rng if dropout else None,
-        dropout_broadcast=bool(broadcast_dropout),
         deterministic_grads=deterministic_grads,
     )
 
@@ -244,32 +205,16 @@ class MultiHeadAttention(nnx.MultiHeadAttention):
         # 0.12.11 passed is_causal on to the attention function there (a causal mask of one
         # query row would keep key 0 alone), later versions drop it.
         is_causal = is_causal and not decode
-        kv_cache_length = None
-        if (
-            decode
-            and getattr(self, "cache_index", None) is not None
-            and kwargs.get("mask") is None
-            and flax_common.accepts_keyword(self.attention_fn, "kv_cache_length")
-        ):
-            # Flax writes this step's token at cache_index, then masks the slots past it.
-            kv_cache_length = self.cache_index[...] + 1
-        bound = flax_common.bind_options(
-            self.attention_fn,
+        cache_index = None
+        if decode and getattr(self, "cache_index", None) is not None:
+            cache_index = self.cache_index[...]
+        bound = flax_common.bind_module_options(
+            self,
+            cache_index=cache_index,
+            mask=kwargs.get("mask"),
             q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids,
-            backend=self.backend,
-            interpret=self.interpret,
-            block_sizes=self.block_sizes,
-            deterministic_grads=self.deterministic_grads,
-            kv_cache_length=kv_cache_length,
             sinks=None if self.sinks is None else self.sinks[...],
         )
-        # Flax's __call__ reads self.attention_fn; bind this call's options by swapping it for
-        # the duration of the call (restored even on errors, so the module's static structure,
-        # which nnx.jit compares, is unchanged afterwards).
-        original = self.attention_fn
-        object.__setattr__(self, "attention_fn", bound)
-        try:
+        with flax_common.attention_fn_swapped(self, bound):
             return super().__call__(inputs_q, inputs_k, inputs_v, is_causal=is_causal, **kwargs)
-        finally:
-            object.__setattr__(self, "attention_fn", original)

@@ -4,14 +4,13 @@ choice, the reference. No kernels here (`pallas_flash.triton.ragged` holds them)
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api, dispatch, kv_cache
-from pallas_flash import device as device_lib
+from pallas_flash import api, decode, kv_cache
+from pallas_flash._numerics import accumulation_dtype
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
@@ -32,6 +31,7 @@ def ragged_paged_attention(
     logits_soft_cap: float | None = None,
     local_window_size: int | tuple[int, int] | None = None,
     sinks=None,
+    max_query_len: int | None = None,
     return_residuals: bool = False,
     backend: str | None = None,
     block_sizes: RaggedBlockSizes | None = None,
@@ -67,30 +67,31 @@ def ragged_paged_attention(
         token 1:    x x x x x . | . .
         token 2:    x x x x x x | . .
 
-    Query head n reads key/value head n // (N // K). Sequences with no new token cost
-    nothing; rows past query_start_loc[B] (padding to a bucket) output 0; a row that sees no
-    key outputs 0. Pages are laid out, shared and read as in `paged_attention`: only the
-    table entries of a sequence's first ceil(L_b / page_size) pages are read, and nothing
-    past L_b (stale values or NaN there never reach a row).
+    Query head n reads key/value head n // (N // K). Rows past query_start_loc[B] (padding
+    to a bucket) and rows that see no key output 0. Pages are laid out, shared and read as in
+    `paged_attention`: nothing past L_b is read.
 
     Args:
       q, k_pages, v_pages: the arrays above; float16, bfloat16 or float32, all the same, or
         the pages float8_e4m3fn (with k_scale and v_scale); H and Hv multiples of 8 up to 256.
         v_pages None: a shared latent cache (value_head_dim).
-      block_tables, query_start_loc, kv_lengths: integer arrays as above. Checked when
-        concrete (ValueError): query_start_loc[0] == 0, non-decreasing, query_start_loc[B] <=
+      block_tables, query_start_loc, kv_lengths: integer arrays as above. Concrete ones are
+        checked (ValueError): query_start_loc starts at 0, never decreases and ends at most at
         T; 0 <= kv_lengths[b] <= max_pages * page_size and kv_lengths[b] >= q_len_b; the
-        table entries a sequence reads lie in [0, P). Under jit (traced) they are not checked
-        but made safe: query_start_loc clipped to [0, T] and made non-decreasing (its running
-        maximum), rows outside every sequence then output 0; kv_lengths clipped to
-        [0, max_pages * page_size] (tokens at positions < 0, where L_b < q_len_b, see no key);
-        table entries clipped to [0, P).
+        table entries a sequence reads lie in [0, P). Traced ones are made safe instead
+        (docs/serving.md, "Semantics").
       scale: multiplies the logits q.k; defaults to 1 / sqrt(H).
       logits_soft_cap: c > 0: logits <- c * tanh(logits / c).
       local_window_size: w or (left, right): a token at position p sees keys j >= p - left
         (right is moot under the causal rule).
       sinks: None, or float (N,): one learned logit per query head in each row's softmax
         denominator, attending to no value (as in `flash_attention`).
+      max_query_len: None, or a Python int >= 1: the most new tokens any sequence has (vLLM's
+        `max_query_len`, FlashAttention's `max_seqlen_q`). A static hint that lets the kernel
+        skip what shapes alone cannot rule out: with max_query_len * (N // K) at most the
+        decode tile's rows (1 for decode-only batches), there is no prefill launch. Checked
+        against query_start_loc when concrete (ValueError); under jit, a sequence with more
+        new tokens outputs 0 in all its rows (lse -inf, or the sink).
       return_residuals: also return lse, float32 (N, T), natural log (-inf for rows that see
         no key; the sink's logit with sinks).
       backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
@@ -110,87 +111,67 @@ def ragged_paged_attention(
       (backend="xla").
     """
     q, k_pages, v_pages = _check_arrays(q, k_pages, v_pages)
-    value_head_dim = kv_cache.check_value_head_dim(
-        value_head_dim, k_pages, v_pages, "k_pages", "v_pages"
-    )
-    k_scale, v_scale = kv_cache.check_scales(
-        k_scale, v_scale, k_pages, k_pages.shape[2], "k_pages", shared=v_pages is None
-    )
-    num_tokens, num_heads = q.shape[:2]
+    names = ("k_pages", "v_pages")
+    cache = decode._check_cache(q, k_pages, v_pages, names, value_head_dim, k_scale, v_scale)
+    num_tokens = q.shape[0]
     num_pages, page_size = k_pages.shape[:2]
-    block_tables = _check_int_array("block_tables", block_tables, 2)
+    block_tables = decode._check_block_tables(block_tables)
     batch, max_pages = block_tables.shape
-    if batch < 1 or max_pages < 1:
-        raise ValueError(
-            f"block_tables.shape={block_tables.shape} must be (B, max_pages), both >= 1"
-        )
-    query_start_loc = _check_int_array("query_start_loc", query_start_loc, 1, (batch + 1,))
-    kv_lengths = _check_int_array("kv_lengths", kv_lengths, 1, (batch,))
+    api._check_int_vector("query_start_loc", query_start_loc, batch + 1)
+    api._check_int_vector("kv_lengths", kv_lengths, batch)
+    _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, page_size, num_pages)
     capacity = max_pages * page_size
-    _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacity, num_pages)
-    api._check_sinks(sinks, num_heads)
-    api._check_options(scale, False, return_residuals, backend, None, interpret)
-    if block_sizes is not None and not isinstance(block_sizes, RaggedBlockSizes):
-        raise TypeError(
-            "block_sizes must be a pallas_flash.RaggedBlockSizes or None, "
-            f"got {type(block_sizes).__name__}"
-        )
-    if backend == "mosaic":
-        raise NotImplementedError(
-            "backend='mosaic': ragged_paged_attention has no Mosaic GPU kernel; use "
-            "backend='triton' or None"
-        )
-    device = None if interpret or backend == "xla" else device_lib.target_device()
-    requested = backend
-    backend = dispatch.kernel_backend(backend, device, interpret, q.dtype)
-    backend = "triton" if backend == "auto" else backend
-    if kv_cache.is_fp8(k_pages.dtype):
-        backend = dispatch.float8_cache_backend(backend, requested, device)
-    if block_sizes is not None and backend == "xla":
-        raise ValueError("block_sizes configures the Triton kernel: it needs backend='triton'")
-    window = api._canonical_window(local_window_size)
-    math_kwargs = dict(
-        scale=1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale),
-        soft_cap=api._canonical_soft_cap(logits_soft_cap),
-        window_left=None if window is None else window[0],
+    _check_max_query_len(max_query_len, query_start_loc)
+    options = decode._Options.of(
+        q,
+        sinks,
+        scale,
+        logits_soft_cap,
+        local_window_size,
+        return_residuals,
+        backend,
+        block_sizes,
+        interpret,
+        cache=cache,
+        fp8=kv_cache.is_fp8(k_pages.dtype),
+        tiles=RaggedBlockSizes,
+        no_mosaic="ragged_paged_attention has no Mosaic GPU kernel",
     )
-    # Safe values under jit; the same as the user's where they were checked above.
-    starts = jnp.clip(query_start_loc, 0, num_tokens)
-    starts = jax.lax.cummax(starts, axis=0)
-    lengths = jnp.clip(kv_lengths, 0, capacity)
-    sinks = None if sinks is None else jnp.asarray(sinks, jnp.float32)
-    args = [q, k_pages, v_pages, block_tables, starts, lengths, sinks, k_scale, v_scale]
-    reference = functools.partial(_ragged_reference, **math_kwargs, value_head_dim=value_head_dim)
-    if backend == "xla":
+    math_kwargs = dict(options.math, max_query_len=max_query_len)
+    # Safe starts under jit; the user's where they were checked above. The paths clip the
+    # lengths themselves.
+    starts = _safe_starts(query_start_loc, num_tokens)
+    sinks = None if sinks is None else jnp.asarray(sinks, accumulation_dtype(q.dtype))
+    args = [q, k_pages, v_pages, block_tables, starts, kv_lengths, sinks]
+    args += [cache.k_scale, cache.v_scale]
+    reference = functools.partial(
+        _ragged_reference, **math_kwargs, value_head_dim=cache.value_head_dim
+    )
+    if options.backend == "xla":
         out, lse = reference(*args)
     else:
-        num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
+        block_sizes, num_sms = options.kernel["block_sizes"], options.kernel["num_sms"]
         if block_sizes is None:
             block_sizes = ragged_block_sizes(
                 q.shape,
-                batch + 2,  # the kernel's sequences: the batch's, and the rows of none
+                batch,
                 k_pages.shape[2],
                 capacity,
                 q.dtype,
-                interpret=bool(interpret),
+                interpret=options.kernel["interpret"],
                 page_size=page_size,
                 window_left=math_kwargs["window_left"],
                 num_sms=num_sms,
                 fmt=CacheFormat(
                     q.shape[-1],
-                    value_head_dim or v_pages.shape[-1],
-                    shared=v_pages is None,
-                    scaled=k_scale is not None,
+                    cache.value_head_dim or v_pages.shape[-1],
+                    shared=cache.shared,
+                    scaled=cache.k_scale is not None,
                 ),
                 cache_dtype=k_pages.dtype,
             )
         kernel = functools.partial(
-            _ragged_forward,
-            **math_kwargs,
-            block_sizes=block_sizes,
-            interpret=bool(interpret),
-            num_sms=num_sms,
-            value_head_dim=value_head_dim,
+            _ragged_forward, **dict(options.kernel, **math_kwargs, block_sizes=block_sizes)
         )
         out, lse = with_reference_vjp(kernel, reference, *args)
     return (out, lse) if return_residuals else out
@@ -216,14 +197,16 @@ def ragged_reference(
     scale,
     soft_cap,
     window_left,
+    max_query_len=None,
     value_head_dim=None,
 ):
     """(out [T, N, Hv], lse [N, T]) of `ragged_paged_attention` in plain jnp, on the safe
-    values the API makes (starts [B + 1] non-decreasing in [0, T], lengths [B] in [0,
-    capacity]): each token row gathers its sequence's pages into a contiguous cache and
+    starts the API makes ([B + 1] non-decreasing in [0, T]; lengths [B] are clipped here to
+    [0, capacity]): each token row gathers its sequence's pages into a contiguous cache and
     attends over it (`reference_attention`, one token per batch entry), in chunks of rows
-    that bound the gathered keys. float8 pages are dequantised first (in q's dtype); a shared
-    latent cache's values (v_pages None, value_head_dim) are its keys' first columns."""
+    that bound the gathered keys. Rows of a sequence of more than max_query_len new tokens
+    see no key. float8 pages are dequantised first (in q's dtype); a shared latent cache's
+    values (v_pages None, value_head_dim) are its keys' first columns."""
     k_pages = kv_cache.dequantized(k_pages, k_scale, q.dtype)
     if v_pages is None:
         v_pages = k_pages[..., :value_head_dim]
@@ -234,6 +217,7 @@ def ragged_reference(
     value_head_dim = v_pages.shape[-1]
     batch, max_pages = block_tables.shape
     capacity = max_pages * page_size
+    lengths = jnp.clip(lengths, 0, capacity)
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     # Row r belongs to sequence b where starts[b] <= r < starts[b + 1]; rows before starts[0]
     # or from starts[B] on belong to none and see no key.
@@ -241,6 +225,8 @@ def ragged_reference(
     owned = (seq >= 0) & (seq < batch)
     seq = jnp.clip(seq, 0, batch - 1)
     q_len = starts[seq + 1] - starts[seq]
+    if max_query_len is not None:
+        owned = owned & (q_len <= max_query_len)
     pos = jnp.where(owned, lengths[seq] - q_len + rows - starts[seq], -1)
     tables = jnp.clip(block_tables, 0, num_pages - 1)
     per_row = capacity * num_kv_heads * (head_dim + value_head_dim)
@@ -283,7 +269,7 @@ def ragged_reference(
 
 # The paths are jit'd functions of their static options: eager calls (a Python serving loop)
 # compile once.
-_MATH = ("scale", "soft_cap", "window_left")
+_MATH = ("scale", "soft_cap", "window_left", "max_query_len")
 _ragged_reference = jax.jit(ragged_reference, static_argnames=(*_MATH, "value_head_dim"))
 _ragged_forward = jax.jit(
     ragged_forward,
@@ -291,16 +277,45 @@ _ragged_forward = jax.jit(
 )
 
 
+def _safe_starts(query_start_loc, num_tokens: int):
+    """query_start_loc as int32 where it is concrete (checked); under jit made safe: clipped
+    to [0, T] and made non-decreasing (its running maximum, one small XLA fusion: a
+    triangular max up to 1024 entries, XLA's cumulative max, a reduce-window, beyond)."""
+    starts = jnp.asarray(query_start_loc, jnp.int32)
+    if api._concrete(query_start_loc) is not None:
+        return starts
+    starts = jnp.clip(starts, 0, num_tokens)
+    n = starts.shape[0]
+    if n > 1024:
+        return jax.lax.cummax(starts, axis=0)
+    before = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+    return jnp.max(jnp.where(before, starts[None, :], 0), axis=1)
+
+
 # -- validation -----------------------------------------------------------------------------------
 
 
-def _shape(x):
-    return getattr(x, "shape", type(x).__name__)
+def _check_max_query_len(max_query_len, query_start_loc):
+    if max_query_len is None:
+        return
+    if not isinstance(max_query_len, int) or isinstance(max_query_len, bool):
+        raise TypeError(
+            f"max_query_len must be a Python int or None, got {type(max_query_len).__name__}"
+        )
+    if max_query_len < 1:
+        raise ValueError(f"max_query_len={max_query_len} must be >= 1")
+    starts = api._concrete(query_start_loc)
+    if starts is not None and len(starts) > 1 and (q_lens := np.diff(starts)).max() > max_query_len:
+        b = int(np.argmax(q_lens))
+        raise ValueError(
+            f"max_query_len={max_query_len} must be at least every sequence's new tokens: "
+            f"sequence {b} has query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(q_lens[b])}"
+        )
 
 
 def _check_arrays(q, k_pages, v_pages):
     """Checks q and the pages (v_pages None: a shared latent cache, whose head dims
-    `kv_cache.check_value_head_dim` checks)."""
+    `kv_cache.check_value_head_dim` checks; float8 pages: `decode._check_cache_dtypes`)."""
     arrays = {"q": (q, 3), "k_pages": (k_pages, 4)}
     if v_pages is not None:
         arrays["v_pages"] = (v_pages, 4)
@@ -309,72 +324,35 @@ def _check_arrays(q, k_pages, v_pages):
             raise TypeError(f"{name} must be an array, got {type(x).__name__}")
         if x.ndim != rank:
             raise ValueError(f"{name} must have rank {rank}, got {name}.shape={x.shape}")
-        fp8 = name != "q" and kv_cache.is_fp8(x.dtype)
-        if not fp8 and not any(x.dtype == d for d in api._FLOAT_DTYPES):
-            also = " (or float8_e4m3fn, with scales)" if name != "q" else ""
-            raise TypeError(
-                f"{name}.dtype={x.dtype} must be float16, bfloat16, float32 or float64 (with "
-                f"jax_enable_x64){also}"
-            )
-    pages = [k_pages] if v_pages is None else [k_pages, v_pages]
-    if not (all(x.dtype == q.dtype for x in pages) or all(kv_cache.is_fp8(x.dtype) for x in pages)):
-        got = ", ".join(f"{name}.dtype={x.dtype}" for name, (x, _) in arrays.items())
-        raise TypeError(
-            f"q, k_pages and v_pages must share a dtype (or the pages both be float8_e4m3fn); "
-            f"got {got}"
-        )
+    decode._check_cache_dtypes({name: x for name, (x, _) in arrays.items()}, "k_pages", "v_pages")
     if v_pages is not None and k_pages.shape[:3] != v_pages.shape[:3]:
         raise ValueError(
             f"k_pages.shape={k_pages.shape} and v_pages.shape={v_pages.shape} must agree in "
             "(P, page_size, K)"
         )
     num_tokens, num_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, k_dim = k_pages.shape
-    if min(num_tokens, num_heads, num_pages, page_size, num_kv_heads) < 1:
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    if min(num_tokens, num_heads, head_dim, num_pages, page_size, num_kv_heads) < 1:
         raise ValueError(
             f"every dimension must be >= 1; got q.shape={q.shape}, k_pages.shape={k_pages.shape}"
         )
-    if k_dim != head_dim:
+    api._check_heads(q, k_pages, ("q", "k_pages"), latent=v_pages is None)
+    if v_pages is None:
+        return q, k_pages, v_pages
+    # The value head dim may differ from the query's.
+    dim = v_pages.shape[-1]
+    if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
         raise ValueError(
-            f"head dims differ: q.shape={q.shape} has H={head_dim}, k_pages.shape="
-            f"{k_pages.shape} has H={k_dim}"
+            f"head dim {dim} (v_pages.shape={v_pages.shape}) must be a multiple of 8 and at "
+            f"most {api.MAX_HEAD_DIM}"
         )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} (q.shape={q.shape}) must be divisible by "
-            f"num_kv_heads={num_kv_heads} (k_pages.shape={k_pages.shape})"
-        )
-    for name, x in () if v_pages is None else (("q", q), ("v_pages", v_pages)):
-        dim = x.shape[-1]
-        if dim % 8 or dim > api.MAX_HEAD_DIM or dim < 8:
-            raise ValueError(
-                f"head dim {dim} ({name}.shape={x.shape}) must be a multiple of 8 and at most "
-                f"{api.MAX_HEAD_DIM}"
-            )
     return q, k_pages, v_pages
 
 
-def _check_int_array(name, x, rank, shape=None):
-    if not api._is_int_array(x):
-        got = getattr(x, "dtype", type(x).__name__)
-        raise TypeError(f"{name} must be an integer array, got {got}")
-    if x.ndim != rank or (shape is not None and tuple(x.shape) != shape):
-        want = shape if shape is not None else f"rank {rank}"
-        raise ValueError(f"{name}.shape={tuple(x.shape)} must be {want}")
-    return jnp.asarray(x, jnp.int32)
-
-
-def _concrete(x):
-    """x as a numpy array, or None when it is traced."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacity, num_pages):
-    """The rules on the integer arrays' values, where they are concrete."""
-    starts = _concrete(query_start_loc)
+def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, page_size, num_pages):
+    """The rules on the integer arrays' values, where they are concrete (kv_lengths' and the
+    table's are paged_attention's)."""
+    starts = api._concrete(query_start_loc)
     if starts is not None:
         if starts[0] != 0:
             raise ValueError(f"query_start_loc[0]={int(starts[0])} must be 0")
@@ -390,28 +368,21 @@ def _check_values(query_start_loc, kv_lengths, block_tables, num_tokens, capacit
                 f"query_start_loc[-1]={int(starts[-1])} must be at most the tokens of q "
                 f"(q.shape[0]={num_tokens})"
             )
-    lengths = _concrete(kv_lengths)
-    if lengths is not None:
-        if lengths.min() < 0 or lengths.max() > capacity:
-            raise ValueError(
-                f"kv_lengths={lengths.tolist()} must lie in [0, block_tables.shape[1] * "
-                f"page_size={capacity}]"
-            )
-        if starts is not None and (short := lengths < np.diff(starts)).any():
-            b = int(np.argmax(short))
-            raise ValueError(
-                f"kv_lengths[{b}]={int(lengths[b])} must be at least sequence {b}'s new tokens "
-                f"(query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(np.diff(starts)[b])}): "
-                "they are the last keys of its cache"
-            )
-    tables = _concrete(block_tables)
-    if tables is not None and lengths is not None:
-        page_size = capacity // tables.shape[1]
-        used = np.arange(tables.shape[1])[None, :] < -(-lengths[:, None] // page_size)
-        bad = used & ((tables < 0) | (tables >= num_pages))
-        if bad.any():
-            b, p = map(int, np.argwhere(bad)[0])
-            raise ValueError(
-                f"block_tables[{b}, {p}]={int(tables[b, p])} must lie in [0, num_pages="
-                f"{num_pages}) (sequence {b} has {int(lengths[b])} keys)"
-            )
+    max_pages = block_tables.shape[1]
+    capacity = max_pages * page_size
+    api._check_lengths(
+        "kv_lengths",
+        kv_lengths,
+        block_tables.shape[0],
+        capacity,
+        f"block_tables.shape[1] * page_size = {max_pages} * {page_size} = {capacity}",
+    )
+    lengths = api._concrete(kv_lengths)
+    if starts is not None and lengths is not None and (short := lengths < np.diff(starts)).any():
+        b = int(np.argmax(short))
+        raise ValueError(
+            f"kv_lengths[{b}]={int(lengths[b])} must be at least sequence {b}'s new tokens "
+            f"(query_start_loc[{b + 1}] - query_start_loc[{b}] = {int(np.diff(starts)[b])}): "
+            "they are the last keys of its cache"
+        )
+    decode._check_table_entries(block_tables, kv_lengths, page_size, num_pages)

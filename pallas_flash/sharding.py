@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from pallas_flash import masks
+from pallas_flash import _vma, masks
 from pallas_flash._numerics import merge_weights
 from pallas_flash.api import (
     _canonical_arrays,
@@ -62,14 +62,23 @@ def _zigzag_indices(seq_len: int, num_shards: int, what: str) -> np.ndarray:
 
 def to_zigzag(x, num_shards: int, axis: int = 1):
     """`x` with its sequence `axis` put in zig-zag order (see `zigzag_indices`)."""
-    order = _zigzag_indices(x.shape[axis], num_shards, f"x.shape[{axis}]")
-    return jnp.take(x, order, axis=axis)
+    return _take(x, _zigzag_indices(x.shape[axis], num_shards, f"x.shape[{axis}]"), axis)
 
 
 def from_zigzag(x, num_shards: int, axis: int = 1):
     """The inverse of `to_zigzag`."""
     inverse = np.argsort(_zigzag_indices(x.shape[axis], num_shards, f"x.shape[{axis}]"))
-    return jnp.take(x, inverse, axis=axis)
+    return _take(x, inverse, axis)
+
+
+def _take(x, indices, axis: int):
+    """`jnp.take(x, indices, axis=axis)`; an array whose type carries its sharding (a mesh of
+    Explicit axes) keeps it, its entries moving between devices."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if sharding is None or sharding.mesh.empty or not sharding.mesh.explicit_axes:
+        return jnp.take(x, indices, axis=axis)
+    index = (slice(None),) * (axis % x.ndim) + (indices,)
+    return jnp.asarray(x).at[index].get(out_sharding=sharding)
 
 
 def _chunk_starts(layout: str, shard: int, num_shards: int, length: int):
@@ -281,10 +290,9 @@ def ring_attention(
     """Context-parallel attention inside `jax.shard_map`: q, k and v are sharded over their
     sequence axis along the mesh axis `axis_name`, and the key/value blocks travel around the
     ring of its P devices (`jax.lax.ppermute`) while each device attends its queries to the
-    block it holds. The partial results merge through their lse and softmax denominators;
-    gradients flow back through the same ring (the transposed permutes), each block's backward
-    bounded by its rows' merged denominators, so that keys tying at a row's max get exact
-    gradients at any logit magnitude.
+    block it holds; the partial results merge through their softmax denominators, and the
+    gradients flow back around the same ring (docs/sharding.md, "Long context: ring
+    attention").
 
     Shapes are per device (B batch, T = T_global / P local queries, S = S_global / P local
     keys)::
@@ -303,12 +311,9 @@ def ring_attention(
         `flash_attention`).
       q_segment_ids: int (B, T), kv_segment_ids: int (B, S): this device's blocks of the ids.
       scale, is_causal, local_window_size, logits_soft_cap, backend, block_sizes, interpret: as
-        in `flash_attention`, with causality and windows on global positions. Ring steps whose
-        block lies wholly outside the mask (the future under is_causal, beyond the window) run
-        no kernel, and the ring stops after the last step any device needs.
+        in `flash_attention`, with causality and windows on global positions.
       sinks: None, or float (N,): attention sinks as in `flash_attention` (this device's
-        query heads'), one logit per head in each row's softmax denominator, applied to the
-        ring's merged result (its denominators, exact at any logit magnitude); differentiable.
+        query heads'), applied to the ring's merged result; differentiable.
       return_residuals: also return lse (B, N, T), float32.
 
     Returns:
@@ -503,9 +508,7 @@ class _Ring:
         branches = [functools.partial(branch, cases) for cases in distinct]
         if len(branches) == 1:
             return branches[0](q, q_seg, k, v, kv_seg)
-        shard = jax.lax.axis_index(self.axis_name)
-        which = jnp.asarray([distinct.index(cases) for cases in step], jnp.int32)[shard]
-        return jax.lax.switch(which, branches, q, q_seg, k, v, kv_seg)
+        return self.switch(step, distinct, branches, q, q_seg, k, v, kv_seg)
 
     def step_backward(self, r: int, q, q_seg, k, v, kv_seg, out, lse, log_sum, d_out, d_lse):
         """(dq, dk, dv) float32 of this shard's queries against the block it holds at step
@@ -520,9 +523,20 @@ class _Ring:
         branches = [functools.partial(branch, cases) for cases in distinct]
         if len(branches) == 1:
             return branches[0](*args)
+        return self.switch(step, distinct, branches, *args)
+
+    def switch(self, step, distinct, branches, *operands):
+        """The branch of this shard's cases (`step[shard]`, one of `distinct`). Under
+        check_vma the branches' results must have one type: each varies over the manual axes
+        of the operands and of the shard's index (a branch that computes nothing returns
+        zeros, which vary over none)."""
         shard = jax.lax.axis_index(self.axis_name)
         which = jnp.asarray([distinct.index(cases) for cases in step], jnp.int32)[shard]
-        return jax.lax.switch(which, branches, *args)
+
+        def typed(branch):
+            return lambda *args: _vma.vary_like(branch(*args), which, *args)
+
+        return jax.lax.switch(which, [typed(b) for b in branches], *operands)
 
     def send(self, x, shift: int = 1):
         """x from every shard to shard i + shift of the ring."""
@@ -652,6 +666,5 @@ def ring_attention_sharded(
         mesh=mesh,
         in_specs=(qkv, qkv, qkv, specs),
         out_specs=(qkv, P(batch_axis, head_axis, context_axis)),
-        check_vma=False,
     )(*operands)
     return (out, lse) if return_residuals else out

@@ -505,12 +505,85 @@ def test_ragged_table_gives_each_call_over_ragged():
     row = dict(suite="ragged", goal="mixed", case="mixed 2048 + 63 x 1", tbps=1.0, tflops=2.0)
     rows = [
         dict(row, impl="ragged", ms=1.0, kernel_ms=0.5, max_abs_diff=0.0),
-        dict(row, impl="split", ms=1.2, kernel_ms=0.6, ratio=1.2, max_abs_diff=0.0078),
+        dict(row, impl="ragged_hint", ms=0.9, kernel_ms=0.4, max_abs_diff=0.0, max_query_len=2048),
+        dict(
+            row, impl="split", ms=1.2, kernel_ms=0.6, ratio=1.2, ratio_hint=1.5, max_abs_diff=0.0078
+        ),
         dict(row, impl="padded", ms=None, error="OOM"),
     ]
     out = io.StringIO()
     ragged.print_ragged_table(rows, out=out)
     text = out.getvalue()
     assert "kernel time" in text
-    assert "| mixed | mixed 2048 + 63 x 1 | split | 0.6000 | 1.00 | 2.0 | 1.200 | 0.0078 |" in text
-    assert "| mixed | mixed 2048 + 63 x 1 | padded | - | - | - | - | - |" in text
+    split = "| mixed | mixed 2048 + 63 x 1 | split | 0.6000 | 1.00 | 2.0 | 1.200 | 1.500 | 0.0078 |"
+    assert split in text
+    assert "| mixed | mixed 2048 + 63 x 1 | padded | - | - | - | - | - | - |" in text
+
+
+def test_ragged_ratios_hint_and_prefill_tiles():
+    """A comparator's time over every ragged call's (ratio: ragged's, ratio_hint:
+    ragged_hint's); a ragged call or a failed one gets none. The variants: ragged_hint with the
+    batch's most new tokens, and one call per --prefill-tiles entry with those prefill tiles."""
+    measured = dict(
+        ragged=dict(kernel_ms=2.0),
+        ragged_hint=dict(kernel_ms=1.0),
+        ragged_tiles_64x32x4x2=dict(kernel_ms=None, error="OOM"),
+        split=dict(kernel_ms=3.0),
+        padded=dict(kernel_ms=None),
+    )
+    assert ragged.ratios_over_ragged(measured, "split", "kernel_ms") == dict(
+        ratios=dict(ragged=1.5, ragged_hint=3.0), ratio=1.5, ratio_hint=3.0
+    )
+    assert ragged.ratios_over_ragged(measured, "ragged_hint", "kernel_ms") == {}
+    assert ragged.ratios_over_ragged(measured, "padded", "kernel_ms") == {}
+    lengths, q_lens = [40, 24], [24, 1]
+    k_pages, v_pages, tables = ragged.paged_cache(lengths, 16)
+    q = jnp.zeros((25, ragged.GQA.N, ragged.GQA.H), jnp.bfloat16)
+    args = ragged.ragged_args(q, q_lens, lengths, k_pages, v_pages, tables)
+    calls = dict(ragged=(None, args, None))
+    calls = ragged.ragged_variants(calls, q_lens, True, tiles=["64x32x4x2"])
+    assert list(calls) == ["ragged", "ragged_hint", "ragged_tiles_64x32x4x2"]
+    assert calls["ragged_hint"][0].__wrapped__.keywords["max_query_len"] == 24
+    bs = calls["ragged_tiles_64x32x4x2"][0].__wrapped__.keywords["block_sizes"]
+    prefill = (bs.block_m_prefill, bs.block_kv_prefill, bs.num_warps_prefill, bs.num_stages_prefill)
+    assert prefill == (64, 32, 4, 2)
+    with pytest.raises(ValueError, match="entry '64x32' must be BMxBKVxWxS"):
+        ragged.parse_tiles("64x32")
+
+
+def test_ragged_before_and_after(tmp_path, capsys):
+    """--before's rows (labels before and after, one run id) side by side; --before needs --out;
+    the flags are --suite ragged's."""
+    case = dict(suite="ragged", goal="decode", case="decode B64", impl="ragged")
+    path = tmp_path / "rows.jsonl"
+    rows = [
+        dict(case, label="before", run="r1", kernel_ms=2.0),
+        dict(case, label="after", run="r1", kernel_ms=1.5),
+        dict(case, label="after", run="r0", kernel_ms=9.0),
+        dict(case, impl="paged", label="after", run="r1", ms=3.0),
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = io.StringIO()
+    ragged.print_before_after(ragged.read_rows(str(path), "r1"), out=out)
+    text = out.getvalue()
+    assert "| decode | decode B64 | ragged | 2.0 | 1.5 | 0.750 |" in text
+    assert "| decode | decode B64 | paged | - | 3.0 | - |" in text
+    args = argparse.Namespace(out=None, before=str(tmp_path), repeats=1, cases=None)
+    with pytest.raises(SystemExit, match="--before needs --out"):
+        ragged.run(args, on_gpu=False)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--suite", "decode", "--before", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--suite decode" in capsys.readouterr().err and "--before" in ragged.FLAGS
+
+
+def test_a_failing_call_is_a_row_with_its_error():
+    """A measurement that raises is data: the row keeps its fields, the measured ones None, and
+    says why; the run goes on."""
+    row = timing.run_point("no_such_impl", 1, 8, 8, 1, 1, 8, jnp.float32, False, "fwd")
+    assert row["impl"] == "no_such_impl" and row["ms"] is None and row["tflops"] is None
+    assert row["error"] == "ValueError: unknown implementation 'no_such_impl'"
+    partial = dict(ms=1.0)
+    with timing.recording_failure(partial, "ms", "tbps"):
+        raise RuntimeError("out of memory")
+    assert partial == dict(ms=None, tbps=None, error="RuntimeError: out of memory")

@@ -394,21 +394,50 @@ def _ragged_problem(c: Case, q_lens, seed=0):
     return call_args, extra, args.get("sinks"), (want, want_lse)
 
 
+# Both launches' keys split (their merge kernels), in-page key tiles (pages of 32).
+_SPLIT_TILES = RaggedBlockSizes(
+    block_m=16,
+    block_kv=16,
+    kv_splits=2,
+    block_m_prefill=16,
+    block_kv_prefill=16,
+    kv_splits_prefill=3,
+)
+
+
 @pytest.mark.parametrize(
-    "c, q_lens",
+    "c, q_lens, block_sizes",
     [
         # A latent cache: a decode step, a prefill chunk of 9 over earlier keys, nothing.
-        (Case((30, 20, 7), 1, 16, 1, 136, 32, value_head_dim=96, page=8), (1, 9, 0)),
+        (Case((30, 20, 7), 1, 16, 1, 136, 32, value_head_dim=96, page=8), (1, 9, 0), None),
         # float8 per head, GQA 4, a window and sinks: two decode steps and a chunk.
         (
             Case((40, 18, 3), 1, 8, 2, 64, 48, fp8="head", page=16, window=9, sinks=True),
             (1, 12, 1),
+            None,
+        ),
+        # A float8 latent cache (one scale), sinks, split launches.
+        (
+            Case(
+                (40, 33, 20),
+                1,
+                16,
+                1,
+                136,
+                48,
+                value_head_dim=96,
+                fp8="tensor",
+                page=32,
+                sinks=True,
+            ),
+            (2, 20, 1),
+            _SPLIT_TILES,
         ),
     ],
     ids=case_id,
 )
 @pytest.mark.ci_slice(1)
-def test_ragged_formats_match_oracle(c, q_lens):
+def test_ragged_formats_match_oracle(c, q_lens, block_sizes):
     """ragged_paged_attention over a latent cache and a float8 one: backend="xla" and the
     interpreter against the oracle, padding rows 0."""
     args, extra, sinks, (want, want_lse) = _ragged_problem(c, q_lens)
@@ -416,7 +445,8 @@ def test_ragged_formats_match_oracle(c, q_lens):
 
     def both(*args):
         call = functools.partial(pallas_flash.ragged_paged_attention, **kw)
-        return call(*args, backend="xla"), call(*args, **INTERPRET.kwargs)
+        interpret = call(*args, **INTERPRET.kwargs, block_sizes=block_sizes)
+        return call(*args, backend="xla"), interpret
 
     for name, (out, lse) in zip(["xla", "interpret"], jax.jit(both)(*args), strict=True):
         assert out.shape == want.shape, name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ class Case:
     soft_cap: float | None = None
     sinks: bool = False
     dtype: str = "float32"
+    max_query_len: int | None = None
 
     @property
     def hv(self) -> int:
@@ -56,7 +58,7 @@ class Case:
             f"Q{_short(self.q_lens)}-L{_short(self.lengths)}"
             f"-N{self.num_heads}-K{self.num_kv_heads}-H{self.head_dim}-page{self.page}"
         )
-        for name in ("value_head_dim", "pad", "window", "soft_cap"):
+        for name in ("value_head_dim", "pad", "window", "soft_cap", "max_query_len"):
             if getattr(self, name):
                 s += f"-{name}{getattr(self, name)}"
         return s + ("-sinks" if self.sinks else "") + f"-{self.dtype}"
@@ -103,7 +105,8 @@ def oracle(c: Case, q, k, v, sinks=None):
     """Float64 ragged attention: out [T, N, Hv], lse [N, T]. New token i of sequence b sits at
     position L_b - q_len_b + i and sees keys max(0, pos - window) <= j <= pos of its (dense)
     cache k[b], v[b]; with sinks [N] each row's softmax has one more column. Rows of no
-    sequence (padding) output 0 with lse -inf (the sink with sinks)."""
+    sequence (padding), and of a sequence of more new tokens than max_query_len, output 0 with
+    lse -inf (the sink with sinks)."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     num_tokens, num_heads, _ = q.shape
     group = num_heads // k.shape[2]
@@ -112,6 +115,9 @@ def oracle(c: Case, q, k, v, sinks=None):
     lse = np.full((num_heads, num_tokens), -np.inf)
     start = 0
     for b, (q_len, length) in enumerate(zip(c.q_lens, c.lengths, strict=True)):
+        if c.max_query_len is not None and q_len > c.max_query_len:
+            start += q_len
+            continue
         for i in range(q_len):
             pos = length - q_len + i
             lo = 0 if c.window is None else max(0, pos - c.window)
@@ -185,6 +191,7 @@ def run(c: Case, args, sinks, *paths, **extra):
             local_window_size=c.window,
             sinks=sinks,
             return_residuals=True,
+            max_query_len=c.max_query_len,
             **path.kwargs,
             **extra,
         )
@@ -223,6 +230,45 @@ def test_matches_oracle(c):
     """backend="xla" and the kernel in the interpreter, in one jit."""
     args, sinks, oracle_inputs = make_problem(c)
     results = run(c, args, sinks, XLA, INTERPRET)
+    check(c, results, oracle_inputs, sinks, ["xla", "interpret"])
+
+
+# The launches' finishers and the rows of no key: max_query_len drops the prefill launch (the
+# decode launch's merge writes the padding's 0); a split prefill launch, finished by its merge,
+# beside an unsplit decode launch (its kernel writes the padding's 0); under jit, sequences of
+# more new tokens than max_query_len output 0; a group wider than the decode tile.
+HINTED = [
+    (Case((1, 1, 0, 1, 1), (9, 40, 3, 1, 77), 8, 2, 64, 16, 5, pad=11, sinks=True), None),
+    (
+        Case((2, 37, 1, 0, 9), (50, 60, 9, 3, 19), 8, 2, 64, 16, 4, pad=3, soft_cap=5.0),
+        dict(kv_splits=1, kv_splits_prefill=2),
+    ),
+    (Case((3, 37, 1, 9, 2), (50, 60, 9, 20, 19), 4, 1, 32, 8, 8, pad=2, sinks=True), None),
+    # No sequence is decode-kind (the prefill launch takes them all; the decode launch writes
+    # the padding's 0).
+    (Case((1, 3, 0, 2), (5, 9, 2, 2), 32, 1, 16, 8, 2, pad=2, sinks=True), None),
+]
+# The third: sequences 1 and 3 have more (traced: they output 0).
+HINTED_MAX = [1, 37, 3, 3]
+
+
+@pytest.mark.parametrize(
+    "c, tiles",
+    [
+        (dataclasses.replace(c, max_query_len=m), t)
+        for (c, t), m in zip(HINTED, HINTED_MAX, strict=True)
+    ],
+    ids=lambda x: case_id(x) if isinstance(x, Case) else str(x),
+)
+@pytest.mark.ci_slice(1)
+def test_max_query_len_and_finishers_match_oracle(c, tiles):
+    args, sinks, oracle_inputs = make_problem(c)
+    extra = {}
+    if tiles is not None:
+        extra["block_sizes"] = dataclasses.replace(
+            default_ragged_block_sizes(c.head_dim, jnp.float32, group=1, interpret=True), **tiles
+        )
+    results = run(c, args, sinks, XLA) + run(c, args, sinks, INTERPRET, **extra)
     check(c, results, oracle_inputs, sinks, ["xla", "interpret"])
 
 
@@ -295,57 +341,146 @@ def test_traced_values_are_made_safe():
     assert np.isfinite(np.delete(lse, unseen, axis=1)).all()
 
 
+@pytest.mark.parametrize("cache", ["plain", "latent", "float8"])
+@pytest.mark.ci_slice(1)
+def test_float64_kernel_computes_in_float64(cache):
+    """Float64 (x64 on in this test only) in the interpreter, both launches split (their merge
+    kernels) and a prefill work list: plain pages, a shared latent cache and float8 pages with
+    per-head scales agree with the float64 reference to float64's rounding (float32
+    accumulators, or a key scale folded into the logits' scale in float32, would leave ~1e-8)."""
+    rng = np.random.default_rng(7)
+    tiles = RaggedBlockSizes(
+        block_m=16, block_kv=16, kv_splits=2, block_m_prefill=16, block_kv_prefill=16
+    )
+    tiles = dataclasses.replace(tiles, kv_splits_prefill=2)
+    with jax.enable_x64(True):
+        starts = jnp.asarray([0, 1, 18, 18, 20])
+        lengths = jnp.asarray([24, 17, 5, 20])
+        tables = jnp.asarray(np.arange(12).reshape(4, 3)[::-1])
+        head_dim = 136 if cache == "latent" else 40
+        q = jnp.asarray(rng.standard_normal((23, 8, head_dim)))
+        k = jnp.asarray(rng.standard_normal((12, 8, 2 if cache != "latent" else 1, head_dim)))
+        v = jnp.asarray(rng.standard_normal((12, 8, 2, 24)))
+        kw = {}
+        if cache == "latent":
+            v, kw = None, dict(value_head_dim=96)
+        elif cache == "float8":
+            k, v = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
+            kw = dict(k_scale=jnp.asarray([0.3, 2.0]), v_scale=0.7)
+        call = functools.partial(
+            pallas_flash.ragged_paged_attention,
+            q,
+            k,
+            v,
+            tables,
+            starts,
+            lengths,
+            sinks=jnp.asarray(rng.standard_normal(8)),
+            logits_soft_cap=7.0 if cache == "plain" else None,
+            return_residuals=True,
+            **kw,
+        )
+        want = call(backend="xla")
+        got = call(interpret=True, block_sizes=tiles)
+        for x, y in zip(got, want, strict=True):
+            assert x.dtype == jnp.float64
+            np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-13)
+    assert not jax.config.jax_enable_x64
+
+
 # -- the work plan --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("group", [4, 1, 16])
-@pytest.mark.ci_slice(1)
-def test_plan_covers_every_row_once(group):
-    """For random batches of one call's shapes, the launches' work lists (`plan_items`) hold
-    every packed row of every sequence exactly once, the rows before the first sequence and
-    after the last included, within the static item bounds."""
+@pytest.mark.parametrize(
+    "group, max_query_len", [(4, None), (1, 5), (16, None), (4, 1), (32, None)]
+)
+@pytest.mark.ci_slice(2)
+def test_plan_covers_every_row_once(group, max_query_len):
+    """For random batches of one call's shapes, every packed row of every token is written
+    exactly once: by the decode launch (its tile of a decode-kind sequence, or 0 for the rows
+    of no sequence, before the first or from the last one's end, and of sequences of more new
+    tokens than max_query_len) or by a prefill item of the work list (`plan_items`), within
+    its static bound."""
     rng = np.random.default_rng(group)
     num_tokens, batch, capacity = 70, 9, 200
     bs = RaggedBlockSizes(block_m=16, block_m_prefill=32)
-    launches = ragged_kernel.ragged_plan(
-        num_tokens, batch + 2, 4 * group, 4, 64, capacity, jnp.bfloat16, bs
+    rows, launches = ragged_kernel.ragged_plan(
+        num_tokens,
+        batch,
+        4 * group,
+        4,
+        64,
+        capacity,
+        jnp.bfloat16,
+        bs,
+        max_query_len=max_query_len,
     )
-    plan_items = jax.jit(ragged_kernel.plan_items, static_argnums=(2, 3))
+    assert [launch.kind for launch in launches] == ["prefill"] * rows.has_prefill + ["decode"]
+    plan_items = jax.jit(ragged_kernel.plan_items, static_argnums=(1, 2))
     for _ in range(10):
-        cuts = np.sort(rng.integers(0, num_tokens + 1, size=batch + 1))
-        cuts[1 : rng.integers(1, batch)] = cuts[0]  # some sequences with no token
-        starts = jnp.asarray(np.concatenate([[0], cuts, [num_tokens]]), jnp.int32)
-        lengths = jnp.asarray(rng.integers(0, capacity, size=batch + 2), jnp.int32)
+        starts = np.sort(rng.integers(0, num_tokens + 1, size=batch + 1))
+        starts[1 : rng.integers(1, batch)] = starts[0]  # some sequences with no token
+        if rng.random() < 0.5:  # tokens short: 1-3 per sequence
+            starts = np.minimum(np.cumsum(rng.integers(0, 4, size=batch + 1)), num_tokens)
+        lengths = rng.integers(0, capacity, size=batch)
         covered = np.zeros(num_tokens * group, int)
+
+        def cover(start, packed_rows, covered=covered):
+            covered[start * group + packed_rows] += 1
+
         for launch in launches:
-            plan = np.asarray(plan_items(starts, lengths, launch, group))
-            at = 2 * (batch + 3)
-            seqs, row0s = plan[at : at + launch.items], plan[at + launch.items :]
-            for seq, row0 in zip(seqs, row0s, strict=True):
-                start = int(starts[seq])
-                end = int(starts[seq + 1])
-                rows = np.arange(row0, row0 + launch.block_m)
-                rows = rows[rows < (end - start) * group]
-                covered[start * group + rows] += 1
+            if launch.kind == "decode":
+                for s in range(batch + 2):
+                    start, q_len, _ = (int(x) for x in rows.sequence(starts, lengths, s))
+                    packed = q_len * group
+                    if rows.zeroed(s, packed):
+                        cover(start, np.arange(packed))
+                    elif s < batch and packed <= rows.decode_rows:
+                        assert packed <= launch.block_m
+                        cover(start, np.arange(packed))
+                continue
+            work = np.asarray(plan_items(jnp.asarray(starts, jnp.int32), launch, rows))
+            seqs, row0s = work[: launch.items], work[launch.items :]
             used = row0s < ragged_kernel._NO_ROWS
-            assert used.sum() <= launch.items
+            for seq, row0 in zip(seqs[used], row0s[used], strict=True):
+                q_len = starts[seq + 1] - starts[seq]
+                assert rows.decode_rows < q_len * group <= rows.prefill_rows
+                packed_rows = np.arange(row0, row0 + launch.block_m)
+                cover(starts[seq], packed_rows[packed_rows < q_len * group])
         np.testing.assert_array_equal(covered, 1)
 
 
 def test_plan_launches():
-    """Decode-only shapes take only the decode launch; the prefill launch's items bound the
-    tiles of the longest sequences; defaults follow the group."""
-    decode_only = ragged_kernel.ragged_plan(
-        4, 6, 32, 8, 128, 4096, jnp.bfloat16, RaggedBlockSizes()
+    """Decode-only shapes (and calls whose max_query_len fits a decode tile) take only the
+    decode launch; the prefill launch's items bound the tiles of the longest sequences;
+    defaults follow the group."""
+    plan = functools.partial(
+        ragged_kernel.ragged_plan,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        capacity=4096,
+        dtype=jnp.bfloat16,
+        block_sizes=RaggedBlockSizes(),
     )
-    assert [launch.max_rows for launch in decode_only] == [16]
+    rows, decode_only = plan(4, 4)
+    assert [launch.kind for launch in decode_only] == ["decode"] and not rows.has_prefill
     assert decode_only[0].splits > 1  # 4 sequences fill no H100: their keys split
-    # 8 tokens may be one sequence's 32 rows: a prefill launch too.
-    one_more = ragged_kernel.ragged_plan(8, 10, 32, 8, 128, 4096, jnp.bfloat16, RaggedBlockSizes())
-    assert [launch.max_rows for launch in one_more] == [16, None]
-    mixed = ragged_kernel.ragged_plan(2111, 66, 32, 8, 128, 4096, jnp.bfloat16, RaggedBlockSizes())
-    assert [launch.max_rows for launch in mixed] == [16, None]
-    assert mixed[1].items >= 2048 * 4 // 128 and mixed[1].splits == 1
+    # 8 tokens may be one sequence's 32 rows: a prefill launch too, unless the call says
+    # each sequence has at most 4 (16 rows).
+    rows, one_more = plan(8, 8)
+    assert [launch.kind for launch in one_more] == ["prefill", "decode"]
+    assert rows.decode_rows == 16 and rows.prefill_rows == 32
+    rows, hinted = plan(8, 8, max_query_len=4)
+    assert [launch.kind for launch in hinted] == ["decode"] and rows.prefill_rows == 16
+    rows, one_token = plan(64, 64, max_query_len=1)
+    assert [launch.kind for launch in one_token] == ["decode"] and rows.decode_rows == 4
+    rows, mixed = plan(2111, 64)
+    assert [launch.kind for launch in mixed] == ["prefill", "decode"]
+    assert mixed[0].items >= 2048 * 4 // 128 and mixed[0].splits == 1
+    # Sequences of at most 8 tokens (32 rows): one 32-row prefill tile each, at most.
+    rows, capped = plan(2111, 64, max_query_len=8)
+    assert rows.prefill_rows == 32 and capped[0].block_m == 32 and capped[0].items == 64
     assert default_ragged_block_sizes(128, jnp.bfloat16, group=32, interpret=False).block_m == 32
     assert default_ragged_block_sizes(128, jnp.bfloat16, group=2, interpret=False).block_m == 16
 
@@ -392,6 +527,14 @@ def _valid():
             r"block_tables\[1, 1\]=7 must lie in \[0, num_pages=5\)",
         ),
         (dict(sinks=jnp.zeros(3)), ValueError, r"sinks.shape=\(3,\) must be \(4,\)"),
+        (dict(max_query_len=0), ValueError, "max_query_len=0 must be >= 1"),
+        (dict(max_query_len=2.0), TypeError, "max_query_len must be a Python int or None"),
+        (
+            dict(max_query_len=2),
+            ValueError,
+            r"max_query_len=2 must be at least .* sequence 0 has query_start_loc\[1\] - "
+            r"query_start_loc\[0\] = 3",
+        ),
         (dict(scale=-1.0), ValueError, "scale=-1.0 must be a finite positive"),
         (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
         (dict(local_window_size=-1), ValueError, r"local_window_size=\(-1, -1\) must be >= 0"),
@@ -433,10 +576,12 @@ def test_block_sizes_validation():
 
 
 def test_lowers_for_h200():
-    """The compiled kernels lower through Triton for an abstract H200: through the API (its
-    default tiles for that GPU: the decode launch split, its merge in XLA, after the prefill
-    launch in place; sinks; pages of 16, so that a 64-key tile spans pages), and unsplit with
-    pages of 128 (the decode launch in place after the prefill launch)."""
+    """The compiled kernels lower through Triton for an abstract H200, and each launch's rows
+    are finished in place (no scatter): through the API (its default tiles for that GPU: the
+    prefill launch in place, the decode launch split and its merge kernel; sinks; pages of 16,
+    so that a 64-key tile spans pages); unsplit with pages of 128; both launches split, each
+    with its merge; and a decode-only batch with max_query_len=1: the decode launch and its
+    merge, and in XLA only the safe query starts (one reduce)."""
     from test_lowering import lower_for_h200
 
     sds = jax.ShapeDtypeStruct
@@ -444,21 +589,47 @@ def test_lowers_for_h200():
     ints = sds((9,), jnp.int32), sds((8,), jnp.int32)
     tables = sds((8, 40), jnp.int32)
 
-    def api(q, k_pages, v_pages, tables, starts, lengths, sinks):
+    def api(q, k_pages, v_pages, tables, starts, lengths, sinks, **kw):
         return pallas_flash.ragged_paged_attention(
-            q, k_pages, v_pages, tables, starts, lengths, sinks=sinks
+            q, k_pages, v_pages, tables, starts, lengths, sinks=sinks, **kw
         )
+
+    def kernels(text):
+        return re.findall(r'name = \\?"(pallas_flash_ragged\w*)', text)
 
     pages = sds((400, 16, 8, 128), jnp.bfloat16)
     text = lower_for_h200(api, q, pages, pages, tables, *ints, sinks).as_text()
-    assert "pallas_flash_ragged_decode_split" in text and 'pallas_flash_ragged_prefill"' in text
+    assert kernels(text) == [
+        "pallas_flash_ragged_prefill",
+        "pallas_flash_ragged_decode_split",
+        "pallas_flash_ragged_decode_merge",
+    ]
+    assert "scatter" not in text
+    decode_only = functools.partial(api, max_query_len=1)
+    lowered = lower_for_h200(decode_only, q, pages, pages, tables, *ints, sinks)
+    assert kernels(lowered.as_text()) == [
+        "pallas_flash_ragged_decode_split",
+        "pallas_flash_ragged_decode_merge",
+    ]
+    hlo = lowered.compiler_ir("hlo").as_hlo_text()
+    assert len(re.findall(r" reduce\(", hlo)) == 1 and "scatter" not in hlo
     pages = sds((400, 128, 8, 128), jnp.bfloat16)
-    bs = RaggedBlockSizes(block_kv=128, kv_splits=1, kv_splits_prefill=1)
-    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False, block_sizes=bs)
-    f = functools.partial(ragged_kernel.ragged_forward, **kw)
-    text = lower_for_h200(f, q, pages, pages, tables, *ints, sinks).as_text()
-    assert "_split" not in text
-    assert 'pallas_flash_ragged_decode"' in text and 'pallas_flash_ragged_prefill"' in text
+    kw = dict(scale=0.1, soft_cap=None, window_left=None, interpret=False)
+    for splits, names in [
+        (1, ["pallas_flash_ragged_prefill", "pallas_flash_ragged_decode"]),
+        (
+            2,
+            [
+                "pallas_flash_ragged_prefill_split",
+                "pallas_flash_ragged_prefill_merge",
+                "pallas_flash_ragged_decode_split",
+                "pallas_flash_ragged_decode_merge",
+            ],
+        ),
+    ]:
+        bs = RaggedBlockSizes(block_kv=128, kv_splits=splits, kv_splits_prefill=splits)
+        f = functools.partial(ragged_kernel.ragged_forward, block_sizes=bs, **kw)
+        assert kernels(lower_for_h200(f, q, pages, pages, tables, *ints, sinks).as_text()) == names
 
 
 GPU_CASES = [
@@ -525,4 +696,47 @@ def test_gpu_tiles_and_splits_match_oracle(bs):
     c = GPU_CASES[0]
     args, sinks, oracle_inputs = make_problem(c)
     results = run(c, args, sinks, XLA) + run(c, args, sinks, GPU, block_sizes=bs)
+    check(c, results, oracle_inputs, sinks, ["xla", "triton"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "c",
+    [
+        # A decode step of 40 sequences over ragged caches, padded to a bucket of 48 tokens:
+        # the decode launch alone, split, its merge writing the padding's 0.
+        Case(
+            (1,) * 40,
+            tuple(range(100, 4100, 100)),
+            32,
+            8,
+            128,
+            16,
+            250,
+            pad=8,
+            dtype="bfloat16",
+            max_query_len=1,
+        ),
+        # Speculative tokens (4 a sequence) over 128-key pages, sinks; two sequences of more
+        # tokens than max_query_len output 0.
+        Case(
+            (4,) * 10 + (9, 6),
+            tuple(range(300, 3300, 300)) + (700, 900),
+            16,
+            4,
+            128,
+            128,
+            30,
+            pad=3,
+            sinks=True,
+            dtype="bfloat16",
+            max_query_len=4,
+        ),
+        dataclasses.replace(GPU_CASES[0], max_query_len=1000),
+    ],
+    ids=case_id,
+)
+def test_gpu_max_query_len_matches_oracle(c):
+    args, sinks, oracle_inputs = make_problem(c)
+    results = run(c, args, sinks, XLA, GPU)
     check(c, results, oracle_inputs, sinks, ["xla", "triton"])

@@ -51,6 +51,18 @@ FLAGS = {
         help="decode: gqa mla fp8 speculative; ragged: decode prefill mixed mla fp8 (the case "
         "groups to run; default all)",
     ),
+    "--prefill-tiles": dict(
+        nargs="+",
+        metavar="BMxBKVxWxS",
+        help="ragged: one more call per entry in the prefill and mixed batches, its prefill "
+        "launch's tiles (block_m, block_kv, num_warps, num_stages), e.g. 128x64x4x2",
+    ),
+    "--before": dict(
+        metavar="TREE",
+        help="ragged: first the same run on TREE/pallas_flash (an older copy) in a child "
+        "process, then this tree's, and each call's time side by side (needs --out)",
+    ),
+    "--label": dict(help="ragged: a label for every row, with an id of the run"),
 }
 
 

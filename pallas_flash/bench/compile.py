@@ -23,10 +23,10 @@ import pallas_flash
 from pallas_flash.bench.timing import (
     Rows,
     attention_fn,
-    failure,
     make_inputs,
     print_markdown,
     progress,
+    recording_failure,
 )
 
 HELP = "compile: lowering and compile time of a jit(grad) over 1, 6 and 24 causal layers"
@@ -60,7 +60,7 @@ def compile_row(impl, layers, b, t, n, h, dtype, *, interpret=False) -> dict:
         dtype=jnp.dtype(dtype).name, causal=True,
         cache="on" if jax.config.jax_compilation_cache_dir else "off",
     )  # fmt: skip
-    try:
+    with recording_failure(row):
         args = [make_inputs(b, t, t, n, n, h, dtype, seed=i)[:3] for i in range(layers)]
         f = layered_grad(impl, layers, interpret=interpret)
         start = time.perf_counter()
@@ -75,8 +75,6 @@ def compile_row(impl, layers, b, t, n, h, dtype, *, interpret=False) -> dict:
             compile_s=round(compiled_at - lowered_at, 3),
             first_call_ms=round((called_at - compiled_at) * 1e3, 1),
         )
-    except Exception as e:  # noqa: BLE001 -- an implementation failing is data, not a crash
-        row.update(error=failure(e))
     return row
 
 

@@ -21,10 +21,10 @@ import pallas_flash
 from pallas_flash.bench.timing import (
     Rows,
     device_ms,
-    failure,
     median_ms,
     print_markdown,
     progress,
+    recording_failure,
     tbps,
 )
 
@@ -297,7 +297,7 @@ def matmul_ceiling(dtype, *, on_gpu: bool, repeats: int) -> dict:
     fn = jax.jit(jnp.matmul)
     flops = 2.0 * n**3
     row = dict(suite="decode", group="ceiling", impl="matmul", dtype=jnp.dtype(dtype).name, n=n)
-    try:
+    with recording_failure(row, "ms", "tflops"):  # a failed ceiling is data
         ms = median_ms(fn, (a, a), calls=10 if on_gpu else 1, repeats=repeats)
         row.update(ms=round(ms, 5), tflops=round(flops / ms / 1e9, 2))
         if on_gpu:
@@ -305,8 +305,6 @@ def matmul_ceiling(dtype, *, on_gpu: bool, repeats: int) -> dict:
             row.update(
                 device_ms=round(kernel_ms, 5), device_tflops=round(flops / kernel_ms / 1e9, 2)
             )
-    except Exception as e:  # noqa: BLE001 -- a failed ceiling is data
-        row.update(ms=None, tflops=None, error=failure(e))
     return row
 
 
@@ -419,9 +417,10 @@ def _add_ceilings(case_rows, ceiling):
 def _decode_timing(fn, inputs, traffic, calls, repeats, on_gpu) -> dict:
     """ms and tbps of fn moving `traffic` bytes; on a GPU also its kernels' time (device_ms,
     device_tbps, kernels)."""
-    try:
+    got = {}
+    with recording_failure(got, "ms", "tbps"):  # cuDNN refusing T=1 is data
         ms = median_ms(fn, inputs, calls=calls, repeats=repeats)
-        got = dict(ms=round(ms, 5), tbps=round(tbps(traffic, ms), 4))
+        got.update(ms=round(ms, 5), tbps=round(tbps(traffic, ms), 4))
         if on_gpu:
             kernel_ms, kernels = device_ms(fn, inputs)
             got.update(
@@ -429,9 +428,7 @@ def _decode_timing(fn, inputs, traffic, calls, repeats, on_gpu) -> dict:
                 device_tbps=round(tbps(traffic, kernel_ms), 4),
                 kernels={name: round(t, 5) for name, t in kernels.items()},
             )
-        return got
-    except Exception as e:  # noqa: BLE001 -- cuDNN refusing T=1 is data
-        return dict(ms=None, tbps=None, error=failure(e))
+    return got
 
 
 def _decode_name(case) -> str:

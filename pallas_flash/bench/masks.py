@@ -12,11 +12,11 @@ import pallas_flash
 from pallas_flash.bench.timing import (
     PASSES,
     Rows,
-    failure,
     make_inputs,
     median_ms,
     print_markdown,
     progress,
+    recording_failure,
     timed_fn,
 )
 
@@ -111,11 +111,9 @@ def run(args, *, on_gpu: bool) -> list[dict]:
                 dtype="bfloat16",
                 **{"pass": pass_},
             )
-            try:
+            with recording_failure(row, "ms"):
                 inputs = make_inputs(b, t, t, n, n, h, jnp.bfloat16)
                 row["ms"] = round(median_ms(timed_fn(fn, pass_), inputs, repeats=args.repeats), 4)
-            except Exception as e:  # noqa: BLE001
-                row.update(ms=None, error=failure(e))
             rows.add(row)
             progress(f"{case:22s} {impl:22s} {pass_:7s} {row['ms']} ms {row.get('error', '')}")
     print_mask_table(rows)

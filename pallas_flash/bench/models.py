@@ -14,11 +14,11 @@ import pallas_flash
 from pallas_flash.bench.timing import (
     PASSES,
     Rows,
-    failure,
     kernel_timing,
     median_ms,
     print_markdown,
     progress,
+    recording_failure,
     timed_fn,
 )
 
@@ -180,15 +180,13 @@ def _model_row(family, name, impl, kw, shape, dtype, pass_, inputs, pairs, *, re
         fn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", **kw)
     else:
         fn = functools.partial(pallas_flash.flash_attention, interpret=not on_gpu, **kw)
-    try:
+    with recording_failure(row, "ms", "tflops"):
         timed = timed_fn(fn, pass_)
         ms = median_ms(timed, inputs, calls=10 if on_gpu else 1, repeats=repeats if on_gpu else 1)
         flops = 2.0 * b * n * pairs * (h + hv) * (3.5 if pass_ != "fwd" else 1)
         row.update(ms=round(ms, 4), tflops=float(f"{flops / ms / 1e9:.4g}"))
         if on_gpu:
             row.update(kernel_timing(timed, inputs, flops))
-    except Exception as e:  # noqa: BLE001 -- a peer refusing a shape is data
-        row.update(ms=None, tflops=None, error=failure(e))
     return row
 
 

@@ -17,11 +17,11 @@ import pallas_flash
 from pallas_flash.bench.timing import (
     Rows,
     attention_flops,
-    failure,
     make_inputs,
     median_ms,
     print_markdown,
     progress,
+    recording_failure,
 )
 
 HELP = "overheads: sinks and dropout against the plain call, default and Triton (GPU only)"
@@ -80,15 +80,13 @@ def run(args, *, on_gpu: bool) -> list[dict]:
                 for case, (kwargs, with_sinks) in CASES.items():
                     row = dict(suite="overheads", case=case, B=B, T=T, N=N, H=h, causal=causal)
                     row.update(dtype="bfloat16", **{"pass": pass_})
-                    try:
+                    with recording_failure(row, "ms", "tflops"):
                         if kwargs.get("dropout_rate"):
                             kwargs = dict(kwargs, dropout_rng=jax.random.key(7))
                         f = timed(kwargs, with_sinks, causal, pass_)
                         ms = median_ms(f, (q, k, v, do, sinks), repeats=args.repeats)
                         flops = attention_flops(B, T, T, N, h, causal, pass_)
                         row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
-                    except Exception as e:  # noqa: BLE001
-                        row.update(ms=None, tflops=None, error=failure(e))
                     rows.add(row)
                     progress(
                         f"H={h} causal={int(causal)} {pass_:7s} {case:15s} {row['ms']} ms "

@@ -20,17 +20,36 @@ where named), unless the group says otherwise. Groups (`--cases`, default all):
   `paged_attention` on the same pages, and against ragged over the same cache in bfloat16
   ("bf16").
 
+"ragged" is the call as shapes alone allow; "ragged_hint" passes max_query_len (the batch's
+most new tokens: 1 for a decode batch), where the imported pallas_flash has it.
+--prefill-tiles BMxBKVxWxS ... (e.g. 128x64x4x2) adds a "ragged_tiles_BMxBKVxWxS" call per
+entry to the prefill and mixed batches: the prefill launch with those tiles (block_m_prefill,
+block_kv_prefill, num_warps_prefill, num_stages_prefill), the rest the call's defaults.
+
 Each row: wall ms (`median_ms`) and, on a GPU, kernel ms (`device_ms`, the kernels' time
-without the host's dispatch), TB/s of the K/V bytes the batch must read and TFLOP/s of its
-visible (query, key) pairs (2 (H + Hv) FLOPs each per query head); ratios beside ragged's
-(other's kernel ms / ragged's: > 1 means ragged is faster); max_abs_diff of each output against
-ragged's. On a CPU it runs tiny shapes in the interpreter (a smoke test: times mean nothing).
+without the host's dispatch) with each kernel's ms (`kernels`), TB/s of the K/V bytes the
+batch must read and TFLOP/s of its visible (query, key) pairs (2 (H + Hv) FLOPs each per query
+head); each comparator's time over the ragged calls' (`ratio`: over ragged's, > 1 means ragged
+is faster; `ratio_hint`: over ragged_hint's; `ratios`: over every ragged call's); max_abs_diff
+of each output against ragged's; with --label (or --before) `label` and `run` (one id per
+invocation). --before TREE first runs the same timings in a child process that imports
+pallas_flash from TREE (a copy of an older package: TREE/pallas_flash; calls it lacks are
+rows with their error), labelled "before", then this tree's, labelled "after", and prints each
+call's time side by side (it needs --out, where both runs' rows go). On a CPU it runs tiny
+shapes in the interpreter (a smoke test: times mean nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +60,10 @@ from pallas_flash.bench.timing import Rows, device_ms, median_ms, print_markdown
 
 HELP = (
     "ragged: ragged_paged_attention against paged_attention, flash_attention, padding and one "
-    "call per kind (--cases decode prefill mixed mla fp8; tiny interpreted shapes on a CPU)"
+    "call per kind (--cases decode prefill mixed mla fp8; --prefill-tiles; --before TREE; tiny "
+    "interpreted shapes on a CPU)"
 )
-FLAGS = ("--repeats", "--cases")
+FLAGS = ("--repeats", "--cases", "--prefill-tiles", "--before", "--label")
 CASES = ("decode", "prefill", "mixed", "mla", "fp8")
 REPEATS = 5
 
@@ -132,12 +152,77 @@ def ragged_args(q_rows, q_lens, lengths, k_pages, v_pages, tables):
     return (q_rows, k_pages, v_pages, tables, starts, jnp.asarray(lengths, jnp.int32))
 
 
-def ragged_fn(interpret, heads: Heads = GQA):
+def ragged_fn(interpret, heads: Heads = GQA, **kwargs):
     return jax.jit(
         functools.partial(
-            pallas_flash.ragged_paged_attention, interpret=interpret, **heads.kwargs()
+            pallas_flash.ragged_paged_attention, interpret=interpret, **heads.kwargs(), **kwargs
         )
     )
+
+
+def has_max_query_len() -> bool:
+    """Whether the imported pallas_flash's ragged_paged_attention takes max_query_len."""
+    return "max_query_len" in inspect.signature(pallas_flash.ragged_paged_attention).parameters
+
+
+def parse_tiles(entry: str) -> tuple[int, int, int, int]:
+    """A --prefill-tiles entry "BMxBKVxWxS": (block_m, block_kv, num_warps, num_stages)."""
+    try:
+        bm, bkv, warps, stages = (int(x) for x in entry.split("x"))
+    except ValueError:
+        raise ValueError(
+            f"--prefill-tiles entry {entry!r} must be BMxBKVxWxS (block_m_prefill x "
+            "block_kv_prefill x num_warps_prefill x num_stages_prefill), e.g. 128x64x4x2"
+        ) from None
+    return bm, bkv, warps, stages
+
+
+def ragged_variants(calls, q_lens, interpret, heads: Heads = GQA, tiles=()):
+    """calls with "ragged_hint" (max_query_len) where the imported pallas_flash has it, and one
+    call per prefill tile entry "BMxBKVxWxS" (`--prefill-tiles`), each on ragged's arguments
+    with the call's default tiles but the prefill launch's."""
+    _, args, to_rows = calls["ragged"]
+    if has_max_query_len():
+        hint = ragged_fn(interpret, heads, max_query_len=max(q_lens))
+        calls["ragged_hint"] = (hint, args, to_rows)
+    for entry in tiles:
+        bm, bkv, warps, stages = parse_tiles(entry)
+        q_rows, k_pages = args[0], args[1]
+        default_tiles = pallas_flash.triton.ragged.ragged_block_sizes
+        params = inspect.signature(default_tiles).parameters
+        kwargs = {}
+        if (heads.hv or heads.fp8) and "fmt" in params:  # where the tree knows formats
+            from pallas_flash.triton.cache import CacheFormat
+
+            fmt = CacheFormat(heads.H, heads.value_dim, shared=bool(heads.hv), scaled=heads.fp8)
+            kwargs = dict(fmt=fmt, cache_dtype=k_pages.dtype)
+        # An older tree counts the kernel's sequences (the batch's and two more).
+        old = "num_seqs" in params
+        device = pallas_flash.device.target_device()
+        base = default_tiles(
+            q_rows.shape,
+            len(q_lens) + 2 * old,
+            k_pages.shape[2],
+            args[3].shape[1] * k_pages.shape[1],
+            q_rows.dtype,
+            interpret=interpret,
+            page_size=k_pages.shape[1],
+            num_sms=device.num_sms if device is not None else 132,
+            **kwargs,
+        )
+        bs = dataclasses.replace(
+            base,
+            block_m_prefill=bm,
+            block_kv_prefill=bkv,
+            num_warps_prefill=warps,
+            num_stages_prefill=stages,
+        )
+        calls[f"ragged_tiles_{entry}"] = (
+            ragged_fn(interpret, heads, block_sizes=bs),
+            args,
+            to_rows,
+        )
+    return calls
 
 
 def paged_fn(interpret, heads: Heads = GQA):
@@ -175,6 +260,7 @@ def decode_goal(shapes, interpret, heads: Heads = GQA):
                 ragged_args(q[:, 0], q_lens, lengths, *pages),
                 lambda out: out,
             )
+        calls = ragged_variants(calls, q_lens, interpret, heads)
         name = f"decode B{batch} S{seq}{' ragged' if ragged else ''} page{page}{_tag(heads)}"
         yield name, calls, q_lens, lengths, heads
 
@@ -186,7 +272,7 @@ def _tag(heads: Heads) -> str:
     return tag + (" fp8" if heads.fp8 else "")
 
 
-def prefill_goal(shapes, interpret):
+def prefill_goal(shapes, interpret, tiles=()):
     for batch, seq, page in shapes:
         keys = jax.random.split(jax.random.key(3), 3)
         n, kh, h = GQA.N, GQA.K, GQA.H
@@ -204,6 +290,7 @@ def prefill_goal(shapes, interpret):
                 lambda out: out,
             ),
         }
+        calls = ragged_variants(calls, q_lens, interpret, GQA, tiles)
         for impl, kw in (("flash", {}), ("flash_triton", dict(backend="triton"))):
             if interpret:
                 kw = dict(backend="triton", interpret=True)
@@ -217,7 +304,7 @@ def prefill_goal(shapes, interpret):
         yield f"prefill B{batch} S{seq} page{page}", calls, q_lens, lengths, GQA
 
 
-def mixed_goal(shapes, interpret, heads: Heads = GQA, padded: bool = True):
+def mixed_goal(shapes, interpret, heads: Heads = GQA, padded: bool = True, tiles=()):
     for chunk, decodes, seq, page in shapes:
         batch = decodes + 1
         lengths = np.full(batch, seq)
@@ -257,6 +344,7 @@ def mixed_goal(shapes, interpret, heads: Heads = GQA, padded: bool = True):
                 ragged_args(q_rows, q_lens, lengths, *pages),
                 lambda out: out,
             )
+        calls = ragged_variants(calls, q_lens, interpret, heads, tiles)
         name = f"mixed {chunk} + {decodes} x 1 over S{seq} page{page}{_tag(heads)}"
         yield name, calls, q_lens, lengths, heads
 
@@ -278,21 +366,21 @@ def _padded(paged, q_chunk, q_dec, kp, vp, t, lens):
 MLA = Heads(N=128, K=1, H=576, hv=512)
 
 
-def mla_goal(shapes, interpret):
+def mla_goal(shapes, interpret, tiles=()):
     """The decode batches over MLA's latent pages at 128 and 16 query heads, and a mixed batch
     at 128 (no padded call: T=2048 over 64 sequences and 128 heads is ~68 GiB of logits in
     the reference's way, and the kernel's padded rows cost what the point makes anyway)."""
     decode, mixed = shapes
     for n in (128, 16):
         yield from decode_goal(decode, interpret, dataclasses.replace(MLA, N=n))
-    yield from mixed_goal(mixed, interpret, MLA, padded=False)
+    yield from mixed_goal(mixed, interpret, MLA, padded=False, tiles=tiles)
 
 
-def fp8_goal(shapes, interpret):
+def fp8_goal(shapes, interpret, tiles=()):
     decode, mixed = shapes
     heads = dataclasses.replace(GQA, cache="float8_e4m3fn")
     yield from decode_goal(decode, interpret, heads)
-    yield from mixed_goal(mixed, interpret, heads, padded=False)
+    yield from mixed_goal(mixed, interpret, heads, padded=False, tiles=tiles)
 
 
 def _shapes(on_gpu: bool) -> dict:
@@ -322,15 +410,31 @@ def _shapes(on_gpu: bool) -> dict:
 
 def run(args, *, on_gpu: bool) -> list[dict]:
     """Every group's rows (`--out` gets each as a line of JSON as it comes), then a table of
-    the others' kernel time over ragged's (> 1: ragged faster) with the goals."""
+    the others' kernel time over ragged's (> 1: ragged faster) with the goals; with --before
+    TREE, TREE's run first (`run_before`) and each call's time before and after."""
+    before, label = getattr(args, "before", None), getattr(args, "label", None)
+    tiles = getattr(args, "prefill_tiles", None) or ()
+    for entry in tiles:
+        parse_tiles(entry)
+    run_id = getattr(args, "run", None) or time.strftime("%Y%m%d-%H%M%S")
+    if before is not None:
+        run_before(args, before, run_id)
+        label = "after"
     if not on_gpu:
         print("No GPU: tiny shapes in the interpreter (times mean nothing).", flush=True)
+    where = os.path.dirname(pallas_flash.__file__)
+    print(f"pallas_flash from {where}" + (f" ({label})" if label else ""), flush=True)
     shapes = _shapes(on_gpu)
     interpret, repeats = not on_gpu, args.repeats if on_gpu else 1
     makers = dict(
-        decode=decode_goal, prefill=prefill_goal, mixed=mixed_goal, mla=mla_goal, fp8=fp8_goal
+        decode=decode_goal,
+        prefill=functools.partial(prefill_goal, tiles=tiles),
+        mixed=functools.partial(mixed_goal, tiles=tiles),
+        mla=functools.partial(mla_goal, tiles=tiles),
+        fp8=functools.partial(fp8_goal, tiles=tiles),
     )
     rows = Rows(args.out)
+    key = "kernel_ms" if on_gpu else "ms"
     for goal in [g for g in CASES if g in (args.cases or CASES)]:
         for name, calls, q_lens, lengths, heads in makers[goal](shapes[goal], interpret):
             kv_bytes = heads.kv_bytes(lengths)
@@ -338,6 +442,10 @@ def run(args, *, on_gpu: bool) -> list[dict]:
             measured, outs = {}, {}
             for impl, (fn, args_, to_rows) in calls.items():
                 row = dict(suite="ragged", goal=goal, case=name, impl=impl)
+                if label is not None:
+                    row.update(label=label, run=run_id)
+                if impl == "ragged_hint":
+                    row["max_query_len"] = max(q_lens)
                 try:
                     ms = median_ms(fn, args_, calls=10 if on_gpu else 1, repeats=repeats)
                     row.update(ms=round(ms, 5))
@@ -356,27 +464,89 @@ def run(args, *, on_gpu: bool) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 -- a failing comparator is data
                     row.update(ms=None, error=f"{type(e).__name__}: {str(e)[:300]}")
                 measured[impl] = row
-            base = measured["ragged"]
-            key = "kernel_ms" if on_gpu else "ms"
             for impl, row in measured.items():
                 if impl in outs and "ragged" in outs:
                     row["max_abs_diff"] = float(jnp.max(jnp.abs(outs[impl] - outs["ragged"])))
-                if impl != "ragged" and row.get(key) and base.get(key):
-                    row["ratio"] = round(row[key] / base[key], 3)  # > 1: ragged faster
+                row.update(ratios_over_ragged(measured, impl, key))
                 row.update(kv_bytes=kv_bytes, flops=flops)
                 rows.add(row)
                 shown = "failed: " + row["error"][:80] if row.get("ms") is None else ""
                 if not shown:
                     shown = f"{row[key]:.4f} ms {row['tbps']:.2f} TB/s {row['tflops']:.1f} TFLOP/s"
-                progress(f"{name:52s} {impl:13s} {shown}")
+                progress(f"{name:52s} {impl:24s} {shown}")
     print_ragged_table(rows)
+    if before is not None:
+        print_before_after(read_rows(args.out, run_id))
     return rows
+
+
+def ratios_over_ragged(measured: dict, impl: str, key: str) -> dict:
+    """A comparator's (an impl not named ragged*) time over each ragged call's, as fields:
+    `ratios` {ragged call: ratio}, `ratio` over ragged's and `ratio_hint` over ragged_hint's
+    (> 1: that ragged call is faster); none for the ragged calls or a failed measurement."""
+    row = measured[impl]
+    if impl.startswith("ragged") or not row.get(key):
+        return {}
+    bases = {b: r[key] for b, r in measured.items() if b.startswith("ragged") and r.get(key)}
+    ratios = {b: round(row[key] / t, 3) for b, t in bases.items()}
+    fields = dict(ratios=ratios)
+    for base, field in (("ragged", "ratio"), ("ragged_hint", "ratio_hint")):
+        if base in ratios:
+            fields[field] = ratios[base]
+    return fields
+
+
+def run_before(args, tree: str, run_id: str) -> None:
+    """--before TREE: this module's run in a child process whose pallas_flash is TREE's (TREE
+    first on its PYTHONPATH; `python -P`, so neither this tree nor the working directory comes
+    first), its rows labelled "before" and `run_id` appended to --out."""
+    if not args.out:
+        raise SystemExit("--before needs --out: the rows before and after are compared from it")
+    if not os.path.isdir(os.path.join(tree, "pallas_flash")):
+        raise SystemExit(f"--before {tree}: {tree}/pallas_flash is not a directory")
+    cmd = [sys.executable, "-P", os.path.abspath(__file__), "--out", args.out]
+    cmd += ["--label", "before", "--run", run_id, "--repeats", str(args.repeats)]
+    if args.cases:
+        cmd += ["--cases", *args.cases]
+    tiles = getattr(args, "prefill_tiles", None)
+    if tiles:
+        cmd += ["--prefill-tiles", *tiles]
+    path = [os.path.abspath(tree), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    subprocess.run(cmd, env=env, check=True)
+
+
+def read_rows(path: str, run_id: str) -> list[dict]:
+    """The rows of run `run_id` in the JSONL file at `path`."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if r.get("run") == run_id]
+
+
+def print_before_after(rows, out=None):
+    """Each call's kernel time (wall time where there is none) before and after, and after's
+    over before's, from a --before run's rows (labels "before" and "after")."""
+    times = {}
+    for r in rows:
+        times[(r["goal"], r["case"], r["impl"], r.get("label"))] = r.get("kernel_ms") or r.get("ms")
+    calls = list(dict.fromkeys(call[:3] for call in times))
+    lines = []
+    for goal, case, impl in calls:
+        before, after = (
+            times.get((goal, case, impl, "before")),
+            times.get((goal, case, impl, "after")),
+        )
+        change = f"{after / before:.3f}" if before and after else None
+        lines.append([goal, case, impl, before, after, change])
+    header = ["goal", "case", "impl", "before ms", "after ms", "after / before"]
+    print_markdown(header, lines, title="before -> after (--before):", out=out)
 
 
 def print_ragged_table(rows, out=None):
     """Each call's time (kernel time where measured), TB/s, TFLOP/s, and its time over ragged's
-    (> 1: ragged faster). Goals: decode ragged >= 0.9 x paged (ratio >= 0.9), prefill >= 0.9 x
-    flash (ratio >= 0.9), mixed faster than padded and split (ratios > 1)."""
+    and over ragged_hint's (> 1: ragged faster). Goals: decode ragged >= 0.9 x paged (ratio >=
+    0.9), prefill >= 0.9 x flash (ratio >= 0.9), mixed faster than padded and split (ratios >
+    1)."""
     kernel = any(r.get("kernel_ms") is not None for r in rows)
     key = "kernel_ms" if kernel else "ms"
     lines = []
@@ -391,6 +561,7 @@ def print_ragged_table(rows, out=None):
                 None if time is None else f"{r['tbps']:.2f}",
                 None if time is None else f"{r['tflops']:.1f}",
                 None if "ratio" not in r else f"{r['ratio']:.3f}",
+                None if "ratio_hint" not in r else f"{r['ratio_hint']:.3f}",
                 None if "max_abs_diff" not in r else f"{r['max_abs_diff']:.2g}",
             ]
         )
@@ -399,5 +570,25 @@ def print_ragged_table(rows, out=None):
         "(other / ragged > 1: ragged faster; goals: decode paged >= 0.9, prefill flash >= 0.9, "
         "mixed > 1):"
     )
-    header = ["goal", "case", "impl", "ms", "TB/s", "TFLOP/s", "other / ragged", "max |diff|"]
+    header = ["goal", "case", "impl", "ms", "TB/s", "TFLOP/s", "other / ragged", "other / hint"]
+    header.append("max |diff|")
     print_markdown(header, lines, title=title, out=out)
+
+
+def main(argv=None) -> list[dict]:
+    """--before's child process (`run_before`): the suite on the pallas_flash first on the
+    path, with the flags `run_before` passes."""
+    parser = argparse.ArgumentParser(prog="pallas_flash/bench/ragged.py", allow_abbrev=False)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--label", required=True)
+    parser.add_argument("--run", required=True)
+    parser.add_argument("--repeats", type=int, default=REPEATS)
+    parser.add_argument("--cases", nargs="+", choices=CASES)
+    parser.add_argument("--prefill-tiles", nargs="+")
+    args = parser.parse_args(argv)
+    on_gpu = (pallas_flash.device.gpu_compute_capability() or (0, 0)) >= (8, 0)
+    return run(args, on_gpu=on_gpu)
+
+
+if __name__ == "__main__":
+    main()

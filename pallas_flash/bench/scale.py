@@ -15,11 +15,11 @@ from pallas_flash.bench.decode import decode_inputs
 from pallas_flash.bench.timing import (
     Rows,
     attention_flops,
-    failure,
     make_inputs,
     median_ms,
     print_markdown,
     progress,
+    recording_failure,
     tbps,
     timed_fn,
 )
@@ -105,7 +105,7 @@ def ring_rows(rows, seqs, counts, repeats, on_gpu):
                 dtype=jnp.dtype(dtype).name,
                 **{"pass": "fwd+bwd"},
             )
-            try:
+            with recording_failure(row, "ms"):
                 fn, placed = _ring_call(impl, devices, inputs, backend)
                 ms = median_ms(timed_fn(fn, "fwd+bwd"), placed, calls=1, repeats=repeats)
                 rate = flops / (ms * 1e-3) / devices / 1e12
@@ -116,8 +116,6 @@ def ring_rows(rows, seqs, counts, repeats, on_gpu):
                     tflops_per_device=round(rate, 3),
                     efficiency=round(rate / plain_rate, 3) if plain_rate else None,
                 )
-            except Exception as e:  # noqa: BLE001
-                row.update(ms=None, error=failure(e))
             rows.add(row)
             progress(
                 f"{impl:5s} devices={devices} T={seq:8d} {row.get('ms')} ms "
@@ -175,7 +173,7 @@ def decode_rows(rows, counts, repeats, on_gpu):
                 queries, cache = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "model"))
             row = dict(suite="scale", impl=f"decode_{split}", devices=devices, **case)
             row.update(dtype=jnp.dtype(dtype).name, **{"pass": "fwd"})
-            try:
+            with recording_failure(row, "ms"):
                 shardings = (queries, cache, cache, NamedSharding(mesh, P()))
                 placed = [jax.device_put(x, s) for x, s in zip((q, k, v, lengths), shardings)]
                 ms = median_ms(fn, placed, calls=10 if on_gpu else 1, repeats=repeats)
@@ -183,8 +181,6 @@ def decode_rows(rows, counts, repeats, on_gpu):
                 row.update(
                     ms=round(ms, 4), tbps=round(rate, 3), tbps_per_device=round(rate / devices, 3)
                 )
-            except Exception as e:  # noqa: BLE001
-                row.update(ms=None, error=failure(e))
             rows.add(row)
             progress(
                 f"decode over {split:8s} devices={devices} {row.get('ms')} ms "

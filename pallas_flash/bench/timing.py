@@ -7,6 +7,7 @@ benchmarks/ (through `pallas_flash.bench`, which re-exports them).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -171,6 +172,17 @@ def failure(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e)[:200]}"
 
 
+@contextlib.contextmanager
+def recording_failure(row: dict, *fields: str):
+    """Runs the block that measures `row`: an exception from it becomes the row's `error`
+    (`failure`), with `fields` (what the block would have measured) None. An implementation
+    failing (out of memory, a shape it refuses) is data, not a crash."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- see the docstring
+        row.update(dict.fromkeys(fields), error=failure(e))
+
+
 def run_point(
     impl,
     b,
@@ -204,7 +216,7 @@ def run_point(
         causal=bool(causal),
         **{"pass": pass_},
     )
-    try:
+    with recording_failure(row, "ms", "tflops"):
         fn = attention_fn(impl, is_causal=causal, interpret=interpret, block_sizes=block_sizes)
         args = make_inputs(b, t, s, n, k, h, dtype)
         timed = timed_fn(fn, pass_)
@@ -213,8 +225,6 @@ def run_point(
         row.update(ms=round(ms, 4), tflops=round(flops / ms / 1e9, 1))
         if kernel_time:
             row.update(kernel_timing(timed, args, flops))
-    except Exception as e:  # noqa: BLE001 -- a peer failing (OOM, unsupported) is data, not a crash
-        row.update(ms=None, tflops=None, error=failure(e))
     return row
 
 

@@ -32,6 +32,7 @@ from jax.experimental import pallas as pl
 from pallas_flash import masks
 from pallas_flash._numerics import LOG2E, slack
 from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
+from pallas_flash._vma import pallas_call
 from pallas_flash.masks import PAD_KV_SEGMENT, PAD_Q_SEGMENT, MaskSpec
 from pallas_flash.mosaic.tiles import cdiv
 
@@ -379,7 +380,7 @@ def _kernel_scales(
     keys_out, blocks_out = key_blocks * KEY_BLOCK, cdiv(key_blocks, CHUNK) * CHUNK
     per_key = jax.ShapeDtypeStruct((batch, num_kv_heads, keys_out), jnp.float32)
     per_block = jax.ShapeDtypeStruct((batch, num_kv_heads, blocks_out), jnp.float32)
-    (*key_norms,) = pl.pallas_call(
+    (*key_norms,) = pallas_call(
         functools.partial(
             _key_norms_kernel,
             kv_len=spec.kv_len,
@@ -408,7 +409,7 @@ def _kernel_scales(
             spec, masks.MaskArrays(*segment_ids), ROW_BLOCK, KEY_BLOCK, over="q"
         )
         segment_operands = (*segment_ids, ranges)
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(
             _row_scales_kernel,
             spec=spec,

@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 
+from pallas_flash import _vma
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.mosaic import _module_names
 from pallas_flash.mosaic.tiles import swizzle_bytes
@@ -72,19 +73,26 @@ def warp_specialised_kernel(
     body, *, out_type, scratch_types, grid, grid_names, num_consumers, kernel_name=None
 ):
     """plgpu.kernel as this package's Mosaic kernels launch: num_consumers consumer warpgroups
-    and one producer (axis "wg", the producer last), approximate exp2 and reciprocals."""
-    return plgpu.kernel(
-        body,
-        # A stable module name (see _module_names): the same kernel compiles once per process.
-        kernel_name=kernel_name or _module_names.name(body),
-        out_type=out_type,
-        scratch_types=scratch_types,
-        grid=grid,
-        grid_names=grid_names,
-        num_threads=num_consumers + 1,
-        thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-    )
+    and one producer (axis "wg", the producer last), approximate exp2 and reciprocals. Inside
+    `jax.shard_map` the outputs vary over the manual axes the operands vary over (`_vma`:
+    plgpu.kernel itself types them as varying over none)."""
+
+    def call(*operands):
+        launch = plgpu.kernel(
+            body,
+            # A stable module name (see _module_names): the same kernel compiles once per process.
+            kernel_name=kernel_name or _module_names.name(body),
+            out_type=_vma.typed_like(out_type, *operands),
+            scratch_types=scratch_types,
+            grid=grid,
+            grid_names=grid_names,
+            num_threads=num_consumers + 1,
+            thread_name="wg",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+        )
+        return _vma.vary_like(launch(*operands), *operands)
+
+    return call
 
 
 def warp_specialised_kernel_into(body, *, into, **launch):
@@ -104,7 +112,7 @@ def warp_specialised_kernel_into(body, *, into, **launch):
                 with_refs, out_type=(), kernel_name=_module_names.name(body), **launch
             )(*operands)
 
-        return pl.run_state(stateful)(tuple(into))
+        return _vma.vary_like(pl.run_state(stateful)(tuple(into)), *operands)
 
     return call
 

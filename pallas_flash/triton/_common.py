@@ -32,11 +32,12 @@ def dot(a, b, *, trans_b: bool = False):
 
 
 def store_rows(ref, value, start, block: int, length: int, head_dim: int):
-    """Stores a [block, Hp] tile at rows [start, start + block) of a [length, Hp] ref, masked."""
+    """Stores a [block, Hp] tile at rows [start, start + block) of a [length, Hp] ref, masked
+    to the first head_dim columns (a traced head_dim: a column tile's share of them)."""
     hp = ref.shape[-1]
     rows = start + lax.broadcasted_iota(jnp.int32, (block, 1), 0)
     mask = rows < length
-    if head_dim != hp:
+    if not isinstance(head_dim, int) or head_dim != hp:
         mask = mask & (lax.broadcasted_iota(jnp.int32, (1, hp), 1) < head_dim)
     plgpu.store(ref, value.astype(ref.dtype), mask=mask)
 

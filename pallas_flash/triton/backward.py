@@ -26,6 +26,7 @@ from pallas_flash._numerics import (
     slack,
 )
 from pallas_flash._pallas_triton import CompilerParams, fold, load_rows, load_vector
+from pallas_flash._vma import pallas_call
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton._common import (
     Operands,
@@ -654,7 +655,7 @@ def flash_backward(
         operands.append(ranges)
         in_specs.append(pl.BlockSpec(ranges.shape, lambda j, h, b: (0, 0, 0, 0)))
     operands, in_specs = with_dropout_tables(operands, in_specs, arrays, dropout_rate, spec)
-    dk, dv = pl.pallas_call(
+    dk, dv = pallas_call(
         dkv_kernel,
         grid=(pl.cdiv(kv_len, block_kv), num_kv_heads, batch),
         in_specs=in_specs,
@@ -682,7 +683,7 @@ def flash_backward(
     extra, extra_specs = mask_operands(spec, arrays, block_q, q_tile, ranges)
     extra, extra_specs = with_dropout_tables(extra, extra_specs, arrays, dropout_rate, spec)
 
-    dq = pl.pallas_call(
+    dq = pallas_call(
         functools.partial(
             _dq_kernel,
             spec=spec,
@@ -839,7 +840,7 @@ def _dbias(
     )
     num_q_tiles = pl.cdiv(q_len, block_q)
     out_rows, out_cols = (1 if sum_rows else block_q), (1 if sum_cols else kv_len)
-    dbias = pl.pallas_call(
+    dbias = pallas_call(
         kernel,
         grid=(num_q_tiles, bias_heads, bias_batch),
         in_specs=in_specs,

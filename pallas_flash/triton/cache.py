@@ -156,11 +156,13 @@ def read_tiles(fmt: CacheFormat, load, k_ref, v_ref, dtype):
     return keys, keys[0] if fmt.shared else value.astype(dtype)
 
 
-def scales_of(fmt: CacheFormat, k_scale_ref, v_scale_ref, kv_head):
-    """(k_scale, v_scale) float32 scalars of this KV head, or (None, None) unscaled."""
+def scales_of(fmt: CacheFormat, k_scale_ref, v_scale_ref, kv_head, dtype):
+    """(k_scale, v_scale) scalars of this KV head in `dtype` (the softmax's: float64 for
+    float64 queries, so that the key scale folds into the logits' scale unrounded), or (None,
+    None) unscaled."""
     if not fmt.scaled:
         return None, None
-    return k_scale_ref[kv_head], v_scale_ref[kv_head]
+    return k_scale_ref[kv_head].astype(dtype), v_scale_ref[kv_head].astype(dtype)
 
 
 def logit_scale_and_unit(scale: float, soft_cap, k_scale):

@@ -22,6 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, MIN_LOGIT, accumulation_dtype, log_sum_with_sinks
 from pallas_flash._pallas_triton import CompilerParams, cdiv, div, fold, rem
+from pallas_flash._vma import pallas_call
 from pallas_flash.call import Call
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -144,7 +145,9 @@ def _decode_kernel(
 
         return read_tiles(fmt, load, k_ref, v_ref, qs[0].dtype)
 
-    k_scale, v_scale = scales_of(fmt, k_scale_ref, v_scale_ref, pl.program_id(1))
+    k_scale, v_scale = scales_of(
+        fmt, k_scale_ref, v_scale_ref, pl.program_id(1), accumulation_dtype(q_ref.dtype)
+    )
     logit_scale, unit = logit_scale_and_unit(scale, soft_cap, k_scale)
 
     def body(j, carry, *, masked: bool):
@@ -795,7 +798,7 @@ def decode_forward(
     row_shape = jax.ShapeDtypeStruct((padded_items, num_kv_heads, num_rows), acc)
     # Split items also store log_sum, which their merge weighs them by (lse and log_sum).
     rows_out = 2 if splits > 1 or with_log_sum else 1
-    out, *rows = pl.pallas_call(
+    out, *rows = pallas_call(
         kernel,
         grid=(num_m_tiles, num_kv_heads, items),
         in_specs=in_specs,
@@ -881,7 +884,7 @@ def _merge(runs, out, lse, log_sum, schedule: Schedule, tiles: MergeTiles, dtype
     # Grid axis 0: the row tile and the column tile of a program, columns fastest.
     rows = lambda rc: div(rc, col_tiles)  # noqa: E731
     cols = lambda rc: rem(rc, col_tiles)  # noqa: E731
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(pl.cdiv(num_rows, block_r) * col_tiles, num_kv_heads, batch),
         in_specs=[

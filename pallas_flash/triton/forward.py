@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 from pallas_flash import _dropout, masks
 from pallas_flash._numerics import accumulation_dtype, log_sum_with_sinks, sink_in_units
 from pallas_flash._pallas_triton import CompilerParams, load_rows, load_vector
+from pallas_flash._vma import pallas_call
 from pallas_flash.device import gpu_core_count
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import with_sinks
@@ -330,7 +331,7 @@ def flash_forward(
     acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs (the interpreter)
     row_shape = jax.ShapeDtypeStruct((batch * splits, num_heads, q_len), acc)
     num_rows = 2 + with_row_max  # lse, log_sum and the row max
-    out, lse, log_sum, *row_max = pl.pallas_call(
+    out, lse, log_sum, *row_max = pallas_call(
         kernel,
         grid=(num_q_tiles, num_heads, batch * splits),
         in_specs=in_specs,

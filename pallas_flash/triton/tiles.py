@@ -225,13 +225,10 @@ class DecodeBlockSizes:
       kv_splits: programs per sequence (on average, with schedule="balanced") that share the
         keys, combined by logsumexp; 0 (the default) picks it by `split_rule`; 1 turns
         splitting off.
-      split_rule: with kv_splits=0, "slots" (the default, measured best across the decode
-        shapes on the H200): enough splits for two waves of the GPU's CTA slots (one wave
-        for tiles of 64 or more rows), lowered to a last wave at least 90% full, each split
-        keeping at least 1024 keys unless the cache is cut in four or fewer, at most 64;
-        "cores": about eight programs per SM, at least 1024 keys per split, at most 64;
-        "full-waves": the cores rule lowered to a last wave at least 90% full; "occupancy":
-        one wave of the CTA slots (see `waves`, `min_split_keys`).
+      split_rule: with kv_splits=0, "slots" (the default: about two waves of the GPU's CTA
+        slots), "cores" (about eight programs per SM), "full-waves" (the cores rule lowered
+        to a full last wave) or "occupancy" (`waves`, `min_split_keys`); each rule in full:
+        docs/decoding.md, "The kernel".
       schedule: how split programs share the keys. "balanced": the key tiles of the whole batch
         are cut into equal runs, a sequence taking as many runs as its length needs, so a batch
         of ragged lengths keeps every program equally busy (XLA plans the runs once per call;

@@ -50,18 +50,24 @@ from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, flash_forward
+from pallas_flash.mosaic import (
+    BackwardTiles,
+    ForwardTiles,
+    backward_tiles,
+    flash_backward,
+    flash_forward,
+)
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic import schedule as mosaic_schedule
 from pallas_flash.mosaic.backward import (
-    SMEM_BYTES,
     _dkv_mask_sides,
     _dq_mask_sides,
     _kv_tile_ranges,
     _q_tile_ranges,
     default_tiles,
 )
+from pallas_flash.mosaic.tiles import SMEM_BYTES
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
 
@@ -935,7 +941,7 @@ def test_the_dispatch_never_gives_the_mosaic_backward_what_it_would_drop(spec_op
         spec=spec,
         has_bias=has_bias,
     )
-    assert mosaic_backward_module.unsupported_options(spec, soft_cap=None, has_bias=has_bias)
+    assert backward_tiles.unsupported_options(spec, soft_cap=None, has_bias=has_bias)
     assert dispatch.choose(call, Device.h200(), scale=0.1).backward == "triton"
     with pytest.raises(NotImplementedError, match="backend='mosaic' does not support"):
         dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")

@@ -56,9 +56,9 @@ from pallas_flash.mosaic.schedule import (
     segment_tile_plan,
 )
 from pallas_flash.mosaic.tiles import (
-    CONSUMER_REGISTERS,
+    FORWARD_CONSUMER_REGISTERS,
+    FORWARD_PRODUCER_REGISTERS,
     NUM_CONSUMERS,
-    PRODUCER_REGISTERS,
     ForwardTiles,
     aligned_len,
     cdiv,
@@ -449,7 +449,7 @@ def _forward_kernel(
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(FORWARD_CONSUMER_REGISTERS, action="increase")
 
         def buffer(n):
             index = lax.rem(n, tiles.q_buffers) if persistent else 0
@@ -526,7 +526,7 @@ def _forward_kernel(
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
 
         def produce_item(n, steps_before):
             batch, head, _, cta_range = item(n)

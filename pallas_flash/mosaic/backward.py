@@ -67,6 +67,19 @@ from pallas_flash._numerics import (
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import fixed_point, launch
+from pallas_flash.mosaic._kernel_common import (
+    clip,
+    per_col,
+    per_row,
+    recomputed_probs,
+    step_tile,
+    step_zero,
+    tile_keep,
+    tile_smem,
+    times,
+    wgmma_iota,
+    wgmma_zeros,
+)
 from pallas_flash.mosaic.backward_tiles import (
     BACKWARD_PRODUCER_REGISTERS,
     BackwardTiles,
@@ -82,13 +95,11 @@ from pallas_flash.mosaic.launch import (
     num_sms,
     pad_ids,
     pad_to,
-    smem_transforms,
-    soft_cap_share,
     warp_specialised_kernel,
     warp_specialised_kernel_into,
     zero_non_finite,
 )
-from pallas_flash.mosaic.schedule import grouped_launch, launch_group, tile_plan
+from pallas_flash.mosaic.schedule import launch_group, launched_cta, tile_plan
 from pallas_flash.mosaic.tiles import aligned_len, cdiv
 
 
@@ -344,95 +355,6 @@ def flash_backward(
     return dq, dk, dv
 
 
-def _launched_cta(names, launch_units: int):
-    """(batch, unit, tile) of this CTA from its grid position (axes `names`), the units going
-    launch_units (batch, unit) pairs at a time (`schedule.grouped_launch`)."""
-    batch, unit, tile = (lax.axis_index(name) for name in names)
-    if launch_units == 1:
-        return batch, unit, tile
-    units = lax.axis_size(names[1])
-    unit, tile = grouped_launch(
-        batch * units + unit,
-        tile,
-        units=lax.axis_size(names[0]) * units,
-        tiles=lax.axis_size(names[2]),
-        group=launch_units,
-    )
-    return lax.div(unit, units), lax.rem(unit, units), tile
-
-
-def _tile_smem(shape, dtype):
-    """A 16-bit tile [.., rows, cols] in shared memory under its column count's swizzle, as in
-    the forward (`smem_transforms`): what TMA and wgmma both read without bank conflicts, also
-    through a transposed view. Every wgmma of both kernels reads its two shared-memory
-    operands at one column count: S^T = K Q^T and S = Q K^T at H, dP^T = V dO^T and
-    dP = dO V^T at Hv; dV += P^T dO, dK += dS^T Q and dQ += dS K read one (B, transposed)."""
-    return plgpu.SMEM(shape, dtype, transforms=smem_transforms(shape[-1], dtype))
-
-
-def _rows(x, shape):
-    """Broadcast a per-row vector [rows] (layout WGMMA.reduce(1)) over the columns of `shape`."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _cols(x, shape):
-    """Broadcast a per-column vector [cols] (layout WGMMA.reduce(0)) over the rows of `shape`."""
-    return lax.broadcast_in_dim(x, shape, [1])
-
-
-def _iota(shape, dim):
-    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
-
-
-def _wgmma_zeros(shape):
-    return plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-
-
-def _times(x, factor: float):
-    """x * factor, without the multiply when factor is 1."""
-    return x if factor == 1.0 else x * factor
-
-
-def _clip(x, lo, hi):
-    if all(isinstance(v, int) for v in (x, lo, hi)):
-        return min(max(x, lo), hi)
-    return jnp.minimum(jnp.maximum(x, lo), hi)
-
-
-def _probs(s, lse2, bound, broadcast, *, qk_scale: float, scale: float, soft_cap):
-    """(P, P * dcap) of an f32 tile of logits s = q.k from lse2 = lse * log2(e) (lowered) and
-    bound = -log2 of the softmax denominator relative to the max (0: unknown) per query:
-    P = exp2(min(logit * log2(e) - lse2, bound)), dcap the soft cap's derivative 1 - tanh^2
-    (P itself without a cap).
-
-    P <= 1 / l: lse is rounded, and a few ulps of a logit beyond 2^31 would overflow exp2; the
-    lowered lse2 puts a row's largest logits on the clamp, so keys that tie at the max get
-    exactly 1 / l however their logits round. lse2 is +inf for rows that see no key and rows
-    past T: P = 0 there. The capped logits are the forward's (`forward._capped_logits`):
-    tanh(x) = 1 - 2r with r = 1 / (exp(2x) + 1) (`launch.soft_cap_share`), whose 1 - tanh^2 =
-    4r(1 - r) stays exact as tanh nears +-1 (where 1 - tanh * tanh would cancel), and is 0, not
-    NaN, where exp2 overflows (r = 0) or underflows (r = 1).
-    """
-    lse2, bound = broadcast(lse2, s.shape), broadcast(bound, s.shape)
-    if soft_cap is None:
-        p = jnp.exp2(jnp.minimum(s * qk_scale - lse2, bound))
-        return p, p
-    cap2 = soft_cap * LOG2E
-    r = soft_cap_share(jnp.exp2(s * (2.0 * LOG2E * scale / soft_cap)))
-    p = jnp.exp2(jnp.minimum(cap2 - (2.0 * cap2) * r - lse2, bound))
-    return p, p * (4.0 * r * (1.0 - r))
-
-
-def _keep(q_hashes, kv_hashes, shape, *, rate: float, q_axis: int):
-    """bool tile of `shape`: `_dropout.keep` of its (query row, key) pairs, the forward's
-    keep-mask. q_hashes: (row_mul, row_add) of the tile's query rows, kv_hashes: the keys'
-    col hashes, each a vector in the layout that broadcasts along the tile; q_axis: the tile
-    axis of the query rows (0 in dQ, 1 in the transposed tiles of dK/dV)."""
-    on_q, on_kv = (_rows, _cols) if q_axis == 0 else (_cols, _rows)
-    row_mul, row_add = q_hashes
-    return _dropout.keep(on_q(row_mul, shape), on_q(row_add, shape), on_kv(kv_hashes, shape), rate)
-
-
 # -- dK / dV --------------------------------------------------------------------------------------
 
 
@@ -452,7 +374,7 @@ def _q_tile_ranges(spec: MaskSpec, tiles: BackwardTiles, cta_kv_start, kv_start)
     block_q = tiles.block_q_dkv
     first, _, _, end = geometry.q_tile_range(cta_kv_start, block_q, tiles.cta_kv_rows)
     ranges = geometry.q_tile_range(kv_start, block_q, tiles.block_kv_dkv)
-    return (first, end), tuple(_clip(x, first, end) for x in ranges)
+    return (first, end), tuple(clip(x, first, end) for x in ranges)
 
 
 def _dkv_mask_sides(spec: MaskSpec, tiles: BackwardTiles) -> tuple[bool, bool]:
@@ -522,10 +444,10 @@ def _dkv_call(
         ),
     )
     scratch = dict(
-        k_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
-        v_smem=_tile_smem((kv_blocks, tiles.block_kv_dkv, value_head_dim), q.dtype),
-        q_smem=_tile_smem((n_s, block_q, head_dim), q.dtype),
-        do_smem=_tile_smem((n_s, block_q, value_head_dim), q.dtype),
+        k_smem=tile_smem((kv_blocks, tiles.block_kv_dkv, head_dim), q.dtype),
+        v_smem=tile_smem((kv_blocks, tiles.block_kv_dkv, value_head_dim), q.dtype),
+        q_smem=tile_smem((n_s, block_q, head_dim), q.dtype),
+        do_smem=tile_smem((n_s, block_q, value_head_dim), q.dtype),
         # lse2 and bound rows (and with fused_dq "fixed" the rows' scales)
         lse_smem=plgpu.SMEM((n_s, lse2.shape[2], block_q), jnp.float32),
         delta_smem=plgpu.SMEM((n_s, block_q), jnp.float32),
@@ -587,7 +509,7 @@ def _dkv_call(
     # of the steps it computes (`_DQSink`).
     dq_dtype = jnp.int32 if tiles.fixed_point_dq else jnp.float32
     scratch.update(
-        ds_smem=_tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
+        ds_smem=tile_smem((n_c, tiles.block_kv_dkv, block_q), q.dtype),
         dq_partial_smem=plgpu.SMEM((n_c, fused_dq_rows(tiles, head_dim), block_q), dq_dtype),
     )
     if n_c > 1:
@@ -658,15 +580,14 @@ def _dkv_kernel(
     q_ref: [B, T', N, H], do_ref: [B, T', N, Hv]; k_ref, dk_ref: [B, S', K, H], v_ref,
     dv_ref: [B, S', K, Hv] (dk_ref and dv_ref with head_splits > 1 f32 partials
     [B, S', K * head_splits, ..]); lse2_ref: f32 [B, N, 2, T''], the rows' lse * log2(e) (+inf
-    for rows without keys) and bound (`_probs`); delta_ref: f32 [B, N, T'']. With segment ids,
-    refs starts with q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B, ceil(S /
-    cta_kv_rows), dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With dropout_rate > 0
-    the dropout
-    tables follow: drop_rows_ref [B, N, 2, T''] (the query rows' row_mul and row_add) and
-    drop_col_ref [B, N, S'' / block_kv_dkv, block_kv_dkv] (the keys' col), each step's copied
-    with its Q into the ring (the keys' of the step's head: the CTA's blocks). Grid axis
-    "kv_head" c is KV head
-    c // head_splits, query heads [c * group, (c + 1) * group), and row c of dk/dv_ref. The CTA
+    for rows without keys) and bound (`recomputed_probs`); delta_ref: f32 [B, N, T'']. With
+    segment ids, refs starts with q_ids_ref [B, T'], kv_ids_ref [B, S'] and plan_ref [B,
+    ceil(S / cta_kv_rows), dkv_key_blocks + 1, 4] (`schedule.tile_plan` over="kv"). With
+    dropout_rate > 0 the dropout tables follow: drop_rows_ref [B, N, 2, T''] (the query rows'
+    row_mul and row_add) and drop_col_ref [B, N, S'' / block_kv_dkv, block_kv_dkv] (the keys'
+    col), each step's copied with its Q into the ring (the keys' of the step's head: the CTA's
+    blocks). Grid axis "kv_head" c is KV head c // head_splits, query heads [c * group, (c + 1)
+    * group), and row c of dk/dv_ref. The CTA
     streams query tiles [first, end): the producer's step s loads query head
     c * group + s // (end - first), query tile first + s % (end - first) into ring slot
     s % num_stages.
@@ -679,7 +600,7 @@ def _dkv_kernel(
     drop_col_ref = id_refs.pop() if dropout_rate else None
     drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
-    batch, cta_head, kv_tile = _launched_cta(("batch", "kv_head", "kv_tile"), launch_units)
+    batch, cta_head, kv_tile = launched_cta(("batch", "kv_head", "kv_tile"), launch_units)
     kv_head = lax.div(cta_head, jnp.int32(head_splits)) if head_splits > 1 else cta_head
     cta_kv_start = kv_tile * tiles.cta_kv_rows
     wg = lax.axis_index("wg")
@@ -795,13 +716,6 @@ def _dkv_kernel(
         )
 
 
-def _step_zero(step, step_descriptors: bool):
-    """0 for CTA step `step` (>= -1), computed once per step: with step_descriptors through
-    `launch.opaque_zero`, so that the tiles a step's wgmmas address at block + it (K, V, the
-    fused dQ's K^T and dS^T) have their descriptors rebuilt each step."""
-    return launch.opaque_zero(step) if step_descriptors else 0
-
-
 @dataclasses.dataclass(frozen=True)
 class _DQSink:
     """Where the dK/dV consumers put dQ's partial of each CTA step (tiles.fused_dq), transposed:
@@ -876,7 +790,7 @@ class _DQSink:
         """Before the first step. Halves: step -1's tiles are zeros (its partial is computed,
         never added), so that every step computes the partial of the one before."""
         if self.halves:
-            self.ds_smem.at[self.consumer][...] = _wgmma_zeros(self.ds_smem.shape[1:]).astype(
+            self.ds_smem.at[self.consumer][...] = wgmma_zeros(self.ds_smem.shape[1:]).astype(
                 self.ds_smem.dtype
             )
             plgpu.commit_smem()
@@ -893,7 +807,7 @@ class _DQSink:
             pl.when(read)(lambda: plgpu.barrier_wait(self.ds_read.at[self.consumer]))
         tile = self.ds_smem.at[self.consumer]
         if ds_t is None:
-            ds_t = _wgmma_zeros(tile.shape).astype(tile.dtype)
+            ds_t = wgmma_zeros(tile.shape).astype(tile.dtype)
         tile[...] = ds_t
         plgpu.commit_smem()
         if self.consumers > 1:
@@ -901,7 +815,7 @@ class _DQSink:
 
     def issue(self, acc_ref, zero):
         """The wgmmas of dQ^T's partial (this consumer's rows) into acc_ref; the tiles at
-        block + zero (`_step_zero`)."""
+        block + zero (`step_zero`)."""
         rows = self.partial_smem.shape[0]
         for block in range(self.consumers):
             k_t = self.k_smem.at[block + zero]
@@ -934,8 +848,8 @@ class _DQSink:
 
             s_t, partial = pl.run_state(both)(
                 (
-                    plgpu.ACC.init(_wgmma_zeros(st_shape)),
-                    plgpu.ACC.init(_wgmma_zeros(self.partial_smem.shape)),
+                    plgpu.ACC.init(wgmma_zeros(st_shape)),
+                    plgpu.ACC.init(wgmma_zeros(self.partial_smem.shape)),
                 )
             )
             self._read_done()
@@ -970,7 +884,7 @@ class _DQSink:
         self._wait_tiles(step)
 
         def dq_into(acc_ref):
-            self.issue(acc_ref, _step_zero(step, self.step_descriptors))
+            self.issue(acc_ref, step_zero(step, self.step_descriptors))
             return acc_ref[...]
 
         partial = pl.run_scoped(dq_into, plgpu.ACC(self.partial_smem.shape, jnp.float32))
@@ -983,7 +897,7 @@ class _DQSink:
     def _head_tile(self, step):
         """(query head, query tile) of CTA step `step`."""
         head = self.first_head + lax.div(step, self.cta_tiles)
-        return head, _step_tile(step, self.first, self.cta_tiles)
+        return head, step_tile(step, self.first, self.cta_tiles)
 
     def _store(self, partial, step):
         """Adds this consumer's partial of CTA step `step` into dQ^T (or stores it into its
@@ -1052,12 +966,6 @@ class _PHandoff:
     k_loaded: object
 
 
-def _step_tile(step, first, cta_tiles):
-    """The query tile of a dK/dV CTA's step: the CTA streams tiles [first, first + cta_tiles)
-    of each head in turn."""
-    return first + lax.rem(step, cta_tiles)
-
-
 def _produce_dkv(
     q_ref,
     do_ref,
@@ -1076,7 +984,7 @@ def _produce_dkv(
 ):
     """Producer warpgroup: TMA Q, lse, dO, delta (and the rows' segment ids; with drop_refs,
     the dropout tables' hashes of the rows and of the CTA kv_tile's keys) of every (head,
-    query tile) step, in order, over query heads [first_head, first_head + group) (`_step_tile`)."""
+    query tile) step, in order, over query heads [first_head, first_head + group) (`step_tile`)."""
     block_q, num_stages = tiles.block_q_dkv, tiles.num_stages
     first, end = cta_range
     cta_tiles = end - first
@@ -1085,7 +993,7 @@ def _produce_dkv(
     def _step(step):
         slot = ring.slot(step)
         head = first_head + lax.div(step, cta_tiles)
-        q_start = _step_tile(step, first, cta_tiles) * block_q
+        q_start = step_tile(step, first, cta_tiles) * block_q
         rows = (batch, pl.ds(q_start, block_q), head)
         vector = (batch, head, pl.ds(q_start, block_q))
         # The first num_stages steps fill empty slots; later ones wait for the consumers. Q and
@@ -1167,7 +1075,7 @@ def _consume_dkv(
 
     def kv_at(zero):
         """(K, V) of this consumer's keys as a step's wgmmas read them, at key_block + zero
-        (`_step_zero`)."""
+        (`step_zero`)."""
         if not tiles.step_descriptors:
             return k_smem, v_smem
         return k_blocks.at[key_block + zero], v_blocks.at[key_block + zero]
@@ -1200,8 +1108,8 @@ def _consume_dkv(
         # (dP^T - delta) is NaN there when V is at a key that only they see (a hidden key
         # between T and the last query tile's end, causal): they are masked in a ragged last
         # tile (with segment ids their padding ids do it).
-        q_pos = i * block_q + _iota(tile_shape, 1)
-        kv_pos = kv_start + _iota(tile_shape, 0)
+        q_pos = i * block_q + wgmma_iota(tile_shape, 1)
+        kv_pos = kv_start + wgmma_iota(tile_shape, 0)
         if kv_seg is None:
             visible = masks.visible(spec, q_pos, kv_pos)
             if spec.q_len % block_q:
@@ -1210,7 +1118,7 @@ def _consume_dkv(
         # The query tile's ids ride in Q's slot: read before the slot is released.
         q_seg = plgpu.load(ring.q_ids_smem.at[slot], layout=col_layout)
         return masks.visible(
-            spec, q_pos, kv_pos, _cols(q_seg, tile_shape), _rows(kv_seg, tile_shape)
+            spec, q_pos, kv_pos, per_col(q_seg, tile_shape), per_row(kv_seg, tile_shape)
         )
 
     def keep_t(slot):
@@ -1221,7 +1129,7 @@ def _consume_dkv(
         kv_hashes = plgpu.load(
             ring.drop_col_smem.at[slot, key_block], layout=plgpu.Layout.WGMMA.reduce(1)
         )
-        return _keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1), kv_hashes
+        return tile_keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1), kv_hashes
 
     def probs_t(i, slot, step, zero, *, masked: bool):
         """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
@@ -1229,7 +1137,7 @@ def _consume_dkv(
         With dropout P^T * keep^T: dV takes it, scaled by 1 / (1 - rate) once in the epilogue;
         dS^T computes the mask again (`ds_of`).
 
-        step: the CTA step, zero its `_step_zero`; with dq_sink, S^T's wait also takes this
+        step: the CTA step, zero its `step_zero`; with dq_sink, S^T's wait also takes this
         consumer's dQ partial of the step before (`_DQSink.with_st`)."""
 
         # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
@@ -1246,8 +1154,8 @@ def _consume_dkv(
             s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
         lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=col_layout) for j in (0, 1))
         # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
-        p_t, pd_t = _probs(
-            s_t, lse2, bound, _cols, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap
+        p_t, pd_t = recomputed_probs(
+            s_t, lse2, bound, per_col, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap
         )
         if masked:
             # A select, not a product: NaN in K at a hidden key is in S^T.
@@ -1256,7 +1164,7 @@ def _consume_dkv(
             pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
         if dropout_rate:
             keep, kv_hashes = keep_t(slot)
-            p_t = jnp.where(keep, p_t, _rows(dropped_value(kv_hashes), tile_shape))
+            p_t = jnp.where(keep, p_t, per_row(dropped_value(kv_hashes), tile_shape))
         return p_t, pd_t
 
     def ds_of(pd_t, dp_t, delta, slot):
@@ -1264,16 +1172,16 @@ def _consume_dkv(
         it is returned over 1 / (1 - rate), P^T * dcap * (keep^T * dP^T - delta * (1 - rate)),
         and dK's epilogue multiplies it back (dk_scale)."""
         if not dropout_rate:
-            return pd_t * (dp_t - _cols(delta, tile_shape))
+            return pd_t * (dp_t - per_col(delta, tile_shape))
         keep, _ = keep_t(slot)
-        delta = _cols(delta * (1.0 - dropout_rate), tile_shape)
+        delta = per_col(delta * (1.0 - dropout_rate), tile_shape)
         return pd_t * (jnp.where(keep, dp_t, 0.0) - delta)
 
     def dkdv_step(i, carry, *, base, masked: bool):
         dk, dv = carry
         step = base + i - first
         slot = ring.slot(step)
-        zero = _step_zero(step, tiles.step_descriptors)
+        zero = step_zero(step, tiles.step_descriptors)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         p_t, pd_t = probs_t(i, slot, step, zero, masked=masked)
 
@@ -1287,7 +1195,7 @@ def _consume_dkv(
             plgpu.wgmma(dpt_ref, kv_at(zero)[1], ring.do_smem.at[slot].T)
 
         dv, dp_t = pl.run_state(dv_dpt_into)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(_wgmma_zeros(tile_shape)))
+            (plgpu.ACC.init(dv), plgpu.ACC.init(wgmma_zeros(tile_shape)))
         )
         delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
         plgpu.barrier_arrive(ring.do_free.at[slot])
@@ -1309,7 +1217,7 @@ def _consume_dkv(
             if tiles.fixed_point_dq:
                 # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point`'s scales).
                 row_scale = plgpu.load(ring.lse_smem.at[slot, 2], layout=col_layout)
-                ds_dq = ds_in * _cols(row_scale.astype(dtype), tile_shape)
+                ds_dq = ds_in * per_col(row_scale.astype(dtype), tile_shape)
             # Stored before dK's wgmma: the other consumer may read it too.
             dq_sink.put(ds_dq, step)
 
@@ -1324,7 +1232,7 @@ def _consume_dkv(
         (dv,) = carry
         step = base + i - first
         slot = ring.slot(step)
-        zero = _step_zero(step, tiles.step_descriptors)
+        zero = step_zero(step, tiles.step_descriptors)
         plgpu.barrier_wait(ring.q_ready.at[slot])
         p_t, pd_t = probs_t(i, slot, step, zero, masked=masked)
         # Q's (and the query ids' and hashes') last reader in this consumer was S^T (and the
@@ -1348,7 +1256,7 @@ def _consume_dkv(
         (dk,) = carry
         step = base + i - first
         slot = ring.slot(step)
-        zero = _step_zero(step, tiles.step_descriptors)
+        zero = step_zero(step, tiles.step_descriptors)
         plgpu.barrier_wait(ring.do_ready.at[slot])
 
         # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
@@ -1402,8 +1310,8 @@ def _consume_dkv(
         return carry
 
     dk_zeros, dv_zeros = (
-        _wgmma_zeros((block_kv, head_dim)),
-        _wgmma_zeros((block_kv, value_head_dim)),
+        wgmma_zeros((block_kv, head_dim)),
+        wgmma_zeros((block_kv, value_head_dim)),
     )
     plgpu.barrier_wait(kv_loaded)
     if dq_sink is not None and spec.has_key_ranges:
@@ -1425,7 +1333,7 @@ def _consume_dkv(
             # reader (and after V landed: it arrives on p_free first once V has).
             plgpu.barrier_wait(handoff.p_free)
         staging = partials[1] if partials is not None else (v_smem if crossed else k_smem)
-        _store_rows(staging, _times(dv, keep_scale), dv_ref.at[out_rows])
+        _store_rows(staging, times(dv, keep_scale), dv_ref.at[out_rows])
         return
     if role == "dk":
         # The buffer starts empty: the dV consumer's first wait on p_free passes.
@@ -1447,12 +1355,12 @@ def _consume_dkv(
     if partials is not None:
         # -- epilogue: the f32 partials one after the other through the staging tiles --
         _store_rows(partials[0], dk * dk_scale, dk_ref.at[out_rows])
-        _store_rows(partials[1], _times(dv, keep_scale), dv_ref.at[out_rows])
+        _store_rows(partials[1], times(dv, keep_scale), dv_ref.at[out_rows])
         return
 
     # -- epilogue: K and V are dead (their last readers, this consumer's wgmmas, are done) --
     k_smem[...] = (dk * dk_scale).astype(dtype)
-    v_smem[...] = _times(dv, keep_scale).astype(dtype)
+    v_smem[...] = times(dv, keep_scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
     plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
@@ -1477,7 +1385,7 @@ def _kv_tile_ranges(spec: MaskSpec, tiles: BackwardTiles, cta_q_start, q_start):
     block_kv = tiles.block_kv_dq
     first, _, _, end = spec.kv_tile_range(cta_q_start, tiles.cta_q_rows, block_kv)
     ranges = spec.kv_tile_range(q_start, tiles.block_q_dq, block_kv)
-    return (first, end), tuple(_clip(x, first, end) for x in ranges)
+    return (first, end), tuple(clip(x, first, end) for x in ranges)
 
 
 def _dq_mask_sides(spec: MaskSpec, tiles: BackwardTiles) -> tuple[bool, bool]:
@@ -1523,12 +1431,12 @@ def _dq_call(
         ),
     )
     scratch = dict(
-        q_smem=_tile_smem((n_c, block_q, head_dim), q.dtype),
-        do_smem=_tile_smem((n_c, block_q, value_head_dim), q.dtype),
+        q_smem=tile_smem((n_c, block_q, head_dim), q.dtype),
+        do_smem=tile_smem((n_c, block_q, value_head_dim), q.dtype),
         lse_smem=plgpu.SMEM((n_c, 2, block_q), jnp.float32),  # lse2 and bound rows
         delta_smem=plgpu.SMEM((n_c, block_q), jnp.float32),
-        k_smem=_tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
-        v_smem=_tile_smem((n_s, tiles.block_kv_dq, value_head_dim), q.dtype),
+        k_smem=tile_smem((n_s, tiles.block_kv_dq, head_dim), q.dtype),
+        v_smem=tile_smem((n_s, tiles.block_kv_dq, value_head_dim), q.dtype),
         # Four TMA copies arrive on it: Q, dO, lse rows, delta rows (and the rows' segment ids,
         # and dropout's hashes of the rows).
         q_loaded=plgpu.Barrier(num_arrivals=4 + has_ids + has_drop, num_barriers=n_c),
@@ -1659,7 +1567,7 @@ def _dq_kernel(
     drop_col_ref = id_refs.pop() if dropout_rate else None
     drop_rows_ref = id_refs.pop() if dropout_rate else None
     q_ids_ref, kv_ids_ref, plan_ref = id_refs or (None, None, None)
-    batch, head, q_tile = _launched_cta(("batch", "head", "q_tile"), launch_units)
+    batch, head, q_tile = launched_cta(("batch", "head", "q_tile"), launch_units)
     if spec.is_causal:
         # The last query tiles see the most keys: launch them first (as in the forward).
         q_tile = num_q_tiles - 1 - q_tile
@@ -1810,14 +1718,14 @@ def _consume_dq(
     before, after = _dq_mask_sides(spec, tiles)
 
     def visible_in(tile, slot):
-        q_pos = q_start + _iota(tile_shape, 0)
-        kv_pos = tile * block_kv + _iota(tile_shape, 1)
+        q_pos = q_start + wgmma_iota(tile_shape, 0)
+        kv_pos = tile * block_kv + wgmma_iota(tile_shape, 1)
         if q_seg is None:
             return masks.visible(spec, q_pos, kv_pos)
         # The KV tile's ids ride in K's slot, released after dQ += dS K.
         kv_seg = plgpu.load(ring.kv_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
         return masks.visible(
-            spec, q_pos, kv_pos, _rows(q_seg, tile_shape), _cols(kv_seg, tile_shape)
+            spec, q_pos, kv_pos, per_row(q_seg, tile_shape), per_col(kv_seg, tile_shape)
         )
 
     def kv_step(tile, dq, *, masked: bool):
@@ -1838,15 +1746,17 @@ def _consume_dq(
         )
         plgpu.barrier_arrive(ring.v_free.at[slot])
         # dS = P * dcap * (dP - delta): only P * dcap is needed here.
-        _, pd = _probs(s, lse2, bound, _rows, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap)
-        delta_t = _rows(delta, tile_shape)
+        _, pd = recomputed_probs(
+            s, lse2, bound, per_row, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap
+        )
+        delta_t = per_row(delta, tile_shape)
         if drop_rows is None:
             ds = pd * (dp - delta_t)
         else:
             # O = (P * Z) V: dS = P * dcap * (Z * dP - delta). The KV tile's hashes ride in K's
             # slot, released after dQ += dS K.
             kv_hashes = plgpu.load(ring.drop_col_smem.at[slot], layout=col_layout)
-            keep = _keep(drop_rows, kv_hashes, tile_shape, rate=dropout_rate, q_axis=0)
+            keep = tile_keep(drop_rows, kv_hashes, tile_shape, rate=dropout_rate, q_axis=0)
             ds = pd * jnp.where(keep, dp * (1.0 / (1.0 - dropout_rate)) - delta_t, -delta_t)
         if masked:
             # Select dS, not P: NaN in V at a key a row cannot see is in dP, and 0 * NaN is NaN.
@@ -1870,7 +1780,7 @@ def _consume_dq(
         return carry
 
     masked_step = functools.partial(kv_step, masked=True)
-    dq = _wgmma_zeros((block_q, head_dim))
+    dq = wgmma_zeros((block_q, head_dim))
     # In the producer's order. Without a side its loops are empty: not emitted.
     if before:
         lax.fori_loop(first, lo, drain_step, None)

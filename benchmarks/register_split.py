@@ -59,14 +59,14 @@ def consumer_registers(producer: int) -> int:
 
 def patch(producer: int, kernels) -> None:
     """The kernels' constants, before anything is traced: every module that holds one."""
-    from pallas_flash.mosaic import backward, backward_tiles, forward
+    from pallas_flash.mosaic import backward_tiles, dkv, dq, forward
 
     if "forward" in kernels:
         forward.FORWARD_PRODUCER_REGISTERS = producer
         forward.FORWARD_CONSUMER_REGISTERS = consumer_registers(producer)
     if "backward" in kernels:
         # backward_consumer_registers() follows backward_tiles' constant.
-        for module in (backward_tiles, backward):
+        for module in (backward_tiles, dkv, dq):
             module.BACKWARD_PRODUCER_REGISTERS = producer
 
 

@@ -62,7 +62,7 @@ class BackwardTiles:
       fused_dq: None (the default): dQ has a kernel of its own, which computes S and dP again
         (seven matmuls per pair of tiles in all). "add": the dK/dV kernel also computes each
         step's dQ partial dS K over the CTA's keys (five in all; its consumers split the rows
-        at H=128 and take turns otherwise, `_DQSink`) and adds it into an f32 dQ in global
+        at H=128 and take turns otherwise, `fused_dq.DQSink`) and adds it into an f32 dQ in global
         memory by TMA reductions; the adds arrive in any order, so dQ is not bitwise
         deterministic. "fixed": the same adds in any order, but of integers: each query
         row's dS is scaled by a power of two 2^e (exactly, in 16 bits) before the dQ wgmma,
@@ -181,7 +181,7 @@ class BackwardTiles:
         else:
             accumulators = head_dim + value_head_dim
         # S^T and dP^T; with fused_dq, S^T beside dQ^T's partial of the step before ([H / 2 or
-        # H, block_q_dkv], `_DQSink`): the larger of the two.
+        # H, block_q_dkv], `fused_dq.DQSink`): the larger of the two.
         tiles = 2 * self.block_kv_dkv * self.block_q_dkv
         if self.fused_dq:
             rows = fused_dq_rows(self, head_dim)
@@ -436,5 +436,6 @@ def why_not(
 
 def fused_dq_rows(tiles: BackwardTiles, head_dim: int) -> int:
     """Rows of dQ^T's partial that each consumer of the fused dQ computes (tiles.fused_dq,
-    `_DQSink`): H / 2 in halves (two consumers and H / 2 a multiple of wgmma's 64), else H."""
+    `fused_dq.DQSink`): H / 2 in halves (two consumers and H / 2 a multiple of wgmma's 64),
+    else H."""
     return head_dim // 2 if tiles.dkv_consumers == 2 and head_dim % 128 == 0 else head_dim

@@ -364,7 +364,7 @@ def test_the_model_catches_a_broken_drain(broken, match):
 # (V as "v", K as "k"), dK/dV streams (query head, query tile) steps (dO as "v", Q as "k").
 # A consumer walks every step of the CTA, computing those of its range and draining the others;
 # there is no schedule barrier. The op sequences mirror `dkv._produce_dkv`,
-# `dq._dq_kernel._producer`, `dkv._consume_dkv.q_step / drain_step` and
+# `dq._dq_kernel._producer`, `dkv._KeySteps.dkdv_step / drain_step` and
 # `dq._consume_dq.kv_step / drain_step`.
 
 

@@ -127,6 +127,101 @@ def flash_backward(
       ValueError: shapes, dtypes, options or tiles the kernels do not support (see `why_not`).
     """
     device = Device.current() if device is None else device
+    _check_arguments(
+        q,
+        k,
+        v,
+        out,
+        d_out,
+        scale=scale,
+        is_causal=is_causal,
+        window=window,
+        soft_cap=soft_cap,
+        segment_ids=segment_ids,
+        tiles=tiles,
+        device=device,
+        dropout=dropout,
+    )
+    value_head_dim = v.shape[-1]
+    tiles = default_tiles(q.shape[-1], value_head_dim) if tiles is None else tiles
+    q_len, kv_len = q.shape[1], k.shape[1]
+    spec = MaskSpec(
+        q_len=q_len,
+        kv_len=kv_len,
+        is_causal=is_causal,
+        window=None if window is None else (int(window[0]), int(window[1])),
+        has_segments=segment_ids is not None,
+    )
+    # delta folds the lse cotangent in: dS = P * (dP - rowsum(dO * O) + dlse).
+    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse.astype(jnp.float32)
+    lse = lse.astype(jnp.float32)
+    lse2, bound = _lse2_and_bound(lse, log_sum)
+    if spec.has_key_ranges and not (tiles.fused_dq or tiles.producer_cleans_k):
+        # Keys hidden from some rows may hold anything, and dQ += dS K multiplies their zero dS
+        # by their K on the tensor cores: 0 * NaN would reach every row of the tile. So NaN and
+        # inf in K become 0: here in one pass over K, or in shared memory by the fused dQ's
+        # dK/dV consumers (each its keys, once) or with producer_cleans_k by the dQ kernel's
+        # producer. Cleaning in the dQ kernel's consumers instead cost more: they share each
+        # ring slot, so one cleaned every tile that either masks while the other waited, and
+        # the dQ kernel took 45-60 us more on the H200 than this pass's ~40
+        # (docs/notes/fused-dq.md, "Hidden keys' K"). Keys past S are padding of zeros.
+        k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
+    # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
+    # the true T and S from spec; rows and keys past them are computed and not kept.
+    q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
+    q, d_out = pad_to(q, q_to), pad_to(d_out, q_to)
+    k, v = pad_to(k, kv_to), pad_to(v, kv_to)
+    # lse and delta keep T innermost: padded to whole query tiles of both kernels, so that no
+    # tile's load runs into the next head's rows (see the forward's lse). The rows past T get
+    # lse = +inf: P = 0 there, so they add nothing to dK and dV whatever their Q and dO.
+    # lse and delta padded to whole query tiles of both kernels (`_rows_of_lse`).
+    rows = math.lcm(tiles.block_q_dkv, tiles.cta_q_rows)
+    lse_to = cdiv(q_len, rows) * rows
+    lse2, delta, dq_unit = _rows_of_lse(
+        lse, lse2, bound, delta, lse_to, tiles, k, v, d_out, spec=spec, scale=scale, ids=segment_ids
+    )
+    dkv_ids, dq_ids = _segment_plans(spec, tiles, segment_ids, q_to, kv_to)
+    dkv_drop, dq_drop = _dropout_tables(dropout, tiles, q_len, kv_len, lse_to)
+    kwargs = dict(
+        spec=spec,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        tiles=tiles,
+    )
+    sms = num_sms() if device is None else device.num_sms
+    splits = head_splits(
+        tiles,
+        q.shape,
+        k.shape,
+        q.dtype.itemsize,
+        num_sms=sms,
+        causal=spec.is_causal,
+        value_head_dim=value_head_dim,
+        segments=segment_ids is not None,
+        dropout=dropout is not None,
+    )
+    dk, dv, *fused_dq = dkv_call(
+        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs
+    )
+    if splits > 1:
+        dk, dv = (_summed_splits(x, k.shape, k.dtype, splits) for x in (dk, dv))
+    if tiles.fused_dq:
+        dq = _assembled_fused_dq(*fused_dq, tiles, q_len, scale=scale, unit=dq_unit, dtype=q.dtype)
+    else:
+        dq = dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
+    if q_to != q_len:
+        dq = dq[:, :q_len]
+    if kv_to != kv_len:
+        dk, dv = dk[:, :kv_len], dv[:, :kv_len]
+    return dq, dk, dv
+
+
+def _check_arguments(
+    q, k, v, out, d_out, *, scale, is_causal, window, soft_cap, segment_ids, tiles, device, dropout
+) -> None:
+    """Raises ValueError where `flash_backward`'s arguments are not what its kernels take."""
     if reason := why_not(
         q.shape,
         k.shape,
@@ -162,56 +257,110 @@ def flash_backward(
         raise ValueError(f"{scale=} must be positive")
     if segment_ids is not None:
         check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
-    tiles = default_tiles(q.shape[-1], value_head_dim) if tiles is None else tiles
-    q_len, kv_len = q.shape[1], k.shape[1]
-    spec = MaskSpec(
-        q_len=q_len,
-        kv_len=kv_len,
-        is_causal=is_causal,
-        window=None if window is None else (int(window[0]), int(window[1])),
-        has_segments=segment_ids is not None,
+
+
+def _segment_plans(spec: MaskSpec, tiles: BackwardTiles, segment_ids, q_to: int, kv_to: int):
+    """(dK/dV's, dQ's) ids: (q_segment_ids [B, T'], kv_segment_ids [B, S'], the kernel's tile
+    plan, `schedule.tile_plan`), padded to T' = q_to and S' = kv_to; (None, None) without
+    segment ids."""
+    if segment_ids is None:
+        return None, None
+    q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
+    kv_ids = pad_ids(segment_ids[1], kv_to, masks.PAD_KV_SEGMENT)
+    arrays = MaskArrays(q_ids, kv_ids)
+    plan = functools.partial(tile_plan, spec, arrays)
+    # The split dK/dV consumers share the CTA's keys: one range for both.
+    dkv_plan = plan(
+        block_rows=tiles.block_kv_dkv,
+        block_cols=tiles.block_q_dkv,
+        num_consumers=tiles.dkv_key_blocks,
+        over="kv",
     )
-    # delta folds the lse cotangent in: dS = P * (dP - rowsum(dO * O) + dlse).
-    delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
-    if d_lse is not None:
-        delta = delta - d_lse.astype(jnp.float32)
-    # The kernels recompute P = exp2(min(S * scale * log2(e) - lse * log2(e), bound)), bound =
-    # -log2 of the row's softmax denominator relative to its max (0 without log_sum): the
-    # lowered reference puts the largest logits of a row on the clamp, so their P is exactly
-    # 1 / l at any magnitude (`_numerics.lowered_reference`). Rows that saw no key (lse = -inf)
-    # and rows a sink of +inf takes (lse = +inf) get +inf, which makes their P exactly 0
-    # whatever their logits.
-    lse = lse.astype(jnp.float32)
+    dq_plan = plan(
+        block_rows=tiles.block_q_dq,
+        block_cols=tiles.block_kv_dq,
+        num_consumers=tiles.num_consumers,
+        over="q",
+    )
+    return (q_ids, kv_ids, dkv_plan), (q_ids, kv_ids, dq_plan)
+
+
+def _dropout_tables(dropout, tiles: BackwardTiles, q_len: int, kv_len: int, lse_to: int):
+    """(dK/dV's, dQ's) dropout tables: (rate, the rows' hashes, the keys'), from dropout =
+    (rate, seeds [B, N]); (None, None) without dropout.
+
+    The query rows' hashes [B, N, 2, T''] (one TMA copy per streamed tile or consumer's rows),
+    padded as lse to lse_to rows; the keys' [B, N, S''], padded to whole CTAs of the dK/dV
+    kernel and KV tiles of the dQ kernel (rows past T have P = 0, keys past S are masked or not
+    kept: their hashes are never used). The dK/dV kernel takes the keys' as
+    [B, N, S'' / block_kv_dkv, block_kv_dkv]: each consumer reads its own block of its CTA's
+    keys."""
+    if dropout is None:
+        return None, None
+    rate, seeds = dropout
+    row_mul, row_add, col = _dropout.tables(seeds, q_len, kv_len)
+    rows = jnp.stack([row_mul, row_add], axis=2)
+    rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, lse_to - q_len)))
+    keys = math.lcm(tiles.cta_kv_rows, tiles.block_kv_dq)
+    col = jnp.pad(col, ((0, 0), (0, 0), (0, cdiv(kv_len, keys) * keys - kv_len)))
+    dkv_col = col.reshape(*col.shape[:2], -1, tiles.block_kv_dkv)
+    rate = float(rate)
+    return (rate, rows, dkv_col), (rate, rows, col)
+
+
+def _summed_splits(partials, k_shape, dtype, splits: int):
+    """dK or dV in dtype from the dK/dV kernel's f32 partials [B, S', K * splits, H or Hv], a
+    KV head's splits side by side: summed one after the other, in the same order on every
+    call."""
+    split = jnp.unstack(partials.reshape(*k_shape[:3], splits, -1), axis=3)
+    return functools.reduce(jnp.add, split).astype(dtype)
+
+
+def _assembled_fused_dq(dq, tiles: BackwardTiles, q_len: int, *, scale: float, unit, dtype):
+    """dQ [B, T', N, H] in dtype from the fused dQ's dQ^T: f32 [B, N, H, T''] unscaled, or one
+    per kv tile to sum first ("slab", in a fixed order); int32 in each row's units of 2^-e with
+    "fixed" (unit: f32 [B, N, T''], `fixed_point.fixed_point_scales`)."""
+    if tiles.slab_dq:  # one partial per kv tile, summed in a fixed order
+        dq = functools.reduce(jnp.add, jnp.unstack(dq))
+    dq = dq[..., :q_len]
+    if tiles.fixed_point_dq:
+        dq = dq.astype(jnp.float32) * unit[:, :, None, :q_len]
+    else:
+        dq = dq * scale
+    return jnp.transpose(dq, (0, 3, 1, 2)).astype(dtype)
+
+
+def _lse2_and_bound(lse, log_sum):
+    """(lse2, bound), f32 [B, N, T]: the rows' lse * log2(e) and the bound on their P.
+
+    The kernels recompute P = exp2(min(S * scale * log2(e) - lse * log2(e), bound)), bound =
+    -log2 of the row's softmax denominator relative to its max (0 without log_sum): the
+    lowered reference puts the largest logits of a row on the clamp, so their P is exactly
+    1 / l at any magnitude (`_numerics.lowered_reference`). Rows that saw no key (lse = -inf)
+    and rows a sink of +inf takes (lse = +inf) get +inf, which makes their P exactly 0
+    whatever their logits."""
     finite = jnp.isfinite(lse)
     lse2 = lowered_reference(jnp.where(finite, lse, 0.0)) * LOG2E
     lse2 = jnp.where(finite, jnp.maximum(lse2, MIN_LOGIT), jnp.inf)
-    bound = probability_bound(log_sum, lse)
-    if spec.has_key_ranges and not (tiles.fused_dq or tiles.producer_cleans_k):
-        # Keys hidden from some rows may hold anything, and dQ += dS K multiplies their zero dS
-        # by their K on the tensor cores: 0 * NaN would reach every row of the tile. So NaN and
-        # inf in K become 0: here in one pass over K, or in shared memory by the fused dQ's
-        # dK/dV consumers (each its keys, once) or with producer_cleans_k by the dQ kernel's
-        # producer. Cleaning in the dQ kernel's consumers instead cost more: they share each
-        # ring slot, so one cleaned every tile that either masks while the other waited, and
-        # the dQ kernel took 45-60 us more on the H200 than this pass's ~40
-        # (docs/notes/fused-dq.md, "Hidden keys' K"). Keys past S are padding of zeros.
-        k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
-    # As in the forward: T and S padded to ROW_ALIGN, head dims as they are. The kernels read
-    # the true T and S from spec; rows and keys past them are computed and not kept.
-    q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
-    q, d_out = pad_to(q, q_to), pad_to(d_out, q_to)
-    k, v = pad_to(k, kv_to), pad_to(v, kv_to)
-    # lse and delta keep T innermost: padded to whole query tiles of both kernels, so that no
-    # tile's load runs into the next head's rows (see the forward's lse). The rows past T get
-    # lse = +inf: P = 0 there, so they add nothing to dK and dV whatever their Q and dO.
-    rows = math.lcm(tiles.block_q_dkv, tiles.cta_q_rows)
-    lse_to = cdiv(q_len, rows) * rows
+    return lse2, probability_bound(log_sum, lse)
+
+
+def _rows_of_lse(lse, lse2, bound, delta, lse_to: int, tiles, k, v, d_out, *, spec, scale, ids):
+    """(the rows' lse2 and bound [B, N, 2, T''], delta [B, N, T''], dQ's unit or None): padded
+    to lse_to = T'' rows; with fused_dq "fixed" the rows' scales 2^e a third row beside lse2
+    and bound, and dQ's unit f32 [B, N, T''] (`fixed_point.fixed_point_scales` of the padded k,
+    v and d_out, and of segment ids `ids`).
+
+    T stays innermost: padded to whole query tiles of both kernels, so that no tile's load runs
+    into the next head's rows (see the forward's lse). The rows past T get lse2 = +inf: P = 0
+    there, so they add nothing to dK and dV whatever their Q and dO."""
+    q_len = lse.shape[-1]
     pad_rows = ((0, 0), (0, 0), (0, lse_to - q_len))
     delta_rows = delta
     if lse_to != q_len:
         lse2, delta = jnp.pad(lse2, pad_rows, constant_values=jnp.inf), jnp.pad(delta, pad_rows)
         bound = jnp.pad(bound, pad_rows)
-    rows_of_lse = [lse2, bound]
+    rows_of_lse, dq_unit = [lse2, bound], None
     if tiles.fixed_point_dq:
         # Each row's dS is scaled by 2^e before dQ's wgmma; dQ = scale * 2^-e * its integer sum
         # (0 for rows without P, NaN for rows that see keys without a finite bound).
@@ -224,93 +373,9 @@ def flash_backward(
             spec=spec,
             scale=scale,
             rows_out=lse_to,
-            segment_ids=segment_ids,
+            segment_ids=ids,
         )
         rows_of_lse.append(row_scales)
     # [B, N, 2 (3 with "fixed"), T'']: a tile's lse2 and bound rows (and the fixed point's
     # scales) land in one TMA copy.
-    lse2 = jnp.stack(rows_of_lse, axis=2)
-    dkv_ids = dq_ids = None
-    if segment_ids is not None:
-        q_ids = pad_ids(segment_ids[0], q_to, masks.PAD_Q_SEGMENT)
-        kv_ids = pad_ids(segment_ids[1], kv_to, masks.PAD_KV_SEGMENT)
-        arrays = MaskArrays(q_ids, kv_ids)
-        plan = functools.partial(tile_plan, spec, arrays)
-        # The split dK/dV consumers share the CTA's keys: one range for both.
-        dkv_plan = plan(
-            block_rows=tiles.block_kv_dkv,
-            block_cols=tiles.block_q_dkv,
-            num_consumers=tiles.dkv_key_blocks,
-            over="kv",
-        )
-        dq_plan = plan(
-            block_rows=tiles.block_q_dq,
-            block_cols=tiles.block_kv_dq,
-            num_consumers=tiles.num_consumers,
-            over="q",
-        )
-        dkv_ids, dq_ids = (q_ids, kv_ids, dkv_plan), (q_ids, kv_ids, dq_plan)
-    dkv_drop = dq_drop = None
-    if dropout is not None:
-        rate, seeds = dropout
-        row_mul, row_add, col = _dropout.tables(seeds, q_len, kv_len)
-        # The query rows' hashes [B, N, 2, T''] (one TMA copy per streamed tile or consumer's
-        # rows), padded as lse; the keys' [B, N, S''], padded to whole CTAs of the dK/dV kernel
-        # and KV tiles of the dQ kernel (rows past T have P = 0, keys past S are masked or not
-        # kept: their hashes are never used). The dK/dV kernel takes the keys' as
-        # [B, N, S'' / block_kv_dkv, block_kv_dkv]: each consumer reads its own block of its
-        # CTA's keys.
-        rows = jnp.stack([row_mul, row_add], axis=2)
-        rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, lse_to - q_len)))
-        keys = math.lcm(tiles.cta_kv_rows, tiles.block_kv_dq)
-        col = jnp.pad(col, ((0, 0), (0, 0), (0, cdiv(kv_len, keys) * keys - kv_len)))
-        dkv_col = col.reshape(*col.shape[:2], -1, tiles.block_kv_dkv)
-        rate = float(rate)
-        dkv_drop, dq_drop = (rate, rows, dkv_col), (rate, rows, col)
-    kwargs = dict(
-        spec=spec,
-        scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        tiles=tiles,
-    )
-    sms = num_sms() if device is None else device.num_sms
-    splits = head_splits(
-        tiles,
-        q.shape,
-        k.shape,
-        q.dtype.itemsize,
-        num_sms=sms,
-        causal=spec.is_causal,
-        value_head_dim=value_head_dim,
-        segments=segment_ids is not None,
-        dropout=dropout is not None,
-    )
-    dk, dv, *fused_dq = dkv_call(
-        q, k, v, d_out, lse2, delta, dkv_ids, dkv_drop, head_splits=splits, **kwargs
-    )
-    if splits > 1:
-        # f32 partials [B, S', K * splits, H or Hv], a KV head's splits side by side: summed
-        # one after the other, in the same order on every call.
-        dk, dv = (
-            functools.reduce(
-                jnp.add, jnp.unstack(x.reshape(*k.shape[:3], splits, -1), axis=3)
-            ).astype(k.dtype)
-            for x in (dk, dv)
-        )
-    if tiles.fused_dq:
-        (dq,) = fused_dq
-        if tiles.slab_dq:  # one partial per kv tile, summed in a fixed order
-            dq = functools.reduce(jnp.add, jnp.unstack(dq))
-        dq = dq[..., :q_len]
-        if tiles.fixed_point_dq:
-            dq = dq.astype(jnp.float32) * dq_unit[:, :, None, :q_len]
-        else:
-            dq = dq * scale
-        dq = jnp.transpose(dq, (0, 3, 1, 2)).astype(q.dtype)
-    else:
-        dq = dq_call(q, k, v, d_out, lse2, delta, dq_ids, dq_drop, **kwargs)
-    if q_to != q_len:
-        dq = dq[:, :q_len]
-    if kv_to != kv_len:
-        dk, dv = dk[:, :kv_len], dv[:, :kv_len]
-    return dq, dk, dv
+    return jnp.stack(rows_of_lse, axis=2), delta, dq_unit

@@ -62,6 +62,11 @@ from pallas_flash.mosaic.launch import (
 from pallas_flash.mosaic.schedule import launch_group, launched_cta
 from pallas_flash.mosaic.tiles import cdiv
 
+# Vectors over the transposed tiles' columns (the query rows: lse, delta, query ids and hashes)
+# and rows (the keys: their ids and hashes).
+_COL_LAYOUT = plgpu.Layout.WGMMA.reduce(0)
+_ROW_LAYOUT = plgpu.Layout.WGMMA.reduce(1)
+
 
 def _dkv_geometry(spec: MaskSpec, tiles: BackwardTiles) -> MaskSpec:
     """spec with S rounded up to whole dK/dV CTAs: each key is a row of dK and dV there, and the
@@ -512,6 +517,280 @@ def _produce_dkv(
             plgpu.copy_gmem_to_smem(hashes, ring.drop_col_smem.at[slot], ring.q_ready.at[slot])
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _KeySteps:
+    """A dK/dV consumer's steps over the query tiles, fixed when its loops are traced: the
+    bodies of its loops (`dkdv_step`, `dv_step` and `dk_step` by role, `drain_step`) and what
+    they compute from the Q/dO ring's slot of a step.
+
+    k_blocks, v_blocks: the CTA's K and V [key blocks, block_kv_dkv, ..], this consumer's at
+    key_block (k_smem, v_smem), whose keys start at kv_start; kv_seg: their segment ids
+    [block_kv_dkv] (row layout), None without; first: the CTA's first query tile. handoff
+    (split_dkv) carries P^T * dcap from the dV consumer to the dK consumer; dq_sink (role
+    "dkdv" only): each computed step also puts dS K, dQ's partial, there."""
+
+    ring: _QRing
+    k_blocks: object
+    v_blocks: object
+    k_smem: object
+    v_smem: object
+    key_block: object
+    kv_start: object
+    kv_seg: object
+    first: object
+    spec: MaskSpec
+    tiles: BackwardTiles
+    qk_scale: float
+    scale: float
+    soft_cap: object
+    dropout_rate: float
+    handoff: _PHandoff | None
+    dq_sink: DQSink | None
+
+    @property
+    def tile_shape(self) -> tuple[int, int]:
+        """S^T and the tiles like it: [block_kv_dkv, block_q_dkv], keys on rows."""
+        return (self.tiles.block_kv_dkv, self.tiles.block_q_dkv)
+
+    def kv_at(self, zero):
+        """(K, V) of this consumer's keys as a step's wgmmas read them, at key_block + zero
+        (`step_zero`)."""
+        if not self.tiles.step_descriptors:
+            return self.k_smem, self.v_smem
+        return self.k_blocks.at[self.key_block + zero], self.v_blocks.at[self.key_block + zero]
+
+    def visible_in(self, i, slot):
+        """The mask of query tile i (in ring slot `slot`) over this consumer's keys.
+
+        Keys are rows here, query rows are columns. Rows past T have P = 0, but dS^T = P^T *
+        (dP^T - delta) is NaN there when V is at a key that only they see (a hidden key between
+        T and the last query tile's end, causal): they are masked in a ragged last tile (with
+        segment ids their padding ids do it)."""
+        spec, block_q, tile_shape = self.spec, self.tiles.block_q_dkv, self.tile_shape
+        q_pos = i * block_q + wgmma_iota(tile_shape, 1)
+        kv_pos = self.kv_start + wgmma_iota(tile_shape, 0)
+        if self.kv_seg is None:
+            visible = masks.visible(spec, q_pos, kv_pos)
+            if spec.q_len % block_q:
+                visible = visible & (q_pos < spec.q_len)
+            return visible
+        # The query tile's ids ride in Q's slot: read before the slot is released.
+        q_seg = plgpu.load(self.ring.q_ids_smem.at[slot], layout=_COL_LAYOUT)
+        return masks.visible(
+            spec, q_pos, kv_pos, per_col(q_seg, tile_shape), per_row(self.kv_seg, tile_shape)
+        )
+
+    def keep_t(self, slot):
+        """(keep^T, the keys' hashes) of the step in ring slot `slot`. The step's hashes share
+        Q's slot: read before it is released (probs_t and dk_update each read them: the mask
+        is not held across the wgmma between them)."""
+        ring = self.ring
+        q_hashes = [plgpu.load(ring.drop_rows_smem.at[slot, j], layout=_COL_LAYOUT) for j in (0, 1)]
+        kv_hashes = plgpu.load(ring.drop_col_smem.at[slot, self.key_block], layout=_ROW_LAYOUT)
+        keep = tile_keep(q_hashes, kv_hashes, self.tile_shape, rate=self.dropout_rate, q_axis=1)
+        return keep, kv_hashes
+
+    def probs_t(self, i, slot, step, zero, *, masked: bool):
+        """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
+
+        With dropout P^T * keep^T: dV takes it, scaled by 1 / (1 - rate) once in the epilogue;
+        dS^T computes the mask again (`ds_of`).
+
+        step: the CTA step, zero its `step_zero`; with dq_sink, S^T's wait also takes this
+        consumer's dQ partial of the step before (`DQSink.with_st`)."""
+        ring, tile_shape, soft_cap = self.ring, self.tile_shape, self.soft_cap
+
+        # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
+        def st_issue(acc_ref):
+            plgpu.wgmma(acc_ref, self.kv_at(zero)[0], ring.q_smem.at[slot].T)
+
+        def st_into(acc_ref):
+            st_issue(acc_ref)
+            return acc_ref[...]
+
+        if self.dq_sink is not None:
+            s_t = self.dq_sink.with_st(st_issue, tile_shape, step, zero)
+        else:
+            s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
+        lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=_COL_LAYOUT) for j in (0, 1))
+        # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
+        p_t, pd_t = recomputed_probs(
+            s_t, lse2, bound, per_col, qk_scale=self.qk_scale, scale=self.scale, soft_cap=soft_cap
+        )
+        if masked:
+            # A select, not a product: NaN in K at a hidden key is in S^T.
+            visible = self.visible_in(i, slot)
+            p_t = jnp.where(visible, p_t, 0.0)
+            pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
+        if self.dropout_rate:
+            keep, kv_hashes = self.keep_t(slot)
+            p_t = jnp.where(keep, p_t, per_row(dropped_value(kv_hashes), tile_shape))
+        return p_t, pd_t
+
+    def ds_of(self, pd_t, dp_t, delta, slot):
+        """dS^T = P^T * dcap * (Z^T * dP^T - delta), Z = keep / (1 - rate) with dropout: there
+        it is returned over 1 / (1 - rate), P^T * dcap * (keep^T * dP^T - delta * (1 - rate)),
+        and dK's epilogue multiplies it back (`_consume_dkv`'s dk_scale)."""
+        if not self.dropout_rate:
+            return pd_t * (dp_t - per_col(delta, self.tile_shape))
+        keep, _ = self.keep_t(slot)
+        delta = per_col(delta * (1.0 - self.dropout_rate), self.tile_shape)
+        return pd_t * (jnp.where(keep, dp_t, 0.0) - delta)
+
+    def dk_update(self, dk, pd_t, dp_t, delta, slot, step, *, masked: bool):
+        """dK += dS^T Q of the step in ring slot `slot` (scaled once in the epilogue), with
+        dS^T = P^T * dcap * (dP^T - delta); frees Q's slot. With dq_sink, dS^T goes there
+        first."""
+        ring, dq_sink = self.ring, self.dq_sink
+        dtype = self.k_smem.dtype
+        ds_t = self.ds_of(pd_t, dp_t, delta, slot)
+        if masked:
+            # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN. probs_t zeroed pd_t
+            # wherever the mask hides a pair, so the select reads pd_t instead of the mask:
+            # the mask held across the dV and dP^T wgmma (or its positions recomputed) spilled
+            # registers at H=128 (a visible pair whose P underflows to 0 gets dS^T = 0, as it
+            # would from finite inputs).
+            ds_t = jnp.where(pd_t == 0.0, 0.0, ds_t)
+        ds_in = ds_t.astype(dtype)
+        if dq_sink is not None:
+            ds_dq = ds_in
+            if self.tiles.fixed_point_dq:
+                # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point`'s scales).
+                row_scale = plgpu.load(ring.lse_smem.at[slot, 2], layout=_COL_LAYOUT)
+                ds_dq = ds_in * per_col(row_scale.astype(dtype), self.tile_shape)
+            # Stored before dK's wgmma: the other consumer may read it too.
+            dq_sink.put(ds_dq, step)
+
+        def dk_into(acc_ref):
+            plgpu.wgmma(acc_ref, ds_in, ring.q_smem.at[slot])
+
+        dk = pl.run_state(dk_into)(plgpu.ACC.init(dk))
+        plgpu.barrier_arrive(ring.q_free.at[slot])
+        return dk
+
+    def dkdv_step(self, i, carry, *, base, masked: bool):
+        """Query tile i, at CTA step base + i - first, of a consumer that keeps dK and dV."""
+        ring = self.ring
+        dk, dv = carry
+        step = base + i - self.first
+        slot = ring.slot(step)
+        zero = step_zero(step, self.tiles.step_descriptors)
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        p_t, pd_t = self.probs_t(i, slot, step, zero, masked=masked)
+
+        # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
+        plgpu.barrier_wait(ring.do_ready.at[slot])
+        p_in = p_t.astype(self.k_smem.dtype)
+
+        def dv_dpt_into(refs):
+            dv_ref, dpt_ref = refs
+            plgpu.wgmma(dv_ref, p_in, ring.do_smem.at[slot])
+            plgpu.wgmma(dpt_ref, self.kv_at(zero)[1], ring.do_smem.at[slot].T)
+
+        dv, dp_t = pl.run_state(dv_dpt_into)(
+            (plgpu.ACC.init(dv), plgpu.ACC.init(wgmma_zeros(self.tile_shape)))
+        )
+        delta = plgpu.load(ring.delta_smem.at[slot], layout=_COL_LAYOUT)
+        plgpu.barrier_arrive(ring.do_free.at[slot])
+        return self.dk_update(dk, pd_t, dp_t, delta, slot, step, masked=masked), dv
+
+    def dv_step(self, i, carry, *, base, masked: bool):
+        """Query tile i of the split dV consumer: P^T, handed over to the dK consumer."""
+        ring, handoff = self.ring, self.handoff
+        (dv,) = carry
+        step = base + i - self.first
+        slot = ring.slot(step)
+        zero = step_zero(step, self.tiles.step_descriptors)
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        p_t, pd_t = self.probs_t(i, slot, step, zero, masked=masked)
+        # Q's (and the query ids' and hashes') last reader in this consumer was S^T (and the
+        # masks): free them for the producer before dV's wgmma.
+        plgpu.barrier_arrive(ring.q_free.at[slot])
+        # The buffer holds the previous step's tile until the dK consumer has copied it out.
+        plgpu.barrier_wait(handoff.p_free)
+        handoff.p_smem[...] = pd_t
+        plgpu.barrier_arrive(handoff.p_ready)
+        plgpu.barrier_wait(ring.do_ready.at[slot])
+        p_in = p_t.astype(self.k_smem.dtype)
+
+        def dv_into(acc_ref):
+            plgpu.wgmma(acc_ref, p_in, ring.do_smem.at[slot])
+
+        dv = pl.run_state(dv_into)(plgpu.ACC.init(dv))
+        plgpu.barrier_arrive(ring.do_free.at[slot])
+        return (dv,)
+
+    def dk_step(self, i, carry, *, base, masked: bool):
+        """Query tile i of the split dK consumer: dP^T, and P^T from the dV consumer."""
+        ring, handoff = self.ring, self.handoff
+        (dk,) = carry
+        step = base + i - self.first
+        slot = ring.slot(step)
+        zero = step_zero(step, self.tiles.step_descriptors)
+        plgpu.barrier_wait(ring.do_ready.at[slot])
+
+        # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
+        def dpt_into(acc_ref):
+            plgpu.wgmma(acc_ref, self.kv_at(zero)[1], ring.do_smem.at[slot].T)
+            return acc_ref[...]
+
+        dp_t = pl.run_scoped(dpt_into, plgpu.ACC(self.tile_shape, jnp.float32))
+        delta = plgpu.load(ring.delta_smem.at[slot], layout=_COL_LAYOUT)
+        plgpu.barrier_arrive(ring.do_free.at[slot])
+        plgpu.barrier_wait(handoff.p_ready)
+        pd_t = plgpu.load(handoff.p_smem, layout=plgpu.Layout.WGMMA)
+        plgpu.barrier_arrive(handoff.p_free)
+        # Q (and the query ids the mask reads) after the handoff: the dV consumer's S^T needed
+        # it first.
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        return (self.dk_update(dk, pd_t, dp_t, delta, slot, step, masked=masked),)
+
+    def drain_step(self, i, carry, *, base):
+        """A CTA step outside this consumer's range: waited for (each barrier's phase is
+        tracked per thread and flips on every wait) and freed unread, so that the ring moves on
+        for the other consumer. With dq_sink its dS^T is 0, and this consumer's partial of the
+        step before (if it has one) is computed on its own."""
+        ring = self.ring
+        step = base + i - self.first
+        slot = ring.slot(step)
+        plgpu.barrier_wait(ring.q_ready.at[slot])
+        plgpu.barrier_wait(ring.do_ready.at[slot])
+        plgpu.barrier_arrive(ring.do_free.at[slot])
+        plgpu.barrier_arrive(ring.q_free.at[slot])
+        if self.dq_sink is not None:
+            self.dq_sink.drained(step)
+            self.dq_sink.put(None, step)
+        return carry
+
+
+def _walk_heads(q_step, drain_step, carry, *, group: int, cta_range, cta_tiles, ranges, sides):
+    """A dK/dV consumer's loops: over the `group` query heads, each head's CTA steps in the
+    producer's order (cta_range = (first, end), cta_tiles of them), q_step(i, carry, base=,
+    masked=) on the tiles of its own range (lo, full_lo, full_hi, hi), masked outside
+    [full_lo, full_hi), and drain_step on the others. sides: `dkv_mask_sides`; without a side
+    its loops are empty: not emitted."""
+    first, end = cta_range
+    lo, full_lo, full_hi, hi = ranges
+    before, after = sides
+
+    def head_loop(h, carry):
+        base = h * cta_tiles  # the producer's step of this head's tile `first`
+        masked_step = functools.partial(q_step, base=base, masked=True)
+        drain = functools.partial(drain_step, base=base)
+        if before:
+            lax.fori_loop(first, lo, drain, None)
+            carry = lax.fori_loop(lo, full_lo, masked_step, carry)
+        carry = lax.fori_loop(
+            full_lo, full_hi, functools.partial(q_step, base=base, masked=False), carry
+        )
+        if after:
+            carry = lax.fori_loop(full_hi, hi, masked_step, carry)
+            lax.fori_loop(hi, end, drain, None)
+        return carry
+
+    return lax.fori_loop(0, group, head_loop, carry)
+
+
 def _consume_dkv(
     k_ref,
     v_ref,
@@ -546,7 +825,8 @@ def _consume_dkv(
     """Consumer warpgroup: dK, dV of block_kv_dkv keys over every query head of the group and
     every query tile that sees them. Per head it walks every CTA step of cta_range = (first,
     end): it computes the tiles of its own range (lo, full_lo, full_hi, hi), masking element-wise
-    those outside [full_lo, full_hi), and drains the others (see drain_step).
+    those outside [full_lo, full_hi), and drains the others (`_walk_heads`, the steps'
+    bodies in `_KeySteps`).
 
     role (split_dkv): "dv" computes P^T (and P^T * dcap), hands P^T * dcap over and keeps dV;
     "dk" takes it, computes dP^T and dS^T and keeps dK. Both own the CTA's keys: one range, so
@@ -559,23 +839,13 @@ def _consume_dkv(
     key_block: the consumer's block of the CTA's keys: its K and V in k_blocks and v_blocks
     [key blocks, block_kv_dkv, ..], its slice of the ring's key hashes.
     dropout_rate > 0: dV = (P^T * Z^T) dO, dS^T = P^T * dcap * (Z^T * dP^T - delta) with
-    Z = keep / (1 - rate) (see `probs_t`).
+    Z = keep / (1 - rate) (see `_KeySteps.probs_t`).
     dq_sink (role "dkdv" only): each computed step also puts dS K, dQ's partial, there."""
-    block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
+    block_kv = tiles.block_kv_dkv
     k_smem, v_smem = k_blocks.at[key_block], v_blocks.at[key_block]
     head_dim, value_head_dim, dtype = k_smem.shape[-1], v_smem.shape[-1], k_smem.dtype
-
-    def kv_at(zero):
-        """(K, V) of this consumer's keys as a step's wgmmas read them, at key_block + zero
-        (`step_zero`)."""
-        if not tiles.step_descriptors:
-            return k_smem, v_smem
-        return k_blocks.at[key_block + zero], v_blocks.at[key_block + zero]
-
     first, end = cta_range
     cta_tiles = end - first
-    lo, full_lo, full_hi, hi = ranges
-    before, after = dkv_mask_sides(spec, tiles)
     kv_rows = (batch, pl.ds(kv_start, block_kv), kv_head)
     out_rows = (batch, pl.ds(kv_start, block_kv), out_head)
     if role != "dk":
@@ -585,222 +855,10 @@ def _consume_dkv(
     if kv_ids_ref is not None:
         ids = kv_ids_ref.at[batch, pl.ds(kv_start, block_kv)]
         plgpu.copy_gmem_to_smem(ids, kv_ids_smem, kv_loaded)
-    tile_shape = (block_kv, block_q)
-    col_layout = plgpu.Layout.WGMMA.reduce(0)
     keep_scale = 1.0 / (1.0 - dropout_rate) if dropout_rate else 1.0
     # dK's factor, applied once in the epilogue: the softmax scale, and with dropout the keep
-    # scale that `ds_of` leaves out of dS^T (one multiply per element fewer).
+    # scale that `_KeySteps.ds_of` leaves out of dS^T (one multiply per element fewer).
     dk_scale = scale * keep_scale
-    # The keys' segment ids [block_kv] (row layout): loaded once kv_loaded completes, before the
-    # loops trace visible_in, which reads them.
-    kv_seg = None
-
-    def visible_in(i, slot):
-        # Keys are rows here, query rows are columns. Rows past T have P = 0, but dS^T = P^T *
-        # (dP^T - delta) is NaN there when V is at a key that only they see (a hidden key
-        # between T and the last query tile's end, causal): they are masked in a ragged last
-        # tile (with segment ids their padding ids do it).
-        q_pos = i * block_q + wgmma_iota(tile_shape, 1)
-        kv_pos = kv_start + wgmma_iota(tile_shape, 0)
-        if kv_seg is None:
-            visible = masks.visible(spec, q_pos, kv_pos)
-            if spec.q_len % block_q:
-                visible = visible & (q_pos < spec.q_len)
-            return visible
-        # The query tile's ids ride in Q's slot: read before the slot is released.
-        q_seg = plgpu.load(ring.q_ids_smem.at[slot], layout=col_layout)
-        return masks.visible(
-            spec, q_pos, kv_pos, per_col(q_seg, tile_shape), per_row(kv_seg, tile_shape)
-        )
-
-    def keep_t(slot):
-        """(keep^T, the keys' hashes) of the step in ring slot `slot`. The step's hashes share
-        Q's slot: read before it is released (probs_t and dk_update each read them: the mask
-        is not held across the wgmma between them)."""
-        q_hashes = [plgpu.load(ring.drop_rows_smem.at[slot, j], layout=col_layout) for j in (0, 1)]
-        kv_hashes = plgpu.load(
-            ring.drop_col_smem.at[slot, key_block], layout=plgpu.Layout.WGMMA.reduce(1)
-        )
-        return tile_keep(q_hashes, kv_hashes, tile_shape, rate=dropout_rate, q_axis=1), kv_hashes
-
-    def probs_t(i, slot, step, zero, *, masked: bool):
-        """(P^T, P^T * dcap) of query tile i, whose Q and lse are in ring slot `slot`.
-
-        With dropout P^T * keep^T: dV takes it, scaled by 1 / (1 - rate) once in the epilogue;
-        dS^T computes the mask again (`ds_of`).
-
-        step: the CTA step, zero its `step_zero`; with dq_sink, S^T's wait also takes this
-        consumer's dQ partial of the step before (`DQSink.with_st`)."""
-
-        # -- S^T = K Q^T [block_kv, block_q]: keys on rows, so P^T and dS^T are A operands --
-        def st_issue(acc_ref):
-            plgpu.wgmma(acc_ref, kv_at(zero)[0], ring.q_smem.at[slot].T)
-
-        def st_into(acc_ref):
-            st_issue(acc_ref)
-            return acc_ref[...]
-
-        if dq_sink is not None:
-            s_t = dq_sink.with_st(st_issue, tile_shape, step, zero)
-        else:
-            s_t = pl.run_scoped(st_into, plgpu.ACC(tile_shape, jnp.float32))
-        lse2, bound = (plgpu.load(ring.lse_smem.at[slot, j], layout=col_layout) for j in (0, 1))
-        # pd_t = P^T * dcap replaces P^T in f32 once p_in is taken: a soft cap costs no tile.
-        p_t, pd_t = recomputed_probs(
-            s_t, lse2, bound, per_col, qk_scale=qk_scale, scale=scale, soft_cap=soft_cap
-        )
-        if masked:
-            # A select, not a product: NaN in K at a hidden key is in S^T.
-            visible = visible_in(i, slot)
-            p_t = jnp.where(visible, p_t, 0.0)
-            pd_t = p_t if soft_cap is None else jnp.where(visible, pd_t, 0.0)
-        if dropout_rate:
-            keep, kv_hashes = keep_t(slot)
-            p_t = jnp.where(keep, p_t, per_row(dropped_value(kv_hashes), tile_shape))
-        return p_t, pd_t
-
-    def ds_of(pd_t, dp_t, delta, slot):
-        """dS^T = P^T * dcap * (Z^T * dP^T - delta), Z = keep / (1 - rate) with dropout: there
-        it is returned over 1 / (1 - rate), P^T * dcap * (keep^T * dP^T - delta * (1 - rate)),
-        and dK's epilogue multiplies it back (dk_scale)."""
-        if not dropout_rate:
-            return pd_t * (dp_t - per_col(delta, tile_shape))
-        keep, _ = keep_t(slot)
-        delta = per_col(delta * (1.0 - dropout_rate), tile_shape)
-        return pd_t * (jnp.where(keep, dp_t, 0.0) - delta)
-
-    def dkdv_step(i, carry, *, base, masked: bool):
-        dk, dv = carry
-        step = base + i - first
-        slot = ring.slot(step)
-        zero = step_zero(step, tiles.step_descriptors)
-        plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, step, zero, masked=masked)
-
-        # -- dV += P^T dO and dP^T = V dO^T, issued together: one wgmma wait for both --
-        plgpu.barrier_wait(ring.do_ready.at[slot])
-        p_in = p_t.astype(dtype)
-
-        def dv_dpt_into(refs):
-            dv_ref, dpt_ref = refs
-            plgpu.wgmma(dv_ref, p_in, ring.do_smem.at[slot])
-            plgpu.wgmma(dpt_ref, kv_at(zero)[1], ring.do_smem.at[slot].T)
-
-        dv, dp_t = pl.run_state(dv_dpt_into)(
-            (plgpu.ACC.init(dv), plgpu.ACC.init(wgmma_zeros(tile_shape)))
-        )
-        delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
-        plgpu.barrier_arrive(ring.do_free.at[slot])
-        return dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked), dv
-
-    def dk_update(dk, pd_t, dp_t, delta, i, slot, step, *, masked: bool):
-        # -- dS^T = P^T * dcap * (dP^T - delta); dK += dS^T Q (scaled once in the epilogue) --
-        ds_t = ds_of(pd_t, dp_t, delta, slot)
-        if masked:
-            # NaN in V at a hidden key is in dP^T, and 0 * NaN is NaN. probs_t zeroed pd_t
-            # wherever the mask hides a pair, so the select reads pd_t instead of the mask:
-            # the mask held across the dV and dP^T wgmma (or its positions recomputed) spilled
-            # registers at H=128 (a visible pair whose P underflows to 0 gets dS^T = 0, as it
-            # would from finite inputs).
-            ds_t = jnp.where(pd_t == 0.0, 0.0, ds_t)
-        ds_in = ds_t.astype(dtype)
-        if dq_sink is not None:
-            ds_dq = ds_in
-            if tiles.fixed_point_dq:
-                # Each query row's (column's) 2^e, exact in 16 bits (`fixed_point`'s scales).
-                row_scale = plgpu.load(ring.lse_smem.at[slot, 2], layout=col_layout)
-                ds_dq = ds_in * per_col(row_scale.astype(dtype), tile_shape)
-            # Stored before dK's wgmma: the other consumer may read it too.
-            dq_sink.put(ds_dq, step)
-
-        def dk_into(acc_ref):
-            plgpu.wgmma(acc_ref, ds_in, ring.q_smem.at[slot])
-
-        dk = pl.run_state(dk_into)(plgpu.ACC.init(dk))
-        plgpu.barrier_arrive(ring.q_free.at[slot])
-        return dk
-
-    def dv_step(i, carry, *, base, masked: bool):
-        (dv,) = carry
-        step = base + i - first
-        slot = ring.slot(step)
-        zero = step_zero(step, tiles.step_descriptors)
-        plgpu.barrier_wait(ring.q_ready.at[slot])
-        p_t, pd_t = probs_t(i, slot, step, zero, masked=masked)
-        # Q's (and the query ids' and hashes') last reader in this consumer was S^T (and the
-        # masks): free them for the producer before dV's wgmma.
-        plgpu.barrier_arrive(ring.q_free.at[slot])
-        # The buffer holds the previous step's tile until the dK consumer has copied it out.
-        plgpu.barrier_wait(handoff.p_free)
-        handoff.p_smem[...] = pd_t
-        plgpu.barrier_arrive(handoff.p_ready)
-        plgpu.barrier_wait(ring.do_ready.at[slot])
-        p_in = p_t.astype(dtype)
-
-        def dv_into(acc_ref):
-            plgpu.wgmma(acc_ref, p_in, ring.do_smem.at[slot])
-
-        dv = pl.run_state(dv_into)(plgpu.ACC.init(dv))
-        plgpu.barrier_arrive(ring.do_free.at[slot])
-        return (dv,)
-
-    def dk_step(i, carry, *, base, masked: bool):
-        (dk,) = carry
-        step = base + i - first
-        slot = ring.slot(step)
-        zero = step_zero(step, tiles.step_descriptors)
-        plgpu.barrier_wait(ring.do_ready.at[slot])
-
-        # -- dP^T = V dO^T; it runs beside the dV consumer's S^T --
-        def dpt_into(acc_ref):
-            plgpu.wgmma(acc_ref, kv_at(zero)[1], ring.do_smem.at[slot].T)
-            return acc_ref[...]
-
-        dp_t = pl.run_scoped(dpt_into, plgpu.ACC(tile_shape, jnp.float32))
-        delta = plgpu.load(ring.delta_smem.at[slot], layout=col_layout)
-        plgpu.barrier_arrive(ring.do_free.at[slot])
-        plgpu.barrier_wait(handoff.p_ready)
-        pd_t = plgpu.load(handoff.p_smem, layout=plgpu.Layout.WGMMA)
-        plgpu.barrier_arrive(handoff.p_free)
-        # Q (and the query ids the mask reads) after the handoff: the dV consumer's S^T needed
-        # it first.
-        plgpu.barrier_wait(ring.q_ready.at[slot])
-        return (dk_update(dk, pd_t, dp_t, delta, i, slot, step, masked=masked),)
-
-    q_step = {"dkdv": dkdv_step, "dv": dv_step, "dk": dk_step}[role]
-
-    def drain_step(i, carry, *, base):
-        # A CTA step outside this consumer's range: waited for (each barrier's phase is
-        # tracked per thread and flips on every wait) and freed unread, so that the ring moves
-        # on for the other consumer. With dq_sink its dS^T is 0, and this consumer's partial of
-        # the step before (if it has one) is computed on its own.
-        step = base + i - first
-        slot = ring.slot(step)
-        plgpu.barrier_wait(ring.q_ready.at[slot])
-        plgpu.barrier_wait(ring.do_ready.at[slot])
-        plgpu.barrier_arrive(ring.do_free.at[slot])
-        plgpu.barrier_arrive(ring.q_free.at[slot])
-        if dq_sink is not None:
-            dq_sink.drained(step)
-            dq_sink.put(None, step)
-        return carry
-
-    def head_loop(h, carry):
-        base = h * cta_tiles  # the producer's step of this head's tile `first`
-        masked_step = functools.partial(q_step, base=base, masked=True)
-        drain = functools.partial(drain_step, base=base)
-        # In the producer's order. Without a side its loops are empty: not emitted.
-        if before:
-            lax.fori_loop(first, lo, drain, None)
-            carry = lax.fori_loop(lo, full_lo, masked_step, carry)
-        carry = lax.fori_loop(
-            full_lo, full_hi, functools.partial(q_step, base=base, masked=False), carry
-        )
-        if after:
-            carry = lax.fori_loop(full_hi, hi, masked_step, carry)
-            lax.fori_loop(hi, end, drain, None)
-        return carry
-
     dk_zeros, dv_zeros = (
         wgmma_zeros((block_kv, head_dim)),
         wgmma_zeros((block_kv, value_head_dim)),
@@ -811,15 +869,47 @@ def _consume_dkv(
         # `backward.flash_backward`): this consumer's keys are cleaned once, before its
         # partner's first partial reads them (after this consumer's first dS^T, `DQSink`).
         zero_non_finite(k_smem)
+    # The keys' segment ids [block_kv] (row layout), which the steps' masks read.
+    kv_seg = None
     if kv_ids_smem is not None:
-        kv_seg = plgpu.load(kv_ids_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+        kv_seg = plgpu.load(kv_ids_smem, layout=_ROW_LAYOUT)
+    steps = _KeySteps(
+        ring=ring,
+        k_blocks=k_blocks,
+        v_blocks=v_blocks,
+        k_smem=k_smem,
+        v_smem=v_smem,
+        key_block=key_block,
+        kv_start=kv_start,
+        kv_seg=kv_seg,
+        first=first,
+        spec=spec,
+        tiles=tiles,
+        qk_scale=qk_scale,
+        scale=scale,
+        soft_cap=soft_cap,
+        dropout_rate=dropout_rate,
+        handoff=handoff,
+        dq_sink=dq_sink,
+    )
+    q_step = {"dkdv": steps.dkdv_step, "dv": steps.dv_step, "dk": steps.dk_step}[role]
+    walk_heads = functools.partial(
+        _walk_heads,
+        q_step,
+        steps.drain_step,
+        group=group,
+        cta_range=cta_range,
+        cta_tiles=cta_tiles,
+        ranges=ranges,
+        sides=dkv_mask_sides(spec, tiles),
+    )
     # Each split consumer stages its result through a dead buffer of its accumulator's width.
     # At H == Hv that is the buffer it loaded and read itself (dV through K's, dK through V's):
     # no wait on the other consumer. At H != Hv the widths cross (dV through V's, dK through
     # K's), so each waits until the other consumer's last read of that buffer is done.
     crossed = partials is None and value_head_dim != head_dim
     if role == "dv":
-        (dv,) = lax.fori_loop(0, group, head_loop, (dv_zeros,))
+        (dv,) = walk_heads((dv_zeros,))
         if crossed:
             # The dK consumer has copied out the last P^T: after its last dP^T, V's last
             # reader (and after V landed: it arrives on p_free first once V has).
@@ -830,7 +920,7 @@ def _consume_dkv(
     if role == "dk":
         # The buffer starts empty: the dV consumer's first wait on p_free passes.
         plgpu.barrier_arrive(handoff.p_free)
-        (dk,) = lax.fori_loop(0, group, head_loop, (dk_zeros,))
+        (dk,) = walk_heads((dk_zeros,))
         if crossed:
             # K's last reader, the dV consumer's last S^T, came before the last P^T this
             # consumer took; wait for K to have landed too, for a CTA whose keys no row sees
@@ -841,7 +931,7 @@ def _consume_dkv(
         return
     if dq_sink is not None:
         dq_sink.start()
-    dk, dv = lax.fori_loop(0, group, head_loop, (dk_zeros, dv_zeros))
+    dk, dv = walk_heads((dk_zeros, dv_zeros))
     if dq_sink is not None:
         dq_sink.finish(group * cta_tiles)
     if partials is not None:

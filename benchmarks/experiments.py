@@ -18,11 +18,12 @@ python benchmarks/experiments.py mosaic-tiles --out $OUT/mosaic.jsonl [--head-di
     the Mosaic GPU forward with several ForwardTiles beside the Triton forward and cuDNN
     (forward only, FA2-paper shapes).
 python benchmarks/experiments.py mosaic-backward --out $OUT/mosaic-bwd.jsonl [--head-dims 64]
-    forward+backward with the Mosaic backward's default tiles (`mosaic.backward.default_tiles`)
-    and candidate BackwardTiles, beside the default call, the Mosaic forward with the Triton
-    backward, and cuDNN. At H 192 and 256 (e.g. `--head-dims 192 256 --seqs 1024 4096`) the
-    candidates that fit are the dK/dV consumers split by accumulator with one or two dQ
-    consumers, and a third stage at H=192; at H 64 and 128 the split is a candidate too.
+    forward+backward with the Mosaic backward's default tiles
+    (`mosaic.backward_tiles.default_tiles`) and candidate BackwardTiles, beside the default call,
+    the Mosaic forward with the Triton backward, and cuDNN. At H 192 and 256 (e.g. `--head-dims 192
+    256 --seqs 1024 4096`) the candidates that fit are the dK/dV consumers split by accumulator with
+    one or two dQ consumers, and a third stage at H=192; at H 64 and 128 the split is a candidate
+    too.
 python benchmarks/experiments.py mosaic-gqa --out $OUT/mosaic-gqa.jsonl
     fwd+bwd of MQA and GQA calls (bf16, H=128: the issue's MQA 2k and GQA 4k probes, MQA
     at 8k, GQA 32/4 at 16k) with the dK/dV kernel's group of query heads summed in one CTA
@@ -507,7 +508,7 @@ def mosaic_backward(out, head_dims=(64, 128), seqs=(512, 1024, 2048, 16384)):
             for impl in ("pallas_flash", "cudnn")
         }
         fns["triton_bwd"] = _mosaic_fn(t, n, h, causal, "fwd+bwd", backward="triton")
-        candidates = {"default": mosaic.backward.default_tiles(h)}
+        candidates = {"default": mosaic.backward_tiles.default_tiles(h)}
         for name, fields in MOSAIC_BACKWARD_TILES.items():
             tiles = mosaic.BackwardTiles(**fields)
             if tiles not in candidates.values():
@@ -555,7 +556,7 @@ def mosaic_gqa(out, head_dim=128):
                 continue
             name = f"mosaic_head_splits{splits}"
             if splits == 0:
-                chosen = mosaic.backward.head_splits(
+                chosen = mosaic.backward_tiles.head_splits(
                     tiles,
                     (b, t, n, head_dim),
                     (b, t, k, head_dim),

@@ -52,20 +52,22 @@ TIMING_POINTS = [
 
 def consumer_registers(producer: int) -> int:
     """Registers of each of two consumers beside a producer of `producer`."""
-    from pallas_flash.mosaic import backward
+    from pallas_flash.mosaic import tiles
 
-    return backward.consumer_registers(2, producer_registers=producer)
+    return tiles.consumer_registers(2, producer)
 
 
 def patch(producer: int, kernels) -> None:
-    """The kernels' constants, before anything is traced."""
-    from pallas_flash.mosaic import backward, forward
+    """The kernels' constants, before anything is traced: every module that holds one."""
+    from pallas_flash.mosaic import backward_tiles, dkv, dq, forward
 
     if "forward" in kernels:
-        forward.PRODUCER_REGISTERS = producer
-        forward.CONSUMER_REGISTERS = consumer_registers(producer)
+        forward.FORWARD_PRODUCER_REGISTERS = producer
+        forward.FORWARD_CONSUMER_REGISTERS = consumer_registers(producer)
     if "backward" in kernels:
-        backward.PRODUCER_REGISTERS = producer  # its consumer_registers() follows
+        # backward_consumer_registers() follows backward_tiles' constant.
+        for module in (backward_tiles, dkv, dq):
+            module.BACKWARD_PRODUCER_REGISTERS = producer
 
 
 def compile_case(producer, kernels, name):

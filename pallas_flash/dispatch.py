@@ -382,7 +382,7 @@ def _mosaic_backward_tiles(call: Call, device: Device, tiles) -> mosaic.Backward
         return tiles
     # A grid that the two-kernel backward spreads by head splits (MQA) stays with it: the
     # fused dQ's staging leaves no shared memory for the splits' (not measured side by side).
-    splits = mosaic.backward.head_splits(
+    splits = mosaic.backward_tiles.head_splits(
         tiles,
         call.q_shape,
         call.k_shape,
@@ -440,7 +440,7 @@ def fixed_dq_is_faster(call: Call, device: Device | None = None) -> bool:
     H200's thresholds unless `FIXED_DQ_MIN_LEN_BY_CARD` has the card's) for calls like this
     (`FIXED_DQ_MIN_LEN`, `FIXED_DQ_CAUSAL_MIN_LEN`); measured on plain and causal
     self-attention of 2k to 16k tokens in bf16 only. It needs bfloat16, a head dim that is a
-    multiple of 64, no dropout and no value head dim of its own (`mosaic.backward.why_not`).
+    multiple of 64, no dropout and no value head dim of its own (`mosaic.backward_tiles.why_not`).
     Calls with a window or segments run it but measured slower (0.80-0.98x with a window of
     1024 keys, 0.80-1.08x with 4 packed documents: its per-row scales cost as much as in a
     plain call, for less work), so they keep two kernels."""

@@ -171,10 +171,24 @@ def test_kernels_do_not_read_the_autotune_cache():
 
 
 def test_mosaic_tiles_and_schedule_sit_below_the_kernels():
-    """The Mosaic package's tiles and budgets import nothing of the package; the schedule plans
-    from the tiles only; the kernels import both, never the other way."""
+    """The Mosaic package's tiles and budgets import nothing of the package (the backward's,
+    only the forward's and the fixed point's range); the schedule plans from the tiles only; the
+    kernels (the forward, the backward's wrapper and its dK/dV, dQ and fused dQ) import them,
+    the launch and their shared pieces, never the other way."""
     graph = import_graph()
     assert not {n for n in graph["pallas_flash.mosaic.tiles"] if n.startswith("pallas_flash")}
-    kernels = {"pallas_flash.mosaic.forward", "pallas_flash.mosaic.backward"}
-    for name in ("pallas_flash.mosaic.schedule", "pallas_flash.mosaic.launch"):
+    # The backward's tiles read the forward's and the fixed point's range, nothing else.
+    assert graph["pallas_flash.mosaic.backward_tiles"] <= {
+        "pallas_flash.mosaic.tiles",
+        "pallas_flash.mosaic.fixed_point",
+    }
+    kernels = {
+        f"pallas_flash.mosaic.{name}" for name in ("forward", "backward", "dkv", "dq", "fused_dq")
+    }
+    for name in (
+        "pallas_flash.mosaic.schedule",
+        "pallas_flash.mosaic.launch",
+        "pallas_flash.mosaic._kernel_common",
+        "pallas_flash.mosaic.backward_tiles",
+    ):
         assert not graph[name] & kernels, (name, graph[name])

@@ -50,18 +50,22 @@ from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import BackwardTiles, ForwardTiles, flash_backward, flash_forward
+from pallas_flash.mosaic import (
+    BackwardTiles,
+    ForwardTiles,
+    backward_tiles,
+    flash_backward,
+    flash_forward,
+)
 from pallas_flash.mosaic import backward as mosaic_backward_module
 from pallas_flash.mosaic import forward as mosaic_forward_module
+from pallas_flash.mosaic import fused_dq as fused_dq_module
+from pallas_flash.mosaic import launch as mosaic_launch
 from pallas_flash.mosaic import schedule as mosaic_schedule
-from pallas_flash.mosaic.backward import (
-    SMEM_BYTES,
-    _dkv_mask_sides,
-    _dq_mask_sides,
-    _kv_tile_ranges,
-    _q_tile_ranges,
-    default_tiles,
-)
+from pallas_flash.mosaic.backward_tiles import default_tiles
+from pallas_flash.mosaic.dkv import dkv_mask_sides, q_tile_ranges
+from pallas_flash.mosaic.dq import dq_mask_sides, kv_tile_ranges
+from pallas_flash.mosaic.tiles import SMEM_BYTES
 from pallas_flash.reference import reference_attention
 from pallas_flash.triton import BlockSizes
 
@@ -306,7 +310,7 @@ def test_geometry_tile_ranges_match_the_mask(q_len, kv_len, tiles):
     over causal and windows. dK/dV: per consumer's keys, the query tiles holding a row (< T)
     that sees some of them lie in [lo, hi), tiles in [full_lo, full_hi) are seen whole by every
     row < T, the CTA streams the hull of its consumers' ranges; without a side that
-    `_dkv_mask_sides` reports, the masked and drained loops of that side are empty. dQ the
+    `dkv_mask_sides` reports, the masked and drained loops of that side are empty. dQ the
     same per consumer's rows over KV tiles, where keys past S count as hidden."""
     rows_q, rows_kv = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
     for is_causal in (False, True):
@@ -317,11 +321,11 @@ def test_geometry_tile_ranges_match_the_mask(q_len, kv_len, tiles):
             # -- dK/dV: per consumer's keys, over query tiles of block_q_dkv rows --
             block_q, block_kv = tiles.block_q_dkv, tiles.block_kv_dkv
             num_q = -(-q_len // block_q)
-            before, after = _dkv_mask_sides(spec, tiles)
+            before, after = dkv_mask_sides(spec, tiles)
             for cta_start in range(0, kv_len, tiles.cta_kv_rows):
                 hull = set()
                 for kv_start in range(cta_start, cta_start + tiles.cta_kv_rows, block_kv):
-                    (first, end), ranges = _q_tile_ranges(spec, tiles, cta_start, kv_start)
+                    (first, end), ranges = q_tile_ranges(spec, tiles, cta_start, kv_start)
                     first, end = int(first), int(end)
                     lo, full_lo, full_hi, hi = (int(x) for x in ranges)
                     assert first <= lo <= full_lo <= full_hi <= hi <= end <= max(num_q, first)
@@ -342,11 +346,11 @@ def test_geometry_tile_ranges_match_the_mask(q_len, kv_len, tiles):
             # -- dQ: per consumer's rows, over KV tiles of block_kv_dq keys --
             block_q, block_kv = tiles.block_q_dq, tiles.block_kv_dq
             num_kv = -(-kv_len // block_kv)
-            before, after = _dq_mask_sides(spec, tiles)
+            before, after = dq_mask_sides(spec, tiles)
             for cta_start in range(0, q_len, tiles.cta_q_rows):
                 hull = set()
                 for q_start in range(cta_start, cta_start + tiles.cta_q_rows, block_q):
-                    (first, end), ranges = _kv_tile_ranges(spec, tiles, cta_start, q_start)
+                    (first, end), ranges = kv_tile_ranges(spec, tiles, cta_start, q_start)
                     first, end = int(first), int(end)
                     lo, full_lo, full_hi, hi = (int(x) for x in ranges)
                     assert first <= lo <= full_lo <= full_hi <= hi <= end <= max(num_kv, first)
@@ -935,7 +939,7 @@ def test_the_dispatch_never_gives_the_mosaic_backward_what_it_would_drop(spec_op
         spec=spec,
         has_bias=has_bias,
     )
-    assert mosaic_backward_module.unsupported_options(spec, soft_cap=None, has_bias=has_bias)
+    assert backward_tiles.unsupported_options(spec, soft_cap=None, has_bias=has_bias)
     assert dispatch.choose(call, Device.h200(), scale=0.1).backward == "triton"
     with pytest.raises(NotImplementedError, match="backend='mosaic' does not support"):
         dispatch.choose(call, Device.h200(), scale=0.1, backend="mosaic")
@@ -1748,8 +1752,8 @@ def test_step_descriptors_keep_the_step_opaque_to_llvm(monkeypatch):
 
 def test_opaque_zero_is_zero_from_step_minus_one():
     steps = jnp.array([-1, 0, 1, 2**20, 2**31 - 2], jnp.int32)
-    assert np.all(np.asarray(mosaic_backward_module.launch.opaque_zero(steps)) == 0)
-    assert int(mosaic_backward_module.launch.opaque_zero(jnp.int32(-2))) == 1
+    assert np.all(np.asarray(mosaic_launch.opaque_zero(steps)) == 0)
+    assert int(mosaic_launch.opaque_zero(jnp.int32(-2))) == 1
 
 
 @pytest.mark.parametrize(
@@ -1779,13 +1783,13 @@ def test_fused_dq_lowers_for_h200(monkeypatch, p, tiles):
     calls = []
 
     def spy(name):
-        real = getattr(mosaic_backward_module.plgpu, name)
+        real = getattr(fused_dq_module.plgpu, name)
 
         def traced(*args, **kwargs):
             calls.append(kwargs.get("reduction_op", name))
             return real(*args, **kwargs)
 
-        monkeypatch.setattr(mosaic_backward_module.plgpu, name, traced)
+        monkeypatch.setattr(fused_dq_module.plgpu, name, traced)
 
     spy("copy_smem_to_gmem")
     lowered = lower_for_h200(backward_fn(p, tiles), *abstract_backward_args(p))

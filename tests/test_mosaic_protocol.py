@@ -363,8 +363,9 @@ def test_the_model_catches_a_broken_drain(broken, match):
 # Its two kernels stream a ring of two buffers per step, freed separately: dQ streams KV tiles
 # (V as "v", K as "k"), dK/dV streams (query head, query tile) steps (dO as "v", Q as "k").
 # A consumer walks every step of the CTA, computing those of its range and draining the others;
-# there is no schedule barrier. The op sequences mirror `_produce_dkv`, `_dq_kernel._producer`,
-# `_consume_dkv.q_step / drain_step` and `_consume_dq.kv_step / drain_step`.
+# there is no schedule barrier. The op sequences mirror `dkv._produce_dkv`,
+# `dq._dq_kernel._producer`, `dkv._KeySteps.dkdv_step / drain_step` and
+# `dq._consume_dq.kv_step / drain_step`.
 
 
 def backward_producer_ops(num_steps: int, stages: int):
@@ -424,7 +425,9 @@ def backward_plans(shapes):
     """Distinct (kernel, first, end, ranges, stages, group) of both backward kernels: from the
     kernels' geometry range functions over shapes, tiles, causal and windows, and from the
     segment-id plans (`schedule.tile_plan`) over random ids."""
-    from pallas_flash.mosaic.backward import BackwardTiles, _kv_tile_ranges, _q_tile_ranges
+    from pallas_flash.mosaic.backward_tiles import BackwardTiles
+    from pallas_flash.mosaic.dkv import q_tile_ranges
+    from pallas_flash.mosaic.dq import kv_tile_ranges
     from pallas_flash.mosaic.schedule import tile_plan
 
     plans = set()
@@ -439,8 +442,8 @@ def backward_plans(shapes):
             ):
                 spec = MaskSpec(q_len=q_len, kv_len=kv_len, is_causal=is_causal, window=window)
                 for kernel, cta_rows, rows, ranges_of, length in (
-                    ("dkv", tiles.cta_kv_rows, tiles.block_kv_dkv, _q_tile_ranges, kv_len),
-                    ("dq", tiles.cta_q_rows, tiles.block_q_dq, _kv_tile_ranges, q_len),
+                    ("dkv", tiles.cta_kv_rows, tiles.block_kv_dkv, q_tile_ranges, kv_len),
+                    ("dq", tiles.cta_q_rows, tiles.block_q_dq, kv_tile_ranges, q_len),
                 ):
                     for cta_start in range(0, length, cta_rows):
                         ranges = []

@@ -810,7 +810,7 @@ def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
     f32 tile at H == Hv but through one of each at H != Hv, which at (96, 128) and (128, 96)
     overflows shared memory where (128, 128)'s one tile fits (automatic head splits leave them
     unsplit; `head_splits`)."""
-    head_dims = mosaic_backward.HEAD_DIMS
+    head_dims = mosaic_tiles.HEAD_DIMS
     bt = mosaic_backward.BackwardTiles
     all_tiles = (
         None, bt(dkv_head_splits=2), bt(split_dkv=True, dkv_head_splits=2),

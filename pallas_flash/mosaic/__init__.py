@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from pallas_flash.call import Call
 from pallas_flash.device import Device
-from pallas_flash.mosaic import backward
+from pallas_flash.mosaic import backward_tiles
 from pallas_flash.mosaic import tiles as forward_tiles
-from pallas_flash.mosaic.backward import BackwardTiles, flash_backward
+from pallas_flash.mosaic.backward import flash_backward
+from pallas_flash.mosaic.backward_tiles import BackwardTiles
 from pallas_flash.mosaic.forward import flash_forward
 from pallas_flash.mosaic.tiles import ForwardTiles, default_tiles
 
@@ -59,11 +60,11 @@ def why_not_forward(call: Call, device: Device, tiles: ForwardTiles | None = Non
 def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = None) -> str | None:
     """Why the backward cannot run `call` on `device` with `tiles` (None: its defaults); None
     when it can. It takes a value head dim Hv != H as it is, as the forward does."""
-    if reason := backward.unsupported_options(
+    if reason := backward_tiles.unsupported_options(
         call.spec, soft_cap=call.soft_cap, has_bias=call.has_bias
     ):
         return reason
-    return backward.why_not(
+    return backward_tiles.why_not(
         call.q_shape,
         call.k_shape,
         call.dtype,
@@ -93,4 +94,4 @@ def default_forward_tiles(call: Call, *, wide: bool = True) -> ForwardTiles:
 
 
 def default_backward_tiles(call: Call) -> BackwardTiles:
-    return backward.default_tiles(call.head_dim, call.v_head_dim)
+    return backward_tiles.default_tiles(call.head_dim, call.v_head_dim)

@@ -35,6 +35,7 @@ from pallas_flash import _dropout, masks
 from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, sink_against_keys
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic._kernel_common import per_row, times
 from pallas_flash.mosaic.launch import (
     check_segment_ids,
     dropped_value,
@@ -56,9 +57,9 @@ from pallas_flash.mosaic.schedule import (
     segment_tile_plan,
 )
 from pallas_flash.mosaic.tiles import (
-    CONSUMER_REGISTERS,
+    FORWARD_CONSUMER_REGISTERS,
+    FORWARD_PRODUCER_REGISTERS,
     NUM_CONSUMERS,
-    PRODUCER_REGISTERS,
     ForwardTiles,
     aligned_len,
     cdiv,
@@ -449,7 +450,7 @@ def _forward_kernel(
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
-        plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+        plgpu.set_max_registers(FORWARD_CONSUMER_REGISTERS, action="increase")
 
         def buffer(n):
             index = lax.rem(n, tiles.q_buffers) if persistent else 0
@@ -526,7 +527,7 @@ def _forward_kernel(
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
-        plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+        plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
 
         def produce_item(n, steps_before):
             batch, head, _, cta_range = item(n)
@@ -657,16 +658,6 @@ def _schedule_sync(schedule):
     plgpu.barrier_wait(schedule)
 
 
-def _rows(x, shape):
-    """Broadcast a per-row vector [rows] (WGMMA row layout) over the columns of `shape`."""
-    return lax.broadcast_in_dim(x, shape, [0])
-
-
-def _times(x, factor: float):
-    """x * factor, without the multiply when factor is 1."""
-    return x if factor == 1.0 else x * factor
-
-
 def _loop(lo, hi, body, carry):
     """fori_loop over [lo, hi), elided when the bounds are Python ints and the range is empty."""
     if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
@@ -784,7 +775,7 @@ def _consume(
             # Column vector of the tile's ids in the layout that broadcasts over WGMMA rows.
             kv_seg = plgpu.load(ring.kv_ids_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             shape = (block_q, block_kv)
-            conditions.append(_rows(q_seg, shape) == lax.broadcast_in_dim(kv_seg, shape, [1]))
+            conditions.append(per_row(q_seg, shape) == lax.broadcast_in_dim(kv_seg, shape, [1]))
         return functools.reduce(lambda a, b: a & b, conditions) if conditions else None
 
     def kv_step(tile, carry, *, masked: bool):
@@ -806,8 +797,8 @@ def _consume(
             col = plgpu.load(ring.drop_col_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
             shape = (block_q, block_kv)
             keep = _dropout.keep(
-                _rows(drop_rows[0], shape),
-                _rows(drop_rows[1], shape),
+                per_row(drop_rows[0], shape),
+                per_row(drop_rows[1], shape),
                 lax.broadcast_in_dim(col, shape, [1]),
                 dropout_rate,
             )
@@ -824,12 +815,12 @@ def _consume(
         # A fused s * unit2 - m * unit2 subtracts an unrounded product from a rounded one, an
         # error of up to half an ulp of m * unit2 in the exponent: exp2 overflows or vanishes
         # once |logit| passes ~1e9.
-        p = jnp.exp2(_times(s - _rows(m_new, s.shape), unit2))
-        alpha = jnp.exp2(_times(m_i - m_new, unit2))
+        p = jnp.exp2(times(s - per_row(m_new, s.shape), unit2))
+        alpha = jnp.exp2(times(m_i - m_new, unit2))
         l_i = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * _rows(alpha, acc.shape)
+        acc = acc * per_row(alpha, acc.shape)
         if keep is not None:  # l_i keeps the dropped p: lse is the un-dropped softmax's
-            p = jnp.where(keep, p, _rows(drop_zero, p.shape))
+            p = jnp.where(keep, p, per_row(drop_zero, p.shape))
         p_in = p.astype(dtype)  # wgmma takes A from registers in the input dtype
         plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the MMAs
         plgpu.barrier_wait(ring.v_ready.at[slot])
@@ -905,7 +896,7 @@ def _consume(
     row_scale = 1.0 / l_safe if keys_share is None else keys_share / l_safe
     if dropout_rate:
         row_scale = row_scale * (1.0 / (1.0 - dropout_rate))
-    out = acc * _rows(row_scale, acc.shape)
+    out = acc * per_row(row_scale, acc.shape)
     # Where o_smem is q_smem, Q is dead: its last reader, the final Q.K^T, is done.
     o_smem[...] = out.astype(dtype)
     # log_sum (log l, relative to the row max or the sink) also for a backward that recomputes

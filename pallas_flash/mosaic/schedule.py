@@ -13,6 +13,7 @@ from jax import lax
 
 from pallas_flash import masks
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic._kernel_common import clip
 from pallas_flash.mosaic.launch import pad_ids
 from pallas_flash.mosaic.tiles import NUM_CONSUMERS, ForwardTiles, cdiv
 
@@ -234,6 +235,23 @@ def grouped_launch(unit, tile, *, units: int, tiles: int, group: int):
     return first + lax.rem(rank, size), lax.div(rank, size)
 
 
+def launched_cta(names, launch_units: int):
+    """(batch, unit, tile) of this CTA from its grid position (axes `names`), the units going
+    launch_units (batch, unit) pairs at a time (`grouped_launch`)."""
+    batch, unit, tile = (lax.axis_index(name) for name in names)
+    if launch_units == 1:
+        return batch, unit, tile
+    units = lax.axis_size(names[1])
+    unit, tile = grouped_launch(
+        batch * units + unit,
+        tile,
+        units=lax.axis_size(names[0]) * units,
+        tiles=lax.axis_size(names[2]),
+        group=launch_units,
+    )
+    return lax.div(unit, units), lax.rem(unit, units), tile
+
+
 def cta_tile_range(spec: MaskSpec, cta_q_start, tiles: ForwardTiles):
     """(lo, hi): the KV tiles a CTA's producer streams, in order, for query rows
     [cta_q_start, cta_q_start + cta_rows): the union of its consumers' ranges (every tile in
@@ -250,7 +268,7 @@ def consumer_tile_range(spec: MaskSpec, q_start, cta_range, tiles: ForwardTiles)
     CTA's hi), which unclamped would drain steps that the producer never loads."""
     first, end = cta_range
     return tuple(
-        _clip(x, first, end) for x in spec.kv_tile_range(q_start, tiles.block_q, tiles.block_kv)
+        clip(x, first, end) for x in spec.kv_tile_range(q_start, tiles.block_q, tiles.block_kv)
     )
 
 
@@ -356,9 +374,3 @@ def tile_plan(
     )
     cta = jnp.stack([first, first, end, end], axis=-1)[:, :, None]
     return jnp.concatenate([consumers, cta], axis=2).astype(jnp.int32)
-
-
-def _clip(x, lo, hi):
-    if all(isinstance(v, int) for v in (x, lo, hi)):
-        return min(max(x, lo), hi)
-    return jnp.minimum(jnp.maximum(x, lo), hi)

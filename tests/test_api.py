@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, SWEEP, Problem, assert_bitwise_equal, has_gpu, random_inputs
+from support.backends import SWEEP, has_gpu
+from support.inputs import DTYPES, Problem, random_inputs
+from support.tolerance import assert_bitwise_equal
 
 import pallas_flash
 from pallas_flash import api, tune_cache

@@ -16,9 +16,9 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import has_gpu
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh
+from support.backends import has_gpu
 
 import pallas_flash
 from pallas_flash import api, dispatch, mosaic, tune

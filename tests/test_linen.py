@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from conftest import SWEEP_ONLY
 from flax_helpers import (
     FEATURES,
     HEADS,
@@ -34,6 +33,7 @@ from flax_helpers import (
     segment_ids,
     sink_attention,
 )
+from support.backends import SWEEP_ONLY
 
 import pallas_flash.linen as pfl
 from pallas_flash import flax_common

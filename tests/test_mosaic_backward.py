@@ -18,21 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    OUTPUT_NAMES,
-    Problem,
-    assert_bitwise_equal,
-    assert_within_tolerance,
-    attention_oracle_f64,
-    case_id,
-    masked_in_dtype,
-    oracle_outputs_and_grads,
-    outputs_and_grads,
-    plain_fn,
-    random_inputs,
-    segment_arrays,
-)
 from mosaic_interpret import interpret_mosaic
+from support.calls import oracle_outputs_and_grads, outputs_and_grads, plain_fn
+from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.oracle import attention_oracle_f64, masked_in_dtype
+from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s
 from test_mosaic_forward import (
     GARBAGE,
@@ -1099,8 +1089,8 @@ def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
 
 @dataclasses.dataclass(frozen=True)
 class MaskCase:
-    """A masked call: `kind` a conftest.segment_arrays kind (segment ids with lengths folded in)
-    or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites); poison:
+    """A masked call: `kind` a support.inputs.segment_arrays kind (segment ids with lengths folded
+    in) or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites); poison:
     the kernels get K and V with NaN and inf at the keys that no row sees."""
 
     p: Problem

@@ -30,10 +30,11 @@ if not glob.glob("/dev/nvidia[0-9]*") and "xla_backend_optimization_level" not i
         os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
     ).strip()
 
+import jax.numpy as jnp
 import pytest
 from support.backends import MODES, SWEEP, has_gpu, kernel_kwargs
 
-from pallas_flash import api, flax_common
+from pallas_flash import api, flax_common, tune_cache
 
 # -- the gpu and ci_slice markers -----------------------------------------------------------------
 
@@ -99,3 +100,29 @@ def no_compute(monkeypatch):
 def fresh_warnings(monkeypatch):
     """Forget which fallback warnings this process has given, for this test only."""
     monkeypatch.setattr(flax_common, "_warned", set())
+
+
+@pytest.fixture
+def kernel_configs(monkeypatch) -> list:
+    """Records, instead of running, the KernelConfig of each call that reaches the kernels
+    (`api.flash_attention_kernels`, which then returns zeros): the list it appends them to."""
+    configs = []
+
+    def record(q, k, v, bias, arrays, config):
+        configs.append(config)
+        b, t, n, _ = q.shape
+        return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
+
+    monkeypatch.setattr(api, "flash_attention_kernels", record)
+    return configs
+
+
+@pytest.fixture
+def tune_cache_path(tmp_path, monkeypatch):
+    """This test's own autotune cache file (not written yet), in $PALLAS_FLASH_TUNE_CACHE: a
+    user's cache cannot change a choice, and what the test saves stays its own."""
+    path = tmp_path / "tune.json"
+    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(path))
+    tune_cache._load_tune_cache.cache_clear()
+    yield path
+    tune_cache._load_tune_cache.cache_clear()

@@ -730,13 +730,13 @@ def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
 
 
 @long_only
-def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypatch, tmp_path):
+def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(
+    monkeypatch, tune_cache_path
+):
     """Mosaic tiles from the autotune cache reach both kernels through the public call (a
     spy records them) and the result still matches the float64 oracle."""
     p = Problem(1, 256, 256, 2, 1, 64, True, "bf16")
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
-    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
-    tune_cache._load_tune_cache.cache_clear()
     forward = ForwardTiles(block_q=64, block_kv=64, num_stages=3)
     backward = BackwardTiles(num_stages=3, block_kv_dq=128)
     shape_class = tune_cache.ShapeClass.of(
@@ -761,14 +761,9 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
         pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="mosaic"
     )
     (q, k, v, d_out, d_lse), f64 = random_inputs(p)
-    try:
-        with interpret_mosaic():
-            results = jax.jit(functools.partial(outputs_and_grads, attention))(
-                q, k, v, d_out, d_lse
-            )
-            results = [np.asarray(x.astype(jnp.float32)) for x in results]
-    finally:
-        tune_cache._load_tune_cache.cache_clear()
+    with interpret_mosaic():
+        results = jax.jit(functools.partial(outputs_and_grads, attention))(q, k, v, d_out, d_lse)
+        results = [np.asarray(x.astype(jnp.float32)) for x in results]
     assert used == [forward, backward]
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)

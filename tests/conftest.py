@@ -11,12 +11,12 @@ import collections
 import glob
 import os
 
-# jax's Mosaic GPU interpreter (mosaic_interpret.py) runs a kernel's warpgroups as threads whose
-# barrier waits are host callbacks, and XLA's CPU client may run such a callback on a thread of
-# its pool, where it blocks until another warpgroup arrives. With a pool as small as the host's
-# cores (2 in CI), the callback that launched the warpgroups and one blocked wait fill it, and
-# the warpgroup that would arrive cannot run: a deadlock that depends on the scheduling. XLA
-# sizes the pool from NPROC when it is set before the CPU backend starts.
+# jax's Mosaic GPU interpreter (support/mosaic_interpret.py) runs a kernel's warpgroups as
+# threads whose barrier waits are host callbacks, and XLA's CPU client may run such a callback on
+# a thread of its pool, where it blocks until another warpgroup arrives. With a pool as small as
+# the host's cores (2 in CI), the callback that launched the warpgroups and one blocked wait fill
+# it, and the warpgroup that would arrive cannot run: a deadlock that depends on the scheduling.
+# XLA sizes the pool from NPROC when it is set before the CPU backend starts.
 os.environ.setdefault("NPROC", "8")
 
 # On a machine without an NVIDIA GPU most of the suite's time is XLA's CPU compiling the

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_interpret import interpret_mosaic
 from support.backends import BACKEND_PATHS, SWEEP, backend_paths
 from support.calls import outputs_and_grads
 from support.inputs import Problem, case_id, random_inputs
+from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype, to64
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 from test_lowering import lower_for_h200

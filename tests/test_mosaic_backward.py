@@ -1,6 +1,6 @@
 """The Mosaic GPU backward (pallas_flash.mosaic.backward): lowering for an abstract H200 on CPU,
 the shape rules of `why_not`, and gradients against the float64 oracle, in jax's Mosaic
-GPU interpreter on CPU (tests/mosaic_interpret.py) and on a Hopper GPU.
+GPU interpreter on CPU (tests/support/mosaic_interpret.py) and on a Hopper GPU.
 
 As for the forward (test_mosaic.py), lowering on CPU runs Pallas' lowering, Mosaic GPU's layout
 inference and its dialect lowering (shared-memory budget included) in Python; only the GPU code
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_interpret import interpret_mosaic
 from support.calls import oracle_outputs_and_grads, outputs_and_grads, plain_fn
 from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s

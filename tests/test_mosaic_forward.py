@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_interpret import interpret_mosaic
 from support.calls import (
     oracle_outputs_and_grads,
     outputs_and_grads,
@@ -26,6 +25,7 @@ from support.calls import (
     vmapped_outputs_and_grads,
 )
 from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.mosaic_interpret import interpret_mosaic
 from support.oracle import (
     attention_f64,
     attention_grads_f64,

@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_interpret import interpret_mosaic
 from support.backends import BACKEND_PATHS, SWEEP, backend_paths, has_gpu, has_hopper
 from support.inputs import BLOCK_SIZES, case_id, uniform_block_sizes
+from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, to64
 
 import pallas_flash

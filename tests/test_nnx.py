@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from flax_helpers import (
+from support.backends import SWEEP_ONLY
+from support.flax_layers import (
     FEATURES,
     HEADS,
     KERNELS,
@@ -33,7 +34,6 @@ from flax_helpers import (
     segment_ids,
     sink_attention,
 )
-from support.backends import SWEEP_ONLY
 
 import pallas_flash.nnx as pfn
 from pallas_flash import flax_common

@@ -293,7 +293,7 @@ def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
     """The tuner's check of a Mosaic winner: the forward with the tuned tiles and the Mosaic
     backward, in the Mosaic interpreter, against the f32 reference; tiles the check shape does
     not take give inf (so the winner is dropped)."""
-    from mosaic_interpret import interpret_mosaic
+    from support.mosaic_interpret import interpret_mosaic
 
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=True, masked=False, seq="short")
     tuned = tune_cache.MosaicTiles(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from mosaic_interpret import interpret_mosaic
 from support.backends import SWEEP, backend_paths, has_hopper
 from support.calls import outputs_and_grads
 from support.inputs import case_id, segment_arrays, uniform_block_sizes
+from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype
 from support.tolerance import FLOOR, assert_within_tolerance
 from test_lowering import lower_for_h200

@@ -85,7 +85,7 @@ class BackendPath:
     def _runner(self):
         if self.name != "mosaic-interpret":
             return contextlib.nullcontext()
-        from mosaic_interpret import interpret_mosaic
+        from support.mosaic_interpret import interpret_mosaic
 
         # The dispatch chooses for an H200; jax's Mosaic GPU interpreter runs the kernels.
         runner = contextlib.ExitStack()

@@ -506,7 +506,7 @@ def test_the_dispatch_gives_the_mosaic_forward_only_what_it_takes():
             forward(masked)
         assert forward(masked, backend=None) == "triton"
     common = dict(scale=0.1, block_sizes=pallas_flash.BlockSizes(), interpret=False)
-    with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
+    with pytest.raises(ValueError, match="forward='cuda' must be 'triton', 'mosaic' or 'decode'"):
         KernelConfig(spec=spec, forward="cuda", **common)
 
 

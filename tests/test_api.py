@@ -12,7 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import DTYPES, SWEEP, Problem, assert_bitwise_equal, has_gpu, random_inputs
+from support.backends import SWEEP, has_gpu
+from support.inputs import DTYPES, Problem, random_inputs
+from support.tolerance import assert_bitwise_equal
 
 import pallas_flash
 from pallas_flash import api, tune_cache
@@ -426,28 +428,20 @@ HOPPER_SHAPES = dict(q_shape=(2, 1024, 8, 128), k_shape=(2, 1024, 2, 128))
 
 
 @pytest.fixture
-def chosen_forward(monkeypatch):
+def chosen_forward(kernel_configs, monkeypatch):
     """Chooses for a GPU of compute capability `cc` (default: an H200; None: no GPU) or for
     `device`, and records, instead of running anything, which forward each flash_attention call
     picks: call(cc=..., device=...) -> list."""
-    return _chosen(monkeypatch, lambda config: config.forward)
+    return _chosen(kernel_configs, monkeypatch, lambda config: config.forward)
 
 
 @pytest.fixture
-def chosen_kernels(monkeypatch):
+def chosen_kernels(kernel_configs, monkeypatch):
     """As chosen_forward, recording (forward, backward) of each call."""
-    return _chosen(monkeypatch, lambda config: (config.forward, config.backward))
+    return _chosen(kernel_configs, monkeypatch, lambda config: (config.forward, config.backward))
 
 
-def _chosen(monkeypatch, what):
-    chosen = []
-
-    def record(q, k, v, bias, arrays, config):
-        chosen.append(what(config))
-        b, t, n, _ = q.shape
-        return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
-
-    monkeypatch.setattr(api, "flash_attention_kernels", record)
+def _chosen(kernel_configs, monkeypatch, what):
     monkeypatch.setattr(api, "reference_attention_vjp", None)
 
     def call(*qkv, cc=(9, 0), device=None, **kwargs):
@@ -459,7 +453,7 @@ def _chosen(monkeypatch, what):
             )
         monkeypatch.setattr(api.device_lib, "target_device", lambda: device)
         pallas_flash.flash_attention(*qkv, **kwargs)
-        return chosen.pop()
+        return what(kernel_configs.pop())
 
     return call
 
@@ -630,25 +624,24 @@ def test_triton_backward_serves_what_the_mosaic_backward_lacks(chosen_kernels):
 
 
 @pytest.fixture
-def tuned_cache(tmp_path, monkeypatch):
+def tuned_cache(tune_cache_path):
     """A user's autotune cache file for the H200 (over the shipped table): save(shape kwargs of
     ShapeClass.of, entry)."""
-    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
-    tune_cache._load_tune_cache.cache_clear()
 
     def save(entry, head_dim=128, dtype=jnp.bfloat16, **shape):
         cls = tune_cache.ShapeClass.of(head_dim, dtype, masked=False, **shape)
         tune_cache.save_tuned(Device.h200().kind, {cls: entry})
 
-    yield save
-    tune_cache._load_tune_cache.cache_clear()
+    return save
 
 
 @pytest.fixture
-def chosen_tiles(monkeypatch):
+def chosen_tiles(kernel_configs, monkeypatch):
     """As chosen_forward, recording the Mosaic tiles each call's KernelConfig carries."""
     return _chosen(
-        monkeypatch, lambda config: (config.mosaic_forward_tiles, config.mosaic_backward_tiles)
+        kernel_configs,
+        monkeypatch,
+        lambda config: (config.mosaic_forward_tiles, config.mosaic_backward_tiles),
     )
 
 
@@ -672,7 +665,7 @@ def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
 
 
 def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
-    tuned_cache, monkeypatch
+    tuned_cache, kernel_configs, monkeypatch
 ):
     # 128-row consumers would leave a ragged last tile at T=384 (short ragged calls are faster
     # on Triton): the forward keeps its default tiles (and stays on Mosaic); 128-row
@@ -680,6 +673,7 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     # and 256: a ring of three 64-key stages fits shared memory at H=192 but not at 256, where
     # the forward keeps its default tiles; the backward (no tuned tiles) its defaults.
     chosen = _chosen(
+        kernel_configs,
         monkeypatch,
         lambda c: (c.forward, c.backward, c.mosaic_forward_tiles, c.mosaic_backward_tiles),
     )

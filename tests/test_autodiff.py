@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, attention_oracle_f64, backend_paths, has_gpu
 from jax.test_util import check_grads
+from support.backends import BACKEND_PATHS, backend_paths, has_gpu
+from support.oracle import attention_oracle_f64
 
 import pallas_flash
 
@@ -145,7 +146,7 @@ def central_difference(f, x, u, eps=1e-4):
 
 
 def attention_fn(c: Case, extra, path):
-    """(q, k, v, bias) -> (out, lse) on `path` (a conftest.BackendPath)."""
+    """(q, k, v, bias) -> (out, lse) on `path` (a support.backends.BackendPath)."""
     kwargs = dict(path.kwargs)
     kwargs.update({name: jnp.asarray(a) for name, a in extra.items()})
 

@@ -1,6 +1,6 @@
-"""The backend matrix itself (conftest.BACKEND_PATHS): each path on CPU runs what its name says,
-so that a check parametrised over `backend_paths()` cannot pass on the wrong backend; and
-`backend_paths` refuses paths it does not know."""
+"""The backend matrix itself (support.backends.BACKEND_PATHS): each path on CPU runs what its
+name says, so that a check parametrised over `backend_paths()` cannot pass on the wrong backend;
+and `backend_paths` refuses paths it does not know."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import BACKEND_PATHS, backend_paths
+from support.backends import BACKEND_PATHS, backend_paths
 
 import pallas_flash
 from pallas_flash import device as device_lib

@@ -86,9 +86,10 @@ def resolves(dotted: str) -> bool:
 
 @functools.cache
 def sources(suffix: str) -> str:
-    """The text of the package's and the tests' .py files, or of the scripts (.sh, .ci/run)."""
+    """The text of the package's and the tests' .py files (tests/support/ too), or of the
+    scripts (.sh, .ci/run)."""
     if suffix == ".py":
-        files = [*(ROOT / "pallas_flash").rglob("*.py"), *(ROOT / "tests").glob("*.py")]
+        files = [*(ROOT / "pallas_flash").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
     else:
         files = [*ROOT.glob("benchmarks/*.sh"), ROOT / ".ci" / "run"]
     return "\n".join(path.read_text() for path in sorted(files) if path.exists())

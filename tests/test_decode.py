@@ -1,6 +1,6 @@
 """decode_attention / paged_attention against a float64 oracle (ragged lengths, new tokens
 aligned to the end of the cache, GQA, windows, soft caps, pages shuffled and partly filled, NaN in
-unused cache slots), on the backend matrix (conftest.backend_paths: backend="xla", the
+unused cache slots), on the backend matrix (support.backends.backend_paths: backend="xla", the
 interpreter, and compiled); write_to_pages; the
 reference gradient; validation."""
 
@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, SWEEP, backend_paths, case_id
+from support.backends import BACKEND_PATHS, SWEEP, backend_paths
+from support.inputs import case_id
 
 import pallas_flash
 from pallas_flash.triton import DecodeBlockSizes
@@ -137,7 +138,7 @@ def make_problem(c: Case, seed=0):
 
 
 def run(c: Case, problem, *paths, **extra):
-    """[(out, lse)] of each path (conftest.BackendPath), computed in one jit."""
+    """[(out, lse)] of each path (support.backends.BackendPath), computed in one jit."""
 
     def call(path):
         kwargs = dict(

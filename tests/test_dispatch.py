@@ -16,12 +16,12 @@ import re
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import has_gpu
 from jax.experimental import pallas as pl
 from jax.sharding import AbstractDevice, AbstractMesh
+from support.backends import has_gpu
 
 import pallas_flash
-from pallas_flash import api, dispatch, mosaic, tune
+from pallas_flash import dispatch, mosaic, tune
 from pallas_flash.call import Call
 from pallas_flash.device import Device, target_device
 from pallas_flash.masks import MaskSpec
@@ -454,18 +454,11 @@ def kv_splits(config, q_shape, k_shape):
 
 
 @pytest.fixture
-def chosen(monkeypatch):
+def chosen(kernel_configs, tune_cache_path):
     """chosen(device, name) -> the row of the tables for CALLS[name] through the public API
     under `pallas_flash.target(device)` (None: for this host's GPU), recording the KernelConfig
-    instead of running."""
-    seen = []
-
-    def record(q, k, v, bias, arrays, config):
-        seen.append(config)
-        b, t, n, _ = q.shape
-        return jnp.zeros(q.shape, q.dtype), jnp.zeros((b, n, t), jnp.float32)
-
-    monkeypatch.setattr(api, "flash_attention_kernels", record)
+    instead of running. The shipped table only: a user's autotune cache must not change the
+    pinned choice."""
 
     def run(device, name, **extra):
         args, kwargs = CALLS[name]
@@ -478,8 +471,8 @@ def chosen(monkeypatch):
                 )
             except (ValueError, NotImplementedError) as e:
                 return type(e), str(e)
-        (config,) = seen
-        seen.clear()
+        (config,) = kernel_configs
+        kernel_configs.clear()
         q, k = args[0].shape, args[1].shape
         if len(q) == 3:
             q, k = (1, *q), (1, *k)
@@ -495,23 +488,12 @@ def chosen(monkeypatch):
     return run
 
 
-@pytest.fixture
-def no_tune_cache(tmp_path, monkeypatch):
-    """The shipped table only: a user's cache file must not change the pinned choice."""
-    from pallas_flash import tune_cache
-
-    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "none.json"))
-    tune_cache._load_tune_cache.cache_clear()
-    yield
-    tune_cache._load_tune_cache.cache_clear()
-
-
 def test_the_tables_cover_every_call():
     assert set(H200) == set(A100) == set(CALLS)
 
 
 @pytest.mark.parametrize("backend", [None, "mosaic"])
-def test_wide_heads_take_the_split_mosaic_backward(chosen, no_tune_cache, backend):
+def test_wide_heads_take_the_split_mosaic_backward(chosen, backend):
     """H 192 and 256 on the H200: the Mosaic backward with split dK/dV consumers, by default as
     when asked for."""
     for name, tiles in (("plain-h256", MOSAIC_H256), ("causal-h192", dict(split_dkv=True))):
@@ -520,12 +502,12 @@ def test_wide_heads_take_the_split_mosaic_backward(chosen, no_tune_cache, backen
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_h200_choice_is_pinned(chosen, no_tune_cache, name):
+def test_h200_choice_is_pinned(chosen, name):
     assert chosen(Device.h200(), name) == H200[name]
 
 
 @pytest.mark.parametrize("name", sorted(n for n in CALLS if n.startswith("decode-")))
-def test_few_tokens_take_the_decode_forward_on_every_gpu(chosen, no_tune_cache, name):
+def test_few_tokens_take_the_decode_forward_on_every_gpu(chosen, name):
     """A few query tokens over a longer key sequence run their forward on the decode kernel on
     the H100, the H200, sm80 and sm89 alike, and in the interpreter (so that the CPU tests run
     what the GPU does): never for a mask or option it cannot express (bias, dense mask,
@@ -561,7 +543,7 @@ FUSED_DQ_CALLS = {
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_nondeterministic_grads_fuse_dq_where_it_is_faster(chosen, no_tune_cache, name):
+def test_nondeterministic_grads_fuse_dq_where_it_is_faster(chosen, name):
     """deterministic_grads=False changes the H200's choice only by fused_dq="add" in the Mosaic
     backward's tiles, for the calls where it measured faster; the A100's not at all."""
     row = chosen(Device.h200(), name, deterministic_grads=False)
@@ -619,7 +601,7 @@ def chosen_fused_dq(q_shape, num_kv_heads, *, is_causal, dtype=bf16, determinist
     ],
 )
 def test_deterministic_grads_sum_dq_as_integers_where_it_is_faster(
-    no_tune_cache, shape, kv_heads, causal, dtype, expected
+    tune_cache_path, shape, kv_heads, causal, dtype, expected
 ):
     """The H200's default (bitwise deterministic) Mosaic backward computes dQ in its dK/dV
     kernel by integer adds (fused_dq="fixed") exactly where that measured faster."""
@@ -627,7 +609,7 @@ def test_deterministic_grads_sum_dq_as_integers_where_it_is_faster(
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_a100_choice_is_pinned(chosen, no_tune_cache, name):
+def test_a100_choice_is_pinned(chosen, name):
     assert chosen(Device.a100(), name) == A100[name]
 
 
@@ -639,7 +621,7 @@ B200 = Device.of_kind("NVIDIA B200", num_sms=148)
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_b200_runs_the_triton_kernels_until_it_has_its_own(chosen, no_tune_cache, name):
+def test_b200_runs_the_triton_kernels_until_it_has_its_own(chosen, name):
     row, a100 = chosen(B200, name), A100[name]
     if a100[0] is ValueError:
         assert row == (ValueError, a100[1].replace("found (8, 0)", "found (10, 0)"))
@@ -649,7 +631,7 @@ def test_b200_runs_the_triton_kernels_until_it_has_its_own(chosen, no_tune_cache
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(CALLS))
-def test_this_gpu_chooses_as_its_record_says(chosen, no_tune_cache, name):
+def test_this_gpu_chooses_as_its_record_says(chosen, name):
     """On the GPU itself (no target): on an H200 the pinned table (causal Mosaic rows aside on
     CUDA 12.8.0-12.9.0), and on any GPU what its record chooses."""
     device = Device.current()
@@ -950,7 +932,7 @@ def test_tuner_kernels_take_num_kv_heads(monkeypatch):
 
 
 @pytest.mark.parametrize("card, fixed", [("NVIDIA H200", False), ("NVIDIA H100 80GB HBM3", True)])
-def test_fixed_dq_thresholds_are_the_cards(no_tune_cache, card, fixed):
+def test_fixed_dq_thresholds_are_the_cards(tune_cache_path, card, fixed):
     """A plain H=128 call of 2k tokens takes the integer-summed fused dQ on the H100, where it
     measured 1.04x the two kernels, and keeps the two kernels on the H200 (1.00x)."""
     call = Call(

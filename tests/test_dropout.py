@@ -12,22 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    BACKEND_PATHS,
-    OUTPUT_NAMES,
-    SWEEP,
-    Problem,
-    assert_bitwise_equal,
-    assert_within_tolerance,
-    attention_oracle_f64,
-    backend_paths,
-    case_id,
-    masked_in_dtype,
-    outputs_and_grads,
-    random_inputs,
-    to64,
-)
-from mosaic_interpret import interpret_mosaic
+from support.backends import BACKEND_PATHS, SWEEP, backend_paths
+from support.calls import outputs_and_grads
+from support.inputs import Problem, case_id, random_inputs
+from support.mosaic_interpret import interpret_mosaic
+from support.oracle import attention_oracle_f64, masked_in_dtype, to64
+from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 from test_lowering import lower_for_h200
 from test_mosaic_backward import MaskCase, hidden_key_poison, mask_options
 from test_mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
@@ -50,8 +40,8 @@ def dropout_oracle_f64(
     """float64 out, lse, dq, dk, dv, dbias of softmax attention whose P.V uses P * Z, Z = keep /
     (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's. logits = soft_cap(scale q.k +
     bias), visible broadcastable to [B, N, T, S]. Rows that see no key: out 0, lse -inf,
-    gradients 0. conftest's oracle with a keep-mask (numpy arrays; on the GPU where there is
-    one)."""
+    gradients 0. support.oracle's oracle with a keep-mask (numpy arrays; on the GPU where there
+    is one)."""
     r = attention_oracle_f64(
         q, k, v, d_out, d_lse, scale=scale, visible=visible, bias=bias, soft_cap=soft_cap,
         keep=np.asarray(keep, bool), rate=rate,

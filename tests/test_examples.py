@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import SWEEP
+from support.backends import SWEEP
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 

@@ -2,7 +2,7 @@
 its forward on the decode kernel (`dispatch.few_tokens_on_decode`, `triton.decode.
 few_token_forward`), in the interpreter as on the GPU, and its backward on the flash backward.
 
-Against the float64 oracle (conftest.attention_oracle_f64; conftest's tolerance rule: twice the
+Against the float64 oracle (support.oracle.attention_oracle_f64; support.tolerance's rule: twice the
 error of plain attention computed in the input dtype, plus a floor): top-left causal rows
 (query i sees keys j <= i, T != S), non-causal rows over every key below the key length,
 windows on either side, soft caps, sinks, GQA groups 1, 4 and 8, query and key lengths (0
@@ -22,7 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SWEEP, SWEEP_ONLY, attention_oracle_f64, rounded, to64
+from support.backends import SWEEP, SWEEP_ONLY
+from support.inputs import rounded
+from support.oracle import attention_oracle_f64, to64
 
 import pallas_flash
 from pallas_flash import dispatch

@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from conftest import SWEEP_ONLY
-from flax_helpers import (
+from support.backends import SWEEP_ONLY
+from support.flax_layers import (
     FEATURES,
     HEADS,
     KERNELS,

@@ -18,11 +18,11 @@ import jax
 import jax.experimental.mosaic.gpu.core as mosaic_gpu_core
 import jax.numpy as jnp
 import pytest
-from conftest import BLOCK_SIZES, Problem, case_id
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
+from support.inputs import BLOCK_SIZES, Problem, case_id
 
 import pallas_flash
 from pallas_flash import dispatch

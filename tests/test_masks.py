@@ -21,21 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    BACKEND_PATHS,
-    BLOCK_SIZES,
-    SWEEP,
-    attention_oracle_f64,
-    backend_paths,
-    case_id,
-    masked_outputs_and_grads,
-    rounded,
-    sum_to_shape,
-    to64,
-    uniform_block_sizes,
-)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.backends import BACKEND_PATHS, SWEEP, backend_paths
+from support.calls import masked_outputs_and_grads
+from support.inputs import BLOCK_SIZES, case_id, rounded, uniform_block_sizes
+from support.oracle import attention_oracle_f64, sum_to_shape, to64
 
 import pallas_flash
 
@@ -194,9 +185,9 @@ def visibility(c: Case, x64) -> np.ndarray:
 
 
 def oracle(c: Case, x64, scale: float | None = None):
-    """The float64 oracle (conftest.attention_oracle_f64) of case `c`: out, lse and the gradients
-    dq, dk, dv, dbias (dS summed over the bias's broadcast dims) for the cotangents d_out, d_lse.
-    """
+    """The float64 oracle (support.oracle.attention_oracle_f64) of case `c`: out, lse and the
+    gradients dq, dk, dv, dbias (dS summed over the bias's broadcast dims) for the cotangents
+    d_out, d_lse."""
     q, k, v, d_out, d_lse = (x64[name] for name in ("q", "k", "v", "d_out", "d_lse"))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     bias = None if x64["bias"] is None else as4d(x64["bias"])

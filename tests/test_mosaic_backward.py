@@ -1,6 +1,6 @@
 """The Mosaic GPU backward (pallas_flash.mosaic.backward): lowering for an abstract H200 on CPU,
 the shape rules of `why_not`, and gradients against the float64 oracle, in jax's Mosaic
-GPU interpreter on CPU (tests/mosaic_interpret.py) and on a Hopper GPU.
+GPU interpreter on CPU (tests/support/mosaic_interpret.py) and on a Hopper GPU.
 
 As for the forward (test_mosaic.py), lowering on CPU runs Pallas' lowering, Mosaic GPU's layout
 inference and its dialect lowering (shared-memory budget included) in Python; only the GPU code
@@ -18,21 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    OUTPUT_NAMES,
-    Problem,
-    assert_bitwise_equal,
-    assert_within_tolerance,
-    attention_oracle_f64,
-    case_id,
-    masked_in_dtype,
-    oracle_outputs_and_grads,
-    outputs_and_grads,
-    plain_fn,
-    random_inputs,
-    segment_arrays,
-)
-from mosaic_interpret import interpret_mosaic
+from support.calls import oracle_outputs_and_grads, outputs_and_grads, plain_fn
+from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.mosaic_interpret import interpret_mosaic
+from support.oracle import attention_oracle_f64, masked_in_dtype
+from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s
 from test_mosaic_forward import (
     GARBAGE,
@@ -740,13 +730,13 @@ def test_default_call_on_hopper_matches_oracle_interpreted(monkeypatch, p):
 
 
 @long_only
-def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypatch, tmp_path):
+def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(
+    monkeypatch, tune_cache_path
+):
     """Mosaic tiles from the autotune cache reach both kernels through the public call (a
     spy records them) and the result still matches the float64 oracle."""
     p = Problem(1, 256, 256, 2, 1, 64, True, "bf16")
     monkeypatch.setattr(device_lib, "target_device", Device.h200)
-    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(tmp_path / "tune.json"))
-    tune_cache._load_tune_cache.cache_clear()
     forward = ForwardTiles(block_q=64, block_kv=64, num_stages=3)
     backward = BackwardTiles(num_stages=3, block_kv_dq=128)
     shape_class = tune_cache.ShapeClass.of(
@@ -771,14 +761,9 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(monkeypat
         pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="mosaic"
     )
     (q, k, v, d_out, d_lse), f64 = random_inputs(p)
-    try:
-        with interpret_mosaic():
-            results = jax.jit(functools.partial(outputs_and_grads, attention))(
-                q, k, v, d_out, d_lse
-            )
-            results = [np.asarray(x.astype(jnp.float32)) for x in results]
-    finally:
-        tune_cache._load_tune_cache.cache_clear()
+    with interpret_mosaic():
+        results = jax.jit(functools.partial(outputs_and_grads, attention))(q, k, v, d_out, d_lse)
+        results = [np.asarray(x.astype(jnp.float32)) for x in results]
     assert used == [forward, backward]
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     assert_within_tolerance(results, baselines, oracle_outputs_and_grads(p, *f64), floor=p.floor)
@@ -1099,8 +1084,8 @@ def test_default_call_at_3000_tokens_takes_mosaic_and_matches_oracle():
 
 @dataclasses.dataclass(frozen=True)
 class MaskCase:
-    """A masked call: `kind` a conftest.segment_arrays kind (segment ids with lengths folded in)
-    or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites); poison:
+    """A masked call: `kind` a support.inputs.segment_arrays kind (segment ids with lengths folded
+    in) or None; scale None for 1/sqrt(H) (soft caps at scale 1, so that the cap bites); poison:
     the kernels get K and V with NaN and inf at the keys that no row sees."""
 
     p: Problem

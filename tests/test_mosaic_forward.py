@@ -18,23 +18,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    Problem,
-    assert_bitwise_equal,
-    assert_within_tolerance,
+from support.calls import (
+    oracle_outputs_and_grads,
+    outputs_and_grads,
+    plain_fn,
+    vmapped_outputs_and_grads,
+)
+from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.mosaic_interpret import interpret_mosaic
+from support.oracle import (
     attention_f64,
     attention_grads_f64,
     attention_in_dtype,
     attention_oracle_f64,
-    case_id,
-    oracle_outputs_and_grads,
-    outputs_and_grads,
-    plain_fn,
-    random_inputs,
-    segment_arrays,
-    vmapped_outputs_and_grads,
 )
-from mosaic_interpret import interpret_mosaic
+from support.tolerance import assert_bitwise_equal, assert_within_tolerance
 from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s, triton_calls
 
 import pallas_flash
@@ -508,7 +506,7 @@ def test_the_dispatch_gives_the_mosaic_forward_only_what_it_takes():
             forward(masked)
         assert forward(masked, backend=None) == "triton"
     common = dict(scale=0.1, block_sizes=pallas_flash.BlockSizes(), interpret=False)
-    with pytest.raises(ValueError, match="must be 'triton' or 'mosaic'"):
+    with pytest.raises(ValueError, match="forward='cuda' must be 'triton', 'mosaic' or 'decode'"):
         KernelConfig(spec=spec, forward="cuda", **common)
 
 

@@ -21,15 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    Problem,
-    assert_within_tolerance,
-    attention_oracle_f64,
-    case_id,
-    outputs_and_grads,
-    random_inputs,
-    segment_arrays,
-)
+from support.calls import outputs_and_grads
+from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.oracle import attention_oracle_f64
+from support.tolerance import assert_within_tolerance
 from test_lowering import abstract_inputs, lower_for_h200
 from test_mosaic_backward import check_against_oracle
 from test_mosaic_backward import mosaic_fn as mosaic_forward_and_backward_fn
@@ -713,7 +708,7 @@ def test_backward_deterministic(head_dim, tiles):
     """Bitwise the same over repeated runs of the Mosaic forward and backward at odd lengths:
     a race on a staged shared-memory tile of a narrow swizzle shows first as a run-to-run
     difference."""
-    from conftest import assert_bitwise_equal
+    from support.tolerance import assert_bitwise_equal
 
     needs_hopper()
     p = _determinism_problem(head_dim)

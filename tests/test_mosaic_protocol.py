@@ -24,7 +24,8 @@ import random
 
 import numpy as np
 import pytest
-from conftest import attention_oracle_f64, case_id, segment_arrays
+from support.inputs import case_id, segment_arrays
+from support.oracle import attention_oracle_f64
 
 from pallas_flash import masks
 from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT

@@ -1,7 +1,7 @@
 """NaN safety: out, lse and every gradient are finite wherever float64 attention of the same
-inputs is finite, on every path of the backend matrix (conftest.backend_paths: backend="xla", the
-Triton kernels interpreted on CPU or compiled, the default call; the Mosaic GPU kernels in jax's
-Mosaic GPU interpreter or compiled, which refuse a bias or a dense mask).
+inputs is finite, on every path of the backend matrix (support.backends.backend_paths:
+backend="xla", the Triton kernels interpreted on CPU or compiled, the default call; the Mosaic GPU
+kernels in jax's Mosaic GPU interpreter or compiled, which refuse a bias or a dense mask).
 
 - Large finite biases (-1e10, -1e30, finfo.min) on whole rows: a finite bias is not a mask, the
   row gets the softmax of its logits (the mean of V when they are all equal), as backend="xla"
@@ -20,19 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    BACKEND_PATHS,
-    BLOCK_SIZES,
-    SWEEP,
-    attention_oracle_f64,
-    backend_paths,
-    case_id,
-    has_gpu,
-    has_hopper,
-    to64,
-    uniform_block_sizes,
-)
-from mosaic_interpret import interpret_mosaic
+from support.backends import BACKEND_PATHS, SWEEP, backend_paths, has_gpu, has_hopper
+from support.inputs import BLOCK_SIZES, case_id, uniform_block_sizes
+from support.mosaic_interpret import interpret_mosaic
+from support.oracle import attention_oracle_f64, to64
 
 import pallas_flash
 from pallas_flash import masks

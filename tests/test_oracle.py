@@ -1,4 +1,4 @@
-"""The float64 oracle of every test (conftest.attention_oracle_f64) computes the same in numpy
+"""The float64 oracle of every test (support.oracle.attention_oracle_f64) computes the same in numpy
 (CPU runs) and in jax under float64 (the GPU suite's, on the GPU), with dropout's keep-mask
 and without."""
 
@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import _oracle
+from support.oracle import _oracle
 
 
 @pytest.mark.parametrize("with_keep", [False, True])

@@ -12,8 +12,8 @@ a plain attention computed in the input dtype (capped, so that a poor baseline c
 bar without limit), plus a floor, both relative to the output's magnitude; non-finite values only
 where the oracle has them (the -inf lse of rows that see no key).
 
-Paths: the backend matrix (conftest.backend_paths): backend="xla" and the Triton kernels in the
-Pallas interpreter on CPU; on the GPU (the `gpu` marker) the compiled Triton kernels and
+Paths: the backend matrix (support.backends.backend_paths): backend="xla" and the Triton kernels
+in the Pallas interpreter on CPU; on the GPU (the `gpu` marker) the compiled Triton kernels and
 backend=None. The Mosaic GPU kernels (backend="mosaic": jax's Mosaic GPU interpreter on CPU, the
 compiled kernels on Hopper) get their own sweep (`test_property_sweep_mosaic`) over the calls
 they take, drawn from a fixed pool of static configurations with drawn data, so that a long
@@ -36,19 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    BACKEND_PATHS,
-    MASK_ARGUMENTS,
-    MASKED_OUTPUT_NAMES,
-    attention_oracle_f64,
-    backend_paths,
-    masked_outputs_and_grads,
-    rounded,
-    sum_to_shape,
-    to64,
-)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from support.backends import BACKEND_PATHS, backend_paths
+from support.calls import MASK_ARGUMENTS, MASKED_OUTPUT_NAMES, masked_outputs_and_grads
+from support.inputs import rounded
+from support.oracle import attention_oracle_f64, sum_to_shape, to64
 from test_masks import BLOCKS, as4d, visibility  # small tiles; the dense mask of a case
 
 import pallas_flash
@@ -301,7 +294,7 @@ def oracle(c: Config, x64, vis):
 
 def run_path(c: Config, xs, path):
     """out, lse, dq, dk, dv, dbias of one jitted flash_attention call and its VJP on `path` (a
-    conftest.BackendPath; the case's tiles where it takes them)."""
+    support.backends.BackendPath; the case's tiles where it takes them)."""
     kwargs = path.call_kwargs(None if c.block is None else BLOCKS[c.block])
     return masked_outputs_and_grads(
         pallas_flash.flash_attention,
@@ -378,7 +371,7 @@ def plain_in_dtype(c: Config, x64, vis):
         dv = group_sum(matmul("bnts,btnh->bsnh", probs, d_out))
         dsinks = None
         if sinks is not None:
-            # A row that sees no key: lse is its sink, also at -inf (`conftest._oracle`).
+            # A row that sees no key: lse is its sink, also at -inf (`support.oracle._oracle`).
             no_key = ~np.any(vis & (logits > -np.inf), axis=-1)
             p_sink = np.where(no_key, 1.0, r(sink_term / row_sum)[..., 0])
             dsinks = r(np.sum(np.asarray(r(p_sink * r(d_lse - delta)), np.float32), axis=(0, 2)))

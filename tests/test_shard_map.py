@@ -22,9 +22,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, SWEEP_ONLY
 from jax.sharding import AbstractMesh, AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from support.backends import BACKEND_PATHS, SWEEP_ONLY
 
 import pallas_flash
 from pallas_flash import sharding

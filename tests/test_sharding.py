@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS
+from support.backends import BACKEND_PATHS
 
 import pallas_flash
 from pallas_flash import sharding

@@ -4,9 +4,9 @@ The kernels add the sink to each row's denominator in their forward epilogue; th
 kernels take the lse that includes it, and dsinks is computed from (out, lse) in XLA. Checked
 against a float64 numpy softmax over the keys plus a sink column (values, lse) and its analytic
 backward (gradients in q, k, v and the sinks), on every path of the backend matrix
-(conftest.backend_paths), with masks that leave rows empty (lengths, segment ids, windows), a
-soft cap, GQA, split KV and odd sizes (the Mosaic paths at their bfloat16 tile sizes); second
-order against the xla path.
+(support.backends.backend_paths), with masks that leave rows empty (lengths, segment ids,
+windows), a soft cap, GQA, split KV and odd sizes (the Mosaic paths at their bfloat16 tile sizes);
+second order against the xla path.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, SWEEP, backend_paths
+from support.backends import BACKEND_PATHS, SWEEP, backend_paths
 
 import pallas_flash
 

@@ -8,19 +8,11 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import (
-    GPU_PROBLEMS,
-    SWEEP_ONLY,
-    Problem,
-    assert_within_tolerance,
-    case_id,
-    flash_fn,
-    oracle_outputs_and_grads,
-    outputs_and_grads,
-    plain_fn,
-    random_inputs,
-)
 from jax.test_util import check_grads
+from support.backends import SWEEP_ONLY
+from support.calls import flash_fn, oracle_outputs_and_grads, outputs_and_grads, plain_fn
+from support.inputs import GPU_PROBLEMS, Problem, case_id, random_inputs
+from support.tolerance import assert_within_tolerance
 
 # Covering set: lengths 1 / 17 / 100 / 257 with T > S and T < S, head dims 8 to 256, MHA / GQA /
 # MQA, causal and not, all dtypes, every block configuration (they set the dK/dV and dQ tiles).

@@ -10,23 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    GPU_PROBLEMS,
-    SWEEP,
-    Problem,
-    assert_bitwise_equal,
-    assert_within_tolerance,
-    attention_f64,
-    attention_grads_f64,
-    case_id,
+from support.backends import SWEEP
+from support.calls import (
     flash_fn,
     oracle_outputs_and_grads,
     outputs_and_grads,
     plain_fn,
-    random_inputs,
-    tolerance_violations,
     vmapped_outputs_and_grads,
 )
+from support.inputs import GPU_PROBLEMS, Problem, case_id, random_inputs
+from support.oracle import attention_f64, attention_grads_f64
+from support.tolerance import assert_bitwise_equal, assert_within_tolerance, tolerance_violations
 
 import pallas_flash
 

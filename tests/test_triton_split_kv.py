@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import SWEEP_ONLY, uniform_block_sizes
+from support.backends import SWEEP_ONLY
+from support.inputs import uniform_block_sizes
 
 import pallas_flash
 from pallas_flash.triton.forward import choose_kv_splits

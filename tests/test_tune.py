@@ -17,15 +17,6 @@ from pallas_flash.tune_cache import ShapeClass
 KIND = "Fake GPU 9000"
 
 
-@pytest.fixture
-def cache_path(tmp_path, monkeypatch):
-    path = tmp_path / "tune.json"
-    monkeypatch.setenv("PALLAS_FLASH_TUNE_CACHE", str(path))
-    tune_cache._load_tune_cache.cache_clear()
-    yield path
-    tune_cache._load_tune_cache.cache_clear()
-
-
 def fake_measure(bs: BlockSizes, pass_: str):
     """Milliseconds from a made-up cost model: the forward likes 64x128 tiles, dK/dV likes 4
     warps, dQ likes 32-wide KV tiles; the 32x64 dK/dV candidate "fails" (returns None)."""
@@ -46,11 +37,11 @@ def test_search_picks_the_fastest_candidate_of_each_kernel():
     assert set(ms) == {"fwd", "fwd+bwd"}
 
 
-def test_cache_round_trip_and_lookup(cache_path):
+def test_cache_round_trip_and_lookup(tune_cache_path):
     tuned = BlockSizes(block_q=64, block_kv=32, num_warps=2, num_stages=2)
     cls = ShapeClass.of(128, jnp.bfloat16, is_causal=True, q_len=8192, kv_len=8192, masked=False)
     tune_cache.save_tuned_block_sizes(KIND, {cls: tuned})
-    assert json.loads(cache_path.read_text())[KIND][cls.key()]["block_q"] == 64
+    assert json.loads(tune_cache_path.read_text())[KIND][cls.key()]["block_q"] == 64
 
     def lookup(interpret=False, is_causal=True, q_len=8000, kv_len=9000, device_kind=KIND):
         # The Triton tiles the dispatch gives a call on a GPU of that kind.
@@ -72,7 +63,7 @@ def test_cache_round_trip_and_lookup(cache_path):
     assert lookup(interpret=True) != tuned  # the interpreter keeps its small tiles
 
 
-def test_save_merges_with_existing_entries(cache_path):
+def test_save_merges_with_existing_entries(tune_cache_path):
     a = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=False, masked=False, seq="short")
     b = dataclasses.replace(a, seq="long")
     tune_cache.save_tuned_block_sizes(KIND, {a: BlockSizes(block_q=16)})
@@ -81,8 +72,8 @@ def test_save_merges_with_existing_entries(cache_path):
     assert tune_cache.tuned_block_sizes(KIND, b).block_q == 32
 
 
-def test_unreadable_cache_warns_and_falls_back(cache_path):
-    cache_path.write_text("{not json")
+def test_unreadable_cache_warns_and_falls_back(tune_cache_path):
+    tune_cache_path.write_text("{not json")
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=False, masked=False, seq="short")
     with pytest.warns(UserWarning, match="ignoring the autotune cache"):
         assert tune_cache.tuned_block_sizes(KIND, cls) is None
@@ -168,7 +159,7 @@ def test_api_passes_narrow_band_to_the_tile_choice(monkeypatch):
     assert seen == [False, True, True]
 
 
-def test_shipped_h200_table_is_used_below_the_user_cache(cache_path):
+def test_shipped_h200_table_is_used_below_the_user_cache(tune_cache_path):
     shipped = json.loads(tune_cache.SHIPPED_TUNE_TABLE.read_text())["NVIDIA H200"]
     assert shipped  # the table ships with entries, each a valid BlockSizes
     key, fields = sorted(shipped.items())[0]
@@ -247,7 +238,7 @@ def test_mosaic_candidates_are_tiles_the_grid_shapes_take(head_dim, seq):
         )
 
 
-def test_cache_round_trip_with_mosaic_tiles(cache_path):
+def test_cache_round_trip_with_mosaic_tiles(tune_cache_path):
     cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=True, masked=False, seq="long")
     entry = tune_cache.TunedEntry(
         BlockSizes(block_q=64),
@@ -255,7 +246,7 @@ def test_cache_round_trip_with_mosaic_tiles(cache_path):
         mosaic.BackwardTiles(block_kv_dq=128),
     )
     tune_cache.save_tuned(KIND, {cls: entry})
-    raw = json.loads(cache_path.read_text())[KIND][cls.key()]
+    raw = json.loads(tune_cache_path.read_text())[KIND][cls.key()]
     assert raw["block_q"] == 64 and raw["mosaic"]["forward"]["num_stages"] == 3
     assert tune_cache.tuned_entry(KIND, cls) == entry
     assert tune_cache.tuned_block_sizes(KIND, cls) == BlockSizes(block_q=64)
@@ -269,9 +260,9 @@ def test_cache_round_trip_with_mosaic_tiles(cache_path):
     "mosaic_fields",
     [dict(sideways={}), dict(forward=dict(block_q=96)), dict(backward=dict(num_consumers=3))],
 )
-def test_bad_mosaic_tiles_in_the_cache_warn_and_fall_back(cache_path, mosaic_fields):
+def test_bad_mosaic_tiles_in_the_cache_warn_and_fall_back(tune_cache_path, mosaic_fields):
     cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=True, masked=False, seq="long")
-    cache_path.write_text(json.dumps({KIND: {cls.key(): {"mosaic": mosaic_fields}}}))
+    tune_cache_path.write_text(json.dumps({KIND: {cls.key(): {"mosaic": mosaic_fields}}}))
     with pytest.warns(UserWarning, match="ignoring the autotune cache"):
         assert tune_cache.tuned_entry(KIND, cls) is None
 
@@ -302,7 +293,7 @@ def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
     """The tuner's check of a Mosaic winner: the forward with the tuned tiles and the Mosaic
     backward, in the Mosaic interpreter, against the f32 reference; tiles the check shape does
     not take give inf (so the winner is dropped)."""
-    from mosaic_interpret import interpret_mosaic
+    from support.mosaic_interpret import interpret_mosaic
 
     cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=True, masked=False, seq="short")
     tuned = tune_cache.MosaicTiles(forward=mosaic.ForwardTiles(block_q=128, block_kv=64))

@@ -2,7 +2,7 @@
 as multi-head latent attention uses it (192 for q.k, 128 for v).
 
 Checked against a float64 numpy softmax (values, lse) and a float32 jnp one at full precision
-(gradients), on every path of the backend matrix (conftest.backend_paths), with GQA, causal
+(gradients), on every path of the backend matrix (support.backends.backend_paths), with GQA, causal
 masks, lengths, windows, odd sizes (the Mosaic paths at their bfloat16 tile sizes) and Hv both
 below and above H; on the H200 at the MLA shape.
 
@@ -29,20 +29,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (
-    FLOOR,
-    SWEEP,
-    assert_within_tolerance,
-    attention_oracle_f64,
-    backend_paths,
-    case_id,
-    has_hopper,
-    masked_in_dtype,
-    outputs_and_grads,
-    segment_arrays,
-    uniform_block_sizes,
-)
-from mosaic_interpret import interpret_mosaic
+from support.backends import SWEEP, backend_paths, has_hopper
+from support.calls import outputs_and_grads
+from support.inputs import case_id, segment_arrays, uniform_block_sizes
+from support.mosaic_interpret import interpret_mosaic
+from support.oracle import attention_oracle_f64, masked_in_dtype
+from support.tolerance import FLOOR, assert_within_tolerance
 from test_lowering import lower_for_h200
 
 import pallas_flash
@@ -473,7 +465,7 @@ def test_triton_forward_lowers_with_v_and_out_unpadded():
 @dataclasses.dataclass(frozen=True)
 class BackwardCase:
     """One call of the Mosaic backward at (H, Hv): q [B, T, N, H], k [B, S, K, H], v [B, S, K,
-    Hv]; kind: None or a conftest.segment_arrays kind; poison: NaN and inf in K and V at the
+    Hv]; kind: None or a support.inputs.segment_arrays kind; poison: NaN and inf in K and V at the
     keys that no row sees."""
 
     H: int

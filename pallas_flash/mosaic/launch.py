@@ -120,7 +120,7 @@ def warp_specialised_kernel_into(body, *, into, **launch):
 def uninitialised(shape, dtype):
     """An array that a kernel writes whole (an output of `warp_specialised_kernel_into` that
     it stores rather than adds into): an allocation on the GPU (`lax.empty`), where zeros would
-    cost a pass over it. tests/mosaic_interpret.py fills it with NaN instead, so that the
+    cost a pass over it. tests/support/mosaic_interpret.py fills it with NaN instead, so that the
     interpreted kernels fail their oracle tests if they leave any of it unwritten."""
     return lax.empty(shape, dtype)
 
@@ -160,7 +160,7 @@ def truncate_to_int32(x):
     itself on the GPU (cvt.rzi: NaN to 0, out of range saturated; LLVM treats those inputs as
     poison, so callers must not use the value they give: the fused dQ's rows that they reach
     are NaN or 0 after the kernel). jax's Mosaic GPU interpreter runs no `inline_mgpu`:
-    tests/mosaic_interpret.py puts `astype` in its place."""
+    tests/support/mosaic_interpret.py puts `astype` in its place."""
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.Layout.WGMMA,),

@@ -1,0 +1,14 @@
+"""What the tests share, by what it is (imported as `support.<module>`: pyproject's pytest
+`pythonpath` puts tests/ on sys.path):
+
+- backends: the backend matrix (`BACKEND_PATHS`, `backend_paths`), the Triton kernels' modes,
+  `has_gpu` / `has_hopper`, PALLAS_FLASH_SWEEP;
+- inputs: `Problem`, random inputs with their float64 copies, segment ids, tile sizes, case ids;
+- oracle: the float64 oracle and plain attention in the input dtype (the tolerance baseline);
+- tolerance: the tolerance rule and bitwise equality;
+- calls: a function's outputs and gradients in one jitted call;
+- mosaic_interpret: jax's Mosaic GPU interpreter with the shims our kernels need;
+- flax_layers: what the Flax layer tests share.
+
+Fixtures and pytest hooks live in tests/conftest.py, never imported as a module.
+"""

@@ -355,8 +355,10 @@ def test_few_tokens_lower_the_decode_kernel(case):
         if name in kwargs
     }
     q_len = 1 if case == "t1" else 4
+    # Two sequences of the fewest keys over which a compiled call of 4 tokens takes the route.
+    kv_len = dispatch.DECODE_ROUTE_MIN_BATCH_KEYS[dispatch.DECODE_ROUTE_MAX_Q_LEN] // 2
     sds = jax.ShapeDtypeStruct
-    q, kv = sds((2, q_len, 8, 128), jnp.bfloat16), sds((2, 4096, 2, 128), jnp.bfloat16)
+    q, kv = sds((2, q_len, 8, 128), jnp.bfloat16), sds((2, kv_len, 2, 128), jnp.bfloat16)
 
     def fn(q, k, v, arrays):
         def attention(q, k, v):

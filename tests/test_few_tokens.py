@@ -9,7 +9,9 @@ windows on either side, soft caps, sinks, GQA groups 1, 4 and 8, query and key l
 included: rows that see no key give 0 and lse -inf, or the sink), and NaN in K and V past the
 key lengths; out, lse, log_sum (return_log_sum) and the gradients. Each case also checks that
 the call took the decode kernel (its pallas_call in the traced program), so that dropping the
-route fails here. Also: vmap.
+route fails here. Compiled for the GPU, a case's key sequence grows to the fewest keys the
+dispatch routes there (`routed_kv_len`); the CPU checks that those calls take the route
+(`test_the_gpu_cases_take_the_route`). Also: vmap.
 """
 
 from __future__ import annotations
@@ -27,22 +29,28 @@ from support.inputs import rounded
 from support.oracle import attention_oracle_f64, to64
 
 import pallas_flash
-from pallas_flash import dispatch
+from pallas_flash import Device, dispatch
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16}
 # Added to 2 x (plain attention's error in the input dtype), times max(1, largest |oracle|).
 FLOOR = 1e-3
 
-# How each mode runs the default dispatch: the interpreter (the same choice of kernels), or
-# compiled for the GPU.
-MODES = [
-    pytest.param("interpret", id="interpret"),
-    pytest.param("gpu", id="gpu", marks=pytest.mark.gpu),
-]
+# The GPU the route checks trace for on the CPU (the route's thresholds are every GPU's).
+H100 = Device.of_kind("NVIDIA H100 80GB HBM3", num_sms=132)
 
 
 def mode_kwargs(mode: str) -> dict:
+    """How each mode runs the default dispatch: the interpreter (the same choice of kernels, from
+    DECODE_ROUTE_MIN_KV_LEN keys), or compiled for the GPU."""
     return dict(interpret=True) if mode == "interpret" else {}
+
+
+def routed_kv_len(batch: int, q_len: int, kv_len: int) -> int:
+    """The fewest keys, at least kv_len, over which a compiled call of `batch` sequences of
+    `q_len` tokens takes the decode kernel: `dispatch.DECODE_ROUTE_MIN_BATCH_KEYS` keys per KV
+    head over the batch."""
+    most = 1 if q_len == 1 else dispatch.DECODE_ROUTE_MAX_Q_LEN
+    return max(kv_len, -(-dispatch.DECODE_ROUTE_MIN_BATCH_KEYS[most] // batch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +140,14 @@ CI_CASES = 3
 # the decode kernel's out, lse and log_sum, which every case checks); the others' run compiled
 # and with PALLAS_FLASH_SWEEP.
 CI_GRADIENTS = {str(CASES[1])}
+# The cases compiled for the GPU: their keys as many as the dispatch routes there (the
+# lengths, windows and masks are the interpreter's).
+GPU_CASES = [
+    dataclasses.replace(c, kv_len=routed_kv_len(c.batch, c.q_len, c.kv_len)) for c in CASES
+]
+PARAMS = [pytest.param(c, "interpret", id=f"{c}-interpret") for c in CASES] + [
+    pytest.param(c, "gpu", id=f"{c}-gpu", marks=pytest.mark.gpu) for c in GPU_CASES
+]
 
 
 def make_inputs(c: Case, seed: int = 0):
@@ -211,6 +227,16 @@ def oracle(c: Case, x64) -> dict:
 def run(c: Case, xs, *, grads: bool = True, **kwargs) -> tuple[dict, set[str]]:
     """(out, lse, log_sum, and with grads dq, dk, dv (and dsinks)) of one jitted call and its
     VJP; the names of the pallas_calls in its traced program."""
+    traced, args = trace(c, xs, grads=grads, **kwargs)
+    return traced.lower().compile()(*args), pallas_call_names(traced)
+
+
+def pallas_call_names(traced) -> set[str]:
+    return set(re.findall(r"pallas_flash_\w+", str(traced.jaxpr)))
+
+
+def trace(c: Case, xs, *, grads: bool = True, **kwargs):
+    """The jitted call (and its VJP with grads) traced, and its arguments."""
 
     def f(q, k, v, sinks, d_out, d_lse):
         def call(q, k, v, sinks):
@@ -237,9 +263,7 @@ def run(c: Case, xs, *, grads: bool = True, **kwargs) -> tuple[dict, set[str]]:
         return results if sinks is None else results | {"dsinks": dsinks}
 
     args = [xs[name] for name in ("q", "k", "v", "sinks", "d_out", "d_lse")]
-    traced = jax.jit(f).trace(*args)
-    names = set(re.findall(r"pallas_flash_\w+", str(traced.jaxpr)))
-    return traced.lower().compile()(*args), names
+    return jax.jit(f).trace(*args), args
 
 
 def plain_in_dtype(c: Case, x64) -> dict:
@@ -302,16 +326,15 @@ def violations(c: Case, results, baselines, oracles) -> list[str]:
     return msgs
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("c", CASES, ids=str)
+@pytest.mark.parametrize(("c", "mode"), PARAMS)
 @pytest.mark.ci_slice(CI_CASES)
 def test_routed_call_matches_float64(c, mode):
     xs, x64 = make_inputs(c)
     grads = mode == "gpu" or SWEEP or str(c) in CI_GRADIENTS
     results, names = run(c, xs, grads=grads, **mode_kwargs(mode))
-    if mode == "interpret":  # the GPU's choice is the dispatch's, pinned in test_dispatch.py
-        assert "pallas_flash_decode" in names, names
-        assert "pallas_flash_forward" not in names, names
+    assert "pallas_flash_decode" in names, names
+    assert "pallas_flash_forward" not in names, names
+    if mode == "interpret":  # the GPU's backward is the dispatch's, pinned in test_dispatch.py
         assert ("pallas_flash_backward_dkv" in names) == grads, names
     oracles = {name: x for name, x in oracle(c, x64).items() if name in results}
     # log_sum (return_log_sum): the row's log denominator relative to its max, in float32 from
@@ -326,20 +349,15 @@ def test_routed_call_matches_float64(c, mode):
     assert np.all(to64(results["log_sum"])[empty] == 0)
 
 
-@pytest.mark.parametrize(
-    "mode",
-    [pytest.param("interpret", marks=SWEEP_ONLY), pytest.param("gpu", marks=pytest.mark.gpu)],
-)
-def test_tied_huge_logits(mode):
-    """Logits of |s| ~ 1e7 (head 0) and 1e30 (head 1), every key present twice: each row splits
-    between the two keys of its largest logit, as in float64, through the decode kernel's split
-    key loop and merge (weighed by each part's log_sum, not by lse alone) and the backward's P
-    recomputed from log_sum (test_nan_safety.py's check, for 3 tokens over 80 keys)."""
+def tied_huge_logits(mode: str):
+    """test_tied_huge_logits' call in `mode` (its vjp jitted), its arguments and cotangents: 3
+    tokens over 80 keys in the interpreter, over as many as the dispatch routes compiled."""
+    kv_len = 80 if mode == "interpret" else routed_kv_len(1, 3, 80)
     rng = np.random.default_rng(2)
     q, d_out = (rounded(rng, (1, 3, 2, 16), jnp.bfloat16)[0] for _ in range(2))
-    k, v = (rounded(rng, (1, 80, 2, 16), jnp.bfloat16)[0] for _ in range(2))
+    k, v = (rounded(rng, (1, kv_len, 2, 16), jnp.bfloat16)[0] for _ in range(2))
     q = q * jnp.asarray([1e7, 1e30], jnp.bfloat16)[:, None]
-    k = jnp.concatenate([k[:, :40]] * 2, axis=1)
+    k = jnp.concatenate([k[:, : kv_len // 2]] * 2, axis=1)
     d_lse = rounded(rng, (1, 2, 3), jnp.float32)[0]
 
     def f(q, k, v):
@@ -351,11 +369,27 @@ def test_tied_huge_logits(mode):
         (out, lse), vjp = jax.vjp(attention, q, k, v)
         return out, lse, *vjp((d_out, d_lse))
 
-    traced = jax.jit(f).trace(q, k, v)
+    return jax.jit(f), (q, k, v), (d_out, d_lse)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [pytest.param("interpret", marks=SWEEP_ONLY), pytest.param("gpu", marks=pytest.mark.gpu)],
+)
+def test_tied_huge_logits(mode):
+    """Logits of |s| ~ 1e7 (head 0) and 1e30 (head 1), every key present twice: each row splits
+    between the two keys of its largest logit, as in float64, through the decode kernel's split
+    key loop and merge (weighed by each part's log_sum, not by lse alone) and the backward's P
+    recomputed from log_sum (test_nan_safety.py's check, for 3 tokens over a longer key
+    sequence)."""
+    f, (q, k, v), (d_out, d_lse) = tied_huge_logits(mode)
+    traced = f.trace(q, k, v)
     assert "pallas_flash_decode" in str(traced.jaxpr)
     got = [to64(x) for x in traced.lower().compile()(q, k, v)]
     want = attention_oracle_f64(
-        *(to64(x) for x in (q, k, v, d_out, d_lse)), scale=0.25, visible=np.ones((3, 80), bool)
+        *(to64(x) for x in (q, k, v, d_out, d_lse)),
+        scale=0.25,
+        visible=np.ones((q.shape[1], k.shape[1]), bool),
     )
     np.testing.assert_allclose(got[0], want["out"], atol=2e-2)
     np.testing.assert_allclose(got[1], want["lse"], rtol=1e-6)
@@ -387,3 +421,15 @@ def test_the_route_is_the_dispatchs():
     constants cannot move past the tested sizes unnoticed)."""
     assert dispatch.DECODE_ROUTE_MAX_Q_LEN >= max(c.q_len for c in CASES)
     assert dispatch.DECODE_ROUTE_MIN_KV_LEN <= min(c.kv_len for c in CASES)
+
+
+def test_the_gpu_cases_take_the_route():
+    """The GPU variants' calls, traced here for an H100, run their forward on the decode kernel
+    (the GPU tests assert it too; this fails on the CPU should the dispatch's compiled
+    thresholds move past their shapes)."""
+    with pallas_flash.target(H100):
+        for c in GPU_CASES:
+            names = pallas_call_names(trace(c, make_inputs(c)[0], grads=False)[0])
+            assert "pallas_flash_decode" in names and "pallas_flash_forward" not in names, c
+        f, args, _ = tied_huge_logits("gpu")
+        assert "pallas_flash_decode" in str(f.trace(*args).jaxpr)

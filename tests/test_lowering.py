@@ -355,8 +355,10 @@ def test_few_tokens_lower_the_decode_kernel(case):
         if name in kwargs
     }
     q_len = 1 if case == "t1" else 4
+    # Two sequences of the fewest keys over which a compiled call of 4 tokens takes the route.
+    kv_len = dispatch.DECODE_ROUTE_MIN_BATCH_KEYS[dispatch.DECODE_ROUTE_MAX_Q_LEN] // 2
     sds = jax.ShapeDtypeStruct
-    q, kv = sds((2, q_len, 8, 128), jnp.bfloat16), sds((2, 4096, 2, 128), jnp.bfloat16)
+    q, kv = sds((2, q_len, 8, 128), jnp.bfloat16), sds((2, kv_len, 2, 128), jnp.bfloat16)
 
     def fn(q, k, v, arrays):
         def attention(q, k, v):
@@ -372,3 +374,60 @@ def test_few_tokens_lower_the_decode_kernel(case):
     ), names
     assert "pallas_flash_forward" not in names, names
     assert ("pallas_flash_decode_merge" in names) == merged, names
+
+
+def kernel_calls_and_ops(lowered) -> tuple[list[str], list[str]]:
+    """The kernels' custom calls (target and attributes: launch parameters and the serialised
+    kernel) in program order, and the ops of the kernels' passes (`_forward` then `_backward`,
+    the functions they call inlined) by name, sharding constraints left out."""
+    text = re.sub(r"\s*loc\(#loc\d*\)", "", lowered.as_text())
+    calls = re.findall(r"stablehlo\.custom_call (@\S+)\([^)]*\) (\{.*\}) :", text)
+    bodies = dict(re.findall(r"func\.func private @(\w+)\((.*?)\n  \}", text, re.DOTALL))
+
+    def ops(name):
+        for called, op in re.findall(r"= (?:call @(\w+)|([a-z_]+\.[a-z_]+))", bodies[name]):
+            if called:
+                yield from ops(called)
+            elif op != "sdy.sharding_constraint":
+                yield op
+
+    return [" ".join(c) for c in calls], [*ops("_forward"), *ops("_backward")]
+
+
+@pytest.mark.parametrize(
+    "kernels",
+    [
+        pytest.param(dict(backend="triton", block_sizes=BLOCK_SIZES["all16"]), id="triton"),
+        pytest.param(dict(backend="mosaic"), id="mosaic"),
+    ],
+)
+def test_unbatched_inputs_lower_the_batch_one_program(kernels):
+    """Unbatched [T, N, H] inputs lower to the batch-1 call's kernels (the same launches and
+    serialised kernels, in the same order) and the same ops around them: the programs differ
+    by the batch axis added and removed only. (XLA may still round its own reductions among
+    those ops differently in the two compiled programs: test_rank3_inputs.)"""
+    from conftest import outputs_and_grads
+
+    triton = kernels["backend"] == "triton"
+    # test_rank3_inputs' problem on the Triton kernels; the Mosaic kernels take H=128 in bf16.
+    (t, s, n, kh, h), dtype = (
+        ((33, 40, 4, 2, 32), jnp.float32)
+        if triton
+        else (
+            (257, 300, 4, 2, 128),
+            jnp.bfloat16,
+        )
+    )
+    attention = functools.partial(
+        pallas_flash.flash_attention, is_causal=True, return_residuals=True, **kernels
+    )
+    fn = functools.partial(outputs_and_grads, attention)
+    programs = []
+    for lead in ((), (1,)):
+        q, kv = (jax.ShapeDtypeStruct(lead + x, dtype) for x in ((t, n, h), (s, kh, h)))
+        rows = jax.ShapeDtypeStruct(lead + (n, t), jnp.float32)
+        programs.append(kernel_calls_and_ops(lower_for_h200(fn, q, kv, kv, q, rows)))
+    (unbatched_calls, unbatched_ops), (batched_calls, batched_ops) = programs
+    assert len(batched_calls) >= 3, batched_calls  # the forward and the backward's kernels
+    assert unbatched_calls == batched_calls
+    assert unbatched_ops == batched_ops

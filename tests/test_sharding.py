@@ -92,31 +92,56 @@ def test_ring_on_one_gpu_matches_the_plain_call(layout):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def _check_exported_passes(q, k, v, d_out, config, platform, sinks=None):
+    """The forward and backward shards (`_vjp._forward_shard`, `_vjp._backward_shard`) through
+    `_partition._exported` give the direct calls' bits. Their operands are built in the order
+    `_vjp._forward` and `_vjp._backward` pass them, the backward's from the forward's results."""
+    from pallas_flash import _partition, _vjp
+    from pallas_flash.masks import MaskArrays
+
+    fwd_args = [q, k, v, None, MaskArrays(), sinks]
+    out, lse, log_sum, row_max = _vjp._forward_shard(*fwd_args, config=config)
+    d_lse = jnp.linspace(-1.0, 1.0, lse.size, dtype=lse.dtype).reshape(lse.shape)
+    bwd_args = [*fwd_args, out, lse, log_sum, row_max, d_out, d_lse]
+    for kernel, args in ((_vjp._forward_shard, fwd_args), (_vjp._backward_shard, bwd_args)):
+        leaves, tree = jax.tree.flatten(args)
+        avals = tuple((tuple(x.shape), x.dtype) for x in leaves)
+        exported = _partition._exported(kernel, config, tree, avals, platform)
+        want = jax.jit(functools.partial(kernel, config=config))(*args)
+        got = jax.jit(exported.call)(*leaves)
+        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_exported_passes_give_the_direct_calls_bits_in_the_interpreter():
+    """`_check_exported_passes` on the CPU, for the Triton kernels in the interpreter (GQA,
+    causal, sinks): the exported backward takes the operands `_vjp._backward` passes."""
+    from pallas_flash import dispatch
+    from pallas_flash.call import Call
+    from pallas_flash.masks import MaskSpec
+
+    q, k, v, d_out = _inputs(2, 20, 24, 4, 2)
+    sinks = jnp.asarray(np.linspace(-1.0, 2.0, 8, dtype=np.float32).reshape(2, 4))
+    spec = MaskSpec(q_len=20, kv_len=24, is_causal=True)
+    call = Call(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=spec)
+    config = dispatch.choose(call, None, scale=0.25, interpret=True)
+    _check_exported_passes(q, k, v, d_out, config, "cpu", sinks)
+
+
 @pytest.mark.gpu
 def test_exported_passes_give_the_direct_calls_bits():
     """The passes as the partitioning rule embeds them on a mesh (`_partition._exported`, a
     jax.export per shard shape), run on one GPU: the forward's and the backward's outputs are
     the direct calls' bits (default kernels: Mosaic on Hopper, bf16, causal GQA at 2k)."""
-    from pallas_flash import _partition, _vjp, device, dispatch
+    from pallas_flash import device, dispatch
     from pallas_flash.call import Call
-    from pallas_flash.masks import MaskArrays, MaskSpec
+    from pallas_flash.masks import MaskSpec
 
     q, k, v, d_out = (x.astype(jnp.bfloat16) for x in _inputs(2, 2048, 2048, 8, 2, 128))
     spec = MaskSpec(q_len=2048, kv_len=2048, is_causal=True)
     call = Call(q_shape=q.shape, k_shape=k.shape, dtype=q.dtype, spec=spec)
     config = dispatch.choose(call, device.target_device(), scale=128**-0.5)
-    fwd_args = [q, k, v, None, MaskArrays(), None]
-    out, lse, log_sum, row_max = _vjp._forward_shard(*fwd_args, config=config)
-    d_lse = jnp.zeros_like(lse)
-    bwd_args = [q, k, v, None, MaskArrays(), out, lse, log_sum, row_max, d_out, d_lse]
-    for kernel, args in ((_vjp._forward_shard, fwd_args), (_vjp._backward_shard, bwd_args)):
-        leaves, tree = jax.tree.flatten(args)
-        avals = tuple((tuple(x.shape), x.dtype) for x in leaves)
-        exported = _partition._exported(kernel, config, tree, avals, "cuda")
-        want = jax.jit(functools.partial(kernel, config=config))(*args)
-        got = jax.jit(exported.call)(*leaves)
-        for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    _check_exported_passes(q, k, v, d_out, config, "cuda")
 
 
 @pytest.mark.gpu

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import BACKEND_PATHS, SWEEP, case_id
+from support.backends import BACKEND_PATHS, SWEEP
+from support.inputs import case_id
 
 import pallas_flash
 from pallas_flash.triton import DecodeBlockSizes, RaggedBlockSizes

@@ -406,7 +406,7 @@ def test_unbatched_inputs_lower_the_batch_one_program(kernels):
     serialised kernels, in the same order) and the same ops around them: the programs differ
     by the batch axis added and removed only. (XLA may still round its own reductions among
     those ops differently in the two compiled programs: test_rank3_inputs.)"""
-    from conftest import outputs_and_grads
+    from support.calls import outputs_and_grads
 
     triton = kernels["backend"] == "triton"
     # test_rank3_inputs' problem on the Triton kernels; the Mosaic kernels take H=128 in bf16.

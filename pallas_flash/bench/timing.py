@@ -237,6 +237,8 @@ class Rows(list):
         self.path = path
 
     def add(self, row: dict) -> dict:
+        # Every row names the card it was measured on: results are compared within one card.
+        row.setdefault("device", jax.devices()[0].device_kind)
         self.append(row)
         if self.path:
             with open(self.path, "a") as f:

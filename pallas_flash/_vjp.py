@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from pallas_flash import _partition, _vma
 from pallas_flash._numerics import accumulation_dtype, sink_probability
-from pallas_flash.device import DEFAULT_NUM_SMS, Device
+from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import backward as mosaic_backward
 from pallas_flash.mosaic import forward as mosaic
@@ -73,17 +73,6 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.backward={self.backward!r} must be 'triton' or 'mosaic'"
             )
-
-    def kwargs(self):
-        """Keyword arguments of the Triton kernels."""
-        return dict(
-            spec=self.spec,
-            scale=self.scale,
-            soft_cap=self.soft_cap,
-            dropout_rate=self.dropout_rate,
-            block_sizes=self.block_sizes,
-            interpret=self.interpret,
-        )
 
     def mosaic_kwargs(self, arrays: MaskArrays):
         """Keyword arguments of both Mosaic wrappers: the mask unpacked (segment ids with the
@@ -158,19 +147,9 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
 
 
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    num_sms = None if config.device is None else config.device.num_sms
     if config.forward == "decode":
         out, lse, log_sum = few_token_forward(
-            q,
-            k,
-            v,
-            arrays,
-            spec=config.spec,
-            scale=config.scale,
-            soft_cap=config.soft_cap,
-            interpret=config.interpret,
-            num_sms=DEFAULT_NUM_SMS if num_sms is None else num_sms,
-            sinks=sinks,
+            q, k, v, bias, arrays, sinks, config=config, with_log_sum=True
         )
         return out, lse, log_sum, lse
     if config.forward == "mosaic":
@@ -190,9 +169,8 @@ def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
         v,
         bias,
         arrays,
-        **config.kwargs(),
-        num_sms=num_sms,
-        sinks=sinks,
+        sinks,
+        config=config,
         with_log_sum=True,
         with_row_max=_takes_row_max(q, config),
     )
@@ -364,11 +342,11 @@ def _backward_call(
         arrays,
         out,
         lse,
+        log_sum,
+        row_max,
         d_out,
         d_lse,
-        **config.kwargs(),
-        log_sum=log_sum,
-        row_max=row_max,
+        config=config,
         bias_gradient=bias_gradient,
     )
 

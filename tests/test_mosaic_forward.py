@@ -907,16 +907,12 @@ def test_mosaic_forward_feeds_the_triton_backward_interpreted():
         out, lse = jax.jit(forward_fn(p))(q, k, v)
         out, lse = jnp.asarray(np.asarray(out)), jnp.asarray(np.asarray(lse))
     spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True)
-    grads = jax.jit(
-        functools.partial(
-            triton_backward.flash_backward,
-            spec=spec,
-            scale=p.scale,
-            soft_cap=None,
-            block_sizes=pallas_flash.BlockSizes(),
-            interpret=True,
-        )
-    )(q, k, v, None, MaskArrays(), out, lse, d_out, d_lse)[:3]
+    config = KernelConfig(
+        spec=spec, scale=p.scale, block_sizes=pallas_flash.BlockSizes(), interpret=True
+    )
+    grads = jax.jit(functools.partial(triton_backward.flash_backward, config=config))(
+        q, k, v, None, MaskArrays(), out, lse, None, None, d_out, d_lse
+    )[:3]
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     oracles = oracle_outputs_and_grads(p, *f64)
     assert_within_tolerance((out, lse, *grads), baselines, oracles, floor=p.floor)

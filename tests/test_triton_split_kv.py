@@ -129,6 +129,7 @@ def test_split_log_sum_and_row_max_match_unsplit(sinks):
     chunks that see no key or rows that see keys in some chunks only; row max * unit + log_sum
     is lse."""
     from pallas_flash import masks
+    from pallas_flash._vjp import KernelConfig
     from pallas_flash.masks import MaskArrays, MaskSpec
     from pallas_flash.triton import flash_forward
 
@@ -146,20 +147,15 @@ def test_split_log_sum_and_row_max_match_unsplit(sinks):
     scale = 32**-0.5
 
     def rows(splits):
-        _, lse, log_sum, row_max = flash_forward(
-            q,
-            k,
-            v,
-            None,
-            arrays,
+        config = KernelConfig(
             spec=spec,
             scale=scale,
-            soft_cap=None,
             block_sizes=dataclasses.replace(TILES, kv_splits=splits),
             interpret=True,
-            sinks=sink_logits if sinks else None,
-            with_log_sum=True,
-            with_row_max=True,
+        )
+        sink_args = sink_logits if sinks else None
+        _, lse, log_sum, row_max = flash_forward(
+            q, k, v, None, arrays, sink_args, config=config, with_log_sum=True, with_row_max=True
         )
         return [np.asarray(x) for x in (lse, log_sum, row_max)]
 

@@ -52,7 +52,7 @@ from pallas_flash.triton.forward import (
     tile_visible,
     with_dropout_tables,
 )
-from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
+from pallas_flash.triton.tiles import padded_head_dim
 
 
 def _dkv_kernel(
@@ -567,17 +567,12 @@ def flash_backward(
     arrays: MaskArrays,
     out,
     lse,
+    log_sum,
+    row_max,
     d_out,
     d_lse,
     *,
-    spec: MaskSpec,
-    scale: float,
-    soft_cap,
-    block_sizes: BlockSizes,
-    interpret: bool,
-    dropout_rate: float = 0.0,
-    log_sum=None,
-    row_max=None,
+    config,
     bias_gradient: bool = True,
 ):
     """(dq, dk, dv, dbias) for the cotangents d_out [B, T, N, H] and d_lse [B, N, T] (float32).
@@ -590,17 +585,19 @@ def flash_backward(
     with_row_max=True)`, with its log_sum): P is then recomputed relative to it, free of lse's
     float32 rounding (an ulp of |lse| in every P, which float32 inputs with logits in the
     hundreds show); without, relative to lse, one add fewer per element (`recomputed_probs`).
+    config: the call's `KernelConfig`, as `flash_forward` takes it (read here: spec, scale,
+    soft_cap, dropout_rate, block_sizes, interpret).
     dbias is None without a bias or with bias_gradient=False, else the bias's shape and dtype
     (summed over its broadcast dims).
     """
+    spec, scale, soft_cap = config.spec, config.scale, config.soft_cap
+    block_sizes, interpret, dropout_rate = config.block_sizes, config.interpret, config.dropout_rate
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
     hp = padded_head_dim(head_dim)
     has_bias = bias is not None
-
-    if row_max is not None and log_sum is None:
-        raise ValueError("flash_backward: row_max needs the forward's log_sum beside it")
+    assert row_max is None or log_sum is not None, "the row max goes with the forward's log_sum"
 
     # -- preprocess (XLA fuses it into one pass): delta, and each row's reference and clamp --
     acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs (the interpreter)

@@ -956,23 +956,13 @@ def few_token_geometry(spec: MaskSpec) -> tuple[int, int, int | None]:
     return min(kv_len, q_len + reach), reach, window_left
 
 
-def few_token_forward(
-    q,
-    k,
-    v,
-    arrays: MaskArrays,
-    *,
-    spec: MaskSpec,
-    scale: float,
-    soft_cap,
-    interpret: bool,
-    num_sms: int = DEFAULT_NUM_SMS,
-    sinks=None,
-):
-    """(out [B, T, N, H] in q's dtype, lse [B, N, T], log_sum [B, N, T]) of `flash_attention`'s
-    forward on the decode kernel, as the flash forward returns them (`flash_forward` with
-    with_log_sum): for calls `why_not_few_token_forward` lets through (their segment arrays, if
-    any, hold sequence lengths only).
+def few_token_forward(q, k, v, bias, arrays: MaskArrays, sinks, *, config, with_log_sum=False):
+    """(out [B, T, N, H] in q's dtype, lse [B, N, T]), with with_log_sum also log_sum [B, N, T],
+    of `flash_attention`'s forward on the decode kernel, as the flash forward returns them
+    (`flash_forward`, which takes the same arguments): for calls `why_not_few_token_forward`
+    lets through (no bias; their segment arrays, if any, hold sequence lengths only). config:
+    the call's `KernelConfig` (read here: spec, scale, soft_cap, interpret, and the device's SM
+    count, which sizes the split of the keys; device None: DEFAULT_NUM_SMS).
 
     The keys no token sees (past `few_token_geometry`'s `keys`) are cut off; batch entry b's
     keys up to its length L_b (its key length clipped to them) are the kernel's sequence, and
@@ -981,6 +971,9 @@ def few_token_forward(
     j <= t under is_causal. Rows past their query length output 0 with lse -inf (the sink,
     with sinks); sinks: None or float32 [B, N], added after the kernel as the split-KV
     forward's merge adds them."""
+    assert bias is None, "the dispatch routes no bias to the decode kernel"
+    spec, scale, soft_cap, interpret = config.spec, config.scale, config.soft_cap, config.interpret
+    num_sms = DEFAULT_NUM_SMS if config.device is None else config.device.num_sms
     batch, q_len = q.shape[:2]
     keys, reach, window_left = few_token_geometry(spec)
     if keys < k.shape[1]:  # a copy of the keys the kernel reads anyway
@@ -1027,4 +1020,4 @@ def few_token_forward(
             log_sum_with_sinks(lse, log_sum, sinks),
         )
         out = out.astype(q.dtype)
-    return out, lse, log_sum
+    return (out, lse, log_sum) if with_log_sum else (out, lse)

@@ -30,7 +30,7 @@ from pallas_flash.triton._common import (
     tile_keep,
     visit_tiles,
 )
-from pallas_flash.triton.tiles import BlockSizes, padded_head_dim
+from pallas_flash.triton.tiles import padded_head_dim
 
 
 def _forward_kernel(
@@ -245,22 +245,7 @@ def with_dropout_tables(operands, in_specs, arrays: MaskArrays, dropout_rate: fl
 
 
 def flash_forward(
-    q,
-    k,
-    v,
-    bias,
-    arrays: MaskArrays,
-    *,
-    spec: MaskSpec,
-    scale: float,
-    soft_cap,
-    block_sizes: BlockSizes,
-    interpret: bool,
-    num_sms: int | None = None,
-    dropout_rate: float = 0.0,
-    sinks=None,
-    with_log_sum: bool = False,
-    with_row_max: bool = False,
+    q, k, v, bias, arrays: MaskArrays, sinks, *, config, with_log_sum=False, with_row_max=False
 ):
     """out [B, T, N, Hv] in q's dtype and lse [B, N, T] float32 (natural log); with_log_sum: also
     log_sum [B, N, T] float32, the log of each row's softmax denominator relative to its largest
@@ -273,13 +258,18 @@ def flash_forward(
     q: [B, T, N, H]; k: [B, S, K, H], v: [B, S, K, Hv] with N % K == 0 (the value head dim is
     the kernel's own: V tiles, accumulator and output at Hv, padded on their own); bias None
     or [Bb, Nb, Tb, Sb] (each dim full or 1); arrays: the mask's arrays (masks.MaskArrays, with
-    the dropout seeds, whose `_dropout.tables` the kernels read, when dropout_rate > 0);
-    num_sms: the GPU's SM count, which the automatic split-KV rule fills (None: the visible
-    GPU's); sinks: None or float32 [B, N], attention sinks (`softmax_store`), included in out
-    and lse. Float64 inputs (the interpreter's) take float64 in place of every float32 here.
+    the dropout seeds, whose `_dropout.tables` the kernels read, when dropout_rate > 0); sinks:
+    None or float32 [B, N], attention sinks (`softmax_store`), included in out and lse. Float64
+    inputs (the interpreter's) take float64 in place of every float32 here.
+
+    config: the call's `KernelConfig` as the dispatch built it (every backend's wrapper takes
+    it); read here: spec, scale, soft_cap, dropout_rate, block_sizes, interpret, and the
+    device's SM count, which the automatic split-KV rule fills (device None: the visible GPU's).
     """
-    if with_row_max and not with_log_sum:
-        raise ValueError("flash_forward(with_row_max=True) needs with_log_sum=True")
+    assert with_log_sum or not with_row_max, "the row max goes with log_sum"
+    spec, scale, soft_cap = config.spec, config.scale, config.soft_cap
+    block_sizes, interpret, dropout_rate = config.block_sizes, config.interpret, config.dropout_rate
+    num_sms = gpu_core_count() if config.device is None else config.device.num_sms
     batch, q_len, num_heads, head_dim = q.shape
     _, kv_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -305,7 +295,7 @@ def flash_forward(
         num_q_tiles * num_heads * batch,
         num_kv_tiles,
         interpret,
-        num_sms=gpu_core_count() if num_sms is None else num_sms,
+        num_sms=num_sms,
     )
     # Split KV: the chunks' merge (in XLA) adds the sinks, the kernel does not.
     in_kernel_sinks = sinks is not None and splits == 1

@@ -67,10 +67,11 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import bench, mosaic, tune, tune_cache
+from pallas_flash._vjp import KernelConfig
 from pallas_flash.bench import decode as decode_suite
 from pallas_flash.bench.__main__ import given_flags
 from pallas_flash.device import gpu_device_kind, target_device
-from pallas_flash.masks import MaskSpec
+from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic.schedule import paired_causal_rows
 from pallas_flash.triton.tiles import heuristic_block_sizes
 
@@ -650,7 +651,7 @@ def mosaic_persistent(out, smoke=False, cases=None):
         for candidate, tiles in candidates.items():
             fn = jax.jit(
                 functools.partial(
-                    mosaic.flash_forward,
+                    mosaic_forward_call,
                     scale=h**-0.5,
                     segment_ids=segment_ids,
                     sinks=sinks,
@@ -696,22 +697,67 @@ FUSED_DQ_TILES = {
 FUSED_DQ_POINTS = ["128:4096", "128:16384", "64:4096", "64:16384"]
 
 
+def mosaic_config(
+    q, k, *, scale, is_causal=False, window=None, soft_cap=None, segment_ids=None, tiles=None
+):
+    """(MaskArrays, KernelConfig) of a call of the Mosaic kernels, as the dispatch hands them to
+    `mosaic.flash_forward` and `mosaic.flash_backward`: segment_ids a (q ids, kv ids) pair or
+    None; tiles: the forward's `ForwardTiles` or the backward's `BackwardTiles` (None: the
+    kernels' defaults)."""
+    spec = MaskSpec(
+        q_len=q.shape[1],
+        kv_len=k.shape[1],
+        is_causal=is_causal,
+        window=window,
+        has_segments=segment_ids is not None,
+    )
+    config = KernelConfig(
+        spec=spec,
+        scale=scale,
+        soft_cap=soft_cap,
+        block_sizes=pallas_flash.BlockSizes(),
+        interpret=False,
+        forward="mosaic",
+        backward="mosaic",
+        mosaic_forward_tiles=tiles if isinstance(tiles, mosaic.ForwardTiles) else None,
+        mosaic_backward_tiles=tiles if isinstance(tiles, mosaic.BackwardTiles) else None,
+    )
+    return MaskArrays(*(segment_ids or (None, None))), config
+
+
+def mosaic_forward_call(q, k, v, *, sinks=None, with_log_sum=False, **options):
+    """`mosaic.flash_forward` of a call of `mosaic_config(**options)`: (out, lse), with
+    with_log_sum also log_sum."""
+    arrays, config = mosaic_config(q, k, **options)
+    return mosaic.flash_forward(
+        q, k, v, None, arrays, sinks, config=config, with_log_sum=with_log_sum
+    )
+
+
+def mosaic_backward_call(q, k, v, out, lse, d_out, d_lse, *, log_sum=None, **options):
+    """(dq, dk, dv) of `mosaic.flash_backward` of a call of `mosaic_config(**options)` (d_lse
+    None: zero)."""
+    arrays, config = mosaic_config(q, k, **options)
+    return mosaic.flash_backward(
+        q, k, v, None, arrays, out, lse, log_sum, None, d_out, d_lse, config=config
+    )[:3]
+
+
 def mosaic_attention(tiles, *, scale, is_causal, **mask):
     """The Mosaic forward differentiated by `mosaic.flash_backward` with these tiles; mask:
     window and/or segment_ids, as both take them."""
+    options = dict(scale=scale, is_causal=is_causal, **mask)
 
     @jax.custom_vjp
     def attention(q, k, v):
-        return mosaic.flash_forward(q, k, v, scale=scale, is_causal=is_causal, **mask)[0]
+        return mosaic_forward_call(q, k, v, **options)[0]
 
     def fwd(q, k, v):
-        out, lse = mosaic.flash_forward(q, k, v, scale=scale, is_causal=is_causal, **mask)
+        out, lse = mosaic_forward_call(q, k, v, **options)
         return out, (q, k, v, out, lse)
 
     def bwd(residuals, d_out):
-        return mosaic.flash_backward(
-            *residuals, d_out, None, scale=scale, is_causal=is_causal, tiles=tiles, **mask
-        )
+        return mosaic_backward_call(*residuals, d_out, None, tiles=tiles, **options)
 
     attention.defvjp(fwd, bwd)
     return attention
@@ -850,7 +896,7 @@ def mla(out):
                 _record(out, dict(row, refused=reason))
                 continue
             fn = functools.partial(
-                mosaic.flash_forward, scale=h**-0.5, is_causal=causal, tiles=tiles
+                mosaic_forward_call, scale=h**-0.5, is_causal=causal, tiles=tiles
             )
             ms = bench.median_ms(bench.timed_fn(fn, "fwd"), inputs(hv))
             _record(out, dict(row, ms=ms, tflops=flops(hv, causal, "fwd") / ms / 1e9))

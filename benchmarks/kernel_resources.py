@@ -124,10 +124,12 @@ def compile_case(name):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
     if "forward_tiles" in kwargs:
-        from pallas_flash.mosaic import ForwardTiles, flash_forward
+        from experiments import mosaic_forward_call
+
+        from pallas_flash.mosaic import ForwardTiles
 
         tiles = ForwardTiles(**kwargs["forward_tiles"])
-        fn = functools.partial(flash_forward, scale=h**-0.5, is_causal=False, tiles=tiles)
+        fn = functools.partial(mosaic_forward_call, scale=h**-0.5, is_causal=False, tiles=tiles)
         timed_fn(lambda q, k, v: fn(q, k, v)[0], "fwd").lower(q, kk, v, do).compile()
         return
     if "tiles" in kwargs:

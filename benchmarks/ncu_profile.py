@@ -18,10 +18,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from experiments import mosaic_backward_call, mosaic_forward_call
 
 from pallas_flash import bench, mosaic
 from pallas_flash.bench import decode as decode_suite
-from pallas_flash.mosaic import backward as mosaic_backward
 
 
 def _attention(b, t, n, h, causal, impl):
@@ -39,12 +39,10 @@ def _backward(b, t, n, h, causal, tiles, impl="mosaic"):
         return fn, (q, k, v, do)
     scale = h**-0.5
     out, lse, log_sum = jax.jit(
-        functools.partial(mosaic.flash_forward, scale=scale, is_causal=causal, with_log_sum=True)
+        functools.partial(mosaic_forward_call, scale=scale, is_causal=causal, with_log_sum=True)
     )(q, k, v)
     fn = jax.jit(
-        functools.partial(
-            mosaic_backward.flash_backward, scale=scale, is_causal=causal, tiles=tiles
-        )
+        functools.partial(mosaic_backward_call, scale=scale, is_causal=causal, tiles=tiles)
     )
     return (lambda *args: fn(*args, log_sum=log_sum)), (q, k, v, out, lse, do, None)
 

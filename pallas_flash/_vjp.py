@@ -26,24 +26,21 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import _partition, _vma
+from pallas_flash import _partition, _vma, mosaic, triton
 from pallas_flash._numerics import accumulation_dtype, sink_probability
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import backward as mosaic_backward
-from pallas_flash.mosaic import forward as mosaic
-from pallas_flash.mosaic.tiles import ForwardTiles
+from pallas_flash.mosaic import BackwardTiles, ForwardTiles
 from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton import BlockSizes
-from pallas_flash.triton.backward import flash_backward
 from pallas_flash.triton.decode import few_token_forward
-from pallas_flash.triton.forward import flash_forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class KernelConfig:
     """Everything static about one call: hashable, passed as a nondiff argument. Built by
-    `pallas_flash.dispatch.choose`, the one place that decides which kernels run a call."""
+    `pallas_flash.dispatch.choose`, the one place that decides which kernels run a call. Every
+    backend's wrapper takes it whole (`_FORWARDS`, `_BACKWARDS`) and reads what it needs."""
 
     spec: MaskSpec
     scale: float
@@ -59,7 +56,7 @@ class KernelConfig:
     backward: str = "triton"
     # The Mosaic kernels' tiles (None: their defaults for the shapes).
     mosaic_forward_tiles: ForwardTiles | None = None
-    mosaic_backward_tiles: mosaic_backward.BackwardTiles | None = None
+    mosaic_backward_tiles: BackwardTiles | None = None
     # The GPU the kernels are compiled for (its SM count sizes persistent and split-KV grids);
     # None: the visible GPU's (the interpreter needs none).
     device: Device | None = None
@@ -73,21 +70,6 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.backward={self.backward!r} must be 'triton' or 'mosaic'"
             )
-
-    def mosaic_kwargs(self, arrays: MaskArrays):
-        """Keyword arguments of both Mosaic wrappers: the mask unpacked (segment ids with the
-        lengths folded in), dropout as (rate, seeds [B, N]) or None, the device."""
-        spec = self.spec
-        segments = (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
-        return dict(
-            scale=self.scale,
-            is_causal=spec.is_causal,
-            window=spec.window,
-            soft_cap=self.soft_cap,
-            segment_ids=segments,
-            dropout=(self.dropout_rate, arrays.dropout_seeds) if self.dropout_rate else None,
-            device=self.device,
-        )
 
 
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
@@ -129,7 +111,7 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     max, from either forward) lets either backward recompute tied logits exactly at any
     magnitude; row_max (that max in the Triton forward's units, `triton.flash_forward`) lets
     the Triton backward recompute P free of lse's rounding, which float32 calls need
-    (`_takes_row_max`). Elsewhere lse stands in its place, never read (`_backward_call`)."""
+    (`_takes_row_max`). Elsewhere lse stands in its place, never read (`_backward_shard`)."""
     return tuple(
         _partition.partitioned(
             _forward_shard,
@@ -146,35 +128,24 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
     )
 
 
+# Every backend's passes take one argument shape: the arrays, the mask's arrays (and sinks), and
+# the call's KernelConfig, from which each reads what it needs.
+_FORWARDS = {
+    "triton": triton.flash_forward,
+    "mosaic": mosaic.flash_forward,
+    "decode": few_token_forward,
+}
+_BACKWARDS = {"triton": triton.flash_backward, "mosaic": mosaic.flash_backward}
+
+
 def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    if config.forward == "decode":
-        out, lse, log_sum = few_token_forward(
-            q, k, v, bias, arrays, sinks, config=config, with_log_sum=True
+    if _takes_row_max(q, config):
+        return triton.flash_forward(
+            q, k, v, bias, arrays, sinks, config=config, with_log_sum=True, with_row_max=True
         )
-        return out, lse, log_sum, lse
-    if config.forward == "mosaic":
-        out, lse, log_sum = mosaic.flash_forward(
-            q,
-            k,
-            v,
-            tiles=config.mosaic_forward_tiles,
-            sinks=sinks,
-            with_log_sum=True,
-            **config.mosaic_kwargs(arrays),
-        )
-        return out, lse, log_sum, lse
-    out, lse, log_sum, *row_max = flash_forward(
-        q,
-        k,
-        v,
-        bias,
-        arrays,
-        sinks,
-        config=config,
-        with_log_sum=True,
-        with_row_max=_takes_row_max(q, config),
-    )
-    return out, lse, log_sum, row_max[0] if row_max else lse
+    forward = _FORWARDS[config.forward]
+    out, lse, log_sum = forward(q, k, v, bias, arrays, sinks, config=config, with_log_sum=True)
+    return out, lse, log_sum, lse
 
 
 def _takes_row_max(q, config: KernelConfig) -> bool:
@@ -283,9 +254,12 @@ def _backward_shard(
     """One shard's (dq, dk, dv, dbias). A bias broadcast over the keys gets its gradient in
     closed form, per row (`key_broadcast_bias_gradient`), and no dbias kernel runs."""
     head_dim, value_head_dim = q.shape[-1], v.shape[-1]
-    rows = (lse, log_sum, row_max)
+    # row_max: the Triton forward's where `_takes_row_max`, else a stand-in, not read.
+    rows = (lse, log_sum, row_max if _takes_row_max(q, config) else None)
     closed_form = _bias_gradient_in_closed_form(bias, config)
-    kernels = functools.partial(_backward_call, config=config, bias_gradient=not closed_form)
+    kernels = functools.partial(
+        _BACKWARDS[config.backward], config=config, bias_gradient=not closed_form
+    )
     # The Mosaic backward takes Hv != H as it is; the Triton backward takes one head dim.
     if head_dim == value_head_dim or config.backward == "mosaic":
         dq, dk, dv, dbias = kernels(q, k, v, bias, arrays, out, *rows, d_out, d_lse)
@@ -298,57 +272,6 @@ def _backward_shard(
     if closed_form:
         dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse)
     return dq, dk, dv, dbias
-
-
-def _backward_call(
-    q,
-    k,
-    v,
-    bias,
-    arrays,
-    out,
-    lse,
-    log_sum,
-    row_max,
-    d_out,
-    d_lse,
-    *,
-    config: KernelConfig,
-    bias_gradient: bool = True,
-):
-    """row_max: the Triton forward's where `_takes_row_max`, else a stand-in, not read.
-    bias_gradient=False: dbias is None (no dbias kernel)."""
-    if config.backward == "mosaic":
-        dq, dk, dv = mosaic_backward.flash_backward(
-            q,
-            k,
-            v,
-            out,
-            lse,
-            d_out,
-            d_lse,
-            tiles=config.mosaic_backward_tiles,
-            log_sum=log_sum,
-            **config.mosaic_kwargs(arrays),
-        )
-        return dq, dk, dv, None
-    if not _takes_row_max(q, config):
-        row_max = None
-    return flash_backward(
-        q,
-        k,
-        v,
-        bias,
-        arrays,
-        out,
-        lse,
-        log_sum,
-        row_max,
-        d_out,
-        d_lse,
-        config=config,
-        bias_gradient=bias_gradient,
-    )
 
 
 _kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)

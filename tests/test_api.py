@@ -19,7 +19,7 @@ from support.tolerance import assert_bitwise_equal
 import pallas_flash
 from pallas_flash import api, tune_cache
 from pallas_flash.device import Device
-from pallas_flash.mosaic import backward as mosaic_backward_module
+from pallas_flash.mosaic import backward_tiles as mosaic_backward_tiles
 from pallas_flash.mosaic import tiles as mosaic_tiles
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 16
@@ -647,7 +647,7 @@ def chosen_tiles(kernel_configs, monkeypatch):
 
 def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
     forward = mosaic_tiles.ForwardTiles(block_q=64, block_kv=64, num_stages=3)
-    backward = mosaic_backward_module.BackwardTiles(block_kv_dq=128)
+    backward = mosaic_backward_tiles.BackwardTiles(block_kv_dq=128)
     entry = tune_cache.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
     tuned_cache(entry, is_causal=False, q_len=1024, kv_len=1024)
     assert chosen_tiles(*hopper_arrays()) == (forward, backward)
@@ -656,7 +656,7 @@ def test_tuned_mosaic_tiles_reach_the_kernels(tuned_cache, chosen_tiles):
     defaults = mosaic_tiles.default_tiles(128, q_len=1024, kv_len=1024, is_causal=True)
     assert chosen_tiles(*hopper_arrays(), is_causal=True) == (
         defaults,
-        mosaic_backward_module.BackwardTiles(),
+        mosaic_backward_tiles.BackwardTiles(),
     )
     assert chosen_tiles(*hopper_arrays(), backend="triton") == (None, None)
     h64 = hopper_arrays((4, 1024, 8, 64), (4, 1024, 8, 64))
@@ -678,13 +678,13 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
         lambda c: (c.forward, c.backward, c.mosaic_forward_tiles, c.mosaic_backward_tiles),
     )
     forward = mosaic_tiles.ForwardTiles(block_q=128, block_kv=64)
-    backward = mosaic_backward_module.BackwardTiles(block_q_dq=128)
+    backward = mosaic_backward_tiles.BackwardTiles(block_q_dq=128)
     entry = tune_cache.TunedEntry(pallas_flash.BlockSizes(), forward, backward)
     tuned_cache(entry, is_causal=False, q_len=384, kv_len=384)
     qkv = hopper_arrays((8, 384, 8, 128), (8, 384, 8, 128))
     defaults = mosaic_tiles.default_tiles(128, q_len=384, kv_len=384, is_causal=False)
     assert defaults != forward
-    assert chosen(*qkv) == ("mosaic", "mosaic", defaults, mosaic_backward_module.BackwardTiles())
+    assert chosen(*qkv) == ("mosaic", "mosaic", defaults, mosaic_backward_tiles.BackwardTiles())
     forward = mosaic_tiles.ForwardTiles(block_kv=64, num_stages=3)
     entry = tune_cache.TunedEntry(pallas_flash.BlockSizes(), forward, None)
     tuned_cache(entry, head_dim=256, is_causal=False, q_len=1024, kv_len=1024)
@@ -692,7 +692,7 @@ def test_tuned_mosaic_tiles_a_shape_does_not_take_fall_back_to_the_defaults(
     assert defaults != forward
     for head_dim, tiles in ((192, forward), (256, defaults)):
         qkv = hopper_arrays((8, 1024, 8, head_dim), (8, 1024, 8, head_dim))
-        backward = mosaic_backward_module.default_tiles(head_dim)
+        backward = mosaic_backward_tiles.default_tiles(head_dim)
         assert chosen(*qkv) == ("mosaic", "mosaic", tiles, backward)
         assert chosen(*qkv, backend="mosaic") == ("mosaic", "mosaic", tiles, backward)
 

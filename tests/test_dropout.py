@@ -15,6 +15,7 @@ import pytest
 from support.backends import BACKEND_PATHS, SWEEP, backend_paths
 from support.calls import outputs_and_grads
 from support.inputs import Problem, case_id, random_inputs
+from support.kernels import call_mosaic_backward, call_mosaic_forward
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype, to64
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
@@ -22,12 +23,11 @@ from test_lowering import lower_for_h200
 from test_mosaic_backward import MaskCase, hidden_key_poison, mask_options
 from test_mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 
-from pallas_flash import BlockSizes, _dropout, dispatch, flash_attention, masks
+from pallas_flash import BlockSizes, _dropout, _vjp, dispatch, flash_attention, masks
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
-from pallas_flash.mosaic import BackwardTiles, flash_backward, flash_forward
-from pallas_flash.mosaic import backward as mosaic_backward_module
+from pallas_flash.mosaic import BackwardTiles
 from pallas_flash.reference import reference_attention
 
 RATE = 0.3
@@ -449,7 +449,6 @@ def test_mosaic_forward_with_dropout_lowers_for_h200(is_causal, persistent):
 
     from test_lowering import lower_for_h200
 
-    from pallas_flash.mosaic import flash_forward
     from pallas_flash.mosaic.tiles import default_tiles
 
     q = jax.ShapeDtypeStruct((2, 512, 4, 128), jnp.bfloat16)
@@ -460,7 +459,7 @@ def test_mosaic_forward_with_dropout_lowers_for_h200(is_causal, persistent):
     tiles = dataclasses.replace(tiles, persistent=persistent)
 
     def forward(q, k, v, q_ids, kv_ids, seeds):
-        return flash_forward(
+        return call_mosaic_forward(
             q, k, v, scale=0.1, is_causal=is_causal, segment_ids=(q_ids, kv_ids), tiles=tiles,
             dropout=(0.1, seeds),
         )  # fmt: skip
@@ -505,9 +504,9 @@ def check_mosaic_dropout_backward(c: MaskCase, *, interpreted: bool, mosaic_forw
     k, v = hidden_key_poison(c) if c.poison else (k_clean, v_clean)
     seeds = _dropout.head_seeds(jax.random.key(p.q_len), p.batch, p.num_heads)
     options = dict(mask_options(c, arrays), dropout=(RATE, seeds))
-    forward = functools.partial(flash_forward, scale=scale, is_causal=p.is_causal, **options)
+    forward = functools.partial(call_mosaic_forward, scale=scale, is_causal=p.is_causal, **options)
     backward = functools.partial(
-        flash_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
+        call_mosaic_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
     )
 
     def reference(q, k, v):
@@ -652,14 +651,13 @@ def test_public_call_runs_the_mosaic_backward_with_dropout_interpreted(monkeypat
     dK consumer in the sign of P^T * dcap, one dQ consumer)."""
     p, rng = Problem(1, 100, 70, 2, 1, 256, True, "bf16"), jax.random.key(7)
     seen = []
-    original = mosaic_backward_module.flash_backward
+    original = _vjp._BACKWARDS["mosaic"]
 
-    def spy(*args, **kwargs):
-        rate, seeds = kwargs["dropout"]
-        seen.append((rate, seeds.shape))
-        return original(*args, **kwargs)
+    def spy(q, k, v, bias, arrays, *args, config, **kwargs):
+        seen.append((config.dropout_rate, arrays.dropout_seeds.shape))
+        return original(q, k, v, bias, arrays, *args, config=config, **kwargs)
 
-    monkeypatch.setattr(mosaic_backward_module, "flash_backward", spy)
+    monkeypatch.setitem(_vjp._BACKWARDS, "mosaic", spy)
     results = run_public_dropout_call(BACKEND_PATHS["mosaic-interpret"], p, rng)
     assert seen == [(RATE, (p.batch, p.num_heads))]
     seeds = _dropout.head_seeds(rng, p.batch, p.num_heads)
@@ -705,26 +703,13 @@ def test_mosaic_backward_with_dropout_lowers_for_h200(head_dim, tiles):
     seeds = jax.ShapeDtypeStruct((p.batch, p.num_heads), jnp.int32)
 
     def backward(q, k, v, out, lse, d_out, d_lse, seeds, q_ids, kv_ids):
-        return flash_backward(
+        return call_mosaic_backward(
             q, k, v, out, lse, d_out, d_lse, scale=0.1, is_causal=True, window=(64, 0),
             soft_cap=20.0, segment_ids=(q_ids, kv_ids), tiles=tiles, dropout=(RATE, seeds),
         )  # fmt: skip
 
     lowered = lower_for_h200(backward, q, kv, kv, q, lse, q, lse, seeds, *abstract_ids(p))
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
-
-
-def test_mosaic_backward_checks_the_dropout_argument():
-    q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-    lse = jnp.zeros((1, 2, 128), jnp.float32)
-    args = (q, q, q, q, lse, q, None)
-    for dropout, match in (
-        ((RATE, jnp.zeros((1, 3), jnp.int32)), r"dropout seeds \(1, 3\) int32 .* \(1, 2\)"),
-        ((RATE, jnp.zeros((1, 2), jnp.uint32)), "must be int32"),
-        ((1.0, jnp.zeros((1, 2), jnp.int32)), r"rate=1.0 must lie in \(0, 1\)"),
-    ):
-        with pytest.raises(ValueError, match=match):
-            flash_backward(*args, scale=0.1, is_causal=False, dropout=dropout)
 
 
 # -- on a Hopper GPU --
@@ -830,7 +815,7 @@ def test_mosaic_backward_with_dropout_is_deterministic(index):
     seeds = _dropout.head_seeds(jax.random.key(1), c.p.batch, c.p.num_heads)
     options = dict(mask_options(c, c.arrays()), dropout=(RATE, seeds))
     kwargs = dict(scale=c.logit_scale, is_causal=c.p.is_causal, **options)
-    out, lse = flash_forward(q, k, v, **kwargs)
-    backward = jax.jit(functools.partial(flash_backward, tiles=c.tiles, **kwargs))
+    out, lse = call_mosaic_forward(q, k, v, **kwargs)
+    backward = jax.jit(functools.partial(call_mosaic_backward, tiles=c.tiles, **kwargs))
     args = (q, k, v, out, lse, d_out, d_lse)
     assert_bitwise_equal(backward(*args), backward(*args))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from support.calls import oracle_outputs_and_grads, outputs_and_grads, plain_fn
 from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.kernels import call_mosaic_backward, call_mosaic_forward
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
@@ -34,21 +35,13 @@ from test_mosaic_forward import (
 from test_mosaic_forward import forward_fn as mosaic_forward_fn
 
 import pallas_flash
+from pallas_flash import _vjp, dispatch, masks, tune_cache
 from pallas_flash import device as device_lib
-from pallas_flash import dispatch, masks, tune_cache
 from pallas_flash._vjp import KernelConfig, flash_attention_kernels
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import (
-    BackwardTiles,
-    ForwardTiles,
-    backward_tiles,
-    flash_backward,
-    flash_forward,
-)
-from pallas_flash.mosaic import backward as mosaic_backward_module
-from pallas_flash.mosaic import forward as mosaic_forward_module
+from pallas_flash.mosaic import BackwardTiles, ForwardTiles, backward_tiles
 from pallas_flash.mosaic import fused_dq as fused_dq_module
 from pallas_flash.mosaic import launch as mosaic_launch
 from pallas_flash.mosaic import schedule as mosaic_schedule
@@ -62,7 +55,7 @@ from pallas_flash.triton import BlockSizes
 
 def backward_fn(p: Problem, tiles: BackwardTiles | None = None, **options):
     return functools.partial(
-        flash_backward, scale=p.scale, is_causal=p.is_causal, tiles=tiles, **options
+        call_mosaic_backward, scale=p.scale, is_causal=p.is_causal, tiles=tiles, **options
     )
 
 
@@ -71,7 +64,7 @@ def mosaic_fn(p: Problem, tiles: BackwardTiles | None = None):
 
     @jax.custom_vjp
     def attention(q, k, v):
-        return flash_forward(q, k, v, scale=p.scale, is_causal=p.is_causal)
+        return call_mosaic_forward(q, k, v, scale=p.scale, is_causal=p.is_causal)
 
     def fwd(q, k, v):
         out, lse = attention(q, k, v)
@@ -179,7 +172,7 @@ def test_lowers_with_masks(p, options, tiles):
     segments = options.pop("segments", False)
 
     def backward(q, k, v, out, lse, d_out, d_lse, *ids):
-        return flash_backward(
+        return call_mosaic_backward(
             q,
             k,
             v,
@@ -370,15 +363,15 @@ def test_supports_accepts(head_dim, is_causal):
     # Any lengths: ragged last tiles, lengths below one tile, lengths that are not multiples of 8.
     for q_len, kv_len in ((3000, 3000), (197, 197), (1, 1), (130, 333), (64, 1000)):
         shapes = (1, q_len, 4, head_dim), (1, kv_len, 2, head_dim)
-        assert mosaic_backward_module.why_not(*shapes, BF16, is_causal=is_causal) is None
+        assert backward_tiles.why_not(*shapes, BF16, is_causal=is_causal) is None
     assert (
-        mosaic_backward_module.why_not(
+        backward_tiles.why_not(
             (2, 256, 8, head_dim), (2, 512, 2, head_dim), BF16, is_causal=is_causal
         )
         is None
     )
     assert (
-        mosaic_backward_module.why_not(
+        backward_tiles.why_not(
             (1, 128, 1, head_dim), (1, 128, 1, head_dim), jnp.float16, is_causal=is_causal
         )
         is None
@@ -404,13 +397,13 @@ def test_supports_accepts(head_dim, is_causal):
 )
 def test_supports_rejects_with_reason(q_shape, k_shape, dtype, reason):
     for is_causal in (False, True):
-        got = mosaic_backward_module.why_not(q_shape, k_shape, dtype, is_causal=is_causal)
+        got = backward_tiles.why_not(q_shape, k_shape, dtype, is_causal=is_causal)
         assert got is not None and reason in got, got
 
 
 def test_supports_rejects_tiles_over_shared_memory():
     tiles = BackwardTiles(num_stages=8)
-    got = mosaic_backward_module.why_not(
+    got = backward_tiles.why_not(
         (1, 512, 2, 128), (1, 512, 2, 128), BF16, is_causal=False, tiles=tiles
     )
     assert got is not None and "shared memory in dK/dV" in got
@@ -431,7 +424,7 @@ def test_supports_rejects_tiles_over_shared_memory():
 )
 def test_supports_rejects_tiles_that_would_spill(head_dim, tiles, kernel):
     shape = (1, 512, 2, head_dim)
-    got = mosaic_backward_module.why_not(shape, shape, BF16, is_causal=True, tiles=tiles)
+    got = backward_tiles.why_not(shape, shape, BF16, is_causal=True, tiles=tiles)
     assert got is not None and kernel in got and "spill" in got, got
 
 
@@ -454,7 +447,7 @@ def test_default_tiles_fit_shared_memory():
 )
 def test_supports_rejects_split_tiles_over_shared_memory(head_dim, tiles, kernel):
     q_shape, k_shape = (1, 512, 4, head_dim), (1, 512, 2, head_dim)
-    got = mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=False, tiles=tiles)
+    got = backward_tiles.why_not(q_shape, k_shape, BF16, is_causal=False, tiles=tiles)
     assert got is not None and kernel in got, got
 
 
@@ -482,14 +475,10 @@ def test_tiles_validate(kwargs, match):
 def test_head_splits_must_divide_the_group():
     tiles = BackwardTiles(dkv_head_splits=3)
     q_shape, k_shape = (1, 512, 8, 128), (1, 512, 2, 128)
-    got = mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=tiles)
+    got = backward_tiles.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=tiles)
     assert got is not None and "group of 4 query heads over dkv_head_splits=3" in got, got
     q6 = (1, 512, 6, 128)
-    assert mosaic_backward_module.why_not(q6, k_shape, BF16, is_causal=True, tiles=tiles) is None
-    q, k = jnp.zeros(q_shape, BF16), jnp.zeros(k_shape, BF16)
-    lse = jnp.zeros((1, 8, 512), jnp.float32)
-    with pytest.raises(ValueError, match="dkv_head_splits=3 CTAs: it must divide the group"):
-        flash_backward(q, k, k, q, lse, q, lse, scale=0.1, is_causal=True, tiles=tiles)
+    assert backward_tiles.why_not(q6, k_shape, BF16, is_causal=True, tiles=tiles) is None
 
 
 def test_head_splits_stage_partials_in_shared_memory():
@@ -497,19 +486,13 @@ def test_head_splits_stage_partials_in_shared_memory():
     head splits may not with them, and the automatic choice then keeps one CTA per group."""
     q_shape, k_shape = (1, 512, 4, 128), (1, 512, 1, 128)
     tiles = BackwardTiles(num_stages=3)
-    assert (
-        mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=tiles) is None
-    )
+    assert backward_tiles.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=tiles) is None
     split = dataclasses.replace(tiles, dkv_head_splits=2)
-    got = mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=split)
+    got = backward_tiles.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=split)
     assert got is not None and "shared memory in dK/dV" in got, got
     auto = dataclasses.replace(tiles, dkv_head_splits=0)
-    assert (
-        mosaic_backward_module.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=auto) is None
-    )
-    assert (
-        mosaic_backward_module.head_splits(auto, q_shape, k_shape, 2, num_sms=132, causal=True) == 1
-    )
+    assert backward_tiles.why_not(q_shape, k_shape, BF16, is_causal=True, tiles=auto) is None
+    assert backward_tiles.head_splits(auto, q_shape, k_shape, 2, num_sms=132, causal=True) == 1
     # The defaults' staging fits beside the segment ids' buffers at H 64 and 128.
     for head_dim in (64, 128):
         assert (
@@ -555,21 +538,8 @@ AUTO = BackwardTiles(dkv_head_splits=0)
     ],
 )
 def test_head_splits(q_shape, k_shape, tiles, causal, splits):
-    got = mosaic_backward_module.head_splits(tiles, q_shape, k_shape, 2, num_sms=132, causal=causal)
+    got = backward_tiles.head_splits(tiles, q_shape, k_shape, 2, num_sms=132, causal=causal)
     assert got == splits
-
-
-def test_flash_backward_raises_before_tracing():
-    q = jnp.zeros((1, 128, 2, 128), BF16)
-    k = jnp.zeros((1, 128, 2, 128), BF16)
-    lse = jnp.zeros((1, 2, 128), jnp.float32)
-    with pytest.raises(ValueError, match="head_dim=112"):
-        q112 = jnp.zeros((1, 128, 2, 112), BF16)
-        flash_backward(q112, q112, q112, q112, lse, q112, lse, scale=0.1, is_causal=False)
-    with pytest.raises(ValueError, match="d_out"):
-        flash_backward(q, k, k, q, lse, q.astype(jnp.float16), lse, scale=0.1, is_causal=False)
-    with pytest.raises(ValueError, match="scale=0.0 must be positive"):
-        flash_backward(q, k, k, q, lse, q, lse, scale=0.0, is_causal=False)
 
 
 # -- numerics in the Mosaic GPU interpreter (CPU) --------------------------------------------------
@@ -745,17 +715,17 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(
     entry = tune_cache.TunedEntry(BlockSizes(), forward, backward)
     tune_cache.save_tuned(Device.h200().kind, {shape_class: entry})
     used = []
-    for module, name in (
-        (mosaic_forward_module, "flash_forward"),
-        (mosaic_backward_module, "flash_backward"),
+    for table, tiles in (
+        (_vjp._FORWARDS, "mosaic_forward_tiles"),
+        (_vjp._BACKWARDS, "mosaic_backward_tiles"),
     ):
-        original = getattr(module, name)
+        original = table["mosaic"]
 
-        def spy(*args, original=original, **kwargs):
-            used.append(kwargs["tiles"])
-            return original(*args, **kwargs)
+        def spy(*args, original=original, tiles=tiles, config, **kwargs):
+            used.append(getattr(config, tiles))
+            return original(*args, config=config, **kwargs)
 
-        monkeypatch.setattr(module, name, spy)
+        monkeypatch.setitem(table, "mosaic", spy)
     # H=64 takes the Mosaic backward below 2k keys only when asked for.
     attention = functools.partial(
         pallas_flash.flash_attention, is_causal=True, return_residuals=True, backend="mosaic"
@@ -845,7 +815,7 @@ def test_deterministic_cases_fit(head_dim, tiles):
     """test_deterministic's tiles are ones the kernels take (budgets checked before tracing)."""
     p = Problem(2, 512, 512, 8, 2, head_dim, True, "bf16")
     q, k = (p.batch, p.q_len, p.num_heads, head_dim), (p.batch, p.kv_len, p.num_kv_heads, head_dim)
-    assert mosaic_backward_module.why_not(q, k, BF16, is_causal=True, tiles=tiles) is None
+    assert backward_tiles.why_not(q, k, BF16, is_causal=True, tiles=tiles) is None
 
 
 @pytest.mark.gpu
@@ -1128,7 +1098,7 @@ class MaskCase:
 
 
 def mask_options(c: MaskCase, arrays: MaskArrays) -> dict:
-    """The mask keywords of flash_forward and flash_backward for case c."""
+    """The mask keywords of the Mosaic forward and backward (`support.kernels`) for case c."""
     segment_ids = (arrays.q_segment_ids, arrays.kv_segment_ids) if c.kind is not None else None
     return dict(window=c.window, soft_cap=c.soft_cap, segment_ids=segment_ids)
 
@@ -1156,9 +1126,9 @@ def check_masked_backward(c: MaskCase, *, interpreted: bool, mosaic_forward: boo
     baselines = jax.jit(functools.partial(outputs_and_grads, plain))(
         q, k_clean, v_clean, d_out, d_lse
     )
-    forward = functools.partial(flash_forward, scale=scale, is_causal=p.is_causal, **options)
+    forward = functools.partial(call_mosaic_forward, scale=scale, is_causal=p.is_causal, **options)
     backward = functools.partial(
-        flash_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
+        call_mosaic_backward, scale=scale, is_causal=p.is_causal, tiles=c.tiles, **options
     )
     with interpret_mosaic() if interpreted else contextlib.nullcontext():
         if mosaic_forward:
@@ -1546,9 +1516,11 @@ def test_masked_deterministic(index):
     c = MASK_GPU_CASES[index]
     (q, k, v, d_out, d_lse), _ = random_inputs(c.p)
     options = mask_options(c, c.arrays())
-    out, lse = flash_forward(q, k, v, scale=c.logit_scale, is_causal=c.p.is_causal, **options)
+    out, lse = call_mosaic_forward(q, k, v, scale=c.logit_scale, is_causal=c.p.is_causal, **options)
     backward = jax.jit(
-        functools.partial(flash_backward, scale=c.logit_scale, is_causal=c.p.is_causal, **options)
+        functools.partial(
+            call_mosaic_backward, scale=c.logit_scale, is_causal=c.p.is_causal, **options
+        )
     )
     args = (q, k, v, out, lse, d_out, d_lse)
     assert_bitwise_equal(backward(*args), backward(*args))
@@ -1797,7 +1769,7 @@ def test_fused_dq_tiles_validate():
     with pytest.raises(ValueError, match="producer_cleans_k=1 must be a bool"):
         BackwardTiles(producer_cleans_k=1)
     why = functools.partial(
-        mosaic_backward_module.why_not, is_causal=True, tiles=BackwardTiles(fused_dq="add")
+        backward_tiles.why_not, is_causal=True, tiles=BackwardTiles(fused_dq="add")
     )
     shapes = ((1, 256, 4, 96), (1, 256, 4, 96))
     assert "fused_dq needs a multiple of 64" in why(*shapes, jnp.bfloat16)
@@ -1843,7 +1815,7 @@ def test_fixed_dq_keeps_rows_of_a_huge_lse_in_range_interpreted():
     lse = jnp.asarray(lse, jnp.float32)
 
     def dq(tiles):
-        fn = functools.partial(flash_backward, scale=scale, is_causal=False, tiles=tiles)
+        fn = functools.partial(call_mosaic_backward, scale=scale, is_causal=False, tiles=tiles)
         with interpret_mosaic():
             return np.asarray(jax.jit(fn)(q, k, v, out, lse, d_out, None)[0], np.float32)
 
@@ -2059,7 +2031,9 @@ def test_fused_dq_fixed_keeps_rows_from_huge_keys_they_cannot_see():
     huge_k = k.at[:, 512:].multiply(1e15)
     huge_v = v.at[:, 512:].multiply(1e15)
     backward = jax.jit(backward_fn(p, FUSED_FIXED))
-    out, lse = jax.jit(functools.partial(flash_forward, scale=p.scale, is_causal=True))(q, k, v)
+    out, lse = jax.jit(functools.partial(call_mosaic_forward, scale=p.scale, is_causal=True))(
+        q, k, v
+    )
     clean = backward(q, k, v, out, lse, d_out, None)[0]
     huge = backward(q, huge_k, huge_v, out, lse, d_out, None)[0]
     np.testing.assert_array_equal(
@@ -2083,7 +2057,7 @@ def test_fused_dq_fixed_keeps_rows_from_huge_keys_of_other_documents_interpreted
     out, lse = jax.jit(forward)(q, k, v)[:2]
     backward = jax.jit(
         functools.partial(
-            flash_backward,
+            call_mosaic_backward,
             scale=p.scale,
             is_causal=False,
             tiles=BackwardTiles(fused_dq="fixed_slab"),

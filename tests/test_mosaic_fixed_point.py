@@ -433,14 +433,16 @@ def test_the_backward_computes_the_scales_in_the_two_kernels(segments):
     """Lowered for an H200 (the Triton modules verified), the "fixed" backward computes the
     scales in the two kernels, no XLA reduction left of them (with segment ids, the tile ranges'
     and the attention kernels' plans aside)."""
+    from support.kernels import call_mosaic_backward
+
     from pallas_flash.device import Device
-    from pallas_flash.mosaic import BackwardTiles, flash_backward
+    from pallas_flash.mosaic import BackwardTiles
 
     b, t, n, h = 1, 1000, 4, 128
     q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
     backward = functools.partial(
-        flash_backward,
+        call_mosaic_backward,
         scale=0.1,
         is_causal=True,
         tiles=BackwardTiles(fused_dq="fixed"),

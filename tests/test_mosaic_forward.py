@@ -25,6 +25,7 @@ from support.calls import (
     vmapped_outputs_and_grads,
 )
 from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.kernels import call_mosaic_forward
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import (
     attention_f64,
@@ -40,13 +41,11 @@ from pallas_flash import device as device_lib
 from pallas_flash import dispatch, masks
 from pallas_flash._vjp import KernelConfig
 from pallas_flash.call import Call
-from pallas_flash.device import Device, gpu_compute_capability
+from pallas_flash.device import DEFAULT_NUM_SMS, Device, gpu_compute_capability
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import forward as mosaic_forward_module
-from pallas_flash.mosaic import launch as mosaic_launch
 from pallas_flash.mosaic import schedule as mosaic_schedule
 from pallas_flash.mosaic import tiles as mosaic_tiles
-from pallas_flash.mosaic.forward import flash_forward
 from pallas_flash.mosaic.schedule import (
     consumer_tile_range,
     cta_tile_range,
@@ -80,18 +79,18 @@ long_only = pytest.mark.skipif(not LONG, reason="slow on CPU: set PALLAS_FLASH_S
 
 
 def forward_fn(p: Problem, tiles: ForwardTiles | None = None, **options):
-    """flash_forward for `p`; options: window, soft_cap."""
+    """The Mosaic forward for `p`; options: window, soft_cap."""
     return functools.partial(
-        flash_forward, scale=p.scale, is_causal=p.is_causal, tiles=tiles, **options
+        call_mosaic_forward, scale=p.scale, is_causal=p.is_causal, tiles=tiles, **options
     )
 
 
 def segments_forward_fn(p: Problem, tiles: ForwardTiles | None = None, *, scale=None, **options):
-    """flash_forward for `p` as f(q, k, v, q_segment_ids, kv_segment_ids)."""
+    """The Mosaic forward for `p` as f(q, k, v, q_segment_ids, kv_segment_ids)."""
     scale = p.scale if scale is None else scale
 
     def run(q, k, v, q_ids, kv_ids):
-        return flash_forward(
+        return call_mosaic_forward(
             q,
             k,
             v,
@@ -579,7 +578,7 @@ def test_persistent_lowers_with_a_cta_per_sm(p, tiles, monkeypatch):
     lowered = lower_for_h200(forward_fn(p, tiles), *abstract_inputs(p)[:3])
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2"]
     items = p.batch * p.num_heads * (p.q_len // tiles.cta_rows)
-    assert mosaic_launch.num_sms() == 132  # the H200's, where no GPU says otherwise
+    assert DEFAULT_NUM_SMS == 132  # the H200's, where no GPU says otherwise
     assert grids == [(min(items, 132),)]
 
 
@@ -849,21 +848,6 @@ def test_tiles_validate(kwargs, match):
         ForwardTiles(**kwargs)
 
 
-def test_flash_forward_raises_before_tracing():
-    q = jnp.zeros((1, 100, 2, 112), BF16)
-    k = jnp.zeros((1, 128, 2, 112), BF16)
-    with pytest.raises(ValueError, match="head_dim=112"):
-        flash_forward(q, k, k, scale=0.1, is_causal=False)
-    q = jnp.zeros((1, 128, 2, 128), BF16)
-    k = jnp.zeros((1, 128, 2, 128), BF16)
-    with pytest.raises(ValueError, match="scale=-0.1 must be positive"):
-        flash_forward(q, k, k, scale=-0.1, is_causal=False)
-    with pytest.raises(ValueError, match=r"must share \[B, S, K\] and q's dtype"):
-        flash_forward(q, k, k.astype(jnp.float16), scale=0.1, is_causal=False)
-    with pytest.raises(ValueError, match=r"must share \[B, S, K\]"):
-        flash_forward(q, k, k[:, :64, :, :64], scale=0.1, is_causal=False)
-
-
 # -- numerics in the Mosaic GPU interpreter (CPU) --------------------------------------------------
 
 # Small problems through every code path: head dims, causal and not, MHA / GQA / MQA, T < S and
@@ -916,30 +900,6 @@ def test_mosaic_forward_feeds_the_triton_backward_interpreted():
     baselines = jax.jit(functools.partial(outputs_and_grads, plain_fn(p)))(q, k, v, d_out, d_lse)
     oracles = oracle_outputs_and_grads(p, *f64)
     assert_within_tolerance((out, lse, *grads), baselines, oracles, floor=p.floor)
-
-
-@pytest.mark.parametrize(
-    "segment_ids, match",
-    [
-        ((jnp.zeros((1, 128), jnp.int32),), "must be a (q_segment_ids, kv_segment_ids) pair"),
-        (
-            (jnp.zeros((1, 128), jnp.int32), jnp.zeros((1, 256), jnp.int32)),
-            "kv_segment_ids (1, 256) int32 must be int32 of shape (1, 128)",
-        ),
-        (
-            (jnp.zeros((1, 128), jnp.int16), jnp.zeros((1, 128), jnp.int32)),
-            "q_segment_ids (1, 128) int16 must be int32",
-        ),
-        (
-            (jnp.zeros((2, 128), jnp.int32), jnp.zeros((1, 128), jnp.int32)),
-            "q_segment_ids (2, 128) int32 must be int32 of shape (1, 128)",
-        ),
-    ],
-)
-def test_flash_forward_checks_segment_ids(segment_ids, match):
-    q = jnp.zeros((1, 128, 2, 128), BF16)
-    with pytest.raises(ValueError, match=re.escape(match)):
-        flash_forward(q, q, q, scale=0.1, is_causal=False, segment_ids=segment_ids)
 
 
 # -- numerics on a Hopper GPU ---------------------------------------------------------------------
@@ -1049,7 +1009,7 @@ def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None):
     return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
 
 
-# (problem, flash_forward options, scale or None for 1/sqrt(H)). Windows: T > S with rows and
+# (problem, Mosaic forward options, scale or None for 1/sqrt(H)). Windows: T > S with rows and
 # whole CTAs that see no key, one-key windows, windows wider than S, left-only with causal;
 # soft caps at scale 1 (logits of std sqrt(H), so that the cap bites), alone and with windows.
 MASKED_GPU_CASES = [
@@ -1082,7 +1042,7 @@ def check_masked(p: Problem, options: dict, scale, tiles=None, *, interpreted=Fa
     window, soft_cap = options.get("window"), options.get("soft_cap")
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
     run = functools.partial(
-        flash_forward, scale=scale, is_causal=p.is_causal, tiles=tiles, **options
+        call_mosaic_forward, scale=scale, is_causal=p.is_causal, tiles=tiles, **options
     )
     out, lse = run_forward(run, q, k, v, interpreted=interpreted, oob_fill=oob_fill)
     visible = visibility(p, window)
@@ -1147,7 +1107,7 @@ def test_masked_deterministic():
     assert_bitwise_equal(fn(q, k, v), fn(q, k, v))
 
 
-# (problem, segment kind, flash_forward options, scale or None for 1/sqrt(H)): packed documents,
+# (problem, segment kind, Mosaic forward options, scale or None for 1/sqrt(H)): packed documents,
 # padding rows and a batch entry without keys (rows that see no key), unsorted ids, a gap that
 # both consumers drain; with causal, windows and a soft cap; T == S, T < S, T > S.
 SEGMENT_GPU_CASES = [
@@ -1247,7 +1207,7 @@ def test_segments_deterministic():
 
 # -- windows, soft caps and segment ids in the Mosaic GPU interpreter (CPU) ----------------------
 
-# (problem, flash_forward options, scale or None for 1/sqrt(H), tiles or None): windows causal
+# (problem, Mosaic forward options, scale or None for 1/sqrt(H), tiles or None): windows causal
 # and not, left-only and right-only, T < S and T > S, narrow ones leaving rows and whole CTAs
 # without keys; soft caps at scale 1 (so that the cap bites), alone, causal and with a window;
 # 128-row consumers over 64-key tiles and a 4-stage ring. H=256 (64-key tiles) and narrow
@@ -1383,7 +1343,7 @@ PERSISTENT_INTERPRET_CASES = [
 @pytest.mark.parametrize("p, kind, options, tiles", PERSISTENT_INTERPRET_CASES, ids=case_id)
 @pytest.mark.ci_slice(1)
 def test_persistent_matches_oracle_interpreted(p, kind, options, tiles, monkeypatch):
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 3)
     tiles = dataclasses.replace(tiles, persistent=True)
     if kind is None:
         check_masked(p, options, None, tiles, interpreted=True)
@@ -1395,7 +1355,7 @@ def test_persistent_snake_matches_oracle_interpreted(monkeypatch):
     """16 causal items on 5 CTAs: three whole rounds, the second backwards, and a fourth of one
     item, backwards (CTA 4 takes it): a count or place off by one hangs or leaves rows
     unwritten."""
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 5)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 5)
     p = Problem(2, 512, 512, 2, 1, 128, True, "bf16")
     check_masked(p, {}, None, ForwardTiles(persistent=True, causal_pairs=False), interpreted=True)
 
@@ -1404,7 +1364,7 @@ def test_step_descriptors_match_oracle_interpreted(monkeypatch):
     """ForwardTiles.step_descriptors: each consumer's Q through an index that is always 0, over
     persistent items that alternate Q's buffers (a 1 would read the other buffer's Q, or the
     other consumer's)."""
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 3)
     p = Problem(1, 500, 512, 3, 1, 64, True, "bf16")
     tiles = ForwardTiles(persistent=True, step_descriptors=True)
     check_masked(p, {}, None, tiles, interpreted=True)
@@ -1414,7 +1374,7 @@ def test_persistent_pairs_match_oracle_interpreted(monkeypatch):
     """Causal query tiles in pairs: 3 heads x 4 query tiles (ragged T) are 6 pairs on 3 CTAs,
     a round of whole pairs, then a tail of 6 single tiles that starts at the second pair of
     the second head; with GQA, so that each item's head maps to its KV head."""
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 3)
     p = Problem(1, 500, 512, 3, 1, 128, True, "bf16")
     tiles = ForwardTiles(persistent=True)
     spec = MaskSpec(q_len=p.q_len, kv_len=p.kv_len, is_causal=True)
@@ -1546,7 +1506,7 @@ def test_lengths_not_multiples_of_8_are_padded_and_others_run_in_place():
     assert text.count("stablehlo.pad") == 1 and "stablehlo.slice" in text
 
 
-# (problem, flash_forward options, tiles, oob_fill): in place with TMA windows past the ends
+# (problem, Mosaic forward options, tiles, oob_fill): in place with TMA windows past the ends
 # (T = S = 200), 8 queries in a CTA of 256 rows, padded by the wrapper (T = 130, S = 333;
 # H = 96 as it is), causal with T > S and GQA, a window, H 96 causal and 192 (64-key tiles), a
 # call of 5 queries and 3 keys at H=80, persistent CTAs.
@@ -1598,7 +1558,7 @@ def test_any_lengths_and_head_dims_match_oracle_interpreted(
 ):
     """Ragged last query and key tiles: keys past S masked, rows past T not kept, with garbage
     past the arrays' ends; head dims 80 and 96: out, lse against the float64 oracle."""
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 3)
     check_masked(p, options, None, tiles, interpreted=True, oob_fill=oob_fill)
 
 
@@ -1860,7 +1820,7 @@ def check_log_sum(persistent: bool, *, interpreted: bool):
     tiles = ForwardTiles(persistent=persistent)
 
     def forward(with_log_sum):
-        return flash_forward(
+        return call_mosaic_forward(
             q,
             k,
             v,
@@ -1888,7 +1848,7 @@ def check_log_sum(persistent: bool, *, interpreted: bool):
 def test_log_sum_matches_oracle_interpreted(persistent, monkeypatch):
     """Persistent: both items (heads) on one CTA, whose second epilogue reuses the rows'
     staging buffer."""
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 1)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 1)
     check_log_sum(persistent, interpreted=True)
 
 

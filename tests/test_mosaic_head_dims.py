@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from support.calls import outputs_and_grads
 from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.kernels import call_mosaic_backward, call_mosaic_forward
 from support.oracle import attention_oracle_f64
 from support.tolerance import assert_within_tolerance
 from test_lowering import abstract_inputs, lower_for_h200
@@ -45,10 +46,9 @@ from pallas_flash import _dropout, masks
 from pallas_flash import device as device_lib
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
-from pallas_flash.mosaic import backward as mosaic_backward
+from pallas_flash.mosaic import backward_tiles as mosaic_backward_tiles
 from pallas_flash.mosaic import forward as mosaic_forward_module
 from pallas_flash.mosaic.backward import BackwardTiles
-from pallas_flash.mosaic.forward import flash_forward
 from pallas_flash.mosaic.tiles import HEAD_DIMS, default_tiles, swizzle_bytes, why_not
 
 SWEEP = bool(os.environ.get("PALLAS_FLASH_SWEEP"))
@@ -136,7 +136,7 @@ class Variant:
             ids = (extras.pop(0), extras.pop(0)) if self.segments else None
             sinks = extras.pop(0) if self.sinks else None
             dropout = (self.dropout, extras.pop(0)) if self.dropout else None
-            return flash_forward(
+            return call_mosaic_forward(
                 q,
                 k,
                 v,
@@ -296,7 +296,7 @@ def test_default_call_runs_the_forward_and_the_backward_unpadded(head_dim, monke
     ids=case_id,
 )
 def test_matches_oracle_interpreted(p, options, monkeypatch):
-    monkeypatch.setattr(mosaic_forward_module, "num_sms", lambda: 3)
+    monkeypatch.setattr(mosaic_forward_module, "DEFAULT_NUM_SMS", 3)
     check_masked(p, options, None, interpreted=True, oob_fill=GARBAGE)
 
 
@@ -366,7 +366,9 @@ def test_sinks_match_oracle(p, options):
     needs_hopper()
     (q, k, v, _, _), (q64, k64, v64, _, _) = random_inputs(p)
     sinks = jax.random.normal(jax.random.key(3), (p.batch, p.num_heads), jnp.float32) * 2.0
-    run = jax.jit(functools.partial(flash_forward, scale=p.scale, is_causal=p.is_causal, **options))
+    run = jax.jit(
+        functools.partial(call_mosaic_forward, scale=p.scale, is_causal=p.is_causal, **options)
+    )
     out, lse = run(q, k, v, sinks=sinks)
     out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
     visible = visibility(p, options.get("window"))
@@ -413,7 +415,7 @@ def test_dropout_matches_oracle(p, segments):
     else:
         visible = visibility(p, None)
     run = jax.jit(
-        lambda q, k, v, seeds: flash_forward(
+        lambda q, k, v, seeds: call_mosaic_forward(
             q, k, v, scale=p.scale, is_causal=p.is_causal, dropout=(rate, seeds), **extra
         )
     )
@@ -465,9 +467,9 @@ def test_default_call_matches_oracle(p):
 
 def test_backward_default_tiles_at_80_and_96_are_those_of_128():
     """H 80 and 96 (and pairs of them, or with Hv = 128) take the tiles of 128."""
-    want = mosaic_backward.default_tiles(128)
+    want = mosaic_backward_tiles.default_tiles(128)
     for H, Hv in [(80, 80), (96, 96), (96, 80), (80, 96), (96, 128), (128, 80)]:
-        assert mosaic_backward.default_tiles(H, Hv) == want, (H, Hv)
+        assert mosaic_backward_tiles.default_tiles(H, Hv) == want, (H, Hv)
 
 
 @pytest.mark.parametrize("head_dim", [80, 96])
@@ -479,7 +481,9 @@ def test_backward_budgets_count_the_head_dim_itself(head_dim):
 
     def why_not(q_shape, k_shape, stages):
         tiles = BackwardTiles(num_stages=stages)
-        return mosaic_backward.why_not(q_shape, k_shape, jnp.bfloat16, is_causal=True, tiles=tiles)
+        return mosaic_backward_tiles.why_not(
+            q_shape, k_shape, jnp.bfloat16, is_causal=True, tiles=tiles
+        )
 
     assert why_not(q_shape, k_shape, 6) is None
     assert "shared memory in dK/dV at head_dim=128" in why_not(
@@ -543,7 +547,7 @@ def _lower_backward(c: BackwardCase, dropout: float | None):
     def run(q, k, v, out, lse, d_out, d_lse, *extras):
         extras = list(extras)
         ids = (extras.pop(0), extras.pop(0)) if c.kind is not None else None
-        return mosaic_backward.flash_backward(
+        return call_mosaic_backward(
             q, k, v, out, lse, d_out, d_lse, scale=1.0 / np.sqrt(c.H), is_causal=c.is_causal,
             window=c.window, soft_cap=c.soft_cap, segment_ids=ids, tiles=c.tiles,
             dropout=(dropout, extras.pop(0)) if dropout else None,
@@ -579,7 +583,7 @@ def test_backward_lowers_for_h200_without_padding_the_head_dim(c, dropout, monke
     assert (dq.shape, dk.shape, dv.shape) == (
         (c.B, c.T, c.N, c.H), (c.B, c.S, c.K, c.H), (c.B, c.S, c.K, c.Hv),
     )  # fmt: skip
-    tiles = c.tiles or mosaic_backward.default_tiles(c.H, c.Hv)
+    tiles = c.tiles or mosaic_backward_tiles.default_tiles(c.H, c.Hv)
     sw_h, sw_hv = swizzle_bytes(c.H, 2), swizzle_bytes(c.Hv, 2)
     assert issued == {
         (sw_h, tiles.block_q_dkv), (sw_hv, tiles.block_q_dkv), (sw_hv, c.Hv), (sw_h, c.H),
@@ -664,7 +668,7 @@ def test_backward_gpu_cases_fit():
     """Every GPU case's tiles are ones the kernels take at its head dims (checked before
     tracing; a refusal would raise ValueError on the GPU instead of testing the kernels)."""
     for c in BACKWARD_GPU_CASES:
-        reason = mosaic_backward.why_not(
+        reason = mosaic_backward_tiles.why_not(
             (c.B, c.T, c.N, c.H), (c.B, c.S, c.K, c.H), jnp.bfloat16, value_head_dim=c.Hv,
             is_causal=c.is_causal, window=c.window, soft_cap=c.soft_cap,
             segments=c.kind is not None, tiles=c.tiles,
@@ -675,7 +679,9 @@ def test_backward_gpu_cases_fit():
         q_shape = (p.batch, p.q_len, p.num_heads, head_dim)
         k_shape = (p.batch, p.kv_len, p.num_kv_heads, head_dim)
         assert (
-            mosaic_backward.why_not(q_shape, k_shape, jnp.bfloat16, is_causal=True, tiles=tiles)
+            mosaic_backward_tiles.why_not(
+                q_shape, k_shape, jnp.bfloat16, is_causal=True, tiles=tiles
+            )
             is None
         )
 

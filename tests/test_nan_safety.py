@@ -385,18 +385,20 @@ def test_nan_at_a_key_reaches_only_the_rows_that_see_it(path):
 def mosaic_kernels(scale, is_causal, *, segment_ids=None):
     """q, k, v -> (out, lse) through the Mosaic forward, differentiated by the Mosaic backward
     (segment_ids: forward only)."""
-    from pallas_flash.mosaic import flash_backward, flash_forward
+    from support.kernels import call_mosaic_backward, call_mosaic_forward
 
     @jax.custom_vjp
     def attention(q, k, v):
-        return flash_forward(q, k, v, scale=scale, is_causal=is_causal, segment_ids=segment_ids)
+        return call_mosaic_forward(
+            q, k, v, scale=scale, is_causal=is_causal, segment_ids=segment_ids
+        )
 
     def fwd(q, k, v):
         out, lse = attention(q, k, v)
         return (out, lse), (q, k, v, out, lse)
 
     def bwd(residuals, cotangents):
-        return flash_backward(*residuals, *cotangents, scale=scale, is_causal=is_causal)
+        return call_mosaic_backward(*residuals, *cotangents, scale=scale, is_causal=is_causal)
 
     attention.defvjp(fwd, bwd)
     return attention
@@ -639,7 +641,7 @@ def test_nan_at_hidden_keys_inside_a_partly_visible_tile(path):
 
 
 def mosaic_forward_nan_case(options: dict, poisoned, seed: int = 9):
-    """The inputs of `flash_forward` (bf16, [1, 256, 2, 64] queries, one kv head) with NaN in V
+    """The inputs of the Mosaic forward (bf16, [1, 256, 2, 64] queries, one kv head) with NaN in V
     and inf in K at the `poisoned` keys, the same without them (for the float64 oracle), its
     keyword arguments, the [T, S] visibility and the rows that see no poisoned key.
     options: is_causal, window, documents (segment ids: queries 90+ and keys 150+ in a second
@@ -687,10 +689,10 @@ MOSAIC_FORWARD_NAN_CASES = [
 
 
 def check_mosaic_forward_nan(options, poisoned, *, interpreted: bool):
-    from pallas_flash.mosaic import flash_forward
+    from support.kernels import call_mosaic_forward
 
     bad, good, kwargs, visible, clean = mosaic_forward_nan_case(options, poisoned)
-    fn = jax.jit(functools.partial(flash_forward, scale=0.125, **kwargs))
+    fn = jax.jit(functools.partial(call_mosaic_forward, scale=0.125, **kwargs))
     with interpret_mosaic() if interpreted else contextlib.nullcontext():
         out, lse = (to64(x) for x in fn(*bad))
     assert clean.sum() > 50

@@ -366,16 +366,17 @@ def test_mosaic_forward_with_sinks_lowers_for_h200(soft_cap):
     """The Mosaic forward's epilogue with a sink lowers through Mosaic GPU's layout inference
     for an abstract H200 (the interpreter does not check layouts): a scalar per row block
     against row vectors in the WGMMA row layout."""
+    from support.kernels import call_mosaic_forward
     from test_lowering import lower_for_h200
-
-    from pallas_flash.mosaic import flash_forward
 
     q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
     sinks = jax.ShapeDtypeStruct((2, 4), jnp.float32)
 
     def forward(q, k, v, sinks):
-        return flash_forward(q, k, v, scale=0.1, is_causal=True, soft_cap=soft_cap, sinks=sinks)
+        return call_mosaic_forward(
+            q, k, v, scale=0.1, is_causal=True, soft_cap=soft_cap, sinks=sinks
+        )
 
     lowered = lower_for_h200(forward, q, kv, kv, sinks)
     assert "mosaic_gpu" in lowered.as_text()

@@ -32,6 +32,7 @@ import pytest
 from support.backends import SWEEP, backend_paths, has_hopper
 from support.calls import outputs_and_grads
 from support.inputs import case_id, segment_arrays, uniform_block_sizes
+from support.kernels import call_mosaic_backward, call_mosaic_forward
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype
 from support.tolerance import FLOOR, assert_within_tolerance
@@ -42,10 +43,8 @@ from pallas_flash import api, dispatch, masks
 from pallas_flash import device as device_lib
 from pallas_flash.call import Call
 from pallas_flash.device import Device
-from pallas_flash.mosaic import backward as mosaic_backward
-from pallas_flash.mosaic import forward as mosaic_forward
+from pallas_flash.mosaic import backward_tiles as mosaic_backward_tiles
 from pallas_flash.mosaic import tiles as mosaic_tiles
-from pallas_flash.mosaic.forward import flash_forward
 
 SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
 
@@ -273,10 +272,12 @@ def test_mosaic_forward_takes_the_value_head_dim_interpreted(
     """The Mosaic forward's kernel (interpreter, race detector on, garbage past the arrays'
     ends) on v [B, S, K, Hv]: out [B, T, N, Hv] and lse against float64, within twice the
     error of XLA's attention in bfloat16 (P rounded to bfloat16 for P V, as the kernel does)."""
-    monkeypatch.setattr(mosaic_forward, "num_sms", lambda: 3)
     q, k, v, _, _ = bf16_inputs(H, Hv, T, S, N, K, seed=1)
     scale = 1.0 / np.sqrt(H)
-    run = functools.partial(flash_forward, scale=scale, is_causal=is_causal, **options)
+    few_sms = dataclasses.replace(Device.h200(), num_sms=3)
+    run = functools.partial(
+        call_mosaic_forward, scale=scale, is_causal=is_causal, device=few_sms, **options
+    )
     # Past the ends TMA reads finite garbage: rows past T are dropped, keys past S masked.
     with interpret_mosaic(oob_fill=7.0):
         out, lse = jax.jit(run)(q, k, v)
@@ -306,7 +307,7 @@ def test_mosaic_forward_lowers_with_v_and_out_unpadded():
     q = jax.ShapeDtypeStruct((b, t, n, 192), jnp.bfloat16)
     kk = jax.ShapeDtypeStruct((b, t, k, 192), jnp.bfloat16)
     v = jax.ShapeDtypeStruct((b, t, k, 128), jnp.bfloat16)
-    run = functools.partial(flash_forward, scale=0.1, is_causal=True)
+    run = functools.partial(call_mosaic_forward, scale=0.1, is_causal=True)
     lowered = lower_for_h200(run, q, kk, v)
     text = lowered.as_text()
     calls = [line for line in text.splitlines() if "custom_call @mosaic_gpu_v2" in line]
@@ -365,7 +366,7 @@ def test_the_dispatch_runs_mla_on_the_mosaic_forward():
         192, value_head_dim=128, q_len=4096, kv_len=4096, is_causal=True
     )
     assert config.backward == "mosaic"
-    assert config.mosaic_backward_tiles == mosaic_backward.default_tiles(192, 128)
+    assert config.mosaic_backward_tiles == mosaic_backward_tiles.default_tiles(192, 128)
     plain = dataclasses.replace(mla, value_head_dim=None)
     assert config.block_sizes == dispatch.choose(plain, Device.h200(), scale=0.1).block_sizes
     odd = dataclasses.replace(
@@ -479,7 +480,7 @@ class BackwardCase:
     window: tuple[int, int] | None = None
     soft_cap: float | None = None
     kind: str | None = None
-    tiles: mosaic_backward.BackwardTiles | None = None
+    tiles: mosaic_backward_tiles.BackwardTiles | None = None
     poison: bool = False
 
     @property
@@ -511,7 +512,7 @@ class BackwardCase:
 # split consumers with head splits; T < S causal (CTAs whose keys no row sees: the dK consumer
 # takes no P^T); H and Hv on narrow swizzles (96, 80); (256, 128) with one dQ consumer.
 def _tiles(split_dkv=False, dkv_head_splits=0):
-    return mosaic_backward.BackwardTiles(split_dkv=split_dkv, dkv_head_splits=dkv_head_splits)
+    return mosaic_backward_tiles.BackwardTiles(split_dkv=split_dkv, dkv_head_splits=dkv_head_splits)
 
 
 MOSAIC_BACKWARD_CASES = [
@@ -588,7 +589,7 @@ def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
     )[2:]
     segment_ids = None if c.kind is None else (arrays.q_segment_ids, arrays.kv_segment_ids)
     backward = functools.partial(
-        mosaic_backward.flash_backward, scale=scale, is_causal=c.is_causal, window=c.window,
+        call_mosaic_backward, scale=scale, is_causal=c.is_causal, window=c.window,
         soft_cap=c.soft_cap, segment_ids=segment_ids, tiles=c.tiles,
     )  # fmt: skip
     with interpret_mosaic() if interpreted else contextlib.nullcontext():
@@ -624,7 +625,9 @@ MOSAIC_BACKWARD_GPU_CASES = [
     BackwardCase(64, 128, 2, 1024, 1024, 4, 4, False),
     BackwardCase(128, 256, 1, 1000, 1000, 4, 2, True),
     BackwardCase(256, 192, 1, 777, 1000, 4, 1, False, soft_cap=20.0),
-    BackwardCase(64, 192, 2, 512, 512, 4, 1, True, tiles=mosaic_backward.default_tiles(64, 192)),
+    BackwardCase(
+        64, 192, 2, 512, 512, 4, 1, True, tiles=mosaic_backward_tiles.default_tiles(64, 192)
+    ),
     # Split consumers on CTAs whose keys no row sees (T < S, causal): the dK consumer stages dK
     # through K's buffer without ever taking a P^T.
     BackwardCase(192, 128, 1, 300, 1000, 4, 1, True),
@@ -666,7 +669,7 @@ def test_mosaic_backward_split_epilogue_is_bitwise_repeatable_on_gpu(c):
     lse = rng.standard_normal((c.B, c.N, c.T)).astype(np.float32) + 5.0
     backward = jax.jit(
         functools.partial(
-            mosaic_backward.flash_backward, scale=c.H**-0.5, is_causal=c.is_causal, tiles=c.tiles
+            call_mosaic_backward, scale=c.H**-0.5, is_causal=c.is_causal, tiles=c.tiles
         )
     )
     first = [np.asarray(g) for g in backward(q, k, v, out, lse, d_out, None)]
@@ -719,14 +722,14 @@ BACKWARD_LOWERING_CASES = [
     pytest.param(
         192,
         128,
-        mosaic_backward.BackwardTiles(split_dkv=True, dkv_head_splits=2),
+        mosaic_backward_tiles.BackwardTiles(split_dkv=True, dkv_head_splits=2),
         id="mla-head-splits",
         marks=SWEEP_ONLY,
     ),
     pytest.param(
         64,
         128,
-        mosaic_backward.BackwardTiles(dkv_head_splits=2),
+        mosaic_backward_tiles.BackwardTiles(dkv_head_splits=2),
         id="hv>h-head-splits",
         marks=SWEEP_ONLY,
     ),  # fmt: skip
@@ -746,7 +749,7 @@ def test_mosaic_backward_lowers_at_both_head_dims(H, Hv, tiles):
     out = jax.ShapeDtypeStruct((b, t, n, Hv), jnp.bfloat16)
     lse = jax.ShapeDtypeStruct((b, n, t), jnp.float32)
     run = functools.partial(
-        mosaic_backward.flash_backward, scale=0.1, is_causal=True, tiles=tiles,
+        call_mosaic_backward, scale=0.1, is_causal=True, tiles=tiles,
         device=Device.h200(),
     )  # fmt: skip
     lowered = lower_for_h200(run, q, k, v, out, lse, out, lse)
@@ -758,7 +761,7 @@ def test_mosaic_backward_budgets_count_both_head_dims():
     """Shared memory holds K, Q at H and V, dO at Hv (and the head splits' f32 staging tiles of
     each); the dK/dV registers are dK's and dV's accumulators (split: the larger one); the
     dQ kernel's accumulator is [block_q_dq, H]."""
-    bt = mosaic_backward.BackwardTiles
+    bt = mosaic_backward_tiles.BackwardTiles
     plain, split = bt(), bt(split_dkv=True)
     for tiles in (plain, split):
         for splits in (1, 2):
@@ -783,13 +786,15 @@ def test_mosaic_backward_budgets_count_both_head_dims():
     assert split.tile_registers(192, 128) == split.tile_registers(192)
     assert split.tile_registers(128, 192) == {"dK/dV": 160, "dQ": 128}
     assert plain.tile_registers(128, 64) == {"dK/dV": 160, "dQ": 128}
-    assert mosaic_backward.default_tiles(192, 128) == mosaic_backward.default_tiles(192)
-    assert mosaic_backward.default_tiles(64, 256) == mosaic_backward.default_tiles(256)
+    assert mosaic_backward_tiles.default_tiles(192, 128) == mosaic_backward_tiles.default_tiles(192)
+    assert mosaic_backward_tiles.default_tiles(64, 256) == mosaic_backward_tiles.default_tiles(256)
     shapes = dict(q_shape=(2, 4096, 16, 192), k_shape=(2, 4096, 16, 192), dtype=jnp.bfloat16)
-    assert mosaic_backward.why_not(**shapes, value_head_dim=128, is_causal=True) is None
-    reason = mosaic_backward.why_not(**shapes, value_head_dim=128, is_causal=True, tiles=plain)
+    assert mosaic_backward_tiles.why_not(**shapes, value_head_dim=128, is_causal=True) is None
+    reason = mosaic_backward_tiles.why_not(
+        **shapes, value_head_dim=128, is_causal=True, tiles=plain
+    )
     assert "value_head_dim=128" in reason and "would spill" in reason
-    reason = mosaic_backward.why_not(**shapes, value_head_dim=32, is_causal=True)
+    reason = mosaic_backward_tiles.why_not(**shapes, value_head_dim=32, is_causal=True)
     assert "value_head_dim=32 is not one of" in reason
 
 
@@ -803,7 +808,7 @@ def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
     overflows shared memory where (128, 128)'s one tile fits (automatic head splits leave them
     unsplit; `head_splits`)."""
     head_dims = mosaic_tiles.HEAD_DIMS
-    bt = mosaic_backward.BackwardTiles
+    bt = mosaic_backward_tiles.BackwardTiles
     all_tiles = (
         None, bt(dkv_head_splits=2), bt(split_dkv=True, dkv_head_splits=2),
         bt(num_consumers=1, split_dkv=True), bt(block_q_dkv=128, block_kv_dq=128, num_stages=3),
@@ -815,10 +820,12 @@ def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
             (False, True), (False, True), (False, True), all_tiles
         ):
             options = dict(is_causal=causal, segments=segments, dropout=dropout, tiles=tiles)
-            if mosaic_backward.why_not((2, 512, 8, h), (2, 512, 4, h), jnp.bfloat16, **options):
+            if mosaic_backward_tiles.why_not(
+                (2, 512, 8, h), (2, 512, 4, h), jnp.bfloat16, **options
+            ):
                 continue
             taken += 1
-            reason = mosaic_backward.why_not(
+            reason = mosaic_backward_tiles.why_not(
                 (2, 512, 8, H), (2, 512, 4, H), jnp.bfloat16, value_head_dim=Hv, **options
             )
             if reason is not None:
@@ -829,21 +836,19 @@ def test_mosaic_backward_takes_every_pair_that_a_wider_square_call_fits():
     assert refused == {(96, 128), (128, 96)}
 
 
-def test_mosaic_backward_refuses_value_shapes_before_tracing():
-    """v, out and d_out must share one head dim Hv (the output's): ValueError naming the array,
-    its shape and the rule, before any kernel is traced."""
+def test_backward_at_residuals_refuses_value_shapes_before_tracing():
+    """out and d_out must have v's head dim Hv (the output's): ValueError naming the array, its
+    shape and the rule, before any kernel is traced (the API checks; the kernels do not)."""
     q = jnp.zeros((1, 64, 2, 192), jnp.bfloat16)
     k = jnp.zeros((1, 64, 1, 192), jnp.bfloat16)
     v = jnp.zeros((1, 64, 1, 128), jnp.bfloat16)
     lse = jnp.zeros((1, 2, 64), jnp.float32)
-    run = functools.partial(
-        mosaic_backward.flash_backward, scale=0.1, is_causal=False, device=Device.h200()
-    )
     wide = jnp.zeros((1, 64, 2, 192), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"out \(1, 64, 2, 192\) .* \(1, 64, 2, 128\)"):
-        run(q, k, v, wide, lse, wide, lse)
     narrow = jnp.zeros((1, 64, 2, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"d_out \(1, 64, 2, 192\) .* \(1, 64, 2, 128\)"):
-        run(q, k, v, narrow, lse, wide, lse)
-    with pytest.raises(ValueError, match=r"value_head_dim=32 is not one of"):
-        run(q, k, v[..., :32], narrow[..., :32], lse, narrow[..., :32], lse)
+    backward = functools.partial(pallas_flash.flash_attention_backward, q, k, v)
+    with pytest.raises(ValueError, match=r"out.shape=\(1, 64, 2, 192\) must be \(1, 64, 2, 128\)"):
+        backward(wide, lse, narrow)
+    with pytest.raises(
+        ValueError, match=r"d_out.shape=\(1, 64, 2, 192\) must be \(1, 64, 2, 128\)"
+    ):
+        backward(narrow, lse, wide)

@@ -43,23 +43,13 @@ import jax.numpy as jnp
 
 from pallas_flash import _dropout, masks
 from pallas_flash._numerics import LOG2E, MIN_LOGIT, lowered_reference, probability_bound
-from pallas_flash.device import Device
+from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import fixed_point
-from pallas_flash.mosaic.backward_tiles import (
-    BackwardTiles,
-    default_tiles,
-    head_splits,
-    why_not,
-)
+from pallas_flash.mosaic.backward_tiles import BackwardTiles, default_tiles, head_splits
 from pallas_flash.mosaic.dkv import dkv_call
 from pallas_flash.mosaic.dq import dq_call
-from pallas_flash.mosaic.launch import (
-    check_segment_ids,
-    num_sms,
-    pad_ids,
-    pad_to,
-)
+from pallas_flash.mosaic.launch import pad_ids, pad_to
 from pallas_flash.mosaic.schedule import tile_plan
 from pallas_flash.mosaic.tiles import aligned_len, cdiv
 
@@ -68,22 +58,20 @@ def flash_backward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    bias: None,
+    arrays: MaskArrays,
     out: jax.Array,
     lse: jax.Array,
+    log_sum: jax.Array | None,
+    row_max: None,
     d_out: jax.Array,
     d_lse: jax.Array | None,
     *,
-    scale: float,
-    is_causal: bool,
-    window: tuple[int, int] | None = None,
-    soft_cap: float | None = None,
-    segment_ids: tuple[jax.Array, jax.Array] | None = None,
-    tiles: BackwardTiles | None = None,
-    device: Device | None = None,
-    dropout: tuple[float, jax.Array] | None = None,
-    log_sum: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU.
+    config,
+    bias_gradient: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array, None]:
+    """Gradients of attention on Hopper (sm_90a) through Pallas Mosaic GPU, for a call the
+    dispatch gave these kernels (`mosaic.why_not_backward`: nothing here checks it again).
 
     Args:
       q: [B, T, N, H], bfloat16 or float16; any T and S, H one of HEAD_DIMS.
@@ -91,67 +79,45 @@ def flash_backward(
       v: [B, S, K, Hv] in q's dtype, Hv one of HEAD_DIMS too: the kernels take it as it is
         (dP = dO V^T contracts Hv columns, dV's accumulator has Hv); Hv != H as multi-head
         latent attention's (192, 128).
+      bias, row_max: None (no bias; P is recomputed from lse): the arguments keep the
+        backends' one shape (`triton.backward.flash_backward`'s).
+      arrays: the forward's mask arrays (`flash_forward`): segment ids with spec.has_segments
+        (query i sees key j only when their ids are equal); with dropout its seeds, whose
+        keep-mask (`pallas_flash._dropout`) is regenerated here. With Z = keep / (1 - rate)
+        the forward computed O = (P * Z) V, so dV = (P * Z)^T dO and dS = P * (Z * dP -
+        delta); out and lse are the forward's (lse of the un-dropped softmax).
       out, d_out: [B, T, N, Hv] in q's dtype.
       lse: float32 [B, N, T], the natural-log log-sum-exp of the (soft-capped) logits saved by
         the forward; -inf for rows that see no key.
-      d_lse: float32 [B, N, T], the cotangent of lse, or None for zero.
-      scale: the forward's positive multiplier of q.k.
-      is_causal: query i sees keys j <= i, top-left aligned.
-      window: (left, right) ints >= 0, or None: query i sees keys j with
-        i - left <= j <= i + right (and j <= i when causal). Query tiles that none of a CTA's
-        keys' rows see (dK/dV), and KV tiles that none of its rows see (dQ), are not loaded.
-      soft_cap: c > 0 or None: the forward's logits c * tanh(scale * q.k / c); the gradients
-        carry its derivative 1 - tanh^2.
-      segment_ids: (q_segment_ids int32 [B, T], kv_segment_ids int32 [B, S]) or None, as in
-        `pallas_flash.mosaic.forward.flash_forward` (sequence lengths folded in as padding
-        ids): query i sees key j only when their ids are equal.
-      tiles: BackwardTiles; None picks `default_tiles(H)`.
-      device: the GPU it is compiled for (its CUDA runtime is checked, its SM count sizes
-        automatic head splits); None: the visible GPU's record (`Device.current()`).
-      dropout: None, or (rate, seeds int32 [B, N]) as the forward took them: its keep-mask
-        (`pallas_flash._dropout`) is regenerated here. With Z = keep / (1 - rate) the forward
-        computed O = (P * Z) V, so dV = (P * Z)^T dO and dS = P * (Z * dP - delta); out and
-        lse are the forward's (lse of the un-dropped softmax).
       log_sum: None, or float32 [B, N, T], the forward's log of each row's softmax denominator
         relative to its largest logit (`flash_forward(..., with_log_sum=True)`, or the Triton
         forward's): with it, the recomputed P is clamped at 1 / that denominator instead of 1,
         so keys that tie at a row's max get their exact P (1 / n for n ties) at any magnitude.
+      d_lse: float32 [B, N, T], the cotangent of lse, or None for zero.
+      config: the call's `KernelConfig`, as every backend's wrapper takes it. Read here: spec
+        (is_causal, a window: query tiles that none of a CTA's keys' rows see (dK/dV), and KV
+        tiles that none of its rows see (dQ), are not loaded; has_segments), scale, soft_cap
+        (the gradients carry the cap's derivative 1 - tanh^2), dropout_rate,
+        mosaic_backward_tiles (`BackwardTiles`; None: `default_tiles(H, Hv)`), device (its SM
+        count sizes automatic head splits; None: the visible GPU's record, `Device.current()`).
+      bias_gradient: as the Triton backward's; without a bias there is no dbias.
 
     Returns:
-      dq [B, T, N, H], dk [B, S, K, H] and dv [B, S, K, Hv] in q's dtype; dk and dv are
-      summed over the query heads of each kv head's group. Rows that see no key have dq 0,
-      keys that no row sees dk and dv 0; with segment ids, causal or a window, NaN or inf in K
-      or V at keys a row does not see does not reach that row's gradients.
-
-    Raises:
-      ValueError: shapes, dtypes, options or tiles the kernels do not support (see `why_not`).
+      dq [B, T, N, H], dk [B, S, K, H] and dv [B, S, K, Hv] in q's dtype, and dbias None; dk
+      and dv are summed over the query heads of each kv head's group. Rows that see no key
+      have dq 0, keys that no row sees dk and dv 0; with segment ids, causal or a window, NaN
+      or inf in K or V at keys a row does not see does not reach that row's gradients.
     """
-    device = Device.current() if device is None else device
-    _check_arguments(
-        q,
-        k,
-        v,
-        out,
-        d_out,
-        scale=scale,
-        is_causal=is_causal,
-        window=window,
-        soft_cap=soft_cap,
-        segment_ids=segment_ids,
-        tiles=tiles,
-        device=device,
-        dropout=dropout,
-    )
+    del bias_gradient  # no bias
+    assert bias is None and row_max is None, "the dispatch sends these calls to Triton"
+    spec, tiles, scale = config.spec, config.mosaic_backward_tiles, config.scale
+    soft_cap = config.soft_cap
+    device = Device.current() if config.device is None else config.device
+    segment_ids = (arrays.q_segment_ids, arrays.kv_segment_ids) if spec.has_segments else None
+    dropout = (config.dropout_rate, arrays.dropout_seeds) if config.dropout_rate else None
     value_head_dim = v.shape[-1]
     tiles = default_tiles(q.shape[-1], value_head_dim) if tiles is None else tiles
     q_len, kv_len = q.shape[1], k.shape[1]
-    spec = MaskSpec(
-        q_len=q_len,
-        kv_len=kv_len,
-        is_causal=is_causal,
-        window=None if window is None else (int(window[0]), int(window[1])),
-        has_segments=segment_ids is not None,
-    )
     # delta folds the lse cotangent in: dS = P * (dP - rowsum(dO * O) + dlse).
     delta = jnp.einsum("btnh,btnh->bnt", d_out.astype(jnp.float32), out.astype(jnp.float32))
     if d_lse is not None:
@@ -190,7 +156,7 @@ def flash_backward(
         soft_cap=None if soft_cap is None else float(soft_cap),
         tiles=tiles,
     )
-    sms = num_sms() if device is None else device.num_sms
+    sms = DEFAULT_NUM_SMS if device is None else device.num_sms
     splits = head_splits(
         tiles,
         q.shape,
@@ -215,48 +181,7 @@ def flash_backward(
         dq = dq[:, :q_len]
     if kv_to != kv_len:
         dk, dv = dk[:, :kv_len], dv[:, :kv_len]
-    return dq, dk, dv
-
-
-def _check_arguments(
-    q, k, v, out, d_out, *, scale, is_causal, window, soft_cap, segment_ids, tiles, device, dropout
-) -> None:
-    """Raises ValueError where `flash_backward`'s arguments are not what its kernels take."""
-    if reason := why_not(
-        q.shape,
-        k.shape,
-        q.dtype,
-        value_head_dim=v.shape[-1],
-        is_causal=is_causal,
-        window=window,
-        soft_cap=soft_cap,
-        segments=segment_ids is not None,
-        dropout=dropout is not None,
-        tiles=tiles,
-        cuda_runtime_version=None if device is None else device.cuda_runtime_version,
-    ):
-        raise ValueError(reason)
-    if dropout is not None:
-        rate, seeds = dropout
-        batch_heads = (q.shape[0], q.shape[2])
-        if tuple(seeds.shape) != batch_heads or seeds.dtype != jnp.int32:
-            raise ValueError(
-                f"dropout seeds {tuple(seeds.shape)} {seeds.dtype} must be int32 of shape "
-                f"{batch_heads}"
-            )
-        if not 0.0 < rate < 1.0:
-            raise ValueError(f"dropout rate={rate!r} must lie in (0, 1)")
-    value_head_dim = v.shape[-1]
-    for name, x in (("v", v), ("out", out), ("d_out", d_out)):
-        like = (*(k if name == "v" else q).shape[:3], value_head_dim)
-        if x.ndim != 4 or x.shape != like or x.dtype != q.dtype:
-            raise ValueError(
-                f"{name} {x.shape} {x.dtype} must have shape {like} (v's head dim) and q's dtype"
-            )
-    if not scale > 0:
-        raise ValueError(f"{scale=} must be positive")
-    if segment_ids is not None:
-        check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
+    return dq, dk, dv, None
 
 
 def _segment_plans(spec: MaskSpec, tiles: BackwardTiles, segment_ids, q_to: int, kv_to: int):

@@ -1,7 +1,7 @@
 """The Mosaic GPU backward's tiles (`BackwardTiles`), their defaults and budgets (shared memory,
 registers), the dK/dV kernel's head splits, and the rules of what its kernels take (`why_not`):
-what the dispatch and `backward.flash_backward` check before a kernel is built. The forward's
-are in `tiles.py`."""
+what the dispatch checks before it chooses them (`mosaic.why_not_backward`). The forward's are
+in `tiles.py`."""
 
 from __future__ import annotations
 
@@ -369,8 +369,8 @@ def why_not(
 ) -> str | None:
     """Why the Mosaic GPU backward cannot run on these shapes and options, or None when it can
     (the caller keeps the Triton backward). Any T and S; `value_head_dim`: Hv of v, out and
-    d_out (None: q's H), one of HEAD_DIMS too; `window` and `soft_cap` as in
-    `flash_backward`, `segments`: the call has segment ids (or sequence lengths), whose id
+    d_out (None: q's H), one of HEAD_DIMS too; `window` and `soft_cap` as in `MaskSpec` and
+    `KernelConfig`, `segments`: the call has segment ids (or sequence lengths), whose id
     buffers take shared memory, `dropout`: the call has dropout, whose hash buffers do too;
     `cuda_runtime_version`: the target's, None when not known."""
     if reason := forward_tiles.check_options(

@@ -33,13 +33,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flash import _dropout, masks
 from pallas_flash._numerics import LN2, LOG2E, MIN_LOGIT, sink_against_keys
-from pallas_flash.device import Device
+from pallas_flash.device import DEFAULT_NUM_SMS, Device
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic._kernel_common import per_row, times
 from pallas_flash.mosaic.launch import (
-    check_segment_ids,
     dropped_value,
-    num_sms,
     opaque_zero,
     pad_ids,
     pad_to,
@@ -64,7 +62,6 @@ from pallas_flash.mosaic.tiles import (
     aligned_len,
     cdiv,
     default_tiles,
-    why_not,
 )
 
 
@@ -72,19 +69,15 @@ def flash_forward(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
+    bias: None,
+    arrays: MaskArrays,
+    sinks: jax.Array | None,
     *,
-    scale: float,
-    is_causal: bool,
-    window: tuple[int, int] | None = None,
-    soft_cap: float | None = None,
-    segment_ids: tuple[jax.Array, jax.Array] | None = None,
-    tiles: ForwardTiles | None = None,
-    device: Device | None = None,
-    sinks: jax.Array | None = None,
-    dropout: tuple[float, jax.Array] | None = None,
+    config,
     with_log_sum: bool = False,
 ) -> tuple[jax.Array, ...]:
-    """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU.
+    """Attention forward on Hopper (sm_90a) through Pallas Mosaic GPU, for a call the dispatch
+    gave this kernel (`mosaic.why_not_forward`: nothing here checks it again).
 
     Args:
       q: [B, T, N, H] queries, bfloat16 or float16; any T >= 1, H one of HEAD_DIMS.
@@ -93,36 +86,26 @@ def flash_forward(
         N % K == 0 and query head n reads kv head n // (N // K) (e.g. N=8, K=2: heads 0-3 read
         kv head 0, heads 4-7 kv head 1). T or S not a multiple of 8 costs a padded copy of
         q, k, v and out (ROW_ALIGN); head dims run as they are.
-      scale: positive multiplier of q.k (without a soft cap the kernel takes the row max before
-        scaling).
-      is_causal: query i sees keys j <= i, top-left aligned as in jax.nn.dot_product_attention,
-        also when T != S::
-
-          T=4, S=6   keys ->
-          q0         x . . . . .
-          q1         x x . . . .
-          q2         x x x . . .
-          q3         x x x x . .
-
-      window: (left, right) ints >= 0, or None: query i sees keys j with
-        i - left <= j <= i + right (and j <= i when causal). KV tiles outside a row block's
-        window are neither loaded nor multiplied.
-      soft_cap: c > 0 or None: logits <- c * tanh(logits / c), applied to scale * q.k before
-        masking.
-      segment_ids: (q_segment_ids int32 [B, T], kv_segment_ids int32 [B, S]) or None: query i
-        of batch entry b sees key j only when q_segment_ids[b, i] == kv_segment_ids[b, j]
-        (packed documents), on top of the options above. Sequence lengths come folded in, as
-        `pallas_flash.masks.make_arrays` builds them: rows and keys past their length carry
-        PAD_Q_SEGMENT / PAD_KV_SEGMENT, which equal nothing. KV tiles that no row of a
-        consumer's block shares an id with are neither loaded for it nor multiplied.
-      tiles: ForwardTiles; None picks `default_tiles` for the shapes and options.
-      device: the GPU it is compiled for (its SM count sizes a persistent grid, its CUDA
-        runtime is checked); None: the visible GPU's record (`Device.current()`).
+      bias: None (the Mosaic kernels take no bias; the argument keeps the backends' one shape).
+      arrays: the mask's arrays (`masks.MaskArrays`): with spec.has_segments, q_segment_ids
+        int32 [B, T] and kv_segment_ids int32 [B, S], sequence lengths folded in as
+        `pallas_flash.masks.make_arrays` builds them (rows and keys past their length carry
+        PAD_Q_SEGMENT / PAD_KV_SEGMENT, which equal nothing): query i of batch entry b sees
+        key j only when their ids are equal; KV tiles that no row of a consumer's block shares
+        an id with are neither loaded for it nor multiplied. With dropout, dropout_seeds int32
+        [B, N]: the keep-mask of `pallas_flash._dropout` (the Triton kernels' and the
+        reference's) on P before P.V; lse stays the un-dropped softmax's.
       sinks: None, or float32 [B, N]: attention sinks, one more natural-log logit per row of
         head n of batch entry b in the softmax's denominator, with no value.
-      dropout: None, or (rate, seeds int32 [B, N]): attention dropout on P before P.V, the
-        keep-mask of `pallas_flash._dropout` (the Triton kernels' and the reference's); lse
-        stays the un-dropped softmax's.
+      config: the call's `KernelConfig`, as every backend's wrapper takes it. Read here:
+        spec (T and S; is_causal, top-left aligned as in jax.nn.dot_product_attention, also
+        when T != S; a window (left, right): query i sees keys i - left <= j <= i + right, KV
+        tiles outside a row block's window neither loaded nor multiplied; has_segments),
+        scale (positive: without a soft cap the kernel takes the row max before scaling),
+        soft_cap (c: logits <- c * tanh(logits / c), applied to scale * q.k before masking),
+        dropout_rate, mosaic_forward_tiles (`ForwardTiles`; None: `default_tiles` for the
+        shapes and options), device (the GPU it is compiled for: its SM count sizes a
+        persistent grid; None: the visible GPU's record, `Device.current()`).
       with_log_sum: also return log_sum.
 
     Returns:
@@ -134,80 +117,41 @@ def flash_forward(
       larger of its largest logit and its sink (lse = that + log_sum; 0 for rows that see no
       key), as the Triton forward's: beyond |lse| ~ 1e7 a float32 lse cannot hold it next to
       the max, and a backward needs it to recompute the P of keys that tie at the max (1 / n).
-
-    Raises:
-      ValueError: shapes, dtypes, options or tiles the kernel does not support (see `why_not`).
     """
-    device = Device.current() if device is None else device
-    if reason := why_not(
-        q.shape,
-        k.shape,
-        q.dtype,
-        value_head_dim=v.shape[-1] if v.ndim == 4 else None,
-        is_causal=is_causal,
-        window=window,
-        soft_cap=soft_cap,
-        segments=segment_ids is not None,
-        tiles=tiles,
-        cuda_runtime_version=None if device is None else device.cuda_runtime_version,
-    ):
-        raise ValueError(reason)
-    if k.shape[:3] != v.shape[:3] or v.ndim != 4 or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must share [B, S, K] and q's dtype"
-        )
-    if not scale > 0:
-        raise ValueError(f"{scale=} must be positive: the row max is taken before scaling")
-    if segment_ids is not None:
-        check_segment_ids(segment_ids, q.shape[:2], k.shape[:2])
-    if sinks is not None and (
-        tuple(sinks.shape) != (q.shape[0], q.shape[2]) or sinks.dtype != jnp.float32
-    ):
-        raise ValueError(
-            f"sinks {tuple(sinks.shape)} {sinks.dtype} must be float32 of shape "
-            f"{(q.shape[0], q.shape[2])}"
-        )
+    assert bias is None, "the dispatch sends calls with a bias to Triton"
+    spec, tiles = config.spec, config.mosaic_forward_tiles
+    device = Device.current() if config.device is None else config.device
+    soft_cap = None if config.soft_cap is None else float(config.soft_cap)
+    q_len, kv_len = q.shape[1], k.shape[1]
     if tiles is None:
         tiles = default_tiles(
             q.shape[-1],
             value_head_dim=v.shape[-1],
-            q_len=q.shape[1],
-            kv_len=k.shape[1],
-            is_causal=is_causal,
-            window=window,
+            q_len=q_len,
+            kv_len=kv_len,
+            is_causal=spec.is_causal,
+            window=spec.window,
             soft_cap=soft_cap,
-            segments=segment_ids is not None,
+            segments=spec.has_segments,
         )
-    window = None if window is None else (int(window[0]), int(window[1]))
-    soft_cap = None if soft_cap is None else float(soft_cap)
-    q_len, kv_len = q.shape[1], k.shape[1]
-    spec = MaskSpec(
-        q_len=q_len,
-        kv_len=kv_len,
-        is_causal=is_causal,
-        window=window,
-        has_segments=segment_ids is not None,
-    )
     # The kernel reads T and S from spec: rows past T are computed on zeros and not kept, keys
     # past S are masked. The arrays may be longer (padded here to ROW_ALIGN).
     q_to, kv_to = aligned_len(q_len), aligned_len(kv_len)
     q, k, v = pad_to(q, q_to), pad_to(k, kv_to), pad_to(v, kv_to)
     segments = None
-    if segment_ids is not None:
-        q_ids, kv_ids = segment_ids
-        q_ids = pad_ids(q_ids, q_to, masks.PAD_Q_SEGMENT)
-        kv_ids = pad_ids(kv_ids, kv_to, masks.PAD_KV_SEGMENT)
+    if spec.has_segments:
+        q_ids = pad_ids(arrays.q_segment_ids, q_to, masks.PAD_Q_SEGMENT)
+        kv_ids = pad_ids(arrays.kv_segment_ids, kv_to, masks.PAD_KV_SEGMENT)
         segments = (q_ids, kv_ids, segment_tile_plan(spec, MaskArrays(q_ids, kv_ids), tiles))
     drop = None
-    if dropout is not None:
-        rate, seeds = dropout
-        row_mul, row_add, col = _dropout.tables(seeds, q_len, kv_len)
+    if config.dropout_rate:
+        row_mul, row_add, col = _dropout.tables(arrays.dropout_seeds, q_len, kv_len)
         # [B, N, 2, T'] (one TMA copy per consumer's rows) and [B, N, S']; the padding rows and
         # keys are masked or dropped with the rows past T.
         rows = jnp.stack([row_mul, row_add], axis=2)
         rows = jnp.pad(rows, ((0, 0), (0, 0), (0, 0), (0, q_to - q_len)))
         col = jnp.pad(col, ((0, 0), (0, 0), (0, kv_to - kv_len)))
-        drop = (float(rate), rows, col)
+        drop = (float(config.dropout_rate), rows, col)
     out, lse, *log_sum = _forward_call(
         q,
         k,
@@ -217,10 +161,10 @@ def flash_forward(
         drop,
         with_log_sum=with_log_sum,
         spec=spec,
-        scale=float(scale),
+        scale=float(config.scale),
         soft_cap=soft_cap,
         tiles=tiles,
-        num_sms=num_sms() if device is None else device.num_sms,
+        num_sms=DEFAULT_NUM_SMS if device is None else device.num_sms,
     )
     if out.shape[1] != q_len:
         out = out[:, :q_len]

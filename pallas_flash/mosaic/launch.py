@@ -1,7 +1,6 @@
 """What every Mosaic GPU kernel of this package shares at launch: the warp-specialised
 `plgpu.kernel` call, the swizzled layout of its shared-memory tiles, the wrappers' zero-padding
-to the lengths the kernels run, the check of the segment ids they take, the SM count of a
-persistent grid without a GPU, and the pass that zeroes NaN and inf in a tile of keys or values
+to the lengths the kernels run, and the pass that zeroes NaN and inf in a tile of keys or values
 that some rows must not see."""
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend.mlir import ir
 
 from pallas_flash import _vma
-from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.mosaic import _module_names
 from pallas_flash.mosaic.tiles import swizzle_bytes
 
@@ -46,27 +44,6 @@ def pad_ids(ids, length: int, pad_id: int):
     if ids.shape[1] == length:
         return ids
     return jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=pad_id)
-
-
-def check_segment_ids(segment_ids, q_batch_len, kv_batch_len):
-    """segment_ids as the kernels take them: (q ids [B, T], kv ids [B, S]), int32; raises
-    ValueError naming the array and the rule."""
-    if not isinstance(segment_ids, (tuple, list)) or len(segment_ids) != 2:
-        raise ValueError(
-            f"segment_ids must be a (q_segment_ids, kv_segment_ids) pair, got {type(segment_ids)}"
-        )
-    for name, ids, shape in zip(
-        ("q_segment_ids", "kv_segment_ids"), segment_ids, (q_batch_len, kv_batch_len), strict=True
-    ):
-        if tuple(ids.shape) != tuple(shape) or ids.dtype != jnp.int32:
-            raise ValueError(
-                f"{name} {tuple(ids.shape)} {ids.dtype} must be int32 of shape {tuple(shape)}"
-            )
-
-
-def num_sms() -> int:
-    """A persistent grid's size without a GPU (the CPU interpreter, lowering on a CPU host)."""
-    return DEFAULT_NUM_SMS
 
 
 def warp_specialised_kernel(

@@ -1,6 +1,6 @@
 """The Mosaic GPU forward's tiles, their defaults and budgets (shared memory, registers), and
-the rules of what the kernels take (`why_not`): what the dispatch and the wrappers check before a
-kernel is built."""
+the rules of what the kernels take (`why_not`): what the dispatch checks before it chooses them
+(`mosaic.why_not_forward`)."""
 
 from __future__ import annotations
 
@@ -256,7 +256,7 @@ def check_options(
     *, is_causal: bool, window, soft_cap, cuda_runtime_version: int | None
 ) -> str | None:
     """The rules on the mask options that the Mosaic kernels share (windows and soft caps as in
-    `flash_forward`); None if they hold, else why not."""
+    `MaskSpec`); None if they hold, else why not."""
     if window is not None and (
         not isinstance(window, (tuple, list))
         or len(window) != 2
@@ -311,8 +311,8 @@ def why_not(
 ) -> str | None:
     """Why the kernel cannot run on these shapes and options, or None when it can (the caller
     falls back to Triton). `value_head_dim`: Hv of v [B, S, K, Hv] (None: q's H), one of
-    HEAD_DIMS too; `window` and `soft_cap` as in `flash_forward`; `segments`: the call
-    has segment ids (or sequence lengths), whose id buffers take shared memory;
+    HEAD_DIMS too; `window` and `soft_cap` as in `MaskSpec` and `KernelConfig`; `segments`: the
+    call has segment ids (or sequence lengths), whose id buffers take shared memory;
     `cuda_runtime_version`: the target's (`Device.cuda_runtime_version`), None when not known."""
     if reason := check_options(
         is_causal=is_causal,

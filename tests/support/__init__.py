@@ -8,6 +8,7 @@
 - tolerance: the tolerance rule and bitwise equality;
 - calls: a function's outputs and gradients in one jitted call;
 - mosaic_interpret: jax's Mosaic GPU interpreter with the shims our kernels need;
+- kernels: the Mosaic GPU wrappers called with their options spelled out;
 - flax_layers: what the Flax layer tests share.
 
 Fixtures and pytest hooks live in tests/conftest.py, never imported as a module.

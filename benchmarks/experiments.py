@@ -67,7 +67,7 @@ import jax.numpy as jnp
 
 import pallas_flash
 from pallas_flash import bench, mosaic, tune, tune_cache
-from pallas_flash._vjp import KernelConfig
+from pallas_flash._passes import KernelConfig
 from pallas_flash.bench import decode as decode_suite
 from pallas_flash.bench.__main__ import given_flags
 from pallas_flash.device import gpu_device_kind, target_device

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 from jax._src.pallas.triton import lowering as triton_lowering
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash._passes import KernelConfig
+from pallas_flash._vjp import flash_attention_kernels
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import fixed_point
 from pallas_flash.triton.tiles import heuristic_block_sizes

@@ -3,12 +3,13 @@ saves (q, k, v, bias, mask arrays, out, lse, log_sum, row_max) and the backward 
 kernels' backward with the cotangents of both outputs; on the "xla" path the same rule wraps the
 plain-jnp reference.
 
-Each pass runs on Triton or, on Hopper for the calls it supports, on a Mosaic GPU kernel
-(`KernelConfig.forward`, `KernelConfig.backward`); the forward of a few query tokens over a
-longer key sequence also on the decode kernel (forward "decode", `triton.decode.
-few_token_forward`). Every forward returns the same (out, lse, log_sum), so either backward
-serves any forward; in float32 calls the Triton forward's row max also reaches the Triton
-backward, which recomputes P from it exactly (`_takes_row_max`).
+Each pass goes down one way: `_forward` and `_backward` hand `_passes.forward` and
+`_passes.backward` to `_partition.partitioned` (one device's shard on a mesh), which call the
+backend wrappers that the `KernelConfig` names (Triton; on Hopper for the calls it supports,
+Mosaic GPU; the forward of a few query tokens over a longer key sequence also the decode
+kernel). Every forward returns the same (out, lse, log_sum), so either backward serves any
+forward; in float32 calls the Triton forward's row max also reaches the Triton backward, which
+recomputes P from it exactly (`_passes.takes_row_max`).
 
 Derivatives of any order in reverse mode, and forward mode over reverse mode (`jax.hessian`),
 work on every path: the kernel passes inside the rules are themselves differentiable, their
@@ -20,56 +21,16 @@ that code behaves the same on a laptop and on the GPU."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from pallas_flash import _partition, _vma, mosaic, triton
+from pallas_flash import _partition, _passes, _vma
 from pallas_flash._numerics import accumulation_dtype, sink_probability
-from pallas_flash.device import Device
+from pallas_flash._passes import KernelConfig
 from pallas_flash.masks import MaskArrays, MaskSpec
-from pallas_flash.mosaic import BackwardTiles, ForwardTiles
 from pallas_flash.reference import reference_attention, with_sinks
-from pallas_flash.triton import BlockSizes
-from pallas_flash.triton.decode import few_token_forward
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class KernelConfig:
-    """Everything static about one call: hashable, passed as a nondiff argument. Built by
-    `pallas_flash.dispatch.choose`, the one place that decides which kernels run a call. Every
-    backend's wrapper takes it whole (`_FORWARDS`, `_BACKWARDS`) and reads what it needs."""
-
-    spec: MaskSpec
-    scale: float
-    soft_cap: float | None = None
-    # > 0: dropout on P (seeds in MaskArrays.dropout_seeds), in every kernel.
-    dropout_rate: float = 0.0
-    block_sizes: BlockSizes
-    interpret: bool
-    # "triton"; "mosaic": the Mosaic GPU forward (Hopper; no bias or dense mask); or "decode":
-    # the decode kernel (a few query tokens; geometry and sequence lengths only, 16-bit).
-    forward: str = "triton"
-    # "triton", or "mosaic": the Mosaic GPU backward (Hopper; the Mosaic forward's masks).
-    backward: str = "triton"
-    # The Mosaic kernels' tiles (None: their defaults for the shapes).
-    mosaic_forward_tiles: ForwardTiles | None = None
-    mosaic_backward_tiles: BackwardTiles | None = None
-    # The GPU the kernels are compiled for (its SM count sizes persistent and split-KV grids);
-    # None: the visible GPU's (the interpreter needs none).
-    device: Device | None = None
-
-    def __post_init__(self):
-        if self.forward not in ("triton", "mosaic", "decode"):
-            raise ValueError(
-                f"KernelConfig.forward={self.forward!r} must be 'triton', 'mosaic' or 'decode'"
-            )
-        if self.backward not in ("triton", "mosaic"):
-            raise ValueError(
-                f"KernelConfig.backward={self.backward!r} must be 'triton' or 'mosaic'"
-            )
 
 
 def flash_attention_kernels(q, k, v, bias, arrays: MaskArrays, config: KernelConfig, sinks=None):
@@ -104,17 +65,13 @@ def _kernels_with_log_sum(q, k, v, bias, arrays: MaskArrays, config: KernelConfi
 # lowers its kernels once (jax reuses the lowered function at every call site), so every site
 # carries the same Mosaic GPU module, which the GPU compiles once by its hash.
 # On a device mesh, `_partition.partitioned` runs each pass on every device's batch entries and
-# heads.
+# heads; on one device it calls the pass directly.
 @functools.partial(jax.jit, static_argnames="config")
 def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    """(out, lse, log_sum, row_max): log_sum (each row's log softmax denominator relative to its
-    max, from either forward) lets either backward recompute tied logits exactly at any
-    magnitude; row_max (that max in the Triton forward's units, `triton.flash_forward`) lets
-    the Triton backward recompute P free of lse's rounding, which float32 calls need
-    (`_takes_row_max`). Elsewhere lse stands in its place, never read (`_backward_shard`)."""
+    """(out, lse, log_sum, row_max) of `_passes.forward` on every shard."""
     return tuple(
         _partition.partitioned(
-            _forward_shard,
+            _passes.forward,
             config,
             ("q", "kv", "v", "pair", "arrays", "sinks"),
             ("o", "lse", "lse", "lse"),
@@ -125,45 +82,6 @@ def _forward(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
             arrays,
             sinks,
         )
-    )
-
-
-# Every backend's passes take one argument shape: the arrays, the mask's arrays (and sinks), and
-# the call's KernelConfig, from which each reads what it needs.
-_FORWARDS = {
-    "triton": triton.flash_forward,
-    "mosaic": mosaic.flash_forward,
-    "decode": few_token_forward,
-}
-_BACKWARDS = {"triton": triton.flash_backward, "mosaic": mosaic.flash_backward}
-
-
-def _forward_shard(q, k, v, bias, arrays, sinks, *, config: KernelConfig):
-    if _takes_row_max(q, config):
-        return triton.flash_forward(
-            q, k, v, bias, arrays, sinks, config=config, with_log_sum=True, with_row_max=True
-        )
-    forward = _FORWARDS[config.forward]
-    out, lse, log_sum = forward(q, k, v, bias, arrays, sinks, config=config, with_log_sum=True)
-    return out, lse, log_sum, lse
-
-
-def _takes_row_max(q, config: KernelConfig) -> bool:
-    """Whether the Triton backward recomputes P from the Triton forward's row max: float32
-    calls, whose P lse's rounding would move by ~3e-5 at logits in the hundreds. 16-bit calls
-    round P to their dtype for the matmuls, far coarser, and keep one add per element fewer
-    (`triton._common.recomputed_probs`)."""
-    return config.forward == "triton" and config.backward == "triton" and q.dtype == jnp.float32
-
-
-def _common_head_dim(*xs):
-    """xs zero-padded to their largest head dim: the Triton backward takes one head dim, and
-    runs a value head dim Hv != H so (zero columns leave q.k and dO.V^T unchanged; the
-    gradients' extra columns are cut off)."""
-    h = max(x.shape[-1] for x in xs)
-    return tuple(
-        x if x.shape[-1] == h else jnp.pad(x, ((0, 0),) * (x.ndim - 1) + ((0, h - x.shape[-1]),))
-        for x in xs
     )
 
 
@@ -187,33 +105,6 @@ def _bwd_rule(config: KernelConfig, residuals, cotangents):
     return dq, dk, dv, dbias, jax.tree.map(lambda _: None, arrays), d_sinks
 
 
-def _bias_gradient_in_closed_form(bias, config: KernelConfig) -> bool:
-    """Whether the bias's gradient is `key_broadcast_bias_gradient`'s rather than the kernels'
-    (a bias broadcast over the keys, no soft cap)."""
-    return bias is not None and bias.shape[-1] == 1 and config.soft_cap is None
-
-
-def key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse):
-    """d bias of a bias [B|1, N|1, T|1, 1] broadcast over the keys (no soft cap): each row's
-    sum over its keys of dS = P * (dP - delta), in closed form. With rowsum(P * dP) = dO . out
-    and the keys' share of the row's softmax 1 - P_sink, that sum is P_sink (dO . out) +
-    (1 - P_sink) d_lse: d_lse itself without sinks, 0 for rows that see no key. The kernels'
-    sum of dS cancels to noise in 16-bit inputs (P rounded for P V in the forward, not in the
-    backward); this is exact, and is what the XLA path's autodiff computes."""
-    f32 = accumulation_dtype(lse.dtype)
-    rows = jnp.where(jnp.isneginf(lse), 0.0, d_lse.astype(f32))  # [B, N, T]
-    if sinks is not None:
-        sinks = jnp.broadcast_to(jnp.asarray(sinks, f32), lse.shape[:-1])
-        # A row that sees no key has P_sink = 1 and out = 0: its sum is 0. (lse == sink does
-        # not tell it: a sink tied with a max beyond ~1e6 has lse == sink too.)
-        p_sink = sink_probability(sinks, lse, log_sum)
-        d_out_dot_out = jnp.einsum("btnh,btnh->bnt", d_out.astype(f32), out.astype(f32))
-        rows = p_sink * d_out_dot_out + (1.0 - p_sink) * rows
-    grad = rows[..., None]  # [B, N, T, 1]
-    axes = tuple(i for i in range(3) if bias.shape[i] == 1 and grad.shape[i] != 1)
-    return jnp.sum(grad, axis=axes, keepdims=True).astype(bias.dtype)
-
-
 def sink_gradient(sinks, out, lse, log_sum, d_out, d_lse):
     """d sinks [B, N] of a softmax whose lse [B, N, T] (and log_sum, or None) includes the sinks
     [B, N]: the sink's probability P_sink (`_numerics.sink_probability`) gives d lse / d sink =
@@ -228,8 +119,9 @@ def sink_gradient(sinks, out, lse, log_sum, d_out, d_lse):
 def _backward(
     q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
 ):
+    """(dq, dk, dv, dbias) of `_passes.backward` on every shard."""
     return _partition.partitioned(
-        _backward_shard,
+        _passes.backward,
         config,
         ("q", "kv", "v", "pair", "arrays", "sinks", "o", "lse", "lse", "lse", "o", "lse"),
         ("q", "kv", "v", "pair"),
@@ -246,32 +138,6 @@ def _backward(
         d_out,
         d_lse,
     )
-
-
-def _backward_shard(
-    q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, *, config: KernelConfig
-):
-    """One shard's (dq, dk, dv, dbias). A bias broadcast over the keys gets its gradient in
-    closed form, per row (`key_broadcast_bias_gradient`), and no dbias kernel runs."""
-    head_dim, value_head_dim = q.shape[-1], v.shape[-1]
-    # row_max: the Triton forward's where `_takes_row_max`, else a stand-in, not read.
-    rows = (lse, log_sum, row_max if _takes_row_max(q, config) else None)
-    closed_form = _bias_gradient_in_closed_form(bias, config)
-    kernels = functools.partial(
-        _BACKWARDS[config.backward], config=config, bias_gradient=not closed_form
-    )
-    # The Mosaic backward takes Hv != H as it is; the Triton backward takes one head dim.
-    if head_dim == value_head_dim or config.backward == "mosaic":
-        dq, dk, dv, dbias = kernels(q, k, v, bias, arrays, out, *rows, d_out, d_lse)
-    else:
-        padded = _common_head_dim(q, k, v, out, d_out)
-        dq, dk, dv, dbias = kernels(
-            *padded[:3], bias, arrays, *padded[3:4], *rows, padded[4], d_lse
-        )
-        dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :value_head_dim]
-    if closed_form:
-        dbias = key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse)
-    return dq, dk, dv, dbias
 
 
 _kernels_with_log_sum.defvjp(_fwd_rule, _bwd_rule)
@@ -386,7 +252,7 @@ def _differentiable_backward(
     q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, config: KernelConfig
 ):
     """(dq, dk, dv, dbias) of the kernels' backward, dbias in closed form for a bias broadcast
-    over the keys (`_bias_gradient_in_closed_form`); `sinks`: those lse includes, or None."""
+    over the keys (`_passes.backward`); `sinks`: those lse includes, or None."""
     return _backward(
         q, k, v, bias, arrays, sinks, out, lse, log_sum, row_max, d_out, d_lse, config=config
     )

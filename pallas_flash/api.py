@@ -14,8 +14,8 @@ from jax.interpreters import ad
 from pallas_flash import _dropout, _host_only, dispatch, masks
 from pallas_flash import device as device_lib
 from pallas_flash._numerics import accumulation_dtype, log_sum_with_sinks
+from pallas_flash._passes import KernelConfig
 from pallas_flash._vjp import (
-    KernelConfig,
     flash_attention_kernels,
     flash_attention_kernels_with_log_sum,
     flash_backward_kernels,

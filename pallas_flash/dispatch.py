@@ -2,8 +2,8 @@
 
 `choose` reads the call (`Call`), the device it is compiled for (`Device`) and what the user
 asked for, asks each backend package why it cannot run the call (`why_not_*`, a reason or None),
-and returns the `KernelConfig` that `_vjp` runs, or None for the plain-jnp "xla" path. The public
-API, the tuner and the decode API all choose here.
+and returns the `KernelConfig` that `_vjp` runs (through `_passes`), or None for the plain-jnp
+"xla" path. The public API, the tuner and the decode API all choose here.
 
 With backend=None on a GPU of compute capability >= 8.0 ("xla" for float64 inputs, as on a CPU:
 `kernel_backend`):
@@ -33,7 +33,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_flash import mosaic, triton, tune_cache
-from pallas_flash._vjp import KernelConfig
+from pallas_flash._passes import KernelConfig
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.triton import BlockSizes
@@ -313,7 +313,7 @@ def few_tokens_on_decode(call: Call, *, interpret: bool = False) -> bool:
     and DECODE_ROUTE_MIN_BATCH_KEYS keys per KV head over the batch), in bfloat16 or float16,
     with a mask the decode kernel expresses exactly (`triton.why_not_few_token_forward`:
     geometry, lengths, soft cap, sinks). Float32 calls keep the Triton forward, whose row max
-    lets the Triton backward recompute P free of lse's rounding (`_vjp._takes_row_max`); the
+    lets the Triton backward recompute P free of lse's rounding (`_passes.takes_row_max`); the
     decode kernel keeps no row max."""
     if not (
         call.q_len <= DECODE_ROUTE_MAX_Q_LEN

@@ -22,8 +22,9 @@ from jax.sharding import AbstractMesh
 from test_lowering import H200, lower_for_h200
 
 import pallas_flash
-from pallas_flash import _partition, _vjp
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash import _partition, _passes
+from pallas_flash._passes import KernelConfig
+from pallas_flash._vjp import flash_attention_kernels
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.mosaic import BackwardTiles
 from pallas_flash.triton.tiles import heuristic_block_sizes
@@ -159,8 +160,8 @@ def test_partitioned_passes_export_for_the_gpu(kernels):
     x = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
     rows = jax.ShapeDtypeStruct((B, N, T), jnp.float32)
     passes = {
-        _vjp._forward_shard: [x, x, x, None, MaskArrays(), None],
-        _vjp._backward_shard: [x, x, x, None, MaskArrays(), None, x, rows, rows, rows, x, rows],
+        _passes.forward: [x, x, x, None, MaskArrays(), None],
+        _passes.backward: [x, x, x, None, MaskArrays(), None, x, rows, rows, rows, x, rows],
     }
     mesh = AbstractMesh((1,), ("x",), abstract_device=H200)
     for kernel, args in passes.items():
@@ -172,8 +173,8 @@ def test_partitioned_passes_export_for_the_gpu(kernels):
             assert _partition._exported(kernel, kernels, tree, avals, "cuda") is exported
         targets = Counter(re.findall(r"custom_call @([\w$.]+)\(", exported.mlir_module()))
         if kernels.forward == "mosaic":
-            want = 1 if kernel is _vjp._forward_shard else 2  # dK/dV and dQ, or the fused one
-            if kernel is _vjp._backward_shard and kernels.mosaic_backward_tiles:
+            want = 1 if kernel is _passes.forward else 2  # dK/dV and dQ, or the fused one
+            if kernel is _passes.backward and kernels.mosaic_backward_tiles:
                 want = 1
             assert targets["mosaic_gpu_v2"] == want, targets
         else:

@@ -23,7 +23,7 @@ from test_lowering import lower_for_h200
 from test_mosaic_backward import MaskCase, hidden_key_poison, mask_options
 from test_mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 
-from pallas_flash import BlockSizes, _dropout, _vjp, dispatch, flash_attention, masks
+from pallas_flash import BlockSizes, _dropout, _passes, dispatch, flash_attention, masks
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
@@ -651,13 +651,13 @@ def test_public_call_runs_the_mosaic_backward_with_dropout_interpreted(monkeypat
     dK consumer in the sign of P^T * dcap, one dQ consumer)."""
     p, rng = Problem(1, 100, 70, 2, 1, 256, True, "bf16"), jax.random.key(7)
     seen = []
-    original = _vjp._BACKWARDS["mosaic"]
+    original = _passes._BACKWARDS["mosaic"]
 
     def spy(q, k, v, bias, arrays, *args, config, **kwargs):
         seen.append((config.dropout_rate, arrays.dropout_seeds.shape))
         return original(q, k, v, bias, arrays, *args, config=config, **kwargs)
 
-    monkeypatch.setitem(_vjp._BACKWARDS, "mosaic", spy)
+    monkeypatch.setitem(_passes._BACKWARDS, "mosaic", spy)
     results = run_public_dropout_call(BACKEND_PATHS["mosaic-interpret"], p, rng)
     assert seen == [(RATE, (p.batch, p.num_heads))]
     seeds = _dropout.head_seeds(rng, p.batch, p.num_heads)

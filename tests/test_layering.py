@@ -126,7 +126,7 @@ def test_the_dispatch_sits_above_the_backends():
     """One choice of kernels: `dispatch` reads the backends; the backends, the Call and the
     Device record read nothing that chooses."""
     graph = import_graph()
-    assert {"pallas_flash.mosaic", "pallas_flash.triton", "pallas_flash._vjp"} <= graph[
+    assert {"pallas_flash.mosaic", "pallas_flash.triton", "pallas_flash._passes"} <= graph[
         "pallas_flash.dispatch"
     ]
     for user in ("pallas_flash.api", "pallas_flash.decode", "pallas_flash.tune"):
@@ -137,6 +137,7 @@ def test_the_dispatch_sits_above_the_backends():
         "pallas_flash.api",
         "pallas_flash.dispatch",
         "pallas_flash._vjp",
+        "pallas_flash._passes",
         "pallas_flash.tune",
         "pallas_flash.decode",
         "pallas_flash.ragged",
@@ -146,6 +147,21 @@ def test_the_dispatch_sits_above_the_backends():
             assert not imported & choosers, f"{name} imports {sorted(imported & choosers)}"
     assert graph["pallas_flash.device"] == set()
     assert graph["pallas_flash.call"] == {"pallas_flash.masks"}
+
+
+def test_a_pass_goes_down_one_way():
+    """`_vjp` hands each pass to `_partition`, which runs it per shard through `_passes`, which
+    calls the backends' wrappers: `_passes` imports neither of the modules above it (nor the
+    API or the dispatch), and `_partition` imports no pass and no kernel, so no call returns
+    into its caller's module."""
+    graph = import_graph()
+    assert {"pallas_flash._partition", "pallas_flash._passes"} <= graph["pallas_flash._vjp"]
+    above = {"pallas_flash._vjp", "pallas_flash._partition", "pallas_flash.dispatch"}
+    above |= {"pallas_flash.api"}
+    assert not reachable(graph, "pallas_flash._passes") & above
+    assert {"pallas_flash.mosaic", "pallas_flash.triton"} <= graph["pallas_flash._passes"]
+    kernels = {n for n in graph if n.startswith(("pallas_flash.mosaic", "pallas_flash.triton"))}
+    assert not reachable(graph, "pallas_flash._partition") & (kernels | above)
 
 
 def test_tiles_and_the_autotune_cache_live_apart():

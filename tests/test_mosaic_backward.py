@@ -35,9 +35,10 @@ from test_mosaic_forward import (
 from test_mosaic_forward import forward_fn as mosaic_forward_fn
 
 import pallas_flash
-from pallas_flash import _vjp, dispatch, masks, tune_cache
+from pallas_flash import _passes, dispatch, masks, tune_cache
 from pallas_flash import device as device_lib
-from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+from pallas_flash._passes import KernelConfig
+from pallas_flash._vjp import flash_attention_kernels
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskArrays, MaskSpec
@@ -716,8 +717,8 @@ def test_tuned_tiles_through_the_default_call_match_oracle_interpreted(
     tune_cache.save_tuned(Device.h200().kind, {shape_class: entry})
     used = []
     for table, tiles in (
-        (_vjp._FORWARDS, "mosaic_forward_tiles"),
-        (_vjp._BACKWARDS, "mosaic_backward_tiles"),
+        (_passes._FORWARDS, "mosaic_forward_tiles"),
+        (_passes._BACKWARDS, "mosaic_backward_tiles"),
     ):
         original = table["mosaic"]
 

@@ -39,7 +39,7 @@ from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s, t
 import pallas_flash
 from pallas_flash import device as device_lib
 from pallas_flash import dispatch, masks
-from pallas_flash._vjp import KernelConfig
+from pallas_flash._passes import KernelConfig
 from pallas_flash.call import Call
 from pallas_flash.device import DEFAULT_NUM_SMS, Device, gpu_compute_capability
 from pallas_flash.masks import MaskArrays, MaskSpec

@@ -529,7 +529,8 @@ def test_tied_huge_logits_triton_backward_after_mosaic_forward(interpreted):
     their exact P."""
     if not interpreted and not has_hopper():
         pytest.skip("the Mosaic GPU kernels need sm_90")
-    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+    from pallas_flash._passes import KernelConfig
+    from pallas_flash._vjp import flash_attention_kernels
     from pallas_flash.masks import MaskArrays, MaskSpec
 
     dtype = jnp.bfloat16

@@ -93,17 +93,17 @@ def test_ring_on_one_gpu_matches_the_plain_call(layout):
 
 
 def _check_exported_passes(q, k, v, d_out, config, platform, sinks=None):
-    """The forward and backward shards (`_vjp._forward_shard`, `_vjp._backward_shard`) through
+    """The forward and backward shards (`_passes.forward`, `_passes.backward`) through
     `_partition._exported` give the direct calls' bits. Their operands are built in the order
     `_vjp._forward` and `_vjp._backward` pass them, the backward's from the forward's results."""
-    from pallas_flash import _partition, _vjp
+    from pallas_flash import _partition, _passes
     from pallas_flash.masks import MaskArrays
 
     fwd_args = [q, k, v, None, MaskArrays(), sinks]
-    out, lse, log_sum, row_max = _vjp._forward_shard(*fwd_args, config=config)
+    out, lse, log_sum, row_max = _passes.forward(*fwd_args, config=config)
     d_lse = jnp.linspace(-1.0, 1.0, lse.size, dtype=lse.dtype).reshape(lse.shape)
     bwd_args = [*fwd_args, out, lse, log_sum, row_max, d_out, d_lse]
-    for kernel, args in ((_vjp._forward_shard, fwd_args), (_vjp._backward_shard, bwd_args)):
+    for kernel, args in ((_passes.forward, fwd_args), (_passes.backward, bwd_args)):
         leaves, tree = jax.tree.flatten(args)
         avals = tuple((tuple(x.shape), x.dtype) for x in leaves)
         exported = _partition._exported(kernel, config, tree, avals, platform)
@@ -398,18 +398,18 @@ if CHILD:
     def test_unpartitioned_kernels_gather_their_operands():
         """Why the partitioning rule exists: the kernels' pass without it, jit'd with q/k/v
         sharded over batch and heads, makes XLA gather q, k and v onto every device."""
-        from pallas_flash import _vjp
+        from pallas_flash import _passes
 
         (q, k, v, _, _), _ = _batch_head_problem()
         mesh = auto_mesh((2, 4), ("data", "model"))
         qkv = NamedSharding(mesh, P("data", None, "model", None))
-        config = _vjp.KernelConfig(
+        config = _passes.KernelConfig(
             spec=pallas_flash.masks.MaskSpec(q_len=24, kv_len=24, is_causal=True),
             scale=0.25,
             block_sizes=pallas_flash.BlockSizes(block_q=16, block_kv=16),
             interpret=True,
         )
-        unpartitioned = functools.partial(_vjp._forward_shard, config=config)
+        unpartitioned = functools.partial(_passes.forward, config=config)
         arrays = pallas_flash.masks.MaskArrays()
         hlo = (
             jax.jit(lambda q, k, v: unpartitioned(q, k, v, None, arrays, None))

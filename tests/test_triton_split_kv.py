@@ -101,7 +101,8 @@ def test_kv_splits_validation():
 def test_split_forward_lowers_for_h200():
     from test_lowering import lower_for_h200
 
-    from pallas_flash._vjp import KernelConfig, flash_attention_kernels
+    from pallas_flash._passes import KernelConfig
+    from pallas_flash._vjp import flash_attention_kernels
     from pallas_flash.masks import MaskArrays, MaskSpec
     from pallas_flash.triton.tiles import heuristic_block_sizes
 
@@ -129,7 +130,7 @@ def test_split_log_sum_and_row_max_match_unsplit(sinks):
     chunks that see no key or rows that see keys in some chunks only; row max * unit + log_sum
     is lse."""
     from pallas_flash import masks
-    from pallas_flash._vjp import KernelConfig
+    from pallas_flash._passes import KernelConfig
     from pallas_flash.masks import MaskArrays, MaskSpec
     from pallas_flash.triton import flash_forward
 

@@ -7,7 +7,7 @@ call may not do goes through the API."""
 from __future__ import annotations
 
 from pallas_flash import mosaic
-from pallas_flash._vjp import KernelConfig
+from pallas_flash._passes import KernelConfig
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.triton import BlockSizes
 

@@ -3,7 +3,7 @@ takes: the arrays, the mask's arrays (and sinks), and the call's `KernelConfig`.
 
 `_vjp` hands `forward` and `backward` to `_partition.partitioned`, which runs them on each
 device's batch entries and heads; they call the wrappers that the config names
-(`triton.flash_forward`, `mosaic.flash_forward`, `triton.decode.few_token_forward`;
+(`triton.flash_forward`, `mosaic.flash_forward`, `triton.few_tokens.few_token_forward`;
 `triton.flash_backward`, `mosaic.flash_backward`) and nothing above them. What they add around
 the wrappers: the Triton forward's row max where the Triton backward reads it
 (`takes_row_max`), one head dim for the Triton backward, and a key-broadcast bias's gradient
@@ -23,7 +23,7 @@ from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import BackwardTiles, ForwardTiles
 from pallas_flash.triton import BlockSizes
-from pallas_flash.triton.decode import few_token_forward
+from pallas_flash.triton.few_tokens import few_token_forward
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -8,8 +8,8 @@ and returns the `KernelConfig` that `_vjp` runs (through `_passes`), or None for
 With backend=None on a GPU of compute capability >= 8.0 ("xla" for float64 inputs, as on a CPU:
 `kernel_backend`):
 
-- Forward: the decode kernel (flash-decoding, `triton.decode.few_token_forward`) for a few
-  query tokens over a longer key sequence (`few_tokens_on_decode`), in the interpreter too;
+- Forward: the decode kernel (flash-decoding, `triton.few_tokens.few_token_forward`) for a
+  few query tokens over a longer key sequence (`few_tokens_on_decode`), in the interpreter too;
   else the Mosaic GPU forward on Hopper when it runs the call, its grid fills the GPU (else
   Triton's split-KV forward does better), the user gave no `block_sizes`, and its lengths are
   whole tiles or both at least MOSAIC_RAGGED_MIN_LEN; else Triton.

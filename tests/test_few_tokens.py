@@ -1,5 +1,5 @@
 """`flash_attention` with a few query tokens over a longer key sequence: the default dispatch runs
-its forward on the decode kernel (`dispatch.few_tokens_on_decode`, `triton.decode.
+its forward on the decode kernel (`dispatch.few_tokens_on_decode`, `triton.few_tokens.
 few_token_forward`), in the interpreter as on the GPU, and its backward on the flash backward.
 
 Against the float64 oracle (support.oracle.attention_oracle_f64; support.tolerance's rule: twice the

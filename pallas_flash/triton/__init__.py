@@ -2,7 +2,7 @@
 interpreter on any host).
 
 What the dispatch (`pallas_flash.dispatch`) reads of this backend: why it cannot run on a device
-(it runs every call), why the decode kernel cannot run a call's forward (`decode.py`'s
+(it runs every call), why the decode kernel cannot run a call's forward (`few_tokens.py`'s
 `few_token_forward`), its tile classes and a call's default tiles (`tiles.py`: the shipped
 tables and heuristics; the dispatch looks the autotune cache up first), and the two passes.
 """
@@ -13,7 +13,7 @@ from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.triton import tiles
 from pallas_flash.triton.backward import flash_backward
-from pallas_flash.triton.decode import why_not_few_token_forward
+from pallas_flash.triton.few_tokens import why_not_few_token_forward
 from pallas_flash.triton.forward import choose_kv_splits, flash_forward
 from pallas_flash.triton.tiles import (
     BlockSizes,

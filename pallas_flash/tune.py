@@ -355,24 +355,28 @@ def _max_error(attention, q_shape, kv_shape, dtype, *, is_causal: bool) -> float
     )
 
 
-def tune_class(shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopper, log):
+def tune_class(
+    shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopper, log, triton_tiles=True
+):
     """The tuned entry of one shape class on this GPU, or None when the Triton winner's error
     exceeds `tolerance`. On Hopper the Mosaic tiles join the entry when their winner's error
-    is within it (else the entry keeps the Mosaic kernels' defaults)."""
-    start = triton.tiles.heuristic_block_sizes(head_dim, shape_class.dtype)
-    best, best_ms = search(start, shape_class.head_dim, _gpu_measure(shape_class, log))
-    err = max_error(best, shape_class)
-    log(
-        dict(
-            shape_class=shape_class.key(),
-            best=dataclasses.asdict(best),
-            ms=best_ms,
-            max_err=err,
-            kept=err <= tolerance,
+    is within it (else the entry keeps the Mosaic kernels' defaults). triton_tiles=False
+    keeps the Triton heuristics and searches the Mosaic tiles only (Hopper)."""
+    best = triton.tiles.heuristic_block_sizes(head_dim, shape_class.dtype)
+    if triton_tiles or not hopper:
+        best, best_ms = search(best, shape_class.head_dim, _gpu_measure(shape_class, log))
+        err = max_error(best, shape_class)
+        log(
+            dict(
+                shape_class=shape_class.key(),
+                best=dataclasses.asdict(best),
+                ms=best_ms,
+                max_err=err,
+                kept=err <= tolerance,
+            )
         )
-    )
-    if err > tolerance:
-        return None
+        if err > tolerance:
+            return None
     if not hopper:
         return TunedEntry(best)
     tuned, tuned_ms = search_mosaic(
@@ -408,6 +412,12 @@ def main(argv=None):
         default=0.1,
         help="largest |error| against the f32 reference a winner may have",
     )
+    parser.add_argument(
+        "--mosaic-only",
+        action="store_true",
+        help="Hopper: search the Mosaic kernels' tiles only (the Triton tiles keep their "
+        "heuristics)",
+    )
     args = parser.parse_args(argv)
 
     device = Device.current()
@@ -435,7 +445,14 @@ def main(argv=None):
                     masked=False,
                     seq=seq,
                 )
-                entry = tune_class(shape_class, h, args.tolerance, hopper=hopper, log=log)
+                entry = tune_class(
+                    shape_class,
+                    h,
+                    args.tolerance,
+                    hopper=hopper,
+                    log=log,
+                    triton_tiles=not args.mosaic_only,
+                )
                 if entry is not None:
                     found[shape_class] = entry
     tune_cache.save_tuned(kind, found, args.cache)

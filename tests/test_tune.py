@@ -288,6 +288,28 @@ def test_tune_class_adds_mosaic_tiles_on_hopper_within_tolerance(monkeypatch):
     assert all("shape_class" in row for row in log)
 
 
+def test_tune_class_mosaic_only_keeps_the_triton_heuristics(monkeypatch):
+    """--mosaic-only: no Triton candidate is measured; the entry holds the Triton heuristics
+    and the Mosaic winner (off Hopper the Triton search runs as before)."""
+    cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=False, masked=False, seq="long")
+    triton_calls = []
+
+    def counting_measure(bs, pass_):
+        triton_calls.append(bs)
+        return fake_measure(bs, pass_)
+
+    monkeypatch.setattr(tune, "_gpu_measure", lambda shape_class, log: counting_measure)
+    monkeypatch.setattr(tune, "_gpu_measure_mosaic", lambda *a: fake_mosaic_measure)
+    monkeypatch.setattr(tune, "max_error", lambda bs, shape_class: 0.01)
+    monkeypatch.setattr(tune, "mosaic_max_error", lambda tuned, c, bs: 0.01)
+    entry = tune.tune_class(cls, 128, 0.1, hopper=True, log=[].append, triton_tiles=False)
+    assert triton_calls == []
+    assert entry.block_sizes == tiles.heuristic_block_sizes(128, "bfloat16")
+    assert entry.mosaic_backward == mosaic.BackwardTiles(block_kv_dq=128)
+    tune.tune_class(cls, 128, 0.1, hopper=False, log=[].append, triton_tiles=False)
+    assert triton_calls
+
+
 @long_only
 def test_mosaic_max_error_runs_the_tuned_kernels_interpreted():
     """The tuner's check of a Mosaic winner: the forward with the tuned tiles and the Mosaic

@@ -155,23 +155,34 @@ def search(start: BlockSizes, head_dim: int, measure) -> tuple[BlockSizes, dict]
 
 def search_mosaic(head_dim: int, measure) -> tuple[MosaicTiles, dict]:
     """Greedy search of the Mosaic kernels' tiles (Hopper): forward tiles on "fwd", then, at
-    the head dims with backward candidates (MOSAIC_BACKWARD), backward tiles on "fwd+bwd" with
-    the best forward.
+    the head dims with backward candidates (MOSAIC_BACKWARD, each also with the fixed-point
+    fused dQ), backward tiles on "fwd+bwd" with the best forward.
 
     measure(forward_tiles, backward_tiles, pass_) -> milliseconds, or None when the candidate
     fails or does not apply. Returns the best tiles (None fields: the kernel's defaults) and
     {pass: best ms}.
     """
 
-    def variants(table, tile_type, field):
-        return lambda best: (
-            dataclasses.replace(best, **{field: None if f is None else tile_type(**f)})
-            for f in table.get(head_dim, [])
-        )
+    def variants(table, tile_type, field, twins=lambda tiles: ()):
+        def of(best):
+            for fields in table.get(head_dim, []):
+                tiles = None if fields is None else tile_type(**fields)
+                for each in (tiles, *twins(tiles)):
+                    yield dataclasses.replace(best, **{field: each})
+
+        return of
+
+    def fixed_dq(tiles):
+        """The backward's candidate with dQ summed as integers in its dK/dV kernel (the
+        deterministic default's fused form where dispatch.fixed_dq_is_faster): tiles given
+        in full replace the dispatch's choice, so each candidate is measured both ways."""
+        if tiles is None:
+            return ()
+        return (dataclasses.replace(tiles, fused_dq="fixed", step_descriptors=head_dim > 64),)
 
     phases = [
         ("fwd", variants(MOSAIC_FORWARD, mosaic.ForwardTiles, "forward")),
-        ("fwd+bwd", variants(MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward")),
+        ("fwd+bwd", variants(MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward", fixed_dq)),
     ]
     return _greedy(
         MosaicTiles(), phases, lambda tiles, pass_: measure(tiles.forward, tiles.backward, pass_)

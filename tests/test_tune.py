@@ -207,6 +207,33 @@ def test_search_mosaic_picks_forward_then_backward_tiles(monkeypatch):
     assert best.backward is None and set(ms) == {"fwd"}
 
 
+def test_search_mosaic_measures_each_backward_candidate_with_the_fixed_dq():
+    """Tiles given in full replace the dispatch's fused-dQ choice: each backward candidate is
+    measured as given and with dQ summed as integers in the dK/dV kernel (descriptors rebuilt
+    each step above H=64), and the faster twin wins."""
+    seen = []
+
+    def fixed_wins(forward, backward, pass_):
+        if pass_ == "fwd+bwd":
+            seen.append(backward)
+        if backward is None:
+            return 3.0
+        return 1.0 if backward.fused_dq == "fixed" and backward.num_stages == 3 else 2.0
+
+    best, _ = tune.search_mosaic(128, fixed_wins)
+    assert best.backward == mosaic.BackwardTiles(
+        num_stages=3, fused_dq="fixed", step_descriptors=True
+    )
+    given = [f for f in tune.MOSAIC_BACKWARD[128] if f is not None]
+    assert len(seen) == 1 + 2 * len(given)
+    for fields in given:
+        assert mosaic.BackwardTiles(**fields) in seen
+        assert mosaic.BackwardTiles(**fields, fused_dq="fixed", step_descriptors=True) in seen
+    seen.clear()
+    tune.search_mosaic(64, fixed_wins)
+    assert all(t is None or not t.step_descriptors for t in seen)
+
+
 def test_search_mosaic_keeps_the_defaults_when_they_win():
     def defaults_win(forward, backward, pass_):
         return 1.0 if (forward, backward) == (None, None) else 2.0

@@ -155,23 +155,34 @@ def search(start: BlockSizes, head_dim: int, measure) -> tuple[BlockSizes, dict]
 
 def search_mosaic(head_dim: int, measure) -> tuple[MosaicTiles, dict]:
     """Greedy search of the Mosaic kernels' tiles (Hopper): forward tiles on "fwd", then, at
-    the head dims with backward candidates (MOSAIC_BACKWARD), backward tiles on "fwd+bwd" with
-    the best forward.
+    the head dims with backward candidates (MOSAIC_BACKWARD, each also with the fixed-point
+    fused dQ), backward tiles on "fwd+bwd" with the best forward.
 
     measure(forward_tiles, backward_tiles, pass_) -> milliseconds, or None when the candidate
     fails or does not apply. Returns the best tiles (None fields: the kernel's defaults) and
     {pass: best ms}.
     """
 
-    def variants(table, tile_type, field):
-        return lambda best: (
-            dataclasses.replace(best, **{field: None if f is None else tile_type(**f)})
-            for f in table.get(head_dim, [])
-        )
+    def variants(table, tile_type, field, twins=lambda tiles: ()):
+        def of(best):
+            for fields in table.get(head_dim, []):
+                tiles = None if fields is None else tile_type(**fields)
+                for each in (tiles, *twins(tiles)):
+                    yield dataclasses.replace(best, **{field: each})
+
+        return of
+
+    def fixed_dq(tiles):
+        """The backward's candidate with dQ summed as integers in its dK/dV kernel (the
+        deterministic default's fused form where dispatch.fixed_dq_is_faster): tiles given
+        in full replace the dispatch's choice, so each candidate is measured both ways."""
+        if tiles is None:
+            return ()
+        return (dataclasses.replace(tiles, fused_dq="fixed", step_descriptors=head_dim > 64),)
 
     phases = [
         ("fwd", variants(MOSAIC_FORWARD, mosaic.ForwardTiles, "forward")),
-        ("fwd+bwd", variants(MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward")),
+        ("fwd+bwd", variants(MOSAIC_BACKWARD, mosaic.BackwardTiles, "backward", fixed_dq)),
     ]
     return _greedy(
         MosaicTiles(), phases, lambda tiles, pass_: measure(tiles.forward, tiles.backward, pass_)
@@ -355,24 +366,28 @@ def _max_error(attention, q_shape, kv_shape, dtype, *, is_causal: bool) -> float
     )
 
 
-def tune_class(shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopper, log):
+def tune_class(
+    shape_class: ShapeClass, head_dim: int, tolerance: float, *, hopper, log, triton_tiles=True
+):
     """The tuned entry of one shape class on this GPU, or None when the Triton winner's error
     exceeds `tolerance`. On Hopper the Mosaic tiles join the entry when their winner's error
-    is within it (else the entry keeps the Mosaic kernels' defaults)."""
-    start = triton.tiles.heuristic_block_sizes(head_dim, shape_class.dtype)
-    best, best_ms = search(start, shape_class.head_dim, _gpu_measure(shape_class, log))
-    err = max_error(best, shape_class)
-    log(
-        dict(
-            shape_class=shape_class.key(),
-            best=dataclasses.asdict(best),
-            ms=best_ms,
-            max_err=err,
-            kept=err <= tolerance,
+    is within it (else the entry keeps the Mosaic kernels' defaults). triton_tiles=False
+    keeps the Triton heuristics and searches the Mosaic tiles only (Hopper)."""
+    best = triton.tiles.heuristic_block_sizes(head_dim, shape_class.dtype)
+    if triton_tiles or not hopper:
+        best, best_ms = search(best, shape_class.head_dim, _gpu_measure(shape_class, log))
+        err = max_error(best, shape_class)
+        log(
+            dict(
+                shape_class=shape_class.key(),
+                best=dataclasses.asdict(best),
+                ms=best_ms,
+                max_err=err,
+                kept=err <= tolerance,
+            )
         )
-    )
-    if err > tolerance:
-        return None
+        if err > tolerance:
+            return None
     if not hopper:
         return TunedEntry(best)
     tuned, tuned_ms = search_mosaic(
@@ -408,6 +423,12 @@ def main(argv=None):
         default=0.1,
         help="largest |error| against the f32 reference a winner may have",
     )
+    parser.add_argument(
+        "--mosaic-only",
+        action="store_true",
+        help="Hopper: search the Mosaic kernels' tiles only (the Triton tiles keep their "
+        "heuristics)",
+    )
     args = parser.parse_args(argv)
 
     device = Device.current()
@@ -435,7 +456,14 @@ def main(argv=None):
                     masked=False,
                     seq=seq,
                 )
-                entry = tune_class(shape_class, h, args.tolerance, hopper=hopper, log=log)
+                entry = tune_class(
+                    shape_class,
+                    h,
+                    args.tolerance,
+                    hopper=hopper,
+                    log=log,
+                    triton_tiles=not args.mosaic_only,
+                )
                 if entry is not None:
                     found[shape_class] = entry
     tune_cache.save_tuned(kind, found, args.cache)

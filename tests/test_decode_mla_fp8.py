@@ -319,11 +319,12 @@ def test_speculative_default_tiles():
 
 
 def test_default_tiles():
-    """The GPU's default tiles (ptxas' reading for sm_90a, no spills): MLA's 128 heads in
-    64-row tiles of 32 keys in 8 warps, 16 heads in 16-row tiles of 64 keys in 4 warps; float8
-    caches take the bfloat16 tiles in twice the stages; the ragged kernel over MLA's latent
-    cache keeps its prefill tiles at 64 rows (a 128-row tile's 512 accumulator columns would
-    not fit the registers) and its decode tiles at the group's rows."""
+    """The GPU's default tiles: MLA's 128 heads in 64-row tiles of 64 keys in 8 warps (32
+    keys over a float8 latent cache, whose 64-key tiles overflow shared memory), 16 heads in
+    16-row tiles of 64 keys in 4 warps; float8 caches take the bfloat16 tiles in twice the
+    stages; the ragged kernel over MLA's latent cache keeps its prefill tiles at 64 rows (a
+    128-row tile's 512 accumulator columns would not fit the registers) and its decode tiles at
+    the group's rows."""
     from pallas_flash.triton.cache import CacheFormat
     from pallas_flash.triton.decode import decode_block_sizes
     from pallas_flash.triton.ragged import ragged_block_sizes
@@ -336,7 +337,10 @@ def test_default_tiles():
             (64, 1, n, h), k, 4096, bf16, interpret=False, fmt=fmt, cache_dtype=cache_dtype
         )
 
-    assert tiles(128, mla) == DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8)
+    assert tiles(128, mla) == DecodeBlockSizes(block_m=64, block_kv=64, num_warps=8)
+    assert tiles(128, mla, FP8) == DecodeBlockSizes(
+        block_m=64, block_kv=32, num_warps=8, num_stages=4
+    )
     assert tiles(16, mla) == DecodeBlockSizes(block_kv=64, num_warps=4)
     assert tiles(32, mla, FP8) == DecodeBlockSizes(block_kv=64, num_warps=8, num_stages=4)
     assert tiles(32, None, FP8, h=128, k=8) == DecodeBlockSizes(block_kv=64, num_stages=4)
@@ -660,11 +664,12 @@ def test_lowers_for_h200():
     lengths, tables = sds((4,), jnp.int32), sds((4, 40), jnp.int32)
     scale = sds((1,), jnp.float32)
     q = sds((4, 2, 128, 576), bf16)
-    mla = DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8, num_stages=2)
+    mla = DecodeBlockSizes(block_m=64, block_kv=64, num_warps=8, num_stages=2)
+    mla_fp8 = DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8, num_stages=4)
     calls = [  # (tiles, the operands, the scales or (), value_head_dim)
         (mla, (q, sds((4, 2048, 1, 576), bf16), None, lengths, None), (), 512),
         (mla, (q, sds((2000, 16, 1, 576), bf16), None, lengths, tables), (), 512),
-        (mla, (q, sds((700, 64, 1, 576), FP8), None, lengths, tables), (scale, scale), 512),
+        (mla_fp8, (q, sds((700, 64, 1, 576), FP8), None, lengths, tables), (scale, scale), 512),
     ]
     cache = sds((300, 16, 8, 128), FP8)
     per_head = (sds((8,), jnp.float32),) * 2
@@ -715,6 +720,8 @@ GPU_CASES = [
     # DeepSeek's MLA decode: 128 heads on one latent head of 576, values 512, T = 1 and 2.
     Case((3000, 1, 2500, 777), 1, 128, 1, 576, 3072, value_head_dim=512, page=64, dtype="bfloat16"),
     Case((3000, 45), 2, 128, 1, 576, 3000, value_head_dim=512, dtype="bfloat16"),
+    # 64-key tiles gathered from pages of 16.
+    Case((3000, 45), 1, 128, 1, 576, 3008, value_head_dim=512, page=16, dtype="bfloat16"),
     Case(
         (3000, 45),
         1,

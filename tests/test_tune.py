@@ -207,6 +207,33 @@ def test_search_mosaic_picks_forward_then_backward_tiles(monkeypatch):
     assert best.backward is None and set(ms) == {"fwd"}
 
 
+def test_search_mosaic_measures_each_backward_candidate_with_the_fixed_dq():
+    """Tiles given in full replace the dispatch's fused-dQ choice: each backward candidate is
+    measured as given and with dQ summed as integers in the dK/dV kernel (descriptors rebuilt
+    each step above H=64), and the faster twin wins."""
+    seen = []
+
+    def fixed_wins(forward, backward, pass_):
+        if pass_ == "fwd+bwd":
+            seen.append(backward)
+        if backward is None:
+            return 3.0
+        return 1.0 if backward.fused_dq == "fixed" and backward.num_stages == 3 else 2.0
+
+    best, _ = tune.search_mosaic(128, fixed_wins)
+    assert best.backward == mosaic.BackwardTiles(
+        num_stages=3, fused_dq="fixed", step_descriptors=True
+    )
+    given = [f for f in tune.MOSAIC_BACKWARD[128] if f is not None]
+    assert len(seen) == 1 + 2 * len(given)
+    for fields in given:
+        assert mosaic.BackwardTiles(**fields) in seen
+        assert mosaic.BackwardTiles(**fields, fused_dq="fixed", step_descriptors=True) in seen
+    seen.clear()
+    tune.search_mosaic(64, fixed_wins)
+    assert all(t is None or not t.step_descriptors for t in seen)
+
+
 def test_search_mosaic_keeps_the_defaults_when_they_win():
     def defaults_win(forward, backward, pass_):
         return 1.0 if (forward, backward) == (None, None) else 2.0
@@ -286,6 +313,28 @@ def test_tune_class_adds_mosaic_tiles_on_hopper_within_tolerance(monkeypatch):
     entry = tune.tune_class(cls, 128, 0.1, hopper=False, log=log.append)
     assert (entry.mosaic_forward, entry.mosaic_backward) == (None, None)
     assert all("shape_class" in row for row in log)
+
+
+def test_tune_class_mosaic_only_keeps_the_triton_heuristics(monkeypatch):
+    """--mosaic-only: no Triton candidate is measured; the entry holds the Triton heuristics
+    and the Mosaic winner (off Hopper the Triton search runs as before)."""
+    cls = ShapeClass(dtype="bfloat16", head_dim=128, is_causal=False, masked=False, seq="long")
+    triton_calls = []
+
+    def counting_measure(bs, pass_):
+        triton_calls.append(bs)
+        return fake_measure(bs, pass_)
+
+    monkeypatch.setattr(tune, "_gpu_measure", lambda shape_class, log: counting_measure)
+    monkeypatch.setattr(tune, "_gpu_measure_mosaic", lambda *a: fake_mosaic_measure)
+    monkeypatch.setattr(tune, "max_error", lambda bs, shape_class: 0.01)
+    monkeypatch.setattr(tune, "mosaic_max_error", lambda tuned, c, bs: 0.01)
+    entry = tune.tune_class(cls, 128, 0.1, hopper=True, log=[].append, triton_tiles=False)
+    assert triton_calls == []
+    assert entry.block_sizes == tiles.heuristic_block_sizes(128, "bfloat16")
+    assert entry.mosaic_backward == mosaic.BackwardTiles(block_kv_dq=128)
+    tune.tune_class(cls, 128, 0.1, hopper=False, log=[].append, triton_tiles=False)
+    assert triton_calls
 
 
 @long_only

@@ -257,14 +257,15 @@ def _format_fns(case, *, interpret: bool):
 
 
 def alternative_tiles(case) -> pallas_flash.DecodeBlockSizes | None:
-    """Tiles beside the defaults where ptxas' reading chose them unmeasured (`pallas_flash_alt`
-    rows): a latent cache's 64-key tiles in 8 warps (from 64 packed rows: 216 KiB, a few
-    spills) or 32-key tiles in 8 warps (fewer rows); a float8 cache's tiles in the bfloat16
-    defaults' 2 stages (not doubled)."""
+    """Tiles beside the defaults (`pallas_flash_alt` rows): over a latent cache from 64 packed
+    rows the tiles of the other key width (32 keys for a bfloat16 cache, 64 for float8, which
+    may not fit), 32-key tiles in 8 warps for fewer rows; a float8 cache's tiles in the
+    bfloat16 defaults' 2 stages (not doubled)."""
     rows = case["T"] * case["N"] // case["K"]
     if case.get("hv"):
         if rows >= 64:
-            return pallas_flash.DecodeBlockSizes(block_m=64, block_kv=64, num_warps=8)
+            block_kv = 64 if case.get("cache") else 32
+            return pallas_flash.DecodeBlockSizes(block_m=64, block_kv=block_kv, num_warps=8)
         return pallas_flash.DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8)
     if case.get("cache"):
         return pallas_flash.DecodeBlockSizes(block_kv=128 if case["page"] == 128 else 64)

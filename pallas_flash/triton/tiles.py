@@ -384,26 +384,31 @@ def default_decode_block_sizes(
     fmt: the cache's `triton.cache.CacheFormat` (None: keys and values of their own). A shared
     latent cache with values wider than 256 columns (MLA's 512 + 64) takes, from 64 packed rows
     (MLA's 128 heads), 64-row tiles in 8 warps (two warpgroups share the 64 x 512 float32
-    accumulator: 128 registers a thread) over 32-key tiles in 2 stages (a 64 x 576 query tile
-    and two 32 x 576 key tiles: 144 KiB of shared memory in bfloat16; 255 registers, no spill);
-    fewer rows (16 or 32 heads a device under tensor parallelism: memory-bound) take 64-key
-    tiles in 2 stages, in 4 warps up to 16 rows (128 registers, 92 KiB) and 8 above (149
-    registers, 112 KiB): ptxas' reading for sm_90a (benchmarks/triton_ir.py), unmeasured.
+    accumulator: 128 registers a thread) over 64-key tiles in 2 stages (216 KiB of shared
+    memory in bfloat16, a few spills: 1.32-1.45x faster than 32-key tiles on the H100,
+    docs/notes/decode.md, "MLA, float8 caches and speculative tokens"); a float8 latent cache
+    keeps 32-key tiles there (64-key tiles ask for more shared memory than an SM has). Fewer
+    rows (16 or 32 heads a device under tensor parallelism: memory-bound) take 64-key tiles in
+    2 stages, in 4 warps up to 16 rows and 8 above (32-key tiles measured 0.64-0.86x of them).
 
     cache_dtype float8 keeps the tiles of the queries' dtype and doubles their stages (to 4 at
     most): the same bytes in flight from tiles of half the bytes (unmeasured)."""
     if interpret:
         return _DECODE_INTERPRET
-    tiles = _decode_tiles(head_dim, dtype, page_size, rows, fmt)
-    if cache_dtype is not None and jnp.dtype(cache_dtype).itemsize == 1:
+    float8 = cache_dtype is not None and jnp.dtype(cache_dtype).itemsize == 1
+    tiles = _decode_tiles(head_dim, dtype, page_size, rows, fmt, float8=float8)
+    if float8:
         tiles = dataclasses.replace(tiles, num_stages=min(4, 2 * tiles.num_stages))
     return tiles
 
 
-def _decode_tiles(head_dim: int, dtype, page_size, rows: int, fmt) -> DecodeBlockSizes:
+def _decode_tiles(
+    head_dim: int, dtype, page_size, rows: int, fmt, *, float8: bool
+) -> DecodeBlockSizes:
     if fmt is not None and fmt.shared and padded_head_dim(fmt.value_head_dim) > 256:
         if rows >= 64:
-            return DecodeBlockSizes(block_m=64, block_kv=32, num_warps=8, num_stages=2)
+            block_kv = 32 if float8 else 64
+            return DecodeBlockSizes(block_m=64, block_kv=block_kv, num_warps=8, num_stages=2)
         return DecodeBlockSizes(block_kv=64, num_warps=4 if rows <= 16 else 8, num_stages=2)
     wide = padded_head_dim(head_dim) > 128 or jnp.dtype(dtype) == jnp.float32
     if wide:

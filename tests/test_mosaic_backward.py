@@ -193,7 +193,7 @@ def test_lowers_with_masks(p, options, tiles):
     assert custom_call_targets(lowered.as_text()) == ["mosaic_gpu_v2", "mosaic_gpu_v2"]
 
 
-# Tiles other than the defaults that fit the register budget of `mosaic.backward.why_not`;
+# Tiles other than the defaults that fit the register budget of `mosaic.backward_tiles.why_not`;
 # dK/dV consumers split by accumulator at H 64 and 128 too (128-row streamed tiles fit there),
 # and at H=192 with one dQ consumer and a third stage.
 OTHER_TILES = [

@@ -260,9 +260,8 @@ def test_mosaic_candidates_are_tiles_the_grid_shapes_take(head_dim, seq):
     assert taken[0] and sum(taken) >= len(taken) - 1, list(zip(forward, taken))
     for fields in tune.MOSAIC_BACKWARD.get(head_dim, []):
         tiles = None if fields is None else mosaic.BackwardTiles(**fields)
-        assert (
-            mosaic.backward.why_not(shape, shape, jnp.bfloat16, is_causal=True, tiles=tiles) is None
-        )
+        why_not = mosaic.backward_tiles.why_not
+        assert why_not(shape, shape, jnp.bfloat16, is_causal=True, tiles=tiles) is None
 
 
 def test_cache_round_trip_with_mosaic_tiles(tune_cache_path):

@@ -131,7 +131,7 @@ def compile_case(name):
         timed_fn(lambda q, k, v: fn(q, k, v)[0], "fwd").lower(q, kk, v, do).compile()
         return
     if "tiles" in kwargs:
-        from experiments import mosaic_attention
+        from experiment_families.mosaic_backward import mosaic_attention
 
         from pallas_flash.mosaic import BackwardTiles
 

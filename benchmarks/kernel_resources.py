@@ -124,7 +124,7 @@ def compile_case(name):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)
     if "forward_tiles" in kwargs:
-        from experiments import mosaic_forward_call
+        from experiment_families.common import mosaic_forward_call
 
         from pallas_flash.mosaic import ForwardTiles
 
@@ -133,7 +133,7 @@ def compile_case(name):
         timed_fn(lambda q, k, v: fn(q, k, v)[0], "fwd").lower(q, kk, v, do).compile()
         return
     if "tiles" in kwargs:
-        from experiments import mosaic_attention
+        from experiment_families.mosaic_backward import mosaic_attention
 
         from pallas_flash.mosaic import BackwardTiles
 

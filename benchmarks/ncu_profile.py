@@ -18,7 +18,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from experiments import mosaic_backward_call, mosaic_forward_call
+from experiment_families.common import mosaic_backward_call, mosaic_forward_call
 
 from pallas_flash import bench, mosaic
 from pallas_flash.bench import decode as decode_suite

@@ -85,7 +85,7 @@ def time_points(producer, kernels, out_path):
     from pallas_flash.mosaic import BackwardTiles
 
     patch(producer, kernels)
-    from experiments import mosaic_attention
+    from experiment_families.mosaic_backward import mosaic_attention
 
     with open(out_path, "a") as out:
         for h, t, causal, pass_, fused in TIMING_POINTS:

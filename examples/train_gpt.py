@@ -202,7 +202,7 @@ def model_flops_per_step(cfg: GPTConfig, params: int, batch: int) -> float:
     return 6.0 * params * tokens + 12.0 * cfg.layers * cfg.hidden * cfg.seq * tokens
 
 
-def main(argv=None):
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--attention", choices=["pallas_flash", "cudnn", "xla"], default="pallas_flash"
@@ -237,11 +237,14 @@ def main(argv=None):
         "sizes' product must be the device count",
     )
     parser.add_argument("--out", help="JSONL file for the per-step log")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def checked_config(parser, args) -> tuple[GPTConfig, int]:
+    """The preset with --seq and --kv-heads applied, and the mesh's context size; every
+    argument's rule checked (parser.error) before jax sees an array."""
     cfg = PRESETS[args.preset]
     cfg = dataclasses.replace(cfg, seq=args.seq or cfg.seq, kv_heads=args.kv_heads or cfg.kv_heads)
-    # The arguments' rules, checked before jax sees an array.
     if args.steps < 1:
         parser.error(f"--steps {args.steps} must be at least 1")
     if args.batch < 1 or cfg.seq < 1:
@@ -261,6 +264,13 @@ def main(argv=None):
         parser.error(f"--seq {cfg.seq} must be a multiple of 2 x context={context}")
     if cfg.kv_heads % model_shards:
         parser.error(f"--kv-heads {cfg.kv_heads} must divide over the mesh's model={model_shards}")
+    return cfg, context
+
+
+def main(argv=None):
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    cfg, context = checked_config(parser, args)
     on_gpu = (gpu_compute_capability() or (0, 0)) >= (8, 0)
     if not on_gpu and args.attention == "cudnn":
         parser.error("--attention cudnn needs an NVIDIA GPU")

@@ -161,6 +161,19 @@ def flash_attention(
         deterministic_grads=deterministic_grads,
     )
     _check_sinks(sinks, call.query.shape[2])
+    out, lse, log_sum = _attend(call, sinks, return_log_sum)
+    if call.unbatched:
+        out, lse, log_sum = out[0], lse[0], None if log_sum is None else log_sum[0]
+    if not return_residuals:
+        return out
+    if return_log_sum:
+        return out, lse, jax.lax.stop_gradient(log_sum)
+    return out, lse
+
+
+def _attend(call: _Call, sinks, return_log_sum: bool):
+    """(out, lse, log_sum) of a planned call (log_sum None unless return_log_sum on the
+    kernels' path): the reference where `call.config` is None, else the kernels."""
     if call.config is None:
         results = reference_attention_vjp(
             call.query, call.key, call.value, call.bias, call.arrays, call.spec, call.scale,
@@ -191,13 +204,7 @@ def flash_attention(
             call.query, call.key, call.value, call.bias, call.arrays, call.config, *sink_args
         )
         log_sum = log_sum[0] if log_sum else None
-    if call.unbatched:
-        out, lse, log_sum = out[0], lse[0], None if log_sum is None else log_sum[0]
-    if not return_residuals:
-        return out
-    if return_log_sum:
-        return out, lse, jax.lax.stop_gradient(log_sum)
-    return out, lse
+    return out, lse, log_sum
 
 
 def flash_attention_backward(

@@ -278,6 +278,10 @@ def _mosaic_tiles(call: Call, device: Device, tuned: TunedEntry | None) -> Mosai
         # Mosaic calls carry no bias or dense mask: the unmasked shape class.
         entry = _tuned_entry(call.common_head_dim(), device, masked=False)
         found = MosaicTiles() if entry is None else entry.mosaic
+        # The tuner times the default backward, bitwise deterministic: a call that allows dQ
+        # summed in any order keeps the dispatch's own backward tiles (f32 adds where faster).
+        if not call.deterministic_grads:
+            found = MosaicTiles(found.forward, None)
     else:
         found = tuned.mosaic
     forward, backward = found.forward, found.backward

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flash import api
+
 FP8_DTYPE = jnp.dtype(jnp.float8_e4m3fn)
 # e4m3's largest finite magnitude: quantised values saturate to it.
 FP8_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
@@ -125,19 +127,12 @@ def _check_scale(name, x, num_kv_heads: int):
             f"{name}.shape={tuple(x.shape)} must be () (per tensor) or ({num_kv_heads},) (per "
             "KV head)"
         )
-    concrete = _concrete(x)
+    concrete = api._concrete(x)
     if concrete is not None:
         values = np.asarray(concrete, np.float64)
         if not np.all(np.isfinite(values) & (values > 0)):
             raise ValueError(f"{name}={values.tolist()} must be finite and > 0")
     return jnp.broadcast_to(jnp.asarray(x, jnp.float32), (num_kv_heads,))
-
-
-def _concrete(x):
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
 
 
 # -- the references' dequantisation, and write_to_pages' quantisation -----------------------------

@@ -150,31 +150,41 @@ def ragged_paged_attention(
     if options.backend == "xla":
         out, lse = reference(*args)
     else:
-        block_sizes, num_sms = options.kernel["block_sizes"], options.kernel["num_sms"]
+        block_sizes = options.kernel["block_sizes"]
         if block_sizes is None:
-            block_sizes = ragged_block_sizes(
-                q.shape,
-                batch,
-                k_pages.shape[2],
-                capacity,
-                q.dtype,
-                interpret=options.kernel["interpret"],
-                page_size=page_size,
-                window_left=math_kwargs["window_left"],
-                num_sms=num_sms,
-                fmt=CacheFormat(
-                    q.shape[-1],
-                    cache.value_head_dim or v_pages.shape[-1],
-                    shared=cache.shared,
-                    scaled=cache.k_scale is not None,
-                ),
-                cache_dtype=k_pages.dtype,
+            block_sizes = _default_block_sizes(
+                q, k_pages, v_pages, cache, batch, capacity, options.kernel, math_kwargs
             )
         kernel = functools.partial(
             _ragged_forward, **dict(options.kernel, **math_kwargs, block_sizes=block_sizes)
         )
         out, lse = with_reference_vjp(kernel, reference, *args)
     return (out, lse) if return_residuals else out
+
+
+def _default_block_sizes(
+    q, k_pages, v_pages, cache, batch: int, capacity: int, kernel, math_kwargs
+):
+    """The kernel's tiles where the caller gave none (`ragged_block_sizes`); kernel and
+    math_kwargs: the call's options of the kernel and of the math."""
+    return ragged_block_sizes(
+        q.shape,
+        batch,
+        k_pages.shape[2],
+        capacity,
+        q.dtype,
+        interpret=kernel["interpret"],
+        page_size=k_pages.shape[1],
+        window_left=math_kwargs["window_left"],
+        num_sms=kernel["num_sms"],
+        fmt=CacheFormat(
+            q.shape[-1],
+            cache.value_head_dim or v_pages.shape[-1],
+            shared=cache.shared,
+            scaled=cache.k_scale is not None,
+        ),
+        cache_dtype=k_pages.dtype,
+    )
 
 
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------

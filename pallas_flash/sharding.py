@@ -328,51 +328,23 @@ def ring_attention(
     if num_shards == 1:
         layout = "contiguous"  # the zig-zag order of one shard is the identity
     q_len, kv_len = query.shape[1], key.shape[1]
-    for name, lengths, local, axis in (
-        ("query_seq_lengths", query_seq_lengths, q_len, "query.shape[1]"),
-        ("key_value_seq_lengths", key_value_seq_lengths, kv_len, "key.shape[1]"),
-    ):
-        total = local * num_shards
-        _check_lengths(
-            name,
-            lengths,
-            query.shape[0],
-            total,
-            f"{axis} * axis_size({axis_name!r}) = {local} * {num_shards} = {total}",
-        )
-    if layout == "zigzag" and (q_len != kv_len or q_len % 2):
-        raise ValueError(
-            f"layout='zigzag' needs equal, even local lengths; got query.shape={query.shape}, "
-            f"key.shape={key.shape}"
-        )
-    window = _canonical_window(local_window_size)
-    lo = -window[0] if window is not None else -_UNBOUNDED
-    hi = window[1] if window is not None else _UNBOUNDED
-    if is_causal:
-        hi = min(hi, 0)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-
-    shard = jax.lax.axis_index(axis_name)
-    batch = query.shape[0]
-    segmented = (
-        q_segment_ids is not None
-        or query_seq_lengths is not None
-        or key_value_seq_lengths is not None
+    _check_ring_lengths(
+        query, key, axis_name, num_shards, layout, query_seq_lengths, key_value_seq_lengths
     )
-    q_seg = kv_seg = None
-    if segmented:
-        q_seg, kv_seg = masks.pair_segment_ids(q_segment_ids, kv_segment_ids, q_len, kv_len)
-        if q_seg is None:
-            q_seg = jnp.zeros((batch, q_len), jnp.int32)
-            kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
-        q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
-        positions = [_positions(layout, shard, num_shards, n) for n in (q_len, kv_len)]
-        if query_seq_lengths is not None:
-            rows = positions[0][None, :] < jnp.asarray(query_seq_lengths)[:, None]
-            q_seg = jnp.where(rows, q_seg, masks.PAD_Q_SEGMENT)
-        if key_value_seq_lengths is not None:
-            keys = positions[1][None, :] < jnp.asarray(key_value_seq_lengths)[:, None]
-            kv_seg = jnp.where(keys, kv_seg, masks.PAD_KV_SEGMENT)
+    lo, hi = _diagonal_bounds(local_window_size, is_causal)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    q_seg, kv_seg = _ring_segment_ids(
+        layout,
+        jax.lax.axis_index(axis_name),
+        num_shards,
+        query.shape[0],
+        q_len,
+        kv_len,
+        q_segment_ids,
+        kv_segment_ids,
+        query_seq_lengths,
+        key_value_seq_lengths,
+    )
 
     def block_options(qs, ks, window_):
         """flash_attention's options for one block's mask. A window closed on the right at the
@@ -433,6 +405,79 @@ def ring_attention(
         # the result depends on it only through that rounding (its derivatives cancel).
         out, lse = with_sinks(out, lse, sinks, jax.lax.stop_gradient(log_sum))
     return (out, lse) if return_residuals else out
+
+
+def _check_ring_lengths(
+    query, key, axis_name, num_shards: int, layout: str, query_seq_lengths, key_value_seq_lengths
+):
+    """The global sequence lengths against the ring's P local blocks, and zig-zag's equal, even
+    local lengths."""
+    q_len, kv_len = query.shape[1], key.shape[1]
+    for name, lengths, local, axis in (
+        ("query_seq_lengths", query_seq_lengths, q_len, "query.shape[1]"),
+        ("key_value_seq_lengths", key_value_seq_lengths, kv_len, "key.shape[1]"),
+    ):
+        total = local * num_shards
+        _check_lengths(
+            name,
+            lengths,
+            query.shape[0],
+            total,
+            f"{axis} * axis_size({axis_name!r}) = {local} * {num_shards} = {total}",
+        )
+    if layout == "zigzag" and (q_len != kv_len or q_len % 2):
+        raise ValueError(
+            f"layout='zigzag' needs equal, even local lengths; got query.shape={query.shape}, "
+            f"key.shape={key.shape}"
+        )
+
+
+def _diagonal_bounds(local_window_size, is_causal: bool) -> tuple[int, int]:
+    """(lo, hi): query i sees keys j with lo <= j - i <= hi (global positions); +-_UNBOUNDED
+    where nothing bounds that side."""
+    window = _canonical_window(local_window_size)
+    lo = -window[0] if window is not None else -_UNBOUNDED
+    hi = window[1] if window is not None else _UNBOUNDED
+    if is_causal:
+        hi = min(hi, 0)
+    return lo, hi
+
+
+def _ring_segment_ids(
+    layout,
+    shard,
+    num_shards: int,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    q_segment_ids,
+    kv_segment_ids,
+    query_seq_lengths,
+    key_value_seq_lengths,
+):
+    """(q_seg, kv_seg) int32 of this shard's blocks, or (None, None) without segment ids or
+    lengths: the lengths (global) folded in as padding segments at the shard's global
+    positions."""
+    segmented = (
+        q_segment_ids is not None
+        or query_seq_lengths is not None
+        or key_value_seq_lengths is not None
+    )
+    if not segmented:
+        return None, None
+    q_seg, kv_seg = masks.pair_segment_ids(q_segment_ids, kv_segment_ids, q_len, kv_len)
+    if q_seg is None:
+        q_seg = jnp.zeros((batch, q_len), jnp.int32)
+        kv_seg = jnp.zeros((batch, kv_len), jnp.int32)
+    q_seg, kv_seg = jnp.asarray(q_seg, jnp.int32), jnp.asarray(kv_seg, jnp.int32)
+    positions = [_positions(layout, shard, num_shards, n) for n in (q_len, kv_len)]
+    if query_seq_lengths is not None:
+        rows = positions[0][None, :] < jnp.asarray(query_seq_lengths)[:, None]
+        q_seg = jnp.where(rows, q_seg, masks.PAD_Q_SEGMENT)
+    if key_value_seq_lengths is not None:
+        keys = positions[1][None, :] < jnp.asarray(key_value_seq_lengths)[:, None]
+        kv_seg = jnp.where(keys, kv_seg, masks.PAD_KV_SEGMENT)
+    return q_seg, kv_seg
 
 
 def _check_ring_arrays(fn: str, query, key, value):

@@ -199,7 +199,7 @@ def _experiments():
 
 
 def test_fused_dq_masks_narrow_the_window_to_the_left_when_causal():
-    masks = _experiments()._fused_dq_masks
+    masks = _experiments().mosaic_backward._fused_dq_masks
     assert masks("window:64", 2, 256, causal=True) == (
         dict(window=(64, 0)),
         dict(local_window_size=(64, 0)),
@@ -242,11 +242,11 @@ def test_persistent_experiment_candidates_are_tiles_the_kernel_takes():
     """benchmarks/experiments.py mosaic-persistent --smoke: both candidates of every case (the
     default tiles, persistent and not, and persistent in the snake order where the causal pairs
     apply) pass `why_not` at the case's shapes."""
-    experiments = _experiments()
+    mosaic_forward = _experiments().mosaic_forward
     out = io.StringIO()
-    experiments.mosaic_persistent(out, smoke=True)
+    mosaic_forward.mosaic_persistent(out, smoke=True)
     rows = [json.loads(line) for line in out.getvalue().splitlines()]
-    assert len(rows) == len(experiments.PERSISTENT_CASES)
+    assert len(rows) == len(mosaic_forward.PERSISTENT_CASES)
     for row in rows:
         assert row["why_not_per_item"] is None and row["why_not_persistent"] is None, row
         assert row.get("why_not_snake") is None, row

@@ -21,12 +21,13 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from support.backends import has_gpu
 
 import pallas_flash
-from pallas_flash import dispatch, mosaic, tune
+from pallas_flash import dispatch, mosaic, tune, tune_cache
 from pallas_flash.call import Call
 from pallas_flash.device import Device, target_device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.triton import BlockSizes
 from pallas_flash.triton.forward import choose_kv_splits, tile_sizes
+from pallas_flash.tune_cache import ShapeClass, TunedEntry
 
 bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -944,3 +945,24 @@ def test_fixed_dq_thresholds_are_the_cards(tune_cache_path, card, fixed):
     config = dispatch.choose(call, Device.of_kind(card, num_sms=132), scale=0.1)
     assert config.backward == "mosaic"
     assert (config.mosaic_backward_tiles.fused_dq == "fixed") == fixed
+
+
+def test_cached_backward_tiles_serve_deterministic_calls_only(tune_cache_path):
+    """An autotune entry's Mosaic backward tiles (measured on the default, deterministic
+    backward) reach the default call; deterministic_grads=False keeps the dispatch's f32-add
+    fused dQ where that is faster."""
+    card = "NVIDIA H100 80GB HBM3"
+    tiles = mosaic.BackwardTiles(block_q_dkv=128, block_q_dq=128)
+    cls = ShapeClass(dtype="bfloat16", head_dim=64, is_causal=False, masked=False, seq="medium")
+    tune_cache.save_tuned(card, {cls: TunedEntry(BlockSizes(), None, tiles)})
+    device = Device.of_kind(card, num_sms=132)
+    call = Call(
+        q_shape=(8, 2048, 32, 64),
+        k_shape=(8, 2048, 32, 64),
+        dtype=jnp.dtype(bf16),
+        spec=MaskSpec(q_len=2048, kv_len=2048),
+    )
+    assert dispatch.choose(call, device, scale=0.1).mosaic_backward_tiles == tiles
+    any_order = dataclasses.replace(call, deterministic_grads=False)
+    chosen = dispatch.choose(any_order, device, scale=0.1).mosaic_backward_tiles
+    assert chosen.fused_dq == "add"

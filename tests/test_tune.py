@@ -178,6 +178,33 @@ def test_shipped_h200_table_is_used_below_the_user_cache(tune_cache_path):
     assert tune_cache.tuned_block_sizes("NVIDIA H200", cls) == mine
 
 
+def test_shipped_h100_table_sets_the_h64_backward_tiles(tune_cache_path):
+    """The H100's shipped entry (docs/notes/tuning.md, "H100"): a plain H=64 call of 2k tokens
+    runs the two-kernel Mosaic backward in 128-row tiles; the causal class and H=128 keep the
+    defaults, and so does deterministic_grads=False (its f32-add fused dQ)."""
+    card = "NVIDIA H100 80GB HBM3"
+    device = Device.of_kind(card, num_sms=132)
+
+    def tiles(head_dim, *, causal=False, **kwargs):
+        shape = (8, 2048, 2048 // head_dim, head_dim)
+        call = Call(
+            q_shape=shape,
+            k_shape=shape,
+            dtype=jnp.dtype(jnp.bfloat16),
+            spec=MaskSpec(q_len=2048, kv_len=2048, is_causal=causal),
+            **kwargs,
+        )
+        return dispatch.choose(call, device, scale=0.1).mosaic_backward_tiles
+
+    assert tiles(64) == mosaic.BackwardTiles(block_q_dkv=128, block_q_dq=128)
+    default = mosaic.BackwardTiles()
+    assert (tiles(64, causal=True).block_q_dkv, tiles(128).block_q_dkv) == (
+        default.block_q_dkv,
+        default.block_q_dkv,
+    )
+    assert tiles(64, deterministic_grads=False).fused_dq == "add"
+
+
 # -- the Mosaic GPU kernels' tiles (Hopper) --------------------------------------------------------
 
 

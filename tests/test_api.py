@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import subprocess
 import sys
 
@@ -174,6 +175,37 @@ def test_backward_errors_quote_the_shapes_passed(no_compute):
     with pytest.raises(ValueError, match=r"log_sum.shape=\(2, 4, 9\) must be \(4, 9\)"):
         pallas_flash.flash_attention_backward(
             q, k, v, out, lse, out, log_sum=np.zeros((2, N, T), np.float32)
+        )
+
+
+@pytest.mark.parametrize(
+    "head_dim, call_kwargs, error, message",
+    [
+        (
+            128,
+            dict(
+                q_segment_ids=np.zeros((1, 128), np.int32),
+                kv_segment_ids=np.zeros((1, 256), np.int32),
+            ),
+            ValueError,
+            re.escape("kv_segment_ids.shape=(1, 256) must be (1, 128)"),
+        ),
+        (128, dict(scale=-0.1), ValueError, "scale=-0.1 must be a finite positive number"),
+        (128, dict(dropout_rate=0.1), ValueError, "dropout_rate=0.1 needs dropout_rng"),
+        (112, {}, NotImplementedError, r"backend='mosaic' does not support .*head_dim=112"),
+    ],
+    ids=["segment-ids", "scale", "dropout-rng", "head-dim"],
+)
+def test_mosaic_calls_are_checked_before_its_wrappers(
+    no_compute, monkeypatch, head_dim, call_kwargs, error, message
+):
+    """The Mosaic wrappers take what api.py and dispatch.py checked: a call for an H200 with
+    backend="mosaic" is refused there, before any kernel is traced."""
+    monkeypatch.setattr(api.device_lib, "target_device", Device.h200)
+    q = jnp.zeros((1, 128, 2, head_dim), jnp.bfloat16)
+    with pytest.raises(error, match=message):
+        jax.eval_shape(
+            lambda q: pallas_flash.flash_attention(q, q, q, backend="mosaic", **call_kwargs), q
         )
 
 

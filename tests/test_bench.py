@@ -587,3 +587,21 @@ def test_a_failing_call_is_a_row_with_its_error():
     with timing.recording_failure(partial, "ms", "tbps"):
         raise RuntimeError("out of memory")
     assert partial == dict(ms=None, tbps=None, error="RuntimeError: out of memory")
+
+
+def test_lowering_dump_writes_each_case_s_programs_and_kernels(tmp_path):
+    """benchmarks/lowering_dump.py (a refactor's before/after proof): a case's StableHLO and its
+    kernel modules for an abstract H200, without locations, the same text when lowered twice."""
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "lowering_dump.py"
+    spec = importlib.util.spec_from_file_location("lowering_dump", path)
+    lowering_dump = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lowering_dump)
+    qkv, options = lowering_dump.CASES["plain_h128"]
+    for out in (tmp_path / "a", tmp_path / "b"):
+        out.mkdir()
+        lowering_dump.run("plain_h128", qkv, options, out)
+    texts = {p.name: p.read_text() for p in (tmp_path / "a").iterdir()}
+    assert {"plain_h128.fwdbwd.hlo.txt", "plain_h128.fwdbwd.kernels.txt"} <= set(texts)
+    assert "// mosaic" in texts["plain_h128.fwdbwd.kernels.txt"]
+    assert "loc(" not in texts["plain_h128.fwdbwd.hlo.txt"]
+    assert texts == {p.name: p.read_text() for p in (tmp_path / "b").iterdir()}

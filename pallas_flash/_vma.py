@@ -49,7 +49,10 @@ def pallas_call(kernel, *, out_shape, interpret=False, **kwargs):
 
     def call(*operands):
         if interpret and varying_axes(*operands):
-            launch = pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, **kwargs)
+            # Typed as varying over no axis, as `unchecked` runs it.
+            launch = pl.pallas_call(
+                kernel, out_shape=typed_like(out_shape), interpret=interpret, **kwargs
+            )
             return vary_like(unchecked(launch)(*operands), *operands)
         typed = typed_like(out_shape, *operands)
         return pl.pallas_call(kernel, out_shape=typed, interpret=interpret, **kwargs)(*operands)
@@ -58,17 +61,24 @@ def pallas_call(kernel, *, out_shape, interpret=False, **kwargs):
 
 
 def unchecked(fn):
-    """fn on operands that vary over no axis, in a shard_map over no further axes with
-    check_vma=False; its results vary over none (callers `vary_like` them).
+    """fn on the operands as on values that vary over no axis; its results vary over none
+    (callers `vary_like` them).
 
     For Pallas' interpreter (`interpret=True`): it lowers the kernel's ops as jax ops on blocks
     of the operands next to the kernel's own constants, which vary over no axis, and under
-    check_vma those ops refuse operands of unequal types (jax 0.11.2 and 0.12.0.1 alike:
-    "Primitive add requires varying manual axes to match"). A kernel compiled for a GPU lowers
-    no jax op and takes the typed launch; so do the Mosaic GPU kernels in jax's Mosaic GPU
-    interpreter, which `plgpu.kernel` traces with check_vma off."""
+    check_vma those ops refuse operands of unequal types ("Primitive add requires varying manual
+    axes to match"). A kernel compiled for a GPU lowers no jax op and takes the typed launch; so
+    do the Mosaic GPU kernels in jax's Mosaic GPU interpreter, which `plgpu.kernel` traces with
+    check_vma off.
+
+    Where every mesh axis is manual, fn is lowered apart (`_exported`): jax (from 0.12.1)
+    refuses a nested shard_map that goes manual over no further axis. Otherwise fn runs in a
+    nested shard_map over the axes not manual yet, with check_vma=False."""
 
     def run(*operands):
+        if jax.sharding.get_abstract_mesh().are_all_axes_manual:
+            return _exported(fn)(*operands)
+
         def body(*operands):
             # Under check_vma=False an op's result varies over no axis: a full slice (exact for
             # any dtype) gives the operands that type.
@@ -84,3 +94,28 @@ def unchecked(fn):
         )(*operands)
 
     return run
+
+
+def _exported(fn):
+    """fn lowered apart (`jax.export`) for operands of these shapes and dtypes that vary over no
+    axis, and called on the operands: jax's call of an exported module takes operands of any
+    type, and its results vary over no axis. Each device runs fn on its own operands, with no
+    collective (fn may sit in a branch that only some devices take). Under jax.vmap, the
+    vmapped fn is lowered apart (an exported call has no batching rule of its own). The bits
+    are the direct call's where jax.export keeps its ops (jax 0.11.2, 0.12.0.1); jax 0.12.1
+    writes `lax.exp2` for an older StableHLO, as exp(x * ln 2), as it does in the partitioned
+    passes (`_partition._exported`)."""
+
+    @jax.custom_batching.custom_vmap
+    def call(*operands):
+        shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands]
+        return jax.export.export(jax.jit(fn))(*shapes).call(*operands)
+
+    @call.def_vmap
+    def _vmap_rule(axis_size, in_batched, *operands):
+        del axis_size
+        axes = tuple(0 if batched else None for batched in in_batched)
+        results = _exported(jax.vmap(fn, in_axes=axes))(*operands)
+        return results, jax.tree.map(lambda _: True, results)
+
+    return call

@@ -322,6 +322,26 @@ if CHILD:
         )
         _assert_close(got, _reference("flash", attn(backend="xla"), q, k, v, ids))
 
+    def test_vmapped_call_in_shard_map():
+        """flash_attention under jax.vmap inside shard_map (jax's defaults, the kernels in the
+        interpreter), over q and k with v shared by every mapped call: values and gradients
+        as the unsharded call's."""
+        q, k, v = _problem()
+        q, k = (jnp.stack([x, x[::-1]]) for x in (q, k))
+
+        def attn(**kwargs):
+            call = functools.partial(pallas_flash.flash_attention, is_causal=True, **kwargs)
+            return jax.vmap(_value_and_grads(call, (0, 1, 2)), in_axes=(0, 0, None))
+
+        mapped = P(None, "x")
+        got = _in_shard_map(
+            attn(**PATHS["triton-interpret"]),
+            _mesh(2, "explicit"),
+            (mapped, mapped, P("x")),
+            mapped,
+        )(q, k, v)
+        _assert_close(got, _reference("vmapped", attn(backend="xla"), q, k, v))
+
     @pytest.mark.parametrize(
         "path, axis_type, check_vma",
         _settings(("triton-interpret", EXPLICIT_DEFAULT)),

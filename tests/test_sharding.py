@@ -92,10 +92,22 @@ def test_ring_on_one_gpu_matches_the_plain_call(layout):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
+def _export_keeps_exp2() -> bool:
+    """Whether `jnp.exp2` through jax.export gives the direct call's bits on the CPU. jax 0.12.1
+    lowers it to `stablehlo.exp2`, which XLA rounds otherwise than exp(x * ln 2), and jax.export
+    writes the module for an older StableHLO, without exp2: as exp(x * ln 2)."""
+    x = jnp.linspace(-30.0, 30.0, 4097, dtype=jnp.float32)
+    direct = jax.jit(jnp.exp2)
+    exported = jax.export.export(direct, platforms=["cpu"])(x)
+    return np.array_equal(np.asarray(exported.call(x)), np.asarray(direct(x)))
+
+
 def _check_exported_passes(q, k, v, d_out, config, platform, sinks=None):
     """The forward and backward shards (`_passes.forward`, `_passes.backward`) through
     `_partition._exported` give the direct calls' bits. Their operands are built in the order
-    `_vjp._forward` and `_vjp._backward` pass them, the backward's from the forward's results."""
+    `_vjp._forward` and `_vjp._backward` pass them, the backward's from the forward's results.
+    The interpreter's kernels are jax ops: where jax.export rewrites their exp2
+    (`_export_keeps_exp2`), each output is within 4 float32 eps of its largest magnitude."""
     from pallas_flash import _partition, _passes
     from pallas_flash.masks import MaskArrays
 
@@ -103,6 +115,7 @@ def _check_exported_passes(q, k, v, d_out, config, platform, sinks=None):
     out, lse, log_sum, row_max = _passes.forward(*fwd_args, config=config)
     d_lse = jnp.linspace(-1.0, 1.0, lse.size, dtype=lse.dtype).reshape(lse.shape)
     bwd_args = [*fwd_args, out, lse, log_sum, row_max, d_out, d_lse]
+    bits = platform != "cpu" or _export_keeps_exp2()
     for kernel, args in ((_passes.forward, fwd_args), (_passes.backward, bwd_args)):
         leaves, tree = jax.tree.flatten(args)
         avals = tuple((tuple(x.shape), x.dtype) for x in leaves)
@@ -110,7 +123,12 @@ def _check_exported_passes(q, k, v, d_out, config, platform, sinks=None):
         want = jax.jit(functools.partial(kernel, config=config))(*args)
         got = jax.jit(exported.call)(*leaves)
         for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            if bits:
+                np.testing.assert_array_equal(x, y)
+            else:
+                atol = 4 * np.finfo(np.float32).eps * np.abs(y).max()
+                np.testing.assert_allclose(x, y, rtol=0, atol=atol)
 
 
 def test_exported_passes_give_the_direct_calls_bits_in_the_interpreter():

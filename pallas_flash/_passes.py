@@ -8,6 +8,10 @@ device's batch entries and heads; they call the wrappers that the config names
 the wrappers: the Triton forward's row max where the Triton backward reads it
 (`takes_row_max`), one head dim for the Triton backward, and a key-broadcast bias's gradient
 in closed form.
+
+`decode` is the decode kernel's pass, in the same way: `pallas_flash.decode` hands it to
+`_partition.partitioned`, and it calls `triton.decode.decode_forward` (with the tiles of the
+shard's shapes), or merges the parts of a cache split over its sequence (`over_context`).
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
 
 from pallas_flash import mosaic, triton
-from pallas_flash._numerics import accumulation_dtype, sink_probability
+from pallas_flash._numerics import accumulation_dtype, merge_weights, sink_probability
 from pallas_flash.device import Device
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic import BackwardTiles, ForwardTiles
-from pallas_flash.triton import BlockSizes
+from pallas_flash.triton import BlockSizes, DecodeBlockSizes
+from pallas_flash.triton.cache import CacheFormat
+from pallas_flash.triton.decode import decode_block_sizes, decode_forward
 from pallas_flash.triton.few_tokens import few_token_forward
 
 
@@ -159,3 +166,133 @@ def key_broadcast_bias_gradient(bias, sinks, out, lse, log_sum, d_out, d_lse):
     grad = rows[..., None]  # [B, N, T, 1]
     axes = tuple(i for i in range(3) if bias.shape[i] == 1 and grad.shape[i] != 1)
     return jnp.sum(grad, axis=axes, keepdims=True).astype(bias.dtype)
+
+
+# -- decode ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """The static arguments of `triton.decode.decode_forward` for one decode call (built by
+    `pallas_flash.decode`); block_sizes None: the defaults for the shapes each device runs
+    (`decode_block_sizes`: on a mesh, its shard's)."""
+
+    scale: float
+    soft_cap: float | None
+    window_left: int | None
+    block_sizes: DecodeBlockSizes | None
+    interpret: bool
+    num_sms: int
+    with_log_sum: bool
+    # The output's dtype (None: the queries'): float32 for partial results merged again.
+    out_dtype: str | None = None
+    # A shared latent cache's value columns (its value operand is its key operand, unread).
+    value_head_dim: int | None = None
+
+
+class _DecodeShard:
+    """The decode kernel as one device runs it: `pallas_flash.decode` hands `decode` to
+    `_partition.partitioned`, whose shard function calls it (and its `over_context` for a cache
+    split over its sequence)."""
+
+    def __call__(
+        self,
+        q,
+        k,
+        v,
+        lengths,
+        block_tables=None,
+        k_scale=None,
+        v_scale=None,
+        ahead=None,
+        *,
+        config: DecodeConfig,
+    ):
+        """The kernel on one device's operands (all of them on one device); ahead: as
+        `decode_forward`'s (`over_context`)."""
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        if config.value_head_dim is not None:
+            v = None  # the keys' first columns
+        if config.block_sizes is None:
+            paged = block_tables is not None
+            page_size = k.shape[1] if paged else None
+            fmt = CacheFormat(
+                q.shape[-1],
+                config.value_head_dim or v.shape[-1],
+                shared=v is None,
+                scaled=k_scale is not None,
+            )
+            fields["block_sizes"] = decode_block_sizes(
+                q.shape,
+                k.shape[2],
+                block_tables.shape[1] * page_size if paged else k.shape[1],
+                q.dtype,
+                interpret=config.interpret,
+                page_size=page_size,
+                window_left=config.window_left,
+                num_sms=config.num_sms,
+                fmt=fmt,
+                cache_dtype=k.dtype,
+            )
+        return _decode_forward(
+            q, k, v, lengths, block_tables, ahead=ahead, k_scale=k_scale, v_scale=v_scale, **fields
+        )
+
+    @staticmethod
+    def over_context(call, args, config: DecodeConfig, axes):
+        """(out, lse[, log_sum]) of a contiguous cache split over its sequence on the mesh axes
+        `axes`, in one device's view: this device holds cache slots [i S', (i + 1) S') (i its
+        index along `axes`) and runs the kernel (`call(args, config)`) over the keys it holds
+        of each sequence, lengths clipped to them, the new tokens placed `ahead` of those keys
+        where the sequence goes on past them (so that each token sees the held keys at or
+        before it, and within its window); the parts merge by their denominators
+        (`_numerics.merge_weights`: gathered lse and log_sum, [B, N, T] each, and a sum
+        of the weighted outputs)."""
+        q, k, v, lengths, _, k_scale, v_scale = args
+        slots, index = k.shape[1], jax.lax.axis_index(axes)
+        # Lengths past the whole cache's capacity clip to it, as on one device.
+        lengths = jnp.clip(lengths, 0, slots * jax.lax.psum(1, axes))
+        behind = lengths - index * slots  # each sequence's keys from this device's first slot
+        held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
+        acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
+        full = dataclasses.replace(config, with_log_sum=True, out_dtype=jnp.dtype(acc).name)
+        out, lse, log_sum = call((q, k, v, held, None, k_scale, v_scale, ahead), full)
+        parts_lse, parts_log_sum = (_gathered(x, axes, index) for x in (lse, log_sum))
+        weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
+        weight = jnp.take(weights, index, axis=0)  # [B, N, T]
+        out = out.astype(acc) * jnp.swapaxes(weight, 1, 2)[..., None]
+        out = jax.lax.psum(out, axes).astype(q.dtype)
+        seen = jnp.isfinite(parts_lse)
+        maxima = jnp.where(seen, parts_lse - parts_log_sum, -jnp.inf)
+        top = jnp.max(maxima, axis=0)
+        lse = jnp.where(jnp.any(seen, axis=0), top + merged_log_sum, -jnp.inf)
+        return (out, lse, merged_log_sum) if config.with_log_sum else (out, lse)
+
+
+def _gathered(x, axes, index):
+    """Every device's x along `axes`, stacked ([P, *x.shape]), typed as the same on each of
+    them (`jax.lax.all_gather`'s result is typed as varying under check_vma): each device's x
+    in its row of zeros, summed over the devices (adding zeros is exact)."""
+    rows = jnp.arange(jax.lax.psum(1, axes)).reshape(-1, *(1,) * x.ndim) == index
+    return jax.lax.psum(jnp.where(rows, x[None], jnp.zeros((), x.dtype)), axes)
+
+
+decode = _DecodeShard()
+
+
+# One jit'd function of its static options: eager calls (a Python generation loop) compile the
+# kernel once, not at every call.
+_decode_forward = jax.jit(
+    decode_forward,
+    static_argnames=(
+        "scale",
+        "soft_cap",
+        "window_left",
+        "block_sizes",
+        "interpret",
+        "num_sms",
+        "with_log_sum",
+        "out_dtype",
+        "value_head_dim",
+    ),
+)

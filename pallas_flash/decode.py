@@ -4,7 +4,6 @@ keys into pages. No kernels here."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -12,15 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import _partition, api, dispatch, kv_cache
+from pallas_flash import _partition, _passes, api, dispatch, kv_cache
 from pallas_flash import device as device_lib
-from pallas_flash._numerics import accumulation_dtype, merge_weights
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
 from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton import DecodeBlockSizes
-from pallas_flash.triton.cache import CacheFormat
-from pallas_flash.triton.decode import decode_block_sizes, decode_forward
 
 _SHAPES_DOC = """The T new tokens of each sequence are the last T of its keys: with L = its length
     (the new tokens included), new token t sits at position L - T + t and sees keys
@@ -355,7 +351,7 @@ def _attend(options, sinks, cache: kv_cache.CacheArgs, q, k, v, lengths, block_t
     if options.backend == "xla":
         out, lse, *log_sum = reference(*args)
     else:
-        config = _KernelConfig(**options.kernel, with_log_sum=with_log_sum)
+        config = _passes.DecodeConfig(**options.kernel, with_log_sum=with_log_sum)
         kernel = functools.partial(_partitioned_kernel, config=config)
         out, lse, *log_sum = with_reference_vjp(kernel, reference, *args)
     if sinks is not None:
@@ -363,125 +359,20 @@ def _attend(options, sinks, cache: kv_cache.CacheArgs, q, k, v, lengths, block_t
     return out, lse
 
 
-@dataclasses.dataclass(frozen=True)
-class _KernelConfig:
-    """The static arguments of `decode_forward` for one call; block_sizes None: the defaults
-    for the shapes each device runs (`decode_block_sizes`: on a mesh, its shard's)."""
-
-    scale: float
-    soft_cap: float | None
-    window_left: int | None
-    block_sizes: DecodeBlockSizes | None
-    interpret: bool
-    num_sms: int
-    with_log_sum: bool
-    # The output's dtype (None: the queries'): float32 for partial results merged again.
-    out_dtype: str | None = None
-    # A shared latent cache's value columns (its value operand is its key operand, unread).
-    value_head_dim: int | None = None
-
-
-def _partitioned_kernel(*args, config: _KernelConfig):
+def _partitioned_kernel(*args, config: _passes.DecodeConfig):
     """The kernel on (q, k, v, lengths, block_tables, k_scale, v_scale) (a contiguous cache's
     block_tables None, an unscaled cache's scales None), split over a device mesh's batch and
     head axes as `flash_attention`'s passes are (`_partition.partitioned`): each device reads
     its own sequences' and heads' caches, with no collective. A paged cache's pool is shared by
     the batch: it is split over heads only. A contiguous cache may also be split over its
-    sequence (`_KernelShard.over_context`). The scales split with the KV heads."""
+    sequence (`_passes.decode.over_context`). The scales split with the KV heads. One way down:
+    `_partition` runs `_passes.decode` on each shard, which calls the kernel's wrapper."""
     paged = args[4] is not None
     shared = config.value_head_dim is not None  # v is k: sharded as k
     kv, v_kind = ("pages", "vpages") if paged else ("kv", "v")
     kinds = ("q", kv, kv if shared else v_kind, "lengths", "tables", "scale", "scale")
     out_kinds = ("o", "lse", "lse") if config.with_log_sum else ("o", "lse")
-    return tuple(_partition.partitioned(_KERNEL_SHARD, config, kinds, out_kinds, *args))
-
-
-class _KernelShard:
-    """The kernel as one device runs it (`_partition`'s shard function calls it)."""
-
-    def __call__(
-        self,
-        q,
-        k,
-        v,
-        lengths,
-        block_tables=None,
-        k_scale=None,
-        v_scale=None,
-        ahead=None,
-        *,
-        config: _KernelConfig,
-    ):
-        """The kernel on one device's operands (all of them on one device); ahead: as
-        `decode_forward`'s (`over_context`)."""
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        if config.value_head_dim is not None:
-            v = None  # the keys' first columns
-        if config.block_sizes is None:
-            paged = block_tables is not None
-            page_size = k.shape[1] if paged else None
-            fmt = CacheFormat(
-                q.shape[-1],
-                config.value_head_dim or v.shape[-1],
-                shared=v is None,
-                scaled=k_scale is not None,
-            )
-            fields["block_sizes"] = decode_block_sizes(
-                q.shape,
-                k.shape[2],
-                block_tables.shape[1] * page_size if paged else k.shape[1],
-                q.dtype,
-                interpret=config.interpret,
-                page_size=page_size,
-                window_left=config.window_left,
-                num_sms=config.num_sms,
-                fmt=fmt,
-                cache_dtype=k.dtype,
-            )
-        return _decode_forward(
-            q, k, v, lengths, block_tables, ahead=ahead, k_scale=k_scale, v_scale=v_scale, **fields
-        )
-
-    @staticmethod
-    def over_context(call, args, config: _KernelConfig, axes):
-        """(out, lse[, log_sum]) of a contiguous cache split over its sequence on the mesh axes
-        `axes`, in one device's view: this device holds cache slots [i S', (i + 1) S') (i its
-        index along `axes`) and runs the kernel (`call(args, config)`) over the keys it holds
-        of each sequence, lengths clipped to them, the new tokens placed `ahead` of those keys
-        where the sequence goes on past them (so that each token sees the held keys at or
-        before it, and within its window); the parts merge by their denominators
-        (`_numerics.merge_weights`: gathered lse and log_sum, [B, N, T] each, and a sum
-        of the weighted outputs)."""
-        q, k, v, lengths, _, k_scale, v_scale = args
-        slots, index = k.shape[1], jax.lax.axis_index(axes)
-        # Lengths past the whole cache's capacity clip to it, as on one device.
-        lengths = jnp.clip(lengths, 0, slots * jax.lax.psum(1, axes))
-        behind = lengths - index * slots  # each sequence's keys from this device's first slot
-        held, ahead = jnp.clip(behind, 0, slots), jnp.maximum(behind - slots, 0)
-        acc = accumulation_dtype(q.dtype)  # float32, float64 for float64 inputs
-        full = dataclasses.replace(config, with_log_sum=True, out_dtype=jnp.dtype(acc).name)
-        out, lse, log_sum = call((q, k, v, held, None, k_scale, v_scale, ahead), full)
-        parts_lse, parts_log_sum = (_gathered(x, axes, index) for x in (lse, log_sum))
-        weights, merged_log_sum = merge_weights(parts_lse, parts_log_sum, axis=0)
-        weight = jnp.take(weights, index, axis=0)  # [B, N, T]
-        out = out.astype(acc) * jnp.swapaxes(weight, 1, 2)[..., None]
-        out = jax.lax.psum(out, axes).astype(q.dtype)
-        seen = jnp.isfinite(parts_lse)
-        maxima = jnp.where(seen, parts_lse - parts_log_sum, -jnp.inf)
-        top = jnp.max(maxima, axis=0)
-        lse = jnp.where(jnp.any(seen, axis=0), top + merged_log_sum, -jnp.inf)
-        return (out, lse, merged_log_sum) if config.with_log_sum else (out, lse)
-
-
-def _gathered(x, axes, index):
-    """Every device's x along `axes`, stacked ([P, *x.shape]), typed as the same on each of
-    them (`jax.lax.all_gather`'s result is typed as varying under check_vma): each device's x
-    in its row of zeros, summed over the devices (adding zeros is exact)."""
-    rows = jnp.arange(jax.lax.psum(1, axes)).reshape(-1, *(1,) * x.ndim) == index
-    return jax.lax.psum(jnp.where(rows, x[None], jnp.zeros((), x.dtype)), axes)
-
-
-_KERNEL_SHARD = _KernelShard()
+    return tuple(_partition.partitioned(_passes.decode, config, kinds, out_kinds, *args))
 
 
 # -- the reference (the "xla" backend, and the gradient of the kernel) ----------------------------
@@ -572,21 +463,9 @@ def reference(
     return paged_reference(q, k, v, lengths, block_tables, **math_kwargs)
 
 
-# Each path is one jit'd function of its static options: eager calls (a Python generation loop)
-# compile the kernel once, not at every call.
+# One jit'd function of its static options (as the kernel's, `_passes._decode_forward`): eager
+# calls (a Python generation loop) compile it once, not at every call.
 _MATH = ("scale", "soft_cap", "window_left")
-_decode_forward = jax.jit(
-    decode_forward,
-    static_argnames=(
-        *_MATH,
-        "block_sizes",
-        "interpret",
-        "num_sms",
-        "with_log_sum",
-        "out_dtype",
-        "value_head_dim",
-    ),
-)
 _reference = jax.jit(reference, static_argnames=(*_MATH, "value_head_dim", "with_log_sum"))
 
 
@@ -649,7 +528,7 @@ class _Options:
         )
         interpret = bool(interpret)
         # The split count fills the SMs of the GPU the call is traced for; the tiles (None) are
-        # chosen for the shapes each device runs (`_KernelShard`).
+        # chosen for the shapes each device runs (`_passes.decode`).
         num_sms = device.num_sms if device is not None else device_lib.DEFAULT_NUM_SMS
         kernel_kwargs = dict(
             math_kwargs,

@@ -229,7 +229,7 @@ def test_unsplit_eager_and_lengths_past_capacity():
     """One program per sequence (no merge; the oracle tests' default tiles split in three).
     Eager calls compile the kernel once. Traced lengths past the capacity are clipped to it:
     nothing is read past the cache."""
-    from pallas_flash import decode
+    from pallas_flash import _passes
 
     c = CASES[0]
     assert c.lengths[0] == c.capacity
@@ -245,10 +245,10 @@ def test_unsplit_eager_and_lengths_past_capacity():
         interpret=True,
         block_sizes=DecodeBlockSizes(block_m=16, block_kv=16, kv_splits=1),
     )
-    compiled = decode._decode_forward._cache_size()
+    compiled = _passes._decode_forward._cache_size()
     result = call(key_value_seq_lengths=problem["lengths"])
     call(key_value_seq_lengths=problem["lengths"][::-1])
-    assert decode._decode_forward._cache_size() == compiled + 1
+    assert _passes._decode_forward._cache_size() == compiled + 1
     check_against_oracle(c, [result], oracle_inputs)
     past = jax.jit(lambda lengths: call(key_value_seq_lengths=lengths))
     np.testing.assert_array_equal(past(problem["lengths"].at[0].add(50))[0], result[0])

@@ -16,12 +16,12 @@ from support.backends import BACKEND_PATHS, SWEEP, backend_paths
 from support.calls import outputs_and_grads
 from support.inputs import Problem, case_id, random_inputs
 from support.kernels import call_mosaic_backward, call_mosaic_forward
+from support.mosaic_backward import MaskCase, hidden_key_poison, mask_options
+from support.mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype, to64
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 from test_lowering import lower_for_h200
-from test_mosaic_backward import MaskCase, hidden_key_poison, mask_options
-from test_mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 
 from pallas_flash import BlockSizes, _dropout, _passes, dispatch, flash_attention, masks
 from pallas_flash.call import Call

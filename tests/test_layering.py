@@ -150,18 +150,38 @@ def test_the_dispatch_sits_above_the_backends():
 
 
 def test_a_pass_goes_down_one_way():
-    """`_vjp` hands each pass to `_partition`, which runs it per shard through `_passes`, which
-    calls the backends' wrappers: `_passes` imports neither of the modules above it (nor the
-    API or the dispatch), and `_partition` imports no pass and no kernel, so no call returns
-    into its caller's module."""
+    """`_vjp` (flash attention) and `decode` (the decode kernel) hand each pass to `_partition`,
+    which runs it per shard through `_passes`, which calls the backends' wrappers: `_passes`
+    imports none of the modules above it (nor the API or the dispatch), `_partition` imports no
+    pass and no kernel, and `decode` calls no kernel wrapper itself, so no call returns into its
+    caller's module."""
     graph = import_graph()
-    assert {"pallas_flash._partition", "pallas_flash._passes"} <= graph["pallas_flash._vjp"]
+    for caller in ("pallas_flash._vjp", "pallas_flash.decode"):
+        assert {"pallas_flash._partition", "pallas_flash._passes"} <= graph[caller], caller
     above = {"pallas_flash._vjp", "pallas_flash._partition", "pallas_flash.dispatch"}
-    above |= {"pallas_flash.api"}
+    above |= {"pallas_flash.api", "pallas_flash.decode", "pallas_flash.ragged"}
     assert not reachable(graph, "pallas_flash._passes") & above
     assert {"pallas_flash.mosaic", "pallas_flash.triton"} <= graph["pallas_flash._passes"]
+    assert "pallas_flash.triton.decode" in graph["pallas_flash._passes"]
+    assert "pallas_flash.triton.decode" not in graph["pallas_flash.decode"]
     kernels = {n for n in graph if n.startswith(("pallas_flash.mosaic", "pallas_flash.triton"))}
     assert not reachable(graph, "pallas_flash._partition") & (kernels | above)
+    # What each caller hands `_partition.partitioned` to run per shard is a pass of `_passes`.
+    handed = {}
+    for name, path in module_files().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            func = getattr(node, "func", None)
+            if (
+                isinstance(func, ast.Attribute)
+                and func.attr == "partitioned"
+                and isinstance(func.value, ast.Name)
+                and func.value.id == "_partition"
+            ):
+                handed.setdefault(name, set()).add(ast.unparse(node.args[0]))
+    assert handed == {
+        "pallas_flash._vjp": {"_passes.forward", "_passes.backward"},
+        "pallas_flash.decode": {"_passes.decode"},
+    }
 
 
 def test_tiles_and_the_autotune_cache_live_apart():

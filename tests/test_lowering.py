@@ -22,7 +22,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
-from support.inputs import BLOCK_SIZES, Problem, case_id
+from support.inputs import BLOCK_SIZES, Problem, abstract_inputs, case_id
 
 import pallas_flash
 from pallas_flash import dispatch
@@ -96,14 +96,6 @@ def chosen_block_sizes(p: Problem, block_sizes=None):
         call, Device.h200(), scale=p.scale, backend="triton", block_sizes=block_sizes
     )
     return config.block_sizes
-
-
-def abstract_inputs(p: Problem):
-    """q, k, v, d_out, d_lse as ShapeDtypeStructs."""
-    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, p.head_dim), p.jnp_dtype)
-    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, p.head_dim), p.jnp_dtype)
-    lse = jax.ShapeDtypeStruct((p.batch, p.num_heads, p.q_len), jnp.float32)
-    return q, kv, kv, q, lse
 
 
 def forward_and_backward(p: Problem, block_sizes=None, scale=None):

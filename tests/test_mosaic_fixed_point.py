@@ -1,7 +1,7 @@
 """The per-row fixed-point scales of the deterministic fused dQ (`pallas_flash.mosaic.fixed_point`):
 the jnp form against float64 and brute force, and the Pallas kernels (in Pallas' interpreter)
 against the jnp form, on odd sizes, masks and extreme rows. The kernels run compiled on the
-H200 through the "fixed" cases of test_mosaic_backward."""
+H200 through the "fixed" cases of test_mosaic_backward_fused_dq."""
 
 from __future__ import annotations
 

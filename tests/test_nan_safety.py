@@ -327,7 +327,7 @@ def test_keys_past_a_ragged_causal_query_tile_get_zero_gradients(path):
     query tile's end lie inside the causal geometry of that tile's rows past T (whose q reads
     as 0, so an inf in K gives them a NaN logit). NaN and inf in K and V there: out, lse and the
     gradients match the float64 oracle, and those keys' dK and dV are 0 (the Mosaic backward's
-    case: test_mosaic_backward.py, MASK_CI_CASES)."""
+    case: test_mosaic_backward_masks.py, MASK_CI_CASES)."""
     rng = np.random.default_rng(5)
     batch, q_len, kv_len, heads, head_dim = 1, 61, 99, 2, 16
     visible = np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None]

@@ -586,7 +586,7 @@ def runs_mosaic_backward(c: Config) -> bool:
     """Whether the interpreted sweep checks the gradients of `c` (backend="mosaic" runs the
     Mosaic backward on every call of the pool): plain causal or full calls, to keep the
     interpreter's time; the masked backward has its own interpreter cases in
-    test_mosaic_backward.py."""
+    test_mosaic_backward_masks.py."""
     plain = c.window is None and c.soft_cap is None and c.segments is None
     return plain and not (c.q_lengths or c.kv_lengths)
 

@@ -5,7 +5,7 @@ import json
 
 import jax.numpy as jnp
 import pytest
-from test_mosaic_forward import long_only
+from support.mosaic_forward import long_only
 
 from pallas_flash import dispatch, mosaic, tune, tune_cache
 from pallas_flash.call import Call

@@ -403,9 +403,9 @@ def _forward_kernel(
         def rows(n):
             # item(n), not work.item(n): with segment ids that also loads the item's plan,
             # unused here. Without those loads jax 0.11.2's Mosaic GPU interpreter hangs on
-            # persistent CTAs with segment ids on one core every time (with them, sometimes on
-            # two: tests/test_mosaic.py, PERSISTENT_INTERPRET_CASES); the barrier protocol is
-            # the same either way.
+            # persistent CTAs with segment ids on one core every time (with them, sometimes on two:
+            # tests/test_mosaic_forward_masks.py, PERSISTENT_INTERPRET_CASES); the barrier
+            # protocol is the same either way.
             batch, head, q_tile, _ = item(n)
             return batch, head, q_tile * tiles.cta_rows + wg * tiles.block_q
 

@@ -592,10 +592,7 @@ def flash_backward(
     """
     spec, scale, soft_cap = config.spec, config.scale, config.soft_cap
     block_sizes, interpret, dropout_rate = config.block_sizes, config.interpret, config.dropout_rate
-    batch, q_len, num_heads, head_dim = q.shape
-    _, kv_len, num_kv_heads, _ = k.shape
-    group = num_heads // num_kv_heads
-    hp = padded_head_dim(head_dim)
+    q_len, kv_len = q.shape[1], k.shape[1]
     has_bias = bias is not None
     assert row_max is None or log_sum is not None, "the row max goes with the forward's log_sum"
 
@@ -607,7 +604,50 @@ def flash_backward(
     # P's clamp, in log2 units: P <= 1 / l.
     bound = probability_bound(log_sum, lse)
 
+    rows = (max_u, delta, bound)
     # -- dK, dV: grid over KV tiles, each summing over its group's query heads --
+    dk, dv = _dkv(q, k, v, bias, arrays, d_out, rows, config=config, at_max=at_max)
+    # -- dQ, and dBias in its own kernel (XLA drops it when nobody asks): grids over query tiles --
+    block_q, block_kv = tile_sizes(block_sizes.block_q_dq, q_len, block_sizes.block_kv_dq, kv_len)
+    blocks = (block_q, block_kv)
+    dq = _dq(q, k, v, bias, arrays, d_out, rows, config=config, at_max=at_max, blocks=blocks)
+    dbias = None
+    if has_bias and bias_gradient:
+        dbias = _dbias(
+            q,
+            k,
+            v,
+            bias,
+            arrays,
+            d_out,
+            max_u,
+            delta,
+            bound,
+            spec=spec,
+            scale=scale,
+            soft_cap=soft_cap,
+            block_q=block_q,
+            block_kv=block_kv,
+            block_sizes=block_sizes,
+            interpret=interpret,
+            dropout_rate=dropout_rate,
+            at_max=at_max,
+            d_lse=d_lse,
+        )
+    return dq, dk, dv, dbias
+
+
+def _dkv(q, k, v, bias, arrays: MaskArrays, d_out, rows, *, config, at_max: bool):
+    """(dk, dv): the dK/dV kernel, a grid over KV tiles, each summing over its group's query
+    heads. rows: the preprocess's (max_u, delta, bound) [B, N, T]."""
+    spec, scale, soft_cap = config.spec, config.scale, config.soft_cap
+    block_sizes, interpret, dropout_rate = config.block_sizes, config.interpret, config.dropout_rate
+    batch, q_len, num_heads, head_dim = q.shape
+    _, kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    hp = padded_head_dim(head_dim)
+    has_bias = bias is not None
+    max_u, delta, bound = rows
     block_q, block_kv = tile_sizes(block_sizes.block_q_dkv, q_len, block_sizes.block_kv_dkv, kv_len)
     dkv_kernel = functools.partial(
         _dkv_kernel,
@@ -664,9 +704,21 @@ def flash_backward(
         interpret=interpret,
         name="pallas_flash_backward_dkv",
     )(*operands)
+    return dk, dv
 
-    # -- dQ, and dBias in its own kernel (XLA drops it when nobody asks): grids over query tiles --
-    block_q, block_kv = tile_sizes(block_sizes.block_q_dq, q_len, block_sizes.block_kv_dq, kv_len)
+
+def _dq(q, k, v, bias, arrays: MaskArrays, d_out, rows, *, config, at_max: bool, blocks):
+    """dq: the dQ kernel, a grid over query tiles of blocks = (block_q, block_kv). rows: the
+    preprocess's (max_u, delta, bound) [B, N, T]."""
+    spec, scale, soft_cap = config.spec, config.scale, config.soft_cap
+    block_sizes, interpret, dropout_rate = config.block_sizes, config.interpret, config.dropout_rate
+    batch, q_len, num_heads, head_dim = q.shape
+    _, kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    hp = padded_head_dim(head_dim)
+    has_bias = bias is not None
+    max_u, delta, bound = rows
+    block_q, block_kv = blocks
     q_tile = functools.partial(query_tile, q_len=q_len, block_q=block_q)
     q_spec = pl.BlockSpec((None, block_q, None, hp), lambda i, n, b: (b, q_tile(i), n, 0))
     kv_full = pl.BlockSpec((None, kv_len, None, hp), lambda i, n, b: (b, 0, n // group, 0))
@@ -703,30 +755,7 @@ def flash_backward(
         interpret=interpret,
         name="pallas_flash_backward_dq",
     )(*operands, *extra)
-    dbias = None
-    if has_bias and bias_gradient:
-        dbias = _dbias(
-            q,
-            k,
-            v,
-            bias,
-            arrays,
-            d_out,
-            max_u,
-            delta,
-            bound,
-            spec=spec,
-            scale=scale,
-            soft_cap=soft_cap,
-            block_q=block_q,
-            block_kv=block_kv,
-            block_sizes=block_sizes,
-            interpret=interpret,
-            dropout_rate=dropout_rate,
-            at_max=at_max,
-            d_lse=d_lse,
-        )
-    return dq, dk, dv, dbias
+    return dq
 
 
 def _dbias(

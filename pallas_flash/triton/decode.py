@@ -724,24 +724,11 @@ def decode_forward(
     )
     block_m, block_kv, schedule = plan.block_m, plan.block_kv, plan.schedule
     num_m_tiles, splits = plan.num_m_tiles, schedule.splits
-    # Packed rows: [B, K, T * G, H], row t * G + g = token t of query head k * G + g.
-    q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
-    q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, num_rows, head_dim)
-    q_rows = pack_queries(q_rows, fmt)
+    q_rows = _packed(q, num_kv_heads, fmt)
     out_dtype = q.dtype if out_dtype is None else jnp.dtype(out_dtype)
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise TypeError(f"decode_forward: out_dtype={out_dtype} must be a floating dtype")
-    lengths = jnp.asarray(lengths, jnp.int32)
-    if ahead is not None:  # one operand: the lengths, then the aheads
-        if tuple(jnp.shape(ahead)) != (batch,) or not jnp.issubdtype(
-            jnp.result_type(ahead), jnp.integer
-        ):
-            raise ValueError(
-                f"decode_forward: ahead {jnp.shape(ahead)} {jnp.result_type(ahead)} must be an "
-                f"integer array of shape ({batch},), one per sequence"
-            )
-        lengths = jnp.concatenate([lengths, jnp.asarray(ahead, jnp.int32)])
-        schedule = dataclasses.replace(schedule, ahead=True)
+    lengths, schedule = _lengths_operand(lengths, ahead, schedule)
 
     kernel = functools.partial(
         _decode_kernel,
@@ -757,33 +744,18 @@ def decode_forward(
         page_size=page_size,
         with_log_sum=splits > 1 or with_log_sum,
     )
-    # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
-    lengths_spec = pl.BlockSpec(lengths.shape, lambda m, h, z: (0,))
-    q_spec = pl.BlockSpec((batch, None, block_m, fmt.query_block), lambda m, h, z: (0, h, m, 0))
-    operands = [lengths, q_rows, k]
-
-    def kv_spec(cols):  # this KV head's keys or values
-        if paged:
-            return pl.BlockSpec((k.shape[0], None, cols), lambda m, h, z: (0, h, 0))
-        return pl.BlockSpec((batch, capacity, None, cols), lambda m, h, z: (0, 0, h, 0))
-
-    in_specs = [lengths_spec, q_spec, kv_spec(fmt.key_block)]
-    if v is not None:
-        operands.append(v)
-        in_specs.append(kv_spec(hvp))
-    if paged:
-        table = jnp.asarray(block_tables, jnp.int32).reshape(-1)
-        in_specs.append(pl.BlockSpec((table.shape[0],), lambda m, h, z: (0,)))
-        operands.append(table)
-    runs = None
-    if schedule.planned:
-        runs = schedule.plan_runs(lengths)
-        in_specs.append(pl.BlockSpec(runs.shape, lambda m, h, z: (0,)))
-        operands.append(runs)
-    if fmt.scaled:
-        scale_spec = pl.BlockSpec((num_kv_heads,), lambda m, h, z: (0,))
-        in_specs += [scale_spec, scale_spec]
-        operands += [jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)]
+    operands, in_specs, runs = _operands(
+        lengths,
+        q_rows,
+        k,
+        v,
+        block_tables,
+        k_scale,
+        v_scale,
+        fmt=fmt,
+        schedule=schedule,
+        block_m=block_m,
+    )
     items = schedule.items
     merge_tiles = None
     if splits > 1 and decode_merge(block_sizes) == "kernel":
@@ -821,14 +793,87 @@ def decode_forward(
     elif splits > 1:
         runs_or_any = lengths if runs is None else runs
         out, *rows = _merge(runs_or_any, out, *rows, schedule, merge_tiles, out_dtype, interpret)
-    out = out.astype(out_dtype).reshape(batch, num_kv_heads, q_len, group, value_head_dim)
-    out = out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_heads, value_head_dim)
+    out = _unpacked(out.astype(out_dtype), q_len, group)
+    return out, *(_by_head(row, q_len, group) for row in rows[: 2 if with_log_sum else 1])
 
-    def by_head(row):  # [B, K, T * G] -> [B, N, T]
-        row = row.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)
-        return row.reshape(batch, num_heads, q_len)
 
-    return out, *(by_head(row) for row in rows[: 2 if with_log_sum else 1])
+def _lengths_operand(lengths, ahead, schedule: Schedule):
+    """(lengths, schedule): the int32 lengths [B], followed by the aheads (one operand) when
+    there are any, and the schedule told so."""
+    batch = schedule.batch
+    lengths = jnp.asarray(lengths, jnp.int32)
+    if ahead is not None:  # one operand: the lengths, then the aheads
+        if tuple(jnp.shape(ahead)) != (batch,) or not jnp.issubdtype(
+            jnp.result_type(ahead), jnp.integer
+        ):
+            raise ValueError(
+                f"decode_forward: ahead {jnp.shape(ahead)} {jnp.result_type(ahead)} must be an "
+                f"integer array of shape ({batch},), one per sequence"
+            )
+        lengths = jnp.concatenate([lengths, jnp.asarray(ahead, jnp.int32)])
+        schedule = dataclasses.replace(schedule, ahead=True)
+    return lengths, schedule
+
+
+def _operands(lengths, q_rows, k, v, block_tables, k_scale, v_scale, *, fmt, schedule, block_m):
+    """(operands, in_specs, runs) of the split kernel over the packed rows q_rows [B, K, M, H]
+    and the cache (k, v as `decode_forward` reshaped them; a paged cache's tables flattened).
+    runs: `Schedule.plan_runs`'s table where the schedule is planned, else None."""
+    batch, num_kv_heads = q_rows.shape[0], q_rows.shape[1]
+    paged = block_tables is not None
+    capacity = None if paged else k.shape[1]
+    # Every block holds the whole batch: the schedule picks each item's sequence in the kernel.
+    lengths_spec = pl.BlockSpec(lengths.shape, lambda m, h, z: (0,))
+    q_spec = pl.BlockSpec((batch, None, block_m, fmt.query_block), lambda m, h, z: (0, h, m, 0))
+    operands = [lengths, q_rows, k]
+
+    def kv_spec(cols):  # this KV head's keys or values
+        if paged:
+            return pl.BlockSpec((k.shape[0], None, cols), lambda m, h, z: (0, h, 0))
+        return pl.BlockSpec((batch, capacity, None, cols), lambda m, h, z: (0, 0, h, 0))
+
+    in_specs = [lengths_spec, q_spec, kv_spec(fmt.key_block)]
+    if v is not None:
+        operands.append(v)
+        in_specs.append(kv_spec(fmt.value_piece.padded))
+    if paged:
+        table = jnp.asarray(block_tables, jnp.int32).reshape(-1)
+        in_specs.append(pl.BlockSpec((table.shape[0],), lambda m, h, z: (0,)))
+        operands.append(table)
+    runs = None
+    if schedule.planned:
+        runs = schedule.plan_runs(lengths)
+        in_specs.append(pl.BlockSpec(runs.shape, lambda m, h, z: (0,)))
+        operands.append(runs)
+    if fmt.scaled:
+        scale_spec = pl.BlockSpec((num_kv_heads,), lambda m, h, z: (0,))
+        in_specs += [scale_spec, scale_spec]
+        operands += [jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)]
+    return operands, in_specs, runs
+
+
+def _packed(q, num_kv_heads: int, fmt: CacheFormat):
+    """q [B, T, N, H] -> packed rows [B, K, T * G, H] (`pack_queries`' columns), row t * G + g
+    = token t of query head k * G + g."""
+    batch, q_len, num_heads, head_dim = q.shape
+    group = num_heads // num_kv_heads
+    q_rows = q.reshape(batch, q_len, num_kv_heads, group, head_dim)
+    q_rows = q_rows.transpose(0, 2, 1, 3, 4).reshape(batch, num_kv_heads, q_len * group, head_dim)
+    return pack_queries(q_rows, fmt)
+
+
+def _unpacked(out, q_len: int, group: int):
+    """[B, K, T * G, Hv] packed rows -> [B, T, N, Hv]."""
+    batch, num_kv_heads, _, value_head_dim = out.shape
+    out = out.reshape(batch, num_kv_heads, q_len, group, value_head_dim)
+    return out.transpose(0, 2, 1, 3, 4).reshape(batch, q_len, num_kv_heads * group, value_head_dim)
+
+
+def _by_head(row, q_len: int, group: int):
+    """[B, K, T * G] -> [B, N, T]."""
+    batch, num_kv_heads, _ = row.shape
+    row = row.reshape(batch, num_kv_heads, q_len, group).transpose(0, 1, 3, 2)
+    return row.reshape(batch, num_kv_heads * group, q_len)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@
 - calls: a function's outputs and gradients in one jitted call;
 - mosaic_interpret: jax's Mosaic GPU interpreter with the shims our kernels need;
 - kernels: the Mosaic GPU wrappers called with their options spelled out;
+- mosaic_forward, mosaic_backward: what the Mosaic GPU kernels' test files share (the kernels as
+  functions of a `Problem`, their checks against the oracle, masked cases, markers);
 - flax_layers: what the Flax layer tests share.
 
 Fixtures and pytest hooks live in tests/conftest.py, never imported as a module.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -182,3 +183,11 @@ def segment_arrays(kind: str, batch: int, q_len: int, kv_len: int, seed: int = 0
     if not kwargs:
         kwargs["q_segment_ids"] = np.zeros((batch, q_len), np.int32)
     return masks.make_arrays(batch, q_len, kv_len, **kwargs)
+
+
+def abstract_inputs(p: Problem):
+    """q, k, v, d_out, d_lse as ShapeDtypeStructs."""
+    q = jax.ShapeDtypeStruct((p.batch, p.q_len, p.num_heads, p.head_dim), p.jnp_dtype)
+    kv = jax.ShapeDtypeStruct((p.batch, p.kv_len, p.num_kv_heads, p.head_dim), p.jnp_dtype)
+    lse = jax.ShapeDtypeStruct((p.batch, p.num_heads, p.q_len), jnp.float32)
+    return q, kv, kv, q, lse

@@ -11,7 +11,9 @@
 - kernels: the Mosaic GPU wrappers called with their options spelled out;
 - mosaic_forward, mosaic_backward: what the Mosaic GPU kernels' test files share (the kernels as
   functions of a `Problem`, their checks against the oracle, masked cases, markers);
-- flax_layers: what the Flax layer tests share.
+- flax_layers: what the Flax layer tests share;
+- sharding: what the mesh tests share (the 8-CPU-device child process's flags, inputs, the
+  loss, the closeness check, the collectives in compiled HLO).
 
 Fixtures and pytest hooks live in tests/conftest.py, never imported as a module.
 """

@@ -47,7 +47,10 @@ def capture():
         return result
 
     def mosaic_spy(module, **kwargs):
-        modules.append("// mosaic\n" + module.operation.get_asm(enable_debug_info=False))
+        text = module.operation.get_asm(enable_debug_info=False)
+        # jax 0.12.1 names each Mosaic GPU module's dumps with a process-wide counter.
+        text = re.sub(r'(mosaic_gpu.dump_basename = "[^"]*?)_\d+"', r'\1_<n>"', text)
+        modules.append("// mosaic\n" + text)
         return serde(module, **kwargs)
 
     triton_lowering.lower_jaxpr_to_triton_module = triton_spy

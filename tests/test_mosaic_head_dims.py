@@ -215,13 +215,25 @@ def spy_wgmma_swizzles(monkeypatch) -> set:
 
     wgmma = sys.modules["jax.experimental.mosaic.gpu.wgmma"]
     issued = set()
-    original = wgmma.wgmma_m64
+    if hasattr(wgmma, "wgmma_m64"):  # jax 0.11.2, 0.12.0.1: each instruction's swizzle and N
+        original = wgmma.wgmma_m64
 
-    def spy(*args, swizzle, n, **kwargs):
-        issued.add((int(getattr(swizzle, "value", swizzle)), n))
-        return original(*args, swizzle=swizzle, n=n, **kwargs)
+        def spy(*args, swizzle, n, **kwargs):
+            issued.add((int(getattr(swizzle, "value", swizzle)), n))
+            return original(*args, swizzle=swizzle, n=n, **kwargs)
 
-    monkeypatch.setattr(wgmma, "wgmma_m64", spy)
+        monkeypatch.setattr(wgmma, "wgmma_m64", spy)
+        return issued
+    # jax 0.12.1: the swizzle and N live in the B operand's descriptor (its K-major one).
+    mma_utils = sys.modules["jax.experimental.mosaic.gpu.mma_utils"]
+    original = mma_utils.create_descriptor
+
+    def spy_descriptor(ref, swizzle, mn_size, logical_k_major, *args, **kwargs):
+        if logical_k_major:
+            issued.add((int(getattr(swizzle, "value", swizzle)), mn_size))
+        return original(ref, swizzle, mn_size, logical_k_major, *args, **kwargs)
+
+    monkeypatch.setattr(mma_utils, "create_descriptor", spy_descriptor)
     return issued
 
 

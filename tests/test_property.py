@@ -791,14 +791,17 @@ FLOAT32_CANCELLING_LOGITS = Config(
 
 
 def _interpreter_recompute(params):
-    """params with the Triton interpreter's a strict xfail (the recompute above, and below)."""
+    """params with the Triton interpreter's an xfail (the recompute above, and below): strict on
+    the jax releases whose CPU dots order the two products apart (0.11.2, 0.12.0.1); on 0.12.1
+    the huge-logits case below passes."""
+    strict = jax.__version_info__ < (0, 12, 1)
     for param in params:
         if param.id == "triton-interpret":
             why = "the interpreter recomputes the logits apart from its forward (an ulp of u)"
             param = pytest.param(
                 *param.values,
                 id=param.id,
-                marks=[*param.marks, pytest.mark.xfail(strict=True, reason=why)],
+                marks=[*param.marks, pytest.mark.xfail(strict=strict, reason=why)],
             )
         yield param
 

@@ -290,7 +290,7 @@ def _shard_fn(kernel, config, plan_: _Plan, *, with_dbias: bool, platform: str |
         )
         try:
             exported = _exported(kernel, local, tree, avals, platform, context)
-        except Exception as e:  # noqa: BLE001 -- the direct lowering gives the same results
+        except Exception as e:  # noqa: BLE001 -- the direct lowering: the same kernels
             # Only compile time is at stake: lower the kernels here, as every call site did
             # before, and say why.
             warnings.warn(

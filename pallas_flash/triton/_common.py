@@ -164,6 +164,26 @@ def softmax_init(rows: int, hp: int, dtype):
     )
 
 
+def merge_parts_step(carry, parts_refs, items, ok, col_ok):
+    """One chunk of split results merged into the online softmax's carry (acc, m_i, l_i), in
+    natural-log units. parts_refs: (lse, log_sum, out) of the parts, [items, rows] and [items,
+    rows, cols]; items: the chunk's pl.ds; ok: [chunk, rows], which (part, row) pairs exist;
+    col_ok: [cols], the columns inside the head. A part that saw no key of a row (lse -inf)
+    weighs 0 for it; each part weighs by its denominator relative to the running max."""
+    lse_parts_ref, log_sum_parts_ref, o_parts_ref = parts_refs
+    acc, m_i, l_i = carry
+    lse = plgpu.load(lse_parts_ref.at[items, :], mask=ok, other=-jnp.inf)
+    log_sum = plgpu.load(log_sum_parts_ref.at[items, :], mask=ok, other=0.0)
+    part = plgpu.load(o_parts_ref.at[items, :, :], mask=ok[:, :, None] & col_ok, other=0.0)
+    seen = lse > -jnp.inf  # the part saw a key of the row
+    row_max = jnp.where(seen, lse - log_sum, MIN_LOGIT)
+    m_new = jnp.maximum(m_i, jnp.max(row_max, axis=0))
+    weight = jnp.where(seen, jnp.exp((row_max - m_new[None, :]) + log_sum), 0.0)
+    alpha = jnp.exp(m_i - m_new)
+    acc = acc * alpha[:, None] + jnp.sum(weight[:, :, None] * part, axis=0)
+    return acc, m_new, l_i * alpha + jnp.sum(weight, axis=0)
+
+
 def softmax_step(carry, u, v, unit: float, visible=None, keep=None, hidden_values=True):
     """One KV tile of the online softmax: m_i is the running max of u (the logits in the units
     of `scores`), l_i the running sum of p, acc the unnormalised output (normalised once in

@@ -20,12 +20,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flash import masks
-from pallas_flash._numerics import LN2, MIN_LOGIT, accumulation_dtype
+from pallas_flash._numerics import LN2, accumulation_dtype
 from pallas_flash._pallas_triton import CompilerParams, cdiv, div, fold, rem
 from pallas_flash._vma import pallas_call
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.triton._common import (
     dot,
+    merge_parts_step,
     merge_splits,
     scores,
     softmax_init,
@@ -380,21 +381,11 @@ def _merge_kernel(
     col_ok = cols < head_dim - col_tile * block_c
 
     def body(j, carry):
-        acc, m_i, l_i = carry
         start = first + j * chunk
         in_run = (j * chunk + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)) < count
         ok = in_run & row_ok  # [chunk, block_r]
-        items = pl.ds(start, chunk)
-        lse = plgpu.load(lse_parts_ref.at[items, :], mask=ok, other=-jnp.inf)
-        log_sum = plgpu.load(log_sum_parts_ref.at[items, :], mask=ok, other=0.0)
-        part = plgpu.load(o_parts_ref.at[items, :, :], mask=ok[:, :, None] & col_ok, other=0.0)
-        seen = lse > -jnp.inf  # the item saw a key of the row
-        row_max = jnp.where(seen, lse - log_sum, MIN_LOGIT)
-        m_new = jnp.maximum(m_i, jnp.max(row_max, axis=0))
-        weight = jnp.where(seen, jnp.exp((row_max - m_new[None, :]) + log_sum), 0.0)
-        alpha = jnp.exp(m_i - m_new)
-        acc = acc * alpha[:, None] + jnp.sum(weight[:, :, None] * part, axis=0)
-        return acc, m_new, l_i * alpha + jnp.sum(weight, axis=0)
+        parts_refs = (lse_parts_ref, log_sum_parts_ref, o_parts_ref)
+        return merge_parts_step(carry, parts_refs, pl.ds(start, chunk), ok, col_ok)
 
     init = softmax_init(block_r, block_c, o_parts_ref.dtype)
     acc, m_i, l_i = fold(0, cdiv(count, chunk), body, init)

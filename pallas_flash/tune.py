@@ -437,6 +437,8 @@ def main(argv=None):
     kind = device.kind
     # On Hopper the default call runs the Mosaic kernels: their tiles are searched too.
     hopper = device.is_hopper
+    if args.mosaic_only and not hopper:
+        parser.error(f"--mosaic-only searches the Mosaic kernels' tiles: {kind!r} is not Hopper")
     log_file = open(args.log, "a") if args.log else None
 
     def log(row):

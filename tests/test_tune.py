@@ -99,6 +99,14 @@ def test_tune_refuses_to_run_without_a_gpu():
         tune.main(["--head-dims", "64"])
 
 
+def test_mosaic_only_refuses_a_gpu_without_the_mosaic_kernels(monkeypatch, capsys):
+    """--mosaic-only on an A100 would search nothing it names: refused, naming the card."""
+    monkeypatch.setattr(tune.Device, "current", lambda: Device.of_kind("NVIDIA A100-SXM4-80GB"))
+    with pytest.raises(SystemExit):
+        tune.main(["--mosaic-only", "--head-dims", "64"])
+    assert "'NVIDIA A100-SXM4-80GB' is not Hopper" in capsys.readouterr().err
+
+
 def test_narrow_band():
     def narrow(is_causal, window, has_segments=False):
         spec = MaskSpec(

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from experiment_families.common import mosaic_backward_call, mosaic_forward_call
 
+import pallas_flash
 from pallas_flash import bench, mosaic
 from pallas_flash.bench import decode as decode_suite
 
@@ -27,6 +28,15 @@ from pallas_flash.bench import decode as decode_suite
 def _attention(b, t, n, h, causal, impl):
     """fwd of the default call (impl "pallas_flash") or cuDNN's, as the bench times them."""
     fn = bench.attention_fn(impl, is_causal=causal)
+    return jax.jit(fn), bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)[:3]
+
+
+def _forward_with(b, t, n, h, causal, **options):
+    """fwd of the default call with `options` (dropout, a soft cap) beside the plain one: what
+    each option costs the forward's pipes and issue slots."""
+    if options.get("dropout_rate"):
+        options["dropout_rng"] = jax.random.key(0)
+    fn = functools.partial(pallas_flash.flash_attention, is_causal=causal, **options)
     return jax.jit(fn), bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)[:3]
 
 
@@ -63,6 +73,17 @@ CASES = {
     "fwd-h64-16k-cudnn": (CUDNN, 1, 16384, 32, 64, False),
     "fwd-h128-causal-2k": (OURS, 8, 2048, 16, 128, True),
     "fwd-h128-causal-2k-cudnn": (CUDNN, 8, 2048, 16, 128, True),
+    # The options that cost the forward most (docs/notes/models.md): dropout (a hash, a
+    # compare and a select per element) and Gemma 2's soft cap (two more MUFU ops per logit).
+    "fwd-h128-4k": (OURS, 4, 4096, 16, 128, False),
+    "fwd-h128-4k-dropout": (
+        functools.partial(_forward_with, dropout_rate=0.1), 4, 4096, 16, 128, False
+    ),
+    "fwd-h256-4k": (OURS, 4, 4096, 8, 256, False),
+    "fwd-h256-4k-softcap": (
+        functools.partial(_forward_with, logits_soft_cap=50.0), 4, 4096, 8, 256, False
+    ),
+    "fwd-h256-4k-cudnn": (CUDNN, 4, 4096, 8, 256, False),
     "bwd-h128-16k": (
         functools.partial(_backward, tiles=mosaic.BackwardTiles()), 1, 16384, 16, 128, False
     ),

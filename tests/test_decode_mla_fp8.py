@@ -357,7 +357,12 @@ def test_default_tiles():
         64,
         8,
     )
-    assert (small.block_m, small.num_warps, small.block_kv_prefill) == (16, 4, 32)
+    assert (small.block_m, small.num_warps, small.block_kv_prefill) == (16, 4, 64)
+    assert big.block_kv_prefill == 64  # paged_attention's key tile from 64 rows
+    float8 = ragged_block_sizes(
+        (300, 128, 576), 65, 1, 4096, bf16, interpret=False, page_size=64, fmt=mla, cache_dtype=FP8
+    )
+    assert float8.block_kv_prefill == 32  # 64-key tiles of a float8 cache: too much SMEM
 
 
 # -- ragged_paged_attention --------------------------------------------------------------------

@@ -500,9 +500,10 @@ def default_ragged_block_sizes(
     forward kernel's tiles (`heuristic_block_sizes`: its query tile as rows, which hold a tile
     of tokens times the group). A shared latent cache with values wider than 256 columns
     (`default_decode_block_sizes`, fmt) takes the decode kernel's tiles for its group in the
-    decode launch (of the group's rows, at most 64), and 64-row tiles of 32 keys in 8 warps in
-    the prefill launch (a 128-row tile's 512-column float32 accumulator would not fit the
-    registers): a decode step of MLA's 128 heads is two prefill tiles."""
+    decode launch (of the group's rows, at most 64), and 64-row tiles in 8 warps in the prefill
+    launch (a 128-row tile's 512-column float32 accumulator would not fit the registers) of 64
+    keys as `paged_attention`'s from 64 rows (32 over a float8 cache): a decode step of MLA's
+    128 heads is two prefill tiles."""
     if interpret:
         return _RAGGED_INTERPRET
     decode = default_decode_block_sizes(
@@ -515,13 +516,14 @@ def default_ragged_block_sizes(
         cache_dtype=cache_dtype,
     )
     if fmt is not None and fmt.shared and padded_head_dim(fmt.value_head_dim) > 256:
+        float8 = cache_dtype is not None and jnp.dtype(cache_dtype).itemsize == 1
         return RaggedBlockSizes(
             block_m=min(64, max(16, 1 << (group - 1).bit_length())),
             block_kv=decode.block_kv,
             num_warps=decode.num_warps,
             num_stages=decode.num_stages,
             block_m_prefill=64,
-            block_kv_prefill=32,
+            block_kv_prefill=32 if float8 else 64,
             num_warps_prefill=8,
             num_stages_prefill=2,
         )

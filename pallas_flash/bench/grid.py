@@ -17,7 +17,14 @@ HELP = "grid: the FA2 paper's grid"
 FLAGS = ("--head-dims", "--seqs", "--impls", "--passes", "--causal", "--repeats")
 # Without a GPU: a fixed interpreted demo, which reads fewer.
 FLAGS_ON_CPU = ("--passes", "--causal", "--repeats")
-IMPLS = ("pallas_flash", "pallas_flash_triton", "cudnn", "xla", "jax_pallas")
+IMPLS = (
+    "pallas_flash",
+    "pallas_flash_nondeterministic",
+    "pallas_flash_triton",
+    "cudnn",
+    "xla",
+    "jax_pallas",
+)
 DEFAULT_IMPLS = ["pallas_flash", "cudnn", "xla"]
 DEFAULT_SEQS = [512, 1024, 2048, 4096, 8192, 16384]
 

@@ -26,15 +26,19 @@ PASSES = ("fwd", "fwd+bwd")
 
 def attention_fn(impl: str, *, is_causal: bool, interpret: bool = False, block_sizes=None):
     """q, k, v -> out for one implementation name."""
-    if impl in ("pallas_flash", "pallas_flash_triton"):
+    if impl in ("pallas_flash", "pallas_flash_triton", "pallas_flash_nondeterministic"):
         # "pallas_flash" is what a user gets (backend=None: the Mosaic GPU forward on Hopper
-        # where it applies); "pallas_flash_triton" keeps every kernel on Triton.
+        # where it applies); "pallas_flash_triton" keeps every kernel on Triton;
+        # "pallas_flash_nondeterministic" passes deterministic_grads=False (dQ's partials added
+        # in any order, as cuDNN's backward adds them unless XLA's
+        # --xla_gpu_deterministic_ops asks it not to).
         return functools.partial(
             pallas_flash.flash_attention,
             is_causal=is_causal,
             interpret=interpret,
             backend="triton" if impl == "pallas_flash_triton" else None,
             block_sizes=block_sizes,
+            deterministic_grads=impl != "pallas_flash_nondeterministic",
         )
     if impl in ("cudnn", "xla"):
         return functools.partial(

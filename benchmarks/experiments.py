@@ -103,7 +103,6 @@ EXPERIMENTS = {
             out, a.points, a.modes or ("fused", "fixed"), a.mask, a.kernel_time
         ),
     ),
-    "mosaic-overlap": ((), lambda out, a: mosaic_forward.mosaic_overlap(out)),
     "mla": ((), lambda out, a: mosaic_forward.mla(out)),
     "compile-forms": (
         ("--points", "--row"),

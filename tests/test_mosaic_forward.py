@@ -391,12 +391,6 @@ INTERPRET_PROBLEMS = [
     (Problem(1, 512, 512, 2, 1, 64, True, "bf16"), ForwardTiles(block_q=128, block_kv=128)),
     (Problem(1, 512, 1024, 1, 1, 64, False, "bf16"), ForwardTiles(block_q=128, block_kv=128)),
     (Problem(1, 256, 512, 2, 1, 128, True, "bf16"), ForwardTiles(block_kv=64, num_stages=4)),
-    # The softmax overlapped with the previous tile's P.V: a ragged last tile, persistent CTAs.
-    (Problem(1, 128, 333, 2, 1, 64, False, "bf16"), ForwardTiles(overlap_softmax=True)),
-    (
-        Problem(2, 256, 384, 4, 2, 128, False, "bf16"),
-        ForwardTiles(persistent=True, overlap_softmax=True),
-    ),
 ]
 
 
@@ -412,33 +406,6 @@ def test_matches_oracle_interpreted(p, tiles):
     baseline = jax.jit(plain_fn(p))(q, k, v)
     oracle = attention_f64(q64, k64, v64, scale=p.scale, is_causal=p.is_causal)
     assert_within_tolerance((out, lse), baseline, oracle, floor=p.floor, names=("out", "lse"))
-
-
-@pytest.mark.parametrize("kv_len", [100, 400])
-def test_overlap_softmax_matches_the_plain_loop_interpreted(kv_len):
-    """`ForwardTiles.overlap_softmax` (P.V a step late) with dropout, a soft cap and sinks: the
-    same out and lse as the plain loop's, within float32 rounding (the same products, the
-    accumulator rescaled after the late P.V), one KV tile and several."""
-    p = Problem(1, 128, kv_len, 2, 1, 128, False, "bf16")
-    (q, k, v, _, _), _ = random_inputs(p)
-    seeds = jnp.array([[11, 12]], jnp.int32)
-    sinks = jnp.array([[0.5, -1.0]], jnp.float32)
-    outs = []
-    for tiles in (ForwardTiles(), ForwardTiles(overlap_softmax=True)):
-        run = functools.partial(
-            call_mosaic_forward,
-            scale=p.scale,
-            soft_cap=20.0,
-            dropout=(0.25, seeds),
-            tiles=tiles,
-        )
-        with interpret_mosaic():
-            out, lse = jax.jit(run)(q, k, v, sinks=sinks)
-            outs.append((np.asarray(out.astype(jnp.float32)), np.asarray(lse)))
-    (out, lse), (out_overlap, lse_overlap) = outs
-    assert np.isfinite(out).all() and (out != 0).any()
-    np.testing.assert_allclose(out_overlap, out, rtol=0, atol=1e-2 * np.abs(out).max())
-    np.testing.assert_allclose(lse_overlap, lse, rtol=1e-6, atol=1e-6)
 
 
 def test_mosaic_forward_feeds_the_triton_backward_interpreted():
@@ -519,28 +486,6 @@ def test_matches_oracle(p):
         (
             Problem(8, 512, 512, 16, 4, 64, False, "bf16"),
             ForwardTiles(block_q=128, block_kv=128, persistent=True, step_descriptors=True),
-        ),
-        # The softmax overlapped with the previous tile's P.V: ragged keys, one tile, 128-row
-        # consumers, H=256's 64-key tiles, persistent CTAs.
-        (Problem(2, 256, 1000, 4, 2, 128, False, "bf16"), ForwardTiles(overlap_softmax=True)),
-        (Problem(2, 256, 100, 4, 2, 128, False, "f16"), ForwardTiles(overlap_softmax=True)),
-        (
-            Problem(8, 512, 512, 16, 4, 64, False, "bf16"),
-            ForwardTiles(
-                block_q=128,
-                block_kv=128,
-                persistent=True,
-                step_descriptors=True,
-                overlap_softmax=True,
-            ),
-        ),
-        (
-            Problem(2, 256, 512, 4, 2, 256, False, "f16"),
-            ForwardTiles(block_kv=64, overlap_softmax=True),
-        ),
-        (
-            Problem(4, 1024, 1024, 16, 4, 128, False, "bf16"),
-            ForwardTiles(persistent=True, overlap_softmax=True),
         ),
     ],
     ids=case_id,

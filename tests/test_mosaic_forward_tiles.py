@@ -80,17 +80,6 @@ def test_supports_rejects_tiles_over_the_register_budget():
         assert why_not(*shapes, BF16, is_causal=False, tiles=tiles) is None
 
 
-def test_overlap_softmax_refuses_rows_that_see_ranges():
-    tiles = ForwardTiles(overlap_softmax=True)
-    shapes = ((1, 256, 2, 128), (1, 256, 2, 128))
-    assert why_not(*shapes, jnp.bfloat16, is_causal=False, tiles=tiles) is None
-    for options in (dict(is_causal=True), dict(is_causal=False, window=(8, 8))):
-        got = why_not(*shapes, jnp.bfloat16, tiles=tiles, **options)
-        assert got is not None and "overlap_softmax" in got, got
-    got = why_not(*shapes, jnp.bfloat16, is_causal=False, segments=True, tiles=tiles)
-    assert got is not None and "overlap_softmax" in got, got
-
-
 def test_supports_refuses_causal_on_miscompiling_cuda():
     shapes = ((1, 256, 2, 128), (1, 256, 2, 128), BF16)
     for version, refused in ((12080, True), (12090, True), (12091, False), (13000, False)):

@@ -84,22 +84,12 @@ def mosaic_fn(t, n, h, causal, pass_, **kwargs):
 
 
 def mosaic_config(
-    q,
-    k,
-    *,
-    scale,
-    is_causal=False,
-    window=None,
-    soft_cap=None,
-    segment_ids=None,
-    tiles=None,
-    dropout=None,
+    q, k, *, scale, is_causal=False, window=None, soft_cap=None, segment_ids=None, tiles=None
 ):
     """(MaskArrays, KernelConfig) of a call of the Mosaic kernels, as the dispatch hands them to
     `mosaic.flash_forward` and `mosaic.flash_backward`: segment_ids a (q ids, kv ids) pair or
     None; tiles: the forward's `ForwardTiles` or the backward's `BackwardTiles` (None: the
-    kernels' defaults); dropout: None or (rate, seeds int32 [B, N])."""
-    rate, seeds = (0.0, None) if dropout is None else dropout
+    kernels' defaults)."""
     spec = MaskSpec(
         q_len=q.shape[1],
         kv_len=k.shape[1],
@@ -111,7 +101,6 @@ def mosaic_config(
         spec=spec,
         scale=scale,
         soft_cap=soft_cap,
-        dropout_rate=rate,
         block_sizes=pallas_flash.BlockSizes(),
         interpret=False,
         forward="mosaic",
@@ -119,7 +108,7 @@ def mosaic_config(
         mosaic_forward_tiles=tiles if isinstance(tiles, mosaic.ForwardTiles) else None,
         mosaic_backward_tiles=tiles if isinstance(tiles, mosaic.BackwardTiles) else None,
     )
-    return MaskArrays(*(segment_ids or (None, None)), dropout_seeds=seeds), config
+    return MaskArrays(*(segment_ids or (None, None))), config
 
 
 def mosaic_forward_call(q, k, v, *, sinks=None, with_log_sum=False, **options):

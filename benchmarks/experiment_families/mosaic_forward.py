@@ -1,6 +1,5 @@
 """The Mosaic forward's experiments: tiles (`mosaic-tiles`), persistent and per-item grids
-(`mosaic-persistent`), the softmax overlapped with the previous tile's P.V (`mosaic-overlap`),
-and MLA's head dims (`mla`)."""
+(`mosaic-persistent`), and MLA's head dims (`mla`)."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from experiment_families.common import (
 from pallas_flash import bench, mosaic
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic.schedule import paired_causal_rows
-from pallas_flash.mosaic.tiles import default_tiles
 
 # (block_q, block_kv, num_stages[, persistent[, step_descriptors]]) of the Mosaic forward, per
 # head dim.
@@ -252,64 +250,3 @@ def mla(out):
             ratio = per_flop["mla", causal, pass_] / per_flop["plain", causal, pass_]
             record(out, dict(summary="mla_over_plain_per_flop", causal=causal, pass_=pass_,
                               ratio=ratio))  # fmt: skip
-
-
-# (H, T, option): plain non-causal calls (16k tokens, hidden 2048), bare, with dropout 0.1 or a
-# soft cap of 30; "64-row": H=64 on 64-row persistent consumers instead of its 128-row default.
-OVERLAP_CASES = [
-    (128, 2048, None),
-    (128, 4096, None),
-    (128, 16384, None),
-    (128, 4096, "dropout"),
-    (256, 4096, None),
-    (256, 4096, "soft cap"),
-    (64, 4096, None),
-    (64, 4096, "64-row"),
-    (64, 16384, None),
-    (64, 4096, "dropout"),
-]
-
-
-def mosaic_overlap(out, cases=None):
-    """The Mosaic forward's default tiles against the same with `ForwardTiles.overlap_softmax`
-    (and cuDNN's forward where the call has no option): ms and TFLOP/s, and the largest
-    difference between the two outputs (the same math in another order of f32 roundings)."""
-    for h, t, option in cases or OVERLAP_CASES:
-        b, n = 16384 // t, 2048 // h
-        q, k, v, _ = bench.make_inputs(b, t, t, n, n, h, jnp.bfloat16)
-        options = dict(scale=h**-0.5)
-        if option == "dropout":
-            seeds = jax.random.randint(jax.random.key(1), (b, n), 0, 1 << 30, jnp.int32)
-            options["dropout"] = (0.1, seeds)
-        if option == "soft cap":
-            options["soft_cap"] = 30.0
-        base = default_tiles(
-            h, q_len=t, kv_len=t, is_causal=False, soft_cap=options.get("soft_cap")
-        )
-        if option == "64-row":
-            base = mosaic.ForwardTiles(block_q=64, block_kv=128, persistent=True)
-        row = dict(exp="mosaic-overlap", B=b, T=t, N=n, H=h, option=option or "")
-        flops = bench.attention_flops(b, t, t, n, h, False, "fwd")
-        fns = {
-            name: jax.jit(functools.partial(mosaic_forward_call, tiles=tiles, **options))
-            for name, tiles in (
-                ("default", base),
-                ("overlap", dataclasses.replace(base, overlap_softmax=True)),
-            )
-        }
-        outs = {}
-        for name, fn in fns.items():
-            timed = dict(row, impl=name, tiles=str(base))
-            try:
-                outs[name] = fn(q, k, v)[0].astype(jnp.float32)
-                timed["ms"] = round(bench.median_ms(fn, (q, k, v)), 4)
-                timed["tflops"] = round(flops / timed["ms"] / 1e9, 1)
-            except Exception as e:  # noqa: BLE001
-                timed["error"] = error_text(e)
-            record(out, timed)
-        if len(outs) == 2:
-            diff = float(jnp.max(jnp.abs(outs["default"] - outs["overlap"])))
-            record(out, dict(row, impl="difference", max_abs_diff=diff))
-        if option is None:
-            cudnn = bench.timed_fn(bench.attention_fn("cudnn", is_causal=False), "fwd")
-            time_impls(out, {"cudnn": cudnn}, (q, k, v, None), flops, **row)

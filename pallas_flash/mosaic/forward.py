@@ -722,10 +722,18 @@ def _consume(
             conditions.append(per_row(q_seg, shape) == lax.broadcast_in_dim(kv_seg, shape, [1]))
         return functools.reduce(lambda a, b: a & b, conditions) if conditions else None
 
-    def softmax(qk, tile, slot, m_i, l_i, *, masked: bool):
-        """Tile `tile`'s online-softmax update from its logits qk, reading what rides in K's
-        slot (KV ids, dropout's column hashes) before releasing it: (p, m_new, l_new, alpha,
-        keep), p float32 before dropout's selection (`dropped`)."""
+    def kv_step(tile, carry, *, masked: bool):
+        acc, m_i, l_i = carry
+        slot = ring.slot(tile)
+        plgpu.barrier_wait(ring.k_ready.at[slot])
+
+        # -- compute qk --
+        def qk_into(acc_ref):
+            plgpu.wgmma(acc_ref, q_at(tile), ring.k_smem.at[slot].T)
+            _schedule_sync(schedule)  # the other consumer may now issue its matmuls
+            return acc_ref[...]  # waits for the wgmma
+
+        qk = pl.run_scoped(qk_into, plgpu.ACC((block_q, block_kv), jnp.float32))
         # The KV ids share K's slot: read them before releasing it.
         visible = visible_in(tile, slot) if masked else None
         keep = None
@@ -754,29 +762,10 @@ def _consume(
         p = jnp.exp2(times(s - per_row(m_new, s.shape), unit2))
         alpha = jnp.exp2(times(m_i - m_new, unit2))
         l_i = l_i * alpha + jnp.sum(p, axis=1)
-        return p, m_new, l_i, alpha, keep
-
-    def dropped(p, keep):
-        """P.V's A operand: p in the input dtype, zero where dropout drops it."""
+        acc = acc * per_row(alpha, acc.shape)
         if keep is not None:  # l_i keeps the dropped p: lse is the un-dropped softmax's
             p = jnp.where(keep, p, per_row(drop_zero, p.shape))
-        return p.astype(dtype)  # wgmma takes A from registers in the input dtype
-
-    def kv_step(tile, carry, *, masked: bool):
-        acc, m_i, l_i = carry
-        slot = ring.slot(tile)
-        plgpu.barrier_wait(ring.k_ready.at[slot])
-
-        # -- compute qk --
-        def qk_into(acc_ref):
-            plgpu.wgmma(acc_ref, q_at(tile), ring.k_smem.at[slot].T)
-            _schedule_sync(schedule)  # the other consumer may now issue its matmuls
-            return acc_ref[...]  # waits for the wgmma
-
-        qk = pl.run_scoped(qk_into, plgpu.ACC((block_q, block_kv), jnp.float32))
-        p, m_new, l_i, alpha, keep = softmax(qk, tile, slot, m_i, l_i, masked=masked)
-        acc = acc * per_row(alpha, acc.shape)
-        p_in = dropped(p, keep)
+        p_in = p.astype(dtype)  # wgmma takes A from registers in the input dtype
         plgpu.barrier_arrive(schedule)  # softmax done: the other consumer may take the MMAs
         plgpu.barrier_wait(ring.v_ready.at[slot])
         plgpu.barrier_wait(schedule)  # ... and has issued them
@@ -792,72 +781,6 @@ def _consume(
         acc = pl.run_state(pv_into)(plgpu.ACC.init(acc))  # returns after the wgmma completes
         plgpu.barrier_arrive(ring.v_free.at[slot])
         return acc, m_new, l_i
-
-    # -- tiles.overlap_softmax: tile t's P.V issued with tile t + 1's Q.K^T --
-    # The carry (acc, m_i, l_i, p_in) after tile t: acc sums P.V of the tiles before t, in
-    # units of m_i, which p_in (tile t's P, its V's wait done) is in too.
-
-    def first_overlapped_step(tile, carry, *, masked: bool):
-        acc, m_i, l_i = carry
-        slot = ring.slot(tile)
-        plgpu.barrier_wait(ring.k_ready.at[slot])
-
-        def qk_into(acc_ref):
-            plgpu.wgmma(acc_ref, q_at(tile), ring.k_smem.at[slot].T)
-            _schedule_sync(schedule)
-            return acc_ref[...]
-
-        qk = pl.run_scoped(qk_into, plgpu.ACC((block_q, block_kv), jnp.float32))
-        p, m_new, l_i, _, keep = softmax(qk, tile, slot, m_i, l_i, masked=masked)
-        p_in = dropped(p, keep)  # acc is still empty: alpha has nothing to scale
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(ring.v_ready.at[slot])
-        plgpu.barrier_wait(schedule)
-        return acc, m_new, l_i, p_in
-
-    def overlapped_step(tile, carry, *, masked: bool):
-        acc, m_i, l_i, p_prev = carry
-        slot, prev = ring.slot(tile), ring.slot(tile - 1)
-        plgpu.barrier_wait(ring.k_ready.at[slot])
-
-        def matmuls(o_ref, s_ref):
-            o_ref[...] = acc
-            plgpu.wgmma(s_ref, q_at(tile), ring.k_smem.at[slot].T)
-            plgpu.wgmma(o_ref, p_prev, ring.v_smem.at[prev])
-            _schedule_sync(schedule)  # the other consumer may now issue its matmuls
-            # Q.K^T was issued first: once at most one group is in flight it is done, while
-            # the previous tile's P.V may still run under this tile's softmax.
-            qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)
-            p, m_new, l_new, alpha, keep = softmax(qk, tile, slot, m_i, l_i, masked=masked)
-            p_in = dropped(p, keep)
-            return o_ref[...], m_new, l_new, alpha, p_in  # o_ref[...] waits for P.V
-
-        acc, m_new, l_i, alpha, p_in = pl.run_scoped(
-            matmuls,
-            plgpu.ACC(acc.shape, jnp.float32),
-            plgpu.ACC((block_q, block_kv), jnp.float32),
-        )
-        plgpu.barrier_arrive(ring.v_free.at[prev])
-        acc = acc * per_row(alpha, acc.shape)
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(ring.v_ready.at[slot])
-        plgpu.barrier_wait(schedule)
-        return acc, m_new, l_i, p_in
-
-    def last_overlapped_pv(tile, carry):
-        """The P.V of the consumer's last tile, in an issue phase of its own."""
-        acc, m_i, l_i, p_prev = carry
-        slot = ring.slot(tile)
-
-        def pv_into(o_ref):
-            o_ref[...] = acc
-            plgpu.wgmma(o_ref, p_prev, ring.v_smem.at[slot])
-            _schedule_sync(schedule)
-            return o_ref[...]
-
-        acc = pl.run_scoped(pv_into, plgpu.ACC(acc.shape, jnp.float32))
-        plgpu.barrier_arrive(ring.v_free.at[slot])
-        return acc, m_i, l_i
 
     def drain_step(tile, carry):
         # A CTA step outside this consumer's range: the other consumer computes it. This one
@@ -891,28 +814,15 @@ def _consume(
         drop_rows = tuple(plgpu.load(drop_rows_smem.at[i], layout=row_layout) for i in range(2))
         drop_zero = dropped_value(drop_rows[0])
     pl.when(wg == 1)(functools.partial(_schedule_sync, schedule))
-    if tiles.overlap_softmax:
-        # Rows that see every key: the range is the CTA's, static, and starts with a tile.
-        assert not (mask_left or sanitise_v or q_ids_smem is not None), spec
-        assert all(isinstance(x, int) for x in ranges) and lo < hi, ranges
-        first_masked = not full_lo <= lo < full_hi
-        carry = first_overlapped_step(lo, carry, masked=first_masked)
-        unmasked = functools.partial(overlapped_step, masked=False)
-        carry = _loop(lo + 1, full_hi, unmasked, carry)
-        carry = _loop(
-            max(full_hi, lo + 1), hi, functools.partial(overlapped_step, masked=True), carry
-        )
-        carry = last_overlapped_pv(hi - 1, carry)
-    else:
-        # Without a left (right) side and segment ids the loops before full_lo (after full_hi)
-        # are empty: not emitted.
-        if mask_left:
-            _loop(cta_range[0], lo, drain_step, None)
-            carry = _loop(lo, full_lo, masked_step, carry)
-        carry = _loop(full_lo, full_hi, functools.partial(kv_step, masked=False), carry)
-        if mask_right:
-            carry = _loop(full_hi, hi, masked_step, carry)
-            _loop(hi, cta_range[1], drain_step, None)
+    # Without a left (right) side and segment ids the loops before full_lo (after full_hi) are
+    # empty: not emitted.
+    if mask_left:
+        _loop(cta_range[0], lo, drain_step, None)
+        carry = _loop(lo, full_lo, masked_step, carry)
+    carry = _loop(full_lo, full_hi, functools.partial(kv_step, masked=False), carry)
+    if mask_right:
+        carry = _loop(full_hi, hi, masked_step, carry)
+        _loop(hi, cta_range[1], drain_step, None)
     pl.when(wg == 0)(functools.partial(_schedule_sync, schedule))
     acc, m_i, l_i = carry
 

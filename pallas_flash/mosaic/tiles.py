@@ -77,12 +77,6 @@ class ForwardTiles:
         registers each (8 of them at block_q=128, H=64, where the consumer spills 12 bytes
         held and none rebuilt, and runs 4-8% faster;
         docs/notes/forward.md, "Step descriptors at H=64"); False: held.
-      overlap_softmax: each consumer issues KV tile t's Q.K^T and tile t - 1's P.V together
-        and computes tile t's softmax while that P.V runs (FlashAttention-3's intra-warpgroup
-        overlap, beside the ping-pong of the two consumers): P.V waits one step, so a tile's
-        softmax no longer stalls its own tensor-core work. Calls whose rows all see every key
-        (no causality, window or segment ids; dropout, soft caps, sinks and ragged lengths
-        allowed); others raise NotImplementedError.
     """
 
     block_q: int = 64
@@ -91,7 +85,6 @@ class ForwardTiles:
     persistent: bool = False
     causal_pairs: bool = True
     step_descriptors: bool = False
-    overlap_softmax: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_kv"):
@@ -100,7 +93,7 @@ class ForwardTiles:
                 raise ValueError(f"ForwardTiles.{name}={value!r} must be a positive multiple of 64")
         if not isinstance(self.num_stages, int) or self.num_stages < 2:
             raise ValueError(f"ForwardTiles.num_stages={self.num_stages!r} must be an int >= 2")
-        for name in ("persistent", "causal_pairs", "step_descriptors", "overlap_softmax"):
+        for name in ("persistent", "causal_pairs", "step_descriptors"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ForwardTiles.{name}={getattr(self, name)!r} must be a bool")
 
@@ -349,11 +342,6 @@ def why_not(
             window=window,
             soft_cap=soft_cap,
             segments=segments,
-        )
-    if tiles.overlap_softmax and (is_causal or window is not None or segments):
-        return (
-            "ForwardTiles(overlap_softmax=True) takes calls whose rows see every key: not "
-            "is_causal, a local window, segment ids or sequence lengths"
         )
     dims = f"{head_dim=}" + ("" if value_head_dim == head_dim else f", {value_head_dim=}")
     if tiles.block_kv > 256:

@@ -7,9 +7,8 @@ its duration only:
 
 - wgmma: `pl.run_scoped` / `pl.run_state` over WGMMA accumulators and `plgpu.wgmma` become plain
   float32 values and `jnp.dot`s that read A and B from SMEM at their place in program order
-  (race-checked). Faithful for our kernels, which wait for every wgmma before they release
-  (arrive on the barrier of) a buffer it reads; wgmma's layouts and asynchrony are not
-  simulated.
+  (race-checked). Faithful for our kernels, which wait for every wgmma before the next barrier
+  arrive; wgmma's layouts and asynchrony are not simulated.
 - TMA write checks against the issuing thread's generic-proxy clock: the shimmed wgmma reads
   are generic-proxy reads, where the hardware's are async-proxy ones; the barrier
   happens-before relations are kept.
@@ -60,21 +59,13 @@ from pallas_flash.mosaic import launch as mosaic_launch
 
 
 class _Accumulator:
-    """A WGMMA accumulator as a value: `acc[...]` (or `plgpu.wgmma_accumulator_load`) reads
-    it, `acc[...] = x` sets it, `_wgmma` adds to it."""
+    """A WGMMA accumulator as a value: `acc[...]` reads it, `_wgmma` adds to it."""
 
     def __init__(self, value):
         self.value = value
 
     def __getitem__(self, index):
         return self.value
-
-    def __setitem__(self, index, value):
-        self.value = value
-
-
-def _accumulator_load(acc, *, wait_n=0):
-    return acc.value
 
 
 def _wgmma(acc, a, b, **kwargs):
@@ -160,7 +151,6 @@ def _patches(deadlock_s: float, oob_fill):
         (pl, "run_scoped", run_scoped),
         (pl, "run_state", run_state),
         (plgpu, "wgmma", _wgmma),
-        (plgpu, "wgmma_accumulator_load", _accumulator_load),
         (gpu_callbacks.AsyncCopyGmemToSmemTask, "post_read", post_read),
         (shared_memory.Barrier, "deallocate", deallocate),
         (shared_memory.Barrier, "__init__", barrier_init),

@@ -41,6 +41,7 @@ from pallas_flash.triton.cache import (
     load_piece_rows,
     logit_scale_and_unit,
     pack_queries,
+    product_queries,
     read_tiles,
     scales_of,
 )
@@ -108,6 +109,7 @@ def _decode_kernel(
         )
         for piece in fmt.query_pieces
     ]
+    qs, unscale = product_queries(qs, k_ref.dtype)  # float16 over float8 for bfloat16 queries
     # New token t of a sequence of `length` keys sits at position length - q_len + t (the new
     # tokens are the cache's last keys), or with `ahead` that many positions further (a
     # holder of a sequence's earlier keys: `Schedule.ahead`); rows past the packed rows take
@@ -157,6 +159,8 @@ def _decode_kernel(
         qk = dot(qs[0], ks[0], trans_b=True)
         for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
             qk = qk + dot(q_piece, k_piece, trans_b=True)
+        if unscale is not None:
+            qk = qk * unscale
         u, _ = scores(qk, logit_scale, None, soft_cap)
         visible = None
         if masked:

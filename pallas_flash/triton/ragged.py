@@ -54,6 +54,7 @@ from pallas_flash.triton.cache import (
     load_piece_rows,
     logit_scale_and_unit,
     pack_queries,
+    product_queries,
     read_tiles,
     scales_of,
 )
@@ -457,6 +458,7 @@ def _ragged_kernel(
     flat = jnp.minimum(flat, q_ref.shape[0] - 1)  # in bounds (the masked rows')
     hvp, value_head_dim = o_ref.shape[-1], fmt.value_head_dim
     qs = [load_piece_gathered(q_ref, flat, in_tile, piece) for piece in fmt.query_pieces]
+    qs, unscale = product_queries(qs, k_ref.dtype)  # float16 over float8 for bfloat16 queries
     # New token t sits at position length - q_len + t.
     q_pos = (length - q_len + token)[:, None]
     last_row = jnp.minimum(row0 + block_m, q_len * group) - 1
@@ -496,6 +498,8 @@ def _ragged_kernel(
         qk = dot(qs[0], ks[0], trans_b=True)
         for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
             qk = qk + dot(q_piece, k_piece, trans_b=True)
+        if unscale is not None:
+            qk = qk * unscale
         u, _ = scores(qk, logit_scale, None, soft_cap)
         visible = None
         if masked:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flash._pallas_triton import div, rem
 from pallas_flash.triton.tiles import padded_head_dim
 
 
@@ -208,3 +209,38 @@ def logit_scale_and_unit(scale: float, soft_cap, k_scale):
         return scale, float(soft_cap) if soft_cap is not None else float(scale)
     logit_scale = k_scale * scale
     return logit_scale, float(soft_cap) if soft_cap is not None else logit_scale
+
+
+def paged_rows(table_ref, table_start, length, block_kv, page_size, num_rows, kv_start):
+    """Where keys [kv_start, kv_start + block_kv) of a paged sequence of `length` keys lie in
+    its KV head's pages end to end ([num_rows, H]; the sequence's table entries start at
+    table_ref[table_start]): the first row (a scalar) where a key tile lies in one page, else
+    each key's row [block_kv]. Only the entries of pages below the length are read (0 else)."""
+    num_pages = num_rows // page_size
+    if page_size % block_kv == 0:
+        entry = plgpu.load(
+            table_ref.at[table_start + div(kv_start, page_size)],
+            mask=kv_start < length,
+            other=0,
+        )
+        return jnp.clip(entry, 0, num_pages - 1) * page_size + rem(kv_start, page_size)
+    keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
+    entries = table_start + div(keys, page_size)
+    pages = plgpu.load(table_ref.at[entries], mask=keys < length, other=0)
+    return jnp.clip(pages, 0, num_pages - 1) * page_size + rem(keys, page_size)
+
+
+def load_paged_rows(ref, kv_rows, kv_start, length, piece: Piece, block_kv, *, masked):
+    """The [block_kv, piece.padded] tile of `piece`'s columns of keys [kv_start, kv_start +
+    block_kv) at `paged_rows`' kv_rows: one contiguous load (a scalar first row) or a load
+    gathered by rows (`load_piece_gathered`: two index arrays and no slice, the form both the
+    Triton lowering and the interpreter take for a gather); with `masked`, keys past the
+    length read as zero."""
+    if kv_rows.ndim == 0:
+        return load_piece_rows(
+            ref, kv_rows, block_kv, kv_rows + length - kv_start, piece, ragged=masked
+        )
+    in_seq = None
+    if masked:
+        in_seq = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0) < length
+    return load_piece_gathered(ref, kv_rows, in_seq, piece)

@@ -36,11 +36,11 @@ from pallas_flash.triton._common import (
 )
 from pallas_flash.triton.cache import (
     CacheFormat,
-    Piece,
-    load_piece_gathered,
+    load_paged_rows,
     load_piece_rows,
     logit_scale_and_unit,
     pack_queries,
+    paged_rows,
     product_queries,
     read_tiles,
     scales_of,
@@ -118,30 +118,25 @@ def _decode_kernel(
     end = length if ahead is None else length + ahead
     q_pos = end - q_len + jnp.minimum(div(rows, group), q_len - 1)
 
-    def load_kv(kv_start, masked: bool):
-        if page_size is None:
+    # A paged step looks up the next key tile's pages (`paged_rows`, carried): its own loads
+    # then depend on no load of the step, and Triton's pipeliner keeps num_stages - 1 tiles
+    # in flight (looked up in the step, a paged tile had one buffer in shared memory).
+    rows_of = None
+    if page_size is not None:
+        max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads
+        rows_of = functools.partial(
+            paged_rows, table_ref, batch * max_pages, length, block_kv, page_size, k_ref.shape[0]
+        )
 
-            def load(ref, piece):
-                return load_piece_rows(
-                    ref, kv_start, block_kv, length, piece, ragged=masked, lead=(batch,)
+    def load_kv(kv_start, kv_rows, masked: bool):
+        def load(ref, piece):
+            if rows_of is not None:
+                return load_paged_rows(
+                    ref, kv_rows, kv_start, length, piece, block_kv, masked=masked
                 )
-
-        else:
-            max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads
-            table_start = batch * max_pages
-
-            def load(ref, piece):
-                return _load_paged(
-                    ref,
-                    table_ref,
-                    table_start,
-                    kv_start,
-                    length,
-                    piece,
-                    block_kv,
-                    page_size,
-                    masked=masked,
-                )
+            return load_piece_rows(
+                ref, kv_start, block_kv, length, piece, ragged=masked, lead=(batch,)
+            )
 
         return read_tiles(fmt, load, k_ref, v_ref, qs[0].dtype)
 
@@ -151,10 +146,14 @@ def _decode_kernel(
     logit_scale, unit = logit_scale_and_unit(scale, soft_cap, k_scale)
 
     def body(j, carry, *, masked: bool):
+        kv_rows = None
+        if rows_of is not None:
+            *carry, kv_rows = carry
+            carry = tuple(carry)
         kv_start = pl.multiple_of(j * block_kv, block_kv)
         # Keys past the sequence's length read as zero in the masked tiles: whatever the
         # cache holds there (stale values, NaN) never reaches a product.
-        ks, v = load_kv(kv_start, masked)
+        ks, v = load_kv(kv_start, kv_rows, masked)
         # -- compute the logits (in the units of `scores`, see there) --
         qk = dot(qs[0], ks[0], trans_b=True)
         for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
@@ -170,7 +169,8 @@ def _decode_kernel(
                 visible = visible & (kv_idx < length)
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
-        return softmax_step(carry, u, v, unit, visible, hidden_values=hidden_values)
+        carry = softmax_step(carry, u, v, unit, visible, hidden_values=hidden_values)
+        return carry if rows_of is None else (*carry, rows_of(kv_start + block_kv))
 
     # One new token with no window, at the end of its keys: a boundary tile hides only keys
     # past the length, which read as zero (the zeroing of V costs a latent cache's 512-column
@@ -181,7 +181,11 @@ def _decode_kernel(
         _sequence_tiles(length, q_len, window_left, block_kv, ahead),
         (item_lo, item_lo, item_hi, item_hi),
     )
-    carry = visit_tiles(tiles, body, carry)
+    if rows_of is None:
+        carry = visit_tiles(tiles, body, carry)
+    else:
+        *carry, _ = visit_tiles(tiles, body, (*carry, rows_of(tiles[0] * block_kv)))
+        carry = tuple(carry)
     if v_scale is not None:  # the values' scale, once on the unnormalised output
         carry = (carry[0] * v_scale, *carry[1:])
     softmax_store(
@@ -319,32 +323,6 @@ class Schedule:
             return batch * self.splits, self.splits
         base = 3 * self.items
         return runs_ref[base + batch], runs_ref[base + self.batch + batch]
-
-
-def _load_paged(
-    ref, table_ref, table_start, kv_start, length, piece: Piece, block_kv, page_size, *, masked
-):
-    """Keys [kv_start, kv_start + block_kv) of a paged sequence, the columns of `piece`, as a
-    [block_kv, piece.padded] tile; the sequence's table entries start at
-    table_ref[table_start]."""
-    num_pages = ref.shape[0] // page_size
-    if page_size % block_kv == 0:
-        # The tile lies in one page: one table entry, and a contiguous load.
-        entry = table_ref[table_start + div(kv_start, page_size)]
-        page = jnp.clip(entry, 0, num_pages - 1)
-        start = page * page_size + rem(kv_start, page_size)
-        return load_piece_rows(
-            ref, start, block_kv, start + length - kv_start, piece, ragged=masked
-        )
-    # The tile spans several pages: a table entry per key, and a load gathered by rows (two
-    # index arrays and no slice: the form both the Triton lowering and the interpreter take
-    # for a gather).
-    keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-    in_seq = keys < length
-    entries = table_start + div(keys, page_size)
-    pages = plgpu.load(table_ref.at[entries], mask=in_seq, other=0)
-    rows = jnp.clip(pages, 0, num_pages - 1) * page_size + rem(keys, page_size)
-    return load_piece_gathered(ref, rows, in_seq if masked else None, piece)
 
 
 def _merge_kernel(

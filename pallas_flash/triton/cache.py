@@ -211,18 +211,22 @@ def logit_scale_and_unit(scale: float, soft_cap, k_scale):
     return logit_scale, float(soft_cap) if soft_cap is not None else logit_scale
 
 
-def paged_rows(table_ref, table_start, length, block_kv, page_size, num_rows, kv_start):
+def paged_rows(
+    table_ref, table_start, length, block_kv, page_size, num_rows, kv_start, *, visited=False
+):
     """Where keys [kv_start, kv_start + block_kv) of a paged sequence of `length` keys lie in
     its KV head's pages end to end ([num_rows, H]; the sequence's table entries start at
     table_ref[table_start]): the first row (a scalar) where a key tile lies in one page, else
-    each key's row [block_kv]. Only the entries of pages below the length are read (0 else)."""
+    each key's row [block_kv]. Only the entries of pages below the length are read (0 else);
+    with `visited` (a tile the step reads, below the length) a one-page tile's entry is read
+    unmasked."""
     num_pages = num_rows // page_size
     if page_size % block_kv == 0:
-        entry = plgpu.load(
-            table_ref.at[table_start + div(kv_start, page_size)],
-            mask=kv_start < length,
-            other=0,
-        )
+        index = table_start + div(kv_start, page_size)
+        if visited:
+            entry = table_ref[index]
+        else:
+            entry = plgpu.load(table_ref.at[index], mask=kv_start < length, other=0)
         return jnp.clip(entry, 0, num_pages - 1) * page_size + rem(kv_start, page_size)
     keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
     entries = table_start + div(keys, page_size)

@@ -70,6 +70,7 @@ def _decode_kernel(
     schedule: Schedule,
     page_size: int | None,
     with_log_sum: bool,
+    lookahead: bool = False,
 ):
     """One row tile of one (KV head, work item): stream the item's key tiles of its sequence
     with an online softmax.
@@ -88,7 +89,8 @@ def _decode_kernel(
     batch is not in the grid, so that a balanced schedule can give a sequence as many items as
     its length needs); where `schedule.planned`, from a runs_ref (`Schedule.plan_runs`'s
     table) after the block table. Where `fmt.scaled`, k_scale_ref and v_scale_ref [K] float32
-    come last before the outputs.
+    come last before the outputs. lookahead (paged only): each step looks up the next key
+    tile's pages, so that the pipeliner can keep more than one tile in flight.
     """
     refs = list(refs)
     v_ref = None if fmt.shared else refs.pop(0)
@@ -118,9 +120,10 @@ def _decode_kernel(
     end = length if ahead is None else length + ahead
     q_pos = end - q_len + jnp.minimum(div(rows, group), q_len - 1)
 
-    # A paged step looks up the next key tile's pages (`paged_rows`, carried): its own loads
-    # then depend on no load of the step, and Triton's pipeliner keeps num_stages - 1 tiles
-    # in flight (looked up in the step, a paged tile had one buffer in shared memory).
+    # Where a paged tile's pages lie (`paged_rows`). With `lookahead` a step looks up the next
+    # tile's (carried): its own loads then depend on no load of the step, and Triton's
+    # pipeliner keeps num_stages - 1 tiles in flight; looked up in the step, the tile gets one
+    # buffer in shared memory whatever num_stages.
     rows_of = None
     if page_size is not None:
         max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads
@@ -146,11 +149,13 @@ def _decode_kernel(
     logit_scale, unit = logit_scale_and_unit(scale, soft_cap, k_scale)
 
     def body(j, carry, *, masked: bool):
+        kv_start = pl.multiple_of(j * block_kv, block_kv)
         kv_rows = None
-        if rows_of is not None:
+        if lookahead:
             *carry, kv_rows = carry
             carry = tuple(carry)
-        kv_start = pl.multiple_of(j * block_kv, block_kv)
+        elif rows_of is not None:
+            kv_rows = rows_of(kv_start, visited=True)
         # Keys past the sequence's length read as zero in the masked tiles: whatever the
         # cache holds there (stale values, NaN) never reaches a product.
         ks, v = load_kv(kv_start, kv_rows, masked)
@@ -170,7 +175,7 @@ def _decode_kernel(
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
         carry = softmax_step(carry, u, v, unit, visible, hidden_values=hidden_values)
-        return carry if rows_of is None else (*carry, rows_of(kv_start + block_kv))
+        return (*carry, rows_of(kv_start + block_kv)) if lookahead else carry
 
     # One new token with no window, at the end of its keys: a boundary tile hides only keys
     # past the length, which read as zero (the zeroing of V costs a latent cache's 512-column
@@ -181,11 +186,11 @@ def _decode_kernel(
         _sequence_tiles(length, q_len, window_left, block_kv, ahead),
         (item_lo, item_lo, item_hi, item_hi),
     )
-    if rows_of is None:
-        carry = visit_tiles(tiles, body, carry)
-    else:
+    if lookahead:
         *carry, _ = visit_tiles(tiles, body, (*carry, rows_of(tiles[0] * block_kv)))
         carry = tuple(carry)
+    else:
+        carry = visit_tiles(tiles, body, carry)
     if v_scale is not None:  # the values' scale, once on the unnormalised output
         carry = (carry[0] * v_scale, *carry[1:])
     softmax_store(
@@ -716,6 +721,8 @@ def decode_forward(
         schedule=schedule,
         page_size=page_size,
         with_log_sum=splits > 1 or with_log_sum,
+        # Beyond 2 stages, where a paged tile's lookup in the step would cost buffers.
+        lookahead=paged and block_sizes.num_stages > 2,
     )
     operands, in_specs, runs = _operands(
         lengths,

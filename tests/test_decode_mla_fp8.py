@@ -275,10 +275,17 @@ def test_latent_cache_matches_oracle(c):
 @pytest.mark.ci_slice(2)
 def test_float8_cache_matches_oracle(c):
     """backend="xla" and the kernel in the interpreter against the oracle on the dequantised
-    cache."""
+    cache; over pages also with the GPU's 4 stages, whose steps look up the next tile's pages
+    (the kernel's lookahead: one key tile a page, or gathered), unsplit so that a program
+    steps through several tiles."""
     args, oracle_inputs, sinks = make_problem(c)
     results = run(c, args, XLA, INTERPRET)
-    check(c, results, oracle_inputs, sinks, ["xla", "interpret"])
+    names = ["xla", "interpret"]
+    if c.page is not None:
+        staged = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=4, kv_splits=1)
+        results += run(c, args, INTERPRET, block_sizes=staged)
+        names.append("interpret, 4 stages")
+    check(c, results, oracle_inputs, sinks, names)
 
 
 @pytest.mark.parametrize(

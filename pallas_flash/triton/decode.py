@@ -663,10 +663,10 @@ def decode_forward(
     (block_tables None): k [B, S, K, H], v [B, S, K, Hv]. Paged: k [num_pages, page_size, K,
     H], v [num_pages, page_size, K, Hv] and block_tables int32 [B, max_pages]. v None: a shared
     latent cache, whose first value_head_dim columns are the values (read with the keys, once).
-    k and v may be float8 (converted to q's dtype in the kernel) with k_scale and v_scale
-    float32 [K] (the keys and values are the cache's times the scales of their KV head; v_scale
-    is the key scale for a shared cache). num_sms: the target GPU's SMs (`Device.num_sms`),
-    for the split count.
+    k and v may be float8 (converted in the kernel, `cache.product_queries`) with k_scale and
+    v_scale float32 [K] (the keys and values are the cache's times the scales of their KV head;
+    v_scale is the key scale for a shared cache). num_sms: the target GPU's SMs
+    (`Device.num_sms`), for the split count.
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]

@@ -277,7 +277,7 @@ def main():
     dtype = jnp.dtype(args.dtype)
     bias_shape = tuple(int(x) for x in args.bias_shape.split(",")) if args.bias_shape else None
     bs = heuristic_block_sizes(args.head_dim, dtype, masked=bias_shape is not None)
-    if args.block_sizes:
+    if args.block_sizes and not args.decode:
         bs = dataclasses.replace(bs, **json.loads(args.block_sizes))
     if args.decode:
         block_sizes = json.loads(args.block_sizes) if args.block_sizes else None

@@ -101,9 +101,10 @@ def decode_attention(
       k_scale, v_scale: for float8_e4m3fn caches (required there, refused otherwise): float32
         scales per tensor (shape ()) or per KV head (shape (K,)); the keys are key_cache times
         k_scale, the values value_cache times v_scale (a shared latent cache takes k_scale
-        only). The kernel converts float8 tiles to the query's dtype in registers and applies
-        the scales to the logits and the output (`write_to_pages` quantises). Checked finite
-        and > 0 when concrete.
+        only). The kernel converts float8 tiles in registers (to float16 under bfloat16
+        queries, whose rows it scales by powers of two, exactly; else to the query's dtype)
+        and applies the scales to the logits and the output (`write_to_pages` quantises).
+        Checked finite and > 0 when concrete.
 
     Returns:
       out, or (out, lse) when return_residuals. A token that sees no key (L = 0) outputs

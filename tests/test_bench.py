@@ -494,6 +494,33 @@ def test_decode_case_groups():
     assert {c["group"] for c in decode.suite_cases(decode.CASES, quick=True)} == set(decode.CASES)
 
 
+def test_decode_tiles_add_a_row_per_entry_over_float8_caches():
+    """--decode-tiles: a "pallas_flash_<entry>" call per entry over a float8 cache (in place of
+    the alternative tiles), none over its bfloat16 twin; each computes the default's attention
+    (in the interpreter, split in two and in the rule's three); a bad entry is named."""
+    bs = decode.parse_decode_tiles("16x128x8x3x2")
+    assert (bs.block_m, bs.block_kv, bs.num_warps, bs.num_stages, bs.kv_splits) == (
+        16,
+        128,
+        8,
+        3,
+        2,
+    )
+    assert decode.parse_decode_tiles("16x64x4x4").kv_splits == 0
+    for bad in ("16x64x4", "16x64x4x4x2x1", "16x48x4x4", "16xbx4x4"):
+        with pytest.raises(ValueError, match=f"--decode-tiles entry '{bad}' must be BMxBKVxWxS"):
+            decode.parse_decode_tiles(bad)
+    case = dict(B=2, S=64, N=4, K=2, H=32, T=1, ragged=True, page=16, group="fp8")
+    twin = decode.decode_fns(case, interpret=True, tiles=["16x16x4x1x2"])
+    assert "pallas_flash_16x16x4x1x2" not in twin
+    case["cache"] = "float8_e4m3fn"
+    fns = decode.decode_fns(case, interpret=True, tiles=["16x16x4x1x2"])
+    assert list(fns) == ["pallas_flash", "xla", "pallas_flash_16x16x4x1x2"]
+    inputs = decode.decode_inputs(case, jnp.float32)
+    want = fns["pallas_flash"](*inputs)
+    np.testing.assert_allclose(fns["pallas_flash_16x16x4x1x2"](*inputs), want, atol=1e-5)
+
+
 def test_an_unknown_case_group_is_an_error(capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["--suite", "decode", "--cases", "gqa", "nope"])

@@ -275,10 +275,17 @@ def test_latent_cache_matches_oracle(c):
 @pytest.mark.ci_slice(2)
 def test_float8_cache_matches_oracle(c):
     """backend="xla" and the kernel in the interpreter against the oracle on the dequantised
-    cache."""
+    cache; over pages also with the GPU's 4 stages, whose steps look up the next tile's pages
+    (the kernel's lookahead: one key tile a page, or gathered), unsplit so that a program
+    steps through several tiles."""
     args, oracle_inputs, sinks = make_problem(c)
     results = run(c, args, XLA, INTERPRET)
-    check(c, results, oracle_inputs, sinks, ["xla", "interpret"])
+    names = ["xla", "interpret"]
+    if c.page is not None:
+        staged = DecodeBlockSizes(block_m=16, block_kv=16, num_stages=4, kv_splits=1)
+        results += run(c, args, INTERPRET, block_sizes=staged)
+        names.append("interpret, 4 stages")
+    check(c, results, oracle_inputs, sinks, names)
 
 
 @pytest.mark.parametrize(
@@ -627,6 +634,31 @@ def test_validation():
         )
     with pytest.raises(ValueError, match="value_pages=None .* takes value=None"):
         pallas_flash.write_to_pages(pages8, None, tables, new, new, lengths, k_scale=1.0)
+
+
+def test_product_queries_scale_exactly():
+    """bfloat16 queries over a float8 cache take float16 products: each row scaled by a power of
+    two to a largest magnitude in [2^14, 2^15), so that q = q16 * unscale exactly for every
+    element above 2^-28 of its row's largest, from rows of 1e-25 to 1e35 (and a zero row);
+    other queries and caches are unchanged."""
+    from pallas_flash.triton.cache import product_queries
+
+    rng = np.random.default_rng(0)
+    mags = np.array([1e-25, 3e-20, 1e-6, 0.7, 1.0, 2.0**15, 6e4, 1e20, 1e35, 0.0])
+    q = rng.uniform(-1.0, 1.0, (mags.size, 40)) * mags[:, None]
+    q[:, 0] = mags  # each row's largest magnitude, exactly
+    q[:, 1] = mags * 2.0**-27  # the smallest that stays exact
+    q = jnp.asarray(q, jnp.bfloat16)
+    pieces = [q[:, :32], q[:, 32:]]  # a latent cache's two pieces share the row's scale
+    (q0, q1), unscale = product_queries(pieces, FP8)
+    assert q0.dtype == q1.dtype == jnp.float16 and unscale.shape == (mags.size, 1)
+    q16 = np.concatenate([np.asarray(q0, np.float32), np.asarray(q1, np.float32)], axis=1)
+    big = np.abs(q16).max(axis=1)
+    assert np.all((big >= 2.0**14) & (big < 2.0**15) | (mags == 0))
+    np.testing.assert_array_equal(q16 * np.asarray(unscale), np.asarray(q, np.float32))
+    for dtype, cache in ((jnp.float16, FP8), (jnp.float32, FP8), (jnp.bfloat16, jnp.bfloat16)):
+        same, none = product_queries([q.astype(dtype)], cache)
+        assert none is None and same[0].dtype == dtype
 
 
 def test_float8_needs_compute_capability_8_9():

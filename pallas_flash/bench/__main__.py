@@ -57,6 +57,12 @@ FLAGS = {
         help="ragged: one more call per entry in the prefill and mixed batches, its prefill "
         "launch's tiles (block_m, block_kv, num_warps, num_stages), e.g. 128x64x4x2",
     ),
+    "--decode-tiles": dict(
+        nargs="+",
+        metavar="BMxBKVxWxS[xSPLITS]",
+        help="decode: one more call per entry over each float8 or latent cache, its tiles "
+        "(block_m, block_kv, num_warps, num_stages [, kv_splits]), e.g. 16x64x4x4 16x128x4x3",
+    ),
     "--before": dict(
         metavar="TREE",
         help="ragged: first the same run on TREE/pallas_flash (an older copy) in a child "

@@ -6,7 +6,10 @@ Case groups (`--cases`, default all): "gqa" (GQA decode at H=128: the headline s
 axis varied at a time), "mla" (multi-head latent attention over one latent cache of 576 = 512 +
 64 columns: memory-bound at 16 or 32 heads a device, compute-bound at 128), "fp8" (each shape
 over a float8_e4m3fn cache beside the same cache in bfloat16) and "speculative" (T = 4, 8, 16
-new tokens over 4, 8 or 16 query heads per KV head). Each pallas_flash row also has its
+new tokens over 4, 8 or 16 query heads per KV head). `--decode-tiles BMxBKVxWxS[xSPLITS] ...`
+adds a "pallas_flash_BMxBKVxWxS[xSPLITS]" row per entry to each float8 or latent cache's case
+(in place of its alternative-tiles row): one run compares candidate tiles on the same arrays
+and ceilings. Each pallas_flash row also has its
 TFLOP/s (2 (H + Hv) FLOPs per query head and visible key) and its ratios to the ceilings
 measured in the same run: the read of its bytes (a plain reduction over an array of the
 cache's size: the practical read ceiling) and a bfloat16 matmul (8192^3 through XLA)."""
@@ -33,8 +36,8 @@ HELP = (
     "the same arrays, and against the read and matmul ceilings (--cases gqa mla fp8 "
     "speculative; tiny interpreted shapes on a CPU)"
 )
-FLAGS = ("--repeats", "--quick", "--cases")
-FLAGS_ON_CPU = ("--repeats", "--cases")
+FLAGS = ("--repeats", "--quick", "--cases", "--decode-tiles")
+FLAGS_ON_CPU = ("--repeats", "--cases", "--decode-tiles")
 CASES = ("gqa", "mla", "fp8", "speculative")
 
 
@@ -192,15 +195,33 @@ def flash_attention_decode(q, k, v, lengths, **kwargs):
     )
 
 
-def decode_fns(case, *, interpret: bool):
+def parse_decode_tiles(entry: str) -> pallas_flash.DecodeBlockSizes:
+    """A --decode-tiles entry "BMxBKVxWxS" or "BMxBKVxWxSxSPLITS": DecodeBlockSizes(block_m,
+    block_kv, num_warps, num_stages[, kv_splits]), the other fields the defaults' (block_m is
+    clamped to a call's packed rows; kv_splits 0 or left out: the split rule's count)."""
+    names = ("block_m", "block_kv", "num_warps", "num_stages", "kv_splits")
+    try:
+        fields = [int(x) for x in entry.split("x")]
+        if len(fields) not in (4, 5):
+            raise ValueError("4 or 5 fields")
+        return pallas_flash.DecodeBlockSizes(**dict(zip(names, fields, strict=False)))
+    except ValueError as error:
+        raise ValueError(
+            f"--decode-tiles entry {entry!r} must be BMxBKVxWxS or BMxBKVxWxSxSPLITS (block_m x "
+            f"block_kv x num_warps x num_stages [x kv_splits]), e.g. 16x64x4x4: {error}"
+        ) from None
+
+
+def decode_fns(case, *, interpret: bool, tiles=()):
     """{impl: jitted fn(q, k, v, lengths, tables) -> out} for one case: "pallas_flash"
     (decode_attention, or paged_attention over pages), and over a contiguous cache
     "flash_attention" (`flash_attention_decode`) and jax.nn's attention (XLA, cuDNN), with the
     causal rule among the new tokens as a mask aligned to the end of each sequence. A latent
     or float8 cache (which jax.nn's attention does not take): "pallas_flash" and "xla", its
-    reference (backend="xla": dequantises, materialises the logits)."""
+    reference (backend="xla": dequantises, materialises the logits), and per `tiles` entry
+    (--decode-tiles) "pallas_flash_<entry>" with those tiles."""
     if case.get("hv") or case.get("cache"):  # a latent or float8 cache
-        return _format_fns(case, interpret=interpret)
+        return _format_fns(case, interpret=interpret, tiles=tiles)
     if case["page"] is not None:
         fns = {
             "pallas_flash": lambda q, k, v, lens, tables: pallas_flash.paged_attention(
@@ -236,7 +257,7 @@ def decode_fns(case, *, interpret: bool):
     return {impl: jax.jit(fn) for impl, fn in fns.items()}
 
 
-def _format_fns(case, *, interpret: bool):
+def _format_fns(case, *, interpret: bool, tiles=()):
     kwargs = cache_kwargs(case)
 
     def call(**backend):
@@ -251,7 +272,11 @@ def _format_fns(case, *, interpret: bool):
 
     fns = {"pallas_flash": call(interpret=interpret), "xla": call(backend="xla")}
     alternative = alternative_tiles(case)
-    if alternative is not None and not interpret:
+    if tiles:
+        for entry in tiles:
+            block_sizes = parse_decode_tiles(entry)
+            fns[f"pallas_flash_{entry}"] = call(block_sizes=block_sizes, interpret=interpret)
+    elif alternative is not None and not interpret:
         fns["pallas_flash_alt"] = call(block_sizes=alternative)
     return fns
 
@@ -317,6 +342,9 @@ def run(args, *, on_gpu: bool) -> list[dict]:
     also their TFLOP/s and their shares of the read and of the run's matmul ceiling."""
     repeats = args.repeats
     groups = args.cases or CASES
+    tiles = getattr(args, "decode_tiles", None) or ()
+    for entry in tiles:  # a bad entry fails before anything is timed
+        parse_decode_tiles(entry)
     if on_gpu:
         cases, dtype, interpret, calls = (
             list(suite_cases(groups, args.quick)),
@@ -340,10 +368,8 @@ def run(args, *, on_gpu: bool) -> list[dict]:
         nbytes = decode_kv_bytes(case, lengths, jnp.dtype(k.dtype).itemsize)
         flops = decode_flops(case, lengths)
         flat = jnp.zeros((nbytes // 2,), jnp.bfloat16)
-        runs = [
-            (impl, fn, (q, k, v, lengths, tables))
-            for impl, fn in decode_fns(case, interpret=interpret).items()
-        ]
+        fns = decode_fns(case, interpret=interpret, tiles=tiles)
+        runs = [(impl, fn, (q, k, v, lengths, tables)) for impl, fn in fns.items()]
         runs.append(("memcpy", jax.jit(jnp.copy), (flat,)))
         runs.append(("read", jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32)), (flat,)))
         case_rows = []

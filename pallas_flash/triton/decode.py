@@ -36,11 +36,12 @@ from pallas_flash.triton._common import (
 )
 from pallas_flash.triton.cache import (
     CacheFormat,
-    Piece,
-    load_piece_gathered,
+    load_paged_rows,
     load_piece_rows,
     logit_scale_and_unit,
     pack_queries,
+    paged_rows,
+    product_queries,
     read_tiles,
     scales_of,
 )
@@ -69,6 +70,7 @@ def _decode_kernel(
     schedule: Schedule,
     page_size: int | None,
     with_log_sum: bool,
+    lookahead: bool = False,
 ):
     """One row tile of one (KV head, work item): stream the item's key tiles of its sequence
     with an online softmax.
@@ -87,7 +89,8 @@ def _decode_kernel(
     batch is not in the grid, so that a balanced schedule can give a sequence as many items as
     its length needs); where `schedule.planned`, from a runs_ref (`Schedule.plan_runs`'s
     table) after the block table. Where `fmt.scaled`, k_scale_ref and v_scale_ref [K] float32
-    come last before the outputs.
+    come last before the outputs. lookahead (paged only): each step looks up the next key
+    tile's pages, so that the pipeliner can keep more than one tile in flight.
     """
     refs = list(refs)
     v_ref = None if fmt.shared else refs.pop(0)
@@ -108,6 +111,7 @@ def _decode_kernel(
         )
         for piece in fmt.query_pieces
     ]
+    qs, unscale = product_queries(qs, k_ref.dtype)  # float16 over float8 for bfloat16 queries
     # New token t of a sequence of `length` keys sits at position length - q_len + t (the new
     # tokens are the cache's last keys), or with `ahead` that many positions further (a
     # holder of a sequence's earlier keys: `Schedule.ahead`); rows past the packed rows take
@@ -116,30 +120,26 @@ def _decode_kernel(
     end = length if ahead is None else length + ahead
     q_pos = end - q_len + jnp.minimum(div(rows, group), q_len - 1)
 
-    def load_kv(kv_start, masked: bool):
-        if page_size is None:
+    # Where a paged tile's pages lie (`paged_rows`). With `lookahead` a step looks up the next
+    # tile's (carried): its own loads then depend on no load of the step, and Triton's
+    # pipeliner keeps num_stages - 1 tiles in flight; looked up in the step, the tile gets one
+    # buffer in shared memory whatever num_stages.
+    rows_of = None
+    if page_size is not None:
+        max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads
+        rows_of = functools.partial(
+            paged_rows, table_ref, batch * max_pages, length, block_kv, page_size, k_ref.shape[0]
+        )
 
-            def load(ref, piece):
-                return load_piece_rows(
-                    ref, kv_start, block_kv, length, piece, ragged=masked, lead=(batch,)
+    def load_kv(kv_start, kv_rows, masked: bool):
+        def load(ref, piece):
+            if rows_of is not None:
+                return load_paged_rows(
+                    ref, kv_rows, kv_start, length, piece, block_kv, masked=masked
                 )
-
-        else:
-            max_pages = table_ref.shape[0] // schedule.batch  # lengths_ref may hold the aheads
-            table_start = batch * max_pages
-
-            def load(ref, piece):
-                return _load_paged(
-                    ref,
-                    table_ref,
-                    table_start,
-                    kv_start,
-                    length,
-                    piece,
-                    block_kv,
-                    page_size,
-                    masked=masked,
-                )
+            return load_piece_rows(
+                ref, kv_start, block_kv, length, piece, ragged=masked, lead=(batch,)
+            )
 
         return read_tiles(fmt, load, k_ref, v_ref, qs[0].dtype)
 
@@ -150,13 +150,21 @@ def _decode_kernel(
 
     def body(j, carry, *, masked: bool):
         kv_start = pl.multiple_of(j * block_kv, block_kv)
+        kv_rows = None
+        if lookahead:
+            *carry, kv_rows = carry
+            carry = tuple(carry)
+        elif rows_of is not None:
+            kv_rows = rows_of(kv_start, visited=True)
         # Keys past the sequence's length read as zero in the masked tiles: whatever the
         # cache holds there (stale values, NaN) never reaches a product.
-        ks, v = load_kv(kv_start, masked)
+        ks, v = load_kv(kv_start, kv_rows, masked)
         # -- compute the logits (in the units of `scores`, see there) --
         qk = dot(qs[0], ks[0], trans_b=True)
         for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
             qk = qk + dot(q_piece, k_piece, trans_b=True)
+        if unscale is not None:
+            qk = qk * unscale
         u, _ = scores(qk, logit_scale, None, soft_cap)
         visible = None
         if masked:
@@ -166,7 +174,8 @@ def _decode_kernel(
                 visible = visible & (kv_idx < length)
             if window_left is not None:
                 visible = visible & (kv_idx >= q_pos - window_left)
-        return softmax_step(carry, u, v, unit, visible, hidden_values=hidden_values)
+        carry = softmax_step(carry, u, v, unit, visible, hidden_values=hidden_values)
+        return (*carry, rows_of(kv_start + block_kv)) if lookahead else carry
 
     # One new token with no window, at the end of its keys: a boundary tile hides only keys
     # past the length, which read as zero (the zeroing of V costs a latent cache's 512-column
@@ -177,7 +186,11 @@ def _decode_kernel(
         _sequence_tiles(length, q_len, window_left, block_kv, ahead),
         (item_lo, item_lo, item_hi, item_hi),
     )
-    carry = visit_tiles(tiles, body, carry)
+    if lookahead:
+        *carry, _ = visit_tiles(tiles, body, (*carry, rows_of(tiles[0] * block_kv)))
+        carry = tuple(carry)
+    else:
+        carry = visit_tiles(tiles, body, carry)
     if v_scale is not None:  # the values' scale, once on the unnormalised output
         carry = (carry[0] * v_scale, *carry[1:])
     softmax_store(
@@ -315,32 +328,6 @@ class Schedule:
             return batch * self.splits, self.splits
         base = 3 * self.items
         return runs_ref[base + batch], runs_ref[base + self.batch + batch]
-
-
-def _load_paged(
-    ref, table_ref, table_start, kv_start, length, piece: Piece, block_kv, page_size, *, masked
-):
-    """Keys [kv_start, kv_start + block_kv) of a paged sequence, the columns of `piece`, as a
-    [block_kv, piece.padded] tile; the sequence's table entries start at
-    table_ref[table_start]."""
-    num_pages = ref.shape[0] // page_size
-    if page_size % block_kv == 0:
-        # The tile lies in one page: one table entry, and a contiguous load.
-        entry = table_ref[table_start + div(kv_start, page_size)]
-        page = jnp.clip(entry, 0, num_pages - 1)
-        start = page * page_size + rem(kv_start, page_size)
-        return load_piece_rows(
-            ref, start, block_kv, start + length - kv_start, piece, ragged=masked
-        )
-    # The tile spans several pages: a table entry per key, and a load gathered by rows (two
-    # index arrays and no slice: the form both the Triton lowering and the interpreter take
-    # for a gather).
-    keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-    in_seq = keys < length
-    entries = table_start + div(keys, page_size)
-    pages = plgpu.load(table_ref.at[entries], mask=in_seq, other=0)
-    rows = jnp.clip(pages, 0, num_pages - 1) * page_size + rem(keys, page_size)
-    return load_piece_gathered(ref, rows, in_seq if masked else None, piece)
 
 
 def _merge_kernel(
@@ -676,10 +663,10 @@ def decode_forward(
     (block_tables None): k [B, S, K, H], v [B, S, K, Hv]. Paged: k [num_pages, page_size, K,
     H], v [num_pages, page_size, K, Hv] and block_tables int32 [B, max_pages]. v None: a shared
     latent cache, whose first value_head_dim columns are the values (read with the keys, once).
-    k and v may be float8 (converted to q's dtype in the kernel) with k_scale and v_scale
-    float32 [K] (the keys and values are the cache's times the scales of their KV head; v_scale
-    is the key scale for a shared cache). num_sms: the target GPU's SMs (`Device.num_sms`),
-    for the split count.
+    k and v may be float8 (converted in the kernel, `cache.product_queries`) with k_scale and
+    v_scale float32 [K] (the keys and values are the cache's times the scales of their KV head;
+    v_scale is the key scale for a shared cache). num_sms: the target GPU's SMs
+    (`Device.num_sms`), for the split count.
     """
     batch, q_len, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
@@ -734,6 +721,8 @@ def decode_forward(
         schedule=schedule,
         page_size=page_size,
         with_log_sum=splits > 1 or with_log_sum,
+        # Beyond 2 stages, where a paged tile's lookup in the step would cost buffers.
+        lookahead=paged and block_sizes.num_stages > 2,
     )
     operands, in_specs, runs = _operands(
         lengths,

@@ -49,11 +49,12 @@ from pallas_flash.triton._common import (
 )
 from pallas_flash.triton.cache import (
     CacheFormat,
-    Piece,
+    load_paged_rows,
     load_piece_gathered,
-    load_piece_rows,
     logit_scale_and_unit,
     pack_queries,
+    paged_rows,
+    product_queries,
     read_tiles,
     scales_of,
 )
@@ -457,6 +458,7 @@ def _ragged_kernel(
     flat = jnp.minimum(flat, q_ref.shape[0] - 1)  # in bounds (the masked rows')
     hvp, value_head_dim = o_ref.shape[-1], fmt.value_head_dim
     qs = [load_piece_gathered(q_ref, flat, in_tile, piece) for piece in fmt.query_pieces]
+    qs, unscale = product_queries(qs, k_ref.dtype)  # float16 over float8 for bfloat16 queries
     # New token t sits at position length - q_len + t.
     q_pos = (length - q_len + token)[:, None]
     last_row = jnp.minimum(row0 + block_m, q_len * group) - 1
@@ -475,7 +477,7 @@ def _ragged_kernel(
     # load of the same step, and Triton's pipeliner keeps num_stages - 1 tiles in flight (with
     # the lookup in the step, one fewer).
     rows_of = functools.partial(
-        _paged_rows, table_ref, table_start, length, block_kv, page_size, k_ref.shape[0]
+        paged_rows, table_ref, table_start, length, block_kv, page_size, k_ref.shape[0]
     )
     k_scale, v_scale = scales_of(
         fmt, k_scale_ref, v_scale_ref, kv_head, accumulation_dtype(q_ref.dtype)
@@ -490,12 +492,14 @@ def _ragged_kernel(
         # Keys past the length read as zero in the masked tiles: whatever the pages hold there
         # (stale values, NaN) never reaches a product.
         def load(ref, piece):
-            return _load_paged_rows(ref, kv_rows, kv_start, length, piece, block_kv, masked=masked)
+            return load_paged_rows(ref, kv_rows, kv_start, length, piece, block_kv, masked=masked)
 
         ks, v = read_tiles(fmt, load, k_ref, v_ref, qs[0].dtype)
         qk = dot(qs[0], ks[0], trans_b=True)
         for q_piece, k_piece in zip(qs[1:], ks[1:], strict=True):
             qk = qk + dot(q_piece, k_piece, trans_b=True)
+        if unscale is not None:
+            qk = qk * unscale
         u, _ = scores(qk, logit_scale, None, soft_cap)
         visible = None
         if masked:
@@ -608,41 +612,6 @@ def _merge_kernel(
                 stride=row_tiles,
                 col0=col0,
             )
-
-
-def _paged_rows(table_ref, table_start, length, block_kv, page_size, num_rows, kv_start):
-    """Where keys [kv_start, kv_start + block_kv) of a paged sequence of `length` keys lie in
-    its KV head's pages end to end ([num_rows, H]; the sequence's table entries start at
-    table_ref[table_start]): the first row (a scalar) where a key tile lies in one page, else
-    each key's row [block_kv]. Only the entries of pages below the length are read (0 else)."""
-    num_pages = num_rows // page_size
-    if page_size % block_kv == 0:
-        entry = plgpu.load(
-            table_ref.at[table_start + div(kv_start, page_size)],
-            mask=kv_start < length,
-            other=0,
-        )
-        return jnp.clip(entry, 0, num_pages - 1) * page_size + rem(kv_start, page_size)
-    keys = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0)
-    entries = table_start + div(keys, page_size)
-    pages = plgpu.load(table_ref.at[entries], mask=keys < length, other=0)
-    return jnp.clip(pages, 0, num_pages - 1) * page_size + rem(keys, page_size)
-
-
-def _load_paged_rows(ref, kv_rows, kv_start, length, piece: Piece, block_kv, *, masked):
-    """The [block_kv, piece.padded] tile of `piece`'s columns of keys [kv_start, kv_start +
-    block_kv) at `_paged_rows`' kv_rows: one contiguous load (a scalar first row) or a load
-    gathered by rows (`load_piece_gathered`: two index arrays and no slice, the form both the
-    Triton lowering and the interpreter take for a gather); with `masked`, keys past the
-    length read as zero."""
-    if kv_rows.ndim == 0:
-        return load_piece_rows(
-            ref, kv_rows, block_kv, kv_rows + length - kv_start, piece, ragged=masked
-        )
-    in_seq = None
-    if masked:
-        in_seq = kv_start + jax.lax.broadcasted_iota(jnp.int32, (block_kv,), 0) < length
-    return load_piece_gathered(ref, kv_rows, in_seq, piece)
 
 
 def _tile_range(first_pos, last_pos, length, any_rows, window_left: int | None, block_kv: int):

@@ -322,10 +322,10 @@ def decode_ctas_per_sm(
     Other cache formats (`triton.cache.CacheFormat`): read_columns, the padded columns of a
     key row and its value row (a shared latent cache's key row only; default 2 hp);
     query_columns, the query tile's (default hp); value_hp, the accumulator's (default hp);
-    cache_itemsize, the bytes of a cached element (float8: 1; converting its tiles to the
-    queries' dtype holds both in registers under mma.sync, 137 registers and 54 KiB at H=128
-    with 64-key tiles in 4 stages: 3 per SM; under wgmma the converted tiles go back to
-    shared memory for the matrix units)."""
+    cache_itemsize, the bytes of a cached element (float8: 1; converting its tiles to 16 bits
+    holds both in registers under mma.sync, 140 registers and 54 KiB at H=128 with 64-key
+    tiles in 4 stages: 3 per SM, as ptxas reads them for 10 float8 tile choices; under wgmma
+    the converted tiles go back to shared memory for the matrix units)."""
     if block_sizes.ctas_per_sm:
         return block_sizes.ctas_per_sm
     threads = 32 * block_sizes.num_warps

@@ -391,14 +391,17 @@ def default_decode_block_sizes(
     rows (16 or 32 heads a device under tensor parallelism: memory-bound) take 64-key tiles in
     2 stages, in 4 warps up to 16 rows and 8 above (32-key tiles measured 0.64-0.86x of them).
 
-    cache_dtype float8 keeps the tiles of the queries' dtype and doubles their stages (to 4 at
-    most): the same bytes in flight from tiles of half the bytes (unmeasured)."""
+    cache_dtype float8 keeps the tiles of the queries' dtype and doubles their stages, to 4 at
+    most and 3 for 128-key tiles (pages of 128): the same bytes in flight from tiles of half the
+    bytes (H100: 0.84-0.92 of the read ceiling where the batch fills the GPU; 128-key tiles in 3
+    stages read 0.88 over pages of 128 against 0.85 in 4, docs/notes/decode.md)."""
     if interpret:
         return _DECODE_INTERPRET
     float8 = cache_dtype is not None and jnp.dtype(cache_dtype).itemsize == 1
     tiles = _decode_tiles(head_dim, dtype, page_size, rows, fmt, float8=float8)
     if float8:
-        tiles = dataclasses.replace(tiles, num_stages=min(4, 2 * tiles.num_stages))
+        most = 3 if tiles.block_kv >= 128 else 4
+        tiles = dataclasses.replace(tiles, num_stages=min(most, 2 * tiles.num_stages))
     return tiles
 
 

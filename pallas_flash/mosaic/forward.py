@@ -531,17 +531,25 @@ def _produce(
     tiles: ForwardTiles,
     head=None,
     drop_col_ref=None,
+    copy=None,
 ):
     """Producer warpgroup: TMA every KV tile of the item, [first_tile, cta_hi), into the ring,
-    in order (with its KV segment ids next to K when kv_ids_ref is not None)."""
+    in order (with its KV segment ids next to K when kv_ids_ref is not None).
 
-    def copy(gmem_ref, smem, ready, tile, slot):
+    copy: None (K/V [B, S', K, H] in GMEM, tile `tile` at rows tile * block_kv of batch entry
+    `batch`), or copy(gmem_ref, smem, ready, tile, slot), which starts the copies of KV tile
+    `tile` of gmem_ref into smem.at[slot], arriving on ready.at[slot] (the ragged prefill's
+    pages; the barriers count its copies)."""
+
+    def contiguous_copy(gmem_ref, smem, ready, tile, slot):
         # The last tile's window may run past S: TMA fills those rows with zeros, which the
         # kernel relies on for V (a masked key's p is 0, and 0 * NaN would not be).
         rows = (batch, pl.ds(tile * tiles.block_kv, tiles.block_kv), kv_head)
         plgpu.copy_gmem_to_smem(
             gmem_ref.at[rows], smem.at[slot], ready.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS
         )
+
+    copy = contiguous_copy if copy is None else copy
 
     def copy_k(tile, slot):
         copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
@@ -639,6 +647,7 @@ def _consume(
     cta_range,
     ranges,
     q_ids_smem,
+    q_offset=None,
     sink=None,
     drop_rows_smem=None,
     dropout_rate: float = 0.0,
@@ -663,6 +672,10 @@ def _consume(
     Ranges: the consumer walks every CTA step of cta_range; it computes the tiles of
     its own range `ranges` = (lo, full_lo, full_hi, hi), masking element-wise those outside
     [full_lo, full_hi), and "drains" the CTA steps before lo and from hi on (see drain_step).
+
+    q_offset: None, or an int32 scalar added to the rows' positions in the mask (row r of the
+    block sits at q_start + q_offset + r; the ragged prefill's rows, whose output rows are not
+    their positions). Rows and lse are stored at q_start either way.
 
     q_ids_smem: None, or the SMEM [block_q] ref of the rows' segment ids: copied with Q, then
     kept in registers as a row vector; a masked step compares it with the KV tile's ids, read
@@ -705,6 +718,8 @@ def _consume(
         q_pos = q_start + plgpu.broadcasted_iota(
             jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
         )
+        if q_offset is not None:
+            q_pos = q_pos + q_offset
         kv_pos = tile * block_kv + plgpu.broadcasted_iota(
             jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
         )

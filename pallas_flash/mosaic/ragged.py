@@ -1,0 +1,497 @@
+"""The prefill launch of ragged paged attention on Hopper: the Mosaic GPU forward's
+warp-specialised kernel (`pallas_flash.mosaic.forward`: its consumers' `_consume`, its ring and
+producer) over a paged KV cache and a work list.
+
+A work item is one CTA tile (NUM_CONSUMERS * block_q new tokens of one sequence) of one query
+head; XLA writes the list before the launch (`ragged_tile_plan`: per tile its sequence, first
+token, position offset and the KV tile ranges of its CTA and consumers, as the forward's
+segment plan), and a persistent grid walks it, the last tiles first. Every query head reads its
+own K/V (query head n reads KV head n // (N // K)); neighbouring items are neighbouring heads,
+which share their KV head's pages in L2.
+
+K/V tiles come from the pages by TMA: one copy per page into a ring slot where a page is
+shorter than a KV tile (block_kv / page_size copies that arrive on the slot's barrier, each
+with its bytes), a block_kv-row part of one page where a page holds several tiles; the page ids
+are scalar loads from the block table. Q loads straight from q's rows, a sequence's tiles from
+its first token rounded down to ROW_ALIGN (a TMA window into q's token dim starts on its 8-row
+tiles): the up to 7 rows before it and the rows past its last token are other sequences'
+tokens (or zeros past T), computed and not kept. The output goes to a tile-padded buffer (each
+tile's whole rows, no store reaching another sequence's rows) from which XLA gathers the
+tokens' rows.
+
+Token i of sequence b (new tokens q_len_b, keys L_b) sits at position L_b - q_len_b + i and
+sees keys j <= that position (and j >= position - window_left): the forward's causal mask with
+a per-item offset of the query positions. The tiles every row of a consumer sees whole are
+never past L_b; the tiles that hold keys past L_b (whatever the pages hold there, NaN
+included) are masked ones, whose non-finite V the consumer zeroes before P.V.
+
+Which sequences run here is the caller's choice (`min_tokens` <= q_len_b <= `max_tokens`);
+the other rows of the output are left for the other launch to write.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash import masks
+from pallas_flash.device import DEFAULT_NUM_SMS
+from pallas_flash.masks import MaskSpec
+from pallas_flash.mosaic.forward import _consume, _produce, _Ring
+from pallas_flash.mosaic.launch import (
+    opaque_zero,
+    smem_transforms,
+    warp_specialised_kernel,
+)
+from pallas_flash.mosaic.schedule import _Work
+from pallas_flash.mosaic.tiles import (
+    FORWARD_CONSUMER_REGISTERS,
+    FORWARD_PRODUCER_REGISTERS,
+    NUM_CONSUMERS,
+    ROW_ALIGN,
+    ForwardTiles,
+    aligned_len,
+    cdiv,
+)
+
+# The plan's rows per tile: each consumer's (lo, full_lo, full_hi, hi), the CTA's (first,
+# first, end, end), then the tile's (sequence, first token, position offset, tiles in all).
+_CTA_ROW = NUM_CONSUMERS
+_ITEM_ROW = NUM_CONSUMERS + 1
+
+
+def ragged_prefill_tiles(head_dim: int, value_head_dim: int | None = None) -> ForwardTiles:
+    """The tiles of the ragged prefill: the forward's causal ones (64-row consumers, persistent;
+    128-key tiles up to H=128, 64 above)."""
+    widest = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
+    return ForwardTiles(block_q=64, block_kv=128 if widest <= 128 else 64, persistent=True)
+
+
+def page_copies(page_size: int, block_kv: int) -> int | None:
+    """TMA copies per K (or V) tile: block_kv / page_size where pages are shorter than a tile,
+    1 where a tile is part of one page; None where neither divides the other (not run here)."""
+    if page_size % 8:
+        return None
+    if block_kv % page_size == 0:
+        return block_kv // page_size
+    if page_size % block_kv == 0:
+        return 1
+    return None
+
+
+def tile_bound(num_tokens: int, batch: int, min_tokens: int, max_tokens: int, cta_rows: int):
+    """The most CTA tiles any batch of these shapes has: the sequences of this launch have at
+    least min_tokens and at most max_tokens new tokens each, and their tiles start up to
+    ROW_ALIGN - 1 rows before their first token (`ragged_tile_plan`)."""
+    most = min(num_tokens, max_tokens)
+    if most < min_tokens:
+        return 0
+    longer = min(batch, num_tokens // max(min_tokens, 1))
+    lead = ROW_ALIGN - 1
+    return max(
+        0,
+        min(
+            (num_tokens + longer * (cta_rows - 1 + lead)) // cta_rows,
+            longer * cdiv(most + lead, cta_rows),
+        ),
+    )
+
+
+def ragged_tile_plan(
+    starts,
+    lengths,
+    *,
+    capacity: int,
+    min_tokens: int,
+    max_tokens: int,
+    window_left: int | None,
+    tiles: ForwardTiles,
+    num_tiles: int,
+):
+    """(plan, first_row, fits) in XLA: the work list, int32 [num_tiles, NUM_CONSUMERS + 2, 4];
+    each sequence's first row in the tile-padded output [B] and whether this launch runs it
+    [B] (`token_rows`). starts: the safe query starts [B + 1]; lengths [B] (clipped here to
+    [0, capacity]).
+
+    A sequence's tiles start at its first token rounded down to ROW_ALIGN (a TMA window's
+    start in q's token dim must be a multiple of its 8-row tiles): up to 7 rows of the sequence
+    before it lead its first tile, computed and not kept, as are the rows past its last token.
+    Tiles in sequence order; those past the batch's tiles (their count is the plan's [0,
+    _ITEM_ROW, 3]) are never visited.
+
+    Per tile: rows wg < NUM_CONSUMERS are consumer wg's KV tile range (lo, full_lo, full_hi, hi)
+    for the sequence's tokens among its block_q rows, clamped into the CTA's; row _CTA_ROW the
+    CTA's (first, first, end, end), the hull of its consumers' non-empty ranges
+    (`schedule.tile_plan`'s rules, which `forward._consume` walks); row _ITEM_ROW (sequence,
+    first row of q, the offset from a row of q to its position, the number of tiles)."""
+    cta_rows, block_q, block_kv = tiles.cta_rows, tiles.block_q, tiles.block_kv
+    batch = lengths.shape[0]
+    first_token, end_token = starts[:-1], starts[1:]
+    q_lens = end_token - first_token
+    aligned = first_token - lax.rem(first_token, ROW_ALIGN)
+    lengths = jnp.clip(lengths, 0, capacity)
+    fits = (q_lens >= min_tokens) & (q_lens <= max_tokens)
+    seq_tiles = jnp.where(fits, _cdiv(end_token - aligned, cta_rows), 0)
+    end = jnp.cumsum(seq_tiles)
+    first_tile = end - seq_tiles
+    count = end[-1]
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.sum(end[None, :] <= tile[:, None], axis=1), batch - 1)
+    row0 = aligned[seq] + (tile - first_tile[seq]) * cta_rows
+    offset = lengths[seq] - q_lens[seq] - first_token[seq]
+    length = lengths[seq]
+    ranges = []
+    for wg in range(NUM_CONSUMERS):
+        # The consumer's rows that are the sequence's tokens, and their positions p0..p1.
+        lo_row = jnp.maximum(row0 + wg * block_q, first_token[seq])
+        hi_row = jnp.minimum(row0 + (wg + 1) * block_q, end_token[seq])
+        p0, p1 = lo_row + offset, hi_row - 1 + offset
+        hi = jnp.where(hi_row > lo_row, _cdiv(jnp.clip(p1 + 1, 0, length), block_kv), 0)
+        full_hi = jnp.maximum(p0 + 1, 0) // block_kv
+        lo = full_lo = jnp.zeros_like(hi)
+        if window_left is not None:
+            lo = jnp.maximum(p0 - window_left, 0) // block_kv
+            full_lo = _cdiv(jnp.maximum(p1 - window_left, 0), block_kv)
+        ranges.append(masks.intersect((lo, full_lo, full_hi, hi), (0, 0, hi, hi)))
+    visits = [r[0] < r[3] for r in ranges]
+    any_visit = functools.reduce(jnp.logical_or, visits)
+    never = cdiv(capacity, block_kv)
+    first = functools.reduce(
+        jnp.minimum, [jnp.where(v, r[0], never) for v, r in zip(visits, ranges, strict=True)]
+    )
+    last = functools.reduce(
+        jnp.maximum, [jnp.where(v, r[3], 0) for v, r in zip(visits, ranges, strict=True)]
+    )
+    first, last = jnp.where(any_visit, first, 0), jnp.where(any_visit, last, 0)
+    rows = [jnp.stack([jnp.clip(x, first, last) for x in r], axis=-1) for r in ranges]
+    rows.append(jnp.stack([first, first, last, last], axis=-1))
+    rows.append(jnp.stack([seq, row0, offset, jnp.broadcast_to(count, seq.shape)], axis=-1))
+    plan = jnp.stack(rows, axis=1).astype(jnp.int32)
+    return plan, first_tile * cta_rows - aligned, fits
+
+
+def _cdiv(a, b: int):
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def token_rows(starts, first_row, fits, num_tokens: int):
+    """Each token's row in the tile-padded output: token t of sequence b at first_row[b] + t
+    (`ragged_tile_plan`'s first_row: the sequence's first tile's row less its aligned first
+    token); 0 for the tokens of no sequence of this launch."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    batch = first_row.shape[0]
+    seq = jnp.sum(starts[None, 1:] <= rows[:, None], axis=1).astype(jnp.int32)
+    inside = (seq < batch) & (rows >= starts[0])
+    seq = jnp.minimum(seq, batch - 1)
+    return jnp.where(inside & fits[seq], first_row[seq] + rows, 0)
+
+
+def ragged_prefill(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    starts,
+    lengths,
+    sinks=None,
+    *,
+    scale: float,
+    soft_cap,
+    window_left: int | None,
+    min_tokens: int,
+    max_tokens: int,
+    tiles: ForwardTiles | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+):
+    """(out [T, N, Hv] in q's dtype, lse [N, T] float32, natural log) of the sequences with
+    min_tokens <= q_len_b <= max_tokens new tokens; the other rows hold anything (the caller's
+    other launch writes them).
+
+    q [T, N, H], k_pages [P, page_size, K, H], v_pages [P, page_size, K, Hv] (bfloat16 or
+    float16; H and Hv of the forward's HEAD_DIMS; page_size a multiple of 8 that divides
+    block_kv or that block_kv divides: `page_copies`); block_tables int [B, max_pages]; starts
+    int32 [B + 1] the safe query starts (non-decreasing in [0, T]); lengths int [B] (clipped
+    here); sinks None or float32 [N]. Nothing here checks these (`pallas_flash.ragged` routes
+    only such calls here)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    value_head_dim = v_pages.shape[-1]
+    batch, max_pages = block_tables.shape
+    capacity = max_pages * page_size
+    if tiles is None:
+        tiles = ragged_prefill_tiles(head_dim, value_head_dim)
+    cta_rows = tiles.cta_rows
+    num_tiles = tile_bound(num_tokens, batch, min_tokens, max_tokens, cta_rows)
+    out_dtype = q.dtype
+    if num_tiles == 0:
+        return (
+            jnp.zeros((num_tokens, num_heads, value_head_dim), out_dtype),
+            jnp.full((num_heads, num_tokens), -jnp.inf, jnp.float32),
+        )
+    starts = jnp.asarray(starts, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    plan, first_row, fits = ragged_tile_plan(
+        starts,
+        lengths,
+        capacity=capacity,
+        min_tokens=min_tokens,
+        max_tokens=max_tokens,
+        window_left=window_left,
+        tiles=tiles,
+        num_tiles=num_tiles,
+    )
+    # Keys: positions < capacity, the KV tiles' count a whole number of tiles (no ragged last
+    # tile: keys past a sequence's length are masked by position, in masked tiles).
+    kv_len = cdiv(capacity, tiles.block_kv) * tiles.block_kv
+    spec = MaskSpec(
+        q_len=kv_len,
+        kv_len=kv_len,
+        is_causal=True,
+        window=None if window_left is None else (int(window_left), 0),
+    )
+    q_to = aligned_len(num_tokens)
+    q4 = q if q_to == num_tokens else jnp.pad(q, ((0, q_to - num_tokens), (0, 0), (0, 0)))
+    table = jnp.asarray(block_tables, jnp.int32)
+    copies = page_copies(page_size, tiles.block_kv)
+    kernel = functools.partial(
+        _ragged_kernel,
+        spec=spec,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        group=num_heads // num_kv_heads,
+        tiles=tiles,
+        page_size=page_size,
+        copies=copies,
+        has_sinks=sinks is not None,
+    )
+
+    def ring(rows, cols):
+        return plgpu.SMEM(
+            (tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols, q.dtype)
+        )
+
+    q_buffers = tiles.q_buffers * NUM_CONSUMERS
+    scratch = dict(
+        q_smem=plgpu.SMEM(
+            (q_buffers, tiles.block_q, head_dim),
+            q.dtype,
+            transforms=smem_transforms(head_dim, q.dtype),
+        ),
+        k_smem=ring(tiles.block_kv, head_dim),
+        v_smem=ring(tiles.block_kv, value_head_dim),
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, 1, tiles.block_q), jnp.float32),
+        q_ready=plgpu.Barrier(num_barriers=q_buffers),
+        # One arrival per page copy of a tile, each with its bytes.
+        k_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
+        v_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
+        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
+        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
+        schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
+    if value_head_dim != head_dim:
+        scratch.update(
+            o_smem=plgpu.SMEM(
+                (NUM_CONSUMERS, tiles.block_q, value_head_dim),
+                q.dtype,
+                transforms=smem_transforms(value_head_dim, q.dtype),
+            )
+        )
+    padded_rows = num_tiles * cta_rows
+    out_type = (
+        jax.ShapeDtypeStruct((1, padded_rows, num_heads, value_head_dim), q.dtype),
+        jax.ShapeDtypeStruct((1, num_heads, padded_rows), jnp.float32),
+    )
+    grid = (min(num_tiles * num_heads, num_sms),)
+    operands = [q4[None], k_pages, v_pages, table, plan]
+    if sinks is not None:
+        operands.append(jnp.asarray(sinks, jnp.float32))
+    out, lse = warp_specialised_kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=("cta",),
+        num_consumers=NUM_CONSUMERS,
+    )(*operands)
+    rows = token_rows(starts, first_row, fits, num_tokens)
+    return out[0, rows], lse[0][:, rows]
+
+
+def _ragged_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    table_ref,
+    plan_ref,
+    *refs,
+    q_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    q_ready,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    schedule,
+    o_smem=None,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    group: int,
+    tiles: ForwardTiles,
+    page_size: int,
+    copies: int,
+    has_sinks: bool,
+):
+    """One persistent CTA: its share of the work items (tile, head), in a snake over the
+    rounds of C items (`_Work.round_place`), the last tiles first.
+
+    q_ref [1, T', N, H] (T' = T rounded up to ROW_ALIGN); k_ref [P, page_size, K, H], v_ref
+    [P, page_size, K, Hv]; table_ref [B, max_pages]; plan_ref `ragged_tile_plan`'s; sinks_ref
+    [N] float32 with has_sinks; out_ref [1, R, N, Hv] and lse_ref [1, N, R], R = the plan's
+    tiles * cta_rows: tile t's rows at t * cta_rows. Scratch as `forward._forward_kernel`'s
+    (persistent, no segment ids or dropout)."""
+    sinks_ref = refs[0] if has_sinks else None
+    out_ref, lse_ref = refs[-2:]
+    num_heads = q_ref.shape[2]
+    num_pages, max_pages = k_ref.shape[0], table_ref.shape[1]
+    cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
+    count = plan_ref[0, _ITEM_ROW, 3]
+    total = count * num_heads
+    rounds = lax.div(total, num_ctas)
+    left = total - rounds * num_ctas
+    num_items = rounds + (_Work.round_place(cta, rounds, num_ctas) < left).astype(jnp.int32)
+    wg = lax.axis_index("wg")
+
+    def item(n):
+        """(tile, head, (cta_lo, cta_hi)) of this CTA's n-th item: item w of the list is head
+        w % N of tile count - 1 - w // N."""
+        w = n * num_ctas + _Work.round_place(cta, n, num_ctas)
+        tile = count - 1 - lax.div(w, num_heads)
+        head = lax.rem(w, num_heads)
+        cta_range = (plan_ref[tile, _CTA_ROW, 0], plan_ref[tile, _CTA_ROW, 3])
+        return tile, head, cta_range
+
+    def ring(cta_range, steps_before):
+        return _Ring(
+            k_smem=k_smem,
+            v_smem=v_smem,
+            k_ready=k_ready,
+            v_ready=v_ready,
+            k_free=k_free,
+            v_free=v_free,
+            num_stages=tiles.num_stages,
+            first_tile=cta_range[0],
+            steps_before=steps_before,
+        )
+
+    def over_items(body):
+        lax.fori_loop(0, num_items, body, jnp.int32(0))
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(FORWARD_CONSUMER_REGISTERS, action="increase")
+
+        def buffer(n):
+            return lax.rem(n, tiles.q_buffers) * NUM_CONSUMERS + wg
+
+        def load_q(n):
+            tile, head, _ = item(n)
+            token = pl.multiple_of(plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q, ROW_ALIGN)
+            b = buffer(n)
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[0, pl.ds(token, tiles.block_q), head], q_smem.at[b], q_ready.at[b]
+            )
+
+        pl.when(num_items > 0)(lambda: load_q(0))
+
+        def consume_item(n, steps_before):
+            tile, head, cta_range = item(n)
+            pl.when(n + 1 < num_items)(lambda: load_q(n + 1))
+            ranges = tuple(plan_ref[tile, wg, i] for i in range(4))
+            # The consumer's rows in the padded output; a row's position is its token's, the
+            # output row plus the offset.
+            out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
+            token = plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q
+            q_offset = token + plan_ref[tile, _ITEM_ROW, 2] - out_row
+            b = buffer(n)
+
+            def q_at(kv_tile):
+                return q_smem.at[b + opaque_zero(kv_tile) if tiles.step_descriptors else b]
+
+            _consume(
+                out_ref,
+                (lse_ref,),
+                q_at,
+                q_smem.at[b] if o_smem is None else o_smem.at[wg],
+                lse_smem.at[wg],
+                q_ready.at[b],
+                schedule,
+                ring(cta_range, steps_before),
+                wg=wg,
+                batch=0,
+                head=head,
+                q_start=out_row,
+                q_offset=q_offset,
+                cta_range=cta_range,
+                ranges=ranges,
+                q_ids_smem=None,
+                sink=None if sinks_ref is None else sinks_ref[head],
+                spec=spec,
+                scale=scale,
+                soft_cap=soft_cap,
+                tiles=tiles,
+            )
+            return steps_before + cta_range[1] - cta_range[0]
+
+        over_items(consume_item)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
+
+        def produce_item(n, steps_before):
+            tile, head, cta_range = item(n)
+            kv_head = lax.div(head, jnp.int32(group))
+            seq = plan_ref[tile, _ITEM_ROW, 0]
+
+            def page(entry):
+                """The page id of the sequence's table entry (clamped: entries past its length
+                may hold anything; the keys they give are masked)."""
+                entry = jnp.minimum(entry, max_pages - 1)
+                return jnp.clip(table_ref[seq, entry], 0, num_pages - 1)
+
+            def copy(gmem_ref, smem, ready, kv_tile, slot):
+                block_kv = tiles.block_kv
+                if copies == 1:  # a tile is block_kv rows of one page
+                    per_page = page_size // block_kv
+                    first = pl.multiple_of(lax.rem(kv_tile, per_page) * block_kv, block_kv)
+                    rows = (page(lax.div(kv_tile, per_page)), pl.ds(first, block_kv), kv_head)
+                    plgpu.copy_gmem_to_smem(gmem_ref.at[rows], smem.at[slot], ready.at[slot])
+                    return
+                for j in range(copies):  # whole pages into consecutive rows of the slot
+                    src = gmem_ref.at[page(kv_tile * copies + j), :, kv_head]
+                    dst = smem.at[slot, pl.ds(j * page_size, page_size)]
+                    plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
+
+            _produce(
+                k_ref,
+                v_ref,
+                None,
+                ring(cta_range, steps_before),
+                batch=None,
+                kv_head=kv_head,
+                cta_hi=cta_range[1],
+                tiles=tiles,
+                copy=copy,
+            )
+            return steps_before + cta_range[1] - cta_range[0]
+
+        over_items(produce_item)

@@ -539,7 +539,7 @@ def _valid():
         (dict(scale=-1.0), ValueError, "scale=-1.0 must be a finite positive"),
         (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
         (dict(local_window_size=-1), ValueError, r"local_window_size=\(-1, -1\) must be >= 0"),
-        (dict(backend="mosaic"), NotImplementedError, "no Mosaic GPU kernel"),
+        (dict(backend="mosaic"), ValueError, "backend='mosaic' needs a Hopper GPU"),
         (dict(block_sizes=pallas_flash.DecodeBlockSizes()), TypeError, "RaggedBlockSizes"),
         (dict(backend="xla", block_sizes=RaggedBlockSizes()), ValueError, "needs backend="),
     ],

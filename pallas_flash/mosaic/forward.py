@@ -532,6 +532,7 @@ def _produce(
     head=None,
     drop_col_ref=None,
     copy=None,
+    ahead=None,
 ):
     """Producer warpgroup: TMA every KV tile of the item, [first_tile, cta_hi), into the ring,
     in order (with its KV segment ids next to K when kv_ids_ref is not None).
@@ -539,7 +540,12 @@ def _produce(
     copy: None (K/V [B, S', K, H] in GMEM, tile `tile` at rows tile * block_kv of batch entry
     `batch`), or copy(gmem_ref, smem, ready, tile, slot), which starts the copies of KV tile
     `tile` of gmem_ref into smem.at[slot], arriving on ready.at[slot] (the ragged prefill's
-    pages; the barriers count its copies)."""
+    pages; the barriers count its copies).
+
+    ahead: None, or (persistent tiles only) ahead(tile) -> a pytree of scalars that copy takes
+    last, copy(gmem_ref, smem, ready, tile, slot, ahead(tile)): loaded one step before the
+    step that copies the tile (the ragged prefill's page ids: a load from GMEM, whose latency
+    then overlaps the step before instead of delaying its copies)."""
 
     def contiguous_copy(gmem_ref, smem, ready, tile, slot):
         # The last tile's window may run past S: TMA fills those rows with zeros, which the
@@ -551,8 +557,8 @@ def _produce(
 
     copy = contiguous_copy if copy is None else copy
 
-    def copy_k(tile, slot):
-        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
+    def copy_k(tile, slot, *extra):
+        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot, *extra)
         if kv_ids_ref is not None:
             ids = kv_ids_ref.at[batch, pl.ds(tile * tiles.block_kv, tiles.block_kv)]
             plgpu.copy_gmem_to_smem(ids, ring.kv_ids_smem.at[slot], ring.k_ready.at[slot])
@@ -561,6 +567,21 @@ def _produce(
             plgpu.copy_gmem_to_smem(cols, ring.drop_col_smem.at[slot], ring.k_ready.at[slot])
 
     first = ring.first_tile
+    if ahead is not None:
+        # As the persistent loop below, each step also loading what the next step's copies
+        # take.
+        def step_ahead(tile, loaded):
+            next_loaded = ahead(tile + 1)
+            step, slot = ring.step(tile), ring.slot(tile)
+            refill = step >= tiles.num_stages
+            pl.when(refill)(lambda: plgpu.barrier_wait(ring.k_free.at[slot]))
+            copy_k(tile, slot, loaded)
+            pl.when(refill)(lambda: plgpu.barrier_wait(ring.v_free.at[slot]))
+            copy(v_ref, ring.v_smem, ring.v_ready, tile, slot, loaded)
+            return next_loaded
+
+        lax.fori_loop(first, cta_hi, step_ahead, ahead(first))
+        return
     if tiles.persistent:
         # The ring runs on across items: a step waits for its slot unless it is one of the
         # CTA's first num_stages steps, whose slots start empty.

@@ -445,22 +445,28 @@ def _ragged_kernel(
             kv_head = lax.div(head, jnp.int32(group))
             seq = plan_ref[tile, _ITEM_ROW, 0]
 
-            def page(entry):
-                """The page id of the sequence's table entry (clamped: entries past its length
-                may hold anything; the keys they give are masked)."""
-                entry = jnp.minimum(entry, max_pages - 1)
-                return jnp.clip(table_ref[seq, entry], 0, num_pages - 1)
+            def pages(kv_tile):
+                """The page ids of KV tile kv_tile's copies (clamped: the entries past the
+                sequence's pages may hold anything, and the keys they give are masked)."""
+                if copies == 1:
+                    entries = [lax.div(kv_tile, page_size // tiles.block_kv)]
+                else:
+                    entries = [kv_tile * copies + j for j in range(copies)]
+                return tuple(
+                    jnp.clip(table_ref[seq, jnp.minimum(e, max_pages - 1)], 0, num_pages - 1)
+                    for e in entries
+                )
 
-            def copy(gmem_ref, smem, ready, kv_tile, slot):
+            def copy(gmem_ref, smem, ready, kv_tile, slot, page_ids):
                 block_kv = tiles.block_kv
                 if copies == 1:  # a tile is block_kv rows of one page
                     per_page = page_size // block_kv
                     first = pl.multiple_of(lax.rem(kv_tile, per_page) * block_kv, block_kv)
-                    rows = (page(lax.div(kv_tile, per_page)), pl.ds(first, block_kv), kv_head)
+                    rows = (page_ids[0], pl.ds(first, block_kv), kv_head)
                     plgpu.copy_gmem_to_smem(gmem_ref.at[rows], smem.at[slot], ready.at[slot])
                     return
-                for j in range(copies):  # whole pages into consecutive rows of the slot
-                    src = gmem_ref.at[page(kv_tile * copies + j), :, kv_head]
+                for j, page in enumerate(page_ids):  # whole pages into consecutive rows
+                    src = gmem_ref.at[page, :, kv_head]
                     dst = smem.at[slot, pl.ds(j * page_size, page_size)]
                     plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
 
@@ -474,6 +480,7 @@ def _ragged_kernel(
                 cta_hi=cta_range[1],
                 tiles=tiles,
                 copy=copy,
+                ahead=pages,
             )
             return steps_before + cta_range[1] - cta_range[0]
 

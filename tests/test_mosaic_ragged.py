@@ -62,12 +62,14 @@ def test_plan_covers_every_token_and_key(window, block_kv):
     q_lens = [0, 1, 7, 130, 3, 64, 65, 200, 9, 0, 128, 11]
     lengths = [q + int(rng.integers(0, 300)) for q in q_lens]
     starts, plan, rows, fits = plan_of(q_lens, lengths, window=window, tiles=tiles, min_tokens=3)
-    count = plan[0, -1, 3]
+    item, tokens = mosaic_ragged._ITEM_ROW, mosaic_ragged._TOKENS_ROW
+    count = plan[0, item, 3]
     assert count <= plan.shape[0]
     seen = np.zeros(starts[-1], bool)
     for tile in range(count):
-        seq, row0, offset = plan[tile, -1, :3]
+        seq, row0, offset = plan[tile, item, :3]
         assert row0 % ROW_ALIGN == 0 and fits[seq]
+        assert tuple(plan[tile, tokens]) == (starts[seq], starts[seq + 1], 0, 0)
         first, _, _, end = plan[tile, NUM_CONSUMERS]
         for wg in range(NUM_CONSUMERS):
             lo, full_lo, full_hi, hi = plan[tile, wg]
@@ -132,9 +134,19 @@ def mosaic_and_xla(c: Case, args, sinks, *, min_tokens: int = 1):
 # Odd lengths, empty sequences, cached prefixes (L > q_len), shuffled pages with NaN past the
 # lengths and in unused pages, padding rows (NaN in q).
 KERNEL_CASES = [
-    # Group 4, pages of 64 (two copies a 128-key tile), a window and sinks.
+    # Group 4, pages of 64 (two copies a 128-key tile), a window and sinks; sequences that
+    # start and end inside 8-row groups (one within a single group).
     Case(
-        (5, 70, 0, 130), (5, 300, 9, 200), 8, 2, 64, 64, 6, dtype="bfloat16", window=100, sinks=True
+        (5, 70, 0, 2, 130),
+        (5, 300, 9, 9, 200),
+        8,
+        2,
+        64,
+        64,
+        6,
+        dtype="bfloat16",
+        window=100,
+        sinks=True,
     ),
     # Group 1 in float16, pages of 256 (two tiles a page), a soft cap.
     pytest.param(

@@ -669,6 +669,7 @@ def _consume(
     ranges,
     q_ids_smem,
     q_offset=None,
+    store_out=None,
     sink=None,
     drop_rows_smem=None,
     dropout_rate: float = 0.0,
@@ -697,6 +698,10 @@ def _consume(
     q_offset: None, or an int32 scalar added to the rows' positions in the mask (row r of the
     block sits at q_start + q_offset + r; the ragged prefill's rows, whose output rows are not
     their positions). Rows and lse are stored at q_start either way.
+
+    store_out: None (the output tile goes to out_ref's rows q_start.. of batch entry `batch`,
+    head `head`), or store_out(o_smem), which starts the copies of the output tile (the
+    ragged prefill's rows of its sequence only).
 
     q_ids_smem: None, or the SMEM [block_q] ref of the rows' segment ids: copied with Q, then
     kept in registers as a row vector; a masked step compares it with the KV tile's ids, read
@@ -886,7 +891,10 @@ def _consume(
     if len(row_refs) > 1:
         lse_smem.at[1][...] = log_sum
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[q_rows])
+    if store_out is None:
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[q_rows])
+    else:
+        store_out(o_smem)
     for i, row_ref in enumerate(row_refs):
         plgpu.copy_smem_to_gmem(lse_smem.at[i], row_ref.at[batch, head, pl.ds(q_start, block_q)])
     if tiles.persistent:

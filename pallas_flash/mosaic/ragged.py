@@ -65,6 +65,11 @@ from pallas_flash.mosaic.tiles import (
 # first, end, end), then the tile's (sequence, first token, position offset, tiles in all).
 _CTA_ROW = NUM_CONSUMERS
 _ITEM_ROW = NUM_CONSUMERS + 1
+# ... and the sequence's (first token, end token, 0, 0).
+_TOKENS_ROW = NUM_CONSUMERS + 2
+# Rows of the fringe buffer per sequence: the ROW_ALIGN-row groups of q's rows that hold its
+# first and its last token, where those groups hold other rows too.
+_FRINGE = 2 * ROW_ALIGN
 
 
 def tile_bound(num_tokens: int, batch: int, min_tokens: int, max_tokens: int, cta_rows: int):
@@ -96,7 +101,7 @@ def ragged_tile_plan(
     tiles: ForwardTiles,
     num_tiles: int,
 ):
-    """(plan, first_row, fits) in XLA: the work list, int32 [num_tiles, NUM_CONSUMERS + 2, 4];
+    """(plan, first_row, fits) in XLA: the work list, int32 [num_tiles, NUM_CONSUMERS + 3, 4];
     each sequence's first row in the tile-padded output [B] and whether this launch runs it
     [B] (`token_rows`). starts: the safe query starts [B + 1]; lengths [B] (clipped here to
     [0, capacity]).
@@ -111,7 +116,8 @@ def ragged_tile_plan(
     for the sequence's tokens among its block_q rows, clamped into the CTA's; row _CTA_ROW the
     CTA's (first, first, end, end), the hull of its consumers' non-empty ranges
     (`schedule.tile_plan`'s rules, which `forward._consume` walks); row _ITEM_ROW (sequence,
-    first row of q, the offset from a row of q to its position, the number of tiles)."""
+    first row of q, the offset from a row of q to its position, the number of tiles); row
+    _TOKENS_ROW (the sequence's first token, its end, 0, 0)."""
     cta_rows, block_q, block_kv = tiles.cta_rows, tiles.block_q, tiles.block_kv
     batch = lengths.shape[0]
     first_token, end_token = starts[:-1], starts[1:]
@@ -154,6 +160,8 @@ def ragged_tile_plan(
     rows = [jnp.stack([jnp.clip(x, first, last) for x in r], axis=-1) for r in ranges]
     rows.append(jnp.stack([first, first, last, last], axis=-1))
     rows.append(jnp.stack([seq, row0, offset, jnp.broadcast_to(count, seq.shape)], axis=-1))
+    zero = jnp.zeros_like(seq)
+    rows.append(jnp.stack([first_token[seq], end_token[seq], zero, zero], axis=-1))
     plan = jnp.stack(rows, axis=1).astype(jnp.int32)
     return plan, first_tile * cta_rows - aligned, fits
 
@@ -286,14 +294,15 @@ def ragged_prefill(
         )
     padded_rows = num_tiles * cta_rows
     out_type = (
-        jax.ShapeDtypeStruct((1, padded_rows, num_heads, value_head_dim), q.dtype),
+        jax.ShapeDtypeStruct((1, q_to, num_heads, value_head_dim), q.dtype),
+        jax.ShapeDtypeStruct((batch * _FRINGE, num_heads, value_head_dim), q.dtype),
         jax.ShapeDtypeStruct((1, num_heads, padded_rows), jnp.float32),
     )
     grid = (min(num_tiles * num_heads, num_sms),)
     operands = [q4[None], k_pages, v_pages, table, plan]
     if sinks is not None:
         operands.append(jnp.asarray(sinks, jnp.float32))
-    out, lse = warp_specialised_kernel(
+    out, fringe, lse = warp_specialised_kernel(
         kernel,
         out_type=out_type,
         scratch_types=scratch,
@@ -301,8 +310,28 @@ def ragged_prefill(
         grid_names=("cta",),
         num_consumers=NUM_CONSUMERS,
     )(*operands)
+    out = _with_fringes(out[0], fringe, starts, fits)
+    if q_to != num_tokens:
+        out = out[:num_tokens]
     rows = token_rows(starts, first_row, fits, num_tokens)
-    return out[0, rows], lse[0][:, rows]
+    return out, lse[0][:, rows]
+
+
+def _with_fringes(out, fringe, starts, fits):
+    """out [T', N, Hv] with each sequence's fringe rows (`_ragged_kernel`) set from fringe
+    [B * _FRINGE, N, Hv]: row j < ROW_ALIGN of sequence b's is token floor8(first) + j, row
+    ROW_ALIGN + j token floor8(end) + j, where that token is the sequence's and not in its
+    8-aligned interior (which the kernel stored in place)."""
+    first, end = starts[:-1, None], starts[1:, None]
+    j = jnp.arange(ROW_ALIGN, dtype=jnp.int32)[None, :]
+    interior = first + lax.rem(ROW_ALIGN - lax.rem(first, ROW_ALIGN), ROW_ALIGN)
+    head = first - lax.rem(first, ROW_ALIGN) + j
+    tail = end - lax.rem(end, ROW_ALIGN) + j
+    head_ok = (head >= first) & (head < jnp.minimum(interior, end))
+    tail_ok = (tail >= jnp.maximum(tail - j, interior)) & (tail < end)
+    rows = jnp.concatenate([jnp.where(head_ok, head, -1), jnp.where(tail_ok, tail, -1)], axis=1)
+    rows = jnp.where(fits[:, None] & (rows >= 0), rows, out.shape[0])
+    return out.at[rows.reshape(-1)].set(fringe, mode="drop")
 
 
 def _ragged_kernel(
@@ -337,11 +366,17 @@ def _ragged_kernel(
 
     q_ref [1, T', N, H] (T' = T rounded up to ROW_ALIGN); k_ref [P, page_size, K, H], v_ref
     [P, page_size, K, Hv]; table_ref [B, max_pages]; plan_ref `ragged_tile_plan`'s; sinks_ref
-    [N] float32 with has_sinks; out_ref [1, R, N, Hv] and lse_ref [1, N, R], R = the plan's
-    tiles * cta_rows: tile t's rows at t * cta_rows. Scratch as `forward._forward_kernel`'s
+    [N] float32 with has_sinks; out_ref [1, T', N, Hv] (rows of q's),
+    fringe_ref [B * _FRINGE, N, Hv] and lse_ref [1, N, R], R = the plan's tiles * cta_rows (tile
+    t's rows at t * cta_rows). A consumer stores its rows of its sequence that fill whole
+    ROW_ALIGN-row groups straight into out_ref (boxes of 64, 32, 16 and 8 rows: a TMA window
+    into the token dim starts on its 8-row tiles), and the groups that hold the sequence's first
+    or last token beside other rows into fringe_ref (rows 0..7 and 8..15 of the sequence's),
+    which XLA writes into the output after (`_with_fringes`): nothing is stored into another
+    sequence's rows. Scratch as `forward._forward_kernel`'s
     (persistent, no segment ids or dropout)."""
     sinks_ref = refs[0] if has_sinks else None
-    out_ref, lse_ref = refs[-2:]
+    out_ref, fringe_ref, lse_ref = refs[-3:]
     num_heads = q_ref.shape[2]
     num_pages, max_pages = k_ref.shape[0], table_ref.shape[1]
     cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
@@ -398,12 +433,54 @@ def _ragged_kernel(
             tile, head, cta_range = item(n)
             pl.when(n + 1 < num_items)(lambda: load_q(n + 1))
             ranges = tuple(plan_ref[tile, wg, i] for i in range(4))
-            # The consumer's rows in the padded output; a row's position is its token's, the
-            # output row plus the offset.
+            # The consumer's rows in the padded lse; a row's position is its token's, the
+            # lse row plus the offset.
             out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
             token = plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q
             q_offset = token + plan_ref[tile, _ITEM_ROW, 2] - out_row
             b = buffer(n)
+            seq = plan_ref[tile, _ITEM_ROW, 0]
+            base = pl.multiple_of(plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q, ROW_ALIGN)
+            first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
+
+            def store_out(o_smem):
+                def store(src_row, rows, dst):
+                    if not isinstance(src_row, int):
+                        src_row = pl.multiple_of(src_row, ROW_ALIGN)
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(src_row, rows)], dst)
+
+                # The whole 8-row groups of the sequence in this consumer's rows, [lo, hi).
+                inner_first = first + lax.rem(ROW_ALIGN - lax.rem(first, ROW_ALIGN), ROW_ALIGN)
+                inner_end = end - lax.rem(end, ROW_ALIGN)
+                lo = jnp.clip(inner_first - base, 0, tiles.block_q)
+                hi = jnp.clip(inner_end - base, 0, tiles.block_q)
+                at, rows = lo, tiles.block_q
+                while rows >= ROW_ALIGN:
+                    take = hi - at >= rows
+
+                    @pl.when(take)
+                    def _store(at=at, rows=rows):
+                        dst = pl.multiple_of(base + at, ROW_ALIGN)
+                        store(at, rows, out_ref.at[0, pl.ds(dst, rows), head])
+
+                    at = at + jnp.where(take, rows, 0)
+                    rows //= 2
+                # The fringe groups: the first token's (row 0 of the sequence's first tile's
+                # first consumer) and the last token's.
+                fringe = seq * _FRINGE
+                head_group = first - lax.rem(first, ROW_ALIGN)
+
+                @pl.when((head_group != first) & (base == head_group))
+                def _head():
+                    rows = pl.ds(pl.multiple_of(fringe, ROW_ALIGN), ROW_ALIGN)
+                    store(0, ROW_ALIGN, fringe_ref.at[rows, head])
+
+                tail = inner_end - base
+
+                @pl.when((inner_end != end) & (tail >= 0) & (tail < tiles.block_q))
+                def _tail():
+                    rows = pl.ds(pl.multiple_of(fringe + ROW_ALIGN, ROW_ALIGN), ROW_ALIGN)
+                    store(tail, ROW_ALIGN, fringe_ref.at[rows, head])
 
             def q_at(kv_tile):
                 return q_smem.at[b + opaque_zero(kv_tile) if tiles.step_descriptors else b]
@@ -422,6 +499,7 @@ def _ragged_kernel(
                 head=head,
                 q_start=out_row,
                 q_offset=q_offset,
+                store_out=store_out,
                 cta_range=cta_range,
                 ranges=ranges,
                 q_ids_smem=None,

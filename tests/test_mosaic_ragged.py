@@ -172,6 +172,17 @@ def test_kernel_matches_oracle_in_interpreter(c):
     check(c, results, oracle_inputs, sinks, ["xla", "mosaic"])
 
 
+def test_kernel_without_items_in_interpreter():
+    """A batch with no sequence of this launch (all shorter than min_tokens, the work list's
+    bound not 0): every CTA exits without an item, no barrier waits forever."""
+    c = Case((1, 1, 1), (5, 9, 3), 2, 1, 64, 16, 2, dtype="bfloat16")
+    args, _, _ = make_problem(c)
+    kwargs = dict(scale=0.1, soft_cap=None, window_left=None, min_tokens=2, max_tokens=3)
+    assert mosaic_ragged.tile_bound(3, 3, 2, 3, 128) == 1
+    out, lse = interpreted_prefill(*args, None, num_sms=4, **kwargs)
+    assert out.shape == (3, 2, 64) and lse.shape == (2, 3)
+
+
 def test_prefill_launch_in_the_ragged_call_in_interpreter():
     """`triton.ragged.ragged_forward` with the Mosaic prefill (`prefill=`, as the ragged call
     passes it on Hopper): decode steps, an empty sequence and padding rows on the Triton decode

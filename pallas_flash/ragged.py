@@ -4,6 +4,7 @@ choice, the reference. No kernels here (`pallas_flash.triton.ragged` holds them,
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -106,7 +107,9 @@ def ragged_paged_attention(
         "mosaic" where it takes the call, else Triton on such a GPU or with interpret=True,
         else "xla"). interpret=True runs the Triton kernels in the interpreter, whatever the
         backend.
-      block_sizes: the kernel's tiles (`RaggedBlockSizes`); None picks them.
+      block_sizes: the Triton launches' tiles (`RaggedBlockSizes`); None picks them. Given,
+        backend=None runs the prefill launch on Triton's kernel; backend="mosaic" takes the
+        decode launch's and refuses the prefill launch's fields (NotImplementedError).
       interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
       value_head_dim: with v_pages None, Hv: the values are the first Hv columns of k_pages
         (multi-head latent attention's one latent cache, as in `paged_attention`: H = 576,
@@ -175,12 +178,16 @@ def ragged_paged_attention(
 
 def _prefill_kernel(q, k_pages, v_pages, options, math_kwargs, *, requested):
     """The prefill launch's kernel: `_mosaic_prefill` on Hopper where the Mosaic kernel takes
-    the call (backend None or "mosaic"), else None (the Triton launch). backend="mosaic" on a
-    call it does not take raises NotImplementedError naming what; on a device other than
-    Hopper `dispatch.kernel_backend` has raised already. interpret=True runs the Triton
-    launches in the Pallas interpreter, as every backend does."""
+    the call (backend None without block_sizes, or "mosaic"), else None (the Triton launch).
+    backend="mosaic" on a call it does not take raises NotImplementedError naming what (also
+    block_sizes that set the Triton prefill launch's tiles: the Mosaic kernel has its own); on
+    a device other than Hopper `dispatch.kernel_backend` has raised already. interpret=True
+    runs the Triton launches in the Pallas interpreter, as every backend does."""
     if options.backend == "xla" or options.kernel["interpret"] or requested == "triton":
         return None
+    block_sizes = options.kernel["block_sizes"]
+    if requested is None and block_sizes is not None:
+        return None  # the user's tiles configure the Triton launches, as in flash_attention
     reason = mosaic.why_not_ragged_prefill(
         q.shape,
         k_pages.shape,
@@ -191,6 +198,8 @@ def _prefill_kernel(q, k_pages, v_pages, options, math_kwargs, *, requested):
         soft_cap=math_kwargs["soft_cap"],
         device=device_lib.target_device(),
     )
+    if reason is None and block_sizes is not None:
+        reason = _prefill_tiles_set(block_sizes)
     if reason is None:
         return _mosaic_prefill
     if requested == "mosaic":
@@ -199,6 +208,19 @@ def _prefill_kernel(q, k_pages, v_pages, options, math_kwargs, *, requested):
             "backend='triton' or None"
         )
     return None
+
+
+def _prefill_tiles_set(block_sizes: RaggedBlockSizes) -> str | None:
+    """The Triton prefill launch's fields of `block_sizes` that differ from their defaults
+    (the Mosaic prefill would ignore them), or None."""
+    default = RaggedBlockSizes()
+    changed = [
+        f"{field.name}={getattr(block_sizes, field.name)}"
+        for field in dataclasses.fields(block_sizes)
+        if field.name.endswith("_prefill")
+        and getattr(block_sizes, field.name) != getattr(default, field.name)
+    ]
+    return f"block_sizes setting the Triton prefill's {', '.join(changed)}" if changed else None
 
 
 def _mosaic_prefill(*args, num_sms: int, **kwargs):

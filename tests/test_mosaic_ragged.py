@@ -307,6 +307,20 @@ def test_the_ragged_call_keeps_triton_where_mosaic_does_not_take_it():
         lower_for_h200(public_call(backend="mosaic"), *args)
 
 
+def test_block_sizes_keep_or_refuse_the_mosaic_prefill():
+    """block_sizes configure the Triton launches: with backend=None the prefill stays Triton's;
+    backend="mosaic" takes the decode launch's fields and refuses the prefill launch's."""
+    args = abstract_args(300, 4, 8, 2, 128, 128, 16, 64, jnp.bfloat16)
+    decode_tiles = pallas_flash.RaggedBlockSizes(block_m=32)
+    text = lower_for_h200(public_call(block_sizes=decode_tiles), *args).as_text()
+    assert "mosaic_gpu" not in text and "pallas_flash_ragged_prefill" in text
+    text = lower_for_h200(public_call(backend="mosaic", block_sizes=decode_tiles), *args)
+    assert "mosaic_gpu" in text.as_text()
+    prefill_tiles = pallas_flash.RaggedBlockSizes(block_m_prefill=64)
+    with pytest.raises(NotImplementedError, match="block_m_prefill=64"):
+        lower_for_h200(public_call(backend="mosaic", block_sizes=prefill_tiles), *args)
+
+
 def test_why_not_ragged_prefill():
     h200 = Device.h200()
     why = functools.partial(

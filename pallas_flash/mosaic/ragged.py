@@ -388,13 +388,15 @@ def _ragged_kernel(
     wg = lax.axis_index("wg")
 
     def item(n):
-        """(tile, head, (cta_lo, cta_hi)) of this CTA's n-th item: item w of the list is head
-        w % N of tile count - 1 - w // N."""
+        """(tile, head) of this CTA's n-th item: item w of the list is head w % N of tile
+        count - 1 - w // N (tile 0 for an n past the CTA's items, whose plan is then read in
+        bounds and not used)."""
         w = n * num_ctas + _Work.round_place(cta, n, num_ctas)
-        tile = count - 1 - lax.div(w, num_heads)
-        head = lax.rem(w, num_heads)
-        cta_range = (plan_ref[tile, _CTA_ROW, 0], plan_ref[tile, _CTA_ROW, 3])
-        return tile, head, cta_range
+        tile = jnp.maximum(count - 1 - lax.div(w, num_heads), 0)
+        return tile, lax.rem(w, num_heads)
+
+    def cta_range_of(tile):
+        return plan_ref[tile, _CTA_ROW, 0], plan_ref[tile, _CTA_ROW, 3]
 
     def ring(cta_range, steps_before):
         return _Ring(
@@ -419,29 +421,34 @@ def _ragged_kernel(
         def buffer(n):
             return lax.rem(n, tiles.q_buffers) * NUM_CONSUMERS + wg
 
-        def load_q(n):
-            tile, head, _ = item(n)
-            token = pl.multiple_of(plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q, ROW_ALIGN)
+        def load_q(n, row0):
+            """Item n's Q rows, from row0 (its tile's first row of q)."""
+            _, head = item(n)
+            token = pl.multiple_of(row0 + wg * tiles.block_q, ROW_ALIGN)
             b = buffer(n)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[0, pl.ds(token, tiles.block_q), head], q_smem.at[b], q_ready.at[b]
             )
 
-        pl.when(num_items > 0)(lambda: load_q(0))
+        pl.when(num_items > 0)(lambda: load_q(0, plan_ref[item(0)[0], _ITEM_ROW, 1]))
 
         def consume_item(n, steps_before):
-            tile, head, cta_range = item(n)
-            pl.when(n + 1 < num_items)(lambda: load_q(n + 1))
+            tile, head = item(n)
+            # Every scalar of the plan that the item reads, and the next item's first row,
+            # loaded together: one round trip to L2 at the item's start, not one per use.
+            cta_range = cta_range_of(tile)
             ranges = tuple(plan_ref[tile, wg, i] for i in range(4))
+            seq, row0, offset = (plan_ref[tile, _ITEM_ROW, i] for i in range(3))
+            first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
+            sink = None if sinks_ref is None else sinks_ref[head]
+            next_row0 = plan_ref[item(n + 1)[0], _ITEM_ROW, 1]
+            pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
             # The consumer's rows in the padded lse; a row's position is its token's, the
             # lse row plus the offset.
             out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
-            token = plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q
-            q_offset = token + plan_ref[tile, _ITEM_ROW, 2] - out_row
+            base = pl.multiple_of(row0 + wg * tiles.block_q, ROW_ALIGN)
+            q_offset = base + offset - out_row
             b = buffer(n)
-            seq = plan_ref[tile, _ITEM_ROW, 0]
-            base = pl.multiple_of(plan_ref[tile, _ITEM_ROW, 1] + wg * tiles.block_q, ROW_ALIGN)
-            first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
 
             def store_out(o_smem):
                 def store(src_row, rows, dst):
@@ -503,7 +510,7 @@ def _ragged_kernel(
                 cta_range=cta_range,
                 ranges=ranges,
                 q_ids_smem=None,
-                sink=None if sinks_ref is None else sinks_ref[head],
+                sink=sink,
                 spec=spec,
                 scale=scale,
                 soft_cap=soft_cap,
@@ -519,9 +526,10 @@ def _ragged_kernel(
         plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
 
         def produce_item(n, steps_before):
-            tile, head, cta_range = item(n)
-            kv_head = lax.div(head, jnp.int32(group))
+            tile, head = item(n)
+            cta_range = cta_range_of(tile)
             seq = plan_ref[tile, _ITEM_ROW, 0]
+            kv_head = lax.div(head, jnp.int32(group))
 
             def pages(kv_tile):
                 """The page ids of KV tile kv_tile's copies (clamped: the entries past the

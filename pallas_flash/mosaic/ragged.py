@@ -12,12 +12,13 @@ which share their KV head's pages in L2.
 K/V tiles come from the pages by TMA: one copy per page into a ring slot where a page is
 shorter than a KV tile (block_kv / page_size copies that arrive on the slot's barrier, each
 with its bytes), a block_kv-row part of one page where a page holds several tiles; the page ids
-are scalar loads from the block table. Q loads straight from q's rows, a sequence's tiles from
-its first token rounded down to ROW_ALIGN (a TMA window into q's token dim starts on its 8-row
-tiles): the up to 7 rows before it and the rows past its last token are other sequences'
-tokens (or zeros past T), computed and not kept. The output goes to a tile-padded buffer (each
-tile's whole rows, no store reaching another sequence's rows) from which XLA gathers the
-tokens' rows.
+are scalar loads from the block table, one step ahead of their copies. Q loads straight from
+q's rows, a sequence's tiles from its first token rounded down to ROW_ALIGN (a TMA window into
+q's token dim starts on its 8-row tiles): the up to 7 rows before it and the rows past its last
+token are other sequences' tokens (or zeros past T), computed and not kept. The output is
+stored in place, the whole 8-row groups of a sequence's rows by TMA and its first and last
+groups, which hold other sequences' rows too, through a small buffer that XLA writes into the
+output after the kernel; lse goes to a tile-padded buffer that XLA gathers from.
 
 Token i of sequence b (new tokens q_len_b, keys L_b) sits at position L_b - q_len_b + i and
 sees keys j <= that position (and j >= position - window_left): the forward's causal mask with
@@ -102,13 +103,13 @@ def ragged_tile_plan(
     num_tiles: int,
 ):
     """(plan, first_row, fits) in XLA: the work list, int32 [num_tiles, NUM_CONSUMERS + 3, 4];
-    each sequence's first row in the tile-padded output [B] and whether this launch runs it
-    [B] (`token_rows`). starts: the safe query starts [B + 1]; lengths [B] (clipped here to
-    [0, capacity]).
+    each sequence's first row in the tile-padded lse, less its first token's aligned row [B],
+    and whether this launch runs it [B] (`token_rows`). starts: the safe query starts [B + 1];
+    lengths [B] (clipped here to [0, capacity]).
 
     A sequence's tiles start at its first token rounded down to ROW_ALIGN (a TMA window's
-    start in q's token dim must be a multiple of its 8-row tiles): up to 7 rows of the sequence
-    before it lead its first tile, computed and not kept, as are the rows past its last token.
+    start in q's token dim must be a multiple of its 8-row tiles): up to 7 rows of q before it
+    lead its first tile, computed and not kept, as are the rows past its last token.
     Tiles in sequence order; those past the batch's tiles (their count is the plan's [0,
     _ITEM_ROW, 3]) are never visited.
 
@@ -171,7 +172,7 @@ def _cdiv(a, b: int):
 
 
 def token_rows(starts, first_row, fits, num_tokens: int):
-    """Each token's row in the tile-padded output: token t of sequence b at first_row[b] + t
+    """Each token's row in the tile-padded lse: token t of sequence b at first_row[b] + t
     (`ragged_tile_plan`'s first_row: the sequence's first tile's row less its aligned first
     token); 0 for the tokens of no sequence of this launch."""
     rows = jnp.arange(num_tokens, dtype=jnp.int32)

@@ -101,7 +101,7 @@ def ragged_paged_attention(
       backend: "triton" (the Pallas kernels, NVIDIA GPUs of compute capability >= 8.0),
         "mosaic" (Hopper: the prefill launch on a Mosaic GPU kernel, the decode launch on
         Triton's; NotImplementedError for what it does not take: float8 pages, a latent
-        cache, float32, head dims outside 64/80/96/128/192, pages not a multiple of 8 keys
+        cache, float32, head dims outside 64/80/96/128/192/256, pages not a multiple of 8 keys
         that divide or are divided by its key tile), "xla" (the reference in plain jnp:
         materialises each token's sequence of keys, in chunks) or None (on Hopper as
         "mosaic" where it takes the call, else Triton on such a GPU or with interpret=True,

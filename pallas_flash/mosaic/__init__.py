@@ -6,6 +6,8 @@ or a call (a reason, or None when it can), its default tiles, and the two passes
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from pallas_flash.call import Call
@@ -119,7 +121,8 @@ def why_not_ragged_prefill(
         is_causal=True,
         window=None if window_left is None else (window_left, 0),
         soft_cap=soft_cap,
-        tiles=tiles,
+        # Its budget at one Q buffer per consumer (`ragged_prefill_q_buffers`).
+        tiles=dataclasses.replace(tiles, persistent=False),
         cuda_runtime_version=device.cuda_runtime_version,
     )
 

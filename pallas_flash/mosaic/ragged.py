@@ -59,6 +59,7 @@ from pallas_flash.mosaic.tiles import (
     aligned_len,
     cdiv,
     page_copies,
+    ragged_prefill_q_buffers,
     ragged_prefill_tiles,
 )
 
@@ -250,6 +251,7 @@ def ragged_prefill(
     q4 = q if q_to == num_tokens else jnp.pad(q, ((0, q_to - num_tokens), (0, 0), (0, 0)))
     table = jnp.asarray(block_tables, jnp.int32)
     copies = page_copies(page_size, tiles.block_kv)
+    q_buffers = ragged_prefill_q_buffers(tiles, head_dim, value_head_dim, q.dtype.itemsize)
     kernel = functools.partial(
         _ragged_kernel,
         spec=spec,
@@ -259,6 +261,7 @@ def ragged_prefill(
         tiles=tiles,
         page_size=page_size,
         copies=copies,
+        q_buffers=q_buffers,
         has_sinks=sinks is not None,
     )
 
@@ -267,17 +270,16 @@ def ragged_prefill(
             (tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols, q.dtype)
         )
 
-    q_buffers = tiles.q_buffers * NUM_CONSUMERS
     scratch = dict(
         q_smem=plgpu.SMEM(
-            (q_buffers, tiles.block_q, head_dim),
+            (q_buffers * NUM_CONSUMERS, tiles.block_q, head_dim),
             q.dtype,
             transforms=smem_transforms(head_dim, q.dtype),
         ),
         k_smem=ring(tiles.block_kv, head_dim),
         v_smem=ring(tiles.block_kv, value_head_dim),
         lse_smem=plgpu.SMEM((NUM_CONSUMERS, 1, tiles.block_q), jnp.float32),
-        q_ready=plgpu.Barrier(num_barriers=q_buffers),
+        q_ready=plgpu.Barrier(num_barriers=q_buffers * NUM_CONSUMERS),
         # One arrival per page copy of a tile, each with its bytes.
         k_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
         v_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
@@ -360,6 +362,7 @@ def _ragged_kernel(
     tiles: ForwardTiles,
     page_size: int,
     copies: int,
+    q_buffers: int,
     has_sinks: bool,
 ):
     """One persistent CTA: its share of the work items (tile, head), in a snake over the
@@ -367,14 +370,15 @@ def _ragged_kernel(
 
     q_ref [1, T', N, H] (T' = T rounded up to ROW_ALIGN); k_ref [P, page_size, K, H], v_ref
     [P, page_size, K, Hv]; table_ref [B, max_pages]; plan_ref `ragged_tile_plan`'s; sinks_ref
-    [N] float32 with has_sinks; out_ref [1, T', N, Hv] (rows of q's),
-    fringe_ref [B * _FRINGE, N, Hv] and lse_ref [1, N, R], R = the plan's tiles * cta_rows (tile
-    t's rows at t * cta_rows). A consumer stores its rows of its sequence that fill whole
-    ROW_ALIGN-row groups straight into out_ref (boxes of 64, 32, 16 and 8 rows: a TMA window
-    into the token dim starts on its 8-row tiles), and the groups that hold the sequence's first
-    or last token beside other rows into fringe_ref (rows 0..7 and 8..15 of the sequence's),
-    which XLA writes into the output after (`_with_fringes`): nothing is stored into another
-    sequence's rows. Scratch as `forward._forward_kernel`'s
+    [N] float32 with has_sinks; out_ref [1, T', N, Hv] (rows of q's), fringe_ref
+    [B * _FRINGE, N, Hv] and lse_ref [1, N, R], R = the plan's tiles * cta_rows (tile t's rows
+    at t * cta_rows). q_buffers: Q buffers per consumer; with two the next item's Q loads at
+    this one's start, with one after its epilogue. A consumer stores its rows of its sequence
+    that fill whole ROW_ALIGN-row groups straight into out_ref (boxes of 64, 32, 16 and 8 rows:
+    a TMA window into the token dim starts on its 8-row tiles), and the groups that hold the
+    sequence's first or last token beside other rows into fringe_ref (rows 0..7 and 8..15 of
+    the sequence's), which XLA writes into the output after (`_with_fringes`): nothing is
+    stored into another sequence's rows. Scratch as `forward._forward_kernel`'s
     (persistent, no segment ids or dropout)."""
     sinks_ref = refs[0] if has_sinks else None
     out_ref, fringe_ref, lse_ref = refs[-3:]
@@ -420,7 +424,7 @@ def _ragged_kernel(
         plgpu.set_max_registers(FORWARD_CONSUMER_REGISTERS, action="increase")
 
         def buffer(n):
-            return lax.rem(n, tiles.q_buffers) * NUM_CONSUMERS + wg
+            return lax.rem(n, q_buffers) * NUM_CONSUMERS + wg
 
         def load_q(n, row0):
             """Item n's Q rows, from row0 (its tile's first row of q)."""
@@ -443,7 +447,8 @@ def _ragged_kernel(
             first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
             sink = None if sinks_ref is None else sinks_ref[head]
             next_row0 = plan_ref[item(n + 1)[0], _ITEM_ROW, 1]
-            pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+            if q_buffers == 2:
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
             # The consumer's rows in the padded lse; a row's position is its token's, the
             # lse row plus the offset.
             out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
@@ -517,6 +522,9 @@ def _ragged_kernel(
                 soft_cap=soft_cap,
                 tiles=tiles,
             )
+            if q_buffers == 1:
+                # The epilogue's copies have read the buffer (`_consume` waited for them).
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
             return steps_before + cta_range[1] - cta_range[0]
 
         over_items(consume_item)

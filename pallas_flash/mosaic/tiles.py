@@ -242,6 +242,14 @@ def ragged_prefill_tiles(head_dim: int, value_head_dim: int | None = None) -> Fo
     return ForwardTiles(block_q=64, block_kv=128 if widest <= 128 else 64, persistent=True)
 
 
+def ragged_prefill_q_buffers(tiles: ForwardTiles, head_dim: int, value_head_dim: int, itemsize):
+    """Q buffers per consumer of the ragged prefill: two (the next item's Q loads during this
+    one) where they fit in shared memory, else one (H=256: it loads after this item's
+    epilogue)."""
+    smem = tiles.smem_bytes(head_dim, itemsize, value_head_dim=value_head_dim)
+    return 2 if smem <= SMEM_BYTES else 1
+
+
 def page_copies(page_size: int, block_kv: int) -> int | None:
     """TMA copies per K (or V) tile: block_kv / page_size where pages are shorter than a tile,
     1 where a tile is part of one page; None where neither divides the other (not run here)."""

@@ -696,8 +696,8 @@ def _consume(
     [full_lo, full_hi), and "drains" the CTA steps before lo and from hi on (see drain_step).
 
     q_offset: None, or an int32 scalar added to the rows' positions in the mask (row r of the
-    block sits at q_start + q_offset + r; the ragged prefill's rows, whose output rows are not
-    their positions). Rows and lse are stored at q_start either way.
+    block sits at q_start + q_offset + r; the ragged prefill's rows, whose rows in its outputs
+    are not their positions). lse (and, without store_out, the output) is stored at q_start.
 
     store_out: None (the output tile goes to out_ref's rows q_start.. of batch entry `batch`,
     head `head`), or store_out(o_smem), which starts the copies of the output tile (the

@@ -69,6 +69,12 @@ CASES = {
             forward_tiles=dict(block_q=128, block_kv=128, persistent=True, step_descriptors=True)
         ),
     ),
+    # kwargs "ragged": ragged_paged_attention's prefill launch (the Mosaic kernel on Hopper) for
+    # B prompts of T new tokens over S keys (a cached prefix of S - T) in pages of this many
+    # keys, shuffled; the Triton decode launch beside it.
+    "ragged-page16": (4, 2048, 2048, 32, 8, 128, dict(ragged=16)),
+    "ragged-page128": (4, 2048, 2048, 32, 8, 128, dict(ragged=128)),
+    "ragged-prefix-page16": (1, 2048, 4096, 32, 8, 128, dict(ragged=16)),
 }  # fmt: skip
 
 # SASS opcode groups counted (by the opcode's first word, before any '.').
@@ -120,6 +126,18 @@ def compile_case(name):
     _with_nvdisasm()
 
     b, t, s, n, k, h, kwargs = CASES[name]
+    if "ragged" in kwargs:
+        page = kwargs["ragged"]
+        pages = b * (-(-s // page))
+        keys = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(keys[0], (b * t, n, h), jnp.bfloat16)
+        kp, vp = (jax.random.normal(x, (pages, page, k, h), jnp.bfloat16) for x in keys[1:])
+        tables = jax.random.permutation(keys[0], pages).reshape(b, -1).astype(jnp.int32)
+        starts = jnp.arange(b + 1, dtype=jnp.int32) * t
+        lengths = jnp.full((b,), s, jnp.int32)
+        call = jax.jit(pallas_flash.ragged_paged_attention)
+        call.lower(q, kp, vp, tables, starts, lengths).compile()
+        return
     if kwargs.get("dropout_rate"):
         kwargs = dict(kwargs, dropout_rng=jax.random.key(0))
     q, kk, v, do = make_inputs(b, t, s, n, k, h, jnp.bfloat16)

@@ -500,7 +500,8 @@ class _Options:
         "the Triton kernel reaches)",
     ):
         """Checks the options that decode, paged and ragged attention share. tiles: the
-        block_sizes class the call takes; no_mosaic: why backend='mosaic' is refused."""
+        block_sizes class the call takes; no_mosaic: why backend='mosaic' is refused (None:
+        taken, the backend is then "mosaic" where the device runs it)."""
         api._check_sinks(sinks, query.shape[-2])
         api._check_options(scale, False, return_residuals, backend, None, interpret)
         if block_sizes is not None and not isinstance(block_sizes, tiles):
@@ -508,7 +509,7 @@ class _Options:
                 f"block_sizes must be a pallas_flash.{tiles.__name__} or None, "
                 f"got {type(block_sizes).__name__}"
             )
-        if backend == "mosaic":
+        if backend == "mosaic" and no_mosaic is not None:
             raise NotImplementedError(
                 f"backend='mosaic': {no_mosaic}; use backend='triton' or None"
             )

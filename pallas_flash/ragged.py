@@ -1,18 +1,22 @@
 """Ragged paged attention (continuous batching with chunked prefill): validation, backend
-choice, the reference. No kernels here (`pallas_flash.triton.ragged` holds them)."""
+choice, the reference. No kernels here (`pallas_flash.triton.ragged` holds them, and
+`pallas_flash.mosaic.ragged` the prefill launch's on Hopper)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_flash import api, decode, kv_cache
+from pallas_flash import api, decode, kv_cache, mosaic
+from pallas_flash import device as device_lib
 from pallas_flash._numerics import accumulation_dtype
 from pallas_flash._vjp import with_reference_vjp
 from pallas_flash.masks import MaskArrays, MaskSpec
+from pallas_flash.mosaic import ragged as mosaic_ragged
 from pallas_flash.reference import reference_attention, with_sinks
 from pallas_flash.triton.cache import CacheFormat
 from pallas_flash.triton.ragged import ragged_block_sizes, ragged_forward
@@ -94,10 +98,18 @@ def ragged_paged_attention(
         new tokens outputs 0 in all its rows (lse -inf, or the sink).
       return_residuals: also return lse, float32 (N, T), natural log (-inf for rows that see
         no key; the sink's logit with sinks).
-      backend: "triton" (the Pallas kernel, NVIDIA GPUs of compute capability >= 8.0), "xla"
-        (the reference in plain jnp: materialises each token's sequence of keys, in chunks) or
-        None (Triton on such a GPU or with interpret=True, else "xla").
-      block_sizes: the kernel's tiles (`RaggedBlockSizes`); None picks them.
+      backend: "triton" (the Pallas kernels, NVIDIA GPUs of compute capability >= 8.0),
+        "mosaic" (Hopper: the prefill launch on a Mosaic GPU kernel, the decode launch on
+        Triton's; NotImplementedError for what it does not take: float8 pages, a latent
+        cache, float32, head dims outside 64/80/96/128/192/256, pages not a multiple of 8 keys
+        that divide or are divided by its key tile), "xla" (the reference in plain jnp:
+        materialises each token's sequence of keys, in chunks) or None (on Hopper as
+        "mosaic" where it takes the call, else Triton on such a GPU or with interpret=True,
+        else "xla"). interpret=True runs the Triton kernels in the interpreter, whatever the
+        backend.
+      block_sizes: the Triton launches' tiles (`RaggedBlockSizes`); None picks them. Given,
+        backend=None runs the prefill launch on Triton's kernel; backend="mosaic" takes the
+        decode launch's and refuses the prefill launch's fields (NotImplementedError).
       interpret: run the kernel in the Pallas interpreter (any platform, slow): for tests.
       value_head_dim: with v_pages None, Hv: the values are the first Hv columns of k_pages
         (multi-head latent attention's one latent cache, as in `paged_attention`: H = 576,
@@ -135,9 +147,10 @@ def ragged_paged_attention(
         cache=cache,
         fp8=kv_cache.is_fp8(k_pages.dtype),
         tiles=RaggedBlockSizes,
-        no_mosaic="ragged_paged_attention has no Mosaic GPU kernel",
+        no_mosaic=None,
     )
     math_kwargs = dict(options.math, max_query_len=max_query_len)
+    prefill = _prefill_kernel(q, k_pages, v_pages, options, math_kwargs, requested=backend)
     # Safe starts under jit; the user's where they were checked above. The paths clip the
     # lengths themselves.
     starts = _safe_starts(query_start_loc, num_tokens)
@@ -156,10 +169,64 @@ def ragged_paged_attention(
                 q, k_pages, v_pages, cache, batch, capacity, options.kernel, math_kwargs
             )
         kernel = functools.partial(
-            _ragged_forward, **dict(options.kernel, **math_kwargs, block_sizes=block_sizes)
+            _ragged_forward,
+            **dict(options.kernel, **math_kwargs, block_sizes=block_sizes, prefill=prefill),
         )
         out, lse = with_reference_vjp(kernel, reference, *args)
     return (out, lse) if return_residuals else out
+
+
+def _prefill_kernel(q, k_pages, v_pages, options, math_kwargs, *, requested):
+    """The prefill launch's kernel: `_mosaic_prefill` on Hopper where the Mosaic kernel takes
+    the call (backend None without block_sizes, or "mosaic"), else None (the Triton launch).
+    backend="mosaic" on a call it does not take raises NotImplementedError naming what (also
+    block_sizes that set the Triton prefill launch's tiles: the Mosaic kernel has its own); on
+    a device other than Hopper `dispatch.kernel_backend` has raised already. interpret=True
+    runs the Triton launches in the Pallas interpreter, as every backend does."""
+    if options.backend == "xla" or options.kernel["interpret"] or requested == "triton":
+        return None
+    block_sizes = options.kernel["block_sizes"]
+    if requested is None and block_sizes is not None:
+        return None  # the user's tiles configure the Triton launches, as in flash_attention
+    reason = mosaic.why_not_ragged_prefill(
+        q.shape,
+        k_pages.shape,
+        None if v_pages is None else v_pages.shape[-1],
+        q.dtype,
+        cache_dtype=k_pages.dtype,
+        window_left=math_kwargs["window_left"],
+        soft_cap=math_kwargs["soft_cap"],
+        device=device_lib.target_device(),
+    )
+    if reason is None and block_sizes is not None:
+        reason = _prefill_tiles_set(block_sizes)
+    if reason is None:
+        return _mosaic_prefill
+    if requested == "mosaic":
+        raise NotImplementedError(
+            f"backend='mosaic': the Mosaic GPU prefill does not take {reason}; use "
+            "backend='triton' or None"
+        )
+    return None
+
+
+def _prefill_tiles_set(block_sizes: RaggedBlockSizes) -> str | None:
+    """The Triton prefill launch's fields of `block_sizes` that differ from their defaults
+    (the Mosaic prefill would ignore them), or None."""
+    default = RaggedBlockSizes()
+    changed = [
+        f"{field.name}={getattr(block_sizes, field.name)}"
+        for field in dataclasses.fields(block_sizes)
+        if field.name.endswith("_prefill")
+        and getattr(block_sizes, field.name) != getattr(default, field.name)
+    ]
+    return f"block_sizes setting the Triton prefill's {', '.join(changed)}" if changed else None
+
+
+def _mosaic_prefill(*args, num_sms: int, **kwargs):
+    """The Mosaic GPU prefill launch (`mosaic.ragged.ragged_prefill`), as
+    `triton.ragged.ragged_forward` calls its `prefill`."""
+    return mosaic_ragged.ragged_prefill(*args, num_sms=num_sms, **kwargs)
 
 
 def _default_block_sizes(
@@ -283,7 +350,7 @@ _MATH = ("scale", "soft_cap", "window_left", "max_query_len")
 _ragged_reference = jax.jit(ragged_reference, static_argnames=(*_MATH, "value_head_dim"))
 _ragged_forward = jax.jit(
     ragged_forward,
-    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "value_head_dim"),
+    static_argnames=(*_MATH, "block_sizes", "interpret", "num_sms", "value_head_dim", "prefill"),
 )
 
 

@@ -539,7 +539,7 @@ def _valid():
         (dict(scale=-1.0), ValueError, "scale=-1.0 must be a finite positive"),
         (dict(logits_soft_cap=0.0), ValueError, "logits_soft_cap"),
         (dict(local_window_size=-1), ValueError, r"local_window_size=\(-1, -1\) must be >= 0"),
-        (dict(backend="mosaic"), NotImplementedError, "no Mosaic GPU kernel"),
+        (dict(backend="mosaic"), ValueError, "backend='mosaic' needs a Hopper GPU"),
         (dict(block_sizes=pallas_flash.DecodeBlockSizes()), TypeError, "RaggedBlockSizes"),
         (dict(backend="xla", block_sizes=RaggedBlockSizes()), ValueError, "needs backend="),
     ],
@@ -578,9 +578,10 @@ def test_block_sizes_validation():
 
 def test_lowers_for_h200():
     """The compiled kernels lower through Triton for an abstract H200, and each launch's rows
-    are finished in place (no scatter): through the API (its default tiles for that GPU: the
-    prefill launch in place, the decode launch split and its merge kernel; sinks; pages of 16,
-    so that a 64-key tile spans pages); unsplit with pages of 128; both launches split, each
+    are finished in place (no scatter): through the API with backend="triton" (its default
+    tiles for that GPU: the prefill launch in place, the decode launch split and its merge
+    kernel; sinks; pages of 16, so that a 64-key tile spans pages), and by default (the
+    Mosaic prefill, the same decode launch); unsplit with pages of 128; both launches split, each
     with its merge; and a decode-only batch with max_query_len=1: the decode launch and its
     merge, and in XLA only the safe query starts (one reduce)."""
     from test_lowering import lower_for_h200
@@ -599,13 +600,19 @@ def test_lowers_for_h200():
         return re.findall(r'name = \\?"(pallas_flash_ragged\w*)', text)
 
     pages = sds((400, 16, 8, 128), jnp.bfloat16)
-    text = lower_for_h200(api, q, pages, pages, tables, *ints, sinks).as_text()
+    triton = functools.partial(api, backend="triton")
+    text = lower_for_h200(triton, q, pages, pages, tables, *ints, sinks).as_text()
     assert kernels(text) == [
         "pallas_flash_ragged_prefill",
         "pallas_flash_ragged_decode_split",
         "pallas_flash_ragged_decode_merge",
     ]
     assert "scatter" not in text
+    # The default on Hopper: the Mosaic prefill (tests/test_mosaic_ragged.py), the same
+    # decode launch.
+    text = lower_for_h200(api, q, pages, pages, tables, *ints, sinks).as_text()
+    assert kernels(text) == ["pallas_flash_ragged_decode_split", "pallas_flash_ragged_decode_merge"]
+    assert "mosaic_gpu" in text
     decode_only = functools.partial(api, max_query_len=1)
     lowered = lower_for_h200(decode_only, q, pages, pages, tables, *ints, sinks)
     assert kernels(lowered.as_text()) == [

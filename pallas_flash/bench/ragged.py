@@ -20,8 +20,10 @@ where named), unless the group says otherwise. Groups (`--cases`, default all):
   `paged_attention` on the same pages, and against ragged over the same cache in bfloat16
   ("bf16").
 
-"ragged" is the call as shapes alone allow; "ragged_hint" passes max_query_len (the batch's
-most new tokens: 1 for a decode batch), where the imported pallas_flash has it.
+"ragged" is the call as shapes alone allow (on Hopper its prefill launch on the Mosaic kernel
+where that takes the call); "ragged_hint" passes max_query_len (the batch's most new tokens: 1
+for a decode batch), where the imported pallas_flash has it; "ragged_triton" (prefill and
+mixed, on a GPU) passes backend="triton": the Triton prefill launch.
 --prefill-tiles BMxBKVxWxS ... (e.g. 128x64x4x2) adds a "ragged_tiles_BMxBKVxWxS" call per
 entry to the prefill and mixed batches: the prefill launch with those tiles (block_m_prefill,
 block_kv_prefill, num_warps_prefill, num_stages_prefill), the rest the call's defaults.
@@ -177,14 +179,18 @@ def parse_tiles(entry: str) -> tuple[int, int, int, int]:
     return bm, bkv, warps, stages
 
 
-def ragged_variants(calls, q_lens, interpret, heads: Heads = GQA, tiles=()):
-    """calls with "ragged_hint" (max_query_len) where the imported pallas_flash has it, and one
-    call per prefill tile entry "BMxBKVxWxS" (`--prefill-tiles`), each on ragged's arguments
-    with the call's default tiles but the prefill launch's."""
+def ragged_variants(calls, q_lens, interpret, heads: Heads = GQA, tiles=(), triton=False):
+    """calls with "ragged_hint" (max_query_len) where the imported pallas_flash has it, with
+    triton on a GPU "ragged_triton" (backend="triton": the Triton prefill launch where the
+    default takes the Mosaic one on Hopper), and one call per prefill tile entry "BMxBKVxWxS"
+    (`--prefill-tiles`), each on ragged's arguments with the call's default tiles but the
+    prefill launch's."""
     _, args, to_rows = calls["ragged"]
     if has_max_query_len():
         hint = ragged_fn(interpret, heads, max_query_len=max(q_lens))
         calls["ragged_hint"] = (hint, args, to_rows)
+    if triton and not interpret:
+        calls["ragged_triton"] = (ragged_fn(interpret, heads, backend="triton"), args, to_rows)
     for entry in tiles:
         bm, bkv, warps, stages = parse_tiles(entry)
         q_rows, k_pages = args[0], args[1]
@@ -290,7 +296,7 @@ def prefill_goal(shapes, interpret, tiles=()):
                 lambda out: out,
             ),
         }
-        calls = ragged_variants(calls, q_lens, interpret, GQA, tiles)
+        calls = ragged_variants(calls, q_lens, interpret, GQA, tiles, triton=True)
         for impl, kw in (("flash", {}), ("flash_triton", dict(backend="triton"))):
             if interpret:
                 kw = dict(backend="triton", interpret=True)
@@ -344,7 +350,7 @@ def mixed_goal(shapes, interpret, heads: Heads = GQA, padded: bool = True, tiles
                 ragged_args(q_rows, q_lens, lengths, *pages),
                 lambda out: out,
             )
-        calls = ragged_variants(calls, q_lens, interpret, heads, tiles)
+        calls = ragged_variants(calls, q_lens, interpret, heads, tiles, triton=True)
         name = f"mixed {chunk} + {decodes} x 1 over S{seq} page{page}{_tag(heads)}"
         yield name, calls, q_lens, lengths, heads
 

@@ -6,6 +6,10 @@ or a call (a reason, or None when it can), its default tiles, and the two passes
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
+
 from pallas_flash.call import Call
 from pallas_flash.device import Device
 from pallas_flash.mosaic import backward_tiles
@@ -26,6 +30,7 @@ __all__ = [
     "why_not_backward",
     "why_not_device",
     "why_not_forward",
+    "why_not_ragged_prefill",
 ]
 
 
@@ -75,6 +80,49 @@ def why_not_backward(call: Call, device: Device, tiles: BackwardTiles | None = N
         segments=call.spec.has_segments,
         dropout=call.dropout_rate > 0,
         tiles=tiles,
+        cuda_runtime_version=device.cuda_runtime_version,
+    )
+
+
+def why_not_ragged_prefill(
+    q_shape,
+    pages_shape,
+    value_head_dim: int | None,
+    dtype,
+    *,
+    cache_dtype,
+    window_left: int | None,
+    soft_cap: float | None,
+    device: Device | None,
+) -> str | None:
+    """Why the prefill launch of `ragged_paged_attention` cannot run on the Mosaic kernel
+    (`pallas_flash.mosaic.ragged`) on `device`, named as that API names the options; None when
+    it can. q_shape [T, N, H], pages_shape [P, page_size, K, H]; value_head_dim: v_pages' Hv,
+    None for a shared latent cache (v_pages=None)."""
+    if reason := why_not_device(device):
+        return reason
+    if value_head_dim is None:
+        return "a shared latent cache (v_pages=None, value_head_dim)"
+    if jnp.dtype(cache_dtype) != jnp.dtype(dtype):
+        return f"pages of dtype {jnp.dtype(cache_dtype).name} (k_scale, v_scale)"
+    num_tokens, num_heads, head_dim = q_shape
+    _, page_size, num_kv_heads, _ = pages_shape
+    tiles = forward_tiles.ragged_prefill_tiles(head_dim, value_head_dim)
+    if forward_tiles.page_copies(page_size, tiles.block_kv) is None:
+        return (
+            f"page_size={page_size} (the kernel takes a multiple of 8 that divides its "
+            f"{tiles.block_kv}-key tiles or that they divide)"
+        )
+    return forward_tiles.why_not(
+        (1, num_tokens, num_heads, head_dim),
+        (1, page_size, num_kv_heads, head_dim),
+        dtype,
+        value_head_dim=value_head_dim,
+        is_causal=True,
+        window=None if window_left is None else (window_left, 0),
+        soft_cap=soft_cap,
+        # Its budget at one Q buffer per consumer (`ragged_prefill_q_buffers`).
+        tiles=dataclasses.replace(tiles, persistent=False),
         cuda_runtime_version=device.cuda_runtime_version,
     )
 

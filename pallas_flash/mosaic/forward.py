@@ -531,11 +531,23 @@ def _produce(
     tiles: ForwardTiles,
     head=None,
     drop_col_ref=None,
+    copy=None,
+    ahead=None,
 ):
     """Producer warpgroup: TMA every KV tile of the item, [first_tile, cta_hi), into the ring,
-    in order (with its KV segment ids next to K when kv_ids_ref is not None)."""
+    in order (with its KV segment ids next to K when kv_ids_ref is not None).
 
-    def copy(gmem_ref, smem, ready, tile, slot):
+    copy: None (K/V [B, S', K, H] in GMEM, tile `tile` at rows tile * block_kv of batch entry
+    `batch`), or copy(gmem_ref, smem, ready, tile, slot), which starts the copies of KV tile
+    `tile` of gmem_ref into smem.at[slot], arriving on ready.at[slot] (the ragged prefill's
+    pages; the barriers count its copies).
+
+    ahead: None, or (persistent tiles only) ahead(tile) -> a pytree of scalars that copy takes
+    last, copy(gmem_ref, smem, ready, tile, slot, ahead(tile)): loaded one step before the
+    step that copies the tile (the ragged prefill's page ids: a load from GMEM, whose latency
+    then overlaps the step before instead of delaying its copies)."""
+
+    def contiguous_copy(gmem_ref, smem, ready, tile, slot):
         # The last tile's window may run past S: TMA fills those rows with zeros, which the
         # kernel relies on for V (a masked key's p is 0, and 0 * NaN would not be).
         rows = (batch, pl.ds(tile * tiles.block_kv, tiles.block_kv), kv_head)
@@ -543,8 +555,10 @@ def _produce(
             gmem_ref.at[rows], smem.at[slot], ready.at[slot], oob_mode=plgpu.OOBFillMode.ZEROS
         )
 
-    def copy_k(tile, slot):
-        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot)
+    copy = contiguous_copy if copy is None else copy
+
+    def copy_k(tile, slot, *extra):
+        copy(k_ref, ring.k_smem, ring.k_ready, tile, slot, *extra)
         if kv_ids_ref is not None:
             ids = kv_ids_ref.at[batch, pl.ds(tile * tiles.block_kv, tiles.block_kv)]
             plgpu.copy_gmem_to_smem(ids, ring.kv_ids_smem.at[slot], ring.k_ready.at[slot])
@@ -553,6 +567,21 @@ def _produce(
             plgpu.copy_gmem_to_smem(cols, ring.drop_col_smem.at[slot], ring.k_ready.at[slot])
 
     first = ring.first_tile
+    if ahead is not None:
+        # As the persistent loop below, each step also loading what the next step's copies
+        # take.
+        def step_ahead(tile, loaded):
+            next_loaded = ahead(tile + 1)
+            step, slot = ring.step(tile), ring.slot(tile)
+            refill = step >= tiles.num_stages
+            pl.when(refill)(lambda: plgpu.barrier_wait(ring.k_free.at[slot]))
+            copy_k(tile, slot, loaded)
+            pl.when(refill)(lambda: plgpu.barrier_wait(ring.v_free.at[slot]))
+            copy(v_ref, ring.v_smem, ring.v_ready, tile, slot, loaded)
+            return next_loaded
+
+        lax.fori_loop(first, cta_hi, step_ahead, ahead(first))
+        return
     if tiles.persistent:
         # The ring runs on across items: a step waits for its slot unless it is one of the
         # CTA's first num_stages steps, whose slots start empty.
@@ -639,6 +668,8 @@ def _consume(
     cta_range,
     ranges,
     q_ids_smem,
+    q_offset=None,
+    store_out=None,
     sink=None,
     drop_rows_smem=None,
     dropout_rate: float = 0.0,
@@ -663,6 +694,14 @@ def _consume(
     Ranges: the consumer walks every CTA step of cta_range; it computes the tiles of
     its own range `ranges` = (lo, full_lo, full_hi, hi), masking element-wise those outside
     [full_lo, full_hi), and "drains" the CTA steps before lo and from hi on (see drain_step).
+
+    q_offset: None, or an int32 scalar added to the rows' positions in the mask (row r of the
+    block sits at q_start + q_offset + r; the ragged prefill's rows, whose rows in its outputs
+    are not their positions). lse (and, without store_out, the output) is stored at q_start.
+
+    store_out: None (the output tile goes to out_ref's rows q_start.. of batch entry `batch`,
+    head `head`), or store_out(o_smem), which starts the copies of the output tile (the
+    ragged prefill's rows of its sequence only).
 
     q_ids_smem: None, or the SMEM [block_q] ref of the rows' segment ids: copied with Q, then
     kept in registers as a row vector; a masked step compares it with the KV tile's ids, read
@@ -705,6 +744,8 @@ def _consume(
         q_pos = q_start + plgpu.broadcasted_iota(
             jnp.int32, (block_q, block_kv), 0, layout=plgpu.Layout.WGMMA
         )
+        if q_offset is not None:
+            q_pos = q_pos + q_offset
         kv_pos = tile * block_kv + plgpu.broadcasted_iota(
             jnp.int32, (block_q, block_kv), 1, layout=plgpu.Layout.WGMMA
         )
@@ -850,7 +891,10 @@ def _consume(
     if len(row_refs) > 1:
         lse_smem.at[1][...] = log_sum
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, out_ref.at[q_rows])
+    if store_out is None:
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[q_rows])
+    else:
+        store_out(o_smem)
     for i, row_ref in enumerate(row_refs):
         plgpu.copy_smem_to_gmem(lse_smem.at[i], row_ref.at[batch, head, pl.ds(q_start, block_q)])
     if tiles.persistent:

@@ -232,6 +232,36 @@ def default_tiles(
     return ForwardTiles(block_q=64, block_kv=64, num_stages=2)
 
 
+# -- the ragged prefill (`pallas_flash.mosaic.ragged`) ---------------------------------------------
+
+
+def ragged_prefill_tiles(head_dim: int, value_head_dim: int | None = None) -> ForwardTiles:
+    """The tiles of the ragged prefill: the forward's causal ones (64-row consumers, persistent;
+    128-key tiles up to H=128, 64 above)."""
+    widest = max(head_dim, head_dim if value_head_dim is None else value_head_dim)
+    return ForwardTiles(block_q=64, block_kv=128 if widest <= 128 else 64, persistent=True)
+
+
+def ragged_prefill_q_buffers(tiles: ForwardTiles, head_dim: int, value_head_dim: int, itemsize):
+    """Q buffers per consumer of the ragged prefill: two (the next item's Q loads during this
+    one) where they fit in shared memory, else one (H=256: it loads after this item's
+    epilogue)."""
+    smem = tiles.smem_bytes(head_dim, itemsize, value_head_dim=value_head_dim)
+    return 2 if smem <= SMEM_BYTES else 1
+
+
+def page_copies(page_size: int, block_kv: int) -> int | None:
+    """TMA copies per K (or V) tile: block_kv / page_size where pages are shorter than a tile,
+    1 where a tile is part of one page; None where neither divides the other (not run here)."""
+    if page_size % 8:
+        return None
+    if block_kv % page_size == 0:
+        return block_kv // page_size
+    if page_size % block_kv == 0:
+        return 1
+    return None
+
+
 # Per consumer thread, the f32 accumulator [block_q, Hv] and logits [block_q, block_kv] take
 # block_q * (Hv + block_kv) / 128 registers; beyond this the 232-register budget spills.
 MAX_TILE_REGISTERS = 192

@@ -649,6 +649,7 @@ def ragged_forward(
     num_sms: int = DEFAULT_NUM_SMS,
     max_query_len: int | None = None,
     value_head_dim: int | None = None,
+    prefill=None,
 ):
     """out [T, N, Hv] in q's dtype and lse [N, T] float32 (natural log).
 
@@ -660,6 +661,12 @@ def ragged_forward(
     page_size] here); sinks None or float32 [N]. Rows outside every sequence, and those of a
     sequence of more than max_query_len (None: T) new tokens, output 0 (lse -inf, or the
     sink). num_sms: the target GPU's SMs, for the split counts.
+
+    prefill: None, or the kernel that runs the prefill launch's sequences in place of this
+    module's: prefill(q, k_pages, v_pages, block_tables, starts, lengths, sinks, scale=,
+    soft_cap=, window_left=, min_tokens=, max_tokens=, num_sms=) -> (out [T, N, Hv], lse [N,
+    T]) with the rows of the sequences of min_tokens..max_tokens new tokens (the prefill kind
+    of `Rows`) written, the others anything: the decode launch writes those in place.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_pages.shape
@@ -727,6 +734,25 @@ def ragged_forward(
     # Each launch's finisher writes its rows into the output in place (the first one creates
     # it; every row is some launch's).
     for launch in launches:
+        if launch.kind == "prefill" and prefill is not None:
+            out, lse = prefill(
+                q,
+                k_pages,
+                v_pages,
+                block_tables,
+                starts,
+                lengths,
+                sinks,
+                scale=scale,
+                soft_cap=soft_cap,
+                window_left=window_left,
+                min_tokens=rows.decode_rows // rows.group + 1,
+                max_tokens=rows.prefill_rows // rows.group,
+                num_sms=num_sms,
+            )
+            out = out.reshape(num_tokens * num_heads, value_head_dim)
+            lse = lse.T.reshape(num_tokens * num_heads).astype(accumulation_dtype(q.dtype))
+            continue
         work = plan_items(starts, launch, rows) if launch.kind == "prefill" else None
         if launch.splits == 1:
             out, lse = _launch_in_place(

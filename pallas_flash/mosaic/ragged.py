@@ -1,0 +1,582 @@
+"""The prefill launch of ragged paged attention on Hopper: the Mosaic GPU forward's
+warp-specialised kernel (`pallas_flash.mosaic.forward`: its consumers' `_consume`, its ring and
+producer) over a paged KV cache and a work list.
+
+A work item is one CTA tile (NUM_CONSUMERS * block_q new tokens of one sequence) of one query
+head; XLA writes the list before the launch (`ragged_tile_plan`: per tile its sequence, first
+token, position offset and the KV tile ranges of its CTA and consumers, as the forward's
+segment plan), and a persistent grid walks it, the last tiles first. Every query head reads its
+own K/V (query head n reads KV head n // (N // K)); neighbouring items are neighbouring heads,
+which share their KV head's pages in L2.
+
+K/V tiles come from the pages by TMA: one copy per page into a ring slot where a page is
+shorter than a KV tile (block_kv / page_size copies that arrive on the slot's barrier, each
+with its bytes), a block_kv-row part of one page where a page holds several tiles; the page ids
+are scalar loads from the block table, one step ahead of their copies. Q loads straight from
+q's rows, a sequence's tiles from its first token rounded down to ROW_ALIGN (a TMA window into
+q's token dim starts on its 8-row tiles): the up to 7 rows before it and the rows past its last
+token are other sequences' tokens (or zeros past T), computed and not kept. The output is
+stored in place, the whole 8-row groups of a sequence's rows by TMA and its first and last
+groups, which hold other sequences' rows too, through a small buffer that XLA writes into the
+output after the kernel; lse goes to a tile-padded buffer that XLA gathers from.
+
+Token i of sequence b (new tokens q_len_b, keys L_b) sits at position L_b - q_len_b + i and
+sees keys j <= that position (and j >= position - window_left): the forward's causal mask with
+a per-item offset of the query positions. The tiles every row of a consumer sees whole are
+never past L_b; the tiles that hold keys past L_b (whatever the pages hold there, NaN
+included) are masked ones, whose non-finite V the consumer zeroes before P.V.
+
+Which sequences run here is the caller's choice (`min_tokens` <= q_len_b <= `max_tokens`);
+the other rows of the output are left for the other launch to write.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flash import masks
+from pallas_flash.device import DEFAULT_NUM_SMS
+from pallas_flash.masks import MaskSpec
+from pallas_flash.mosaic.forward import _consume, _produce, _Ring
+from pallas_flash.mosaic.launch import (
+    opaque_zero,
+    smem_transforms,
+    warp_specialised_kernel,
+)
+from pallas_flash.mosaic.schedule import _Work
+from pallas_flash.mosaic.tiles import (
+    FORWARD_CONSUMER_REGISTERS,
+    FORWARD_PRODUCER_REGISTERS,
+    NUM_CONSUMERS,
+    ROW_ALIGN,
+    ForwardTiles,
+    aligned_len,
+    cdiv,
+    page_copies,
+    ragged_prefill_q_buffers,
+    ragged_prefill_tiles,
+)
+
+# The plan's rows per tile: each consumer's (lo, full_lo, full_hi, hi), the CTA's (first,
+# first, end, end), then the tile's (sequence, first token, position offset, tiles in all).
+_CTA_ROW = NUM_CONSUMERS
+_ITEM_ROW = NUM_CONSUMERS + 1
+# ... and the sequence's (first token, end token, 0, 0).
+_TOKENS_ROW = NUM_CONSUMERS + 2
+# Rows of the fringe buffer per sequence: the ROW_ALIGN-row groups of q's rows that hold its
+# first and its last token, where those groups hold other rows too.
+_FRINGE = 2 * ROW_ALIGN
+
+
+def tile_bound(num_tokens: int, batch: int, min_tokens: int, max_tokens: int, cta_rows: int):
+    """The most CTA tiles any batch of these shapes has: the sequences of this launch have at
+    least min_tokens and at most max_tokens new tokens each, and their tiles start up to
+    ROW_ALIGN - 1 rows before their first token (`ragged_tile_plan`)."""
+    most = min(num_tokens, max_tokens)
+    if most < min_tokens:
+        return 0
+    longer = min(batch, num_tokens // max(min_tokens, 1))
+    lead = ROW_ALIGN - 1
+    return max(
+        0,
+        min(
+            (num_tokens + longer * (cta_rows - 1 + lead)) // cta_rows,
+            longer * cdiv(most + lead, cta_rows),
+        ),
+    )
+
+
+def ragged_tile_plan(
+    starts,
+    lengths,
+    *,
+    capacity: int,
+    min_tokens: int,
+    max_tokens: int,
+    window_left: int | None,
+    tiles: ForwardTiles,
+    num_tiles: int,
+):
+    """(plan, first_row, fits) in XLA: the work list, int32 [num_tiles, NUM_CONSUMERS + 3, 4];
+    each sequence's first row in the tile-padded lse, less its first token's aligned row [B],
+    and whether this launch runs it [B] (`token_rows`). starts: the safe query starts [B + 1];
+    lengths [B] (clipped here to [0, capacity]).
+
+    A sequence's tiles start at its first token rounded down to ROW_ALIGN (a TMA window's
+    start in q's token dim must be a multiple of its 8-row tiles): up to 7 rows of q before it
+    lead its first tile, computed and not kept, as are the rows past its last token.
+    Tiles in sequence order; those past the batch's tiles (their count is the plan's [0,
+    _ITEM_ROW, 3]) are never visited.
+
+    Per tile: rows wg < NUM_CONSUMERS are consumer wg's KV tile range (lo, full_lo, full_hi, hi)
+    for the sequence's tokens among its block_q rows, clamped into the CTA's; row _CTA_ROW the
+    CTA's (first, first, end, end), the hull of its consumers' non-empty ranges
+    (`schedule.tile_plan`'s rules, which `forward._consume` walks); row _ITEM_ROW (sequence,
+    first row of q, the offset from a row of q to its position, the number of tiles); row
+    _TOKENS_ROW (the sequence's first token, its end, 0, 0)."""
+    cta_rows, block_q, block_kv = tiles.cta_rows, tiles.block_q, tiles.block_kv
+    batch = lengths.shape[0]
+    first_token, end_token = starts[:-1], starts[1:]
+    q_lens = end_token - first_token
+    aligned = first_token - lax.rem(first_token, ROW_ALIGN)
+    lengths = jnp.clip(lengths, 0, capacity)
+    fits = (q_lens >= min_tokens) & (q_lens <= max_tokens)
+    seq_tiles = jnp.where(fits, _cdiv(end_token - aligned, cta_rows), 0)
+    end = jnp.cumsum(seq_tiles)
+    first_tile = end - seq_tiles
+    count = end[-1]
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.sum(end[None, :] <= tile[:, None], axis=1), batch - 1)
+    row0 = aligned[seq] + (tile - first_tile[seq]) * cta_rows
+    offset = lengths[seq] - q_lens[seq] - first_token[seq]
+    length = lengths[seq]
+    ranges = []
+    for wg in range(NUM_CONSUMERS):
+        # The consumer's rows that are the sequence's tokens, and their positions p0..p1.
+        lo_row = jnp.maximum(row0 + wg * block_q, first_token[seq])
+        hi_row = jnp.minimum(row0 + (wg + 1) * block_q, end_token[seq])
+        p0, p1 = lo_row + offset, hi_row - 1 + offset
+        hi = jnp.where(hi_row > lo_row, _cdiv(jnp.clip(p1 + 1, 0, length), block_kv), 0)
+        full_hi = jnp.maximum(p0 + 1, 0) // block_kv
+        lo = full_lo = jnp.zeros_like(hi)
+        if window_left is not None:
+            lo = jnp.maximum(p0 - window_left, 0) // block_kv
+            full_lo = _cdiv(jnp.maximum(p1 - window_left, 0), block_kv)
+        ranges.append(masks.intersect((lo, full_lo, full_hi, hi), (0, 0, hi, hi)))
+    visits = [r[0] < r[3] for r in ranges]
+    any_visit = functools.reduce(jnp.logical_or, visits)
+    never = cdiv(capacity, block_kv)
+    first = functools.reduce(
+        jnp.minimum, [jnp.where(v, r[0], never) for v, r in zip(visits, ranges, strict=True)]
+    )
+    last = functools.reduce(
+        jnp.maximum, [jnp.where(v, r[3], 0) for v, r in zip(visits, ranges, strict=True)]
+    )
+    first, last = jnp.where(any_visit, first, 0), jnp.where(any_visit, last, 0)
+    rows = [jnp.stack([jnp.clip(x, first, last) for x in r], axis=-1) for r in ranges]
+    rows.append(jnp.stack([first, first, last, last], axis=-1))
+    rows.append(jnp.stack([seq, row0, offset, jnp.broadcast_to(count, seq.shape)], axis=-1))
+    zero = jnp.zeros_like(seq)
+    rows.append(jnp.stack([first_token[seq], end_token[seq], zero, zero], axis=-1))
+    plan = jnp.stack(rows, axis=1).astype(jnp.int32)
+    return plan, first_tile * cta_rows - aligned, fits
+
+
+def _cdiv(a, b: int):
+    return lax.div(a + (b - 1), jnp.int32(b))
+
+
+def token_rows(starts, first_row, fits, num_tokens: int):
+    """Each token's row in the tile-padded lse: token t of sequence b at first_row[b] + t
+    (`ragged_tile_plan`'s first_row: the sequence's first tile's row less its aligned first
+    token); 0 for the tokens of no sequence of this launch."""
+    rows = jnp.arange(num_tokens, dtype=jnp.int32)
+    batch = first_row.shape[0]
+    seq = jnp.sum(starts[None, 1:] <= rows[:, None], axis=1).astype(jnp.int32)
+    inside = (seq < batch) & (rows >= starts[0])
+    seq = jnp.minimum(seq, batch - 1)
+    return jnp.where(inside & fits[seq], first_row[seq] + rows, 0)
+
+
+def ragged_prefill(
+    q,
+    k_pages,
+    v_pages,
+    block_tables,
+    starts,
+    lengths,
+    sinks=None,
+    *,
+    scale: float,
+    soft_cap,
+    window_left: int | None,
+    min_tokens: int,
+    max_tokens: int,
+    tiles: ForwardTiles | None = None,
+    num_sms: int = DEFAULT_NUM_SMS,
+):
+    """(out [T, N, Hv] in q's dtype, lse [N, T] float32, natural log) of the sequences with
+    min_tokens <= q_len_b <= max_tokens new tokens; the other rows hold anything (the caller's
+    other launch writes them).
+
+    q [T, N, H], k_pages [P, page_size, K, H], v_pages [P, page_size, K, Hv] (bfloat16 or
+    float16; H and Hv of the forward's HEAD_DIMS; page_size a multiple of 8 that divides
+    block_kv or that block_kv divides: `page_copies`); block_tables int [B, max_pages]; starts
+    int32 [B + 1] the safe query starts (non-decreasing in [0, T]); lengths int [B] (clipped
+    here); sinks None or float32 [N]. Nothing here checks these (`pallas_flash.ragged` routes
+    only such calls here)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    value_head_dim = v_pages.shape[-1]
+    batch, max_pages = block_tables.shape
+    capacity = max_pages * page_size
+    if tiles is None:
+        tiles = ragged_prefill_tiles(head_dim, value_head_dim)
+    cta_rows = tiles.cta_rows
+    num_tiles = tile_bound(num_tokens, batch, min_tokens, max_tokens, cta_rows)
+    out_dtype = q.dtype
+    if num_tiles == 0:
+        return (
+            jnp.zeros((num_tokens, num_heads, value_head_dim), out_dtype),
+            jnp.full((num_heads, num_tokens), -jnp.inf, jnp.float32),
+        )
+    starts = jnp.asarray(starts, jnp.int32)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    plan, first_row, fits = ragged_tile_plan(
+        starts,
+        lengths,
+        capacity=capacity,
+        min_tokens=min_tokens,
+        max_tokens=max_tokens,
+        window_left=window_left,
+        tiles=tiles,
+        num_tiles=num_tiles,
+    )
+    # Keys: positions < capacity, the KV tiles' count a whole number of tiles (no ragged last
+    # tile: keys past a sequence's length are masked by position, in masked tiles).
+    kv_len = cdiv(capacity, tiles.block_kv) * tiles.block_kv
+    spec = MaskSpec(
+        q_len=kv_len,
+        kv_len=kv_len,
+        is_causal=True,
+        window=None if window_left is None else (int(window_left), 0),
+    )
+    q_to = aligned_len(num_tokens)
+    q4 = q if q_to == num_tokens else jnp.pad(q, ((0, q_to - num_tokens), (0, 0), (0, 0)))
+    table = jnp.asarray(block_tables, jnp.int32)
+    copies = page_copies(page_size, tiles.block_kv)
+    q_buffers = ragged_prefill_q_buffers(tiles, head_dim, value_head_dim, q.dtype.itemsize)
+    kernel = functools.partial(
+        _ragged_kernel,
+        spec=spec,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        group=num_heads // num_kv_heads,
+        tiles=tiles,
+        page_size=page_size,
+        copies=copies,
+        q_buffers=q_buffers,
+        has_sinks=sinks is not None,
+    )
+
+    def ring(rows, cols):
+        return plgpu.SMEM(
+            (tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols, q.dtype)
+        )
+
+    scratch = dict(
+        q_smem=plgpu.SMEM(
+            (q_buffers * NUM_CONSUMERS, tiles.block_q, head_dim),
+            q.dtype,
+            transforms=smem_transforms(head_dim, q.dtype),
+        ),
+        k_smem=ring(tiles.block_kv, head_dim),
+        v_smem=ring(tiles.block_kv, value_head_dim),
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, 1, tiles.block_q), jnp.float32),
+        q_ready=plgpu.Barrier(num_barriers=q_buffers * NUM_CONSUMERS),
+        # One arrival per page copy of a tile, each with its bytes.
+        k_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
+        v_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
+        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
+        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
+        schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
+    if value_head_dim != head_dim:
+        scratch.update(
+            o_smem=plgpu.SMEM(
+                (NUM_CONSUMERS, tiles.block_q, value_head_dim),
+                q.dtype,
+                transforms=smem_transforms(value_head_dim, q.dtype),
+            )
+        )
+    padded_rows = num_tiles * cta_rows
+    out_type = (
+        jax.ShapeDtypeStruct((1, q_to, num_heads, value_head_dim), q.dtype),
+        jax.ShapeDtypeStruct((batch * _FRINGE, num_heads, value_head_dim), q.dtype),
+        jax.ShapeDtypeStruct((1, num_heads, padded_rows), jnp.float32),
+    )
+    grid = (min(num_tiles * num_heads, num_sms),)
+    operands = [q4[None], k_pages, v_pages, table, plan]
+    if sinks is not None:
+        operands.append(jnp.asarray(sinks, jnp.float32))
+    out, fringe, lse = warp_specialised_kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=scratch,
+        grid=grid,
+        grid_names=("cta",),
+        num_consumers=NUM_CONSUMERS,
+    )(*operands)
+    out = _with_fringes(out[0], fringe, starts, fits)
+    if q_to != num_tokens:
+        out = out[:num_tokens]
+    rows = token_rows(starts, first_row, fits, num_tokens)
+    return out, lse[0][:, rows]
+
+
+def _with_fringes(out, fringe, starts, fits):
+    """out [T', N, Hv] with each sequence's fringe rows (`_ragged_kernel`) set from fringe
+    [B * _FRINGE, N, Hv]: row j < ROW_ALIGN of sequence b's is token floor8(first) + j, row
+    ROW_ALIGN + j token floor8(end) + j, where that token is the sequence's and not in its
+    8-aligned interior (which the kernel stored in place)."""
+    first, end = starts[:-1, None], starts[1:, None]
+    j = jnp.arange(ROW_ALIGN, dtype=jnp.int32)[None, :]
+    interior = first + lax.rem(ROW_ALIGN - lax.rem(first, ROW_ALIGN), ROW_ALIGN)
+    head = first - lax.rem(first, ROW_ALIGN) + j
+    tail = end - lax.rem(end, ROW_ALIGN) + j
+    head_ok = (head >= first) & (head < jnp.minimum(interior, end))
+    tail_ok = (tail >= jnp.maximum(tail - j, interior)) & (tail < end)
+    rows = jnp.concatenate([jnp.where(head_ok, head, -1), jnp.where(tail_ok, tail, -1)], axis=1)
+    rows = jnp.where(fits[:, None] & (rows >= 0), rows, out.shape[0])
+    return out.at[rows.reshape(-1)].set(fringe, mode="drop")
+
+
+def _ragged_kernel(
+    q_ref,
+    k_ref,
+    v_ref,
+    table_ref,
+    plan_ref,
+    *refs,
+    q_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    q_ready,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    schedule,
+    o_smem=None,
+    spec: MaskSpec,
+    scale: float,
+    soft_cap,
+    group: int,
+    tiles: ForwardTiles,
+    page_size: int,
+    copies: int,
+    q_buffers: int,
+    has_sinks: bool,
+):
+    """One persistent CTA: its share of the work items (tile, head), in a snake over the
+    rounds of C items (`_Work.round_place`), the last tiles first.
+
+    q_ref [1, T', N, H] (T' = T rounded up to ROW_ALIGN); k_ref [P, page_size, K, H], v_ref
+    [P, page_size, K, Hv]; table_ref [B, max_pages]; plan_ref `ragged_tile_plan`'s; sinks_ref
+    [N] float32 with has_sinks; out_ref [1, T', N, Hv] (rows of q's), fringe_ref
+    [B * _FRINGE, N, Hv] and lse_ref [1, N, R], R = the plan's tiles * cta_rows (tile t's rows
+    at t * cta_rows). q_buffers: Q buffers per consumer; with two the next item's Q loads at
+    this one's start, with one after its epilogue. A consumer stores its rows of its sequence
+    that fill whole ROW_ALIGN-row groups straight into out_ref (boxes of 64, 32, 16 and 8 rows:
+    a TMA window into the token dim starts on its 8-row tiles), and the groups that hold the
+    sequence's first or last token beside other rows into fringe_ref (rows 0..7 and 8..15 of
+    the sequence's), which XLA writes into the output after (`_with_fringes`): nothing is
+    stored into another sequence's rows. Scratch as `forward._forward_kernel`'s
+    (persistent, no segment ids or dropout)."""
+    sinks_ref = refs[0] if has_sinks else None
+    out_ref, fringe_ref, lse_ref = refs[-3:]
+    num_heads = q_ref.shape[2]
+    num_pages, max_pages = k_ref.shape[0], table_ref.shape[1]
+    cta, num_ctas = lax.axis_index("cta"), lax.axis_size("cta")
+    count = plan_ref[0, _ITEM_ROW, 3]
+    total = count * num_heads
+    rounds = lax.div(total, num_ctas)
+    left = total - rounds * num_ctas
+    num_items = rounds + (_Work.round_place(cta, rounds, num_ctas) < left).astype(jnp.int32)
+    wg = lax.axis_index("wg")
+
+    def item(n):
+        """(tile, head) of this CTA's n-th item: item w of the list is head w % N of tile
+        count - 1 - w // N (tile 0 for an n past the CTA's items, whose plan is then read in
+        bounds and not used)."""
+        w = n * num_ctas + _Work.round_place(cta, n, num_ctas)
+        tile = jnp.maximum(count - 1 - lax.div(w, num_heads), 0)
+        return tile, lax.rem(w, num_heads)
+
+    def cta_range_of(tile):
+        return plan_ref[tile, _CTA_ROW, 0], plan_ref[tile, _CTA_ROW, 3]
+
+    def ring(cta_range, steps_before):
+        return _Ring(
+            k_smem=k_smem,
+            v_smem=v_smem,
+            k_ready=k_ready,
+            v_ready=v_ready,
+            k_free=k_free,
+            v_free=v_free,
+            num_stages=tiles.num_stages,
+            first_tile=cta_range[0],
+            steps_before=steps_before,
+        )
+
+    def over_items(body):
+        lax.fori_loop(0, num_items, body, jnp.int32(0))
+
+    @pl.when(wg < NUM_CONSUMERS)
+    def _consumer():
+        plgpu.set_max_registers(FORWARD_CONSUMER_REGISTERS, action="increase")
+
+        def buffer(n):
+            return lax.rem(n, q_buffers) * NUM_CONSUMERS + wg
+
+        def load_q(n, row0):
+            """Item n's Q rows, from row0 (its tile's first row of q)."""
+            _, head = item(n)
+            token = pl.multiple_of(row0 + wg * tiles.block_q, ROW_ALIGN)
+            b = buffer(n)
+            plgpu.copy_gmem_to_smem(
+                q_ref.at[0, pl.ds(token, tiles.block_q), head], q_smem.at[b], q_ready.at[b]
+            )
+
+        pl.when(num_items > 0)(lambda: load_q(0, plan_ref[item(0)[0], _ITEM_ROW, 1]))
+
+        def consume_item(n, steps_before):
+            tile, head = item(n)
+            # Every scalar of the plan that the item reads, and the next item's first row,
+            # loaded together: one round trip to L2 at the item's start, not one per use.
+            cta_range = cta_range_of(tile)
+            ranges = tuple(plan_ref[tile, wg, i] for i in range(4))
+            seq, row0, offset = (plan_ref[tile, _ITEM_ROW, i] for i in range(3))
+            first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
+            sink = None if sinks_ref is None else sinks_ref[head]
+            next_row0 = plan_ref[item(n + 1)[0], _ITEM_ROW, 1]
+            if q_buffers == 2:
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+            # The consumer's rows in the padded lse; a row's position is its token's, the
+            # lse row plus the offset.
+            out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
+            base = pl.multiple_of(row0 + wg * tiles.block_q, ROW_ALIGN)
+            q_offset = base + offset - out_row
+            b = buffer(n)
+
+            def store_out(o_smem):
+                def store(src_row, rows, dst):
+                    if not isinstance(src_row, int):
+                        src_row = pl.multiple_of(src_row, ROW_ALIGN)
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(src_row, rows)], dst)
+
+                # The whole 8-row groups of the sequence in this consumer's rows, [lo, hi).
+                inner_first = first + lax.rem(ROW_ALIGN - lax.rem(first, ROW_ALIGN), ROW_ALIGN)
+                inner_end = end - lax.rem(end, ROW_ALIGN)
+                lo = jnp.clip(inner_first - base, 0, tiles.block_q)
+                hi = jnp.clip(inner_end - base, 0, tiles.block_q)
+                at, rows = lo, tiles.block_q
+                while rows >= ROW_ALIGN:
+                    take = hi - at >= rows
+
+                    @pl.when(take)
+                    def _store(at=at, rows=rows):
+                        dst = pl.multiple_of(base + at, ROW_ALIGN)
+                        store(at, rows, out_ref.at[0, pl.ds(dst, rows), head])
+
+                    at = at + jnp.where(take, rows, 0)
+                    rows //= 2
+                # The fringe groups: the first token's (row 0 of the sequence's first tile's
+                # first consumer) and the last token's.
+                fringe = seq * _FRINGE
+                head_group = first - lax.rem(first, ROW_ALIGN)
+
+                @pl.when((head_group != first) & (base == head_group))
+                def _head():
+                    rows = pl.ds(pl.multiple_of(fringe, ROW_ALIGN), ROW_ALIGN)
+                    store(0, ROW_ALIGN, fringe_ref.at[rows, head])
+
+                tail = inner_end - base
+
+                @pl.when((inner_end != end) & (tail >= 0) & (tail < tiles.block_q))
+                def _tail():
+                    rows = pl.ds(pl.multiple_of(fringe + ROW_ALIGN, ROW_ALIGN), ROW_ALIGN)
+                    store(tail, ROW_ALIGN, fringe_ref.at[rows, head])
+
+            def q_at(kv_tile):
+                return q_smem.at[b + opaque_zero(kv_tile) if tiles.step_descriptors else b]
+
+            _consume(
+                out_ref,
+                (lse_ref,),
+                q_at,
+                q_smem.at[b] if o_smem is None else o_smem.at[wg],
+                lse_smem.at[wg],
+                q_ready.at[b],
+                schedule,
+                ring(cta_range, steps_before),
+                wg=wg,
+                batch=0,
+                head=head,
+                q_start=out_row,
+                q_offset=q_offset,
+                store_out=store_out,
+                cta_range=cta_range,
+                ranges=ranges,
+                q_ids_smem=None,
+                sink=sink,
+                spec=spec,
+                scale=scale,
+                soft_cap=soft_cap,
+                tiles=tiles,
+            )
+            if q_buffers == 1:
+                # The epilogue's copies have read the buffer (`_consume` waited for them).
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+            return steps_before + cta_range[1] - cta_range[0]
+
+        over_items(consume_item)
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == NUM_CONSUMERS)
+    def _producer():
+        plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
+
+        def produce_item(n, steps_before):
+            tile, head = item(n)
+            cta_range = cta_range_of(tile)
+            seq = plan_ref[tile, _ITEM_ROW, 0]
+            kv_head = lax.div(head, jnp.int32(group))
+
+            def pages(kv_tile):
+                """The page ids of KV tile kv_tile's copies (clamped: the entries past the
+                sequence's pages may hold anything, and the keys they give are masked)."""
+                if copies == 1:
+                    entries = [lax.div(kv_tile, page_size // tiles.block_kv)]
+                else:
+                    entries = [kv_tile * copies + j for j in range(copies)]
+                return tuple(
+                    jnp.clip(table_ref[seq, jnp.minimum(e, max_pages - 1)], 0, num_pages - 1)
+                    for e in entries
+                )
+
+            def copy(gmem_ref, smem, ready, kv_tile, slot, page_ids):
+                block_kv = tiles.block_kv
+                if copies == 1:  # a tile is block_kv rows of one page
+                    per_page = page_size // block_kv
+                    first = pl.multiple_of(lax.rem(kv_tile, per_page) * block_kv, block_kv)
+                    rows = (page_ids[0], pl.ds(first, block_kv), kv_head)
+                    plgpu.copy_gmem_to_smem(gmem_ref.at[rows], smem.at[slot], ready.at[slot])
+                    return
+                for j, page in enumerate(page_ids):  # whole pages into consecutive rows
+                    src = gmem_ref.at[page, :, kv_head]
+                    dst = smem.at[slot, pl.ds(j * page_size, page_size)]
+                    plgpu.copy_gmem_to_smem(src, dst, ready.at[slot])
+
+            _produce(
+                k_ref,
+                v_ref,
+                None,
+                ring(cta_range, steps_before),
+                batch=None,
+                kv_head=kv_head,
+                cta_hi=cta_range[1],
+                tiles=tiles,
+                copy=copy,
+                ahead=pages,
+            )
+            return steps_before + cta_range[1] - cta_range[0]
+
+        over_items(produce_item)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractMesh
-from test_lowering import H200, lower_for_h200
+from support.lowering import H200, lower_for_h200
 
 import pallas_flash
 from pallas_flash import _partition, _passes

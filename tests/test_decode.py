@@ -528,7 +528,7 @@ def test_validation_paged():
 def test_lowers_for_h200():
     """The compiled kernel (contiguous and both paged loads) lowers through Triton for an
     abstract H200, with a grid split over the sequence."""
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     from pallas_flash.triton.decode import decode_forward
 
@@ -691,7 +691,7 @@ def test_tokens_ahead_of_the_keys_match_oracle(fields, window):
 def test_tokens_ahead_lower_for_h200():
     """The kernel with `ahead` (lengths and aheads in one operand, the per-sequence and the
     balanced schedules) lowers through Triton for an abstract H200."""
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     from pallas_flash.triton.decode import decode_forward
 

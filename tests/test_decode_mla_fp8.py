@@ -696,7 +696,7 @@ def test_lowers_for_h200():
     verified: MLA's 576 = 512 + 64 contiguous and paged (gathered key tiles) in bfloat16 and
     paged (in-page tiles) in float8, a float8 cache of its own, and the ragged launches over a
     float8 latent cache."""
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     from pallas_flash.triton.decode import decode_forward
     from pallas_flash.triton.ragged import ragged_forward

@@ -16,12 +16,12 @@ from support.backends import BACKEND_PATHS, SWEEP, backend_paths
 from support.calls import outputs_and_grads
 from support.inputs import Problem, case_id, random_inputs
 from support.kernels import call_mosaic_backward, call_mosaic_forward
+from support.lowering import lower_for_h200
 from support.mosaic_backward import MaskCase, hidden_key_poison, mask_options
 from support.mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype, to64
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
-from test_lowering import lower_for_h200
 
 from pallas_flash import BlockSizes, _dropout, _passes, dispatch, flash_attention, masks
 from pallas_flash.call import Call
@@ -447,7 +447,7 @@ def test_mosaic_forward_with_dropout_lowers_for_h200(is_causal, persistent):
     same ring slots, and a persistent grid."""
     import dataclasses
 
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     from pallas_flash.mosaic.tiles import default_tiles
 

@@ -14,7 +14,7 @@ import pytest
 from jax.experimental.mosaic.gpu import core as mosaic_gpu_core
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import AbstractDevice, AbstractMesh
-from test_lowering import triton_calls
+from support.lowering import triton_calls
 
 import pallas_flash
 from pallas_flash import _pallas_triton

@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.calls import oracle_outputs_and_grads, outputs_and_grads, plain_fn
-from support.inputs import Problem, case_id, random_inputs
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs
 from support.kernels import call_mosaic_backward
+from support.lowering import lower_for_h200
 from support.mosaic_backward import (
     abstract_backward_args,
     backward_fn,
@@ -38,7 +39,6 @@ from support.mosaic_forward import (
 from support.mosaic_forward import forward_fn as mosaic_forward_fn
 from support.mosaic_interpret import interpret_mosaic
 from support.tolerance import assert_bitwise_equal, assert_within_tolerance
-from test_lowering import abstract_inputs, lower_for_h200
 
 import pallas_flash
 from pallas_flash import _passes, dispatch, tune_cache

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.calls import outputs_and_grads
-from support.inputs import Problem, case_id, random_inputs
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs
 from support.kernels import call_mosaic_backward, call_mosaic_forward
+from support.lowering import lower_for_h200, mosaic_opaque_i32s
 from support.mosaic_backward import (
     MaskCase,
     abstract_backward_args,
@@ -29,7 +30,6 @@ from support.mosaic_forward import (
 )
 from support.mosaic_interpret import interpret_mosaic
 from support.tolerance import assert_bitwise_equal
-from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s
 
 import pallas_flash
 from pallas_flash import dispatch

@@ -12,8 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.calls import outputs_and_grads
-from support.inputs import Problem, case_id, random_inputs
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs
 from support.kernels import call_mosaic_backward, call_mosaic_forward
+from support.lowering import lower_for_h200
 from support.mosaic_backward import (
     MaskCase,
     check_masked_backward,
@@ -27,7 +28,6 @@ from support.mosaic_forward import (
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
-from test_lowering import abstract_inputs, lower_for_h200
 
 import pallas_flash
 from pallas_flash import device as device_lib

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_lowering import lower_for_h200
+from support.lowering import lower_for_h200
 
 from pallas_flash.masks import MaskSpec
 from pallas_flash.mosaic.fixed_point import (

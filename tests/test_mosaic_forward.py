@@ -24,8 +24,9 @@ from support.calls import (
     outputs_and_grads,
     plain_fn,
 )
-from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs, segment_arrays
 from support.kernels import call_mosaic_forward
+from support.lowering import lower_for_h200, mosaic_opaque_i32s
 from support.mosaic_forward import (
     abstract_ids,
     abstract_qkv,
@@ -42,7 +43,6 @@ from support.oracle import (
     attention_f64,
 )
 from support.tolerance import assert_bitwise_equal, assert_within_tolerance
-from test_lowering import abstract_inputs, lower_for_h200, mosaic_opaque_i32s
 
 import pallas_flash
 from pallas_flash import masks

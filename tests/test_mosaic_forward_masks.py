@@ -15,7 +15,8 @@ import pytest
 from support.calls import (
     outputs_and_grads,
 )
-from support.inputs import Problem, case_id, random_inputs
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs
+from support.lowering import lower_for_h200
 from support.mosaic_forward import (
     check_masked,
     check_segments,
@@ -30,7 +31,6 @@ from support.oracle import (
     attention_oracle_f64,
 )
 from support.tolerance import assert_within_tolerance
-from test_lowering import abstract_inputs, lower_for_h200
 
 from pallas_flash import device as device_lib
 from pallas_flash import masks

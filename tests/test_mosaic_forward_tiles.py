@@ -11,12 +11,12 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.inputs import Problem, case_id
+from support.inputs import Problem, abstract_inputs, case_id
+from support.lowering import lower_for_h200
 from support.mosaic_forward import (
     custom_call_targets,
     forward_fn,
 )
-from test_lowering import abstract_inputs, lower_for_h200
 
 import pallas_flash
 from pallas_flash import dispatch

@@ -17,7 +17,8 @@ from support.calls import (
     plain_fn,
     vmapped_outputs_and_grads,
 )
-from support.inputs import Problem, case_id, random_inputs
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs
+from support.lowering import lower_for_h200, triton_calls
 from support.mosaic_forward import (
     GARBAGE,
     abstract_ids,
@@ -42,7 +43,6 @@ from support.oracle import (
     attention_oracle_f64,
 )
 from support.tolerance import assert_within_tolerance
-from test_lowering import abstract_inputs, lower_for_h200, triton_calls
 
 from pallas_flash import device as device_lib
 from pallas_flash.device import Device

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.calls import outputs_and_grads
-from support.inputs import Problem, case_id, random_inputs, segment_arrays
+from support.inputs import Problem, abstract_inputs, case_id, random_inputs, segment_arrays
 from support.kernels import call_mosaic_backward, call_mosaic_forward
+from support.lowering import lower_for_h200
 from support.mosaic_backward import check_against_oracle
 from support.mosaic_backward import mosaic_fn as mosaic_forward_and_backward_fn
 from support.mosaic_forward import (
@@ -39,7 +40,6 @@ from support.mosaic_forward import (
 )
 from support.oracle import attention_oracle_f64
 from support.tolerance import assert_within_tolerance
-from test_lowering import abstract_inputs, lower_for_h200
 from test_value_head_dim import BackwardCase, check_mosaic_backward
 
 from pallas_flash import _dropout, masks

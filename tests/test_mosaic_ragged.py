@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from support.backends import SWEEP_ONLY, BackendPath, has_hopper
 from support.inputs import case_id
+from support.lowering import lower_for_h200
 from support.mosaic_interpret import interpret_mosaic
-from test_lowering import lower_for_h200
 from test_ragged import XLA, Case, check, make_problem, run
 
 import pallas_flash

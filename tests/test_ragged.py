@@ -584,7 +584,7 @@ def test_lowers_for_h200():
     Mosaic prefill, the same decode launch); unsplit with pages of 128; both launches split, each
     with its merge; and a decode-only batch with max_query_len=1: the decode launch and its
     merge, and in XLA only the safe query starts (one reduce)."""
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     sds = jax.ShapeDtypeStruct
     q, sinks = sds((300, 32, 128), jnp.bfloat16), sds((32,), jnp.float32)

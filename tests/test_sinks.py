@@ -367,7 +367,7 @@ def test_mosaic_forward_with_sinks_lowers_for_h200(soft_cap):
     for an abstract H200 (the interpreter does not check layouts): a scalar per row block
     against row vectors in the WGMMA row layout."""
     from support.kernels import call_mosaic_forward
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 512, 2, 128), jnp.bfloat16)
@@ -391,7 +391,7 @@ def test_triton_kernels_with_sinks_lower_for_h200(options):
     """The Triton forward's epilogue with a sink (against row vectors: the interpreter does
     not check the types Triton's ops need) and the backward after it lower for an abstract
     H200 into verified Triton modules."""
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 200, 2, 64), jnp.bfloat16)

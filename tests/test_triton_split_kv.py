@@ -99,7 +99,7 @@ def test_kv_splits_validation():
 
 
 def test_split_forward_lowers_for_h200():
-    from test_lowering import lower_for_h200
+    from support.lowering import lower_for_h200
 
     from pallas_flash._passes import KernelConfig
     from pallas_flash._vjp import flash_attention_kernels

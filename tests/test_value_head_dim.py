@@ -33,10 +33,10 @@ from support.backends import SWEEP, backend_paths, has_hopper
 from support.calls import outputs_and_grads
 from support.inputs import case_id, segment_arrays, uniform_block_sizes
 from support.kernels import call_mosaic_backward, call_mosaic_forward
+from support.lowering import lower_for_h200
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype
 from support.tolerance import FLOOR, assert_within_tolerance
-from test_lowering import lower_for_h200
 
 import pallas_flash
 from pallas_flash import api, dispatch, masks

@@ -265,6 +265,13 @@ KERNEL_CASES = [
     # H=256 (one Q buffer a consumer: the next item's Q loads after this one's epilogue),
     # pages of 16, group 2.
     Case((70, 9, 130), (100, 9, 140), 2, 1, 256, 16, 10, dtype="bfloat16"),
+    # Rounds of pairs (`ragged_walk`) on the 3 CTAs: two sequences of two tiles over
+    # different prefixes, a middle tile between them; group 2, pages of 32 (the walk itself:
+    # test_walk_runs_every_item_once_in_pairs; on a GPU the 2048-token case has pairs).
+    pytest.param(
+        Case((250, 3, 140), (300, 3, 140), 4, 2, 64, 32, 12, dtype="bfloat16"),
+        marks=SWEEP_ONLY,
+    ),
     # A value head dim of its own (128 / 64), group 2, pages of 16.
     pytest.param(
         Case((66, 9), (80, 9), 4, 2, 128, 16, 6, value_head_dim=64, dtype="bfloat16"),

@@ -517,11 +517,15 @@ def _ragged_kernel(
     num_items = rounds + (_Work.round_place(cta, rounds, num_ctas) < left).astype(jnp.int32)
     wg = lax.axis_index("wg")
 
-    def item(n):
-        """(tile, head) of this CTA's n-th item: entry w of the walk, tile * N + head (tile 0
-        for an n past the CTA's items, whose plan is then read in bounds and not used)."""
+    def entry_of(n):
+        """The walk's entry of this CTA's n-th item, entry w = n * C + its place in round n
+        (tile 0 for an n past the CTA's items, whose plan is then read in bounds and not
+        used)."""
         w = n * num_ctas + _Work.round_place(cta, n, num_ctas)
-        entry = walk_ref[jnp.minimum(w, walk_ref.shape[0] - 1)]
+        return walk_ref[jnp.minimum(w, walk_ref.shape[0] - 1)]
+
+    def item_of(entry):
+        """(tile, head) of a walk entry, tile * N + head."""
         return lax.div(entry, num_heads), lax.rem(entry, num_heads)
 
     def cta_range_of(tile):
@@ -540,8 +544,18 @@ def _ragged_kernel(
             steps_before=steps_before,
         )
 
-    def over_items(body):
-        lax.fori_loop(0, num_items, body, jnp.int32(0))
+    def over_items(body, first_entry):
+        """body(n, steps_before, (tile, head), next_entry) -> steps_before of item n + 1 over
+        this CTA's items, each item's walk entry loaded two items ahead (first_entry item 0's),
+        so that the next item's is there at an item's start."""
+
+        def step(n, carry):
+            steps_before, entry, next_entry = carry
+            after_next = entry_of(n + 2)
+            steps_before = body(n, steps_before, item_of(entry), next_entry)
+            return steps_before, next_entry, after_next
+
+        lax.fori_loop(0, num_items, step, (jnp.int32(0), first_entry, entry_of(1)))
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -550,19 +564,20 @@ def _ragged_kernel(
         def buffer(n):
             return lax.rem(n, q_buffers) * NUM_CONSUMERS + wg
 
-        def load_q(n, row0):
-            """Item n's Q rows, from row0 (its tile's first row of q)."""
-            _, head = item(n)
+        def load_q(n, head, row0):
+            """Item n's Q rows (of head), from row0 (its tile's first row of q)."""
             token = pl.multiple_of(row0 + wg * tiles.block_q, ROW_ALIGN)
             b = buffer(n)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[0, pl.ds(token, tiles.block_q), head], q_smem.at[b], q_ready.at[b]
             )
 
-        pl.when(num_items > 0)(lambda: load_q(0, plan_ref[item(0)[0], _ITEM_ROW, 1]))
+        first_entry = entry_of(0)
+        first_tile, first_head = item_of(first_entry)
+        pl.when(num_items > 0)(lambda: load_q(0, first_head, plan_ref[first_tile, _ITEM_ROW, 1]))
 
-        def consume_item(n, steps_before):
-            tile, head = item(n)
+        def consume_item(n, steps_before, item, next_entry):
+            tile, head = item
             # Every scalar of the plan that the item reads, and the next item's first row,
             # loaded together: one round trip to L2 at the item's start, not one per use.
             cta_range = cta_range_of(tile)
@@ -570,9 +585,10 @@ def _ragged_kernel(
             seq, row0, offset = (plan_ref[tile, _ITEM_ROW, i] for i in range(3))
             first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
             sink = None if sinks_ref is None else sinks_ref[head]
-            next_row0 = plan_ref[item(n + 1)[0], _ITEM_ROW, 1]
+            next_tile, next_head = item_of(next_entry)
+            next_row0 = plan_ref[next_tile, _ITEM_ROW, 1]
             if q_buffers == 2:
-                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_head, next_row0))
             # The consumer's rows in the padded lse; a row's position is its token's, the
             # lse row plus the offset.
             out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
@@ -648,18 +664,19 @@ def _ragged_kernel(
             )
             if q_buffers == 1:
                 # The epilogue's copies have read the buffer (`_consume` waited for them).
-                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_head, next_row0))
             return steps_before + cta_range[1] - cta_range[0]
 
-        over_items(consume_item)
+        over_items(consume_item, first_entry)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
 
-        def produce_item(n, steps_before):
-            tile, head = item(n)
+        def produce_item(n, steps_before, item, next_entry):
+            del next_entry  # loaded for the next item
+            tile, head = item
             cta_range = cta_range_of(tile)
             seq = plan_ref[tile, _ITEM_ROW, 0]
             kv_head = lax.div(head, jnp.int32(group))
@@ -703,4 +720,4 @@ def _ragged_kernel(
             )
             return steps_before + cta_range[1] - cta_range[0]
 
-        over_items(produce_item)
+        over_items(produce_item, entry_of(0))

@@ -167,12 +167,10 @@ def ragged_tile_plan(
         jnp.maximum, [jnp.where(v, r[3], 0) for v, r in zip(visits, ranges, strict=True)]
     )
     first, last = jnp.where(any_visit, first, 0), jnp.where(any_visit, last, 0)
-    rows = [jnp.stack([jnp.clip(x, first, last) for x in r], axis=-1) for r in ranges]
-    rows.append(jnp.stack([first, first, last, last], axis=-1))
-    rows.append(jnp.stack([seq, row0, offset, jnp.broadcast_to(count, seq.shape)], axis=-1))
-    zero = jnp.zeros_like(seq)
-    rows.append(jnp.stack([first_t, end_t, zero, zero], axis=-1))
-    plan = jnp.stack(rows, axis=1).astype(jnp.int32)
+    columns = [jnp.clip(x, first, last) for r in ranges for x in r]
+    columns += [first, first, last, last, seq, row0, offset, jnp.broadcast_to(count, seq.shape)]
+    columns += [first_t, end_t]  # and two zeros
+    plan = _assemble(columns, num_tiles).reshape(num_tiles, _TOKENS_ROW + 1, 4)
     walk = ragged_walk(
         last - first,
         seq,
@@ -277,6 +275,19 @@ def _cdiv_traced(a, b):
     """ceil(a / b) of int32 arrays, b > 0 where it matters (a guarded 1 elsewhere)."""
     b = jnp.maximum(b, 1)
     return -((-a) // b)
+
+
+def _assemble(columns, num_tiles: int):
+    """[num_tiles, 4 * (NUM_CONSUMERS + 3)] int32: column k of row t is columns[k][t] (0 past
+    the columns given): one elementwise select, a thread per entry, where a stack is a
+    concatenate, whose XLA GPU emitter runs a thread per element of its largest operand (a
+    tile's) that computes each operand in turn."""
+    width = 4 * (_TOKENS_ROW + 1)
+    k = lax.broadcasted_iota(jnp.int32, (num_tiles, width), 1)
+    out = jnp.zeros((num_tiles, width), jnp.int32)
+    for i, column in enumerate(columns):
+        out = jnp.where(k == i, column.astype(jnp.int32)[:, None], out)
+    return out
 
 
 def _running_sum(x):

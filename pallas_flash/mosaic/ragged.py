@@ -125,7 +125,7 @@ def ragged_tile_plan(
     (`schedule.tile_plan`'s rules, which `forward._consume` walks); row _ITEM_ROW (sequence,
     first row of q, the offset from a row of q to its position, the number of tiles); row
     _TOKENS_ROW (the sequence's first token, its end, 0, 0)."""
-    cta_rows, block_q, block_kv = tiles.cta_rows, tiles.block_q, tiles.block_kv
+    cta_rows, block_kv = tiles.cta_rows, tiles.block_kv
     batch = lengths.shape[0]
     first_token, end_token = starts[:-1], starts[1:]
     q_lens = end_token - first_token
@@ -138,17 +138,53 @@ def ragged_tile_plan(
     count = end[-1]
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.minimum(jnp.sum(end[None, :] <= tile[:, None], axis=1), batch - 1)
+    offsets = lengths - q_lens - first_token
+    geometry = functools.partial(
+        _tile_ranges, window_left=window_left, tiles=tiles, never=cdiv(capacity, block_kv)
+    )
     # The tile's sequence's numbers, one gather.
-    columns = (aligned, first_tile, lengths - q_lens - first_token, lengths, first_token)
-    columns = jnp.stack([*columns, end_token, seq_tiles], axis=1)[seq]
-    aligned_t, first_tile_t, offset, length, first_t, end_t, tiles_t = columns.T
+    columns = (aligned, first_tile, offsets, lengths, first_token, end_token, seq_tiles)
+    columns = jnp.stack(columns, axis=1)[seq]
+    aligned_t, first_tile_t, offset, length, first_t, end_t, tiles_t = (
+        columns[:, i] for i in range(7)
+    )
     index = tile - first_tile_t
     row0 = aligned_t + index * cta_rows
+    ranges, first, last = geometry(row0, first_t, end_t, offset, length)
+    columns = [jnp.clip(x, first, last) for r in ranges for x in r]
+    columns += [first, first, last, last, seq, row0, offset, jnp.broadcast_to(count, seq.shape)]
+    columns += [first_t, end_t]  # and two zeros
+    plan = _assemble(columns, num_tiles).reshape(num_tiles, _TOKENS_ROW + 1, 4)
+    # Each sequence's pairs' cost: its first and last tiles' KV tiles.
+    pair_cost = 0
+    for row in (aligned, aligned + (seq_tiles - 1) * cta_rows):
+        _, lo, hi = geometry(row, first_token, end_token, offsets, lengths)
+        pair_cost = pair_cost + hi - lo
+    walk = ragged_walk(
+        last - first,
+        seq,
+        index,
+        tiles_t,
+        seq_tiles,
+        pair_cost,
+        count,
+        num_heads=num_heads,
+        num_ctas=num_ctas,
+        paired=window_left is None,
+    )
+    return plan, walk, first_tile * cta_rows - aligned, fits
+
+
+def _tile_ranges(row0, first, end, offset, length, *, window_left, tiles: ForwardTiles, never):
+    """(consumers' (lo, full_lo, full_hi, hi), CTA's first, CTA's end) of the CTA tile from
+    row0 of q of a sequence of tokens [first, end), offset from a row to its position, length
+    keys (`ragged_tile_plan`); arrays of one shape. never: a bound on the KV tiles."""
+    block_q, block_kv = tiles.block_q, tiles.block_kv
     ranges = []
     for wg in range(NUM_CONSUMERS):
         # The consumer's rows that are the sequence's tokens, and their positions p0..p1.
-        lo_row = jnp.maximum(row0 + wg * block_q, first_t)
-        hi_row = jnp.minimum(row0 + (wg + 1) * block_q, end_t)
+        lo_row = jnp.maximum(row0 + wg * block_q, first)
+        hi_row = jnp.minimum(row0 + (wg + 1) * block_q, end)
         p0, p1 = lo_row + offset, hi_row - 1 + offset
         hi = jnp.where(hi_row > lo_row, _cdiv(jnp.clip(p1 + 1, 0, length), block_kv), 0)
         full_hi = jnp.maximum(p0 + 1, 0) // block_kv
@@ -159,31 +195,13 @@ def ragged_tile_plan(
         ranges.append(masks.intersect((lo, full_lo, full_hi, hi), (0, 0, hi, hi)))
     visits = [r[0] < r[3] for r in ranges]
     any_visit = functools.reduce(jnp.logical_or, visits)
-    never = cdiv(capacity, block_kv)
-    first = functools.reduce(
+    first_kv = functools.reduce(
         jnp.minimum, [jnp.where(v, r[0], never) for v, r in zip(visits, ranges, strict=True)]
     )
-    last = functools.reduce(
+    last_kv = functools.reduce(
         jnp.maximum, [jnp.where(v, r[3], 0) for v, r in zip(visits, ranges, strict=True)]
     )
-    first, last = jnp.where(any_visit, first, 0), jnp.where(any_visit, last, 0)
-    columns = [jnp.clip(x, first, last) for r in ranges for x in r]
-    columns += [first, first, last, last, seq, row0, offset, jnp.broadcast_to(count, seq.shape)]
-    columns += [first_t, end_t]  # and two zeros
-    plan = _assemble(columns, num_tiles).reshape(num_tiles, _TOKENS_ROW + 1, 4)
-    walk = ragged_walk(
-        last - first,
-        seq,
-        index,
-        tiles_t,
-        seq_tiles,
-        first_tile,
-        count,
-        num_heads=num_heads,
-        num_ctas=num_ctas,
-        paired=window_left is None,
-    )
-    return plan, walk, first_tile * cta_rows - aligned, fits
+    return ranges, jnp.where(any_visit, first_kv, 0), jnp.where(any_visit, last_kv, 0)
 
 
 def ragged_walk(
@@ -192,7 +210,7 @@ def ragged_walk(
     index,
     q_tiles,
     seq_tiles,
-    first_tile,
+    pair_cost,
     count,
     *,
     num_heads: int,
@@ -204,8 +222,8 @@ def ragged_walk(
     + c on even rounds and n * C + C - 1 - c on odd ones), the first count * N entries a
     permutation of the batch's items (tile, head), the rest 0. cost [num_tiles]: each tile's KV
     tiles (its CTA's range); seq, index, q_tiles [num_tiles]: its sequence, its place there and
-    the sequence's tiles;
-    seq_tiles, first_tile [B]: each sequence's tiles and its first; count: the tiles in all.
+    the sequence's tiles; seq_tiles, pair_cost [B]: each sequence's tiles and the cost of its
+    first and last together; count: the tiles in all.
 
     The forward's causal pairs (`schedule._Work.paired`) over ragged sequences: sequence b's Q_b
     tiles go in pairs (Q_b - 1 - i, i), which cost the same under a causal mask whatever the
@@ -235,8 +253,7 @@ def ragged_walk(
     middle = index == partner
     # Sequences by their pairs' cost (pair 0's), dearest first, ties in batch order.
     batch = seq_tiles.shape[0]
-    last_tile = jnp.clip(first_tile + seq_tiles - 1, 0, num_tiles - 1)
-    key = jnp.where(pairs > 0, cost[jnp.minimum(first_tile, num_tiles - 1)] + cost[last_tile], -1)
+    key = jnp.where(pairs > 0, pair_cost, -1)
     b = jnp.arange(batch, dtype=jnp.int32)
     before = (key[None, :] > key[:, None]) | (
         (key[None, :] == key[:, None]) & (b[None, :] < b[:, None])

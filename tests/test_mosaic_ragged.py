@@ -143,7 +143,7 @@ def cta_items(walk, count, num_heads, num_ctas):
 @pytest.mark.parametrize(
     "q_lens, lengths, window, heads, ctas, bound",
     [
-        # Four 2k sequences at N=32 on 132 CTAs (B4 S2k): the forward's pairs exactly.
+        # Four 2k sequences at N=32 on 132 CTAs (B4 S2k): the forward's pairs' balance (1.0085).
         ((2048,) * 4, (2048,) * 4, None, 32, 132, 1.01),
         # Ragged lengths, cached prefixes, empty sequences and odd tile counts (middle tiles).
         ((0, 1000, 517, 3, 0, 300, 2048), (0, 1000, 2000, 100, 9, 300, 3000), None, 8, 20, 1.06),

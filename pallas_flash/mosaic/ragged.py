@@ -226,7 +226,7 @@ def ragged_walk(
     first and last together; count: the tiles in all.
 
     The forward's causal pairs (`schedule._Work.paired`) over ragged sequences: sequence b's Q_b
-    tiles go in pairs (Q_b - 1 - i, i), which cost the same under a causal mask whatever the
+    tiles go in pairs (Q_b - 1 - i, i), which cost about the same under a causal mask whatever the
     cached prefix; a persistent CTA takes the long tile of a pair and then its short one,
     pairs of the order (sequence, head, i), i fastest, so that a round of C pairs spans a few
     heads of one sequence and their K/V stay in L2 (neighbouring heads share a KV head: GQA's

@@ -24,18 +24,44 @@ import pallas_flash
 from pallas_flash import mosaic, ragged
 from pallas_flash.device import Device
 from pallas_flash.mosaic import ragged as mosaic_ragged
+from pallas_flash.mosaic import schedule as mosaic_schedule
 from pallas_flash.mosaic.tiles import NUM_CONSUMERS, ROW_ALIGN, ragged_prefill_tiles
 from pallas_flash.triton import ragged as triton_ragged
 
 # -- the work list (XLA), against brute force ------------------------------------------------------
 
 
-def plan_of(q_lens, lengths, *, window, tiles, min_tokens=1, max_tokens=10**6, capacity=4096):
+def plan_of(
+    q_lens,
+    lengths,
+    *,
+    window,
+    tiles,
+    min_tokens=1,
+    max_tokens=10**6,
+    capacity=4096,
+    num_heads=3,
+    num_ctas=5,
+    with_walk=False,
+):
     starts = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     num_tiles = mosaic_ragged.tile_bound(
         int(starts[-1]) + 3, len(q_lens), min_tokens, max_tokens, tiles.cta_rows
     )
-    plan, first_row, fits = mosaic_ragged.ragged_tile_plan(
+    plan_fn = jax.jit(
+        mosaic_ragged.ragged_tile_plan,
+        static_argnames=(
+            "capacity",
+            "min_tokens",
+            "max_tokens",
+            "window_left",
+            "tiles",
+            "num_tiles",
+            "num_heads",
+            "num_ctas",
+        ),
+    )
+    plan, walk, first_row, fits = plan_fn(
         jnp.asarray(starts),
         jnp.asarray(lengths, jnp.int32),
         capacity=capacity,
@@ -44,7 +70,11 @@ def plan_of(q_lens, lengths, *, window, tiles, min_tokens=1, max_tokens=10**6, c
         window_left=window,
         tiles=tiles,
         num_tiles=num_tiles,
+        num_heads=num_heads,
+        num_ctas=num_ctas,
     )
+    if with_walk:
+        return np.asarray(plan), np.asarray(walk)
     rows = mosaic_ragged.token_rows(jnp.asarray(starts), first_row, fits, int(starts[-1]) + 3)
     return starts, np.asarray(plan), np.asarray(rows), np.asarray(fits)
 
@@ -92,6 +122,79 @@ def test_plan_covers_every_token_and_key(window, block_kv):
     q_lens = np.asarray(q_lens)
     want = np.repeat(q_lens >= 3, q_lens)
     np.testing.assert_array_equal(seen, want)
+
+
+def cta_items(walk, count, num_heads, num_ctas):
+    """Each CTA's items (tile, head) in its order, as `_ragged_kernel` walks the walk."""
+    total = count * num_heads
+    rounds, left = divmod(total, num_ctas)
+    n = np.arange(rounds + 1)
+    places = np.asarray(
+        mosaic_schedule._Work.round_place(np.arange(num_ctas)[:, None], n[None, :], num_ctas)
+    )
+    per_cta = []
+    for c in range(num_ctas):
+        n_items = rounds + int(places[c, rounds] < left)
+        entries = walk[n[:n_items] * num_ctas + places[c, :n_items]].tolist()
+        per_cta.append([divmod(e, num_heads) for e in entries])
+    return per_cta
+
+
+@pytest.mark.parametrize(
+    "q_lens, lengths, window, heads, ctas, bound",
+    [
+        # Four 2k sequences at N=32 on 132 CTAs (B4 S2k): the forward's pairs' balance (1.0085).
+        ((2048,) * 4, (2048,) * 4, None, 32, 132, 1.01),
+        # Ragged lengths, cached prefixes, empty sequences and odd tile counts (middle tiles).
+        ((0, 1000, 517, 3, 0, 300, 2048), (0, 1000, 2000, 100, 9, 300, 3000), None, 8, 20, 1.06),
+        ((700, 5, 1300), (900, 5, 1500), None, 5, 7, 1.1),
+        # A window: no pairs, every item by cost.
+        ((2048,) * 2, (2048,) * 2, 300, 8, 20, 1.04),
+    ],
+)
+def test_walk_runs_every_item_once_in_pairs(q_lens, lengths, window, heads, ctas, bound):
+    """The CTAs' snake over the walk runs every (tile, head) of the batch once; the rounds of
+    pairs give a CTA a sequence's tiles (Q_b - 1 - i, i) of one head, the long one first, and
+    the pairs of a round the few heads of one or two sequences; the modelled work (KV tiles)
+    of the busiest CTA stays within `bound` of the mean."""
+    tiles = ragged_prefill_tiles(128)
+    plan, walk = plan_of(
+        q_lens,
+        lengths,
+        window=window,
+        tiles=tiles,
+        capacity=4096,
+        num_heads=heads,
+        num_ctas=ctas,
+        with_walk=True,
+    )
+    item, cta = mosaic_ragged._ITEM_ROW, mosaic_ragged._CTA_ROW
+    count = int(plan[0, item, 3])
+    assert walk.shape == (plan.shape[0] * heads,)
+    assert not walk[count * heads :].any()  # read (in bounds) past a CTA's items, not run
+    per_cta = cta_items(walk, count, heads, ctas)
+    runs = sorted(x for items in per_cta for x in items)
+    assert runs == sorted(np.ndindex(count, heads))
+    seq = plan[:, item, 0]
+    first_tile = {s: int(np.argmax(seq[:count] == s)) for s in set(seq[:count].tolist())}
+    num_tiles = {s: int(np.sum(seq[:count] == s)) for s in first_tile}
+    paired = 0
+    for items in per_cta:
+        for (long, h0), (short, h1) in zip(items[::2], items[1::2], strict=False):
+            s = seq[long]
+            i, j = long - first_tile[s], short - first_tile[s]
+            if seq[short] != s or h0 != h1 or i + j != num_tiles[s] - 1 or i <= j:
+                break
+            paired += 1
+    pairs = heads * sum(n // 2 for n in num_tiles.values())
+    if window is None:
+        # Every whole round of pairs but the last (the tail goes as single tiles).
+        assert paired >= max(pairs // ctas - 1, 0) * ctas, (paired, pairs)
+        if pairs >= 2 * ctas:
+            assert paired > 0
+    cost = plan[:, cta, 3] - plan[:, cta, 0]
+    loads = [sum(int(cost[t]) for t, _ in items) for items in per_cta]
+    assert max(loads) <= bound * np.mean(loads), (max(loads), np.mean(loads))
 
 
 # -- the kernel in the Mosaic GPU interpreter (CPU) ----------------------------------------------
@@ -162,6 +265,13 @@ KERNEL_CASES = [
     # H=256 (one Q buffer a consumer: the next item's Q loads after this one's epilogue),
     # pages of 16, group 2.
     Case((70, 9, 130), (100, 9, 140), 2, 1, 256, 16, 10, dtype="bfloat16"),
+    # Rounds of pairs (`ragged_walk`) on the 3 CTAs: two sequences of two tiles over
+    # different prefixes, a middle tile between them; group 2, pages of 32 (the walk itself:
+    # test_walk_runs_every_item_once_in_pairs; on a GPU the 2048-token case has pairs).
+    pytest.param(
+        Case((250, 3, 140), (300, 3, 140), 4, 2, 64, 32, 12, dtype="bfloat16"),
+        marks=SWEEP_ONLY,
+    ),
     # A value head dim of its own (128 / 64), group 2, pages of 16.
     pytest.param(
         Case((66, 9), (80, 9), 4, 2, 128, 16, 6, value_head_dim=64, dtype="bfloat16"),

@@ -5,9 +5,11 @@ producer) over a paged KV cache and a work list.
 A work item is one CTA tile (NUM_CONSUMERS * block_q new tokens of one sequence) of one query
 head; XLA writes the list before the launch (`ragged_tile_plan`: per tile its sequence, first
 token, position offset and the KV tile ranges of its CTA and consumers, as the forward's
-segment plan), and a persistent grid walks it, the last tiles first. Every query head reads its
-own K/V (query head n reads KV head n // (N // K)); neighbouring items are neighbouring heads,
-which share their KV head's pages in L2.
+segment plan; and the order of the items, `ragged_walk`), and a persistent grid walks it in a
+snake. The order is the forward's causal pairs: a CTA takes a sequence's tiles (Q_b - 1 - i,
+i) of one head, of equal work, one after the other, the pairs of a round a few neighbouring
+heads of one sequence, so that their K/V stay in L2 (query head n reads KV head n // (N //
+K)); the last rounds go as single tiles, the dearest first.
 
 K/V tiles come from the pages by TMA: one copy per page into a ring slot where a page is
 shorter than a KV tile (block_kv / page_size copies that arrive on the slot's barrier, each
@@ -102,11 +104,14 @@ def ragged_tile_plan(
     window_left: int | None,
     tiles: ForwardTiles,
     num_tiles: int,
+    num_heads: int,
+    num_ctas: int,
 ):
-    """(plan, first_row, fits) in XLA: the work list, int32 [num_tiles, NUM_CONSUMERS + 3, 4];
-    each sequence's first row in the tile-padded lse, less its first token's aligned row [B],
-    and whether this launch runs it [B] (`token_rows`). starts: the safe query starts [B + 1];
-    lengths [B] (clipped here to [0, capacity]).
+    """(plan, walk, first_row, fits) in XLA: the tiles, int32 [num_tiles, NUM_CONSUMERS + 3, 4];
+    the work list, int32 [num_tiles * num_heads] (`ragged_walk`); each sequence's first row in
+    the tile-padded lse, less its first token's aligned row [B]; and whether this launch runs
+    it [B] (`token_rows`). starts: the safe query starts [B + 1]; lengths [B] (clipped here to
+    [0, capacity]).
 
     A sequence's tiles start at its first token rounded down to ROW_ALIGN (a TMA window's
     start in q's token dim must be a multiple of its 8-row tiles): up to 7 rows of q before it
@@ -120,7 +125,7 @@ def ragged_tile_plan(
     (`schedule.tile_plan`'s rules, which `forward._consume` walks); row _ITEM_ROW (sequence,
     first row of q, the offset from a row of q to its position, the number of tiles); row
     _TOKENS_ROW (the sequence's first token, its end, 0, 0)."""
-    cta_rows, block_q, block_kv = tiles.cta_rows, tiles.block_q, tiles.block_kv
+    cta_rows, block_kv = tiles.cta_rows, tiles.block_kv
     batch = lengths.shape[0]
     first_token, end_token = starts[:-1], starts[1:]
     q_lens = end_token - first_token
@@ -128,19 +133,58 @@ def ragged_tile_plan(
     lengths = jnp.clip(lengths, 0, capacity)
     fits = (q_lens >= min_tokens) & (q_lens <= max_tokens)
     seq_tiles = jnp.where(fits, _cdiv(end_token - aligned, cta_rows), 0)
-    end = jnp.cumsum(seq_tiles)
+    end = _running_sum(seq_tiles)
     first_tile = end - seq_tiles
     count = end[-1]
     tile = jnp.arange(num_tiles, dtype=jnp.int32)
     seq = jnp.minimum(jnp.sum(end[None, :] <= tile[:, None], axis=1), batch - 1)
-    row0 = aligned[seq] + (tile - first_tile[seq]) * cta_rows
-    offset = lengths[seq] - q_lens[seq] - first_token[seq]
-    length = lengths[seq]
+    offsets = lengths - q_lens - first_token
+    geometry = functools.partial(
+        _tile_ranges, window_left=window_left, tiles=tiles, never=cdiv(capacity, block_kv)
+    )
+    # The tile's sequence's numbers, one gather.
+    columns = (aligned, first_tile, offsets, lengths, first_token, end_token, seq_tiles)
+    columns = jnp.stack(columns, axis=1)[seq]
+    aligned_t, first_tile_t, offset, length, first_t, end_t, tiles_t = (
+        columns[:, i] for i in range(7)
+    )
+    index = tile - first_tile_t
+    row0 = aligned_t + index * cta_rows
+    ranges, first, last = geometry(row0, first_t, end_t, offset, length)
+    columns = [jnp.clip(x, first, last) for r in ranges for x in r]
+    columns += [first, first, last, last, seq, row0, offset, jnp.broadcast_to(count, seq.shape)]
+    columns += [first_t, end_t]  # and two zeros
+    plan = _assemble(columns, num_tiles).reshape(num_tiles, _TOKENS_ROW + 1, 4)
+    # Each sequence's pairs' cost: its first and last tiles' KV tiles.
+    pair_cost = 0
+    for row in (aligned, aligned + (seq_tiles - 1) * cta_rows):
+        _, lo, hi = geometry(row, first_token, end_token, offsets, lengths)
+        pair_cost = pair_cost + hi - lo
+    walk = ragged_walk(
+        last - first,
+        seq,
+        index,
+        tiles_t,
+        seq_tiles,
+        pair_cost,
+        count,
+        num_heads=num_heads,
+        num_ctas=num_ctas,
+        paired=window_left is None,
+    )
+    return plan, walk, first_tile * cta_rows - aligned, fits
+
+
+def _tile_ranges(row0, first, end, offset, length, *, window_left, tiles: ForwardTiles, never):
+    """(consumers' (lo, full_lo, full_hi, hi), CTA's first, CTA's end) of the CTA tile from
+    row0 of q of a sequence of tokens [first, end), offset from a row to its position, length
+    keys (`ragged_tile_plan`); arrays of one shape. never: a bound on the KV tiles."""
+    block_q, block_kv = tiles.block_q, tiles.block_kv
     ranges = []
     for wg in range(NUM_CONSUMERS):
         # The consumer's rows that are the sequence's tokens, and their positions p0..p1.
-        lo_row = jnp.maximum(row0 + wg * block_q, first_token[seq])
-        hi_row = jnp.minimum(row0 + (wg + 1) * block_q, end_token[seq])
+        lo_row = jnp.maximum(row0 + wg * block_q, first)
+        hi_row = jnp.minimum(row0 + (wg + 1) * block_q, end)
         p0, p1 = lo_row + offset, hi_row - 1 + offset
         hi = jnp.where(hi_row > lo_row, _cdiv(jnp.clip(p1 + 1, 0, length), block_kv), 0)
         full_hi = jnp.maximum(p0 + 1, 0) // block_kv
@@ -151,21 +195,126 @@ def ragged_tile_plan(
         ranges.append(masks.intersect((lo, full_lo, full_hi, hi), (0, 0, hi, hi)))
     visits = [r[0] < r[3] for r in ranges]
     any_visit = functools.reduce(jnp.logical_or, visits)
-    never = cdiv(capacity, block_kv)
-    first = functools.reduce(
+    first_kv = functools.reduce(
         jnp.minimum, [jnp.where(v, r[0], never) for v, r in zip(visits, ranges, strict=True)]
     )
-    last = functools.reduce(
+    last_kv = functools.reduce(
         jnp.maximum, [jnp.where(v, r[3], 0) for v, r in zip(visits, ranges, strict=True)]
     )
-    first, last = jnp.where(any_visit, first, 0), jnp.where(any_visit, last, 0)
-    rows = [jnp.stack([jnp.clip(x, first, last) for x in r], axis=-1) for r in ranges]
-    rows.append(jnp.stack([first, first, last, last], axis=-1))
-    rows.append(jnp.stack([seq, row0, offset, jnp.broadcast_to(count, seq.shape)], axis=-1))
-    zero = jnp.zeros_like(seq)
-    rows.append(jnp.stack([first_token[seq], end_token[seq], zero, zero], axis=-1))
-    plan = jnp.stack(rows, axis=1).astype(jnp.int32)
-    return plan, first_tile * cta_rows - aligned, fits
+    return ranges, jnp.where(any_visit, first_kv, 0), jnp.where(any_visit, last_kv, 0)
+
+
+def ragged_walk(
+    cost,
+    seq,
+    index,
+    q_tiles,
+    seq_tiles,
+    pair_cost,
+    count,
+    *,
+    num_heads: int,
+    num_ctas: int,
+    paired: bool,
+):
+    """The work list in XLA, int32 [num_tiles * N]: entry w is tile * N + head of the item that
+    the persistent CTAs' snake puts at w (`_Work.round_place`: CTA c's n-th item is entry n * C
+    + c on even rounds and n * C + C - 1 - c on odd ones), the first count * N entries a
+    permutation of the batch's items (tile, head), the rest 0. cost [num_tiles]: each tile's KV
+    tiles (its CTA's range); seq, index, q_tiles [num_tiles]: its sequence, its place there and
+    the sequence's tiles; seq_tiles, pair_cost [B]: each sequence's tiles and the cost of its
+    first and last together; count: the tiles in all.
+
+    The forward's causal pairs (`schedule._Work.paired`) over ragged sequences: sequence b's Q_b
+    tiles go in pairs (Q_b - 1 - i, i), which cost about the same under a causal mask whatever the
+    cached prefix; a persistent CTA takes the long tile of a pair and then its short one,
+    pairs of the order (sequence, head, i), i fastest, so that a round of C pairs spans a few
+    heads of one sequence and their K/V stay in L2 (neighbouring heads share a KV head: GQA's
+    group). Sequences go by their pairs' cost, dearest first (ties in batch order), and the
+    rounds of pairs snake (CTA c takes pair k * C + `round_place(c, k)` of round k), so that
+    no CTA takes the dearest pair of every round. As in the forward, the last whole round of
+    pairs and the partial one go as single tiles (the tail), with the middle tiles of odd Q_b:
+    by cost, dearest first (ties by tile, then head), in a snake of their own. Not paired (a
+    window's left side, whose tiles cost about the same but its pairs do not), every item
+    goes as the tail's do.
+
+    Modelled (busiest CTA's KV tiles over the mean, N=32, 132 CTAs): four sequences of 2k
+    tokens 1.009x, one of 8k 1.013x, sixteen of 512 1.031x; a snake over the tiles in batch
+    order, each sequence's last tile first, 1.28x, 1.002x and 1.44x."""
+    num_tiles = cost.shape[0]
+    heads, ctas = num_heads, num_ctas
+    size = num_tiles * heads
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    valid = tile < count
+    pairs = seq_tiles // 2  # per head, [B]
+    partner = q_tiles - 1 - index
+    pair = jnp.minimum(index, partner)  # i of the tile's pair
+    is_long = index > partner
+    middle = index == partner
+    # Sequences by their pairs' cost (pair 0's), dearest first, ties in batch order.
+    batch = seq_tiles.shape[0]
+    key = jnp.where(pairs > 0, pair_cost, -1)
+    b = jnp.arange(batch, dtype=jnp.int32)
+    before = (key[None, :] > key[:, None]) | (
+        (key[None, :] == key[:, None]) & (b[None, :] < b[:, None])
+    )
+    pair_start = heads * jnp.sum(jnp.where(before, pairs[None, :], 0), axis=1)  # [B]
+    total_pairs = heads * jnp.sum(pairs)
+    pair_rounds = jnp.maximum(total_pairs // ctas - 1, 0) if paired else 0
+    paired_pairs = pair_rounds * ctas
+    # Pair unit u of (tile, head): the pairs of the order (sequence by cost, head, i).
+    head = jnp.arange(heads, dtype=jnp.int32)[None, :]
+    tile_pairs = q_tiles // 2
+    start = pair_start[seq]
+    unit = start[:, None] + head * jnp.maximum(tile_pairs, 1)[:, None] + pair[:, None]
+    in_pairs = valid[:, None] & ~middle[:, None] & (unit < paired_pairs)
+    k, place = unit // ctas, unit % ctas
+    cta = _Work.round_place(place, k, ctas)  # round_place is its own inverse in a round
+    paired_at = jnp.where(is_long[:, None], 2 * k * ctas + cta, (2 * k + 1) * ctas + ctas - 1 - cta)
+    # The tail: tile t's heads from first_head on (all of them for a middle tile), ranked by
+    # cost, dearest first, ties by tile then head.
+    need = paired_pairs - start - pair  # heads h with unit >= paired_pairs
+    first_head = jnp.where(middle, 0, jnp.clip(_cdiv_traced(need, tile_pairs), 0, heads))
+    in_tail = jnp.where(valid, heads - first_head, 0)
+    ahead = (cost[None, :] > cost[:, None]) | (
+        (cost[None, :] == cost[:, None]) & (tile[None, :] < tile[:, None])
+    )
+    tail_start = 2 * paired_pairs + jnp.sum(jnp.where(ahead, in_tail[None, :], 0), axis=1)
+    tail_at = tail_start[:, None] + head - first_head[:, None]
+    at = jnp.where(in_pairs, paired_at, tail_at)
+    at = jnp.where(valid[:, None] & (in_pairs | (head >= first_head[:, None])), at, size)
+    entry = tile[:, None] * heads + head
+    walk = jnp.zeros((size,), jnp.int32)
+    return walk.at[at.reshape(-1)].set(entry.reshape(-1), mode="drop", unique_indices=True)
+
+
+def _cdiv_traced(a, b):
+    """ceil(a / b) of int32 arrays, b > 0 where it matters (a guarded 1 elsewhere)."""
+    b = jnp.maximum(b, 1)
+    return -((-a) // b)
+
+
+def _assemble(columns, num_tiles: int):
+    """[num_tiles, 4 * (NUM_CONSUMERS + 3)] int32: column k of row t is columns[k][t] (0 past
+    the columns given): one elementwise select, a thread per entry, where a stack is a
+    concatenate, whose XLA GPU emitter runs a thread per element of its largest operand (a
+    tile's) that computes each operand in turn."""
+    width = 4 * (_TOKENS_ROW + 1)
+    k = lax.broadcasted_iota(jnp.int32, (num_tiles, width), 1)
+    out = jnp.zeros((num_tiles, width), jnp.int32)
+    for i, column in enumerate(columns):
+        out = jnp.where(k == i, column.astype(jnp.int32)[:, None], out)
+    return out
+
+
+def _running_sum(x):
+    """Running sums of the int32 vector x (a triangular sum, one small fusion, up to 1024
+    entries; XLA's cumulative sum beyond)."""
+    n = x.shape[0]
+    if n > 1024:
+        return jnp.cumsum(x)
+    upto = jnp.arange(n)[None, :] <= jnp.arange(n)[:, None]
+    return jnp.sum(jnp.where(upto, x[None, :], 0), axis=1)
 
 
 def _cdiv(a, b: int):
@@ -228,7 +377,8 @@ def ragged_prefill(
         )
     starts = jnp.asarray(starts, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)
-    plan, first_row, fits = ragged_tile_plan(
+    num_ctas = min(num_tiles * num_heads, num_sms)
+    plan, walk, first_row, fits = ragged_tile_plan(
         starts,
         lengths,
         capacity=capacity,
@@ -237,6 +387,8 @@ def ragged_prefill(
         window_left=window_left,
         tiles=tiles,
         num_tiles=num_tiles,
+        num_heads=num_heads,
+        num_ctas=num_ctas,
     )
     # Keys: positions < capacity, the KV tiles' count a whole number of tiles (no ragged last
     # tile: keys past a sequence's length are masked by position, in masked tiles).
@@ -301,8 +453,8 @@ def ragged_prefill(
         jax.ShapeDtypeStruct((batch * _FRINGE, num_heads, value_head_dim), q.dtype),
         jax.ShapeDtypeStruct((1, num_heads, padded_rows), jnp.float32),
     )
-    grid = (min(num_tiles * num_heads, num_sms),)
-    operands = [q4[None], k_pages, v_pages, table, plan]
+    grid = (num_ctas,)
+    operands = [q4[None], k_pages, v_pages, table, plan, walk]
     if sinks is not None:
         operands.append(jnp.asarray(sinks, jnp.float32))
     out, fringe, lse = warp_specialised_kernel(
@@ -343,6 +495,7 @@ def _ragged_kernel(
     v_ref,
     table_ref,
     plan_ref,
+    walk_ref,
     *refs,
     q_smem,
     k_smem,
@@ -366,11 +519,11 @@ def _ragged_kernel(
     has_sinks: bool,
 ):
     """One persistent CTA: its share of the work items (tile, head), in a snake over the
-    rounds of C items (`_Work.round_place`), the last tiles first.
+    rounds of C entries of the walk (`_Work.round_place`, `ragged_walk`).
 
     q_ref [1, T', N, H] (T' = T rounded up to ROW_ALIGN); k_ref [P, page_size, K, H], v_ref
-    [P, page_size, K, Hv]; table_ref [B, max_pages]; plan_ref `ragged_tile_plan`'s; sinks_ref
-    [N] float32 with has_sinks; out_ref [1, T', N, Hv] (rows of q's), fringe_ref
+    [P, page_size, K, Hv]; table_ref [B, max_pages]; plan_ref and walk_ref `ragged_tile_plan`'s;
+    sinks_ref [N] float32 with has_sinks; out_ref [1, T', N, Hv] (rows of q's), fringe_ref
     [B * _FRINGE, N, Hv] and lse_ref [1, N, R], R = the plan's tiles * cta_rows (tile t's rows
     at t * cta_rows). q_buffers: Q buffers per consumer; with two the next item's Q loads at
     this one's start, with one after its epilogue. A consumer stores its rows of its sequence
@@ -392,13 +545,16 @@ def _ragged_kernel(
     num_items = rounds + (_Work.round_place(cta, rounds, num_ctas) < left).astype(jnp.int32)
     wg = lax.axis_index("wg")
 
-    def item(n):
-        """(tile, head) of this CTA's n-th item: item w of the list is head w % N of tile
-        count - 1 - w // N (tile 0 for an n past the CTA's items, whose plan is then read in
-        bounds and not used)."""
+    def entry_of(n):
+        """The walk's entry of this CTA's n-th item, entry w = n * C + its place in round n
+        (tile 0 for an n past the CTA's items, whose plan is then read in bounds and not
+        used)."""
         w = n * num_ctas + _Work.round_place(cta, n, num_ctas)
-        tile = jnp.maximum(count - 1 - lax.div(w, num_heads), 0)
-        return tile, lax.rem(w, num_heads)
+        return walk_ref[jnp.minimum(w, walk_ref.shape[0] - 1)]
+
+    def item_of(entry):
+        """(tile, head) of a walk entry, tile * N + head."""
+        return lax.div(entry, num_heads), lax.rem(entry, num_heads)
 
     def cta_range_of(tile):
         return plan_ref[tile, _CTA_ROW, 0], plan_ref[tile, _CTA_ROW, 3]
@@ -416,8 +572,18 @@ def _ragged_kernel(
             steps_before=steps_before,
         )
 
-    def over_items(body):
-        lax.fori_loop(0, num_items, body, jnp.int32(0))
+    def over_items(body, first_entry):
+        """body(n, steps_before, (tile, head), next_entry) -> steps_before of item n + 1 over
+        this CTA's items, each item's walk entry loaded two items ahead (first_entry item 0's),
+        so that the next item's is there at an item's start."""
+
+        def step(n, carry):
+            steps_before, entry, next_entry = carry
+            after_next = entry_of(n + 2)
+            steps_before = body(n, steps_before, item_of(entry), next_entry)
+            return steps_before, next_entry, after_next
+
+        lax.fori_loop(0, num_items, step, (jnp.int32(0), first_entry, entry_of(1)))
 
     @pl.when(wg < NUM_CONSUMERS)
     def _consumer():
@@ -426,19 +592,20 @@ def _ragged_kernel(
         def buffer(n):
             return lax.rem(n, q_buffers) * NUM_CONSUMERS + wg
 
-        def load_q(n, row0):
-            """Item n's Q rows, from row0 (its tile's first row of q)."""
-            _, head = item(n)
+        def load_q(n, head, row0):
+            """Item n's Q rows (of head), from row0 (its tile's first row of q)."""
             token = pl.multiple_of(row0 + wg * tiles.block_q, ROW_ALIGN)
             b = buffer(n)
             plgpu.copy_gmem_to_smem(
                 q_ref.at[0, pl.ds(token, tiles.block_q), head], q_smem.at[b], q_ready.at[b]
             )
 
-        pl.when(num_items > 0)(lambda: load_q(0, plan_ref[item(0)[0], _ITEM_ROW, 1]))
+        first_entry = entry_of(0)
+        first_tile, first_head = item_of(first_entry)
+        pl.when(num_items > 0)(lambda: load_q(0, first_head, plan_ref[first_tile, _ITEM_ROW, 1]))
 
-        def consume_item(n, steps_before):
-            tile, head = item(n)
+        def consume_item(n, steps_before, item, next_entry):
+            tile, head = item
             # Every scalar of the plan that the item reads, and the next item's first row,
             # loaded together: one round trip to L2 at the item's start, not one per use.
             cta_range = cta_range_of(tile)
@@ -446,9 +613,10 @@ def _ragged_kernel(
             seq, row0, offset = (plan_ref[tile, _ITEM_ROW, i] for i in range(3))
             first, end = plan_ref[tile, _TOKENS_ROW, 0], plan_ref[tile, _TOKENS_ROW, 1]
             sink = None if sinks_ref is None else sinks_ref[head]
-            next_row0 = plan_ref[item(n + 1)[0], _ITEM_ROW, 1]
+            next_tile, next_head = item_of(next_entry)
+            next_row0 = plan_ref[next_tile, _ITEM_ROW, 1]
             if q_buffers == 2:
-                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_head, next_row0))
             # The consumer's rows in the padded lse; a row's position is its token's, the
             # lse row plus the offset.
             out_row = pl.multiple_of(tile * tiles.cta_rows + wg * tiles.block_q, tiles.block_q)
@@ -524,18 +692,19 @@ def _ragged_kernel(
             )
             if q_buffers == 1:
                 # The epilogue's copies have read the buffer (`_consume` waited for them).
-                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_row0))
+                pl.when(n + 1 < num_items)(lambda: load_q(n + 1, next_head, next_row0))
             return steps_before + cta_range[1] - cta_range[0]
 
-        over_items(consume_item)
+        over_items(consume_item, first_entry)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == NUM_CONSUMERS)
     def _producer():
         plgpu.set_max_registers(FORWARD_PRODUCER_REGISTERS, action="decrease")
 
-        def produce_item(n, steps_before):
-            tile, head = item(n)
+        def produce_item(n, steps_before, item, next_entry):
+            del next_entry  # loaded for the next item
+            tile, head = item
             cta_range = cta_range_of(tile)
             seq = plan_ref[tile, _ITEM_ROW, 0]
             kv_head = lax.div(head, jnp.int32(group))
@@ -579,4 +748,4 @@ def _ragged_kernel(
             )
             return steps_before + cta_range[1] - cta_range[0]
 
-        over_items(produce_item)
+        over_items(produce_item, entry_of(0))

@@ -20,7 +20,7 @@ from support.lowering import lower_for_h200
 from support.mosaic_backward import MaskCase, hidden_key_poison, mask_options
 from support.mosaic_forward import abstract_ids, custom_call_targets, needs_hopper
 from support.mosaic_interpret import interpret_mosaic
-from support.oracle import attention_oracle_f64, masked_in_dtype, to64
+from support.oracle import dropout_oracle_f64, masked_in_dtype, to64
 from support.tolerance import OUTPUT_NAMES, assert_bitwise_equal, assert_within_tolerance
 
 from pallas_flash import BlockSizes, _dropout, _passes, dispatch, flash_attention, masks
@@ -32,21 +32,6 @@ from pallas_flash.reference import reference_attention
 
 RATE = 0.3
 SWEEP_ONLY = pytest.mark.skipif(not SWEEP, reason="slow on CPU: PALLAS_FLASH_SWEEP=1")
-
-
-def dropout_oracle_f64(
-    q, k, v, d_out, d_lse, *, scale, visible, keep, rate, bias=None, soft_cap=None
-):
-    """float64 out, lse, dq, dk, dv, dbias of softmax attention whose P.V uses P * Z, Z = keep /
-    (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's. logits = soft_cap(scale q.k +
-    bias), visible broadcastable to [B, N, T, S]. Rows that see no key: out 0, lse -inf,
-    gradients 0. support.oracle's oracle with a keep-mask (numpy arrays; on the GPU where there
-    is one)."""
-    r = attention_oracle_f64(
-        q, k, v, d_out, d_lse, scale=scale, visible=visible, bias=bias, soft_cap=soft_cap,
-        keep=np.asarray(keep, bool), rate=rate,
-    )  # fmt: skip
-    return r["out"], r["lse"], r["dq"], r["dk"], r["dv"], r["dlogits"]
 
 
 def _keep(rng, batch, num_heads, q_len, kv_len, rate):

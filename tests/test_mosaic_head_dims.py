@@ -38,7 +38,7 @@ from support.mosaic_forward import (
     public_fn,
     visibility,
 )
-from support.oracle import attention_oracle_f64
+from support.oracle import attention_oracle_f64, dropout_oracle_f64
 from support.tolerance import assert_within_tolerance
 from test_value_head_dim import BackwardCase, check_mosaic_backward
 
@@ -411,8 +411,6 @@ def test_sinks_match_oracle(p, options):
 )
 def test_dropout_matches_oracle(p, segments):
     """The keep-mask of `pallas_flash._dropout` on P before P.V; lse the un-dropped one."""
-    from test_dropout import dropout_oracle_f64
-
     needs_hopper()
     rate = 0.2
     (q, k, v, d_out, d_lse), (q64, k64, v64, do64, dl64) = random_inputs(p)

@@ -153,6 +153,21 @@ def attention_grads_f64(q, k, v, d_out, d_lse, *, scale, is_causal):
     return r["dq"], r["dk"], r["dv"]
 
 
+def dropout_oracle_f64(
+    q, k, v, d_out, d_lse, *, scale, visible, keep, rate, bias=None, soft_cap=None
+):
+    """float64 out, lse, dq, dk, dv, dbias of softmax attention whose P.V uses P * Z, Z = keep /
+    (1 - rate) ([B, N, T, S]); lse is the un-dropped softmax's. logits = soft_cap(scale q.k +
+    bias), visible broadcastable to [B, N, T, S]. Rows that see no key: out 0, lse -inf,
+    gradients 0. `attention_oracle_f64` with a keep-mask (numpy arrays; on the GPU where there
+    is one)."""
+    r = attention_oracle_f64(
+        q, k, v, d_out, d_lse, scale=scale, visible=visible, bias=bias, soft_cap=soft_cap,
+        keep=np.asarray(keep, bool), rate=rate,
+    )  # fmt: skip
+    return r["out"], r["lse"], r["dq"], r["dk"], r["dv"], r["dlogits"]
+
+
 # -- plain attention in the input dtype (the baseline of the tolerance rule) ----------------------
 
 

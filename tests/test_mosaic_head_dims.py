@@ -25,7 +25,7 @@ from support.calls import outputs_and_grads
 from support.inputs import Problem, abstract_inputs, case_id, random_inputs, segment_arrays
 from support.kernels import call_mosaic_backward, call_mosaic_forward
 from support.lowering import lower_for_h200
-from support.mosaic_backward import check_against_oracle
+from support.mosaic_backward import BackwardCase, check_against_oracle, check_mosaic_backward
 from support.mosaic_backward import mosaic_fn as mosaic_forward_and_backward_fn
 from support.mosaic_forward import (
     GARBAGE,
@@ -40,7 +40,6 @@ from support.mosaic_forward import (
 )
 from support.oracle import attention_oracle_f64, dropout_oracle_f64
 from support.tolerance import assert_within_tolerance
-from test_value_head_dim import BackwardCase, check_mosaic_backward
 
 from pallas_flash import _dropout, masks
 from pallas_flash import device as device_lib
@@ -503,7 +502,7 @@ def test_backward_budgets_count_the_head_dim_itself(head_dim):
 
 
 def _backward_variant(H, Hv=None, *, B=2, T=256, S=384, N=4, K=2, causal=True, **options):
-    """A BackwardCase (test_value_head_dim) at lengths that are multiples of 8: nothing of the
+    """A BackwardCase (support.mosaic_backward) at lengths that are multiples of 8: nothing of the
     input dtype is padded, so a padded head dim would show as a pad in the lowered program."""
     return BackwardCase(H, H if Hv is None else Hv, B, T, S, N, K, causal, **options)
 
@@ -602,7 +601,7 @@ def test_backward_lowers_for_h200_without_padding_the_head_dim(c, dropout, monke
 
 
 # Gradients in the interpreter (race detector on) against the float64 oracle, on the kernels'
-# unpadded tiles (see test_value_head_dim.check_mosaic_backward: the oracle's out, rounded, and
+# unpadded tiles (see support.mosaic_backward.check_mosaic_backward: the oracle's out, rounded, and
 # lse as residuals; rows that see no key have dq 0, keys that no row sees dk and dv 0). Odd T and
 # S, T != S. In CI: 96/80 with GQA, causal with a window, head splits (their f32 partials at
 # both head dims), NaN and inf at the keys past T that no row sees (the rows past T in the last

@@ -1,6 +1,7 @@
-"""What the Mosaic GPU backward's tests share (tests/test_mosaic_backward*.py, and the dropout and
-head-dim tests): the backward and the differentiated Mosaic forward as functions of a `Problem`,
-the oracle check, and masked cases (`MaskCase`) with their check and their poisoned keys.
+"""What the Mosaic GPU backward's tests share (tests/test_mosaic_backward*.py, and the dropout,
+value-head-dim and head-dim tests): the backward and the differentiated Mosaic forward as
+functions of a `Problem`, the oracle check, masked cases (`MaskCase`) with their check and their
+poisoned keys, and calls at a value head dim of their own (`BackwardCase`) with their check.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from support.inputs import Problem, abstract_inputs, case_id, random_inputs, seg
 from support.kernels import call_mosaic_backward, call_mosaic_forward
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, masked_in_dtype
-from support.tolerance import OUTPUT_NAMES, assert_within_tolerance
+from support.tolerance import FLOOR, OUTPUT_NAMES, assert_within_tolerance
 
 
 def backward_fn(p: Problem, tiles: BackwardTiles | None = None, **options):
@@ -180,3 +181,101 @@ def hidden_key_poison(c: MaskCase):
         k_bad[b, s, :, j % 3 :: 5] = values[j % 3]
         v_bad[b, s, :, (j + 1) % 3 :: 7] = values[(j + 1) % 3]
     return jnp.asarray(k_bad, k.dtype), jnp.asarray(v_bad, v.dtype)
+
+
+# -- the backward at a value head dim of its own (the value-head-dim and head-dim tests) ----------
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardCase:
+    """One call of the Mosaic backward at (H, Hv): q [B, T, N, H], k [B, S, K, H], v [B, S, K,
+    Hv]; kind: None or a support.inputs.segment_arrays kind; poison: NaN and inf in K and V at the
+    keys that no row sees."""
+
+    H: int
+    Hv: int
+    B: int
+    T: int
+    S: int
+    N: int
+    K: int
+    is_causal: bool
+    window: tuple[int, int] | None = None
+    soft_cap: float | None = None
+    kind: str | None = None
+    tiles: BackwardTiles | None = None
+    poison: bool = False
+
+    @property
+    def spec(self) -> masks.MaskSpec:
+        return masks.MaskSpec(
+            q_len=self.T,
+            kv_len=self.S,
+            is_causal=self.is_causal,
+            window=self.window,
+            has_segments=self.kind is not None,
+        )
+
+    def __str__(self):
+        parts = [f"H{self.H}-Hv{self.Hv}-B{self.B}-T{self.T}-S{self.S}-N{self.N}-K{self.K}"]
+        parts.append("causal" if self.is_causal else "full")
+        for name in ("window", "soft_cap", "kind"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={getattr(self, name)}")
+        if self.tiles is not None:
+            parts.append(case_id(self.tiles).replace("BackwardTiles", ""))
+        return "-".join(parts + (["nan-at-hidden-keys"] if self.poison else []))
+
+
+def check_mosaic_backward(c: BackwardCase, *, interpreted: bool):
+    """flash_backward of case c (on the float64 oracle's out, rounded to bfloat16, and lse)
+    against the float64 oracle, within twice plain bfloat16 attention's error: dq [B, T, N, H],
+    dk [B, S, K, H], dv [B, S, K, Hv]; rows that see no key have dq exactly 0, keys no row sees
+    dk and dv 0."""
+    scale = 1.0 / np.sqrt(c.H)
+    rng = np.random.default_rng(4)
+    shapes = ((c.B, c.T, c.N, c.H), (c.B, c.S, c.K, c.H), (c.B, c.S, c.K, c.Hv))
+    # Rounded in numpy (ml_dtypes): each eager jnp op would compile a program on CPU.
+    q, k_clean, v_clean, d_out = (
+        rng.standard_normal(shape).astype(jnp.bfloat16)
+        for shape in (*shapes, (c.B, c.T, c.N, c.Hv))
+    )
+    d_lse = rng.standard_normal((c.B, c.N, c.T)).astype(np.float32)
+    arrays = masks.MaskArrays() if c.kind is None else segment_arrays(c.kind, c.B, c.T, c.S)
+    visible = np.asarray(masks.dense(c.spec, arrays))  # [B|1, 1, T, S]
+    hidden_keys = np.broadcast_to(~visible.any(axis=-2)[:, 0], (c.B, c.S))
+    k, v = k_clean, v_clean
+    if c.poison:
+        assert hidden_keys.any()
+        hidden = hidden_keys[..., None, None]
+        k, v = (
+            np.where(hidden, np.where(np.arange(x.shape[-1]) % 2, np.nan, np.inf), x).astype(
+                x.dtype
+            )
+            for x in (k, v)
+        )
+    f64 = [x.astype(np.float64) for x in (q, k_clean, v_clean, d_out, d_lse)]
+    oracle = attention_oracle_f64(*f64, scale=scale, visible=visible, soft_cap=c.soft_cap)
+    out, lse = oracle["out"].astype(jnp.bfloat16), oracle["lse"].astype(np.float32)
+    plain = functools.partial(masked_in_dtype, scale=scale, visible=visible, soft_cap=c.soft_cap)
+    baselines = jax.jit(functools.partial(outputs_and_grads, plain))(
+        q, k_clean, v_clean, d_out, d_lse
+    )[2:]
+    segment_ids = None if c.kind is None else (arrays.q_segment_ids, arrays.kv_segment_ids)
+    backward = functools.partial(
+        call_mosaic_backward, scale=scale, is_causal=c.is_causal, window=c.window,
+        soft_cap=c.soft_cap, segment_ids=segment_ids, tiles=c.tiles,
+    )  # fmt: skip
+    with interpret_mosaic() if interpreted else contextlib.nullcontext():
+        grads = jax.jit(backward)(q, k, v, out, lse, d_out, d_lse)
+        grads = [np.asarray(g).astype(np.float32) for g in grads]
+    dq, dk, dv = grads
+    assert (dq.shape, dk.shape, dv.shape) == (shapes[0], shapes[1], shapes[2])
+    for name, x in zip(("dq", "dk", "dv"), grads, strict=True):
+        assert np.isfinite(x).all(), f"{name}: {np.sum(~np.isfinite(x))} non-finite values"
+    empty_rows = np.broadcast_to(~visible.any(axis=-1)[:, 0], (c.B, c.T))
+    assert (dq[empty_rows] == 0).all(), "rows that see no key must have dq exactly 0"
+    assert (dk[hidden_keys] == 0).all() and (dv[hidden_keys] == 0).all(), "hidden keys"
+    names = ("dq", "dk", "dv")
+    oracles = [oracle[name] for name in names]
+    assert_within_tolerance(grads, baselines, oracles, floor=FLOOR[jnp.bfloat16], names=names)

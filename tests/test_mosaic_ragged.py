@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.backends import SWEEP_ONLY, BackendPath, has_hopper
+from support.backends import BACKEND_PATHS, SWEEP_ONLY, BackendPath, has_hopper
 from support.inputs import case_id
 from support.lowering import lower_for_h200
 from support.mosaic_interpret import interpret_mosaic
-from test_ragged import XLA, Case, check, make_problem, run
+from support.ragged import Case, check, make_problem, run
 
 import pallas_flash
 from pallas_flash import mosaic, ragged
@@ -27,6 +27,8 @@ from pallas_flash.mosaic import ragged as mosaic_ragged
 from pallas_flash.mosaic import schedule as mosaic_schedule
 from pallas_flash.mosaic.tiles import NUM_CONSUMERS, ROW_ALIGN, ragged_prefill_tiles
 from pallas_flash.triton import ragged as triton_ragged
+
+XLA = BACKEND_PATHS["xla"]
 
 # -- the work list (XLA), against brute force ------------------------------------------------------
 

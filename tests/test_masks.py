@@ -25,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.backends import BACKEND_PATHS, SWEEP, backend_paths
 from support.calls import masked_outputs_and_grads
-from support.inputs import BLOCK_SIZES, case_id, rounded, uniform_block_sizes
-from support.oracle import attention_oracle_f64, sum_to_shape, to64
+from support.inputs import BLOCKS, case_id, rounded, uniform_block_sizes
+from support.oracle import as4d, attention_oracle_f64, sum_to_shape, to64, visibility
 
 import pallas_flash
 
@@ -37,16 +37,6 @@ FLOOR = {"f32": 1e-5, "bf16": 1e-3}
 # hand the kernels a loose tolerance.
 BASELINE_CAP = {"f32": 1e-4, "bf16": 5e-2}
 GRAD_NAMES = ("dq", "dk", "dv", "dbias")
-
-
-# Small tiles, so that test sizes run several tiles; unequal query and key tiles too (the tile
-# ranges of windows and masks are computed per tile on each side).
-BLOCKS = {
-    "16": uniform_block_sizes(16),
-    "32": uniform_block_sizes(32),
-    "q32kv16": BLOCK_SIZES["q32kv16"],
-    "q16kv64": BLOCK_SIZES["q16kv64"],
-}
 
 
 def test_tests_import_this_worktree():
@@ -152,36 +142,6 @@ def make_inputs(c: Case, seed: int):
 
 
 # -- float64 oracle -------------------------------------------------------------------------------
-
-
-def as4d(x):
-    """Left-pads the shape of a bias or mask with 1s to rank 4."""
-    x = np.asarray(x)
-    return x.reshape((1,) * (4 - x.ndim) + x.shape)
-
-
-def visibility(c: Case, x64) -> np.ndarray:
-    """Dense [B, N, T, S] bool: key j visible to query i when every argument allows it."""
-    b, t, s, n = c.batch, c.q_len, c.kv_len, c.num_heads
-    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
-    geometry = np.ones((t, s), bool)
-    if c.is_causal:
-        geometry &= j <= i
-    if c.window is not None:
-        left, right = (c.window, c.window) if isinstance(c.window, int) else c.window
-        geometry &= (i - left <= j) & (j <= i + right)
-    vis = np.broadcast_to(geometry, (b, n, t, s)).copy()
-    if x64["q_lens"] is not None:
-        vis &= (np.arange(t)[None, :] < x64["q_lens"][:, None])[:, None, :, None]
-    if x64["kv_lens"] is not None:
-        vis &= (np.arange(s)[None, :] < x64["kv_lens"][:, None])[:, None, None, :]
-    if x64["q_seg"] is not None:
-        q_seg = x64["q_seg"]
-        kv_seg = q_seg if x64["kv_seg"] is None else x64["kv_seg"]
-        vis &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
-    if x64["mask"] is not None:
-        vis &= as4d(x64["mask"])
-    return vis
 
 
 def oracle(c: Case, x64, scale: float | None = None):

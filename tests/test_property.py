@@ -40,9 +40,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from support.backends import BACKEND_PATHS, backend_paths
 from support.calls import MASK_ARGUMENTS, MASKED_OUTPUT_NAMES, masked_outputs_and_grads
-from support.inputs import rounded
-from support.oracle import attention_oracle_f64, sum_to_shape, to64
-from test_masks import BLOCKS, as4d, visibility  # small tiles; the dense mask of a case
+from support.inputs import BLOCKS, rounded  # small tiles
+from support.oracle import as4d, attention_oracle_f64, sum_to_shape, to64, visibility
 
 import pallas_flash
 

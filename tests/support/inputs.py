@@ -39,6 +39,17 @@ BLOCK_SIZES = {
 }
 
 
+# Small tiles (the mask tests' and the property sweep's), so that test sizes run several tiles;
+# unequal query and key tiles too (the tile ranges of windows and masks are computed per tile on
+# each side).
+BLOCKS = {
+    "16": uniform_block_sizes(16),
+    "32": uniform_block_sizes(32),
+    "q32kv16": BLOCK_SIZES["q32kv16"],
+    "q16kv64": BLOCK_SIZES["q16kv64"],
+}
+
+
 def case_id(value) -> str:
     """A parametrized case's id: kernel tiles (`pallas_flash.BlockSizes`, the Mosaic
     `ForwardTiles` and `BackwardTiles`) by the fields that differ from their defaults, so that

@@ -208,6 +208,42 @@ def masked_in_dtype(q, k, v, *, scale, visible, soft_cap=None, keep=None, rate=0
     return jnp.einsum("bnts,bsnh->btnh", probs, v), lse.astype(jnp.float32)
 
 
+# -- the dense mask of a case's mask arguments, and the shapes of biases --------------------------
+
+
+def as4d(x):
+    """Left-pads the shape of a bias or mask with 1s to rank 4."""
+    x = np.asarray(x)
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def visibility(c, x64) -> np.ndarray:
+    """Dense [B, N, T, S] bool: key j visible to query i when every argument allows it. c: a
+    case with batch, q_len, kv_len, num_heads, is_causal and window (tests/test_masks.py's
+    `Case`, tests/test_property.py's `Config`); x64: its mask, q_lens, kv_lens, q_seg and kv_seg
+    as numpy arrays (None where the case has none)."""
+    b, t, s, n = c.batch, c.q_len, c.kv_len, c.num_heads
+    i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+    geometry = np.ones((t, s), bool)
+    if c.is_causal:
+        geometry &= j <= i
+    if c.window is not None:
+        left, right = (c.window, c.window) if isinstance(c.window, int) else c.window
+        geometry &= (i - left <= j) & (j <= i + right)
+    vis = np.broadcast_to(geometry, (b, n, t, s)).copy()
+    if x64["q_lens"] is not None:
+        vis &= (np.arange(t)[None, :] < x64["q_lens"][:, None])[:, None, :, None]
+    if x64["kv_lens"] is not None:
+        vis &= (np.arange(s)[None, :] < x64["kv_lens"][:, None])[:, None, None, :]
+    if x64["q_seg"] is not None:
+        q_seg = x64["q_seg"]
+        kv_seg = q_seg if x64["kv_seg"] is None else x64["kv_seg"]
+        vis &= (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
+    if x64["mask"] is not None:
+        vis &= as4d(x64["mask"])
+    return vis
+
+
 def sum_to_shape(x, shape):
     """Sums a [B, N, T, S] array over the dims a bias of `shape` was broadcast along."""
     shape4 = (1,) * (4 - len(shape)) + tuple(shape)

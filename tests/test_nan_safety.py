@@ -21,9 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.backends import BACKEND_PATHS, SWEEP, backend_paths, has_gpu, has_hopper
-from support.inputs import BLOCK_SIZES, case_id, uniform_block_sizes
+from support.huge_logits import check_tied_huge_logits, tied_huge_logits
+from support.inputs import BLOCK_SIZES, case_id, normal, uniform_block_sizes
 from support.mosaic_interpret import interpret_mosaic
 from support.oracle import attention_oracle_f64, to64
+from support.tolerance import assert_close
 
 import pallas_flash
 from pallas_flash import masks
@@ -37,10 +39,6 @@ REFUSE_MASK = backend_paths(mosaic=True, refuses={"mosaic-interpret": "mask", "m
 
 def path_kwargs(path, blocks: str | None = None) -> dict:
     return path.call_kwargs(None if blocks is None else BLOCK_SIZES[blocks])
-
-
-def normal(rng, shape, dtype=jnp.float32):
-    return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
 def run(q, k, v, cotangents, *, bias=None, **kwargs):
@@ -61,15 +59,6 @@ def run(q, k, v, cotangents, *, bias=None, **kwargs):
 
     got = jax.jit(results)(q, k, v, bias, arrays, cotangents)
     return [[np.asarray(x.astype(jnp.float32), np.float64) for x in r] for r in got]
-
-
-def assert_close(name, got, want, *, atol, rtol=0.0, where=None):
-    got, want = np.asarray(got), np.asarray(want)
-    if where is not None:
-        got, want = got[where], want[where]
-    assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite values"
-    err = np.abs(got - want) - rtol * np.abs(want)
-    assert np.max(err, initial=0.0) <= atol, f"{name}: max error {np.max(err):.3g} > {atol:.3g}"
 
 
 # -- large finite biases and logits ---------------------------------------------------------------
@@ -465,42 +454,6 @@ TIED_CASES = [
     pytest.param(jnp.bfloat16, False, id="bf16"),
     pytest.param(jnp.float16, True, id="f16-causal"),
 ]
-
-
-def tied_huge_logits(dtype, is_causal, seed=11):
-    """(q, k, v, d_out, d_lse), scale, visible of [1, 128, 2, 64] queries against 96 keys (32
-    keys, three times each with their own values), logits ~1e7 in head 0 and ~1e9 in head 1
-    from q and k themselves (float16 holds them; its gradients, with cotangents of 1e-3, too)."""
-    q_len, kv_len, heads, head_dim = 128, 96, 2, 64
-    rng = np.random.default_rng(seed)
-    magnitude = np.asarray([700.0, 7000.0])[:, None]  # per head: |q.k| ~ 20 * magnitude^2
-    q = jnp.asarray(rng.standard_normal((1, q_len, heads, head_dim)) * magnitude, dtype)
-    k = jnp.asarray(rng.standard_normal((1, kv_len // 3, heads, head_dim)) * magnitude, dtype)
-    k = jnp.concatenate([k] * 3, axis=1)
-    v, d_out = (normal(rng, shape, dtype) for shape in ((1, kv_len, heads, head_dim), q.shape))
-    d_out = d_out * jnp.asarray(1e-3, dtype)
-    d_lse = normal(rng, (1, heads, q_len)) * 1e-3
-    pos_q, pos_kv = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
-    visible = pos_kv <= pos_q if is_causal else np.ones((q_len, kv_len), bool)
-    return (q, k, v, d_out, d_lse), 1.0, visible
-
-
-def check_tied_huge_logits(results, args, scale, visible, dtype):
-    """out and lse as float64's; dq, dk, dv to the inputs' precision relative to each head's
-    magnitude: the tied keys' P is 1 / (number of ties) only when the backward clamps the
-    recomputed P at 1 / l (the forward's log_sum) rather than 1."""
-    out, lse, *grads = results
-    with np.errstate(over="ignore"):  # exp of hidden logits, discarded by the oracle
-        oracle = attention_oracle_f64(*(to64(x) for x in args), scale=scale, visible=visible)
-    precision = 2e-2 if dtype == jnp.bfloat16 else 5e-3
-    assert_close("out", out, oracle["out"], atol=precision)
-    assert_close("lse", lse, oracle["lse"], atol=0, rtol=1e-6)
-    for name, got in zip(("dq", "dk", "dv"), grads):
-        for head in range(got.shape[2]):
-            want = oracle[name][:, :, head]
-            assert_close(
-                f"{name} head {head}", got[:, :, head], want, atol=precision * np.abs(want).max()
-            )
 
 
 @pytest.mark.parametrize("path", TIED_PATHS)

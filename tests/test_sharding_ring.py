@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.backends import BACKEND_PATHS
+from support.huge_logits import check_tied_huge_logits, tied_huge_logits
 from support.sharding import (
     ALL_CASES,
     CHILD,
@@ -151,13 +152,11 @@ def test_ring_on_gpus_tied_huge_logits():
 
 
 def _ring_tied_huge_logits(dtype, is_causal, **kwargs):
-    """ring_attention on 2 devices of test_nan_safety's tied case: 128 queries, 96 keys (32
-    keys three times: j, j + 32, j + 64), so that device 0 holds two of the three copies of
-    keys 0-15 and one of keys 16-31. The merged log_sum must add the blocks' shares (log 3 from
-    log 2 and log 1) and every backward step clamp P at the row's 1 / 3: out, lse and the
-    gradients as float64's."""
-    from test_nan_safety import check_tied_huge_logits, tied_huge_logits
-
+    """ring_attention on 2 devices of the NaN-safety tests' tied case (support.huge_logits): 128
+    queries, 96 keys (32 keys three times: j, j + 32, j + 64), so that device 0 holds two of the
+    three copies of keys 0-15 and one of keys 16-31. The merged log_sum must add the blocks'
+    shares (log 3 from log 2 and log 1) and every backward step clamp P at the row's 1 / 3: out,
+    lse and the gradients as float64's."""
     args, scale, visible = tied_huge_logits(dtype, is_causal)
     mesh = jax.sharding.Mesh(jax.devices()[:2], ("context",))
 

@@ -141,6 +141,11 @@ def random_inputs(p: Problem, seed: int = 0):
     return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
 
 
+def normal(rng, shape, dtype=jnp.float32):
+    """Standard normal values rounded to `dtype`, as a jax array."""
+    return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
 def rounded(rng, shape, dtype, scale=1.0):
     """Normal values times `scale` rounded to `dtype`: (jax array, the same values in float64)."""
     x = jnp.asarray(rng.standard_normal(shape) * scale, dtype)

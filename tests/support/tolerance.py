@@ -1,7 +1,8 @@
 """The tolerance rule (FlashAttention's tests): a result's max abs error against the float64
 oracle must be at most twice the error of plain attention computed in the input dtype
 (`support.oracle.attention_in_dtype`, `masked_in_dtype`), plus a small floor (FLOOR[dtype] times
-the largest magnitude of the output, or times 1 if that is smaller)."""
+the largest magnitude of the output, or times 1 if that is smaller); bitwise equality; and a
+closeness check that also requires every value finite (`assert_close`)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ def tolerance_violations(results, baselines, oracles, *, floor, names=OUTPUT_NAM
 def assert_within_tolerance(results, baselines, oracles, *, floor, names=OUTPUT_NAMES):
     violations = tolerance_violations(results, baselines, oracles, floor=floor, names=names)
     assert not violations, "; ".join(violations)
+
+
+def assert_close(name, got, want, *, atol, rtol=0.0, where=None):
+    """Every value of `got` (at `where`, None: everywhere) finite and within atol + rtol |want|
+    of `want`; a failure names `name` and the largest error."""
+    got, want = np.asarray(got), np.asarray(want)
+    if where is not None:
+        got, want = got[where], want[where]
+    assert np.all(np.isfinite(got)), f"{name}: {np.sum(~np.isfinite(got))} non-finite values"
+    err = np.abs(got - want) - rtol * np.abs(want)
+    assert np.max(err, initial=0.0) <= atol, f"{name}: max error {np.max(err):.3g} > {atol:.3g}"
 
 
 def assert_bitwise_equal(a, b):

@@ -1,24 +1,13 @@
 """The examples run, and the GPT example trains to the same losses on pallas_flash as on XLA."""
 
-import importlib.util
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
 import pytest
 from support.backends import SWEEP
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from support.examples import EXAMPLES, load
 
 
 def summaries(text: str) -> list[dict]:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support.backends import BACKEND_PATHS
+from support.examples import load
 from support.huge_logits import check_tied_huge_logits, tied_huge_logits
 from support.sharding import (
     ALL_CASES,
@@ -505,8 +506,6 @@ if CHILD:
         where there is a context axis; the heads split over `model`) trains to the losses of
         the unsharded XLA run."""
         pytest.importorskip("flax")
-        from test_examples import load
-
         train_gpt = load("train_gpt")
         common = ["--steps", "3", "--batch", "4", "--seq", "64", "--kv-heads", "2"]
         sharded = train_gpt.main([*common, "--mesh", mesh])

@@ -1,22 +1,10 @@
 """examples/serve.py: continuous batching with chunked prefill over one paged cache gives every
 request the greedy tokens it gets alone, compiles once per bucket, and reports valid JSON."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
-
-
-def load(name):
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from support.examples import load
 
 
 def test_serve_help_runs_nothing(capsys):

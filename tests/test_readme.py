@@ -12,44 +12,17 @@ import subprocess
 import sys
 
 import pytest
+from support.doc_blocks import python_blocks, run_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FILES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 # Files whose blocks shard over a mesh run in a child process with this many CPU devices.
 DEVICES = {"docs/sharding.md": 8}
 
-FENCE = re.compile(r"^```(\S*)[ \t]*\n(.*?)^```[ \t]*$", re.S | re.M)
-NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->")
-
-
-def python_blocks(name: str) -> list[tuple[int, str, str | None]]:
-    """(line of the block's first code line, code, the not-run reason or None) of each ```python
-    block of the file."""
-    text = (ROOT / name).read_text()
-    blocks = []
-    for match in FENCE.finditer(text):
-        if match.group(1) != "python":
-            continue
-        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        reason = NOT_RUN.fullmatch(before.strip())
-        line = text.count("\n", 0, match.start(2)) + 1
-        blocks.append((line, match.group(2), reason.group(1) if reason else None))
-    return blocks
-
-
-def run_blocks(name: str) -> None:
-    """Runs the file's blocks in order in one namespace; a failure names the file and its line."""
-    namespace = {"__name__": "__main__"}
-    for line, code, reason in python_blocks(name):
-        if reason is None:
-            # Padded so that a traceback's line numbers are the markdown file's.
-            exec(compile("\n" * (line - 1) + code, str(ROOT / name), "exec"), namespace)
-
-
 _CHILD = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from test_readme import run_blocks
+from support.doc_blocks import run_blocks
 run_blocks(sys.argv[2])
 print("ran", sys.argv[2], flush=True)
 """

@@ -173,6 +173,63 @@ def flash_forward(
     return out, lse, *log_sum
 
 
+def ring_scratch(
+    dtype,
+    tiles: ForwardTiles,
+    head_dim: int,
+    value_head_dim: int,
+    *,
+    q_buffers: int,
+    q_arrivals: int = 1,
+    k_arrivals: int = 1,
+    v_arrivals: int = 1,
+    lse_rows: int = 1,
+) -> dict:
+    """The shared memory and barriers of the forward's warpgroups (`_consume`, `_produce`), as
+    the kernel's scratch_types: q_buffers Q buffers [block_q, H] (a consumer's buffer b at b *
+    NUM_CONSUMERS + consumer), the K and V rings, lse_rows rows [block_q] a consumer, and
+    where Hv != H an output tile a consumer; each *_ready barrier completes after its
+    *_arrivals copies (one arrival a copy, with its bytes)."""
+
+    # Each head dim's tiles take its own swizzle (`smem_transforms`): Q.K^T reads Q and K, both
+    # [.., H]; P.V reads only V from shared memory (P is in registers).
+    def ring(rows, cols):
+        return plgpu.SMEM(
+            (tiles.num_stages, rows, cols), dtype, transforms=smem_transforms(cols, dtype)
+        )
+
+    scratch = dict(
+        q_smem=plgpu.SMEM(
+            (q_buffers, tiles.block_q, head_dim),
+            dtype,
+            transforms=smem_transforms(head_dim, dtype),
+        ),
+        k_smem=ring(tiles.block_kv, head_dim),
+        v_smem=ring(tiles.block_kv, value_head_dim),
+        # lse (and log_sum) rows of each consumer, one TMA copy each.
+        lse_smem=plgpu.SMEM((NUM_CONSUMERS, lse_rows, tiles.block_q), jnp.float32),
+        q_ready=plgpu.Barrier(num_arrivals=q_arrivals, num_barriers=q_buffers),
+        k_ready=plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=tiles.num_stages),
+        v_ready=plgpu.Barrier(num_arrivals=v_arrivals, num_barriers=tiles.num_stages),
+        # A slot is free again once both consumers are done with it.
+        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
+        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
+        schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    )
+    if value_head_dim != head_dim:
+        # Q's swizzled [block_q, H] buffer cannot be viewed as a [block_q, Hv] tile: the output
+        # gets a buffer of its own per consumer (a persistent CTA's epilogue waits until the
+        # copy has read it, before the next item's epilogue writes it).
+        scratch.update(
+            o_smem=plgpu.SMEM(
+                (NUM_CONSUMERS, tiles.block_q, value_head_dim),
+                dtype,
+                transforms=smem_transforms(value_head_dim, dtype),
+            )
+        )
+    return scratch
+
+
 def _forward_call(
     q,
     k,
@@ -216,47 +273,21 @@ def _forward_call(
         with_log_sum=with_log_sum,
     )
 
-    # Each head dim's tiles take its own swizzle (`smem_transforms`): Q.K^T reads Q and K, both
-    # [.., H]; P.V reads only V from shared memory (P is in registers).
-    def ring(rows, cols):
-        return plgpu.SMEM(
-            (tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols, q.dtype)
-        )
-
     q_buffers = tiles.q_buffers * NUM_CONSUMERS  # indexed buffer * NUM_CONSUMERS + consumer
-    scratch = dict(
-        q_smem=plgpu.SMEM(
-            (q_buffers, tiles.block_q, head_dim),
-            q.dtype,
-            transforms=smem_transforms(head_dim, q.dtype),
-        ),
-        k_smem=ring(tiles.block_kv, head_dim),
-        v_smem=ring(tiles.block_kv, value_head_dim),
-        # lse and log_sum rows of each consumer, one TMA copy each.
-        lse_smem=plgpu.SMEM((NUM_CONSUMERS, 1 + with_log_sum, tiles.block_q), jnp.float32),
-        # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in
-        # K's ring slot: each such barrier then counts two copies (one arrival per copy, with
-        # its bytes), and the phase completes once both have landed.
-        # Dropout's row hashes land with Q and a KV tile's column hashes ride in K's slot too.
-        q_ready=plgpu.Barrier(num_arrivals=1 + has_ids + has_drop, num_barriers=q_buffers),
-        k_ready=plgpu.Barrier(num_arrivals=1 + has_ids + has_drop, num_barriers=tiles.num_stages),
-        v_ready=plgpu.Barrier(num_barriers=tiles.num_stages),
-        # A slot is free again once both consumers are done with it.
-        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
-        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
-        schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    # With segment ids, a consumer's query ids land with its Q, and a KV tile's ids ride in K's
+    # ring slot: each such barrier then counts two copies (one arrival per copy, with its
+    # bytes), and the phase completes once both have landed. Dropout's row hashes land with Q
+    # and a KV tile's column hashes ride in K's slot too.
+    scratch = ring_scratch(
+        q.dtype,
+        tiles,
+        head_dim,
+        value_head_dim,
+        q_buffers=q_buffers,
+        q_arrivals=1 + has_ids + has_drop,
+        k_arrivals=1 + has_ids + has_drop,
+        lse_rows=1 + with_log_sum,
     )
-    if value_head_dim != head_dim:
-        # Q's swizzled [block_q, H] buffer cannot be viewed as a [block_q, Hv] tile: the output
-        # gets a buffer of its own per consumer (a persistent CTA's epilogue waits until the
-        # copy has read it, before the next item's epilogue writes it).
-        scratch.update(
-            o_smem=plgpu.SMEM(
-                (NUM_CONSUMERS, tiles.block_q, value_head_dim),
-                q.dtype,
-                transforms=smem_transforms(value_head_dim, q.dtype),
-            )
-        )
     if has_ids:
         scratch.update(
             q_ids_smem=plgpu.SMEM((q_buffers, tiles.block_q), jnp.int32),

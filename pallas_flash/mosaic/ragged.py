@@ -45,10 +45,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flash import masks
 from pallas_flash.device import DEFAULT_NUM_SMS
 from pallas_flash.masks import MaskSpec
-from pallas_flash.mosaic.forward import _consume, _produce, _Ring
+from pallas_flash.mosaic.forward import _consume, _produce, _Ring, ring_scratch
 from pallas_flash.mosaic.launch import (
     opaque_zero,
-    smem_transforms,
     warp_specialised_kernel,
 )
 from pallas_flash.mosaic.schedule import _Work
@@ -417,36 +416,16 @@ def ragged_prefill(
         has_sinks=sinks is not None,
     )
 
-    def ring(rows, cols):
-        return plgpu.SMEM(
-            (tiles.num_stages, rows, cols), q.dtype, transforms=smem_transforms(cols, q.dtype)
-        )
-
-    scratch = dict(
-        q_smem=plgpu.SMEM(
-            (q_buffers * NUM_CONSUMERS, tiles.block_q, head_dim),
-            q.dtype,
-            transforms=smem_transforms(head_dim, q.dtype),
-        ),
-        k_smem=ring(tiles.block_kv, head_dim),
-        v_smem=ring(tiles.block_kv, value_head_dim),
-        lse_smem=plgpu.SMEM((NUM_CONSUMERS, 1, tiles.block_q), jnp.float32),
-        q_ready=plgpu.Barrier(num_barriers=q_buffers * NUM_CONSUMERS),
-        # One arrival per page copy of a tile, each with its bytes.
-        k_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
-        v_ready=plgpu.Barrier(num_arrivals=copies, num_barriers=tiles.num_stages),
-        k_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
-        v_free=plgpu.Barrier(num_arrivals=NUM_CONSUMERS, num_barriers=tiles.num_stages),
-        schedule=plgpu.Barrier(num_arrivals=NUM_CONSUMERS),
+    # One arrival per page copy of a K or V tile, each with its bytes.
+    scratch = ring_scratch(
+        q.dtype,
+        tiles,
+        head_dim,
+        value_head_dim,
+        q_buffers=q_buffers * NUM_CONSUMERS,
+        k_arrivals=copies,
+        v_arrivals=copies,
     )
-    if value_head_dim != head_dim:
-        scratch.update(
-            o_smem=plgpu.SMEM(
-                (NUM_CONSUMERS, tiles.block_q, value_head_dim),
-                q.dtype,
-                transforms=smem_transforms(value_head_dim, q.dtype),
-            )
-        )
     padded_rows = num_tiles * cta_rows
     out_type = (
         jax.ShapeDtypeStruct((1, q_to, num_heads, value_head_dim), q.dtype),
